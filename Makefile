@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv
+# (python3, pip) on a fresh machine, then runs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup data demo test bench clean
+
+setup: $(STAMP) data
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# Fashion-MNIST from Debian's package, where apt is available and we are root.
+data:
+	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null || \
+		echo "note: could not install dataset-fashion-mnist; Fashion-MNIST datasets will need --data-dir"; \
+	fi
+
+demo: setup
+	$(BIN)/splitvit demo --json runs/demo/result.json
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/splitvit bench --json runs/bench/forward.json
+
+clean:
+	rm -rf runs .pytest_cache

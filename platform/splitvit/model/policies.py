@@ -1,0 +1,182 @@
+"""Split policies: which quadtree nodes split into four finer patches.
+
+Every policy shares one interface: ``policy(images, geometry, context)`` returns one
+score tensor ``(B, H_l, W_l)`` in ``[0, 1]`` per non-finest level. A node splits when
+its score exceeds its level's threshold ``tau_l`` (and its parent split). ``full``
+and ``coarse`` are fixed and ignore thresholds.
+
+The learned policy (SPLIT) scores nodes from the model's own features: the
+coarse tokens after a few of the ViT's own blocks (``context.coarse_features``),
+and each node's own embedding at its scale (``context.node_embeddings``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .quadtree import QuadtreeGeometry, upsample_to_children
+
+POLICY_NAMES = ("learned", "entropy", "random", "full", "coarse")
+
+
+@dataclass
+class PolicyContext:
+    """What the model can tell a policy about an image batch.
+
+    Attributes:
+        coarse_features: ``(B, H_0, W_0, D)`` coarse tokens after the ViT's first
+            ``policy_depth`` blocks, or ``None`` for policies that do not use them.
+        node_embeddings: per non-finest level ``(B, H_l, W_l, D)`` token embeddings
+            (patch + position + level) of every node at that level.
+    """
+
+    coarse_features: torch.Tensor | None = None
+    node_embeddings: list[torch.Tensor] | None = None
+
+
+class SplitPolicy(nn.Module):
+    """Base class. Subclasses implement :meth:`forward` returning per-level scores."""
+
+    name: str = ""
+    #: True when decisions come from ``score > tau_l``; False for fixed policies.
+    thresholded: bool = True
+    #: True for a trained policy: it needs ``PolicyContext`` features, its scores are
+    #: split probabilities (they define the expected token count), and its training
+    #: decisions are sampled.
+    learned: bool = False
+
+    def forward(
+        self, images: torch.Tensor, geometry: QuadtreeGeometry, context: PolicyContext
+    ) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+def _level_shapes(images: torch.Tensor, geometry: QuadtreeGeometry) -> list[tuple[int, int, int]]:
+    return [(images.shape[0], *geometry.grid(level)) for level in range(geometry.levels - 1)]
+
+
+class FullPolicy(SplitPolicy):
+    """Always split: a plain ViT at the finest patch size."""
+
+    name = "full"
+    thresholded = False
+
+    def forward(self, images, geometry, context):
+        return [torch.ones(s, device=images.device) for s in _level_shapes(images, geometry)]
+
+
+class CoarsePolicy(SplitPolicy):
+    """Never split: a plain ViT at the coarsest patch size."""
+
+    name = "coarse"
+    thresholded = False
+
+    def forward(self, images, geometry, context):
+        return [torch.zeros(s, device=images.device) for s in _level_shapes(images, geometry)]
+
+
+class RandomPolicy(SplitPolicy):
+    """Uniform random scores; with thresholds calibrated to a token budget this is
+    random splitting at a matched budget. ``seed`` makes evaluation repeatable."""
+
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__()
+        self.seed = seed
+
+    def forward(self, images, geometry, context):
+        gen = None
+        if self.seed is not None:
+            gen = torch.Generator(device=images.device).manual_seed(self.seed)
+        return [torch.rand(s, generator=gen, device=images.device) for s in _level_shapes(images, geometry)]
+
+
+class EntropyPolicy(SplitPolicy):
+    """APT-style baseline: a node's score is the Shannon entropy of its grey-level
+    histogram, normalised to ``[0, 1]`` by the largest entropy the node can have."""
+
+    name = "entropy"
+
+    def __init__(self, bins: int = 32) -> None:
+        super().__init__()
+        if bins < 2:
+            raise ValueError(f"entropy bins must be >= 2, got {bins}")
+        self.bins = bins
+
+    @torch.no_grad()
+    def forward(self, images, geometry, context):
+        grey = images.float().mean(1)  # (B, H, W); per-image min-max so the bins are used
+        lo = grey.flatten(1).min(1).values.view(-1, 1, 1)
+        hi = grey.flatten(1).max(1).values.view(-1, 1, 1)
+        grey = (grey - lo) / (hi - lo).clamp_min(1e-6)
+        idx = (grey * self.bins).long().clamp_(0, self.bins - 1)
+        onehot = F.one_hot(idx, self.bins).permute(0, 3, 1, 2).float()  # (B, bins, H, W)
+        scores = []
+        for level in range(geometry.levels - 1):
+            size = geometry.cell_size(level)
+            hist = F.avg_pool2d(onehot, size)  # per-node bin frequencies
+            ent = -(hist * hist.clamp_min(1e-12).log()).sum(1)
+            scores.append(ent / math.log(min(self.bins, size * size)))
+        return [s.clamp(0, 1) for s in scores]
+
+
+class LearnedPolicy(SplitPolicy):
+    """SPLIT's learned policy.
+
+    A node at level ``l`` is scored from (a) the feature of its coarse ancestor after
+    the ViT's first blocks — what the model itself makes of the region in context —
+    and (b) the node's own embedding at its scale. One small MLP per level maps
+    their sum to a logit; ``sigmoid(logit)`` is the split probability.
+    """
+
+    name = "learned"
+    learned = True
+
+    def __init__(self, embed_dim: int, levels: int, hidden_dim: int | None = None, detach_features: bool = True):
+        super().__init__()
+        hidden = hidden_dim or embed_dim
+        self.detach_features = detach_features
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(embed_dim), nn.Linear(embed_dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
+            for _ in range(levels - 1)
+        )
+
+    def logits(self, images, geometry, context: PolicyContext) -> list[torch.Tensor]:
+        if context.coarse_features is None or context.node_embeddings is None:
+            raise ValueError("the learned policy needs the model's coarse features and node embeddings")
+        feats = context.coarse_features
+        out = []
+        for level, head in enumerate(self.heads):
+            node = context.node_embeddings[level]
+            if self.detach_features:
+                node = node.detach()
+                feats = feats.detach()
+            x = feats + node
+            out.append(head(x).squeeze(-1))
+            # carry the ancestor's feature down to the next level's grid
+            feats = upsample_to_children(feats.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        return out
+
+    def forward(self, images, geometry, context):
+        return [torch.sigmoid(z) for z in self.logits(images, geometry, context)]
+
+
+def build_policy(name: str, *, embed_dim: int = 0, levels: int = 2, seed: int | None = None, **kwargs) -> SplitPolicy:
+    """Build a policy by name (one of :data:`POLICY_NAMES`)."""
+    if name == "learned":
+        return LearnedPolicy(embed_dim, levels, **kwargs)
+    if name == "entropy":
+        return EntropyPolicy(**kwargs)
+    if name == "random":
+        return RandomPolicy(seed=seed)
+    if name == "full":
+        return FullPolicy()
+    if name == "coarse":
+        return CoarsePolicy()
+    raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,597 @@
+"""SplitViT: a timm VisionTransformer that reads a per-image quadtree of mixed-scale patches.
+
+The forward pass:
+
+1. embeds the image at every scale it needs: a leaf of side ``s`` is area-resized to
+   ``p x p`` (an average pool of the whole image by ``s / p``) and goes through the
+   model's own patch embedding; its position embedding is the base grid's, pooled
+   over the area it covers; a zero-initialised level embedding marks its scale;
+2. asks the policy for split scores and turns them into top-down decisions;
+3. gathers each image's leaves into one sequence, pads the batch to the longest
+   and masks the padding keys (no query row is ever fully masked), optionally in
+   length buckets to cut padding;
+4. runs timm's own blocks with that mask, then a classification or dense head.
+
+With the ``full`` policy steps 1-4 are exactly timm's forward: same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import resample_abs_pos_embed
+from timm.models.vision_transformer import VisionTransformer
+
+from .heads import DenseHead, masked_pool
+from .policies import POLICY_NAMES, PolicyContext, SplitPolicy, build_policy
+from .quadtree import (
+    QuadtreeGeometry,
+    expected_tokens,
+    fine_cell_level,
+    leaf_masks,
+    nodes_mass,
+    token_counts,
+    top_down_decisions,
+    upsample_to_children,
+)
+
+TASKS = ("classification", "dense")
+
+
+@dataclass
+class SplitOutput:
+    """What a SplitViT forward pass returns.
+
+    Attributes:
+        logits: ``(B, num_classes)``, or ``(B, num_classes, H, W)`` for the dense task.
+        tokens: ``(B,)`` image tokens each image attended to (prefix tokens excluded).
+        expected_tokens: ``(B,)`` differentiable expected token count (equals
+            ``tokens`` for policies without split probabilities).
+        decisions: per non-finest level, bool ``(B, H_l, W_l)``: which nodes split.
+        split_probs: per non-finest level, the policy's scores in ``[0, 1]``
+            (``None`` when decisions were given from outside).
+        full_tokens: ``N_full`` for this image size.
+        padded_tokens: token slots the encoder processed, padding included.
+    """
+
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    expected_tokens: torch.Tensor
+    decisions: list[torch.Tensor]
+    split_probs: list[torch.Tensor] | None
+    full_tokens: int
+    padded_tokens: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_ratio(self) -> torch.Tensor:
+        """Tokens per image as a fraction of full resolution."""
+        return self.tokens.float() / self.full_tokens
+
+    def fine_cell_level(self) -> torch.Tensor:
+        """Per finest cell, the level of the leaf covering it (draws the quadtree)."""
+        return fine_cell_level(self.decisions)
+
+
+def validate_thresholds(thresholds: Any, levels: int) -> torch.Tensor:
+    """Per-level thresholds as a tensor; one float applies to every level.
+
+    Raises ``ValueError`` naming the bad value when a threshold is outside ``[0, 1]``
+    or the count does not match ``levels - 1``.
+    """
+    if isinstance(thresholds, (int, float)):
+        thresholds = [float(thresholds)] * (levels - 1)
+    values = [float(t) for t in thresholds]
+    if len(values) != levels - 1:
+        raise ValueError(f"thresholds: expected {levels - 1} values (one per non-finest level), got {len(values)}")
+    for i, t in enumerate(values):
+        if not 0.0 <= t <= 1.0 or t != t:
+            raise ValueError(f"thresholds[{i}] = {t} is outside [0, 1]")
+    return torch.tensor(values)
+
+
+class SplitViT(nn.Module):
+    """A timm ``VisionTransformer`` that attends to a learned quadtree of patches.
+
+    Build it with :meth:`from_timm`. ``policy_depth`` blocks of the same ViT run on
+    the coarse tokens to give the learned policy the model's own view of the image.
+    """
+
+    def __init__(
+        self,
+        vit: VisionTransformer,
+        *,
+        levels: int,
+        policy: str | SplitPolicy = "learned",
+        image_size: int | tuple[int, int] | None = None,
+        thresholds: float | list[float] = 0.5,
+        policy_depth: int = 2,
+        task: str = "classification",
+        num_classes: int | None = None,
+        length_buckets: int = 1,
+        spec: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(vit, VisionTransformer):
+            raise TypeError(f"SplitViT needs a timm VisionTransformer, got {type(vit).__name__}")
+        if vit.pos_embed is None:
+            raise ValueError("SplitViT needs a ViT with absolute position embeddings (pos_embed is None)")
+        if getattr(vit, "attn_pool", None) is not None or vit.global_pool not in ("token", "avg"):
+            raise ValueError(f"SplitViT supports global_pool 'token' or 'avg', got {vit.global_pool!r}")
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if not 0 <= policy_depth <= len(vit.blocks):
+            raise ValueError(f"policy_depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {policy_depth}")
+        if length_buckets < 1:
+            raise ValueError(f"length_buckets must be >= 1, got {length_buckets}")
+        self.vit = vit
+        ph, pw = vit.patch_embed.patch_size
+        if ph != pw:
+            raise ValueError(f"SplitViT needs square patches, got {ph}x{pw}")
+        self.patch_size = ph
+        self.levels = levels
+        size = image_size if image_size is not None else tuple(vit.patch_embed.img_size)
+        self.geometry = QuadtreeGeometry(size, ph, levels)  # validates sizes now, not at first batch
+        self.embed_dim = vit.embed_dim
+        self.task = task
+        self.policy_depth = policy_depth
+        self.length_buckets = length_buckets
+        self.spec = spec
+        self.register_buffer("thresholds", validate_thresholds(thresholds, levels), persistent=True)
+        # Zero-initialised level embedding: at init a token means what the timm model's does.
+        self.level_embed = nn.Parameter(torch.zeros(levels, vit.embed_dim))
+        if isinstance(policy, str):
+            policy = build_policy(policy, embed_dim=vit.embed_dim, levels=levels)
+        self.policy = policy
+        if task == "dense":
+            classes = num_classes if num_classes is not None else vit.num_classes
+            self.dense_head: DenseHead | None = DenseHead(vit.embed_dim, classes, self.patch_size)
+        else:
+            self.dense_head = None
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_timm(
+        cls,
+        model_or_name: VisionTransformer | str,
+        *,
+        levels: int,
+        policy: str = "learned",
+        pretrained: bool = False,
+        checkpoint_path: str | Path | None = None,
+        image_size: int | None = None,
+        num_classes: int | None = None,
+        timm_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> "SplitViT":
+        """Wrap a timm ViT.
+
+        Args:
+            model_or_name: a ``VisionTransformer`` instance or a timm model name.
+            levels: quadtree levels ``L``; the ViT's patch size is the finest patch.
+            policy: one of ``learned``, ``entropy``, ``random``, ``full``, ``coarse``.
+            pretrained: load timm's pretrained weights (needs the hub).
+            checkpoint_path: local weights for the named model (a timm/PyTorch
+                state dict or a safetensors file), for machines without the hub.
+            image_size: input side; defaults to the ViT's.
+            num_classes: classifier size (timm's ``num_classes``).
+            timm_kwargs: further ``timm.create_model`` arguments (``embed_dim``, ``depth``...).
+            **kwargs: :class:`SplitViT` options (``thresholds``, ``policy_depth``, ``task``...).
+        """
+        spec = None
+        if isinstance(model_or_name, str):
+            create: dict[str, Any] = dict(timm_kwargs or {})
+            if image_size is not None:
+                create["img_size"] = image_size
+            if num_classes is not None:
+                create["num_classes"] = num_classes
+            if checkpoint_path is not None:
+                path = Path(checkpoint_path)
+                if not path.is_file():
+                    raise FileNotFoundError(f"checkpoint_path {path} does not exist")
+                # timm's own loading path: pretrained weights read from a local file
+                create["pretrained_cfg_overlay"] = {"file": str(path)}
+                pretrained = True
+            vit = timm.create_model(model_or_name, pretrained=pretrained, **create)
+            spec = {
+                "name": model_or_name,
+                "levels": levels,
+                "policy": policy,
+                "image_size": image_size,
+                "num_classes": num_classes,
+                "timm_kwargs": dict(timm_kwargs or {}),
+                **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, list, tuple, type(None)))},
+            }
+        else:
+            vit = model_or_name
+            if num_classes is not None and num_classes != vit.num_classes and kwargs.get("task", "classification") == "classification":
+                vit.reset_classifier(num_classes)
+        return cls(vit, levels=levels, policy=policy, image_size=image_size, num_classes=num_classes, spec=spec, **kwargs)
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Save weights with the spec that rebuilds the model (see :meth:`load`)."""
+        if self.spec is None:
+            raise ValueError("only a SplitViT built from a timm model name can be saved with its spec")
+        torch.save({"spec": self.spec, "state_dict": self.state_dict(), **(extra or {})}, path)
+
+    @classmethod
+    def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> "SplitViT":
+        """Rebuild from a payload written by :meth:`save` (``overrides`` change the spec, e.g. the policy)."""
+        spec = {**payload["spec"], **overrides}
+        name = spec.pop("name")
+        model = cls.from_timm(name, **spec)
+        state = payload["state_dict"]
+        if overrides.get("policy", payload["spec"].get("policy")) != payload["spec"].get("policy"):
+            # a different policy has different (or no) parameters; keep the backbone's
+            state = {k: v for k, v in state.items() if not k.startswith("policy.")}
+            model.load_state_dict(state, strict=False)
+        else:
+            model.load_state_dict(state)
+        return model
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> "SplitViT":
+        """Load a model written by :meth:`save`."""
+        return cls.from_checkpoint(torch.load(path, map_location="cpu", weights_only=False), **overrides)
+
+    # ------------------------------------------------------------------ settings
+    def set_thresholds(self, thresholds: float | list[float]) -> None:
+        """Set the per-level evaluation thresholds (validated to lie in [0, 1])."""
+        self.thresholds.copy_(validate_thresholds(thresholds, self.levels))
+
+    def set_policy(self, policy: str | SplitPolicy) -> None:
+        """Swap the split policy (a learned policy keeps its weights only if it is the same object)."""
+        if isinstance(policy, str):
+            if policy not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICY_NAMES)}")
+            policy = build_policy(policy, embed_dim=self.embed_dim, levels=self.levels)
+        self.policy = policy.to(self.level_embed.device)
+
+    @lru_cache(maxsize=8)
+    def geometry_for(self, size: tuple[int, int]) -> QuadtreeGeometry:
+        if size == self.geometry.image_size:
+            return self.geometry
+        return QuadtreeGeometry(size, self.patch_size, self.levels)
+
+    # ------------------------------------------------------------------ embedding
+    def _prefix_tokens(self, batch: int) -> torch.Tensor | None:
+        vit = self.vit
+        parts = []
+        if vit.cls_token is not None:
+            parts.append(vit.cls_token.expand(batch, -1, -1))
+        if vit.reg_token is not None:
+            parts.append(vit.reg_token.expand(batch, -1, -1))
+        if not parts:
+            return None
+        prefix = torch.cat(parts, dim=1)
+        if not vit.no_embed_class:
+            prefix = prefix + vit.pos_embed[:, : vit.num_prefix_tokens]
+        return prefix
+
+    def _pos_grid(self, geometry: QuadtreeGeometry) -> torch.Tensor:
+        """Base-grid position embedding at this image size: ``(1, D, H_{L-1}, W_{L-1})``."""
+        vit = self.vit
+        num_prefix = 0 if vit.no_embed_class else vit.num_prefix_tokens
+        native = tuple(vit.patch_embed.grid_size)
+        target = geometry.grid(geometry.levels - 1)
+        pos = vit.pos_embed
+        if target != native:
+            pos = resample_abs_pos_embed(pos, new_size=target, old_size=native, num_prefix_tokens=num_prefix)
+        pos = pos[:, num_prefix:]
+        return pos.reshape(1, target[0], target[1], -1).permute(0, 3, 1, 2)
+
+    def embed_level(self, images: torch.Tensor, geometry: QuadtreeGeometry, level: int, pos_grid: torch.Tensor) -> torch.Tensor:
+        """Tokens of every node at ``level``: ``(B, H_l, W_l, D)``."""
+        factor = 2 ** (geometry.levels - 1 - level)
+        x = images if factor == 1 else F.avg_pool2d(images, factor)
+        pos = pos_grid if factor == 1 else F.avg_pool2d(pos_grid, factor)
+        patch_embed = self.vit.patch_embed
+        tokens = patch_embed.norm(patch_embed.proj(x).permute(0, 2, 3, 1))
+        return tokens + pos.permute(0, 2, 3, 1) + self.level_embed[level]
+
+    # ------------------------------------------------------------------ policy
+    def _coarse_features(self, coarse_tokens: torch.Tensor) -> torch.Tensor:
+        """The ViT's first ``policy_depth`` blocks on the all-coarse sequence."""
+        b, h, w, d = coarse_tokens.shape
+        x = coarse_tokens.reshape(b, h * w, d)
+        prefix = self._prefix_tokens(b)
+        if prefix is not None:
+            x = torch.cat([prefix, x], dim=1)
+        x = self.vit.norm_pre(x)
+        for block in self.vit.blocks[: self.policy_depth]:
+            x = block(x)
+        return x[:, self.vit.num_prefix_tokens :].reshape(b, h, w, d)
+
+    def _policy_scores(self, images: torch.Tensor, geometry: QuadtreeGeometry, embeds: "_LevelEmbeddings") -> list[torch.Tensor]:
+        context = PolicyContext()
+        if self.policy.learned:
+            context.coarse_features = self._coarse_features(embeds[0])
+            context.node_embeddings = [embeds[level] for level in range(geometry.levels - 1)]
+        return self.policy(images, geometry, context)
+
+    def split_scores(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """The policy's per-node scores in ``[0, 1]`` without running the encoder
+        (cheap threshold calibration and split-map drawing)."""
+        geometry = self.geometry_for(tuple(images.shape[-2:]))
+        return self._policy_scores(images, geometry, _LevelEmbeddings(self, images, geometry))
+
+    def decide(self, scores: list[torch.Tensor], thresholds: torch.Tensor) -> list[torch.Tensor]:
+        """Hierarchical decisions from scores: ``score > tau_l`` and the parent split.
+
+        Fixed policies (``full``, ``coarse``) ignore thresholds; a learned policy in
+        training mode samples its decisions from its probabilities, for exploration.
+        """
+        if not self.policy.thresholded:
+            wishes = [p > 0.5 for p in scores]
+        elif self.training and self.policy.learned:
+            wishes = [torch.bernoulli(p.detach()).bool() for p in scores]
+        else:
+            wishes = [p > thresholds[level] for level, p in enumerate(scores)]
+        return top_down_decisions(wishes)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        images: torch.Tensor,
+        *,
+        thresholds: float | list[float] | torch.Tensor | None = None,
+        decisions: list[torch.Tensor] | None = None,
+        return_attention: bool = False,
+    ) -> SplitOutput:
+        """Run the model.
+
+        Args:
+            images: ``(B, C, H, W)``; ``H`` and ``W`` multiples of the coarsest patch.
+            thresholds: per-level split thresholds overriding the model's for this call.
+            decisions: explicit hierarchical split decisions (e.g. random warm-up
+                splits); bypasses the policy.
+            return_attention: also return the last block's attention from the prefix
+                (or mean) query onto each finest cell, in ``extras["fine_attention"]``.
+        """
+        geometry = self.geometry_for(tuple(images.shape[-2:]))
+        if thresholds is None:
+            tau = self.thresholds
+        elif isinstance(thresholds, torch.Tensor):
+            tau = thresholds
+        else:
+            tau = validate_thresholds(thresholds, self.levels)
+        embeds = _LevelEmbeddings(self, images, geometry)
+        probs = None
+        if decisions is None:
+            scores = self._policy_scores(images, geometry, embeds)
+            decisions = self.decide(scores, tau.to(images.device))
+            probs = scores if self.policy.learned else None
+        else:
+            decisions = top_down_decisions([d.bool() for d in decisions])
+        leaves = leaf_masks(decisions)
+        counts = token_counts(decisions)
+        gates = straight_through_gates(decisions, probs) if (probs is not None and self.training) else None
+
+        tokens, valid, layout = self._gather_leaves(embeds, leaves, gates, geometry)
+        features, padded, attention = self._encode(tokens, valid, return_attention)
+        if self.task == "dense":
+            fine = self._scatter_to_fine(features, layout, leaves, geometry)
+            logits = self.dense_head(fine, geometry.image_size)
+        else:
+            logits = self.vit.head(self.vit.head_drop(self.vit.fc_norm(self._pool(features, valid))))
+        expected = expected_tokens(probs) if probs is not None else counts.to(logits.dtype)
+        out = SplitOutput(
+            logits=logits,
+            tokens=counts,
+            expected_tokens=expected,
+            decisions=decisions,
+            split_probs=probs,
+            full_tokens=geometry.full_tokens,
+            padded_tokens=padded,
+        )
+        if return_attention:
+            out.extras["fine_attention"] = self._attention_to_fine(attention, layout, leaves, geometry)
+        return out
+
+    def _gather_leaves(self, embeds, leaves, gates, geometry):
+        """Pack each image's leaves, in level-then-raster order, into a padded batch.
+
+        Returns ``(tokens (B, S, D), valid (B, S) or None, layout)`` where ``layout``
+        maps sequence slots back to the all-levels node layout.
+        """
+        batch = leaves[0].shape[0]
+        # fast path: one level holds every leaf of every image (full or coarse): no gather
+        for level, mask in enumerate(leaves):
+            if bool(mask.all()):
+                x = embeds[level]
+                if gates is not None:
+                    x = x * gates[level].unsqueeze(-1)
+                return x.flatten(1, 2), None, ("level", level)
+        used = [level for level, mask in enumerate(leaves) if bool(mask.any())]
+        parts, masks, offsets, offset = [], [], {}, 0
+        for level in used:
+            x = embeds[level]
+            if gates is not None:
+                x = x * gates[level].unsqueeze(-1)
+            parts.append(x.flatten(1, 2))
+            masks.append(leaves[level].flatten(1))
+            offsets[level] = offset
+            offset += masks[-1].shape[1]
+        all_tokens = torch.cat(parts, dim=1)
+        is_leaf = torch.cat(masks, dim=1)
+        counts = is_leaf.sum(1)
+        length = int(counts.max())
+        # stable sort puts each image's leaves first, in layout order
+        order = torch.argsort((~is_leaf).to(torch.int8), dim=1, stable=True)[:, :length]
+        tokens = torch.gather(all_tokens, 1, order.unsqueeze(-1).expand(-1, -1, all_tokens.shape[-1]))
+        valid = torch.arange(length, device=tokens.device).unsqueeze(0) < counts.unsqueeze(1)
+        if bool(valid.all()):
+            valid = None
+        return tokens, valid, ("gather", order, used, offsets, is_leaf.shape[1], batch)
+
+    def _encode(self, tokens: torch.Tensor, valid: torch.Tensor | None, return_attention: bool):
+        """Prefix tokens, timm's blocks with a key-padding mask, final norm.
+
+        Sequences are processed in ``length_buckets`` groups of similar length.
+        Returns ``(features (B, S_prefix + S, D), padded slot count, last-block attention)``.
+        """
+        batch = tokens.shape[0]
+        if valid is None or self.length_buckets == 1 or batch < 2:
+            feats, attention = self._encode_group(tokens, valid, return_attention)
+            return feats, tokens.shape[0] * tokens.shape[1], attention
+        counts = valid.sum(1)
+        order = torch.argsort(counts, descending=True)
+        groups = torch.tensor_split(order, min(self.length_buckets, batch))
+        num_prefix = self.vit.num_prefix_tokens
+        feats = tokens.new_zeros(batch, num_prefix + tokens.shape[1], tokens.shape[2])
+        attention = None
+        padded = 0
+        for idx in groups:
+            length = int(counts[idx].max())
+            sub_valid = valid[idx, :length]
+            sub, att = self._encode_group(tokens[idx, :length], None if bool(sub_valid.all()) else sub_valid, return_attention)
+            feats[idx, : num_prefix + length] = sub
+            padded += len(idx) * length
+            if att is not None:
+                if attention is None:
+                    attention = att.new_zeros(batch, tokens.shape[1])
+                attention[idx, :length] = att
+        return feats, padded, attention
+
+    def _encode_group(self, tokens, valid, return_attention):
+        vit = self.vit
+        b = tokens.shape[0]
+        prefix = self._prefix_tokens(b)
+        num_prefix = vit.num_prefix_tokens
+        x = tokens if prefix is None else torch.cat([prefix, tokens], dim=1)
+        x = vit.norm_pre(vit.pos_drop(x))
+        attn_mask = None
+        if valid is not None:
+            keep = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1)
+            # mask padding *keys* only; every query row keeps its valid keys
+            attn_mask = keep[:, None, None, :]
+        attention = None
+        last = len(vit.blocks) - 1
+        for i, block in enumerate(vit.blocks):
+            if return_attention and i == last:
+                attention = _query_attention(block, x, attn_mask, num_prefix, valid)
+            x = block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
+        return vit.norm(x), attention
+
+    def _pool(self, features: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        return masked_pool(features, valid, self.vit.global_pool, self.vit.num_prefix_tokens)
+
+    def _to_layout(self, values: torch.Tensor, layout, leaves, geometry) -> list[torch.Tensor]:
+        """Per-slot values ``(B, S, ...)`` back onto each level's grid ``(B, H_l, W_l, ...)``."""
+        batch = values.shape[0]
+        tail = values.shape[2:]
+        grids = []
+        if layout[0] == "level":
+            for level in range(geometry.levels):
+                gh, gw = geometry.grid(level)
+                if level == layout[1]:
+                    grids.append(values.reshape(batch, gh, gw, *tail))
+                else:
+                    grids.append(values.new_zeros(batch, gh, gw, *tail))
+            return grids
+        _, order, used, offsets, total, _ = layout
+        flat = values.new_zeros(batch, total, *tail)
+        index = order.reshape(batch, -1, *([1] * len(tail))).expand(-1, -1, *tail)
+        flat.scatter_(1, index, values[:, : order.shape[1]])
+        for level in range(geometry.levels):
+            gh, gw = geometry.grid(level)
+            if level in offsets:
+                o = offsets[level]
+                grids.append(flat[:, o : o + gh * gw].reshape(batch, gh, gw, *tail))
+            else:
+                grids.append(values.new_zeros(batch, gh, gw, *tail))
+        return grids
+
+    def _fill_fine(self, grids, leaves, geometry) -> torch.Tensor:
+        """Each leaf's value fills the finest cells it covers: ``(B, H_{L-1}, W_{L-1}, ...)``."""
+        fine = 0
+        for level, (grid, mask) in enumerate(zip(grids, leaves)):
+            m = mask.to(grid.dtype).reshape(*mask.shape, *([1] * (grid.dim() - 3)))
+            factor = 2 ** (geometry.levels - 1 - level)
+            fine = fine + (grid * m).repeat_interleave(factor, 1).repeat_interleave(factor, 2)
+        return fine
+
+    def _scatter_to_fine(self, features, layout, leaves, geometry) -> torch.Tensor:
+        tokens = features[:, self.vit.num_prefix_tokens :]
+        grids = self._to_layout(tokens, layout, leaves, geometry)
+        return self._fill_fine(grids, leaves, geometry).permute(0, 3, 1, 2)  # (B, D, Hf, Wf)
+
+    def _attention_to_fine(self, attention, layout, leaves, geometry) -> torch.Tensor:
+        """Attention mass per finest cell: a leaf's mass spreads evenly over its cells."""
+        grids = self._to_layout(attention, layout, leaves, geometry)
+        per_cell = [g / 4 ** (geometry.levels - 1 - level) for level, g in enumerate(grids)]
+        return self._fill_fine(per_cell, leaves, geometry)
+
+    @torch.no_grad()
+    def relevance(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """The model's own relevance of every non-finest node: the last block's
+        attention from the class token (or all queries) at full resolution, summed
+        over the node's area. Used to teach the learned policy."""
+        full = [torch.ones(images.shape[0], *self.geometry_for(tuple(images.shape[-2:])).grid(level), dtype=torch.bool, device=images.device)
+                for level in range(self.levels - 1)]
+        out = self.forward(images, decisions=full, return_attention=True)
+        return nodes_mass(out.extras["fine_attention"], self.geometry_for(tuple(images.shape[-2:])))
+
+
+class _LevelEmbeddings:
+    """Per-level token embeddings, computed on first use (a full-resolution pass
+    never embeds the coarse levels)."""
+
+    def __init__(self, model: SplitViT, images: torch.Tensor, geometry: QuadtreeGeometry) -> None:
+        self.model, self.images, self.geometry = model, images, geometry
+        self._pos = None
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, level: int) -> torch.Tensor:
+        if level not in self._cache:
+            if self._pos is None:
+                self._pos = self.model._pos_grid(self.geometry)
+            self._cache[level] = self.model.embed_level(self.images, self.geometry, level, self._pos)
+        return self._cache[level]
+
+
+def straight_through_gates(decisions: list[torch.Tensor], probs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-level leaf gates whose values are the hard 0/1 leaf masks and whose
+    gradients flow to the split probabilities (straight-through estimator).
+
+    ``d = hard + (q - q.detach())`` is exactly ``hard`` in value, so a gated token
+    equals the ungated one bit for bit.
+    """
+    gates = []
+    active = torch.ones_like(probs[0])
+    for hard, q in zip(decisions, probs):
+        d = hard.to(q.dtype) + (q - q.detach())
+        gates.append(active * (1 - d))
+        active = upsample_to_children(active * d)
+    gates.append(active)
+    return gates
+
+
+def _query_attention(block, x, attn_mask, num_prefix: int, valid) -> torch.Tensor:
+    """Attention of the class token (or the mean over valid queries) onto every
+    image token in ``block``, averaged over heads: ``(B, S)``."""
+    attn = block.attn
+    if not hasattr(attn, "qkv"):
+        raise ValueError(f"relevance needs timm's standard Attention, got {type(attn).__name__}")
+    h = block.norm1(x)
+    b, n, c = h.shape
+    qkv = attn.qkv(h).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, _ = qkv.unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    scores = (q * attn.scale) @ k.transpose(-2, -1)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    probs = scores.softmax(-1).mean(1)  # (B, N, N)
+    if num_prefix > 0:
+        row = probs[:, 0]
+    else:
+        weights = torch.ones(b, n, device=x.device) if valid is None else valid.float()
+        row = (probs * weights.unsqueeze(-1)).sum(1) / weights.sum(1, keepdim=True)
+    return row[:, num_prefix:]

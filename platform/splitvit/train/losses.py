@@ -1,0 +1,70 @@
+"""Losses of SPLIT training: task loss, token-budget penalty, relevance teacher."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..model.quadtree import QuadtreeGeometry
+
+PENALTIES = ("squared", "hinge")
+IGNORE_INDEX = 255
+
+
+def task_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for labels ``(B,)`` or per-pixel masks ``(B, H, W)`` (255 ignored)."""
+    return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
+
+
+def budget_penalty(expected_ratio: torch.Tensor, target_ratio: float, kind: str = "squared") -> torch.Tensor:
+    """Penalty on the batch's mean expected token ratio (``E[n] / N_full``).
+
+    ``squared`` pulls toward ``target_ratio`` from both sides (DynamicViT's keep-ratio
+    loss); ``hinge`` only penalises going over it. A plain linear penalty is not
+    offered: it drives a young policy to all-coarse before the backbone can use
+    fine tokens.
+    """
+    mean = expected_ratio.mean()
+    if kind == "squared":
+        return (mean - target_ratio) ** 2
+    if kind == "hinge":
+        return F.relu(mean - target_ratio) ** 2
+    raise ValueError(f"budget penalty must be one of {PENALTIES}, got {kind!r}")
+
+
+def split_fraction_for_ratio(target_ratio: float, geometry: QuadtreeGeometry) -> float:
+    """Share of nodes per level to split so that nested top-down splits meet
+    ``target_ratio``: tokens = ``N_min + f * (N_full - N_min)``."""
+    r_min = geometry.min_tokens / geometry.full_tokens
+    return min(max((target_ratio - r_min) / (1 - r_min), 0.0), 1.0)
+
+
+def relevance_targets(relevance: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
+    """Per level, mark the ``fraction`` of each image's nodes with the most relevance."""
+    targets = []
+    for rel in relevance:
+        flat = rel.flatten(1)
+        k = min(max(int(math.ceil(fraction * flat.shape[1])), 0), flat.shape[1])
+        t = torch.zeros_like(flat)
+        if k > 0:
+            t.scatter_(1, flat.topk(k, dim=1).indices, 1.0)
+        targets.append(t.view_as(rel))
+    return targets
+
+
+def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
+    """Binary cross-entropy of the policy's split probabilities against relevance targets."""
+    losses = [F.binary_cross_entropy(p.clamp(1e-6, 1 - 1e-6), t) for p, t in zip(split_probs, targets)]
+    return torch.stack(losses).mean()
+
+
+def validate_loss_settings(lambda_budget: float, target_ratio: float, penalty: str) -> None:
+    """One clear error per bad setting, named by its key."""
+    if not lambda_budget >= 0:
+        raise ValueError(f"lambda_budget must be >= 0, got {lambda_budget}")
+    if not 0.0 < target_ratio <= 1.0:
+        raise ValueError(f"target_ratio must be in (0, 1], got {target_ratio}")
+    if penalty not in PENALTIES:
+        raise ValueError(f"penalty must be one of {PENALTIES}, got {penalty!r}")

@@ -1,0 +1,205 @@
+"""Framework-free pieces of SPLIT training: one step, evaluation, threshold calibration.
+
+Ray Train's per-worker loop and the local demo both call these, so a model trains
+the same way on a laptop and on 64 GPUs.
+
+Training has two phases (DESIGN §3):
+
+* warm-up (``epoch < warmup_epochs``): splits are drawn at random, at a per-image
+  split rate, so the backbone learns every scale;
+* policy: the learned policy decides (sampled hard decisions, straight-through
+  gradients to its probabilities), under the budget penalty.
+
+In both phases the learned policy is also taught by the model's own relevance: the
+last block's class-token attention at full resolution, pooled per node; the policy
+learns to rank nodes as the model does (``teacher_weight``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from ..model.quadtree import top_down_decisions, token_counts
+from ..model.splitvit import SplitViT
+from .losses import (
+    budget_penalty,
+    relevance_targets,
+    split_fraction_for_ratio,
+    task_loss,
+    teacher_loss,
+    validate_loss_settings,
+)
+
+
+@dataclass
+class SplitLossConfig:
+    """Hyper-parameters of the SPLIT objective.
+
+    Attributes:
+        lambda_budget: weight of the token-budget penalty (>= 0).
+        target_ratio: target tokens as a fraction of full resolution, in (0, 1].
+        penalty: ``squared`` (both sides) or ``hinge`` (over budget only).
+        teacher_weight: weight of the relevance-teacher loss on the policy (>= 0).
+        warmup_epochs: epochs of random splits before the policy decides.
+        warmup_min_split: lowest per-image random split rate in warm-up.
+    """
+
+    lambda_budget: float = 1.0
+    target_ratio: float = 0.5
+    penalty: str = "squared"
+    teacher_weight: float = 1.0
+    warmup_epochs: int = 1
+    warmup_min_split: float = 0.3
+
+    def __post_init__(self) -> None:
+        validate_loss_settings(self.lambda_budget, self.target_ratio, self.penalty)
+        if self.teacher_weight < 0:
+            raise ValueError(f"teacher_weight must be >= 0, got {self.teacher_weight}")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if not 0.0 <= self.warmup_min_split <= 1.0:
+            raise ValueError(f"warmup_min_split must be in [0, 1], got {self.warmup_min_split}")
+
+
+def random_decisions(model: SplitViT, images: torch.Tensor, min_rate: float, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Random hierarchical splits; each image draws its own split rate in ``[min_rate, 1]``."""
+    geometry = model.geometry_for(tuple(images.shape[-2:]))
+    b = images.shape[0]
+    rate = min_rate + (1 - min_rate) * torch.rand(b, 1, 1, generator=generator)
+    wishes = [torch.rand(b, *geometry.grid(level), generator=generator) < rate for level in range(geometry.levels - 1)]
+    return top_down_decisions([w.to(images.device) for w in wishes])
+
+
+def training_step(
+    model: SplitViT,
+    images: torch.Tensor,
+    target: torch.Tensor,
+    cfg: SplitLossConfig,
+    epoch: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of one batch (call ``backward`` on it) and its scalar statistics."""
+    learned = model.policy.learned
+    warmup = learned and epoch < cfg.warmup_epochs
+    stats: dict[str, float] = {}
+    loss = images.new_zeros(())
+    if learned and cfg.teacher_weight > 0:
+        relevance = model.relevance(images)
+        fraction = split_fraction_for_ratio(cfg.target_ratio, model.geometry_for(tuple(images.shape[-2:])))
+        probs = model.split_scores(images)
+        distill = teacher_loss(probs, relevance_targets(relevance, fraction))
+        loss = loss + cfg.teacher_weight * distill
+        stats["teacher_loss"] = float(distill.detach())
+    if warmup:
+        out = model(images, decisions=random_decisions(model, images, cfg.warmup_min_split, generator))
+    else:
+        out = model(images)
+    main = task_loss(out.logits, target)
+    loss = loss + main
+    stats["task_loss"] = float(main.detach())
+    if learned and not warmup:
+        penalty = budget_penalty(out.expected_tokens / out.full_tokens, cfg.target_ratio, cfg.penalty)
+        loss = loss + cfg.lambda_budget * penalty
+        stats["budget_penalty"] = float(penalty.detach())
+    stats["loss"] = float(loss.detach())
+    stats["token_ratio"] = float(out.token_ratio.mean())
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {float(loss)} at epoch {epoch}: {stats}")
+    return loss, stats
+
+
+@torch.no_grad()
+def evaluate(
+    model: SplitViT,
+    batches: Iterable,
+    thresholds: list[float] | None = None,
+    num_classes: int | None = None,
+    object_masks: bool = False,
+) -> dict[str, float]:
+    """Accuracy (or mIoU for the dense task), tokens per image, token ratio, images/s.
+
+    ``batches`` yields ``(images, target)`` or ``(images, target, object_mask)``;
+    with ``object_masks`` the share of fine tokens that fall on the object is
+    reported too (``fine_on_object``).
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    correct = seen = tokens = 0
+    fine_total = fine_on_object = 0.0
+    confusion = None
+    full_tokens = 0
+    elapsed = 0.0
+    for batch in batches:
+        images, target = batch[0].to(device), batch[1].to(device)
+        start = time.perf_counter()
+        out = model(images, thresholds=thresholds)
+        elapsed += time.perf_counter() - start
+        full_tokens = out.full_tokens
+        tokens += int(out.tokens.sum())
+        seen += images.shape[0]
+        if model.task == "dense":
+            classes = num_classes or out.logits.shape[1]
+            pred = out.logits.argmax(1)
+            keep = target != 255
+            idx = target[keep] * classes + pred[keep]
+            counts = torch.bincount(idx, minlength=classes * classes).reshape(classes, classes)
+            confusion = counts if confusion is None else confusion + counts
+        else:
+            correct += int((out.logits.argmax(1) == target).sum())
+        if object_masks and len(batch) > 2:
+            level = out.fine_cell_level()
+            fine = (level == model.levels - 1).float()
+            p = model.patch_size
+            on_obj = torch.nn.functional.avg_pool2d(batch[2].to(device).float().unsqueeze(1), p).squeeze(1) > 0
+            fine_total += float(fine.sum())
+            fine_on_object += float((fine * on_obj).sum())
+    model.train(was_training)
+    result = {
+        "tokens_per_image": tokens / max(seen, 1),
+        "token_ratio": tokens / max(seen * full_tokens, 1),
+        "images_per_s": seen / max(elapsed, 1e-9),
+        "images": seen,
+    }
+    if model.task == "dense":
+        inter = confusion.diag().float()
+        union = confusion.sum(0).float() + confusion.sum(1).float() - inter
+        present = union > 0
+        result["miou"] = float((inter[present] / union[present]).mean()) if bool(present.any()) else 0.0
+    else:
+        result["accuracy"] = correct / max(seen, 1)
+    if object_masks:
+        result["fine_on_object"] = fine_on_object / max(fine_total, 1.0)
+    return result
+
+
+@torch.no_grad()
+def calibrate_thresholds(model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30) -> list[float]:
+    """One threshold for every level such that the mean token ratio on ``images`` is
+    as close to ``target_ratio`` as the policy's scores allow (bisection: a higher
+    threshold never adds tokens)."""
+    if not 0.0 < target_ratio <= 1.0:
+        raise ValueError(f"target_ratio must be in (0, 1], got {target_ratio}")
+    was_training = model.training
+    model.eval()
+    geometry = model.geometry_for(tuple(images.shape[-2:]))
+    scores = model.split_scores(images)
+
+    def ratio(t: float) -> float:
+        decisions = top_down_decisions([s > t for s in scores])
+        return float(token_counts(decisions).float().mean()) / geometry.full_tokens
+
+    lo, hi = 0.0, 1.0  # ratio(lo) >= ratio(hi)
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if ratio(mid) > target_ratio:
+            lo = mid
+        else:
+            hi = mid
+    best = min((lo, hi), key=lambda t: abs(ratio(t) - target_ratio))
+    model.train(was_training)
+    return [best] * (model.levels - 1)
