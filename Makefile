@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 data:
 	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null || \
-		echo "note: could not install dataset-fashion-mnist; Fashion-MNIST datasets will need --data-dir"; \
+		echo "note: could not install dataset-fashion-mnist; Fashion-MNIST datasets will need root=DIR or SPLITVIT_DATA_DIR"; \
 	fi
 
 demo: setup

@@ -1,0 +1,284 @@
+"""Cluttered Fashion-MNIST: real items on a larger canvas among label-irrelevant clutter.
+
+The clutter is high in pixel entropy (noise textures, some overlaid with fragments
+of *other* Fashion-MNIST items) and covers a set share of the canvas, while the
+item sits on a flat background with the clutter kept a margin away from it. Pixel
+statistics therefore point at the clutter, the label at the item: the case where a
+learned split policy should beat entropy splitting.
+
+Everything about canvas ``i`` (placement, colours, clutter) depends only on
+``(seed, i)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from .fashion_mnist import CLASSES, ITEM_SIZE, load_fashion_mnist
+
+DEFAULT_VAL_SIZE = 5000
+
+
+def fashion_mnist_split(split: str, root: str | os.PathLike | None = None, *, val_size: int = DEFAULT_VAL_SIZE,
+                        download: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels of ``split``: train = the train files minus their last ``val_size``
+    items, val = those last ``val_size`` items (a fixed held-out slice), test = t10k."""
+    if split == "test":
+        return load_fashion_mnist("t10k", root, download=download)
+    images, labels = load_fashion_mnist("train", root, download=download)
+    if not 0 < val_size < len(images):
+        raise ValueError(f"val_size must be in (0, {len(images)}), got {val_size}")
+    cut = len(images) - val_size
+    if split == "train":
+        return images[:cut], labels[:cut]
+    if split == "val":
+        return images[cut:], labels[cut:]
+    raise ValueError(f"data split must be train, val or test, got {split!r}")
+
+
+@dataclass
+class Canvas:
+    """One rendered canvas with everything a test or a figure may want to inspect."""
+
+    image: np.ndarray          # (3, H, W) float32 in [0, 1]
+    labels: list[int]          # the class of each placed item
+    boxes: list[tuple[int, int, int, int]]  # (y, x, h, w) of each item's tile
+    item_masks: np.ndarray     # (n_items, H, W) bool: each item's silhouette
+    clutter_mask: np.ndarray   # (H, W) bool
+    background: np.ndarray     # (3,) the flat background colour
+
+
+class _ClutterRenderer:
+    """Shared canvas rendering of both the classification and the segmentation variant."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int, item_size: int,
+                 clutter_fraction: float, fragment_prob: float, margin: int, mask_threshold: float,
+                 max_items: int, seed: int) -> None:
+        if images.ndim != 3 or len(images) != len(labels) or len(images) < 2:
+            raise ValueError(f"need at least two items as (N, h, w) images with N labels, got {images.shape} and {labels.shape}")
+        if not 0.0 <= clutter_fraction < 1.0:
+            raise ValueError(f"clutter_fraction must be in [0, 1), got {clutter_fraction}")
+        if not 0.0 <= fragment_prob <= 1.0:
+            raise ValueError(f"fragment_prob must be in [0, 1], got {fragment_prob}")
+        tile = item_size + 2 * margin
+        if image_size < tile:
+            raise ValueError(f"image_size {image_size} is smaller than an item ({item_size}) plus its margin ({margin})")
+        # The clutter target must fit next to the items, else coverage could not be met.
+        free = image_size * image_size - max_items * tile * tile
+        if free < clutter_fraction * image_size * image_size:
+            raise ValueError(
+                f"clutter_fraction {clutter_fraction} of a {image_size}x{image_size} canvas does not fit beside "
+                f"{max_items} item(s) of {item_size}px (+{margin}px margin); use a larger image_size or fewer items")
+        self.images = images
+        self.labels = labels.astype(np.int64)
+        self.image_size = image_size
+        self.item_size = item_size
+        self.clutter_fraction = clutter_fraction
+        self.fragment_prob = fragment_prob
+        self.margin = margin
+        self.mask_threshold = mask_threshold
+        self.seed = seed
+
+    def item_alpha(self, j: int) -> np.ndarray:
+        """Item ``j`` as intensities in [0, 1], resized to ``item_size``."""
+        item = self.images[j]
+        if item.shape != (self.item_size, self.item_size):
+            item = np.asarray(Image.fromarray(item).resize((self.item_size, self.item_size), Image.BILINEAR))
+        return item.astype(np.float32) / 255.0
+
+    def render(self, index: int, item_indices: list[int], rng: np.random.Generator) -> Canvas:
+        size, it, margin = self.image_size, self.item_size, self.margin
+        background = rng.uniform(0.0, 0.25, size=3).astype(np.float32)
+        image = np.broadcast_to(background[:, None, None], (3, size, size)).copy()
+        keepout = np.zeros((size, size), dtype=bool)
+        boxes, labels, masks = [], [], []
+        for j in item_indices:
+            for _ in range(64):  # rejection sampling: tiles (with margins) never overlap
+                oy, ox = (int(v) for v in rng.integers(0, size - it + 1, size=2))
+                y0, x0 = max(oy - margin, 0), max(ox - margin, 0)
+                if not keepout[y0: oy + it + margin, x0: ox + it + margin].any():
+                    break
+            else:
+                continue
+            keepout[y0: oy + it + margin, x0: ox + it + margin] = True
+            alpha = self.item_alpha(j)
+            fg = rng.uniform(0.75, 1.0, size=3).astype(np.float32)
+            image[:, oy: oy + it, ox: ox + it] = background[:, None, None] + alpha[None] * (fg - background)[:, None, None]
+            mask = np.zeros((size, size), dtype=bool)
+            mask[oy: oy + it, ox: ox + it] = alpha > self.mask_threshold
+            boxes.append((oy, ox, it, it))
+            labels.append(int(self.labels[j]))
+            masks.append(mask)
+        clutter = self._clutter(image, keepout, set(item_indices), rng)
+        return Canvas(image=image, labels=labels, boxes=boxes,
+                      item_masks=np.stack(masks) if masks else np.zeros((0, size, size), bool),
+                      clutter_mask=clutter, background=background)
+
+    def _texture(self, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
+        kind = rng.integers(3)
+        if kind == 0:  # per-pixel colour noise
+            return rng.uniform(0, 1, size=(3, h, w)).astype(np.float32)
+        if kind == 1:  # grey noise in a random tint
+            tint = rng.uniform(0.4, 1.0, size=3).astype(np.float32)
+            return rng.uniform(0, 1, size=(1, h, w)).astype(np.float32) * tint[:, None, None]
+        a, b = rng.uniform(0, 1, size=(2, 3)).astype(np.float32)  # 1-pixel salt and pepper in two colours
+        pick = rng.random((h, w)) < 0.5
+        return np.where(pick[None], a[:, None, None], b[:, None, None]).astype(np.float32)
+
+    def _fragment(self, h: int, w: int, exclude: set[int], rng: np.random.Generator) -> np.ndarray:
+        """A random crop of another item (rotated/flipped so it is not a whole item) as alpha (h, w)."""
+        j = int(rng.integers(len(self.images)))
+        while j in exclude and len(exclude) < len(self.images):
+            j = int(rng.integers(len(self.images)))
+        alpha = np.rot90(self.item_alpha(j), k=int(rng.integers(4)))
+        if rng.random() < 0.5:
+            alpha = alpha[:, ::-1]
+        fh, fw = min(h, alpha.shape[0]), min(w, alpha.shape[1])
+        cy, cx = rng.integers(0, alpha.shape[0] - fh + 1), rng.integers(0, alpha.shape[1] - fw + 1)
+        out = np.zeros((h, w), dtype=np.float32)
+        py, px = rng.integers(0, h - fh + 1), rng.integers(0, w - fw + 1)
+        out[py: py + fh, px: px + fw] = alpha[cy: cy + fh, cx: cx + fw]
+        return out
+
+    def _clutter(self, image: np.ndarray, keepout: np.ndarray, exclude: set[int], rng: np.random.Generator) -> np.ndarray:
+        size = self.image_size
+        clutter = np.zeros((size, size), dtype=bool)
+        target = int(np.ceil(self.clutter_fraction * size * size))
+        lo, hi = max(size // 8, 4), max(size // 3, 5)
+        covered = 0
+        for _ in range(256):
+            if covered >= target:
+                break
+            h, w = (int(v) for v in rng.integers(lo, hi + 1, size=2))
+            y, x = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
+            region = ~keepout[y: y + h, x: x + w]
+            if not region.any():
+                continue
+            texture = self._texture(h, w, rng)
+            if rng.random() < self.fragment_prob:
+                alpha = self._fragment(h, w, exclude, rng)
+                colour = rng.uniform(0.6, 1.0, size=3).astype(np.float32)
+                texture = texture * (1 - alpha[None]) + alpha[None] * colour[:, None, None]
+            patch = image[:, y: y + h, x: x + w]
+            patch[:, region] = texture[:, region]
+            covered += int((region & ~clutter[y: y + h, x: x + w]).sum())
+            clutter[y: y + h, x: x + w] |= region
+        missing = target - covered
+        if missing > 0:  # rare: rectangles kept landing on the items; finish with scattered noise pixels
+            free = np.flatnonzero(~(clutter | keepout))
+            pick = rng.choice(free, size=min(missing, len(free)), replace=False)
+            ys, xs = np.unravel_index(pick, clutter.shape)
+            image[:, ys, xs] = rng.uniform(0, 1, size=(3, len(pick))).astype(np.float32)
+            clutter[ys, xs] = True
+        return clutter
+
+
+class ClutteredFashionMNIST(Dataset):
+    """Classification: one Fashion-MNIST item per canvas among clutter.
+
+    Items are ``(image (3, S, S) float in [0, 1], label int, item_mask (S, S) bool)``;
+    canvas ``i`` shows item ``i mod N`` of ``images``.
+
+    Args:
+        images, labels: the item pool (uint8 ``(N, 28, 28)`` and ``(N,)``), e.g. from
+            ``fashion_mnist_split``; clutter fragments come from the same pool.
+        image_size: canvas side.
+        num_samples: dataset length (default: the pool size).
+        item_size: item side on the canvas (28 = native).
+        clutter_fraction: share of the canvas covered by clutter (at least this much).
+        fragment_prob: chance that a clutter patch carries a fragment of another item.
+        margin: clutter-free pixels around each item.
+        mask_threshold: item intensity above which a pixel belongs to the item mask.
+        seed: canvases depend only on ``(seed, index)``.
+    """
+
+    num_classes = len(CLASSES)
+    classes = CLASSES
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int = 64, num_samples: int | None = None,
+                 item_size: int = ITEM_SIZE, clutter_fraction: float = 0.4, fragment_prob: float = 0.5, margin: int = 2,
+                 mask_threshold: float = 0.1, seed: int = 0) -> None:
+        self.renderer = _ClutterRenderer(images, labels, image_size=image_size, item_size=item_size,
+                                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
+                                         mask_threshold=mask_threshold, max_items=1, seed=seed)
+        self.num_samples = len(images) if num_samples is None else int(num_samples)
+        self.image_size = image_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def render(self, index: int) -> Canvas:
+        """The full canvas ``index`` (image, item box, masks, clutter mask)."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        rng = np.random.default_rng((self.seed, index))
+        return self.renderer.render(index, [index % len(self.renderer.images)], rng)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        canvas = self.render(index)
+        return torch.from_numpy(canvas.image), canvas.labels[0], torch.from_numpy(canvas.item_masks[0])
+
+
+class ClutteredFashionMNISTSeg(Dataset):
+    """Segmentation: several Fashion-MNIST items per canvas among the same clutter.
+
+    Items are ``(image (3, S, S) float in [0, 1], mask (S, S) long)`` with class
+    ``k + 1`` on the silhouette of an item of class ``k`` and 0 elsewhere (clutter,
+    including fragments of items, is background).
+
+    Args:
+        min_items, max_items: items per canvas; by default as many (up to 4) as fit
+            beside the clutter, at least 2 where that fits.
+        Others as in ``ClutteredFashionMNIST``.
+    """
+
+    num_classes = len(CLASSES) + 1
+    classes = ("background", *CLASSES)
+    ignore_index = 255
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int = 64, num_samples: int | None = None,
+                 item_size: int = ITEM_SIZE, min_items: int | None = None, max_items: int | None = None,
+                 clutter_fraction: float = 0.4, fragment_prob: float = 0.5, margin: int = 2,
+                 mask_threshold: float = 0.1, seed: int = 0) -> None:
+        tile = (item_size + 2 * margin) ** 2
+        if max_items is None:
+            max_items = int(max(1, min(4, (image_size * image_size * (1 - clutter_fraction)) // tile)))
+        if min_items is None:
+            min_items = min(2, max_items)
+        if not 1 <= min_items <= max_items:
+            raise ValueError(f"need 1 <= min_items <= max_items, got {min_items} and {max_items}")
+        self.renderer = _ClutterRenderer(images, labels, image_size=image_size, item_size=item_size,
+                                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
+                                         mask_threshold=mask_threshold, max_items=max_items, seed=seed)
+        self.min_items, self.max_items = min_items, max_items
+        self.num_samples = len(images) if num_samples is None else int(num_samples)
+        self.image_size = image_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def render(self, index: int) -> Canvas:
+        """The full canvas ``index``."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        rng = np.random.default_rng((self.seed, index))
+        count = int(rng.integers(self.min_items, self.max_items + 1))
+        pool = len(self.renderer.images)
+        count = min(count, pool)
+        picks = [int(j) for j in rng.choice(pool, size=count, replace=False)]
+        return self.renderer.render(index, picks, rng)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        canvas = self.render(index)
+        mask = np.zeros((self.image_size, self.image_size), dtype=np.int64)
+        for label, item_mask in zip(canvas.labels, canvas.item_masks):
+            mask[item_mask] = label + 1
+        return torch.from_numpy(canvas.image), torch.from_numpy(mask)

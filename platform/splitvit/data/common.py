@@ -1,0 +1,180 @@
+"""Shared pieces of the file-backed datasets: image decoding, resizing, and the
+skip-and-count policy for corrupt files."""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
+
+
+class CorruptDataError(ValueError):
+    """A file (image or shard) could not be read; ``source`` names it."""
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"corrupt or unreadable data in {source}: {reason}")
+        self.source = source
+        self.reason = reason
+
+
+def decode_image(data: bytes, source: str, mode: str = "RGB", *, min_size: int | None = None) -> Image.Image:
+    """Decode PNG/JPEG/... bytes fully (so truncation shows here, not later) into ``mode``
+    (``""`` keeps the file's own mode).
+
+    ``min_size``: a JPEG may be decoded at a reduced scale whose sides stay at least
+    this large (libjpeg's DCT scaling), which makes large photos far cheaper to load.
+    """
+    try:
+        img = Image.open(io.BytesIO(data))
+        if min_size and img.format == "JPEG":
+            img.draft("RGB", (min_size, min_size))
+        img.load()
+        return img.convert(mode) if mode and img.mode != mode else img
+    except UnidentifiedImageError:
+        raise CorruptDataError(source, "not a recognised image format") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise CorruptDataError(source, f"{type(exc).__name__}: {exc}") from None
+
+
+def read_file(path: str) -> bytes:
+    """A local file's bytes; an unreadable file raises ``CorruptDataError`` naming it."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CorruptDataError(path, str(exc)) from None
+
+
+def read_image_file(path: str, mode: str = "RGB", *, min_size: int | None = None) -> Image.Image:
+    """Read and decode a local image file; a missing or bad file raises ``CorruptDataError``."""
+    return decode_image(read_file(path), path, mode, min_size=min_size)
+
+
+def decode_mask(data: bytes, source: str) -> Image.Image:
+    """Decode a class-index mask PNG into mode ``L`` keeping the raw indices.
+
+    Palette (``P``) masks keep their indices (converting them would map colours to
+    grey levels); 16-bit masks must hold values below 256.
+    """
+    img = decode_image(data, source, mode="")
+    if img.mode in ("L", "P"):
+        return Image.fromarray(np.asarray(img, dtype=np.uint8), mode="L")
+    if img.mode in ("I", "I;16", "I;16B", "I;16L"):
+        arr = np.asarray(img)
+        if arr.min() < 0 or arr.max() > 255:
+            raise CorruptDataError(source, f"mask values {arr.min()}..{arr.max()} do not fit 0..255")
+        return Image.fromarray(arr.astype(np.uint8), mode="L")
+    if img.mode == "1":
+        return img.convert("L").point(lambda v: 1 if v else 0)
+    raise CorruptDataError(source, f"mask has mode {img.mode}; expected a single-channel class-index PNG")
+
+
+def fit_square(img: Image.Image, size: int, resample: int) -> Image.Image:
+    """Centre-crop to a square and resize to ``size`` (no aspect distortion)."""
+    if img.size == (size, size):
+        return img
+    return ImageOps.fit(img, (size, size), method=resample)
+
+
+def image_to_tensor(img: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> float tensor ``(3, H, W)`` in ``[0, 1]``."""
+    arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(255.0)
+
+
+def mask_to_tensor(img: Image.Image) -> torch.Tensor:
+    """Single-channel PIL mask -> long tensor ``(H, W)``."""
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).astype(np.int64))
+
+
+class SkippingDataset(Dataset):
+    """Base of the file-backed datasets: corrupt items are skipped and counted.
+
+    Subclasses implement ``raw_len()`` and ``load_raw(i)``, which raises
+    ``CorruptDataError`` for an unreadable item. ``dataset[i]`` then returns item
+    ``i`` or, when it is corrupt, the next readable one (deterministically), logs a
+    warning naming the file once and counts it in ``skipped`` / ``skipped_files``;
+    with ``strict=True`` the error propagates instead.
+
+    The count is per process: inside DataLoader workers each worker counts its own.
+    ``verify()`` decodes everything up front in this process, drops corrupt items
+    from the index and so gives an exact count before training.
+    """
+
+    def __init__(self, *, strict: bool = False) -> None:
+        self.strict = strict
+        self.skipped_files: list[str] = []
+        self._bad_raw: set[int] = set()
+        self._keep: np.ndarray | None = None
+
+    # subclasses -------------------------------------------------------------
+    def raw_len(self) -> int:
+        raise NotImplementedError
+
+    def load_raw(self, raw_index: int) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    # policy -----------------------------------------------------------------
+    @property
+    def skipped(self) -> int:
+        """Number of distinct corrupt files (images or shards) met in this process."""
+        return len(self.skipped_files)
+
+    def record_corrupt(self, exc: CorruptDataError) -> None:
+        """Count ``exc.source`` once and log a warning naming it (or raise when strict)."""
+        if self.strict:
+            raise exc
+        if exc.source not in self.skipped_files:
+            self.skipped_files.append(exc.source)
+            log.warning("skipping %s (%d corrupt so far)", exc, len(self.skipped_files))
+
+    def __len__(self) -> int:
+        return int(len(self._keep)) if self._keep is not None else self.raw_len()
+
+    def _raw_index(self, index: int) -> int:
+        return int(self._keep[index]) if self._keep is not None else index
+
+    def load_item(self, index: int) -> tuple[Any, ...]:
+        """Item ``index`` or ``CorruptDataError``: no substitution (used when writing shards)."""
+        return self.load_raw(self._raw_index(index))
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} items")
+        index %= n
+        for offset in range(n):
+            raw = self._raw_index((index + offset) % n)
+            if raw in self._bad_raw:
+                continue
+            try:
+                return self.load_raw(raw)
+            except CorruptDataError as exc:
+                self._bad_raw.add(raw)
+                self.record_corrupt(exc)
+        raise RuntimeError(f"every one of the {n} items of {type(self).__name__} is corrupt; first: {self.skipped_files[:1]}")
+
+    def verify(self) -> int:
+        """Decode every item now, drop the corrupt ones from the index; returns how many were dropped."""
+        keep = []
+        dropped = 0
+        for i in range(len(self)):
+            raw = self._raw_index(i)
+            try:
+                self.load_raw(raw)
+                keep.append(raw)
+            except CorruptDataError as exc:
+                self.record_corrupt(exc)
+                self._bad_raw.add(raw)
+                dropped += 1
+        self._keep = np.asarray(keep, dtype=np.int64)
+        return dropped
