@@ -179,7 +179,8 @@ class SplitViT(nn.Module):
             policy: one of ``learned``, ``entropy``, ``random``, ``full``, ``coarse``.
             pretrained: load timm's pretrained weights (needs the hub).
             checkpoint_path: local weights for the named model (a timm/PyTorch
-                state dict or a safetensors file), for machines without the hub.
+                state dict or a safetensors file, head included), loaded by timm's
+                ``load_checkpoint``, for machines without the hub.
             image_size: input side; defaults to the ViT's.
             num_classes: classifier size (timm's ``num_classes``).
             timm_kwargs: further ``timm.create_model`` arguments (``embed_dim``, ``depth``...).
@@ -196,9 +197,8 @@ class SplitViT(nn.Module):
                 path = Path(checkpoint_path)
                 if not path.is_file():
                     raise FileNotFoundError(f"checkpoint_path {path} does not exist")
-                # timm's own loading path: pretrained weights read from a local file
-                create["pretrained_cfg_overlay"] = {"file": str(path)}
-                pretrained = True
+                # timm's own loader (load_checkpoint): the whole state dict, head included
+                create["checkpoint_path"] = str(path)
             vit = timm.create_model(model_or_name, pretrained=pretrained, **create)
             spec = {
                 "name": model_or_name,

@@ -1,0 +1,292 @@
+"""Invariants of the SPLIT model (issue: SPLIT model library)."""
+
+from __future__ import annotations
+
+import platform as stdlib_platform
+
+import pytest
+import timm
+import torch
+
+from splitvit.model import GeometryError, QuadtreeGeometry, SplitViT, expected_tokens, token_counts, top_down_decisions
+from splitvit.model.policies import EntropyPolicy, PolicyContext
+from splitvit.train.losses import budget_penalty
+from splitvit.train.steps import SplitLossConfig, calibrate_thresholds
+
+POLICIES = ["learned", "entropy", "random", "full", "coarse"]
+
+
+def tiny_vit(image_size: int = 32, patch_size: int = 4, **kwargs) -> timm.models.VisionTransformer:
+    torch.manual_seed(0)
+    args = dict(img_size=image_size, patch_size=patch_size, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+    args.update(kwargs)
+    return timm.create_model("vit_tiny_patch16_224", **args)
+
+
+def tiny_model(policy: str = "learned", image_size: int = 32, levels: int = 3, **kwargs) -> SplitViT:
+    return SplitViT.from_timm(tiny_vit(image_size), levels=levels, policy=policy, image_size=image_size, policy_depth=1, **kwargs)
+
+
+def test_platform_folder_does_not_shadow_stdlib():
+    assert stdlib_platform.system()  # the stdlib module, not the platform/ source root
+
+
+# 1. full policy reproduces timm's logits -------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,timm_kwargs",
+    [
+        ("vit_tiny_patch16_224", {}),  # class token, pos embed over prefix
+        ("vit_small_patch16_224", dict(global_pool="avg", class_token=False)),  # mean pool, no prefix
+        ("vit_base_patch16_224", dict(embed_dim=96, depth=2, num_heads=3, reg_tokens=2, no_embed_class=True)),
+    ],
+)
+@pytest.mark.parametrize("resolution", [64, 128])
+def test_full_policy_reproduces_timm_logits(name, timm_kwargs, resolution):
+    torch.manual_seed(0)
+    vit = timm.create_model(name, img_size=resolution, num_classes=7, **timm_kwargs).eval()
+    model = SplitViT.from_timm(vit, levels=3 if resolution == 64 else 2, policy="full", image_size=resolution).eval()
+    images = torch.randn(2, 3, resolution, resolution)
+    with torch.no_grad():
+        expected = vit(images)
+        out = model(images)
+    assert out.logits.shape == expected.shape
+    assert (out.logits - expected).abs().max().item() <= 1e-4
+    assert out.tokens.tolist() == [model.geometry.full_tokens] * 2
+
+
+def test_full_policy_matches_timm_at_other_resolution_with_resampled_pos_embed():
+    vit = tiny_vit(32, dynamic_img_size=True).eval()
+    model = SplitViT.from_timm(vit, levels=2, policy="full", image_size=48).eval()
+    images = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        assert (model(images).logits - vit(images)).abs().max().item() <= 1e-4
+
+
+# 2. token bounds ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_token_counts_lie_between_coarse_and_full(policy):
+    model = tiny_model(policy).eval()
+    geometry = model.geometry
+    with torch.no_grad():
+        out = model(torch.rand(4, 3, 32, 32))
+    assert ((out.tokens >= geometry.min_tokens) & (out.tokens <= geometry.full_tokens)).all()
+    if policy == "coarse":
+        assert out.tokens.tolist() == [geometry.min_tokens] * 4 == [4] * 4
+    if policy == "full":
+        assert out.tokens.tolist() == [geometry.full_tokens] * 4 == [64] * 4
+
+
+# 3. reported tokens == tokens attended --------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["learned", "entropy", "random"])
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_reported_tokens_equal_attended_tokens(policy, buckets):
+    model = tiny_model(policy, length_buckets=buckets).eval()
+    seen: list[torch.Tensor] = []
+
+    def record(module, args, kwargs):
+        x = args[0]
+        mask = kwargs.get("attn_mask")
+        keys = torch.full((x.shape[0],), x.shape[1]) if mask is None else mask.reshape(x.shape[0], -1).sum(1)
+        seen.append(keys - model.vit.num_prefix_tokens)
+
+    last = model.vit.blocks[-1]  # the encoder's last block: the policy's coarse pass uses only block 0
+    handle = last.register_forward_pre_hook(record, with_kwargs=True)
+    images = torch.rand(6, 3, 32, 32)
+    images[:2, :, :16] = 0.5  # flat regions: fewer entropy splits, so lengths differ
+    with torch.no_grad():
+        out = model(images, thresholds=[0.5, 0.5])
+    handle.remove()
+    # with buckets the batch is split; put the per-bucket counts back in batch order
+    attended = torch.cat(seen)
+    assert attended.numel() == 6
+    assert sorted(attended.tolist()) == sorted(out.tokens.tolist())
+    if buckets == 1:
+        assert attended.tolist() == out.tokens.tolist()
+    assert out.padded_tokens >= int(out.tokens.sum())
+
+
+# 4. gradients reach the policy --------------------------------------------------------------------
+def test_gradients_reach_policy_from_task_loss_and_from_budget_penalty():
+    model = tiny_model("learned").train()
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    policy_params = [p for p in model.policy.parameters()]
+
+    out = model(images)
+    torch.nn.functional.cross_entropy(out.logits, labels).backward()
+    task_grad = sum(float(p.grad.abs().sum()) for p in policy_params if p.grad is not None)
+    assert task_grad > 0, "the task loss must reach the policy through the straight-through gates"
+
+    model.zero_grad()
+    out = model(images)
+    budget_penalty(out.expected_tokens / out.full_tokens, target_ratio=0.3).backward()
+    budget_grad = sum(float(p.grad.abs().sum()) for p in policy_params if p.grad is not None)
+    assert budget_grad > 0
+
+
+def test_straight_through_gates_leave_forward_values_unchanged():
+    model = tiny_model("learned")
+    images = torch.rand(3, 3, 32, 32)
+    torch.manual_seed(1)
+    model.train()
+    out_train = model(images)
+    # the same decisions given from outside, without gates, give the same logits
+    model.eval()
+    out_fixed = model(images, decisions=out_train.decisions)
+    assert torch.equal(out_train.tokens, out_fixed.tokens)
+    assert (out_train.logits - out_fixed.logits).abs().max() <= 1e-6
+
+
+def test_expected_tokens_formula():
+    geometry = QuadtreeGeometry(32, 4, 3)  # 2x2 roots, 4x4 mid, 8x8 fine
+    q0 = torch.full((1, 2, 2), 0.5)
+    q1 = torch.full((1, 4, 4), 0.25)
+    # E[mid] = 0.75 + 0.25*4 = 1.75 ; E[root] = 0.5 + 0.5*4*1.75 = 4.0 ; total 16
+    assert expected_tokens([q0, q1]).item() == pytest.approx(16.0)
+    hard = [torch.ones(1, 2, 2, dtype=torch.bool), torch.zeros(1, 4, 4, dtype=torch.bool)]
+    assert expected_tokens([h.float() for h in hard]).item() == token_counts(top_down_decisions(hard)).item() == 16
+    assert geometry.full_tokens == 64 and geometry.min_tokens == 4
+
+
+# 5. thresholds are monotone -----------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["learned", "entropy", "random"])
+def test_raising_a_threshold_never_adds_tokens(policy):
+    model = tiny_model(policy).eval()
+    if policy == "random":
+        model.policy.seed = 3
+    images = torch.rand(4, 3, 32, 32)
+    grid = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    with torch.no_grad():
+        for fixed in grid:
+            for level in (0, 1):  # raise one level's threshold, the other held fixed
+                previous = None
+                for t in grid:
+                    thresholds = [t, fixed] if level == 0 else [fixed, t]
+                    counts = model(images, thresholds=thresholds).tokens
+                    if previous is not None:
+                        assert (counts <= previous).all(), (level, fixed, t)
+                    previous = counts
+
+
+# 6. padding does not change an image's logits ---------------------------------------------------
+@pytest.mark.parametrize("pool_kwargs", [{}, dict(global_pool="avg", class_token=False)])
+@pytest.mark.parametrize("buckets", [1, 2])
+def test_logits_in_padded_batch_equal_logits_alone(pool_kwargs, buckets):
+    vit = tiny_vit(32, **pool_kwargs)
+    model = SplitViT.from_timm(vit, levels=3, policy="entropy", image_size=32, length_buckets=buckets).eval()
+    images = torch.rand(4, 3, 32, 32)
+    images[0] = 0.5  # flat: all-coarse, the shortest sequence, padded in the batch
+    images[1, :, :16] = 0.2
+    with torch.no_grad():
+        batch = model(images, thresholds=[0.3, 0.3])
+        assert len(set(batch.tokens.tolist())) > 1, "the batch must mix lengths for this test to mean anything"
+        for i in range(4):
+            alone = model(images[i : i + 1], thresholds=[0.3, 0.3])
+            assert alone.tokens.item() == batch.tokens[i].item()
+            assert (alone.logits[0] - batch.logits[i]).abs().max().item() <= 1e-4
+
+
+def test_dense_head_gives_per_pixel_logits_and_padding_invariance():
+    model = tiny_model("entropy", task="dense", num_classes=3).eval()
+    images = torch.rand(3, 3, 32, 32)
+    images[0] = 0.5
+    with torch.no_grad():
+        batch = model(images, thresholds=[0.3, 0.3])
+        assert batch.logits.shape == (3, 3, 32, 32)
+        alone = model(images[:1], thresholds=[0.3, 0.3])
+        assert (alone.logits[0] - batch.logits[0]).abs().max().item() <= 1e-4
+
+
+# 7. bad input: one clear error each ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(image_size=(30, 32), patch_size=4, levels=3), "30x32 is not a multiple of the coarsest patch 16"),
+        (dict(image_size=32, patch_size=4, levels=1), "levels must be >= 2"),
+        (dict(image_size=32, patch_size=0, levels=2), "patch_size must be >= 1"),
+    ],
+)
+def test_bad_geometry_errors(kwargs, message):
+    with pytest.raises(GeometryError, match=message):
+        QuadtreeGeometry(**kwargs)
+
+
+def test_bad_image_size_for_model_names_sizes():
+    with pytest.raises(GeometryError, match="not a multiple of the coarsest patch 32"):
+        SplitViT.from_timm(tiny_vit(32), levels=4, policy="full", image_size=48)
+    model = tiny_model("full")
+    with pytest.raises(GeometryError, match="36x36"):
+        model(torch.rand(1, 3, 36, 36))
+
+
+@pytest.mark.parametrize("thresholds,message", [([0.5, 1.5], r"thresholds\[1\] = 1.5 is outside \[0, 1\]"),
+                                                ([-0.1, 0.5], r"thresholds\[0\] = -0.1 is outside"),
+                                                ([0.5], "expected 2 values")])
+def test_bad_thresholds(thresholds, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model("entropy", thresholds=thresholds)
+    model = tiny_model("entropy")
+    with pytest.raises(ValueError, match=message):
+        model(torch.rand(1, 3, 32, 32), thresholds=thresholds)
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(lambda_budget=-1.0), "lambda_budget must be >= 0, got -1.0"),
+                                            (dict(target_ratio=0.0), "target_ratio must be in"),
+                                            (dict(penalty="linear"), "penalty must be one of")])
+def test_bad_penalty_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SplitLossConfig(**kwargs)
+
+
+def test_unknown_policy_names_choices():
+    with pytest.raises(ValueError, match="unknown policy 'apt'"):
+        tiny_model("apt")
+
+
+# 8. entropy splits the busy region, not the flat one ----------------------------------------------
+def test_entropy_policy_splits_high_entropy_region_only():
+    torch.manual_seed(0)
+    image = torch.full((1, 3, 32, 32), 0.4)
+    image[:, :, :, 16:] = torch.rand(1, 3, 32, 16)  # right half noise, left half flat
+    geometry = QuadtreeGeometry(32, 4, 3)
+    scores = EntropyPolicy()(image, geometry, PolicyContext())
+    decisions = top_down_decisions([s > 0.5 for s in scores])
+    assert decisions[0][0, :, 1].all() and not decisions[0][0, :, 0].any()
+    assert decisions[1][0, :, 2:].all() and not decisions[1][0, :, :2].any()
+
+
+def test_calibrated_thresholds_hit_a_budget():
+    model = tiny_model("entropy").eval()
+    images = torch.rand(8, 3, 32, 32)
+    images[:4, :, :, :16] = 0.3
+    thresholds = calibrate_thresholds(model, images, 0.5)
+    with torch.no_grad():
+        ratio = model(images, thresholds=thresholds).token_ratio.mean().item()
+    assert abs(ratio - 0.5) < 0.1
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=3, policy="learned", image_size=32, num_classes=5,
+                               timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2), thresholds=[0.3, 0.7]).eval()
+    path = tmp_path / "m.pt"
+    model.save(path)
+    loaded = SplitViT.load(path).eval()
+    images = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(images).logits, loaded(images).logits)
+    assert loaded.thresholds.tolist() == pytest.approx([0.3, 0.7])
+    entropy = SplitViT.load(path, policy="entropy")
+    assert entropy.policy.name == "entropy"
+
+
+def test_from_timm_loads_a_local_checkpoint_file(tmp_path):
+    args = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2, img_size=32, num_classes=5)
+    source = timm.create_model("vit_tiny_patch16_224", **args).eval()
+    path = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), path)
+    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=2, policy="full", checkpoint_path=path, image_size=32,
+                               num_classes=5, timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)).eval()
+    images = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (model(images).logits - source(images)).abs().max() <= 1e-5
+    with pytest.raises(FileNotFoundError, match="missing.pth"):
+        SplitViT.from_timm("vit_tiny_patch16_224", levels=2, checkpoint_path=tmp_path / "missing.pth")
