@@ -290,3 +290,31 @@ def test_from_timm_loads_a_local_checkpoint_file(tmp_path):
         assert (model(images).logits - source(images)).abs().max() <= 1e-5
     with pytest.raises(FileNotFoundError, match="missing.pth"):
         SplitViT.from_timm("vit_tiny_patch16_224", levels=2, checkpoint_path=tmp_path / "missing.pth")
+
+
+def test_packed_attention_path_equals_padded(monkeypatch):
+    """The packing logic (offsets, per-sequence attention, unpacking) checked on the
+    CPU with a reference kernel in place of CUDA's varlen FlashAttention."""
+    from splitvit.model import packed, splitvit as splitvit_module
+
+    padded = tiny_model("entropy").eval()
+    packed_model = SplitViT(padded.vit, levels=3, policy="entropy", image_size=32, attention="packed").eval()
+    images = torch.rand(4, 3, 32, 32)
+    images[0] = 0.5
+    with torch.no_grad():
+        expected = padded(images, thresholds=[0.3, 0.3])
+        fallback = packed_model(images, thresholds=[0.3, 0.3])  # CPU: no kernel, padded path
+        calls = []
+
+        def kernel(*args, **kwargs):
+            calls.append(args[3].tolist())
+            return packed.reference_kernel(*args, **kwargs)
+
+        monkeypatch.setattr(splitvit_module, "packed_kernel", lambda device: kernel)
+        got = packed_model(images, thresholds=[0.3, 0.3])
+    assert len(set(expected.tokens.tolist())) > 1
+    assert calls, "the packed path must have run"
+    lengths = [b - a for a, b in zip(calls[0][:-1], calls[0][1:])]
+    assert lengths == (expected.tokens + 1).tolist()  # + the class token
+    assert (fallback.logits - expected.logits).abs().max() <= 1e-6
+    assert (got.logits - expected.logits).abs().max() <= 1e-4

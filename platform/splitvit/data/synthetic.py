@@ -2,7 +2,7 @@
 
 ``SyntheticObjects`` is the task SPLIT is built for: the label depends on one small
 object whose classes differ only at the finest scale (1-pixel stripe and checker
-textures that average to the same grey at any coarser scale), placed on a flat
+textures that average to the same colour at any coarser scale), placed on a flat
 canvas among high-entropy noise rectangles that carry no label information. Pixel
 entropy is high on the clutter and low on the object, so entropy splitting looks
 in the wrong place; a model that knows the task should split the object.
@@ -95,11 +95,11 @@ class SyntheticObjects(Dataset):
             box &= ~_dilate(object_mask, 2)
             image[:, box] = rng.uniform(0, 1, size=(3, int(box.sum()))).astype(np.float32)
             clutter |= box
-        fg, bgc = rng.uniform(0.0, 1.0, size=(2, 3)).astype(np.float32)
-        if np.abs(fg - bgc).mean() < 0.4:  # keep the texture visible
-            fg = 1.0 - bgc
-        g = self.glyphs[label]
-        image[:, oy : oy + obj, ox : ox + obj] = g[None] * fg[:, None, None] + (1 - g[None]) * bgc[:, None, None]
+        # red-on-black texture: the class is in the pattern, which any pooling to a
+        # coarser scale averages to the same dark red. The colour says *where* the
+        # object is at every scale; only fine patches say *which* it is.
+        image[:, oy : oy + obj, ox : ox + obj] = 0.0
+        image[0, oy : oy + obj, ox : ox + obj] = self.glyphs[label]
         return torch.from_numpy(image), label, torch.from_numpy(object_mask)
 
 

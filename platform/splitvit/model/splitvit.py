@@ -30,6 +30,7 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
 from .heads import DenseHead, masked_pool
+from .packed import pack, packed_block, packed_kernel, supports_packing, unpack
 from .policies import POLICY_NAMES, PolicyContext, SplitPolicy, build_policy
 from .quadtree import (
     QuadtreeGeometry,
@@ -100,8 +101,23 @@ def validate_thresholds(thresholds: Any, levels: int) -> torch.Tensor:
 class SplitViT(nn.Module):
     """A timm ``VisionTransformer`` that attends to a learned quadtree of patches.
 
-    Build it with :meth:`from_timm`. ``policy_depth`` blocks of the same ViT run on
-    the coarse tokens to give the learned policy the model's own view of the image.
+    Build it with :meth:`from_timm`.
+
+    Args:
+        vit: the timm ViT whose patch embedding, position embedding, blocks and
+            head are used as they are; its patch size is the finest patch ``p``.
+        levels: quadtree levels ``L`` (coarsest patch ``p * 2**(L-1)``).
+        policy: a :class:`SplitPolicy` or its name.
+        image_size: input side (defaults to the ViT's; position embeddings are resampled).
+        thresholds: per-level split thresholds in ``[0, 1]`` used at evaluation.
+        policy_depth: how many of the ViT's own blocks run on the coarse tokens to
+            give the learned policy the model's view of the image.
+        task: ``classification`` or ``dense`` (per-pixel logits).
+        num_classes: classes of the dense head (classification uses the ViT's head).
+        length_buckets: encode the batch in this many groups of similar length
+            (less padding).
+        attention: ``padded`` (key-masked batches) or ``packed`` (varlen attention
+            on CUDA, no padding; falls back to ``padded`` where torch has no kernel).
     """
 
     def __init__(
@@ -116,6 +132,7 @@ class SplitViT(nn.Module):
         task: str = "classification",
         num_classes: int | None = None,
         length_buckets: int = 1,
+        attention: str = "padded",
         spec: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -131,6 +148,10 @@ class SplitViT(nn.Module):
             raise ValueError(f"policy_depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {policy_depth}")
         if length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {length_buckets}")
+        if attention not in ("padded", "packed"):
+            raise ValueError(f"attention must be 'padded' or 'packed', got {attention!r}")
+        if attention == "packed" and not all(supports_packing(b) for b in vit.blocks):
+            raise ValueError("attention='packed' needs timm's standard Block and Attention modules")
         self.vit = vit
         ph, pw = vit.patch_embed.patch_size
         if ph != pw:
@@ -143,6 +164,7 @@ class SplitViT(nn.Module):
         self.task = task
         self.policy_depth = policy_depth
         self.length_buckets = length_buckets
+        self.attention = attention
         self.spec = spec
         self.register_buffer("thresholds", validate_thresholds(thresholds, levels), persistent=True)
         # Zero-initialised level embedding: at init a token means what the timm model's does.
@@ -344,6 +366,7 @@ class SplitViT(nn.Module):
         thresholds: float | list[float] | torch.Tensor | None = None,
         decisions: list[torch.Tensor] | None = None,
         return_attention: bool = False,
+        embeddings: "_LevelEmbeddings | None" = None,
     ) -> SplitOutput:
         """Run the model.
 
@@ -354,6 +377,7 @@ class SplitViT(nn.Module):
                 splits); bypasses the policy.
             return_attention: also return the last block's attention from the prefix
                 (or mean) query onto each finest cell, in ``extras["fine_attention"]``.
+            embeddings: precomputed level embeddings (saliency needs a handle on them).
         """
         geometry = self.geometry_for(tuple(images.shape[-2:]))
         if thresholds is None:
@@ -362,7 +386,7 @@ class SplitViT(nn.Module):
             tau = thresholds
         else:
             tau = validate_thresholds(thresholds, self.levels)
-        embeds = _LevelEmbeddings(self, images, geometry)
+        embeds = embeddings if embeddings is not None else _LevelEmbeddings(self, images, geometry)
         probs = None
         if decisions is None:
             scores = self._policy_scores(images, geometry, embeds)
@@ -468,6 +492,14 @@ class SplitViT(nn.Module):
         x = tokens if prefix is None else torch.cat([prefix, tokens], dim=1)
         x = vit.norm_pre(vit.pos_drop(x))
         attn_mask = None
+        kernel = packed_kernel(x.device) if self.attention == "packed" else None
+        if valid is not None and kernel is not None and not return_attention:
+            # no padding at all: one packed sequence, varlen attention per image
+            keep = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1)
+            packed, cu_seqlens, max_len = pack(x, keep)
+            for block in vit.blocks:
+                packed = packed_block(block, packed, cu_seqlens, max_len, kernel)
+            return vit.norm(unpack(packed, keep)), None
         if valid is not None:
             keep = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1)
             # mask padding *keys* only; every query row keeps its valid keys
@@ -529,15 +561,33 @@ class SplitViT(nn.Module):
         per_cell = [g / 4 ** (geometry.levels - 1 - level) for level, g in enumerate(grids)]
         return self._fill_fine(per_cell, leaves, geometry)
 
-    @torch.no_grad()
-    def relevance(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """The model's own relevance of every non-finest node: the last block's
-        attention from the class token (or all queries) at full resolution, summed
-        over the node's area. Used to teach the learned policy."""
-        full = [torch.ones(images.shape[0], *self.geometry_for(tuple(images.shape[-2:])).grid(level), dtype=torch.bool, device=images.device)
+    def relevance(self, images: torch.Tensor, method: str = "attention", target: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The model's own relevance of every non-finest node, from a full-resolution
+        pass, summed over the node's area. Used to teach the learned policy.
+
+        ``attention``: the last block's attention from the class token (or all
+        queries). ``gradient``: gradient x input saliency of the target (or
+        predicted) class score with respect to each fine token's embedding.
+        """
+        geometry = self.geometry_for(tuple(images.shape[-2:]))
+        full = [torch.ones(images.shape[0], *geometry.grid(level), dtype=torch.bool, device=images.device)
                 for level in range(self.levels - 1)]
-        out = self.forward(images, decisions=full, return_attention=True)
-        return nodes_mass(out.extras["fine_attention"], self.geometry_for(tuple(images.shape[-2:])))
+        if method == "attention":
+            with torch.no_grad():
+                fine = self.forward(images, decisions=full, return_attention=True).extras["fine_attention"]
+        elif method == "gradient":
+            embeds = _LevelEmbeddings(self, images, geometry)
+            with torch.enable_grad():
+                tokens = embeds[self.levels - 1].detach().requires_grad_(True)
+                embeds._cache[self.levels - 1] = tokens
+                logits = self.forward(images, decisions=full, embeddings=embeds).logits
+                cls = (target if target is not None else logits.argmax(1)).unsqueeze(1)
+                score = logits.gather(1, cls).sum()
+                (grad,) = torch.autograd.grad(score, tokens)
+            fine = (grad * tokens.detach()).sum(-1).abs()
+        else:
+            raise ValueError(f"relevance method must be 'attention' or 'gradient', got {method!r}")
+        return nodes_mass(fine.detach(), geometry)
 
 
 class _LevelEmbeddings:
