@@ -63,6 +63,8 @@ def _add_viz(sub) -> None:
     p.add_argument("--checkpoint", help="a SplitViT checkpoint (SplitViT.save); without it a fresh model is built")
     p.add_argument("--policy", help="policy to draw (default: the checkpoint's, or entropy)")
     p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
+    p.add_argument("--dataset", default="synthetic", help="dataset the images come from (its val split)")
+    p.add_argument("--root", help="dataset folder or shard URI, for datasets read from files")
     p.add_argument("--count", type=int, default=8, help="number of images")
     p.add_argument("--seed", type=int, default=1, help="dataset seed of the images drawn")
     p.add_argument("--out", default="split_maps.png", help="PNG to write")
@@ -83,7 +85,7 @@ def parse_thresholds(text: str | None) -> list[float] | None:
 def _run_viz(args) -> int:
     import torch
 
-    from .data.synthetic import SyntheticObjects
+    from .data import build_dataset
     from .demo import build_demo_model
     from .model import SplitViT
     from .viz import split_map_grid
@@ -95,8 +97,12 @@ def _run_viz(args) -> int:
         model = build_demo_model(args.policy or "entropy")
     model.eval()
     size = model.geometry.image_size[0]
-    data = SyntheticObjects(args.count, image_size=size, seed=args.seed)
-    images = torch.stack([data[i][0] for i in range(args.count)])
+    options = {"num_samples": args.count} if args.dataset == "synthetic" else {}
+    if args.root:
+        options["uri" if args.dataset == "parquet" else "root"] = args.root
+    data = build_dataset(args.dataset, "val", image_size=size, seed=args.seed, **options)
+    count = min(args.count, len(data))
+    images = torch.stack([data[i][0] for i in range(count)])
     with torch.no_grad():
         out = model(images, thresholds=parse_thresholds(args.thresholds))
     captions = [f"{int(t)} tok" for t in out.tokens]
@@ -131,7 +137,153 @@ def _run_bench(args) -> int:
     return 0
 
 
-COMMANDS: list[Callable] = [_add_demo, _add_viz, _add_bench]
+# ---------------------------------------------------------------------- data
+def _add_data(sub) -> None:
+    p = sub.add_parser("data", help="convert datasets to parquet shards and push them to S3")
+    dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    prep = dsub.add_parser("prepare", help="write a dataset split as parquet shards to a folder or s3://bucket/prefix")
+    prep.add_argument("dataset", help="dataset name (see splitvit.data.DATASET_NAMES)")
+    prep.add_argument("--split", default="train", choices=["train", "val", "test"])
+    prep.add_argument("--out", required=True, help="output folder or s3://bucket/prefix")
+    prep.add_argument("--image-size", type=int, default=64, help="side of the stored images")
+    prep.add_argument("--seed", type=int, default=0, help="dataset seed")
+    prep.add_argument("--root", help="dataset folder (imagefolder, ade20k, Fashion-MNIST files) or shard URI (parquet)")
+    prep.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                      help="extra dataset option, repeatable (e.g. clutter_fraction=0.5)")
+    prep.add_argument("--limit", type=int, help="write only the first N items")
+    prep.add_argument("--rows-per-shard", type=int, default=1000)
+    prep.add_argument("--workers", type=int, default=0, help="DataLoader workers that decode items in parallel")
+    prep.add_argument("--strict", action="store_true", help="stop at a corrupt file instead of skipping it")
+    prep.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    prep.add_argument("--json", help="write the figures to this JSON file")
+    prep.set_defaults(func=_run_data_prepare)
+    push = dsub.add_parser("push", help="upload a local folder (e.g. prepared shards) to s3://bucket/prefix with boto3")
+    push.add_argument("source", help="local folder")
+    push.add_argument("destination", help="s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL)")
+    push.add_argument("--json", help="write the figures to this JSON file")
+    push.set_defaults(func=_run_data_push)
+
+
+def _run_data_prepare(args) -> int:
+    from .data import build_dataset, write_shards
+    from .storage import StorageError
+
+    options: dict[str, Any] = {}
+    for text in args.option:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option: expected KEY=VALUE, got {text!r}")
+        try:
+            options[key] = json.loads(value)  # numbers, true/false, null
+        except json.JSONDecodeError:
+            options[key] = value
+    if args.root:
+        options["uri" if args.dataset == "parquet" else "root"] = args.root
+    if args.strict and args.dataset in ("imagefolder", "ade20k", "parquet"):
+        options["strict"] = True
+    try:
+        dataset = build_dataset(args.dataset, args.split, image_size=args.image_size, seed=args.seed, **options)
+        result = write_shards(
+            dataset, args.out, args.rows_per_shard, limit=args.limit, strict=args.strict, overwrite=args.overwrite,
+            num_workers=args.workers, progress=sys.stderr.isatty(),
+            metadata={"dataset": args.dataset, "split": args.split, "seed": args.seed, "options": options},
+        )
+    except StorageError as exc:
+        print(f"splitvit data prepare: error: {exc}", file=sys.stderr)
+        return 2
+    payload = {"dataset": args.dataset, "split": args.split, **result.as_dict()}
+    payload.pop("extra", None)
+    print(f"wrote {result.rows} rows ({result.task}) in {len(result.shards)} shards, {result.bytes} bytes, "
+          f"to {result.uri} in {result.seconds:.1f}s; skipped {result.skipped} corrupt")
+    for path in result.skipped_files:
+        print(f"  skipped: {path}")
+    print(f"manifest: {result.manifest}")
+    write_json(args.json, payload)
+    return 0
+
+
+def _run_data_push(args) -> int:
+    from .storage import StorageError, is_s3, upload_dir
+
+    if not is_s3(args.destination):
+        raise ValueError(f"destination must be s3://bucket/prefix, got {args.destination!r}")
+    try:
+        result = upload_dir(args.source, args.destination)
+    except StorageError as exc:
+        print(f"splitvit data push: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"pushed {result.files} files, {result.bytes} bytes, from {result.source} to {result.destination} "
+          f"in {result.seconds:.1f}s")
+    write_json(args.json, result.as_dict())
+    return 0
+
+
+# ---------------------------------------------------------------------- train / eval
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train an experiment with Ray Train (config YAML + key=value overrides), tracked in MLflow")
+    p.add_argument("config", help="experiment YAML (e.g. jobs/configs/smoke.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.epochs=3 storage.name=run1")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--json", help="write final metrics, checkpoint URI and MLflow run id to this JSON file")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args) -> int:
+    from .config import load_config
+    from .train.ray_trainer import TrainingError, run_training
+
+    config = load_config(args.config, args.overrides)  # a ConfigError stops here, before Ray
+    print(f"run {config.storage.name}: storage {config.storage.run_uri()}")
+    try:
+        result = run_training(config, ray_address=args.address)
+    except TrainingError as exc:
+        print(f"splitvit train: error: {exc}", file=sys.stderr)
+        return 1
+    keys = [k for k in ("accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s", "train_loss") if k in result.metrics]
+    _print_table([{"metric": k, "value": result.metrics[k]} for k in keys], ["metric", "value"])
+    print(f"status: {result.status}")
+    print(f"checkpoint: {result.checkpoint_uri}")
+    if result.mlflow_run_id:
+        print(f"mlflow run: {result.mlflow_run_id} ({result.tracking_uri})")
+    if result.mlflow_model_uri:
+        print(f"mlflow model: {result.mlflow_model_uri}")
+    write_json(args.json, result.to_dict())
+    if result.status != "completed":
+        print(f"splitvit train: error: run {result.status}: {result.message}; last good checkpoint {result.checkpoint_uri}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a training checkpoint (local or s3://): accuracy or mIoU, tokens, images/s")
+    p.add_argument("checkpoint", help="checkpoint folder or its model.pt, local or s3://bucket/...")
+    p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
+    p.add_argument("--policy", help="evaluate with this split policy instead of the checkpoint's")
+    p.add_argument("--split", default="val", choices=["val", "test"], help="data split of the experiment's dataset")
+    p.add_argument("--batch-size", type=int, help="evaluation batch size (default: the experiment's)")
+    p.add_argument("--samples", type=int, help="number of images (default: the experiment's split size)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args) -> int:
+    from .train.evaluation import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        args.checkpoint, thresholds=parse_thresholds(args.thresholds), policy=args.policy, split=args.split,
+        batch_size=args.batch_size, samples=args.samples, device=args.device,
+    )
+    quality = "miou" if "miou" in result else "accuracy"
+    _print_table([{"metric": k, "value": result[k]} for k in (quality, "tokens_per_image", "token_ratio", "images_per_s")],
+                 ["metric", "value"])
+    print(f"policy {result['policy']}, thresholds {result['thresholds']}, {result['images']} {args.split} images")
+    write_json(args.json, result)
+    return 0
+
+
+COMMANDS: list[Callable] = [_add_demo, _add_viz, _add_bench, _add_data, _add_train, _add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,590 @@
+"""Experiment configuration: one YAML file per experiment, ``key=value`` overrides.
+
+A config has six sections (DESIGN §5): ``model``, ``data``, ``train``, ``scaling``,
+``storage`` and ``tracking``. :func:`load_config` reads the YAML, applies dotted
+overrides (``train.epochs=3``, ``model.timm_kwargs.embed_dim=64``), checks every
+value's type and range, and runs the model's own validators (quadtree geometry,
+split thresholds, the SPLIT loss settings) — all before any Ray work starts. Any
+problem raises :class:`ConfigError`, whose message names the key::
+
+    config error: train.lambda_budget: must be >= 0, got -1.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import time
+import types
+import typing
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SECTIONS = ("model", "data", "train", "scaling", "storage", "tracking")
+DEFAULT_RUNS_DIR = "runs"
+# Keys whose values are never logged, stored in checkpoints or printed.
+SECRET_KEY_PATTERN = re.compile(r"key|secret|token|password|passwd|credential|auth", re.IGNORECASE)
+REDACTED = "***"
+
+
+class ConfigError(ValueError):
+    """A bad experiment setting. ``key`` is the dotted key, ``reason`` what is wrong."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"config error: {key}: {reason}")
+
+
+# ---------------------------------------------------------------------- sections
+@dataclass
+class ModelConfig:
+    """The SplitViT to train (see :meth:`splitvit.model.SplitViT.from_timm`).
+
+    Attributes:
+        name: timm model name (a ``VisionTransformer``), e.g. ``vit_tiny_patch16_224``.
+        timm_kwargs: further ``timm.create_model`` arguments (``embed_dim``, ``depth``,
+            ``num_heads``, ``patch_size``...); the ViT's patch size is the finest patch.
+        levels: quadtree levels ``L``.
+        policy: ``learned``, ``entropy``, ``random``, ``full`` or ``coarse``.
+        policy_depth: ViT blocks the learned policy runs on the coarse tokens.
+        thresholds: per-level split thresholds in ``[0, 1]`` (one number: every level).
+        task: ``classification`` or ``dense``.
+        num_classes: classifier (or per-pixel) classes.
+        image_size: input side in pixels; a multiple of the coarsest patch.
+        pretrained: load timm's pretrained weights (needs the hub).
+        checkpoint_path: local pretrained weights for ``name`` (no hub needed).
+        length_buckets: encode variable-length sequences in this many length groups.
+    """
+
+    name: str = "vit_tiny_patch16_224"
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)
+    levels: int = 3
+    policy: str = "learned"
+    policy_depth: int = 2
+    thresholds: float | list[float] = 0.5
+    task: str = "classification"
+    num_classes: int = 10
+    image_size: int = 64
+    pretrained: bool = False
+    checkpoint_path: str | None = None
+    length_buckets: int = 1
+
+    def build(self, pretrained: bool | None = None):
+        """Build the :class:`~splitvit.model.SplitViT` this section describes."""
+        from .model import SplitViT
+
+        return SplitViT.from_timm(
+            self.name,
+            levels=self.levels,
+            policy=self.policy,
+            pretrained=self.pretrained if pretrained is None else pretrained,
+            checkpoint_path=self.checkpoint_path,
+            image_size=self.image_size,
+            num_classes=self.num_classes,
+            timm_kwargs=dict(self.timm_kwargs),
+            thresholds=self.thresholds,
+            policy_depth=self.policy_depth,
+            task=self.task,
+            length_buckets=self.length_buckets,
+        )
+
+
+@dataclass
+class DataConfig:
+    """Dataset and loader settings (see :func:`splitvit.data.build_dataset`).
+
+    Attributes:
+        name: dataset name (``synthetic``, ...).
+        options: dataset keyword arguments (e.g. ``train_samples``, ``object_size``).
+        batch_size: training batch size *per worker*.
+        eval_batch_size: evaluation batch size per worker (default: ``batch_size``).
+        num_workers: DataLoader worker processes per training worker.
+        seed: dataset and shuffling seed.
+        val_split: split evaluated every epoch (``val`` or ``test``).
+    """
+
+    name: str = "synthetic"
+    options: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    num_workers: int = 0
+    seed: int = 0
+    val_split: str = "val"
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and SPLIT objective settings.
+
+    Attributes:
+        epochs: training epochs.
+        lr: AdamW peak learning rate.
+        weight_decay: AdamW weight decay.
+        lr_warmup_steps: linear learning-rate warm-up in optimizer steps; when unset,
+            ``lr_warmup_epochs`` epochs' worth of steps.
+        lr_warmup_epochs: learning-rate warm-up in epochs (fractions allowed).
+        grad_clip: max gradient norm (0 disables clipping).
+        amp: bf16 autocast on CUDA (ignored on CPU).
+        max_failures: worker-group failures Ray Train recovers from (resuming from
+            the latest checkpoint); -1 for no limit.
+        lambda_budget, target_ratio, penalty, teacher_weight, teacher, warmup_epochs,
+        warmup_min_split: the SPLIT objective (:class:`splitvit.train.steps.SplitLossConfig`).
+    """
+
+    epochs: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    lr_warmup_steps: int | None = None
+    lr_warmup_epochs: float = 1.0
+    grad_clip: float = 1.0
+    amp: bool = True
+    max_failures: int = 2
+    lambda_budget: float = 1.0
+    target_ratio: float = 0.5
+    penalty: str = "squared"
+    teacher_weight: float = 1.0
+    teacher: str = "gradient"
+    warmup_epochs: int = 1
+    warmup_min_split: float = 0.3
+
+    def loss_config(self):
+        """The :class:`~splitvit.train.steps.SplitLossConfig` of these settings."""
+        from .train.steps import SplitLossConfig
+
+        names = {f.name for f in dataclasses.fields(SplitLossConfig)}
+        return SplitLossConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+
+@dataclass
+class ScalingConfig:
+    """How many Ray Train workers, on what.
+
+    Attributes:
+        num_workers: training workers (one DDP rank each).
+        use_gpu: one GPU per worker (NCCL); CPU training uses gloo.
+        resources_per_worker: Ray resources per worker, e.g. ``{CPU: 4, GPU: 1}``.
+        placement_strategy: Ray placement group strategy (``PACK``, ``SPREAD``...).
+    """
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    placement_strategy: str = "PACK"
+
+
+@dataclass
+class StorageConfig:
+    """Where Ray Train persists checkpoints and results.
+
+    Attributes:
+        path: a local folder (default ``./runs``) or ``s3://bucket/prefix``. A
+            multi-node cluster needs storage every node reaches (S3, NFS).
+        name: the run's name; re-running with the same name and path resumes from
+            its latest checkpoint. Default: the config file's stem, a timestamp and
+            a random tail (a new run each time).
+        num_to_keep: checkpoints kept (newest first); ``None`` keeps all.
+    """
+
+    path: str = DEFAULT_RUNS_DIR
+    name: str | None = None
+    num_to_keep: int | None = None
+
+    @property
+    def is_remote(self) -> bool:
+        """True for a URI storage path (``s3://...``)."""
+        return "://" in self.path and not self.path.startswith("file://")
+
+    def resolved_path(self) -> str:
+        """The storage path as Ray gets it: an absolute local path or the URI."""
+        if self.is_remote:
+            return self.path.rstrip("/")
+        path = self.path[len("file://") :] if self.path.startswith("file://") else self.path
+        return str(Path(path).expanduser().resolve())
+
+    def run_uri(self) -> str:
+        """The run's folder: ``<path>/<name>``."""
+        return f"{self.resolved_path()}/{self.name}"
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking.
+
+    Attributes:
+        enabled: log to MLflow.
+        tracking_uri: MLflow tracking URI. Default: ``$MLFLOW_TRACKING_URI`` when set,
+            else a local SQLite store ``sqlite:///<runs dir>/mlflow.db`` with
+            artifacts under ``<runs dir>/mlartifacts``.
+        experiment: MLflow experiment name.
+        split_map_images: validation images drawn in the per-epoch split map (0: none).
+        log_model: log the final model with ``mlflow.pytorch.log_model``.
+    """
+
+    enabled: bool = True
+    tracking_uri: str | None = None
+    experiment: str = "splitvit"
+    split_map_images: int = 8
+    log_model: bool = True
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole experiment. Build it with :func:`load_config` or :meth:`from_dict`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, overrides: list[str] | None = None, *, default_name: str = "experiment") -> "ExperimentConfig":
+        """Build and validate a config from a plain dict plus ``key=value`` overrides.
+
+        Raises :class:`ConfigError` naming the first bad key.
+        """
+        raw = _deep_copy(raw or {})
+        if not isinstance(raw, dict):
+            raise ConfigError("<root>", f"expected a mapping of sections, got {type(raw).__name__}")
+        for item in overrides or []:
+            apply_override(raw, item)
+        config = _build_dataclass(cls, raw, "")
+        if config.storage.name is None:
+            # the time for people, a random tail so two runs started together never share a folder
+            config.storage.name = f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        validate(config)
+        return config
+
+    def to_dict(self, redact: bool = True) -> dict[str, Any]:
+        """Nested plain dict; secret-looking values replaced by ``***`` unless ``redact=False``."""
+        data = dataclasses.asdict(self)
+        return redact_secrets(data) if redact else data
+
+    def flat(self, redact: bool = True) -> dict[str, Any]:
+        """Dotted-key view (``train.lr``), for MLflow params."""
+        return flatten(self.to_dict(redact=redact))
+
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI this experiment logs to (see :class:`TrackingConfig`)."""
+        if self.tracking.tracking_uri:
+            return self.tracking.tracking_uri
+        env = os.environ.get("MLFLOW_TRACKING_URI")
+        if env:
+            return env
+        return f"sqlite:///{self.local_runs_dir()}/mlflow.db"
+
+    def local_runs_dir(self) -> str:
+        """Local folder for the embedded MLflow store: the storage folder, or ``./runs``
+        when checkpoints go to S3."""
+        if self.storage.is_remote:
+            return str(Path(DEFAULT_RUNS_DIR).resolve())
+        return self.storage.resolved_path()
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read an experiment YAML, apply ``key=value`` overrides, validate.
+
+    Raises :class:`ConfigError` (a ``ValueError``) naming the bad key, or
+    ``FileNotFoundError`` when ``path`` does not exist.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), f"not valid YAML: {exc}") from None
+    return ExperimentConfig.from_dict(raw, overrides, default_name=path.stem)
+
+
+# ---------------------------------------------------------------------- overrides
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` to a raw config dict (value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(item, "override must look like key=value (e.g. train.epochs=3)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(key or item, "override key must be a dotted name like train.epochs")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text  # not YAML: keep the text, the type check decides
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------- typing
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(hint))
+        return f"{origin.__name__}[{args}]"
+    if hint is type(None):
+        return "null"
+    if hint is Any:
+        return "any"
+    return getattr(hint, "__name__", str(hint))
+
+
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """``value`` checked against the type ``hint`` (ints accepted for floats)."""
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # PyYAML (YAML 1.1) reads 1e-3 as a string: it wants 1.0e-3
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (arg,) = typing.get_args(hint)
+            return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            _, arg = typing.get_args(hint)
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ConfigError(f"{key}.{k}", "keys must be strings")
+                out[k] = _coerce(v, arg, f"{key}.{k}")
+            return out
+    else:  # pragma: no cover - a hint this module does not use
+        raise TypeError(f"unsupported config type {hint!r} for {key}")
+    raise ConfigError(key, f"expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
+
+
+def _build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "<root>"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(where, f"expected a mapping, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; expected one of {', '.join(names)}"
+            raise ConfigError(f"{prefix}{key}", f"unknown key{hint}")
+    kwargs = {}
+    for name in names:
+        if name not in raw:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build_dataclass(hint, raw[name], f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(raw[name], hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------- validation
+def _require(ok: bool, key: str, reason: str) -> None:
+    if not ok:
+        raise ConfigError(key, reason)
+
+
+def _strip_name(message: str, name: str) -> str:
+    """``"lambda_budget must be >= 0"`` -> ``"must be >= 0"`` (the key says the name)."""
+    for prefix in (f"{name}: ", f"{name} "):
+        if message.startswith(prefix):
+            return message[len(prefix) :]
+    return message
+
+
+def validate(config: ExperimentConfig) -> None:
+    """Range and consistency checks, the model's own validators included.
+
+    Raises :class:`ConfigError` naming the key. Builds the model on PyTorch's
+    ``meta`` device (no memory, no weights, no download) so every check the
+    model makes runs here, before Ray starts.
+    """
+    m, d, t, s, st, tr = config.model, config.data, config.train, config.scaling, config.storage, config.tracking
+    # --- train (ranges of the SPLIT objective come from SplitLossConfig itself)
+    _require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
+    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    _require(t.lr_warmup_steps is None or t.lr_warmup_steps >= 0, "train.lr_warmup_steps", f"must be >= 0, got {t.lr_warmup_steps}")
+    _require(t.lr_warmup_epochs >= 0, "train.lr_warmup_epochs", f"must be >= 0, got {t.lr_warmup_epochs}")
+    _require(t.max_failures >= -1, "train.max_failures", f"must be >= 0, or -1 for no limit, got {t.max_failures}")
+    try:
+        t.loss_config()
+    except ValueError as exc:
+        message = str(exc)
+        from .train.steps import SplitLossConfig
+
+        # longest first: "teacher_weight ..." must not be read as "teacher ..."
+        for name in sorted((f.name for f in dataclasses.fields(SplitLossConfig)), key=len, reverse=True):
+            if message.startswith(name):
+                raise ConfigError(f"train.{name}", _strip_name(message, name)) from None
+        raise ConfigError("train", message) from None
+    # --- data
+    from .data import DATASET_NAMES
+
+    _require(d.name in DATASET_NAMES, "data.name", f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}")
+    _require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
+    _require(d.eval_batch_size is None or d.eval_batch_size >= 1, "data.eval_batch_size", f"must be >= 1, got {d.eval_batch_size}")
+    _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
+    _require(d.val_split in ("val", "test"), "data.val_split", f"must be val or test, got {d.val_split!r}")
+    for key in d.options:
+        _require(key != "image_size", "data.options.image_size", "set the image size with model.image_size")
+    # --- scaling
+    _require(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
+    for key, value in s.resources_per_worker.items():
+        _require(value >= 0, f"scaling.resources_per_worker.{key}", f"must be >= 0, got {value}")
+    _require(s.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "scaling.placement_strategy",
+             f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}")
+    # --- storage
+    if st.is_remote:
+        _require(st.path.startswith("s3://") and len(st.path) > len("s3://"), "storage.path",
+                 f"must be a local folder or s3://bucket/prefix, got {st.path!r}")
+    _require(bool(st.name) and "/" not in st.name and st.name not in (".", ".."), "storage.name",
+             f"must be a plain folder name (no '/'), got {st.name!r}")
+    _require(st.num_to_keep is None or st.num_to_keep >= 1, "storage.num_to_keep", f"must be >= 1 or null, got {st.num_to_keep}")
+    # --- tracking
+    _require(bool(tr.experiment), "tracking.experiment", "must not be empty")
+    _require(tr.split_map_images >= 0, "tracking.split_map_images", f"must be >= 0, got {tr.split_map_images}")
+    # --- model: the model's own validators, errors mapped to keys
+    _validate_model(m)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    import timm
+    import torch
+
+    from .model import POLICY_NAMES, QuadtreeGeometry, validate_thresholds
+    from .model.splitvit import TASKS
+
+    _require(timm.is_model(m.name), "model.name", f"unknown timm model {m.name!r}")
+    _require(m.policy in POLICY_NAMES, "model.policy", f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
+    _require(m.task in TASKS, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
+    _require(m.num_classes >= 1, "model.num_classes", f"must be >= 1, got {m.num_classes}")
+    _require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
+    _require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
+    _require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
+    if m.checkpoint_path is not None:
+        _require(Path(m.checkpoint_path).expanduser().is_file(), "model.checkpoint_path", f"file {m.checkpoint_path} does not exist")
+    try:
+        validate_thresholds(m.thresholds, m.levels)
+    except ValueError as exc:
+        raise ConfigError("model.thresholds", _strip_name(str(exc), "thresholds")) from None
+    # The ViT alone, on the meta device: its patch size decides the quadtree geometry.
+    create = dict(m.timm_kwargs, img_size=m.image_size, num_classes=m.num_classes)
+    try:
+        with torch.device("meta"):
+            vit = timm.create_model(m.name, pretrained=False, **create)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+        key = f"model.timm_kwargs.{bad.group(1)}" if bad else "model.timm_kwargs"
+        raise ConfigError(key, f"timm.create_model({m.name!r}) rejected it: {exc}") from None
+    patch = vit.patch_embed.patch_size[0] if hasattr(vit, "patch_embed") else None
+    if patch is not None:
+        try:
+            QuadtreeGeometry(m.image_size, patch, m.levels)
+        except ValueError as exc:
+            raise ConfigError("model.image_size", str(exc)) from None
+    depth = len(getattr(vit, "blocks", []))
+    _require(0 <= m.policy_depth <= depth, "model.policy_depth", f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}")
+    try:
+        # whatever else SplitViT checks; weights are loaded on the workers, not here
+        with torch.device("meta"):
+            dataclasses.replace(m, checkpoint_path=None).build(pretrained=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("model", str(exc)) from None
+
+
+# ---------------------------------------------------------------------- flattening
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def is_secret_key(key: str) -> bool:
+    """True for names that look like they hold credentials (key, secret, token, password...)."""
+    last = str(key).rsplit(".", 1)[-1]
+    return bool(SECRET_KEY_PATTERN.search(last))
+
+
+_URI_USERINFO = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^@/]+)@")
+_QUERY_SECRET = re.compile(r"(?P<name>[?&][^=&]*(?:key|secret|token|password|credential)[^=&]*=)(?P<value>[^&]*)", re.IGNORECASE)
+
+
+def redact_uri(uri: str) -> str:
+    """A URI with its password (``user:pass@``) and secret query values replaced by ``***``."""
+    if not isinstance(uri, str):
+        return uri
+    match = _URI_USERINFO.match(uri)
+    if match:
+        user = match.group("userinfo").split(":", 1)[0]
+        uri = f"{match.group('scheme')}{user}:{REDACTED}@{uri[match.end():]}" if ":" in match.group("userinfo") else uri
+    return _QUERY_SECRET.sub(lambda m: m.group("name") + REDACTED, uri)
+
+
+def redact_secrets(data: Any, key: str = "") -> Any:
+    """Copy of ``data`` with secret-named values replaced and URIs' passwords removed."""
+    if isinstance(data, dict):
+        return {k: (REDACTED if is_secret_key(k) and v is not None else redact_secrets(v, k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact_secrets(v, key) for v in data]
+    if isinstance(data, str):
+        return redact_uri(data)
+    return data

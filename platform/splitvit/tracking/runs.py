@@ -1,0 +1,255 @@
+"""One MLflow run per training run: params, per-epoch metrics, split maps, the model.
+
+The driver opens (or, for a run resumed under the same name, re-opens) the run and
+logs the flattened config as params; rank 0 of the Ray Train workers attaches to it
+by id and logs per-epoch metrics, split-map images, final metrics and the model;
+the driver closes it with the outcome. These writers never overlap in time, so
+the embedded SQLite store (which dislikes concurrent writers) is safe.
+
+Secrets never reach the store: params and tags go through
+:func:`splitvit.config.redact_secrets`, and URIs lose their passwords.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import REDACTED, is_secret_key, redact_uri
+
+log = logging.getLogger(__name__)
+
+RUN_URI_TAG = "splitvit.run_uri"
+STATUS_TAG = "splitvit.status"
+MODEL_ID_TAG = "splitvit.model_id"
+CHECKPOINT_TAG = "splitvit.checkpoint"
+EPOCH_MARKER = "epoch"  # the metric whose history says which epochs are logged
+MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+MAX_TAG_LENGTH = 5000
+PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch
+
+
+def _client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def prepare_store(tracking_uri: str) -> str | None:
+    """Make the folder of a local SQLite store; return the artifact root that belongs
+    next to it (``<db folder>/mlartifacts``), or ``None`` for a server (it decides)."""
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///") :])
+        db.parent.mkdir(parents=True, exist_ok=True)
+        return (db.parent.resolve() / "mlartifacts").as_uri()
+    return None
+
+
+def ensure_experiment(tracking_uri: str, name: str) -> str:
+    """The id of experiment ``name``, created (with local artifacts for a local store) if missing."""
+    from mlflow.exceptions import MlflowException
+
+    artifact_root = prepare_store(tracking_uri)
+    client = _client(tracking_uri)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage == "deleted":
+            client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+    location = f"{artifact_root}/{name}" if artifact_root else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:
+        # created meanwhile by another driver
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def safe_params(params: dict[str, Any]) -> dict[str, str]:
+    """Param values as MLflow strings: secrets masked, URIs without passwords, long values cut."""
+    out = {}
+    for key, value in params.items():
+        if is_secret_key(key) and value is not None:
+            text = REDACTED
+        else:
+            text = redact_uri(value) if isinstance(value, str) else ("null" if value is None else str(value))
+        out[key] = text[:MAX_PARAM_LENGTH]
+    return out
+
+
+def safe_tags(tags: dict[str, Any]) -> dict[str, str]:
+    """Tag values as strings: secret-named tags masked, URIs without passwords, long values cut."""
+    return {k: REDACTED if is_secret_key(k) else redact_uri(str(v))[:MAX_TAG_LENGTH] for k, v in tags.items()}
+
+
+@dataclass
+class RunTracker:
+    """A handle on one MLflow run; picklable (it holds ids only), so it travels to
+    Ray workers in the training loop's config."""
+
+    tracking_uri: str
+    experiment_id: str
+    run_id: str
+
+    # ------------------------------------------------------------------ driver
+    @classmethod
+    def open(
+        cls,
+        tracking_uri: str,
+        experiment: str,
+        run_uri: str,
+        run_name: str,
+        params: dict[str, Any],
+        tags: dict[str, str] | None = None,
+    ) -> tuple["RunTracker", bool]:
+        """Open the run of ``run_uri`` (the Ray run folder), or create it.
+
+        A run already tagged with ``run_uri`` (a training run re-started under the
+        same name) is re-opened, so its epochs continue the same metric history.
+        Returns ``(tracker, resumed)``. Params are logged once; a resumed run with
+        changed settings records the changes as the tag ``splitvit.changed_on_resume``.
+        """
+        from mlflow.entities import Param, RunTag
+
+        client = _client(tracking_uri)
+        experiment_id = ensure_experiment(tracking_uri, experiment)
+        safe_uri = redact_uri(run_uri)
+        quoted = safe_uri.replace("\\", "\\\\").replace("'", "\\'")
+        found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_URI_TAG}` = '{quoted}'",
+                                   max_results=1, order_by=["attributes.start_time DESC"])
+        all_tags = {RUN_URI_TAG: safe_uri, STATUS_TAG: "running", **safe_tags(tags or {})}
+        values = safe_params(params)
+        if found:
+            run = found[0]
+            tracker = cls(tracking_uri, experiment_id, run.info.run_id)
+            client.update_run(run.info.run_id, status="RUNNING")
+            old = run.data.params
+            changed = {k: [old.get(k), v] for k, v in values.items() if old.get(k) != v}
+            new = [Param(k, v) for k, v in values.items() if k not in old]
+            if changed:
+                import json
+
+                all_tags["splitvit.changed_on_resume"] = json.dumps({k: c for k, c in changed.items() if c[0] is not None})
+            tracker._log_params(new)
+            client.log_batch(run.info.run_id, tags=[RunTag(k, v[:MAX_TAG_LENGTH]) for k, v in all_tags.items()])
+            log.info("resumed MLflow run %s (%s)", run.info.run_id, safe_uri)
+            return tracker, True
+        run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+        tracker = cls(tracking_uri, experiment_id, run.info.run_id)
+        tracker._log_params([Param(k, v) for k, v in values.items()])
+        log.info("opened MLflow run %s (%s)", run.info.run_id, safe_uri)
+        return tracker, False
+
+    def _log_params(self, params: list) -> None:
+        client = _client(self.tracking_uri)
+        for start in range(0, len(params), PARAMS_PER_BATCH):
+            client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_BATCH])
+
+    def close(self, status: str, tags: dict[str, str] | None = None) -> None:
+        """End the run: ``status`` is ``completed`` (MLflow FINISHED), ``diverged`` or
+        ``failed`` (FAILED), or ``interrupted`` (KILLED)."""
+        mlflow_status = {"completed": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
+        client = _client(self.tracking_uri)
+        self.set_tags({STATUS_TAG: status, **(tags or {})})
+        client.set_terminated(self.run_id, status=mlflow_status)
+
+    # ------------------------------------------------------------------ rank 0
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Set run tags (values with passwords removed; secret-named tags masked)."""
+        from mlflow.entities import RunTag
+
+        safe = [RunTag(k, v) for k, v in safe_tags(tags).items()]
+        _client(self.tracking_uri).log_batch(self.run_id, tags=safe)
+
+    def logged_epochs(self) -> set[int]:
+        """Epochs whose metrics are already in the run."""
+        history = _client(self.tracking_uri).get_metric_history(self.run_id, EPOCH_MARKER)
+        return {m.step for m in history}
+
+    def log_epoch(self, epoch: int, metrics: dict[str, float]) -> bool:
+        """Log one epoch's metrics at ``step=epoch``, once: an epoch already logged
+        (before a worker restart) is skipped. Returns True when it logged."""
+        from mlflow.entities import Metric
+
+        if epoch in self.logged_epochs():
+            return False
+        now = int(time.time() * 1000)
+        values = {**{k: float(v) for k, v in metrics.items() if _is_number(v)}, EPOCH_MARKER: float(epoch)}
+        # the marker goes last: a batch is one transaction, but keep the order meaningful anyway
+        batch = [Metric(k, v, now, epoch) for k, v in values.items() if k != EPOCH_MARKER]
+        batch.append(Metric(EPOCH_MARKER, float(epoch), now, epoch))
+        _client(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+        return True
+
+    def log_final(self, metrics: dict[str, float], prefix: str = "final_") -> None:
+        """Final figures as ``final_<name>`` metrics (no step)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(f"{prefix}{k}", float(v), now, 0) for k, v in metrics.items() if _is_number(v)]
+        if batch:
+            _client(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+
+    def has_final(self, prefix: str = "final_") -> bool:
+        """True when :meth:`log_final` has logged figures to this run."""
+        metrics = _client(self.tracking_uri).get_run(self.run_id).data.metrics
+        return any(k.startswith(prefix) for k in metrics)
+
+    def log_image(self, image, artifact_file: str) -> None:
+        """Log a PIL image as a PNG artifact (e.g. ``split_maps/epoch_0003.png``)."""
+        _client(self.tracking_uri).log_image(self.run_id, image, artifact_file=artifact_file)
+
+    def log_dict(self, data: dict[str, Any], artifact_file: str) -> None:
+        """Log a JSON artifact."""
+        _client(self.tracking_uri).log_dict(self.run_id, data, artifact_file)
+
+    def logged_model_id(self) -> str | None:
+        """The id of the model logged by :meth:`log_model`, if any."""
+        return _client(self.tracking_uri).get_run(self.run_id).data.tags.get(MODEL_ID_TAG)
+
+    def log_model(self, model, name: str = "model", params: dict[str, Any] | None = None) -> str:
+        """Log ``model`` (a ``torch.nn.Module``) as an MLflow 3 logged model linked to
+        this run, once; returns its ``models:/<id>`` URI.
+
+        The ``splitvit`` package goes with it (``code_paths``), so the model loads
+        wherever torch and timm are installed.
+        """
+        import mlflow
+        import mlflow.pytorch
+        import timm
+        import torch
+
+        import splitvit
+
+        existing = self.logged_model_id()
+        if existing:
+            return f"models:/{existing}"
+        client = _client(self.tracking_uri)
+        # The logged model is created here, in this run's experiment: log_model alone
+        # would file it under the process's active experiment.
+        logged = client.create_logged_model(self.experiment_id, name=name, source_run_id=self.run_id,
+                                            params=safe_params(params or {}))
+        # mlflow.pytorch.log_model resolves its store from the global tracking URI.
+        mlflow.set_tracking_uri(self.tracking_uri)
+        info = mlflow.pytorch.log_model(
+            model,
+            name=name,
+            model_id=logged.model_id,
+            run_id=self.run_id,
+            code_paths=[str(Path(splitvit.__file__).parent)],
+            # pickle, not pt2: the quadtree forward is data-dependent and does not export
+            serialization_format="pickle",
+            # explicit requirements: inferring them loads the model in a subprocess
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"timm=={timm.__version__}", "pillow", "numpy"],
+        )
+        self.set_tags({MODEL_ID_TAG: logged.model_id})
+        return info.model_uri
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,75 @@
+"""Ray for tests: one local Ray instance shared by the whole session.
+
+``ray_session`` (session scope) starts it on first use and shuts it down at the
+end; ``ray_local`` (function scope) hands it to a test, starting it again if a
+test that needed a cluster of its own (``ray.cluster_utils.Cluster``) shut it
+down. ``mlflow_uri`` is one embedded SQLite tracking store the training tests
+share (creating one runs MLflow's migrations, which takes seconds).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+RAY_CPUS = 4  # two 2-worker fits' worth; logical CPUs, the machine may have fewer
+
+
+class RaySession:
+    """Starts the shared local Ray instance and restarts it when needed."""
+
+    def __init__(self) -> None:
+        self.starts = 0
+
+    def ensure(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=RAY_CPUS, include_dashboard=False)
+            self.starts += 1
+
+    def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session(request):
+    """The session's local Ray instance (started once, shut down at the end)."""
+    # Ray's processes keep the environment they start with; the Train controller and
+    # workers must see the session's S3 endpoint, so it comes up first when present.
+    try:
+        request.getfixturevalue("s3_endpoint")
+    except pytest.FixtureLookupError:
+        pass
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # Ray Train's controller commits a report at its next poll of the workers (2 s by
+    # default); tiny test epochs wait on that, so poll more often (the driver's value
+    # is passed on to the controller)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    session = RaySession()
+    session.ensure()
+    yield session
+    session.shutdown()
+
+
+@pytest.fixture
+def ray_local(ray_session):
+    """The shared Ray instance, (re)started if a previous test shut it down."""
+    ray_session.ensure()
+    return ray_session
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory):
+    """An embedded MLflow store (SQLite, local artifacts) shared by the session's tests."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from splitvit.tracking import ensure_experiment
+
+    folder = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{folder}/mlflow.db"
+    ensure_experiment(uri, "tests")  # runs the schema migrations once
+    return uri

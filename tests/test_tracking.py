@@ -1,0 +1,140 @@
+"""MLflow tracking against a real embedded store (SQLite + local artifacts), read back
+with MlflowClient: params, per-epoch metrics logged once, images, the logged model,
+run status, and no secrets anywhere."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from mlflow import MlflowClient  # noqa: E402
+
+from splitvit.config import ExperimentConfig  # noqa: E402
+from splitvit.tracking import RunTracker  # noqa: E402
+
+SECRETS = ("AKIAEXAMPLESECRET", "s3cr3t-t0ken", "hunter2")
+
+
+def _tiny_model(policy: str = "learned"):
+    from splitvit.model import SplitViT
+
+    torch.manual_seed(0)
+    return SplitViT.from_timm("vit_tiny_patch16_224", levels=2, policy=policy, image_size=16, num_classes=3,
+                              timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1}, policy_depth=1)
+
+
+def _open(uri: str, run_uri: str, params: dict, tags: dict | None = None):
+    return RunTracker.open(uri, "tests", run_uri, Path(run_uri).name, params=params, tags=tags)
+
+
+def test_open_logs_params_without_secrets_and_resumes_same_run(mlflow_uri, caplog):
+    cfg = ExperimentConfig.from_dict({
+        "data": {"options": {"aws_secret_access_key": SECRETS[0], "session_token": SECRETS[1]}},
+        "tracking": {"tracking_uri": f"https://bob:{SECRETS[2]}@mlflow.example"},
+    })
+    run_uri = f"/runs/{uuid.uuid4().hex}"
+    with caplog.at_level(logging.DEBUG):
+        tracker, resumed = _open(mlflow_uri, run_uri, cfg.flat(),
+                                 tags={"source": f"https://bob:{SECRETS[2]}@git.example/repo", "api_key": SECRETS[0]})
+    assert not resumed
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(tracker.run_id)
+    assert run.data.params["train.epochs"] == str(cfg.train.epochs)
+    assert run.data.params["model.levels"] == str(cfg.model.levels)
+    assert run.data.params["data.options.aws_secret_access_key"] == "***"
+    assert run.data.tags["splitvit.run_uri"] == run_uri
+    stored = repr(run.data.params) + repr(run.data.tags) + caplog.text
+    for secret in SECRETS:
+        assert secret not in stored
+    assert run.info.status == "RUNNING"
+
+    tracker.close("completed")
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    # the same run folder re-opens the same MLflow run; a changed setting is recorded, not lost
+    changed = dict(cfg.flat(), **{"train.epochs": cfg.train.epochs + 5})
+    again, resumed = _open(mlflow_uri, run_uri, changed)
+    assert resumed and again.run_id == tracker.run_id
+    run = client.get_run(again.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.params["train.epochs"] == str(cfg.train.epochs)
+    assert '"train.epochs"' in run.data.tags["splitvit.changed_on_resume"]
+    # another folder, another run
+    other, resumed = _open(mlflow_uri, run_uri + "-b", cfg.flat())
+    assert not resumed and other.run_id != tracker.run_id
+
+
+def test_epochs_are_logged_once_and_images_land_as_png(mlflow_uri):
+    from PIL import Image
+
+    tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {"a": 1})
+    assert tracker.log_epoch(0, {"accuracy": 0.5, "tokens_per_image": 10.0, "flag": True})
+    assert tracker.log_epoch(1, {"accuracy": 0.75, "tokens_per_image": 9.0})
+    # a restarted worker re-logging epoch 1 must not duplicate it
+    assert not tracker.log_epoch(1, {"accuracy": 0.1, "tokens_per_image": 1.0})
+    client = MlflowClient(mlflow_uri)
+    history = client.get_metric_history(tracker.run_id, "accuracy")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(0, 0.5), (1, 0.75)]
+    assert "flag" not in client.get_run(tracker.run_id).data.metrics  # booleans are not figures
+    assert tracker.logged_epochs() == {0, 1}
+
+    assert not tracker.has_final()
+    tracker.log_final({"accuracy": 0.75})
+    assert tracker.has_final()
+    assert client.get_run(tracker.run_id).data.metrics["final_accuracy"] == 0.75
+
+    tracker.log_image(Image.new("RGB", (8, 8), (255, 0, 0)), "split_maps/epoch_0001.png")
+    files = [f.path for f in client.list_artifacts(tracker.run_id, "split_maps")]
+    assert files == ["split_maps/epoch_0001.png"]
+    local = client.download_artifacts(tracker.run_id, "split_maps/epoch_0001.png")
+    assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_logged_model_loads_back_and_matches(mlflow_uri):
+    import mlflow.pytorch
+
+    tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {"a": 1})
+    model = _tiny_model().eval()
+    uri = tracker.log_model(model, params={"levels": 2})
+    assert uri.startswith("models:/")
+    assert tracker.log_model(model) == uri  # logged once, even when asked again
+    loaded = mlflow.pytorch.load_model(uri).eval()
+    images = torch.rand(3, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(images).logits, model(images).logits)
+    logged = MlflowClient(mlflow_uri).get_logged_model(uri.split("/", 1)[1])
+    assert logged.source_run_id == tracker.run_id and logged.experiment_id == tracker.experiment_id
+
+
+def test_close_statuses(mlflow_uri):
+    client = MlflowClient(mlflow_uri)
+    for status, expected in (("completed", "FINISHED"), ("diverged", "FAILED"), ("interrupted", "KILLED")):
+        tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+        tracker.close(status, tags={"note": "x"})
+        run = client.get_run(tracker.run_id)
+        assert run.info.status == expected and run.data.tags["splitvit.status"] == status
+
+
+def test_experiment_gets_local_artifacts_next_to_the_store(mlflow_uri):
+    from splitvit.tracking import ensure_experiment
+
+    folder = Path(mlflow_uri[len("sqlite:///"):]).parent
+    experiment_id = ensure_experiment(mlflow_uri, "local-artifacts")
+    assert ensure_experiment(mlflow_uri, "local-artifacts") == experiment_id
+    location = MlflowClient(mlflow_uri).get_experiment(experiment_id).artifact_location
+    assert location == (folder / "mlartifacts" / "local-artifacts").as_uri()
+    assert (folder / "mlflow.db").is_file()
+
+
+@pytest.mark.parametrize("key", ["aws_access_key_id", "GITHUB_TOKEN", "db_password", "client_secret"])
+def test_secret_names(key):
+    from splitvit.tracking import safe_params
+
+    assert safe_params({key: "value"}) == {key: "***"}
+    assert safe_params({"storage.path": "s3://b/p", "x": None}) == {"storage.path": "s3://b/p", "x": "null"}

@@ -1,0 +1,326 @@
+"""Ray Train (V2) fits of a tiny SPLIT model on synthetic data: real Ray, real MLflow.
+
+Every fit here is a few seconds of training; the cost is Ray starting worker
+processes. The two-node test needs a cluster of its own and runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from mlflow import MlflowClient  # noqa: E402
+
+from splitvit.cli import main  # noqa: E402
+from splitvit.config import ExperimentConfig  # noqa: E402
+from splitvit.model import SplitViT  # noqa: E402
+from splitvit.train.ray_trainer import run_training  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A 16x16 image, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens.
+TINY = {
+    "model": {"name": "vit_tiny_patch16_224", "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+              "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4, "policy": "learned"},
+    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
+    "train": {"epochs": 2, "lr": 0.002, "warmup_epochs": 1, "max_failures": 2},
+    "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+    "tracking": {"experiment": "tests", "split_map_images": 4},
+}
+
+
+def tiny_config(tmp_path: Path, mlflow_uri: str, name: str, overrides: list[str] | None = None) -> ExperimentConfig:
+    raw = json.loads(json.dumps(TINY))
+    raw["storage"] = {"path": str(tmp_path / "runs"), "name": name}
+    raw["tracking"]["tracking_uri"] = mlflow_uri
+    return ExperimentConfig.from_dict(raw, overrides)
+
+
+def _write_yaml(path: Path, cfg: ExperimentConfig) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg.to_dict(redact=False)))
+    return path
+
+
+# ---------------------------------------------------------------------- epoch hooks (run on the workers)
+class CrashOnce:
+    """Kill worker ``rank``'s process at the start of ``epoch``, the first time only."""
+
+    def __init__(self, marker: str, epoch: int = 1, rank: int = 1) -> None:
+        self.marker, self.epoch, self.rank = marker, epoch, rank
+
+    def __call__(self, epoch, rank, model):
+        if epoch == self.epoch and rank == self.rank and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os._exit(1)
+
+
+class PoisonAt:
+    """Fill rank 0's classifier with NaN at ``epoch``: its loss is no longer finite."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __call__(self, epoch, rank, model):
+        if epoch == self.epoch and rank == 0:
+            with torch.no_grad():
+                model.vit.head.weight.fill_(float("nan"))
+
+
+class RecordPlacement:
+    """Write each worker's Ray node id and a checksum of its parameters, at the start of
+    every epoch, into ``folder/epoch<e>_rank<r>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, epoch, rank, model):
+        import ray
+
+        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+        record = {"node": ray.get_runtime_context().get_node_id(), "params": checksum}
+        Path(self.folder, f"epoch{epoch}_rank{rank}.json").write_text(json.dumps(record))
+
+
+# ---------------------------------------------------------------------- pieces, without Ray
+@pytest.mark.parametrize("task", ["classification", "dense"])
+def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
+    """The step module runs the whole SPLIT step (policy teacher + model forward) in
+    one forward, the way DDP calls it; figures combine unchanged on one worker."""
+    from splitvit.data import build_dataset
+    from splitvit.train.ray_trainer import SplitStep, _combine_eval
+    from splitvit.train.steps import evaluate
+
+    cfg = ExperimentConfig.from_dict(dict(json.loads(json.dumps(TINY)), model=dict(TINY["model"], task=task)))
+    model = cfg.model.build()
+    step = SplitStep(model, cfg.train.loss_config())
+    images = torch.rand(4, 3, 16, 16)
+    target = torch.randint(0, 4, (4, 16, 16) if task == "dense" else (4,))
+    policy_weight = model.policy.heads[0][1].weight
+    for epoch in (0, 1):  # random warm-up splits, then the policy's
+        model.zero_grad(set_to_none=True)
+        loss, stats = step(images, target, epoch, torch.Generator().manual_seed(0))
+        loss.backward()
+        assert torch.isfinite(loss)
+        if epoch < cfg.train.warmup_epochs:
+            # warm-up leaves the policy without gradient: why DDP needs find_unused_parameters
+            assert policy_weight.grad is None
+        else:
+            assert "teacher_loss" in stats and "budget_penalty" in stats
+            assert policy_weight.grad is not None and policy_weight.grad.abs().sum() > 0
+    if task == "dense":
+        data = torch.utils.data.TensorDataset(torch.rand(8, 3, 16, 16), torch.randint(0, 4, (8, 16, 16)))
+    else:
+        data = build_dataset("synthetic", "val", image_size=16, num_samples=8, object_size=4)
+    figures = evaluate(model, torch.utils.data.DataLoader(data, batch_size=4), num_classes=4)
+    combined = _combine_eval(figures, task, torch.device("cpu"))
+    quality = "miou" if task == "dense" else "accuracy"
+    assert combined[quality] == pytest.approx(figures[quality])
+    assert combined["tokens_per_image"] == pytest.approx(figures["tokens_per_image"])
+    assert combined["val_images"] == 8
+
+
+# ---------------------------------------------------------------------- a fit through the CLI
+@pytest.fixture(scope="module")
+def trained(ray_session, mlflow_uri, tmp_path_factory):
+    """`splitvit train` on two CPU workers, two epochs."""
+    ray_session.ensure()
+    tmp = tmp_path_factory.mktemp("fit")
+    cfg = tiny_config(tmp, mlflow_uri, "cli-fit")
+    config_file = _write_yaml(tmp / "tiny.yaml", cfg)
+    out = tmp / "result.json"
+    rc = main(["train", str(config_file), "--json", str(out)])
+    assert rc == 0
+    return {"result": json.loads(out.read_text()), "config": config_file, "tmp": tmp, "uri": mlflow_uri}
+
+
+def test_two_worker_fit_is_tracked_in_mlflow(trained):
+    result, client = trained["result"], MlflowClient(trained["uri"])
+    assert result["status"] == "completed" and result["start_epoch"] == 0
+    assert result["checkpoint_uri"].endswith("cli-fit/checkpoint_epoch0001")
+    for key in ("accuracy", "tokens_per_image", "token_ratio", "images_per_s", "train_loss"):
+        assert key in result["metrics"]
+    assert 4 <= result["metrics"]["tokens_per_image"] <= 16
+
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["train.epochs"] == "2" and params["scaling.num_workers"] == "2"
+    assert params["model.timm_kwargs.embed_dim"] == "16" and params["train.lambda_budget"] == "1.0"
+    for key in ("accuracy", "tokens_per_image", "token_ratio", "images_per_s", "train_loss"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == [0, 1], key
+    assert run.data.metrics["final_accuracy"] == pytest.approx(result["metrics"]["accuracy"])
+    assert run.data.tags["splitvit.checkpoint"] == result["checkpoint_uri"]
+
+    maps = sorted(f.path for f in client.list_artifacts(run.info.run_id, "split_maps"))
+    assert maps == ["split_maps/epoch_0000.png", "split_maps/epoch_0001.png"]
+    png = Path(client.download_artifacts(run.info.run_id, maps[-1])).read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+    import mlflow
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(trained["uri"])  # models:/<id> resolves in the run's store
+    model = mlflow.pytorch.load_model(result["mlflow_model_uri"]).eval()
+    with torch.no_grad():
+        out = model(torch.rand(2, 3, 16, 16))
+    assert out.logits.shape == (2, 4)
+
+
+def test_checkpoint_holds_model_optimizer_and_rng(trained):
+    folder = Path(trained["result"]["checkpoint_uri"])
+    model = SplitViT.load(folder / "model.pt")
+    payload = torch.load(folder / "model.pt", weights_only=False)
+    assert payload["epoch"] == 1 and model.levels == 2
+    assert payload["metrics"]["accuracy"] == pytest.approx(trained["result"]["metrics"]["accuracy"])
+    state = torch.load(folder / "train_state.pt", weights_only=False)
+    assert state["epoch"] == 1 and state["optimizer"]["state"] and state["scheduler"]["last_epoch"] == state["global_step"]
+    for rank in (0, 1):
+        rng = torch.load(folder / f"rng_rank{rank}.pt", weights_only=False)
+        assert {"torch", "numpy", "python", "generator"} <= set(rng)
+    # the two workers drew different random warm-up splits
+    r0 = torch.load(folder / "rng_rank0.pt", weights_only=False)["generator"]
+    r1 = torch.load(folder / "rng_rank1.pt", weights_only=False)["generator"]
+    assert not torch.equal(r0, r1)
+
+
+def test_eval_command_on_the_checkpoint(trained, capsys):
+    ckpt = trained["result"]["checkpoint_uri"]
+    out = trained["tmp"] / "eval.json"
+    assert main(["eval", ckpt, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    for key in ("accuracy", "tokens_per_image", "token_ratio", "images_per_s"):
+        assert key in printed and key in figures
+    assert figures["images"] == 32 and figures["policy"] == "learned"
+    # thresholds 0: every node splits (16 tokens); 1: none does (4 tokens)
+    assert main(["eval", ckpt, "--thresholds", "0", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["tokens_per_image"] == 16
+    assert main(["eval", ckpt + "/model.pt", "--thresholds", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["tokens_per_image"] == 4
+    assert main(["eval", ckpt, "--policy", "coarse", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["token_ratio"] == 0.25
+    capsys.readouterr()
+    assert main(["eval", ckpt, "--thresholds", "1.5"]) == 2
+    assert "thresholds[0] = 1.5 is outside [0, 1]" in capsys.readouterr().err
+    assert main(["eval", str(trained["tmp"] / "missing")]) == 2
+
+
+def test_bad_input_errors_before_ray_and_keeps_earlier_results(trained, monkeypatch, capsys):
+    """A bad override on an existing run stops with the key named; checkpoints and the
+    MLflow run written earlier are untouched."""
+    import ray.train.torch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a Ray fit started despite the bad config")
+
+    monkeypatch.setattr(ray.train.torch.TorchTrainer, "fit", forbidden)
+    run_dir = Path(trained["result"]["run_uri"])
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file())
+    client = MlflowClient(trained["uri"])
+    run_before = client.get_run(trained["result"]["mlflow_run_id"])
+    runs_before = len(client.search_runs([run_before.info.experiment_id]))
+    for bad, message in (("train.lambda_budget=-1", "config error: train.lambda_budget: must be >= 0, got -1.0"),
+                         ("model.thresholds=[2.0]", "config error: model.thresholds: thresholds[0] = 2.0 is outside [0, 1]"),
+                         ("model.image_size=18", "config error: model.image_size: image size 18x18")):
+        assert main(["train", str(trained["config"]), bad]) == 2
+        assert message in capsys.readouterr().err
+    after = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file())
+    assert after == before
+    run_after = client.get_run(run_before.info.run_id)
+    assert run_after.info.status == "FINISHED" and run_after.data.metrics == run_before.data.metrics
+    assert len(client.search_runs([run_before.info.experiment_id])) == runs_before
+
+
+# ---------------------------------------------------------------------- fault tolerance, S3
+def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_local, mlflow_uri, s3_bucket, tmp_path):
+    """Checkpoints go to s3:// on the local endpoint. A worker killed at the start of
+    epoch 1 makes Ray restart the group from epoch 0's S3 checkpoint; every epoch is
+    logged once. Re-running under the same name (one more epoch, one worker) resumes
+    from the S3 checkpoint and continues the same MLflow run."""
+    import boto3
+
+    storage = f"s3://{s3_bucket}/experiments"
+    marker = tmp_path / "crashed"
+    overrides = [f"storage.path={storage}", "train.epochs=2", "tracking.log_model=false"]
+    first = run_training(tiny_config(tmp_path, mlflow_uri, "on-s3", overrides),
+                         epoch_hook=CrashOnce(str(marker), epoch=1, rank=1))
+    assert marker.exists(), "the worker was never killed"
+    assert first.status == "completed"
+    assert first.start_epoch == 1  # the last attempt resumed after epoch 0's checkpoint
+    assert first.checkpoint_uri == f"{storage}/on-s3/checkpoint_epoch0001"
+    keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=s3_bucket)["Contents"]}
+    for epoch in (0, 1):
+        for name in ("model.pt", "train_state.pt", "rng_rank0.pt", "rng_rank1.pt"):
+            assert f"experiments/on-s3/checkpoint_epoch{epoch:04d}/{name}" in keys
+    assert not (tmp_path / "runs" / "on-s3").exists()  # nothing went to the local folder
+    client = MlflowClient(mlflow_uri)
+    for key in ("epoch", "accuracy", "train_loss"):
+        steps = sorted(m.step for m in client.get_metric_history(first.mlflow_run_id, key))
+        assert steps == [0, 1], key  # every epoch once: none lost, none repeated
+    assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
+
+    second = run_training(tiny_config(tmp_path, mlflow_uri, "on-s3", overrides + ["train.epochs=3", "scaling.num_workers=1"]))
+    assert second.status == "completed" and second.start_epoch == 2
+    assert second.checkpoint_uri == f"{storage}/on-s3/checkpoint_epoch0002"
+    assert second.mlflow_run_id == first.mlflow_run_id
+    assert sorted(m.step for m in client.get_metric_history(second.mlflow_run_id, "epoch")) == [0, 1, 2]
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", second.checkpoint_uri, "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["images"] == 32 and figures["epoch"] == 2
+
+
+def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(ray_local, mlflow_uri, tmp_path):
+    cfg = tiny_config(tmp_path, mlflow_uri, "nan", ["train.epochs=2"])
+    result = run_training(cfg, epoch_hook=PoisonAt(epoch=1))
+    assert result.status == "diverged"
+    assert "non-finite loss" in result.message
+    assert result.start_epoch == 0  # not retried: a NaN is not a worker failure
+    assert result.checkpoint_uri.endswith("checkpoint_epoch0000")
+    model = SplitViT.load(Path(result.checkpoint_uri) / "model.pt")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not list(Path(result.run_uri).glob("checkpoint_epoch0001"))
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FAILED" and run.data.tags["splitvit.status"] == "diverged"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "epoch")) == [0]
+    assert "splitvit.model_id" not in run.data.tags
+
+
+# ---------------------------------------------------------------------- two nodes (last: own cluster)
+def test_two_node_cluster_fit(mlflow_uri, tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()  # the shared instance goes; the ray_local fixture starts it again if needed
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len(nodes) == 2
+        seen = tmp_path / "nodes"
+        seen.mkdir()
+        cfg = tiny_config(tmp_path, mlflow_uri, "two-nodes", ["train.epochs=2", "tracking.enabled=false"])
+        result = run_training(cfg, epoch_hook=RecordPlacement(str(seen)))
+        assert result.status == "completed" and result.checkpoint_uri.endswith("checkpoint_epoch0001")
+        records = {p.stem: json.loads(p.read_text()) for p in seen.iterdir()}
+        assert set(records) == {"epoch0_rank0", "epoch0_rank1", "epoch1_rank0", "epoch1_rank1"}
+        assert {records["epoch0_rank0"]["node"], records["epoch0_rank1"]["node"]} == nodes  # one worker per node
+        # DDP kept the replicas identical through a training epoch on different shards
+        assert records["epoch1_rank0"]["params"] == records["epoch1_rank1"]["params"]
+        assert records["epoch1_rank0"]["params"] != records["epoch0_rank0"]["params"]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
