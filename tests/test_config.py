@@ -165,3 +165,11 @@ def test_cli_config_error_comes_before_any_ray_work(tmp_path, monkeypatch, capsy
     assert rc == 2
     assert "config error: train.lambda_budget: must be >= 0, got -1.0" in err
     assert not runs.exists()
+
+
+def test_thresholds_auto_or_numbers_only():
+    from splitvit.config import ConfigError, ExperimentConfig
+
+    assert ExperimentConfig.from_dict({}, ["model.thresholds=auto"]).model.thresholds == "auto"
+    with pytest.raises(ConfigError, match=r"model.thresholds: must be numbers in \[0, 1\] or 'auto', got 'sometimes'"):
+        ExperimentConfig.from_dict({}, ["model.thresholds=sometimes"])

@@ -43,6 +43,9 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------- sections
+#: ``model.thresholds`` value that calibrates thresholds to ``train.target_ratio``.
+AUTO_THRESHOLDS = "auto"
+
 @dataclass
 class ModelConfig:
     """The SplitViT to train (see :meth:`splitvit.model.SplitViT.from_timm`).
@@ -54,7 +57,9 @@ class ModelConfig:
         levels: quadtree levels ``L``.
         policy: ``learned``, ``entropy``, ``random``, ``full`` or ``coarse``.
         policy_depth: ViT blocks the learned policy runs on the coarse tokens.
-        thresholds: per-level split thresholds in ``[0, 1]`` (one number: every level).
+        thresholds: per-level split thresholds in ``[0, 1]`` (one number: every level),
+            or ``auto``: after every epoch the thresholds are calibrated on validation
+            images so the model meets ``train.target_ratio`` (the checkpoint keeps them).
         task: ``classification`` or ``dense``.
         num_classes: classifier (or per-pixel) classes.
         image_size: input side in pixels; a multiple of the coarsest patch.
@@ -68,7 +73,7 @@ class ModelConfig:
     levels: int = 3
     policy: str = "learned"
     policy_depth: int = 2
-    thresholds: float | list[float] = 0.5
+    thresholds: float | list[float] | str = "auto"
     task: str = "classification"
     num_classes: int = 10
     image_size: int = 64
@@ -89,7 +94,7 @@ class ModelConfig:
             image_size=self.image_size,
             num_classes=self.num_classes,
             timm_kwargs=dict(self.timm_kwargs),
-            thresholds=self.thresholds,
+            thresholds=0.5 if self.thresholds == AUTO_THRESHOLDS else self.thresholds,
             policy_depth=self.policy_depth,
             task=self.task,
             length_buckets=self.length_buckets,
@@ -516,8 +521,12 @@ def _validate_model(m: ModelConfig) -> None:
     _require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
     if m.checkpoint_path is not None:
         _require(Path(m.checkpoint_path).expanduser().is_file(), "model.checkpoint_path", f"file {m.checkpoint_path} does not exist")
+    if isinstance(m.thresholds, str):
+        _require(m.thresholds == AUTO_THRESHOLDS, "model.thresholds",
+                 f"must be numbers in [0, 1] or {AUTO_THRESHOLDS!r}, got {m.thresholds!r}")
     try:
-        validate_thresholds(m.thresholds, m.levels)
+        if m.thresholds != AUTO_THRESHOLDS:
+            validate_thresholds(m.thresholds, m.levels)
     except ValueError as exc:
         raise ConfigError("model.thresholds", _strip_name(str(exc), "thresholds")) from None
     # The ViT alone, on the meta device: its patch size decides the quadtree geometry.

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..config import ExperimentConfig, redact_uri
+from ..config import AUTO_THRESHOLDS, ExperimentConfig, redact_uri
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
 from .checkpoints import (
@@ -48,7 +48,7 @@ from .checkpoints import (
     write_metrics,
 )
 from .local import warmup_cosine
-from .steps import SplitLossConfig, evaluate, training_step
+from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,18 @@ class SplitStep(nn.Module):
         return training_step(self.model, images, target, self.loss, epoch, generator)
 
 
+def _calibrate_thresholds(model, val_loader: DataLoader, target_ratio: float, device: torch.device) -> None:
+    """``model.thresholds: auto``: thresholds that meet the token budget on this
+    worker's first validation batch, averaged over workers so every rank (and the
+    checkpoint) holds the same values."""
+    batch = next(iter(val_loader), None)
+    local = calibrate_thresholds(model, batch[0].to(device), target_ratio) if batch is not None else None
+    weight = 0.0 if local is None else 1.0
+    values = _all_reduce([*(local or [0.0] * (model.levels - 1)), weight], device=device)
+    if values[-1] > 0:
+        model.set_thresholds([v / values[-1] for v in values[:-1]])
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
@@ -420,6 +432,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         metrics = {f"train_{k}": v / steps_all for k, v in zip(keys, sums)}
         metrics["train_images_per_s"] = seen_all / slowest
         metrics["lr"] = scheduler.get_last_lr()[0]
+        if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
+            _calibrate_thresholds(model, val_loader, tc.target_ratio, device)
         if len(val_shard):
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
                 figures = evaluate(model, val_loader, num_classes=mc.num_classes)
