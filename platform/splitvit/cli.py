@@ -166,7 +166,6 @@ def _add_data(sub) -> None:
 
 def _run_data_prepare(args) -> int:
     from .data import build_dataset, write_shards
-    from .storage import StorageError
 
     options: dict[str, Any] = {}
     for text in args.option:
@@ -181,16 +180,12 @@ def _run_data_prepare(args) -> int:
         options["uri" if args.dataset == "parquet" else "root"] = args.root
     if args.strict and args.dataset in ("imagefolder", "ade20k", "parquet"):
         options["strict"] = True
-    try:
-        dataset = build_dataset(args.dataset, args.split, image_size=args.image_size, seed=args.seed, **options)
-        result = write_shards(
-            dataset, args.out, args.rows_per_shard, limit=args.limit, strict=args.strict, overwrite=args.overwrite,
-            num_workers=args.workers, progress=sys.stderr.isatty(),
-            metadata={"dataset": args.dataset, "split": args.split, "seed": args.seed, "options": options},
-        )
-    except StorageError as exc:
-        print(f"splitvit data prepare: error: {exc}", file=sys.stderr)
-        return 2
+    dataset = build_dataset(args.dataset, args.split, image_size=args.image_size, seed=args.seed, **options)
+    result = write_shards(
+        dataset, args.out, args.rows_per_shard, limit=args.limit, strict=args.strict, overwrite=args.overwrite,
+        num_workers=args.workers, progress=sys.stderr.isatty(),
+        metadata={"dataset": args.dataset, "split": args.split, "seed": args.seed, "options": options},
+    )
     payload = {"dataset": args.dataset, "split": args.split, **result.as_dict()}
     payload.pop("extra", None)
     print(f"wrote {result.rows} rows ({result.task}) in {len(result.shards)} shards, {result.bytes} bytes, "
@@ -203,15 +198,11 @@ def _run_data_prepare(args) -> int:
 
 
 def _run_data_push(args) -> int:
-    from .storage import StorageError, is_s3, upload_dir
+    from .storage import is_s3, upload_dir
 
     if not is_s3(args.destination):
         raise ValueError(f"destination must be s3://bucket/prefix, got {args.destination!r}")
-    try:
-        result = upload_dir(args.source, args.destination)
-    except StorageError as exc:
-        print(f"splitvit data push: error: {exc}", file=sys.stderr)
-        return 2
+    result = upload_dir(args.source, args.destination)
     print(f"pushed {result.files} files, {result.bytes} bytes, from {result.source} to {result.destination} "
           f"in {result.seconds:.1f}s")
     write_json(args.json, result.as_dict())
@@ -300,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"splitvit {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # bad input, missing files, storage (StorageError is an OSError)
+        name = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
+        print(f"splitvit {name}: error: {exc}", file=sys.stderr)
         return 2
 
 
