@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup data demo test bench clean
+.PHONY: setup data demo test bench clean stack-up stack-down
 
 setup: $(STAMP) data
 
@@ -31,6 +31,16 @@ test: setup
 
 bench: setup
 	$(BIN)/splitvit bench --json runs/bench/forward.json
+
+# The local stack (infra/local): a Ray head with its dashboard/job server on
+# 127.0.0.1:8265 and an MLflow server on 127.0.0.1:5000. STACK_ARGS passes options.
+STACK_ARGS ?=
+
+stack-up: setup
+	$(BIN)/splitvit stack up $(STACK_ARGS)
+
+stack-down:
+	@if [ -x $(BIN)/splitvit ]; then $(BIN)/splitvit stack down $(STACK_ARGS); else echo "no $(BIN)/splitvit: nothing to stop"; fi
 
 clean:
 	rm -rf runs .pytest_cache

@@ -274,7 +274,286 @@ def _run_eval(args) -> int:
     return 0
 
 
-COMMANDS: list[Callable] = [_add_demo, _add_viz, _add_bench, _add_data, _add_train, _add_eval]
+# ---------------------------------------------------------------------- sweep / pareto
+def _add_sweep(sub) -> None:
+    p = sub.add_parser("sweep", help="multi-objective sweep (Ray Tune + Optuna): accuracy up, tokens down; frontier in MLflow")
+    p.add_argument("space", help="search space YAML (e.g. search_spaces/smoke.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="repeatable; a config key fixes that value (train.epochs=1), any other key sets the space's "
+                        "settings (search.num_samples=3, stage_two.points=2)")
+    p.add_argument("--name", help="the sweep's folder under the storage path (default: the space's name and a timestamp; "
+                                  "with --resume, the latest sweep of this space)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep (Tuner.restore): finished trials "
+                                                         "are not run again, MLflow runs are not duplicated")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--json", help="write every point, the frontier, the hypervolume and the MLflow ids to this JSON file")
+    p.set_defaults(func=_run_sweep)
+
+
+def _frontier_table(points: list[dict[str, Any]], metric: str) -> None:
+    params = list(dict.fromkeys(k for p in points for k in (p.get("params") or {})))
+    rows = []
+    for p in points:
+        row = {"tokens/image": p["tokens_per_image"], metric: p[metric], "token ratio": p["token_ratio"], "kind": p["kind"],
+               "trial": p["trial_id"], "thresholds": ",".join(f"{t:.3f}" for t in p.get("thresholds") or [])}
+        row.update({k: v for k, v in (p.get("params") or {}).items()})
+        rows.append(row)
+    _print_table(rows, ["tokens/image", metric, "token ratio", "kind", "trial", "thresholds", *params])
+
+
+def _run_sweep(args) -> int:
+    from .tune import SweepError, run_sweep
+
+    # progress of the sweep (trials starting, epochs, trials finishing) is shown by default
+    logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        result = run_sweep(args.space, args.overrides, name=args.name, resume=args.resume, ray_address=args.address)
+    except SweepError as exc:
+        print(f"splitvit sweep: error: {exc}", file=sys.stderr)
+        return 1
+    data = result.to_dict()
+    metric = result.metric
+    counts: dict[str, int] = {}
+    for trial in result.trials:
+        counts[trial.status] = counts.get(trial.status, 0) + 1
+    print()
+    print(f"sweep {result.name}: {len(result.trials)} trials ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
+          f"{len(result.points)} points, {len(data['frontier'])} on the Pareto frontier")
+    print(f"hypervolume {result.hypervolume:.4f} (reference point: {metric} {result.reference_point['quality']:g}, "
+          f"token ratio {result.reference_point['token_ratio']:g})")
+    print(f"\nPareto frontier ({metric} vs tokens per image; searched parameters as columns):")
+    if data["frontier"]:
+        _frontier_table(data["frontier"], metric)
+    else:
+        print("  (empty: no trial completed)")
+    if result.baselines:
+        trial = result.baselines[0].get("trial_id", "?")
+        print(f"\nbaselines on trial {trial}'s backbone, same data:")
+        _print_table([{"baseline": b["label"], "tokens/image": b["tokens_per_image"], metric: b["quality"],
+                       "token ratio": b["token_ratio"]} for b in result.baselines],
+                     ["baseline", "tokens/image", metric, "token ratio"])
+    for trial in result.trials:
+        if trial.status in ("failed", "diverged"):
+            last = trial.error.strip().splitlines()[-1] if trial.error.strip() else ""
+            print(f"trial {trial.trial_id} {trial.status}: {last[:200]}")
+    print()
+    print(f"plot:           {result.plot}")
+    if result.split_map:
+        print(f"split maps:     {result.split_map}")
+    print(f"frontier table: {result.frontier_csv}")
+    print(f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), parent run {result.parent_run_id}")
+    print(f"open the UI:    {result.mlflow_ui_command()}")
+    print(f"                then {result.mlflow_url()}")
+    print(f"wall time:      {result.wall_time_s:.0f} s")
+    write_json(args.json, data)
+    if result.status != "completed":
+        print("splitvit sweep: error: no trial completed, so there is no frontier", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_pareto(sub) -> None:
+    p = sub.add_parser("pareto", help="print the Pareto frontier (accuracy vs tokens) of an MLflow experiment's sweeps")
+    p.add_argument("experiment", help="MLflow experiment name (e.g. smoke-sweep)")
+    p.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
+    p.add_argument("--sweep", help="only this sweep (its parent run id); default: every sweep of the experiment")
+    p.add_argument("--json", help="write the points, the frontier and the hypervolume to this JSON file")
+    p.set_defaults(func=_run_pareto)
+
+
+def _run_pareto(args) -> int:
+    from .tune import frontier_from_mlflow
+
+    data = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep)
+    metric = data["metric"]
+    print(f"experiment {data['experiment']!r} (id {data['experiment_id']}, {data['tracking_uri']}): "
+          f"{len(data['sweeps'])} sweep(s), {len(data['points'])} points, {len(data['frontier'])} on the frontier, "
+          f"hypervolume {data['hypervolume']:.4f}")
+    if data["frontier"]:
+        _frontier_table(data["frontier"], metric)
+    write_json(args.json, data)
+    return 0
+
+
+# ---------------------------------------------------------------------- submit / stack
+def _add_submit(sub) -> None:
+    from .submit import ENTRYPOINTS
+
+    p = sub.add_parser(
+        "submit", help="run train/sweep/eval as a Ray job (JobSubmissionClient): upload this checkout, follow the log, "
+                       "exit with the job's status",
+        description="Options before ENTRY belong to submit; after it, the job's arguments, except submit's own "
+                    "--address, --working-dir, --env, --pip, --tracking-uri, --submission-id, --log-lines and "
+                    "--no-wait, which may come anywhere. Exit status: 0 succeeded, 1 failed or stopped, "
+                    "2 not submitted (no cluster, bad arguments).")
+    p.add_argument("--address", help="Ray dashboard/job server, http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, "
+                                     "$RAY_ADDRESS, else the local stack)")
+    p.add_argument("--working-dir", default=".", help="the splitvit checkout to upload (default: .)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
+                   help="environment variable for the job, repeatable; KEY alone copies it from here")
+    p.add_argument("--pip", action="append", default=[], metavar="REQ", help="extra pip requirement for the job, repeatable")
+    p.add_argument("--tracking-uri", help="MLflow server the job logs to (default: $MLFLOW_TRACKING_URI, else the "
+                                          "local stack's when submitting there)")
+    p.add_argument("--submission-id", help="job id to use (default: Ray picks one)")
+    p.add_argument("--log-lines", type=int, default=40, help="lines of the job's log shown when it fails")
+    p.add_argument("--no-wait", action="store_true", help="submit, print the job id and return")
+    p.add_argument("--json", help="write the job id, status and runtime environment to this JSON file")
+    p.add_argument("entry", choices=list(ENTRYPOINTS), metavar="ENTRY", help="train, sweep or eval")
+    p.add_argument("job_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="the job's arguments, as for `splitvit ENTRY` (e.g. jobs/configs/smoke.yaml train.epochs=1)")
+    p.set_defaults(func=_run_submit)
+
+
+def _run_submit(args) -> int:
+    from .submit import JobFailed, SubmitError, parse_env, run_job, split_submit_options
+
+    trailing, job_args = split_submit_options(args.job_args)
+    for key, value in trailing.items():  # submit's options after the job's arguments
+        setattr(args, key, getattr(args, key) + value if key in ("env", "pip") else value)
+    try:
+        args.log_lines = int(args.log_lines)
+    except ValueError:
+        raise ValueError(f"--log-lines: expected a number, got {args.log_lines!r}") from None
+
+    if not args.verbose:
+        # Ray logs every packaging step of the upload at INFO (its SDK modules set their
+        # own level on import, so they are imported first)
+        import ray.job_submission  # noqa: F401
+
+        for name in ("ray", "ray.dashboard.modules.job.sdk", "ray.dashboard.modules.dashboard_sdk"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+    def submitted(job_id: str, address: str) -> None:
+        if args.no_wait:
+            return
+        print(f"job {job_id} submitted to {address}; following its log (Ctrl-C stops following, not the job)", flush=True)
+
+    def sink(chunk: str) -> None:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+
+    try:
+        result = run_job(
+            args.entry, job_args, address=args.address, working_dir=args.working_dir, env=parse_env(args.env),
+            pip=args.pip, tracking_uri=args.tracking_uri, submission_id=args.submission_id, wait=not args.no_wait,
+            sink=sink, log_lines=args.log_lines, on_submitted=submitted,
+        )
+    except JobFailed as exc:
+        print(f"splitvit submit: error: {exc}", file=sys.stderr)
+        write_json(args.json, exc.result.to_dict())
+        return 1
+    except SubmitError as exc:
+        where = f" (job {exc.job_id})" if exc.job_id else ""
+        print(f"splitvit submit: error{where}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nstopped following; the job keeps running (`ray job status`, `ray job stop` with its id)", file=sys.stderr)
+        return 130
+    if args.no_wait:
+        print(f"job {result.job_id} submitted to {result.address}")
+        print(f"follow it:  ray job logs -f {result.job_id} --address {result.address}")
+    else:
+        print(f"job {result.job_id} {result.status} in {result.duration_s:.0f}s")
+    if result.tracking_uri:
+        print(f"MLflow: {result.tracking_uri}")
+    write_json(args.json, result.to_dict())
+    return 0
+
+
+def _add_stack(sub) -> None:
+    p = sub.add_parser("stack", help="the local stack: a Ray head (dashboard, job server) and an MLflow server on 127.0.0.1")
+    ssub = p.add_subparsers(dest="stack_command", required=True, metavar="ACTION")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--state-dir", help="the stack's folder (default: $SPLITVIT_STACK_DIR, else ~/.splitvit/stack)")
+    common.add_argument("--json", help="write the stack's status to this JSON file")
+    upp = ssub.add_parser("up", parents=[common], help="start the stack, wait until it is healthy, write its addresses")
+    upp.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: loopback only)")
+    upp.add_argument("--dashboard-port", type=int, default=8265)
+    upp.add_argument("--mlflow-port", type=int, default=5000)
+    upp.add_argument("--ray-port", type=int, default=6379, help="Ray's GCS port")
+    upp.add_argument("--client-port", type=int, help="Ray client server port (default: a free one)")
+    upp.add_argument("--agent-port", type=int, help="Ray dashboard agent HTTP port (default: a free one)")
+    upp.add_argument("--num-cpus", type=int, help="CPUs the Ray head advertises (default: detected)")
+    upp.add_argument("--num-gpus", type=int, help="GPUs the Ray head advertises (default: detected)")
+    upp.add_argument("--backend-store-uri", help="MLflow backend store (default: SQLite in the state folder)")
+    upp.add_argument("--artifacts-destination", help="where MLflow stores artifacts (default: a folder in the state folder)")
+    upp.add_argument("--mlflow-workers", type=int, default=2)
+    upp.add_argument("--ray-temp-dir", help="Ray's temp folder (default: <state dir>/ray)")
+    upp.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for each component's health")
+    upp.set_defaults(func=_run_stack_up)
+    downp = ssub.add_parser("down", parents=[common], help="stop the stack's processes (Ray workers and jobs included)")
+    downp.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    downp.set_defaults(func=_run_stack_down)
+    statp = ssub.add_parser("status", parents=[common], help="report the stack's health (exit 1 when not healthy)")
+    statp.set_defaults(func=_run_stack_status)
+
+
+def _print_stack(status) -> None:
+    for c in status.components:
+        print(f"  {c.name:<15} {'ok  ' if c.healthy else 'FAIL'} {c.detail if not c.healthy else c.url}")
+    if status.state is not None:
+        s = status.state
+        print(f"Ray dashboard and job server: {s.dashboard_url}   (GCS {s.gcs_address})")
+        print(f"MLflow:                       {s.mlflow_url}   (store {s.backend_store_uri}, artifacts {s.artifacts_destination})")
+        print(f"runs folder:                  {s.storage_path}")
+        print(f"logs:                         {s.logs_dir}")
+        print(f"for ray job submit / MLflow:  source {Path(status.state_dir) / 'stack.env'}")
+
+
+def _run_stack_up(args) -> int:
+    from .stack import StackError, StackSettings, up
+
+    settings = StackSettings(
+        state_dir=Path(args.state_dir) if args.state_dir else None, host=args.host, dashboard_port=args.dashboard_port,
+        mlflow_port=args.mlflow_port, ray_port=args.ray_port, client_port=args.client_port, agent_port=args.agent_port,
+        num_cpus=args.num_cpus, num_gpus=args.num_gpus, backend_store_uri=args.backend_store_uri,
+        artifacts_destination=args.artifacts_destination, mlflow_workers=args.mlflow_workers,
+        ray_temp_dir=Path(args.ray_temp_dir) if args.ray_temp_dir else None, timeout_s=args.timeout,
+    )
+    try:
+        status = up(settings)
+    except StackError as exc:
+        print(f"splitvit stack up: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"stack {'already running' if status.already_running else 'up'} in {status.state_dir}: "
+          f"{'healthy' if status.healthy else 'NOT healthy'}")
+    _print_stack(status)
+    write_json(args.json, status.to_dict())
+    return 0 if status.healthy else 1
+
+
+def _run_stack_down(args) -> int:
+    from .stack import StackError, down
+
+    try:
+        report = down(args.state_dir, grace_s=args.grace)
+    except StackError as exc:
+        print(f"splitvit stack down: error: {exc}", file=sys.stderr)
+        return 1
+    if not report.was_running:
+        print(f"no stack runs in {report.state_dir}")
+    else:
+        print(f"stack in {report.state_dir} stopped: {report.stopped} processes ended, {report.killed} killed")
+        if report.ports_open:
+            print(f"splitvit stack down: error: ports still open: {report.ports_open}", file=sys.stderr)
+    write_json(args.json, report.to_dict())
+    return 0 if report.clean else 1
+
+
+def _run_stack_status(args) -> int:
+    from .stack import status as stack_status
+
+    status = stack_status(args.state_dir)
+    if status.state is None:
+        print(f"no stack runs in {status.state_dir} (start one with `splitvit stack up`)")
+    else:
+        print(f"stack in {status.state_dir}: {'healthy' if status.healthy else 'NOT healthy'}, {status.processes} processes")
+        _print_stack(status)
+    write_json(args.json, status.to_dict())
+    return 0 if status.healthy else 1
+
+
+COMMANDS: list[Callable] = [_add_demo, _add_viz, _add_bench, _add_data, _add_train, _add_eval, _add_sweep, _add_pareto, _add_submit, _add_stack]
 
 
 def build_parser() -> argparse.ArgumentParser:
