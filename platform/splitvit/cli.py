@@ -291,26 +291,46 @@ def _add_sweep(sub) -> None:
 
 
 def _frontier_table(points: list[dict[str, Any]], metric: str) -> None:
+    """Frontier points as a table; points that tie exactly (same tokens, same quality)
+    are shown once, with how many others share them (the JSON lists them all)."""
     params = list(dict.fromkeys(k for p in points for k in (p.get("params") or {})))
-    rows = []
+    shown: dict[tuple[float, float], dict[str, Any]] = {}
+    ties: dict[tuple[float, float], int] = {}
     for p in points:
+        key = (p["tokens_per_image"], p[metric])
+        if key in shown:
+            ties[key] += 1
+            continue
+        shown[key], ties[key] = p, 0
+    rows = []
+    for key, p in shown.items():
         row = {"tokens/image": p["tokens_per_image"], metric: p[metric], "token ratio": p["token_ratio"], "kind": p["kind"],
-               "trial": p["trial_id"], "thresholds": ",".join(f"{t:.3f}" for t in p.get("thresholds") or [])}
+               "trial": p["trial_id"], "eval thresholds": ",".join(f"{t:.3f}" for t in p.get("thresholds") or [])}
         row.update({k: v for k, v in (p.get("params") or {}).items()})
+        row["ties"] = f"+{ties[key]}" if ties[key] else ""
         rows.append(row)
-    _print_table(rows, ["tokens/image", metric, "token ratio", "kind", "trial", "thresholds", *params])
+    columns = ["tokens/image", metric, "token ratio", "kind", "trial", "eval thresholds", *params]
+    _print_table(rows, columns + (["ties"] if any(ties.values()) else []))
 
 
 def _run_sweep(args) -> int:
     from .tune import SweepError, run_sweep
 
+    import ray
+
     # progress of the sweep (trials starting, epochs, trials finishing) is shown by default
     logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    ours = not ray.is_initialized()
     try:
         result = run_sweep(args.space, args.overrides, name=args.name, resume=args.resume, ray_address=args.address)
     except SweepError as exc:
         print(f"splitvit sweep: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if ours and ray.is_initialized():
+            # Ray forwards the workers' last log lines late; ending it here keeps them
+            # above the summary, which is the last thing the command prints
+            ray.shutdown()
     data = result.to_dict()
     metric = result.metric
     counts: dict[str, int] = {}
@@ -342,8 +362,12 @@ def _run_sweep(args) -> int:
         print(f"split maps:     {result.split_map}")
     print(f"frontier table: {result.frontier_csv}")
     print(f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), parent run {result.parent_run_id}")
-    print(f"open the UI:    {result.mlflow_ui_command()}")
-    print(f"                then {result.mlflow_url()}")
+    command = result.mlflow_ui_command()
+    if command.startswith("mlflow ui"):
+        print(f"open the UI:    {command}")
+        print(f"                then {result.mlflow_url()}")
+    else:
+        print(f"open the UI:    {result.mlflow_url()}")
     print(f"wall time:      {result.wall_time_s:.0f} s")
     write_json(args.json, data)
     if result.status != "completed":
@@ -455,7 +479,7 @@ def _run_submit(args) -> int:
     else:
         print(f"job {result.job_id} {result.status} in {result.duration_s:.0f}s")
     if result.tracking_uri:
-        print(f"MLflow: {result.tracking_uri}")
+        print(f"MLflow: {result.to_dict()['tracking_uri']}")
     write_json(args.json, result.to_dict())
     return 0
 
