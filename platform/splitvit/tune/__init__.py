@@ -1,0 +1,19 @@
+"""Multi-objective sweeps: search spaces, the Tune + Optuna sweep, the Pareto frontier.
+
+* :func:`load_space` — read and validate a YAML search space (``search_spaces/``).
+* :func:`run_sweep` — the sweep: Ray Tune + Optuna over SPLIT training, threshold
+  sweeps on every checkpoint, baselines, the frontier and its hypervolume in MLflow.
+* :func:`frontier_from_mlflow` — an experiment's frontier, read back from MLflow.
+* :func:`pareto_indices`, :func:`hypervolume`, :func:`annotate` — the frontier math
+  (on Optuna's own multi-objective code).
+"""
+
+from .pareto import Point, annotate, best_point, dominates, frontier, hypervolume, pareto_indices
+from .space import Parameter, SearchSpace, SearchSpaceError, load_space, space_from_dict
+from .sweep import SweepError, SweepResult, TrialSummary, frontier_from_mlflow, frontier_rows, run_sweep
+
+__all__ = [
+    "Parameter", "Point", "SearchSpace", "SearchSpaceError", "SweepError", "SweepResult", "TrialSummary",
+    "annotate", "best_point", "dominates", "frontier", "frontier_from_mlflow", "frontier_rows", "hypervolume",
+    "load_space", "pareto_indices", "run_sweep", "space_from_dict",
+]

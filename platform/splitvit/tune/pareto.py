@@ -1,0 +1,155 @@
+"""The Pareto frontier of quality (accuracy or mIoU, maximised) versus tokens per
+image (minimised), and its hypervolume, on Optuna's own multi-objective code.
+
+The frontier is Optuna's: every point becomes a trial of an in-memory two-objective
+study and ``study.best_trials`` returns the non-dominated ones. The hypervolume is
+Optuna's exact computation (``optuna._hypervolume.compute_hypervolume``, the routine
+behind ``optuna.visualization.plot_hypervolume_history``) in (quality, token ratio)
+space, against :class:`~splitvit.tune.space.ParetoSettings`' reference point
+(default ``quality 0, token ratio 1``: the worst value of each objective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+
+@dataclass
+class Point:
+    """One evaluated (checkpoint, thresholds) pair: a place on the accuracy-tokens plane.
+
+    Attributes:
+        quality: accuracy (classification) or mIoU (dense).
+        tokens_per_image: mean image tokens the encoder attended to.
+        token_ratio: tokens per image over full-resolution tokens.
+        kind: ``trial`` (stage one: the trial's own thresholds) or ``threshold``
+            (stage two: other thresholds on the trial's checkpoint).
+        trial_id: the Tune trial.
+        thresholds: per-level split thresholds of this evaluation.
+        params: the trial's searched parameters.
+        checkpoint: the trial's checkpoint (local path or ``s3://``).
+        run_id: the MLflow run that records this point.
+        on_frontier: non-dominated among the sweep's points.
+        hv_contribution: hypervolume lost without this point (frontier points only).
+        extras: other figures (``images_per_s``, ...).
+    """
+
+    quality: float
+    tokens_per_image: float
+    token_ratio: float
+    kind: str = "trial"
+    trial_id: str = ""
+    thresholds: list[float] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None
+    run_id: str | None = None
+    on_frontier: bool = False
+    hv_contribution: float = 0.0
+    model_uri: str | None = None
+    extras: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finite(self) -> bool:
+        """Both objectives are real numbers (a diverged evaluation is not a point)."""
+        return all(isinstance(v, (int, float)) and math.isfinite(v) for v in (self.quality, self.tokens_per_image, self.token_ratio))
+
+    def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
+        """JSON-ready dict; the quality figure is named ``metric`` (``accuracy``/``miou``)."""
+        data = asdict(self)
+        data[metric] = data.pop("quality")
+        return data
+
+
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Silence Optuna's per-trial INFO lines for the duration (restoring the level)."""
+    import optuna
+
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(level)
+
+
+def pareto_indices(values: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the non-dominated ``(quality, tokens)`` pairs (quality up, tokens down).
+
+    Non-finite pairs are never on the frontier. Equal pairs are all kept (neither
+    dominates the other).
+    """
+    import optuna
+
+    keep = [i for i, (q, t) in enumerate(values) if math.isfinite(q) and math.isfinite(t)]
+    if not keep:
+        return []
+    with quiet_optuna():
+        study = optuna.create_study(directions=["maximize", "minimize"])
+        study.add_trials([
+            optuna.trial.create_trial(values=[float(values[i][0]), float(values[i][1])], user_attrs={"index": i})
+            for i in keep
+        ])
+        return sorted(int(t.user_attrs["index"]) for t in study.best_trials)
+
+
+def hypervolume(values: Sequence[tuple[float, float]], reference: tuple[float, float] = (0.0, 1.0)) -> float:
+    """Area dominated by ``(quality, token_ratio)`` pairs, bounded by ``reference``.
+
+    Pairs worse than the reference in either objective add nothing. With the default
+    reference ``(0, 1)`` the result lies in ``[0, 1]``.
+    """
+    from optuna._hypervolume import compute_hypervolume
+
+    ref = np.array([-float(reference[0]), float(reference[1])])
+    losses = np.array([[-float(q), float(r)] for q, r in values if math.isfinite(q) and math.isfinite(r)], dtype=float)
+    if losses.size == 0:
+        return 0.0
+    losses = losses[np.all(losses <= ref, axis=1)]
+    if losses.size == 0:
+        return 0.0
+    return float(compute_hypervolume(losses, ref))
+
+
+def annotate(points: list[Point], reference: tuple[float, float] = (0.0, 1.0)) -> float:
+    """Mark each point's ``on_frontier`` and ``hv_contribution``; return the hypervolume.
+
+    Only finite points count. The contribution of a frontier point is the
+    hypervolume lost without it (how much of the frontier it alone holds up).
+    """
+    for p in points:
+        p.on_frontier, p.hv_contribution = False, 0.0
+    usable = [p for p in points if p.finite]
+    front = [usable[i] for i in pareto_indices([(p.quality, p.tokens_per_image) for p in usable])]
+    for p in front:
+        p.on_frontier = True
+    pairs = [(p.quality, p.token_ratio) for p in front]
+    total = hypervolume(pairs, reference)
+    for i, p in enumerate(front):
+        p.hv_contribution = total - hypervolume(pairs[:i] + pairs[i + 1 :], reference)
+    return total
+
+
+def frontier(points: list[Point]) -> list[Point]:
+    """The frontier points of an annotated list, by tokens per image (ascending)."""
+    return sorted((p for p in points if p.on_frontier),
+                  key=lambda p: (p.tokens_per_image, -p.quality, p.trial_id, p.kind != "trial", p.thresholds))
+
+
+def best_point(points: list[Point]) -> Point | None:
+    """The frontier point with the largest hypervolume contribution (the knee of the
+    trade-off); ties go to higher quality."""
+    front = [p for p in points if p.on_frontier]
+    if not front:
+        return None
+    return max(front, key=lambda p: (round(p.hv_contribution, 12), p.quality, -p.tokens_per_image))
+
+
+def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """``a`` dominates ``b`` in (quality up, tokens down): no worse in both, better in one."""
+    return a[0] >= b[0] and a[1] <= b[1] and (a[0] > b[0] or a[1] < b[1])

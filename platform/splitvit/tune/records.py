@@ -1,0 +1,338 @@
+"""A sweep in MLflow: one parent run, a child run per trial, a grandchild per
+threshold point, and the frontier on the parent.
+
+Only the Tune driver writes here (DESIGN §5). Every run is keyed by a storage
+location (the ``splitvit.run_uri`` tag of :class:`~splitvit.tracking.RunTracker`):
+the sweep folder for the parent, the trial's Train run folder for a trial, that
+folder plus ``#threshold<i>`` for a threshold point. Re-recording after a restart
+finds the run that is there instead of making another, so a resumed sweep never
+duplicates runs.
+
+Tags: ``splitvit.kind`` (``sweep``, ``trial``, ``threshold_point``),
+``splitvit.sweep`` (the parent run id), ``splitvit.trial_id``, ``splitvit.metric``
+and MLflow's ``mlflow.parentRunId`` (the UI nests children under it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import flatten
+from ..tracking import RunTracker
+from ..tracking.runs import RUN_URI_TAG, STATUS_TAG
+
+log = logging.getLogger(__name__)
+
+KIND_TAG = "splitvit.kind"
+SWEEP_TAG = "splitvit.sweep"
+TRIAL_TAG = "splitvit.trial_id"
+METRIC_TAG = "splitvit.metric"
+REFERENCE_TAG = "splitvit.reference_point"  # JSON [quality, token_ratio]
+PARENT_TAG = "mlflow.parentRunId"
+SAMPLED_PREFIX = "sampled."
+SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
+#: Tune's bookkeeping keys, never logged as metrics.
+_TUNE_KEYS = {
+    "training_iteration", "time_total_s", "time_this_iter_s", "timestamp", "time_since_restore",
+    "iterations_since_restore", "timesteps_since_restore", "timesteps_total", "episodes_total", "pid",
+    "done", "warmup_time", "should_checkpoint", "epoch",
+}
+
+
+def _client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _numbers(data: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _TUNE_KEYS and math.isfinite(float(v))}
+
+
+def param_name(key: str) -> str:
+    """A parameter name MLflow accepts: ``model.thresholds[0]`` -> ``model.thresholds.0``."""
+    return re.sub(r"\[(\d+)\]", r".\1", key)
+
+
+def _sampled_params(sampled: dict[str, Any]) -> dict[str, Any]:
+    return {f"{SAMPLED_PREFIX}{param_name(k)}": v for k, v in sampled.items()}
+
+
+def _quote(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
+@dataclass
+class SweepRecorder:
+    """Writes a sweep to MLflow (picklable: ids and settings only, so it rides in the
+    Tune callback that the restored Tuner brings back).
+
+    Attributes:
+        tracking_uri: the MLflow store.
+        experiment: experiment name.
+        experiment_id: its id.
+        parent_run_id: the sweep's run.
+        sweep_dir: the sweep folder (the parent's run key).
+        metric: ``accuracy`` or ``miou``.
+        configs: trial id -> flattened trial config (params of its run).
+    """
+
+    tracking_uri: str
+    experiment: str
+    experiment_id: str
+    parent_run_id: str
+    sweep_dir: str
+    metric: str
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ parent
+    @classmethod
+    def open(cls, tracking_uri: str, experiment: str, sweep_dir: str, name: str, metric: str,
+             params: dict[str, Any], tags: dict[str, str]) -> tuple["SweepRecorder", bool]:
+        """Open the sweep's parent run (re-opened, not duplicated, on resume)."""
+        tracker, resumed = RunTracker.open(tracking_uri, experiment, sweep_dir, name, params=params,
+                                           tags={KIND_TAG: "sweep", METRIC_TAG: metric, **tags})
+        return cls(tracking_uri, experiment, tracker.experiment_id, tracker.run_id, sweep_dir, metric), resumed
+
+    @property
+    def parent(self) -> RunTracker:
+        """The parent run's tracker."""
+        return RunTracker(self.tracking_uri, self.experiment_id, self.parent_run_id)
+
+    def find_run(self, run_uri: str) -> Any | None:
+        """The run keyed by ``run_uri`` (see the module docstring), or None."""
+        from ..config import redact_uri
+
+        found = _client(self.tracking_uri).search_runs(
+            [self.experiment_id], filter_string=f"tags.`{RUN_URI_TAG}` = '{_quote(redact_uri(run_uri))}'", max_results=1)
+        return found[0] if found else None
+
+    # ------------------------------------------------------------------ trials
+    def _trial_tracker(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any]) -> RunTracker:
+        params = {**config_params, **_sampled_params(sampled)}
+        tracker, _ = RunTracker.open(self.tracking_uri, self.experiment, run_uri, f"trial-{trial_id}", params=params,
+                                     tags={PARENT_TAG: self.parent_run_id, KIND_TAG: "trial", SWEEP_TAG: self.parent_run_id,
+                                           TRIAL_TAG: trial_id, METRIC_TAG: self.metric,
+                                           SAMPLED_TAG: json.dumps(sampled, sort_keys=True)})
+        return tracker
+
+    def trial_started(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any],
+                      live: set[str] | None = None) -> str:
+        """Open (or re-open) the trial's child run; returns its id.
+
+        A driver killed between starting a trial and saving Tune's state leaves a run
+        for a trial the restored Tuner never heard of; the restored searcher then
+        proposes the same values again under a new trial id. That run is adopted
+        (re-keyed to the new trial) rather than left beside a duplicate. ``live`` are
+        the trial ids the Tuner knows.
+        """
+        if live is not None and self.find_run(run_uri) is None:
+            orphan = self._orphan(sampled, live)
+            if orphan is not None:
+                old = orphan.data.tags.get(TRIAL_TAG, "")
+                RunTracker(self.tracking_uri, self.experiment_id, orphan.info.run_id).set_tags(
+                    {RUN_URI_TAG: run_uri, TRIAL_TAG: trial_id, "splitvit.adopted_from": old})
+                _client(self.tracking_uri).update_run(orphan.info.run_id, name=f"trial-{trial_id}")
+                log.info("trial %s takes over the run of trial %s, lost when the driver stopped", trial_id, old)
+        return self._trial_tracker(trial_id, run_uri, sampled, config_params).run_id
+
+    def _orphans(self, live: set[str]) -> list:
+        """Trial runs of this sweep, never finished, whose trials the Tuner does not know."""
+        runs = _client(self.tracking_uri).search_runs(
+            [self.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{self.parent_run_id}' and tags.`{KIND_TAG}` = 'trial'",
+            max_results=50_000)
+        return [r for r in runs if r.data.tags.get(TRIAL_TAG) not in live
+                and r.data.tags.get(STATUS_TAG) not in ("completed", "failed", "diverged")]
+
+    def _orphan(self, sampled: dict[str, Any], live: set[str]) -> Any | None:
+        key = json.dumps(sampled, sort_keys=True)
+        return next((r for r in self._orphans(live) if r.data.tags.get(SAMPLED_TAG) == key), None)
+
+    def close_orphans(self, live: set[str]) -> list[str]:
+        """End the runs of trials that a driver restart lost and no trial took over
+        (MLflow ``KILLED``, tag ``splitvit.status=superseded``); returns their ids."""
+        closed = []
+        for run in self._orphans(live):
+            RunTracker(self.tracking_uri, self.experiment_id, run.info.run_id).close(
+                "interrupted", tags={STATUS_TAG: "superseded",
+                                     "splitvit.message": "started by a driver that stopped before Tune saved it; rerun as a new trial"})
+            closed.append(run.info.run_id)
+        return closed
+
+    def trial_epoch(self, trial_id: str, run_uri: str, result: dict[str, Any]) -> None:
+        """Log one reported epoch on the trial's run (each epoch once)."""
+        run = self.find_run(run_uri)
+        if run is None or "epoch" not in result:
+            return
+        RunTracker(self.tracking_uri, self.experiment_id, run.info.run_id).log_epoch(int(result["epoch"]), _numbers(result))
+
+    def trial_completed(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any],
+                        final: dict[str, Any]) -> tuple[str, list[str]]:
+        """Record a finished trial and its threshold points; returns the run ids
+        ``(trial run, [threshold point runs])``. Idempotent."""
+        from .trial import threshold_points
+
+        rows = threshold_points(final)
+        existing = self.find_run(run_uri)
+        if existing is not None and existing.data.tags.get(STATUS_TAG) == "completed":
+            points = self._point_runs(existing.info.run_id)
+            if len(points) == len(rows):
+                return existing.info.run_id, points
+        tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)
+        step = max(int(final.get("epochs", 1)) - 1, 0)
+        objectives = {k: final[k] for k in (self.metric, "tokens_per_image", "token_ratio") if k in final}
+        extras = {k: final[k] for k in ("images_per_s", "train_seconds", "trial_seconds") if k in final}
+        self._log_metrics(tracker.run_id, _numbers(objectives), step)
+        self._log_metrics(tracker.run_id, {**_numbers(extras), "threshold_points": float(len(rows))}, 0)
+        tracker.log_dict({"thresholds": final.get("thresholds"), "checkpoint": final.get("checkpoint"),
+                          "threshold_points": rows}, "trial_result.json")
+        point_ids = []
+        for i, point in enumerate(rows):
+            point_ids.append(self._threshold_point(trial_id, run_uri, tracker.run_id, i, point, sampled))
+        tracker.close("completed", tags={"splitvit.checkpoint": final.get("checkpoint") or "",
+                                         "splitvit.thresholds": json.dumps(final.get("thresholds"))})
+        return tracker.run_id, point_ids
+
+    def _point_runs(self, trial_run_id: str) -> list[str]:
+        runs = _client(self.tracking_uri).search_runs(
+            [self.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{trial_run_id}' and tags.`{STATUS_TAG}` = 'completed'",
+            max_results=10_000)
+        return [r.info.run_id for r in sorted(runs, key=lambda r: r.data.tags.get(RUN_URI_TAG, ""))]
+
+    def _threshold_point(self, trial_id: str, run_uri: str, trial_run_id: str, index: int, point: dict[str, Any],
+                         sampled: dict[str, Any]) -> str:
+        thresholds = point.get("thresholds") or []
+        params = {"thresholds": json.dumps(thresholds), "trial_id": trial_id,
+                  **{f"threshold_level_{i}": t for i, t in enumerate(thresholds)},
+                  **_sampled_params(sampled)}
+        tracker, _ = RunTracker.open(self.tracking_uri, self.experiment, f"{run_uri}#threshold{index:03d}",
+                                     f"{trial_id}-thresholds-{index}", params=params,
+                                     tags={PARENT_TAG: trial_run_id, KIND_TAG: "threshold_point", SWEEP_TAG: self.parent_run_id,
+                                           TRIAL_TAG: trial_id, METRIC_TAG: self.metric,
+                                           SAMPLED_TAG: json.dumps(sampled, sort_keys=True)})
+        self._log_metrics(tracker.run_id, _numbers(point), 0)
+        tracker.close("completed")
+        return tracker.run_id
+
+    def trial_failed(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any],
+                     message: str) -> str:
+        """Record a failed trial (``diverged`` for a non-finite loss, else ``failed``)."""
+        tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)
+        status = "diverged" if "diverged:" in message or "TrialDiverged" in message else "failed"
+        tracker.close(status, tags={"splitvit.error": message[-4000:]})
+        return tracker.run_id
+
+    def _log_metrics(self, run_id: str, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        if not values:
+            return
+        now = int(time.time() * 1000)
+        _client(self.tracking_uri).log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    # ------------------------------------------------------------------ parent artifacts
+    def has_artifact(self, path: str, run_id: str | None = None) -> bool:
+        """True when the run (default: the parent) already holds artifact ``path``."""
+        folder, _, name = path.rpartition("/")
+        entries = _client(self.tracking_uri).list_artifacts(run_id or self.parent_run_id, folder or None)
+        return any(e.path == path or e.path.rsplit("/", 1)[-1] == name and not e.is_dir for e in entries)
+
+    def log_parent_metrics(self, values: dict[str, float]) -> None:
+        """Sweep-level figures on the parent (hypervolume, frontier size...)."""
+        self._log_metrics(self.parent_run_id, _numbers(values), 0)
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """``mlflow.log_table`` on the parent, once (MLflow appends to an existing table,
+        which a resumed sweep must not do)."""
+        if not rows or self.has_artifact(artifact_file):
+            return
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        table = {c: [_cell(row.get(c)) for row in rows] for c in columns}
+        _client(self.tracking_uri).log_table(self.parent_run_id, data=table, artifact_file=artifact_file)
+
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        """A local file as a parent artifact."""
+        _client(self.tracking_uri).log_artifact(self.parent_run_id, local_path, artifact_path)
+
+    def log_figure(self, figure, artifact_file: str) -> None:
+        """A matplotlib figure on the parent."""
+        _client(self.tracking_uri).log_figure(self.parent_run_id, figure, artifact_file)
+
+    def log_image(self, image, artifact_file: str) -> None:
+        """A PIL image on the parent."""
+        self.parent.log_image(image, artifact_file)
+
+    def close(self, status: str, tags: dict[str, str] | None = None) -> None:
+        """End the parent run (``completed``, ``failed`` or ``interrupted``)."""
+        self.parent.close(status, tags=tags)
+
+
+def _cell(value: Any) -> Any:
+    """A table cell MLflow's JSON table (and pandas) takes: numbers and text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+# ---------------------------------------------------------------------- reading back
+def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | None = None) -> dict[str, Any]:
+    """Every finished point of an experiment's sweeps (or of one sweep), from MLflow.
+
+    Returns ``{"experiment_id", "sweeps": [parent run ids], "metric", "reference",
+    "points": [Point, ...]}``. Raises ``ValueError`` when the experiment or sweep is
+    not in the store.
+    """
+    from ..config import redact_uri
+    from .pareto import Point
+
+    client = _client(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise ValueError(f"no MLflow experiment {experiment!r} in {redact_uri(tracking_uri)}")
+    experiment_id = found.experiment_id
+    parents = client.search_runs([experiment_id], filter_string=f"tags.`{KIND_TAG}` = 'sweep'", max_results=50_000,
+                                 order_by=["attributes.start_time DESC"])
+    if sweep_run_id is not None:
+        parents = [p for p in parents if p.info.run_id == sweep_run_id]
+        if not parents:
+            raise ValueError(f"run {sweep_run_id} is not a sweep of experiment {experiment!r}")
+    if not parents:
+        raise ValueError(f"experiment {experiment!r} holds no sweep (no run tagged {KIND_TAG}=sweep)")
+    metric = parents[0].data.tags.get(METRIC_TAG, "accuracy")
+    # a tag, not params: a param named token_ratio is masked as secret-looking ("token")
+    reference = tuple(json.loads(parents[0].data.tags.get(REFERENCE_TAG) or "[0.0, 1.0]"))
+    sweep_ids = {p.info.run_id for p in parents}
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{STATUS_TAG}` = 'completed'", max_results=50_000)
+    points = []
+    for run in runs:
+        tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
+        if tags.get(KIND_TAG) not in ("trial", "threshold_point") or tags.get(SWEEP_TAG) not in sweep_ids:
+            continue
+        if metric not in metrics or "tokens_per_image" not in metrics:
+            continue
+        if tags.get(KIND_TAG) == "trial":
+            thresholds = json.loads(tags.get("splitvit.thresholds") or "[]")
+        else:
+            thresholds = json.loads(params.get("thresholds") or "[]")
+        sampled = json.loads(tags.get(SAMPLED_TAG) or "{}")
+        points.append(Point(
+            quality=metrics[metric], tokens_per_image=metrics["tokens_per_image"],
+            token_ratio=metrics.get("token_ratio", float("nan")),
+            kind="trial" if tags.get(KIND_TAG) == "trial" else "threshold", trial_id=tags.get(TRIAL_TAG, ""),
+            thresholds=thresholds, params=sampled, run_id=run.info.run_id,
+            checkpoint=tags.get("splitvit.checkpoint") or None,
+        ))
+    return {"experiment_id": experiment_id, "sweeps": sorted(sweep_ids), "metric": metric, "reference": reference,
+            "points": points}
+
+
+def flat_params(data: dict[str, Any]) -> dict[str, Any]:
+    """A nested settings dict as MLflow params (``search.num_samples``...)."""
+    return {param_name(k): json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in flatten(data).items()}

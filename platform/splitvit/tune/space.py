@@ -1,0 +1,750 @@
+"""Search spaces: YAML files in ``search_spaces/``, data only, with a small schema.
+
+A space names the experiment config it applies to (``base``, relative to the space
+file) and lists parameters by their dotted config key. A parameter is either a
+distribution with bounds, or a fixed value that passes through unchanged::
+
+    base: ../jobs/configs/smoke.yaml
+    parameters:
+      train.lambda_budget: {distribution: loguniform, low: 0.3, high: 3.0}
+      train.target_ratio:  {distribution: uniform, low: 0.2, high: 0.6}
+      model.thresholds[0]: {distribution: uniform, low: 0.3, high: 0.7}   # one level
+      train.warmup_epochs: {distribution: int, low: 1, high: 3}
+      train.penalty:       {distribution: categorical, choices: [squared, hinge]}
+      train.epochs: 3                                                    # fixed
+    search:     {num_samples: 8, max_concurrent: 2, sampler: nsga2, seed: 0}
+    stage_two:  {points: 4}            # threshold points per finished trial
+    baselines:  {entropy_thresholds: [0.3, 0.5, 0.7], random_budgets: 3}
+    pareto:     {reference_point: {quality: 0.0, token_ratio: 1.0}}
+    mlflow:     {experiment: my-sweep, log_models: 3, split_map_images: 8}
+
+:func:`load_space` checks everything before any Ray work starts: the schema, each
+distribution and its bounds, and every parameter against the experiment config's
+own validation at its bounds (an unknown key, a wrong type, a value out of range).
+Any problem raises :class:`SearchSpaceError` with one message naming the file and
+the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import SECTIONS, ConfigError, ExperimentConfig
+
+DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
+SAMPLERS = ("tpe", "nsga2", "random")
+STAGE_TWO_SAMPLERS = ("tpe", "nsga2", "random", "qmc")
+SCHEDULERS = ("asha",)
+TOP_LEVEL = ("base", "description", "parameters", "search", "stage_two", "baselines", "pareto", "mlflow")
+_INDEXED = re.compile(r"^(?P<key>[A-Za-z_][\w.]*)\[(?P<index>\d+)\]$")
+
+
+class SearchSpaceError(ValueError):
+    """An invalid search space. The message names the file and the offending key."""
+
+    def __init__(self, source: str, key: str, reason: str) -> None:
+        self.source = source
+        self.key = key
+        self.reason = reason
+        super().__init__(f"search space {source}: {key}: {reason}")
+
+
+# ---------------------------------------------------------------------- schema
+@dataclass(frozen=True)
+class Parameter:
+    """One searched parameter.
+
+    Attributes:
+        name: the dotted config key, optionally indexed (``model.thresholds[0]``).
+        distribution: ``uniform``, ``loguniform``, ``int`` or ``categorical``.
+        low, high: inclusive bounds (numeric distributions).
+        step: optional discretisation step (``uniform`` and ``int``).
+        log: sample ``int`` on a log scale.
+        choices: the values of a ``categorical`` parameter (any YAML values).
+    """
+
+    name: str
+    distribution: str
+    low: float | int | None = None
+    high: float | int | None = None
+    step: float | int | None = None
+    log: bool = False
+    choices: tuple[Any, ...] = ()
+
+    @property
+    def encoded(self) -> bool:
+        """Categorical choices that Optuna cannot store as they are (lists, mappings)
+        travel as their JSON text."""
+        return self.distribution == "categorical" and any(
+            not isinstance(c, (type(None), bool, int, float, str)) for c in self.choices)
+
+    def optuna_distribution(self):
+        """This parameter as an ``optuna.distributions`` object."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        if self.distribution == "uniform":
+            return FloatDistribution(float(self.low), float(self.high), step=self.step)
+        if self.distribution == "loguniform":
+            return FloatDistribution(float(self.low), float(self.high), log=True)
+        if self.distribution == "int":
+            return IntDistribution(int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return CategoricalDistribution([json.dumps(c) for c in self.choices] if self.encoded else list(self.choices))
+
+    def decode(self, value: Any) -> Any:
+        """A sampled value as the config gets it."""
+        if self.encoded and isinstance(value, str):
+            return json.loads(value)
+        if self.distribution == "int":
+            return int(value)
+        if self.distribution in ("uniform", "loguniform"):
+            return float(value)
+        return value
+
+    def encode(self, value: Any) -> Any:
+        """A config value as Optuna stores it (inverse of :meth:`decode`)."""
+        return json.dumps(value) if self.encoded else value
+
+    def contains(self, value: Any) -> bool:
+        """True when ``value`` is one this parameter can take."""
+        if self.distribution == "categorical":
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.distribution == "int" and int(value) != value:
+            return False
+        return self.low <= value <= self.high
+
+    def describe(self) -> str:
+        """``loguniform[0.001, 0.1]``, ``categorical[a, b]``..."""
+        if self.distribution == "categorical":
+            return f"categorical{list(self.choices)}"
+        step = f" step {self.step}" if self.step else ""
+        return f"{self.distribution}[{self.low}, {self.high}]{step}"
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Stage one: the Tune search over training parameters.
+
+    Attributes:
+        num_samples: trials to run.
+        max_concurrent: trials running at once (Tune's concurrency limit).
+        sampler: Optuna sampler, ``nsga2`` (needs a population of trials to evolve),
+            ``tpe`` (multi-objective TPE) or ``random``.
+        population_size: NSGA-II population (default: Optuna's, 50).
+        seed: sampler seed.
+        scheduler: ``None`` or ``asha`` (early stopping on the quality metric; see
+            :mod:`splitvit.tune.sweep` for its caveat with multi-objective search).
+        grace_period, reduction_factor: ASHA settings, in reported epochs.
+        trial_resources: Ray resources of each trial's driver function (the training
+            workers ask for their own, from the config's ``scaling`` section). The
+            function mostly waits, so a fraction of a CPU is enough; Tune cannot
+            schedule an empty request.
+        initial_points: full parameter settings evaluated first (Optuna enqueues them).
+        state_period_s: how often (at most) Tune saves the sweep's state for
+            ``--resume``; Tune's own default waits at least 10 s.
+    """
+
+    num_samples: int = 8
+    max_concurrent: int = 2
+    sampler: str = "tpe"
+    population_size: int | None = None
+    seed: int = 0
+    scheduler: str | None = None
+    grace_period: int = 1
+    reduction_factor: int = 2
+    trial_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    initial_points: tuple[dict[str, Any], ...] = ()
+    state_period_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class StageTwoSettings:
+    """Stage two: threshold points on each finished trial's checkpoint (evaluation only).
+
+    Attributes:
+        points: Optuna trials over the per-level thresholds per finished trial (0: off).
+        low, high: bounds of every level's threshold.
+        sampler: ``tpe``, ``nsga2``, ``random`` or ``qmc`` (even coverage for few points).
+        samples: evaluation images (default: the experiment's validation split).
+    """
+
+    points: int = 4
+    low: float = 0.0
+    high: float = 1.0
+    sampler: str = "tpe"
+    samples: int | None = None
+
+
+@dataclass(frozen=True)
+class BaselineSettings:
+    """Baselines evaluated on the reference trial's backbone and data.
+
+    Attributes:
+        enabled: evaluate baselines at all.
+        entropy_thresholds: thresholds of the entropy (APT-style) policy, one curve point each.
+        random_budgets: random splitting at the token ratios of this many frontier points.
+        samples: evaluation images (default: the experiment's validation split).
+    """
+
+    enabled: bool = True
+    entropy_thresholds: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
+    random_budgets: int = 3
+    samples: int | None = None
+
+
+@dataclass(frozen=True)
+class ParetoSettings:
+    """The hypervolume's reference point, in (quality, token ratio) space.
+
+    Quality is accuracy (or mIoU), maximised; the token ratio is tokens per image over
+    full-resolution tokens, minimised. The default ``(0, 1)`` is the worst possible
+    point of both objectives, so the hypervolume is the area of the unit square
+    (quality x token saving) that the frontier dominates: 0 for a useless frontier,
+    1 for perfect quality at zero tokens.
+    """
+
+    quality: float = 0.0
+    token_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class MlflowSettings:
+    """What the sweep records in MLflow.
+
+    Attributes:
+        experiment: MLflow experiment (default: the base config's ``tracking.experiment``).
+        log_models: frontier points whose models are logged (largest hypervolume
+            contribution first); ``None`` logs every frontier point.
+        split_map_images: validation images in the best point's split map (0: none).
+    """
+
+    experiment: str | None = None
+    log_models: int | None = 3
+    split_map_images: int = 8
+
+
+@dataclass
+class SearchSpace:
+    """A loaded, validated search space (see the module docstring)."""
+
+    source: str
+    base: str
+    base_raw: dict[str, Any]
+    parameters: dict[str, Parameter]
+    fixed: dict[str, Any]
+    search: SearchSettings = field(default_factory=SearchSettings)
+    stage_two: StageTwoSettings = field(default_factory=StageTwoSettings)
+    baselines: BaselineSettings = field(default_factory=BaselineSettings)
+    pareto: ParetoSettings = field(default_factory=ParetoSettings)
+    mlflow: MlflowSettings = field(default_factory=MlflowSettings)
+    description: str = ""
+
+    # ------------------------------------------------------------------ configs
+    def raw_config(self, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The base config's raw dict with the fixed values and ``params`` applied."""
+        raw = copy.deepcopy(self.base_raw)
+        for key, value in {**self.fixed, **(params or {})}.items():
+            set_dotted(raw, key, value)
+        return raw
+
+    def config(self, params: dict[str, Any] | None = None, overrides: list[str] | None = None,
+               name: str = "sweep") -> ExperimentConfig:
+        """The validated experiment config of one point of the space.
+
+        ``params`` holds sampled values by parameter name (decoded: what the config
+        takes); the fixed values always apply. Raises :class:`ConfigError`.
+        """
+        return ExperimentConfig.from_dict(self.raw_config(params), overrides, default_name=name)
+
+    def decode(self, sampled: dict[str, Any]) -> dict[str, Any]:
+        """Optuna's (or Tune's) sampled values -> config values, by parameter name."""
+        return {k: self.parameters[k].decode(v) if k in self.parameters else v for k, v in sampled.items()}
+
+    def optuna_space(self) -> dict[str, Any]:
+        """The searched parameters as Optuna distributions (for ``OptunaSearch``)."""
+        return {name: p.optuna_distribution() for name, p in self.parameters.items()}
+
+    @property
+    def quality_metric(self) -> str:
+        """``accuracy`` for classification, ``miou`` for the dense task."""
+        task = ((self.raw_config().get("model") or {}).get("task")) or "classification"
+        return "miou" if task == "dense" else "accuracy"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-safe) of everything that defines the sweep."""
+        return {
+            "source": self.source,
+            "base": self.base,
+            "description": self.description,
+            "parameters": {k: {key: v for key, v in dataclasses.asdict(p).items() if v not in (None, (), False) or key == "low"}
+                           for k, p in self.parameters.items()},
+            "fixed": self.fixed,
+            "search": dataclasses.asdict(self.search),
+            "stage_two": dataclasses.asdict(self.stage_two),
+            "baselines": dataclasses.asdict(self.baselines),
+            "pareto": dataclasses.asdict(self.pareto),
+            "mlflow": dataclasses.asdict(self.mlflow),
+        }
+
+
+# ---------------------------------------------------------------------- dotted keys
+def split_key(key: str) -> tuple[list[str], int | None]:
+    """``model.thresholds[1]`` -> ``(["model", "thresholds"], 1)``; ``train.lr`` -> ``(["train", "lr"], None)``."""
+    match = _INDEXED.match(key)
+    if match:
+        return match.group("key").split("."), int(match.group("index"))
+    return key.split("."), None
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set a dotted (optionally indexed) key in a raw config dict.
+
+    An index into ``model.thresholds`` given as one number (or ``auto``) first
+    expands it to one threshold per non-finest level (``model.levels - 1``).
+    """
+    parts, index = split_key(key)
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
+        node = child
+    last = parts[-1]
+    if index is None:
+        node[last] = copy.deepcopy(value)
+        return
+    current = node.get(last)
+    if parts == ["model", "thresholds"] and not isinstance(current, list):
+        # one number, or ``auto`` (calibrated to the target ratio): searching one level
+        # fixes them all, the others at the number (or 0.5, the model's default)
+        levels = int((raw.get("model") or {}).get("levels", 3))
+        fill = current if isinstance(current, (int, float)) and not isinstance(current, bool) else 0.5
+        current = [fill] * max(levels - 1, 1)
+    if not isinstance(current, list):
+        raise ConfigError(".".join(parts), f"is not a list, so {key} cannot index it")
+    if index >= len(current):
+        raise ConfigError(key, f"index {index} is out of range: {'.'.join(parts)} has {len(current)} entries")
+    current = list(current)
+    current[index] = copy.deepcopy(value)
+    node[last] = current
+
+
+# ---------------------------------------------------------------------- loading
+def load_space(path: str | Path, overrides: list[str] | None = None) -> SearchSpace:
+    """Read and validate a search space; ``overrides`` are ``key=value`` (``--set``).
+
+    An override whose key starts with a config section (``train.epochs=1``) fixes
+    that config value (and stops searching it); any other key sets the space's own
+    settings (``search.num_samples=3``, ``stage_two.points=2``). Raises
+    :class:`SearchSpaceError` (a ``ValueError``) or ``FileNotFoundError``.
+    """
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"search space {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SearchSpaceError(source, "<file>", f"not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SearchSpaceError(source, "<file>", f"expected a mapping of sections, got {type(raw).__name__}")
+    return space_from_dict(raw, source=source, root=path.parent, overrides=overrides)
+
+
+def space_from_dict(raw: dict[str, Any], *, source: str = "<dict>", root: str | Path = ".",
+                    overrides: list[str] | None = None) -> SearchSpace:
+    """Build and validate a space from a plain dict (``base`` is relative to ``root``)."""
+    raw = copy.deepcopy(raw)
+    raw.setdefault("parameters", {})
+    if not isinstance(raw["parameters"], dict):
+        raise SearchSpaceError(source, "parameters", f"expected a mapping of dotted config keys, got {type(raw['parameters']).__name__}")
+    for item in overrides or []:
+        _apply_space_override(raw, item, source)
+    for key in raw:
+        if key not in TOP_LEVEL:
+            raise SearchSpaceError(source, str(key), f"unknown section{_did_you_mean(key, TOP_LEVEL)}")
+
+    base_path = _resolve_base(raw.get("base"), Path(root), source)
+    try:
+        base_raw = yaml.safe_load(base_path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SearchSpaceError(source, "base", f"{base_path} is not valid YAML: {exc}") from None
+    if not isinstance(base_raw, dict):
+        raise SearchSpaceError(source, "base", f"{base_path} is not an experiment config (a mapping of sections)")
+
+    parameters: dict[str, Parameter] = {}
+    fixed: dict[str, Any] = {}
+    for name, spec in raw["parameters"].items():
+        name = str(name)
+        _check_key_syntax(name, source)
+        if isinstance(spec, dict) and "distribution" in spec:
+            parameters[name] = _parameter(name, spec, source)
+        else:
+            fixed[name] = spec
+    if not parameters:
+        raise SearchSpaceError(source, "parameters", "nothing to search: give at least one parameter a distribution")
+
+    space = SearchSpace(
+        source=source,
+        base=str(base_path),
+        base_raw=base_raw,
+        parameters=parameters,
+        fixed=fixed,
+        search=_settings(SearchSettings, raw.get("search"), "search", source),
+        stage_two=_settings(StageTwoSettings, raw.get("stage_two"), "stage_two", source),
+        baselines=_settings(BaselineSettings, raw.get("baselines"), "baselines", source),
+        pareto=_pareto(raw.get("pareto"), source),
+        mlflow=_settings(MlflowSettings, raw.get("mlflow"), "mlflow", source),
+        description=str(raw.get("description") or ""),
+    )
+    _validate_settings(space)
+    _validate_against_config(space)
+    return space
+
+
+def _normalize_points(space: SearchSpace) -> None:
+    """Initial points with numbers written as YAML 1.1 reads them (``1e-3`` is text) made numeric."""
+    points = []
+    for point in space.search.initial_points:
+        if isinstance(point, dict):
+            point = {k: (float(_number(v)) if k in space.parameters and space.parameters[k].distribution in ("uniform", "loguniform")
+                         and _number(v) is not None else v) for k, v in point.items()}
+        points.append(point)
+    space.search = dataclasses.replace(space.search, initial_points=tuple(points))
+
+
+def _did_you_mean(key: Any, known: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f"; did you mean {close[0]}?" if close else f"; expected one of {', '.join(known)}"
+
+
+def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
+    if "=" not in item:
+        raise SearchSpaceError(source, item, "--set expects key=value (e.g. search.num_samples=3 or train.epochs=1)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise SearchSpaceError(source, key or item, "--set key must be a dotted name")
+    if parts[0].split("[")[0] in SECTIONS:
+        # a config value: fixed for this sweep, whether or not the file searches it
+        raw["parameters"][key] = value
+        return
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise SearchSpaceError(source, key, f"{part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _resolve_base(base: Any, root: Path, source: str) -> Path:
+    if not base or not isinstance(base, str):
+        raise SearchSpaceError(source, "base", "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml")
+    candidate = Path(base).expanduser()
+    if not candidate.is_absolute():
+        # relative to the space file; a path relative to the working directory also works
+        for option in (root / candidate, candidate):
+            if option.is_file():
+                return option.resolve()
+        raise SearchSpaceError(source, "base", f"experiment config {base} not found (relative to {root} or the working directory)")
+    if not candidate.is_file():
+        raise SearchSpaceError(source, "base", f"experiment config {base} not found")
+    return candidate
+
+
+def _check_key_syntax(name: str, source: str) -> None:
+    parts, _ = split_key(name)
+    if not all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in parts) or "[" in name and not _INDEXED.match(name):
+        raise SearchSpaceError(source, f"parameters.{name}", "not a dotted config key (like train.lr or model.thresholds[0])")
+    if parts[0] not in SECTIONS:
+        raise SearchSpaceError(source, f"parameters.{name}",
+                               f"unknown config key: {parts[0]} is not a config section{_did_you_mean(parts[0], SECTIONS)}")
+    if len(parts) < 2:
+        raise SearchSpaceError(source, f"parameters.{name}", "name a key inside the section, like train.lr")
+
+
+_SPEC_KEYS = {
+    "uniform": {"distribution", "low", "high", "step"},
+    "loguniform": {"distribution", "low", "high"},
+    "int": {"distribution", "low", "high", "step", "log"},
+    "categorical": {"distribution", "choices"},
+}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
+    key = f"parameters.{name}"
+    dist = spec.get("distribution")
+    if dist not in DISTRIBUTIONS:
+        raise SearchSpaceError(source, key, f"unknown distribution {dist!r}; expected one of {', '.join(DISTRIBUTIONS)}")
+    unknown = sorted(set(spec) - _SPEC_KEYS[dist])
+    if unknown:
+        raise SearchSpaceError(source, f"{key}.{unknown[0]}",
+                               f"not a setting of a {dist} parameter; expected {', '.join(sorted(_SPEC_KEYS[dist]))}")
+    if dist == "categorical":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise SearchSpaceError(source, f"{key}.choices", "a categorical parameter needs a non-empty list of choices")
+        if len({json.dumps(c, sort_keys=True, default=str) for c in choices}) != len(choices):
+            raise SearchSpaceError(source, f"{key}.choices", f"choices repeat a value: {choices}")
+        return Parameter(name, dist, choices=tuple(choices))
+    bounds = {}
+    for bound in ("low", "high"):
+        if bound not in spec:
+            raise SearchSpaceError(source, key, f"a {dist} parameter needs low and high")
+        value = _number(spec[bound])
+        if value is None or not math.isfinite(value):
+            raise SearchSpaceError(source, f"{key}.{bound}", f"expected a finite number, got {spec[bound]!r}")
+        if dist == "int" and int(value) != value:
+            raise SearchSpaceError(source, f"{key}.{bound}", f"an int parameter needs integer bounds, got {spec[bound]!r}")
+        bounds[bound] = int(value) if dist == "int" else float(value)
+    low, high = bounds["low"], bounds["high"]
+    if low > high:
+        raise SearchSpaceError(source, key, f"low ({low}) > high ({high})")
+    if dist == "loguniform" and low <= 0:
+        raise SearchSpaceError(source, f"{key}.low", f"a loguniform parameter needs low > 0, got {low}")
+    step = spec.get("step")
+    if step is not None:
+        step_value = _number(step)
+        if step_value is None or step_value <= 0 or (dist == "int" and int(step_value) != step_value):
+            raise SearchSpaceError(source, f"{key}.step", f"expected a positive {'integer' if dist == 'int' else 'number'}, got {step!r}")
+        step = int(step_value) if dist == "int" else float(step_value)
+    log = spec.get("log", False)
+    if not isinstance(log, bool):
+        raise SearchSpaceError(source, f"{key}.log", f"expected true or false, got {log!r}")
+    if dist == "int" and log and low < 1:
+        raise SearchSpaceError(source, f"{key}.low", f"an int parameter on a log scale needs low >= 1, got {low}")
+    return Parameter(name, dist, low=low, high=high, step=step, log=log)
+
+
+def _settings(cls: type, raw: Any, section: str, source: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise SearchSpaceError(source, section, f"expected a mapping, got {type(raw).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            raise SearchSpaceError(source, f"{section}.{key}", f"unknown setting{_did_you_mean(key, names)}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            values[f.name] = _typed(raw[f.name], f.type, f"{section}.{f.name}", source)
+    return cls(**values)
+
+
+def _typed(value: Any, hint: str, key: str, source: str) -> Any:
+    """Check a settings value against its field's annotation (kept as text by ``from __future__``)."""
+    optional = "None" in hint
+    if value is None:
+        if optional:
+            return None
+        raise SearchSpaceError(source, key, "must not be null")
+    if hint.startswith("tuple") or hint.startswith("dict"):
+        if hint.startswith("dict"):
+            if not isinstance(value, dict):
+                raise SearchSpaceError(source, key, f"expected a mapping, got {value!r}")
+            return dict(value)
+        if not isinstance(value, list):
+            raise SearchSpaceError(source, key, f"expected a list, got {value!r}")
+        if "float" in hint:
+            out = []
+            for item in value:
+                number = _number(item)
+                if number is None:
+                    raise SearchSpaceError(source, key, f"expected numbers, got {item!r}")
+                out.append(float(number))
+            return tuple(out)
+        return tuple(value)
+    if hint.startswith("bool"):
+        if not isinstance(value, bool):
+            raise SearchSpaceError(source, key, f"expected true or false, got {value!r}")
+        return value
+    if hint.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SearchSpaceError(source, key, f"expected an integer, got {value!r}")
+        return value
+    if hint.startswith("float"):
+        number = _number(value)
+        if number is None:
+            raise SearchSpaceError(source, key, f"expected a number, got {value!r}")
+        return float(number)
+    if hint.startswith("str"):
+        if not isinstance(value, str):
+            raise SearchSpaceError(source, key, f"expected text, got {value!r}")
+        return value
+    return value  # pragma: no cover - every field above has one of these types
+
+
+def _pareto(raw: Any, source: str) -> ParetoSettings:
+    if raw is None:
+        return ParetoSettings()
+    if not isinstance(raw, dict) or set(raw) - {"reference_point"}:
+        raise SearchSpaceError(source, "pareto", "expected {reference_point: {quality: Q, token_ratio: R}}")
+    ref = raw.get("reference_point") or {}
+    if not isinstance(ref, dict):
+        raise SearchSpaceError(source, "pareto.reference_point", "expected {quality: Q, token_ratio: R}")
+    # ``accuracy`` / ``miou`` are accepted as names of the quality coordinate
+    ref = {("quality" if k in ("accuracy", "miou") else k): v for k, v in ref.items()}
+    return _settings(ParetoSettings, ref, "pareto.reference_point", source)
+
+
+def _validate_settings(space: SearchSpace) -> None:
+    src = space.source
+    _normalize_points(space)
+    s = space.search
+    if s.num_samples < 1:
+        raise SearchSpaceError(src, "search.num_samples", f"must be >= 1, got {s.num_samples}")
+    if s.max_concurrent < 1:
+        raise SearchSpaceError(src, "search.max_concurrent", f"must be >= 1, got {s.max_concurrent}")
+    if s.sampler not in SAMPLERS:
+        raise SearchSpaceError(src, "search.sampler", f"unknown sampler {s.sampler!r}; expected one of {', '.join(SAMPLERS)}")
+    if s.population_size is not None and s.population_size < 2:
+        raise SearchSpaceError(src, "search.population_size", f"must be >= 2, got {s.population_size}")
+    if s.scheduler is not None and s.scheduler not in SCHEDULERS:
+        raise SearchSpaceError(src, "search.scheduler", f"unknown scheduler {s.scheduler!r}; expected null or {', '.join(SCHEDULERS)}")
+    if s.state_period_s < 0:
+        raise SearchSpaceError(src, "search.state_period_s", f"must be >= 0, got {s.state_period_s}")
+    if s.grace_period < 1 or s.reduction_factor < 2:
+        raise SearchSpaceError(src, "search.grace_period" if s.grace_period < 1 else "search.reduction_factor",
+                               "grace_period must be >= 1 and reduction_factor >= 2")
+    for name, amount in s.trial_resources.items():
+        if _number(amount) is None or amount < 0:
+            raise SearchSpaceError(src, f"search.trial_resources.{name}", f"must be a number >= 0, got {amount!r}")
+    if not any(_number(a) and a > 0 for a in s.trial_resources.values()):
+        # Tune cannot schedule an empty request
+        raise SearchSpaceError(src, "search.trial_resources", "ask for some resource, e.g. {CPU: 0.5}: the trial's driver "
+                               "function only waits for its training workers, so a fraction of a CPU is enough")
+    for i, point in enumerate(s.initial_points):
+        key = f"search.initial_points[{i}]"
+        if not isinstance(point, dict):
+            raise SearchSpaceError(src, key, "expected a mapping of parameter name to value")
+        missing = sorted(set(space.parameters) - set(point))
+        extra = sorted(set(point) - set(space.parameters))
+        if extra:
+            raise SearchSpaceError(src, f"{key}.{extra[0]}", f"not a searched parameter{_did_you_mean(extra[0], list(space.parameters))}")
+        if missing:
+            raise SearchSpaceError(src, key, f"give every searched parameter a value; missing {', '.join(missing)}")
+        for name, value in point.items():
+            if not space.parameters[name].contains(value):
+                raise SearchSpaceError(src, f"{key}.{name}", f"{value!r} is outside {space.parameters[name].describe()}")
+    t = space.stage_two
+    if t.points < 0:
+        raise SearchSpaceError(src, "stage_two.points", f"must be >= 0, got {t.points}")
+    if not 0.0 <= t.low <= t.high <= 1.0:
+        raise SearchSpaceError(src, "stage_two", f"thresholds need 0 <= low <= high <= 1, got low {t.low}, high {t.high}")
+    if t.sampler not in STAGE_TWO_SAMPLERS:
+        raise SearchSpaceError(src, "stage_two.sampler", f"unknown sampler {t.sampler!r}; expected one of {', '.join(STAGE_TWO_SAMPLERS)}")
+    for key, samples in (("stage_two.samples", t.samples), ("baselines.samples", space.baselines.samples)):
+        if samples is not None and samples < 1:
+            raise SearchSpaceError(src, key, f"must be >= 1 or null, got {samples}")
+    b = space.baselines
+    for i, value in enumerate(b.entropy_thresholds):
+        if not 0.0 <= value <= 1.0:
+            raise SearchSpaceError(src, f"baselines.entropy_thresholds[{i}]", f"{value} is outside [0, 1]")
+    if b.random_budgets < 0:
+        raise SearchSpaceError(src, "baselines.random_budgets", f"must be >= 0, got {b.random_budgets}")
+    p = space.pareto
+    if not 0.0 <= p.quality <= 1.0:
+        raise SearchSpaceError(src, "pareto.reference_point.quality", f"must be in [0, 1], got {p.quality}")
+    if p.token_ratio <= 0:
+        raise SearchSpaceError(src, "pareto.reference_point.token_ratio", f"must be > 0, got {p.token_ratio}")
+    m = space.mlflow
+    if m.log_models is not None and m.log_models < 0:
+        raise SearchSpaceError(src, "mlflow.log_models", f"must be >= 0 or null (all), got {m.log_models}")
+    if m.split_map_images < 0:
+        raise SearchSpaceError(src, "mlflow.split_map_images", f"must be >= 0, got {m.split_map_images}")
+    if m.experiment is not None and not m.experiment.strip():
+        raise SearchSpaceError(src, "mlflow.experiment", "must not be empty")
+
+
+def _owner(space: SearchSpace, config_key: str, candidates: list[str], reason: str = "") -> str | None:
+    """The parameter (or fixed key) a ConfigError's key belongs to. Several indexed
+    parameters of one list (``model.thresholds[0]``, ``[1]``) are told apart by the
+    index the error names (``thresholds[0] = -0.5 is outside [0, 1]``)."""
+    matches = []
+    for name in candidates:
+        parts, _ = split_key(name)
+        dotted = ".".join(parts)
+        if config_key == dotted or config_key.startswith(dotted + ".") or config_key.startswith(dotted + "["):
+            matches.append(name)
+        elif dotted.startswith(config_key + "."):  # the error names a parent section
+            matches.append(name)
+    for name in matches:
+        _, index = split_key(name)
+        if index is not None and f"[{index}]" in f"{config_key} {reason}":
+            return name
+    return matches[0] if matches else None
+
+
+def _validate_against_config(space: SearchSpace) -> None:
+    """Every parameter, at each bound (or choice), through the config's own validation.
+
+    All parameters at their low bounds, then at their high bounds, then each further
+    categorical choice: a ConfigError names the config key, which maps back to the
+    parameter that set it (or, failing that, to a fixed value or the base config).
+    """
+    src = space.source
+
+    def check(params: dict[str, Any], suspects: list[str], what: str) -> None:
+        try:
+            space.config(params)
+        except ConfigError as exc:
+            owner = _owner(space, exc.key, suspects, exc.reason)
+            if owner is None:
+                # the base config itself (or a fixed value) is wrong
+                fixed_owner = _owner(space, exc.key, list(space.fixed), exc.reason)
+                where = f"parameters.{fixed_owner}" if fixed_owner else f"base ({space.base})"
+                raise SearchSpaceError(src, where, f"{exc.key}: {exc.reason}") from None
+            if "unknown key" in exc.reason:
+                raise SearchSpaceError(src, f"parameters.{owner}", exc.reason.replace("unknown key", "not a config key")) from None
+            if "out of range" in exc.reason or "cannot index" in exc.reason:
+                raise SearchSpaceError(src, f"parameters.{owner}", exc.reason) from None
+            raise SearchSpaceError(src, f"parameters.{owner}", f"{what} is not a valid config value: {exc.key}: {exc.reason}") from None
+
+    numeric = {n: p for n, p in space.parameters.items() if p.distribution != "categorical"}
+    categorical = {n: p for n, p in space.parameters.items() if p.distribution == "categorical"}
+    first_choice = {n: p.choices[0] for n, p in categorical.items()}
+    for bound in ("low", "high"):
+        params = {n: p.decode(getattr(p, bound)) for n, p in numeric.items()}
+        check({**params, **first_choice}, list(numeric) + list(categorical), f"its {bound} bound")
+    lows = {n: p.decode(p.low) for n, p in numeric.items()}
+    for name, param in categorical.items():
+        for choice in param.choices[1:]:
+            check({**lows, **first_choice, name: choice}, [name], f"choice {choice!r}")
+    for i, point in enumerate(space.search.initial_points):
+        check(space.decode({k: space.parameters[k].encode(v) for k, v in point.items()}), list(point),
+              f"search.initial_points[{i}]")

@@ -1,0 +1,744 @@
+"""Multi-objective sweeps: Ray Tune + Optuna over SPLIT training, thresholds swept on
+every checkpoint, the Pareto frontier of quality versus tokens in MLflow.
+
+:func:`run_sweep` runs a sweep end to end:
+
+1. **Space** — :func:`~splitvit.tune.space.load_space` validates the YAML space (and
+   its ``--set`` overrides) against the experiment config before Ray starts.
+2. **Stage one** — a Ray Tune ``Tuner`` over :func:`~splitvit.tune.trial.sweep_trial`,
+   a driver function that launches a ``TorchTrainer`` per trial (Ray's Train V2 +
+   Tune pattern; never ``Tuner(trainer)``). ``OptunaSearch`` proposes the
+   parameters with a two-objective metric (quality max, ``tokens_per_image`` min)
+   and an NSGA-II, TPE or random sampler, behind Tune's concurrency limit.
+3. **Stage two** — each finished trial sweeps its per-level split thresholds with
+   Optuna on its own checkpoint (evaluation only), adding points cheaply.
+4. **Frontier** — non-dominated points over every trial and threshold point (Optuna's
+   ``best_trials``) and their hypervolume against the space's reference point.
+5. **Baselines** — the reference backbone (the trial of the frontier point with the
+   largest hypervolume contribution) evaluated at full resolution, with entropy
+   splitting at several thresholds and with random splitting at the frontier's
+   token budgets: same data, same backbone.
+6. **MLflow** — a parent run for the sweep, a child per trial (a grandchild per
+   threshold point); on the parent the frontier table (``log_table`` + CSV), the
+   plot with the baselines, the hypervolume, the best point's split maps and the
+   frontier points' models.
+
+**Resilience.** ``resume=True`` restores the Tuner from the sweep folder
+(``Tuner.restore``): finished trials keep their results, unfinished ones restart
+(their training resumes from the latest checkpoint), failed ones stay failed, and
+the MLflow runs found by their storage keys are re-used, never duplicated. A trial
+that raises or diverges (non-finite loss) is recorded as failed (its child run says
+``failed`` or ``diverged``), the sweep goes on, and the frontier excludes it.
+
+**Early stopping caveat.** ``search.scheduler: asha`` stops trials on the quality
+metric alone — a scheduler ranks one metric, and Tune offers no multi-objective
+one. Under a multi-objective search this biases the sweep toward high-token (more
+accurate, slower) configurations: trials that trade accuracy for fewer tokens are
+exactly the ones stopped first. A stopped trial enters the frontier with its last
+reported epoch (no stage two) and Optuna learns from those truncated objectives.
+Use it only when most configurations are clearly bad early on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import ExperimentConfig, redact_uri
+from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
+from .pareto import Point, annotate, best_point, frontier
+from .records import REFERENCE_TAG, SweepRecorder, flat_params
+from .space import SearchSpace, load_space
+from .trial import (FINAL_KEY, SweepPlan, TrialDiverged, run_evaluation, sweep_trial, threshold_points,
+                    trained_thresholds)
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "sweep_space.json"
+RESULT_FILE = "sweep.json"
+
+
+@dataclass
+class TrialSummary:
+    """One trial's outcome.
+
+    Attributes:
+        trial_id: the Tune trial id (also its Train run name).
+        status: ``completed``, ``stopped`` (early stopping), ``failed``,
+            ``diverged`` or ``unfinished``.
+        params: the sampled parameters (config values).
+        error: what went wrong, for failed trials.
+        run_id: its MLflow child run.
+    """
+
+    trial_id: str
+    status: str
+    params: dict[str, Any]
+    error: str = ""
+    run_id: str | None = None
+    checkpoint: str | None = None
+
+
+@dataclass
+class SweepResult:
+    """What :func:`run_sweep` returns (and ``splitvit sweep --json`` writes)."""
+
+    name: str
+    space: str
+    sweep_dir: str
+    metric: str
+    points: list[Point]
+    baselines: list[dict[str, Any]]
+    hypervolume: float
+    reference_point: dict[str, float]
+    trials: list[TrialSummary]
+    tracking_uri: str
+    experiment: str
+    experiment_id: str
+    parent_run_id: str
+    plot: str | None = None
+    frontier_csv: str | None = None
+    split_map: str | None = None
+    wall_time_s: float = 0.0
+    resumed: bool = False
+    status: str = "completed"
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def frontier(self) -> list[Point]:
+        """Frontier points by tokens per image."""
+        return frontier(self.points)
+
+    @property
+    def _server(self) -> bool:
+        return self.tracking_uri.startswith(("http://", "https://", "databricks"))
+
+    def mlflow_ui_command(self) -> str:
+        """The command that opens the MLflow UI on this sweep's store (for a tracking
+        server, the server is the UI: nothing to start)."""
+        if self._server:
+            return f"open {self.mlflow_url()} (the MLflow server)"
+        return f"mlflow ui --backend-store-uri {redact_uri(self.tracking_uri)}"
+
+    def mlflow_url(self, host: str = "http://127.0.0.1:5000") -> str:
+        """The parent run's page in the MLflow UI (a local ``mlflow ui``, or the server)."""
+        if self._server and not self.tracking_uri.startswith("databricks"):
+            host = redact_uri(self.tracking_uri).rstrip("/")
+        return f"{host}/#/experiments/{self.experiment_id}/runs/{self.parent_run_id}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return {
+            "name": self.name,
+            "status": self.status,
+            "space": self.space,
+            "sweep_dir": self.sweep_dir,
+            "metric": self.metric,
+            "objectives": {self.metric: "max", "tokens_per_image": "min"},
+            "hypervolume": self.hypervolume,
+            "reference_point": self.reference_point,
+            "points": [p.to_dict(self.metric) for p in self.points],
+            "frontier": [p.to_dict(self.metric) for p in self.frontier()],
+            "baselines": self.baselines,
+            "trials": [asdict(t) for t in self.trials],
+            "mlflow": {
+                "tracking_uri": redact_uri(self.tracking_uri),
+                "experiment": self.experiment,
+                "experiment_id": self.experiment_id,
+                "parent_run_id": self.parent_run_id,
+                "ui": self.mlflow_ui_command(),
+                "url": self.mlflow_url(),
+            },
+            "plot": self.plot,
+            "frontier_csv": self.frontier_csv,
+            "split_map": self.split_map,
+            "wall_time_s": self.wall_time_s,
+            "resumed": self.resumed,
+            **self.extras,
+        }
+
+
+class SweepError(RuntimeError):
+    """A sweep could not run or finish (nothing to resume, no trial completed...)."""
+
+
+# ---------------------------------------------------------------------- Tune pieces
+def trial_dirname(trial) -> str:
+    """Trial folders are named by trial id (the Train run and MLflow keys use it too)."""
+    return trial.trial_id
+
+
+def _build_tracking(space: SearchSpace) -> tuple[ExperimentConfig, str, str]:
+    base = space.config()
+    experiment = space.mlflow.experiment or base.tracking.experiment
+    return base, base.tracking_uri(), experiment
+
+
+def _searcher(space: SearchSpace):
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    s = space.search
+    if s.sampler == "nsga2":
+        sampler = optuna.samplers.NSGAIISampler(population_size=s.population_size or 50, seed=s.seed)
+    elif s.sampler == "random":
+        sampler = optuna.samplers.RandomSampler(seed=s.seed)
+    else:
+        sampler = optuna.samplers.TPESampler(seed=s.seed)
+    points = [{k: space.parameters[k].encode(v) for k, v in p.items()} for p in s.initial_points]
+    return OptunaSearch(space=space.optuna_space(), metric=[space.quality_metric, "tokens_per_image"], mode=["max", "min"],
+                        sampler=sampler, points_to_evaluate=points or None)
+
+
+def _scheduler(space: SearchSpace, epochs: int):
+    if space.search.scheduler != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    # every epoch is one report, and the final result (after stage two) one more:
+    # max_t past them all, so ASHA never cuts a trial that reached its last epoch
+    return ASHAScheduler(metric=space.quality_metric, mode="max", time_attr="training_iteration", max_t=epochs + 2,
+                         grace_period=space.search.grace_period, reduction_factor=space.search.reduction_factor)
+
+
+def _callback_class():
+    from ray import tune
+
+    class SweepCallback(tune.Callback):
+        """Records trials in MLflow from the Tune driver as they start, report and end.
+
+        MLflow trouble never stops the sweep: it is logged, and the records are made
+        whole again after ``Tuner.fit`` returns.
+        """
+
+        def __init__(self, recorder: SweepRecorder, plan: SweepPlan) -> None:
+            self.recorder = recorder
+            self.plan = plan
+            self._params: dict[str, dict[str, Any]] = {}
+
+        def _config_params(self, trial) -> dict[str, Any]:
+            if trial.trial_id not in self._params:
+                self._params[trial.trial_id] = _config_params(self.plan, trial.config, trial.trial_id)
+            return self._params[trial.trial_id]
+
+        def _safe(self, what: str, fn, *args) -> Any:
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - MLflow trouble must not end the sweep
+                log.warning("could not record %s in MLflow: %s", what, exc)
+                return None
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            sampled = self.plan.space.decode(trial.config)
+            log.info("trial %s started: %s", trial.trial_id, _short(sampled))
+            self._safe(f"trial {trial.trial_id}", self.recorder.trial_started, trial.trial_id,
+                       self.plan.run_uri(trial.trial_id), sampled, self._config_params(trial), {t.trial_id for t in trials})
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            if result.get(FINAL_KEY):
+                return
+            metric = self.plan.space.quality_metric
+            if "epoch" in result:
+                log.info("trial %s epoch %d: %s %.4f, %.1f tokens/image", trial.trial_id, int(result["epoch"]),
+                         metric, float(result.get(metric, float("nan"))), float(result.get("tokens_per_image", float("nan"))))
+            self._safe(f"an epoch of trial {trial.trial_id}", self.recorder.trial_epoch, trial.trial_id,
+                       self.plan.run_uri(trial.trial_id), result)
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            final = trial.last_result or {}
+            done = sum(t.status in ("TERMINATED", "ERROR") for t in trials) + 1
+            total = self.plan.space.search.num_samples
+            if not final.get(FINAL_KEY):
+                log.info("trial %s stopped early (%d/%d)", trial.trial_id, done, total)
+                return  # recorded after the Tuner returns, from its last epoch
+            metric = self.plan.space.quality_metric
+            log.info("trial %s finished (%d/%d): %s %.4f at %.1f tokens/image, %d threshold points",
+                     trial.trial_id, done, total, metric, final.get(metric, float("nan")), final.get("tokens_per_image", float("nan")),
+                     len(threshold_points(final)))
+            self._safe(f"trial {trial.trial_id}", self.recorder.trial_completed, trial.trial_id,
+                       self.plan.run_uri(trial.trial_id), self.plan.space.decode(trial.config), self._config_params(trial), final)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            message = _trial_error(trial)
+            log.warning("trial %s failed: %s", trial.trial_id, message.strip().splitlines()[-1] if message.strip() else "?")
+            self._safe(f"trial {trial.trial_id}", self.recorder.trial_failed, trial.trial_id,
+                       self.plan.run_uri(trial.trial_id), self.plan.space.decode(trial.config), self._config_params(trial), message)
+
+    return SweepCallback
+
+
+def _trial_error(trial) -> str:
+    """The trial's error text: Tune writes it next to the trial on the driver first
+    (its copy in storage follows at the next sync)."""
+    try:
+        local = trial.error_file
+        if local and Path(local).is_file():
+            return Path(local).read_text()
+        return str(trial.get_error() or "trial failed")
+    except Exception:  # noqa: BLE001 - an unreadable error file must not hide the failure
+        return "trial failed"
+
+
+def _short(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def _config_params(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> dict[str, Any]:
+    try:
+        return plan.trial_config(sampled, trial_id).flat(redact=True)
+    except ValueError as exc:  # the trial will fail the same way; record what it was
+        log.warning("trial %s: %s", trial_id, exc)
+        return {}
+
+
+# ---------------------------------------------------------------------- location
+def _sweep_location(space: SearchSpace, base: ExperimentConfig, name: str | None, resume: bool) -> tuple[str, str]:
+    from ray import tune
+
+    storage = base.storage.resolved_path()
+    stem = Path(space.source).stem
+    if name is None and resume:
+        if is_s3(storage):
+            raise SweepError(f"--resume on {storage}: name the sweep to resume (--name)")
+        candidates = sorted((p for p in Path(storage).glob(f"{stem}-*") if (p / "tuner.pkl").is_file()),
+                            key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise SweepError(f"--resume: no sweep of {space.source} under {storage} to resume")
+        name = candidates[-1].name
+    name = name or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if "/" in name or name in (".", ".."):
+        raise SweepError(f"sweep name must be a plain folder name, got {name!r}")
+    sweep_dir = join_uri(storage, name)
+    restorable = tune.Tuner.can_restore(sweep_dir)
+    if resume and not restorable:
+        raise SweepError(f"--resume: {sweep_dir} holds no sweep to resume")
+    if not resume and restorable:
+        raise SweepError(f"sweep {sweep_dir} already exists: pass --resume to continue it, or another --name")
+    return name, sweep_dir
+
+
+def _check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None, resume: bool) -> SearchSpace:
+    """Save the space a sweep starts with; on resume, insist on the same one."""
+    plan_uri = join_uri(sweep_dir, PLAN_FILE)
+    current = {k: v for k, v in space.to_dict().items() if k != "source"}
+    if not resume:
+        write_bytes(plan_uri, json.dumps({"space": current, "overrides": overrides or [], "source": space.source},
+                                         indent=2, sort_keys=True, default=str).encode())
+        return space
+    if not exists(plan_uri):
+        return space
+    saved = json.loads(read_bytes(plan_uri))
+    if not overrides and saved.get("overrides"):
+        # resume with the overrides the sweep started with
+        space = load_space(space.source, saved["overrides"])
+        current = {k: v for k, v in space.to_dict().items() if k != "source"}
+    stored = saved["space"]
+    normal = json.loads(json.dumps(current, sort_keys=True, default=str))
+    if normal != stored:
+        changed = sorted(k for k in set(normal) | set(stored) if normal.get(k) != stored.get(k))
+        raise SweepError(f"--resume: the space differs from the one {sweep_dir} started with (in {', '.join(changed)}); "
+                         f"resume with the same file and --set values ({saved.get('overrides') or 'none'})")
+    return space
+
+
+@contextlib.contextmanager
+def _experiment_state_period(seconds: float):
+    """Tune saves its experiment state (what ``Tuner.restore`` reads) at most every
+    ``TUNE_GLOBAL_CHECKPOINT_S`` seconds — by default at least 10 — so a driver
+    killed within that window restarts trials that had already finished. A sweep's
+    state is small; save it often. An explicit setting in the environment wins."""
+    key = "TUNE_GLOBAL_CHECKPOINT_S"
+    previous = os.environ.get(key)
+    if previous is None:
+        os.environ[key] = str(seconds)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+
+
+def _warn_if_temporary(storage: str) -> None:
+    """A Ray job runs in a temporary copy of its working_dir; a relative storage path lands there."""
+    if is_s3(storage) or not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return
+    if Path(os.getcwd()) in Path(storage).parents or Path(storage) == Path(os.getcwd()):
+        log.warning("sweep storage %s lies in this Ray job's temporary working directory, which Ray may delete; "
+                    "pass --set storage.path=s3://... or an absolute shared folder", storage)
+
+
+# ---------------------------------------------------------------------- the sweep
+def run_sweep(
+    space_path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    name: str | None = None,
+    resume: bool = False,
+    ray_address: str | None = None,
+) -> SweepResult:
+    """Run (or with ``resume`` continue) the sweep of a search space; see the module docstring.
+
+    Args:
+        space_path: the YAML search space.
+        overrides: ``key=value`` settings (config keys fix values; others set the
+            space's own settings, e.g. ``search.num_samples=3``).
+        name: the sweep's folder under the storage path (default: the space's stem
+            and a timestamp; with ``resume``, the latest sweep of this space).
+        resume: restore an interrupted sweep instead of starting one.
+        ray_address: a Ray cluster to join (default: ``$RAY_ADDRESS``, else local Ray).
+
+    Raises:
+        SearchSpaceError: the space is invalid (before Ray starts).
+        SweepError: nothing to resume, or a name that is taken.
+    """
+    from ray import tune
+
+    from ..train.ray_trainer import init_ray
+
+    started = time.time()
+    space = load_space(space_path, overrides)  # a bad space stops here, before Ray
+    base, tracking_uri, experiment = _build_tracking(space)
+    name, sweep_dir = _sweep_location(space, base, name, resume)
+    checked = _check_plan(space, sweep_dir, overrides, resume)
+    if checked is not space:  # resumed with the overrides the sweep started with
+        space = checked
+        base, tracking_uri, experiment = _build_tracking(space)
+    storage = base.storage.resolved_path()
+    _warn_if_temporary(storage)
+    plan = SweepPlan(space=space, train_storage=join_uri(sweep_dir, "train"), name=name)
+    metric = space.quality_metric
+
+    init_ray(ray_address)
+    reference = (space.pareto.quality, space.pareto.token_ratio)
+    recorder, reopened = SweepRecorder.open(
+        tracking_uri, experiment, sweep_dir, name, metric,
+        params={**flat_params({k: v for k, v in space.to_dict().items() if k != "fixed"}),
+                **{f"fixed.{k}": v for k, v in flat_params(space.fixed).items()}},
+        tags={"splitvit.space": space.source, "splitvit.sweep_dir": sweep_dir, REFERENCE_TAG: json.dumps(list(reference))},
+    )
+    log.info("sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s", name, sweep_dir, space.search.num_samples,
+             space.search.max_concurrent, recorder.parent_run_id, redact_uri(tracking_uri))
+
+    trainable = tune.with_parameters(sweep_trial, plan=plan)
+    trainable = tune.with_resources(trainable, dict(space.search.trial_resources))
+    try:
+        if resume:
+            log.info("resuming sweep %s from %s", name, sweep_dir)
+            tuner = tune.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                       restart_errored=False)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                tune_config=tune.TuneConfig(
+                    search_alg=_searcher(space),
+                    scheduler=_scheduler(space, base.train.epochs),
+                    num_samples=space.search.num_samples,
+                    max_concurrent_trials=space.search.max_concurrent,
+                    trial_dirname_creator=trial_dirname,
+                    # a trial's driver function only waits on its TorchTrainer: keep its
+                    # process (torch imported) for the next trial instead of starting one
+                    reuse_actors=True,
+                ),
+                run_config=tune.RunConfig(
+                    name=name,
+                    storage_path=storage,
+                    callbacks=[_callback_class()(recorder, plan)],
+                    # a failed trial stays failed: Ray Train already retried its workers
+                    failure_config=tune.FailureConfig(max_failures=0),
+                    verbose=1,
+                ),
+            )
+        with _experiment_state_period(space.search.state_period_s):
+            grid = tuner.fit()
+    except KeyboardInterrupt:
+        recorder.close("interrupted")
+        raise
+    except Exception as exc:
+        recorder.close("failed", tags={"splitvit.error": str(exc)[:2000]})
+        raise
+
+    trials, raw = _collect(grid, space, sweep_dir)
+    unfinished = [t for t in trials if t.status == "unfinished"]
+    if unfinished or len(trials) < space.search.num_samples:
+        recorder.close("interrupted")
+        raise SweepError(f"sweep {name} was interrupted with {len(trials)} of {space.search.num_samples} trials "
+                         f"started and {len(unfinished)} unfinished; continue it with --resume --name {name}")
+    try:
+        result = _finish(space, plan, recorder, trials, raw, reference, sweep_dir, name, base, started, resume or reopened)
+    except Exception as exc:
+        recorder.close("failed", tags={"splitvit.error": str(exc)[:2000]})
+        raise
+    return result
+
+
+def _collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary], dict[str, dict[str, Any]]]:
+    """Trial outcomes from Tune's ResultGrid; ``raw`` maps trial id -> last result."""
+    metric = space.quality_metric
+    trials, raw = [], {}
+    for i in range(len(grid)):
+        result = grid[i]
+        trial_id = Path(str(result.path)).name
+        metrics = dict(result.metrics or {})
+        params = space.decode({k: v for k, v in _sampled_config(result).items() if k in space.parameters})
+        if result.error is not None:
+            text = str(result.error)
+            status = "diverged" if ("diverged:" in text or isinstance(result.error, TrialDiverged)) else "failed"
+            trials.append(TrialSummary(trial_id, status, params, error=text[-2000:]))
+        elif metrics.get(FINAL_KEY):
+            trials.append(TrialSummary(trial_id, "completed", params, checkpoint=metrics.get("checkpoint")))
+        elif metric in metrics and metrics.get("checkpoint_path"):
+            trials.append(TrialSummary(trial_id, "stopped", params, checkpoint=_full_uri(metrics["checkpoint_path"], sweep_dir)))
+        else:
+            trials.append(TrialSummary(trial_id, "unfinished", params))
+        raw[trial_id] = metrics
+    return sorted(trials, key=lambda t: t.trial_id), raw
+
+
+def _sampled_config(result) -> dict[str, Any]:
+    """A trial's sampled values: Tune's Result has them only with a reported result,
+    so a trial that failed before reporting is read from its ``params.json``."""
+    if result.config:
+        return dict(result.config)
+    try:
+        with result.filesystem.open_input_stream(f"{result.path}/params.json") as stream:
+            return json.loads(stream.readall())
+    except (OSError, ValueError):
+        return {}
+
+
+def _full_uri(path: str, sweep_dir: str) -> str:
+    if is_s3(sweep_dir) and "://" not in path:
+        return f"s3://{path.lstrip('/')}"
+    return path
+
+
+def _finish(space: SearchSpace, plan: SweepPlan, recorder: SweepRecorder, trials: list[TrialSummary],
+            raw: dict[str, dict[str, Any]], reference: tuple[float, float], sweep_dir: str, name: str,
+            base: ExperimentConfig, started: float, resumed: bool) -> SweepResult:
+    """Stage-two points, frontier, hypervolume, baselines, plot and MLflow records."""
+    metric = space.quality_metric
+    points: list[Point] = []
+    for trial in trials:
+        config_params = _config_params(plan, trial.params, trial.trial_id)
+        run_uri = plan.run_uri(trial.trial_id)
+        if trial.status == "completed":
+            final = raw[trial.trial_id]
+            run_id, point_ids = recorder.trial_completed(trial.trial_id, run_uri, trial.params, config_params, final)
+            trial.run_id = run_id
+            points.append(Point(final[metric], final["tokens_per_image"], final["token_ratio"], "trial", trial.trial_id,
+                                list(final["thresholds"]), trial.params, final["checkpoint"], run_id,
+                                extras={"images_per_s": final.get("images_per_s", 0.0)}))
+            for row, point_id in zip(threshold_points(final), point_ids):
+                points.append(Point(row[metric], row["tokens_per_image"], row["token_ratio"], "threshold", trial.trial_id,
+                                    list(row["thresholds"]), trial.params, final["checkpoint"], point_id,
+                                    extras={"images_per_s": row.get("images_per_s", 0.0)}))
+        elif trial.status == "stopped":
+            last = raw[trial.trial_id]
+            thresholds = trained_thresholds(plan.trial_config(trial.params, trial.trial_id), trial.checkpoint)
+            final = {metric: last[metric], "tokens_per_image": last["tokens_per_image"], "token_ratio": last.get("token_ratio"),
+                     "epochs": int(last.get("epoch", 0)) + 1, "thresholds": thresholds, "checkpoint": trial.checkpoint}
+            run_id, _ = recorder.trial_completed(trial.trial_id, run_uri, trial.params, config_params, final)
+            trial.run_id = run_id
+            points.append(Point(last[metric], last["tokens_per_image"], last.get("token_ratio", float("nan")), "trial",
+                                trial.trial_id, thresholds, trial.params, trial.checkpoint, run_id, extras={"stopped_early": 1.0}))
+        else:
+            existing = recorder.find_run(run_uri)
+            if existing is None or existing.data.tags.get("splitvit.status") not in ("failed", "diverged"):
+                trial.run_id = recorder.trial_failed(trial.trial_id, run_uri, trial.params, config_params,
+                                                     trial.error or trial.status)
+            else:
+                trial.run_id = existing.info.run_id
+
+    superseded = recorder.close_orphans({t.trial_id for t in trials})
+    if superseded:
+        log.info("closed %d run(s) of trials lost with a stopped driver: %s", len(superseded), ", ".join(superseded))
+    hv = annotate(points, reference)
+    front = frontier(points)
+    best = best_point(points)
+    local_dir = Path(base.local_runs_dir()) / name
+    local_dir.mkdir(parents=True, exist_ok=True)
+    completed = sum(t.status in ("completed", "stopped") for t in trials)
+    failed = sum(t.status in ("failed", "diverged") for t in trials)
+    log.info("frontier: %d of %d points, hypervolume %.4f (reference %s %.2f, token ratio %.2f)",
+             len(front), len(points), hv, metric, reference[0], reference[1])
+
+    baselines: list[dict[str, Any]] = []
+    if best is not None and space.baselines.enabled:
+        baselines = _run_baselines(space, plan, best, front)
+    full_tokens = next((b["tokens_per_image"] for b in baselines if b.get("baseline") == "full"), None)
+
+    result = SweepResult(
+        name=name, space=space.source, sweep_dir=sweep_dir, metric=metric, points=points, baselines=baselines,
+        hypervolume=hv, reference_point={"quality": reference[0], "token_ratio": reference[1]}, trials=trials,
+        tracking_uri=recorder.tracking_uri, experiment=recorder.experiment, experiment_id=recorder.experiment_id,
+        parent_run_id=recorder.parent_run_id, resumed=resumed,
+        status="completed" if points else "failed",
+        # a point's whole configuration is this plus its searched ``params``
+        extras={"base_config": base.flat(redact=True)},
+    )
+    if best is not None:
+        _log_models(space, recorder, front)
+        result.split_map = _split_map(space, recorder, best, local_dir)
+    result.plot = _plot(result, recorder, local_dir, full_tokens)
+    result.frontier_csv = _tables(result, recorder, local_dir)
+    result.wall_time_s = time.time() - started
+    recorder.log_parent_metrics({"hypervolume": hv, "frontier_size": len(front), "points": len(points),
+                                 "trials_completed": completed, "trials_failed": failed, "wall_time_s": result.wall_time_s})
+    payload = result.to_dict()
+    (local_dir / RESULT_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    recorder.parent.log_dict(json.loads(json.dumps(payload, default=str)), RESULT_FILE)
+    if points:
+        recorder.close("completed", tags={"splitvit.best_run": (best.run_id or "") if best else ""})
+    else:
+        recorder.close("failed", tags={"splitvit.error": "no trial completed"})
+    return result
+
+
+def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[dict[str, Any]]:
+    """Baselines on the best point's backbone (on a GPU where training had them)."""
+    from .evaluation import baselines as evaluate_baselines
+
+    ratios = sorted({round(p.token_ratio, 4) for p in front if 0 < p.token_ratio < 0.999})
+    k = space.baselines.random_budgets
+    if len(ratios) > k:
+        # spread over the frontier: its ends and evenly in between
+        ratios = [ratios[round(i * (len(ratios) - 1) / max(k - 1, 1))] for i in range(k)] if k > 0 else []
+    log.info("baselines on trial %s's backbone: full, entropy at %s, random at token ratios %s",
+             best.trial_id, list(space.baselines.entropy_thresholds), ratios)
+    rows = run_evaluation(plan.trial_config({}, best.trial_id), evaluate_baselines, best.checkpoint,
+                          entropy_thresholds=list(space.baselines.entropy_thresholds), random_ratios=ratios,
+                          samples=space.baselines.samples, seed=space.search.seed)
+    for row in rows:
+        row["trial_id"] = best.trial_id
+        row[space.quality_metric] = row["quality"]
+    return rows
+
+
+def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point]) -> None:
+    """Log the models of the frontier points (largest hypervolume contribution first),
+    each on its own point run, with the point's thresholds set."""
+    from ..model import SplitViT
+    from ..tracking import RunTracker
+    from ..train.checkpoints import load_payload
+
+    limit = space.mlflow.log_models
+    chosen = sorted(front, key=lambda p: -p.hv_contribution)
+    chosen = chosen if limit is None else chosen[:limit]
+    payloads: dict[str, dict[str, Any]] = {}
+    for i, point in enumerate(chosen):
+        if not point.checkpoint or not point.run_id:
+            continue
+        try:
+            if point.checkpoint not in payloads:
+                payloads[point.checkpoint] = load_payload(point.checkpoint)
+            model = SplitViT.from_checkpoint(payloads[point.checkpoint]).eval()
+            model.set_thresholds(point.thresholds)
+            tracker = RunTracker(recorder.tracking_uri, recorder.experiment_id, point.run_id)
+            point.model_uri = tracker.log_model(model, params={"thresholds": json.dumps(point.thresholds),
+                                                               "levels": model.levels, "policy": model.policy.name})
+            log.info("logged frontier model %d/%d: %s (%s %.4f at %.1f tokens/image)", i + 1, len(chosen), point.model_uri,
+                     space.quality_metric, point.quality, point.tokens_per_image)
+        except Exception as exc:  # noqa: BLE001 - a model that will not log must not lose the frontier
+            log.warning("could not log the model of point %s: %s", point.run_id, exc)
+
+
+def _split_map(space: SearchSpace, recorder: SweepRecorder, best: Point, local_dir: Path) -> str | None:
+    from .evaluation import CheckpointEvaluator
+
+    count = space.mlflow.split_map_images
+    if count <= 0 or not best.checkpoint:
+        return None
+    evaluator = CheckpointEvaluator(best.checkpoint, samples=count, cache=False)
+    image = evaluator.split_map(best.thresholds, count)
+    path = local_dir / "split_maps_best_point.png"
+    image.save(path)
+    recorder.log_image(image, "split_maps/best_point.png")
+    return str(path)
+
+
+def _plot(result: SweepResult, recorder: SweepRecorder, local_dir: Path, full_tokens: float | None) -> str:
+    import matplotlib.pyplot as plt
+
+    from .plot import pareto_figure
+
+    fig = pareto_figure(result.points, result.baselines, metric=result.metric, hypervolume=result.hypervolume,
+                        title=f"sweep {result.name}: {result.metric} vs tokens per image", full_tokens=full_tokens)
+    path = local_dir / "pareto.png"
+    try:
+        fig.savefig(path)
+        recorder.log_figure(fig, "pareto.png")
+    finally:
+        plt.close(fig)
+    return str(path)
+
+
+def frontier_rows(points: list[Point], metric: str) -> list[dict[str, Any]]:
+    """The frontier as table rows (by tokens per image), searched parameters as columns."""
+    rows = []
+    for rank, p in enumerate(frontier(points)):
+        rows.append({
+            "rank": rank, "tokens_per_image": p.tokens_per_image, metric: p.quality, "token_ratio": p.token_ratio,
+            "kind": p.kind, "trial_id": p.trial_id, "thresholds": json.dumps([round(t, 4) for t in p.thresholds]),
+            "hv_contribution": p.hv_contribution, "run_id": p.run_id, "model_uri": p.model_uri,
+            **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in p.params.items()},
+        })
+    return rows
+
+
+def _csv(rows: list[dict[str, Any]]) -> str:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    return out.getvalue()
+
+
+def _tables(result: SweepResult, recorder: SweepRecorder, local_dir: Path) -> str:
+    rows = frontier_rows(result.points, result.metric)
+    all_rows = [{**{k: v for k, v in p.to_dict(result.metric).items() if k not in ("params", "extras")},
+                 **{f"param:{k}": v for k, v in p.params.items()}} for p in result.points]
+    frontier_csv = local_dir / "frontier.csv"
+    frontier_csv.write_text(_csv(rows) if rows else "")
+    (local_dir / "points.csv").write_text(_csv(all_rows) if all_rows else "")
+    (local_dir / "baselines.json").write_text(json.dumps(result.baselines, indent=2, default=str) + "\n")
+    recorder.log_table(rows, "frontier.json")
+    for file in ("frontier.csv", "points.csv", "baselines.json"):
+        recorder.log_artifact(str(local_dir / file))
+    return str(frontier_csv)
+
+
+# ---------------------------------------------------------------------- reading back
+def frontier_from_mlflow(experiment: str, tracking_uri: str | None = None, sweep_run_id: str | None = None) -> dict[str, Any]:
+    """The frontier of an MLflow experiment's sweeps (or of one sweep), recomputed
+    from the recorded trial and threshold-point runs (failed runs excluded).
+
+    Returns ``{"experiment", "experiment_id", "sweeps", "metric", "hypervolume",
+    "reference_point", "points", "frontier"}`` (points as dicts).
+    """
+    from .records import points_from_mlflow
+
+    uri = tracking_uri or ExperimentConfig().tracking_uri()
+    data = points_from_mlflow(uri, experiment, sweep_run_id)
+    points: list[Point] = data["points"]
+    hv = annotate(points, data["reference"])
+    metric = data["metric"]
+    return {
+        "experiment": experiment,
+        "experiment_id": data["experiment_id"],
+        "tracking_uri": redact_uri(uri),
+        "sweeps": data["sweeps"],
+        "metric": metric,
+        "hypervolume": hv,
+        "reference_point": {"quality": data["reference"][0], "token_ratio": data["reference"][1]},
+        "points": [p.to_dict(metric) for p in points],
+        "frontier": [p.to_dict(metric) for p in frontier(points)],
+    }

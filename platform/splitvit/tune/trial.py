@@ -1,0 +1,256 @@
+"""One sweep trial: the Tune driver function that trains with a ``TorchTrainer``.
+
+This is the Ray Train V2 + Tune pattern: Tune runs :func:`sweep_trial` (a light
+function, its own resources ``search.trial_resources``); it launches a
+``TorchTrainer`` whose workers ask for the config's ``scaling`` resources and whose
+per-epoch reports reach Tune through ``TuneReportCallback`` (so an early-stopping
+scheduler can act on them). After training, stage two runs a threshold sweep on the
+trial's checkpoint (on a GPU where training had them, see :func:`run_evaluation`),
+and the trial reports once more: its stage-one objectives, its checkpoint and its
+threshold points.
+
+Trials never write to MLflow (DESIGN §5: only the Tune driver writes to the local
+SQLite store); the driver logs a child run per trial from what the trial reports.
+
+A trial that Tune starts again after a driver restart (its last state may predate
+its completion) does no work twice: training resumes from the run's latest
+checkpoint (the Train run name is the trial id), and a trial whose final report was
+already written (``sweep_trial.json`` in its run folder) reports it again at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ExperimentConfig
+from ..storage import exists, join_uri, read_bytes, write_bytes
+from .space import SearchSpace
+
+log = logging.getLogger(__name__)
+
+TRIAL_RESULT_FILE = "sweep_trial.json"
+#: Keys of the final report that only the final report has.
+FINAL_KEY = "splitvit_final"
+
+
+class TrialDiverged(RuntimeError):
+    """Training stopped on a non-finite loss or gradient: the trial has no valid point."""
+
+
+class TrialFailed(RuntimeError):
+    """Training failed (an exception on the workers, after Ray Train's retries)."""
+
+
+@dataclass
+class SweepPlan:
+    """Everything a trial needs, fixed for the whole sweep (and saved with it).
+
+    Attributes:
+        space: the validated search space.
+        train_storage: where the trials' Train runs go: ``<sweep dir>/train``.
+        name: the sweep's name.
+    """
+
+    space: SearchSpace
+    train_storage: str
+    name: str
+
+    def trial_config(self, sampled: dict[str, Any], trial_id: str) -> ExperimentConfig:
+        """The experiment config of one trial: the space's point, with MLflow off
+        (the driver records the trial) and the Train run under the sweep."""
+        params = self.space.decode({k: v for k, v in sampled.items() if k in self.space.parameters})
+        # set as values, not key=value text: a storage path is not parsed as YAML
+        params.update({"tracking.enabled": False, "storage.path": self.train_storage, "storage.name": trial_id})
+        return self.space.config(params, name=trial_id)
+
+    def run_uri(self, trial_id: str) -> str:
+        """The trial's Train run folder (local path or URI)."""
+        return join_uri(self.train_storage, trial_id)
+
+
+def _checkpoint_uri(checkpoint, storage_path: str) -> str | None:
+    if checkpoint is None:
+        return None
+    path = checkpoint.path
+    if "://" in storage_path and "://" not in path:
+        return f"{storage_path.split('://', 1)[0]}://{path.lstrip('/')}"
+    return path
+
+
+def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
+    """Train ``config`` with a ``TorchTrainer`` whose epochs are reported to Tune.
+
+    Returns ``{"status", "metrics", "checkpoint", "message"}``. Raises
+    :class:`TrialFailed` when Ray Train gives up.
+    """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from ..train.ray_trainer import train_loop_per_worker
+
+    storage_path = config.storage.resolved_path()
+    scaling = config.scaling
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        # the loop's own contract (see run_training): no tracker, so nothing writes to MLflow
+        train_loop_config={"config": config, "tracker": None, "epoch_hook": None},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=scaling.num_workers,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=dict(scaling.resources_per_worker) or None,
+            placement_strategy=scaling.placement_strategy,
+        ),
+        run_config=ray.train.RunConfig(
+            name=config.storage.name,
+            storage_path=storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.storage.num_to_keep),
+            callbacks=[TuneReportCallback()],
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        raise TrialFailed(f"training failed: {exc}") from exc
+    outcome = result.return_value or {}
+    return {
+        "status": outcome.get("status", "completed"),
+        "metrics": outcome.get("metrics") or dict(result.metrics or {}),
+        "checkpoint": _checkpoint_uri(result.checkpoint, storage_path),
+        "message": outcome.get("message", ""),
+    }
+
+
+def eval_resources(config: ExperimentConfig) -> tuple[dict[str, Any], str]:
+    """Ray task options (and the torch device) for evaluation on one training worker's
+    kind of resources: its CPUs, and one GPU where training uses GPUs."""
+    per_worker = dict(config.scaling.resources_per_worker)
+    gpus = float(per_worker.pop("GPU", 1.0 if config.scaling.use_gpu else 0.0))
+    cpus = float(per_worker.pop("CPU", 1.0))
+    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": min(gpus, 1.0)}
+    if per_worker:
+        options["resources"] = per_worker
+    return options, ("cuda" if gpus > 0 else "cpu")
+
+
+def run_evaluation(config: ExperimentConfig, fn, *args: Any, **kwargs: Any) -> Any:
+    """Run an evaluation function where the training ran: GPU training evaluates in a
+    Ray task with one GPU (outside the caller's placement group, which Tune sized for
+    the trial's driver function); CPU training evaluates in this process, which has
+    torch loaded already and saves starting a worker process per evaluation."""
+    if not config.scaling.use_gpu:
+        return fn(*args, device="cpu", **kwargs)
+    import ray
+
+    options, device = eval_resources(config)
+    task = ray.remote(fn).options(scheduling_strategy="DEFAULT", **options)
+    return ray.get(task.remote(*args, device=device, **kwargs))
+
+
+def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
+    """The Tune trial function (see the module docstring).
+
+    Reports per-epoch metrics (through ``TuneReportCallback``) and a final result
+    with the objectives (``accuracy``/``miou`` and ``tokens_per_image``), the
+    checkpoint, the thresholds and ``threshold_points`` (see :func:`threshold_points`). Raises
+    :class:`TrialDiverged` or :class:`TrialFailed`: Tune records the trial as
+    failed, the sweep goes on, and the trial never reaches the frontier.
+    """
+    from ray import tune
+
+    trial_id = tune.get_context().get_trial_id()
+    run_uri = plan.run_uri(trial_id)
+    result_uri = join_uri(run_uri, TRIAL_RESULT_FILE)
+    if exists(result_uri):
+        # finished before the driver restarted: report the same result, do no work
+        log.info("trial %s already finished; reporting its stored result", trial_id)
+        tune.report(json.loads(read_bytes(result_uri)))
+        return
+
+    config = plan.trial_config(sampled, trial_id)
+    space = plan.space
+    metric = space.quality_metric
+    started = time.time()
+    trained = fit_trial(config)
+    if trained["status"] != "completed":
+        raise TrialDiverged(f"diverged: {trained['message']} (last good checkpoint {trained['checkpoint']})")
+    metrics = trained["metrics"]
+    quality, tokens = metrics.get(metric), metrics.get("tokens_per_image")
+    if quality is None or tokens is None or not (math.isfinite(quality) and math.isfinite(tokens)):
+        raise TrialDiverged(f"diverged: non-finite objectives {metric}={quality}, tokens_per_image={tokens}")
+    if trained["checkpoint"] is None:
+        raise TrialFailed("training reported no checkpoint")
+    thresholds = trained_thresholds(config, trained["checkpoint"])
+    train_seconds = time.time() - started
+
+    points: list[dict[str, Any]] = []
+    stage = space.stage_two
+    if stage.points > 0:
+        # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
+        # sampled values are not, for a seeded sampler)
+        seed = space.search.seed * 100_003 + (zlib.crc32(json.dumps(sampled, sort_keys=True, default=str).encode()) & 0xFFFF)
+        points = run_evaluation(config, _stage_two_task, trained["checkpoint"], points=stage.points, low=stage.low,
+                                high=stage.high, sampler=stage.sampler, seed=seed, samples=stage.samples,
+                                known=[(thresholds, float(quality), float(tokens))])
+
+    final = {
+        metric: float(quality),
+        "tokens_per_image": float(tokens),
+        "token_ratio": float(metrics.get("token_ratio", float("nan"))),
+        "images_per_s": float(metrics.get("images_per_s", 0.0)),
+        "train_loss": float(metrics.get("train_loss", float("nan"))),
+        "epochs": int(metrics.get("epoch", config.train.epochs - 1)) + 1,
+        "thresholds": thresholds,
+        "checkpoint": trained["checkpoint"],
+        "run_uri": run_uri,
+        # JSON text, not a list of mappings: Tune's TensorBoard logger would try to
+        # draw a list as a histogram
+        "threshold_points": json.dumps([_point_row(p, metric) for p in points]),
+        "train_seconds": train_seconds,
+        "trial_seconds": time.time() - started,
+        FINAL_KEY: True,
+    }
+    write_bytes(result_uri, json.dumps(final, sort_keys=True).encode())
+    tune.report(final)
+
+
+def threshold_points(final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stage-two points of a trial's final result (stored as JSON text)."""
+    points = final.get("threshold_points") or []
+    return json.loads(points) if isinstance(points, str) else list(points)
+
+
+def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
+    from .evaluation import stage_two
+
+    return stage_two(checkpoint, **kwargs)
+
+
+def _point_row(result: dict[str, Any], metric: str) -> dict[str, Any]:
+    return {
+        metric: float(result["quality"]),
+        "tokens_per_image": float(result["tokens_per_image"]),
+        "token_ratio": float(result["token_ratio"]),
+        "images_per_s": float(result.get("images_per_s", 0.0)),
+        "thresholds": [float(t) for t in result["thresholds"]],
+    }
+
+
+def trained_thresholds(config: ExperimentConfig, checkpoint: str | None) -> list[float]:
+    """The per-level thresholds a trial's checkpoint evaluates with: the config's, or
+    for ``model.thresholds: auto`` the calibrated ones the checkpoint holds."""
+    t = config.model.thresholds
+    if isinstance(t, str):
+        from ..train.checkpoints import load_payload
+
+        if checkpoint is None:
+            raise TrialFailed("thresholds are calibrated (auto) but training left no checkpoint to read them from")
+        return [float(x) for x in load_payload(checkpoint)["state_dict"]["thresholds"].tolist()]
+    return [float(t)] * (config.model.levels - 1) if isinstance(t, (int, float)) else [float(x) for x in t]

@@ -1,0 +1,249 @@
+"""Search spaces: the shipped files load; invalid spaces stop with one clear error
+naming the file and the key, before any Ray work; the Pareto math agrees with a
+brute-force check."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from splitvit.cli import main
+from splitvit.tune import SearchSpaceError, annotate, dominates, hypervolume, load_space, pareto_indices
+from splitvit.tune.pareto import Point
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACES = ROOT / "search_spaces"
+
+TINY_BASE = {
+    "model": {"name": "vit_tiny_patch16_224", "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+              "image_size": 32, "levels": 3, "policy_depth": 1, "num_classes": 4},
+    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
+    "train": {"epochs": 1},
+}
+VALID = {
+    "base": "base.yaml",
+    "parameters": {
+        "train.lambda_budget": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
+        "train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 0.8},
+        "model.thresholds[1]": {"distribution": "uniform", "low": 0.3, "high": 0.7, "step": 0.1},
+        "train.warmup_epochs": {"distribution": "int", "low": 0, "high": 2},
+        "train.penalty": {"distribution": "categorical", "choices": ["squared", "hinge"]},
+        "model.timm_kwargs": {"distribution": "categorical",
+                              "choices": [{"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+                                          {"patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2}]},
+        "train.epochs": 2,
+    },
+    "search": {"num_samples": 3, "max_concurrent": 1},
+}
+
+
+def write_space(folder: Path, space: dict, base: dict | None = None) -> Path:
+    (folder / "base.yaml").write_text(yaml.safe_dump(base or TINY_BASE))
+    path = folder / "space.yaml"
+    path.write_text(yaml.safe_dump(space, sort_keys=False))
+    return path
+
+
+def variant(**changes) -> dict:
+    """VALID with dotted changes (``parameters/train.lr`` style keys address parameters)."""
+    import copy
+
+    space = copy.deepcopy(VALID)
+    for key, value in changes.items():
+        section, _, name = key.partition("/")
+        if name:
+            space.setdefault(section, {})[name] = value
+        else:
+            space[section] = value
+    return space
+
+
+# ---------------------------------------------------------------------- the shipped spaces
+@pytest.mark.parametrize("name,metric,searched", [
+    ("smoke", "accuracy", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]"}),
+    ("classification", "accuracy", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]",
+                                    "train.lr", "train.weight_decay", "train.epochs", "train.penalty"}),
+    ("dense", "miou", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]",
+                       "train.lr", "train.weight_decay", "train.epochs", "train.penalty"}),
+])
+def test_shipped_spaces_load(name, metric, searched):
+    space = load_space(SPACES / f"{name}.yaml")
+    assert set(space.parameters) == searched
+    assert space.quality_metric == metric
+    assert Path(space.base).is_file()
+    if name == "smoke":
+        # the demo: CPU-only, small, and the trial driver asks for a fraction of a CPU
+        cfg = space.config()
+        assert cfg.data.name == "synthetic" and not cfg.scaling.use_gpu and cfg.scaling.num_workers == 1
+        assert 0 < space.search.trial_resources["CPU"] < 1
+    else:
+        cfg = space.config()
+        assert cfg.scaling.use_gpu and space.search.sampler == "nsga2" and space.search.max_concurrent > 1
+
+
+def test_a_point_of_the_space_becomes_a_config(tmp_path):
+    space = load_space(write_space(tmp_path, VALID))
+    assert space.parameters["train.penalty"].encoded is False and space.parameters["model.timm_kwargs"].encoded
+    dists = space.optuna_space()
+    assert dists["train.lambda_budget"].log and dists["train.warmup_epochs"].low == 0
+    assert dists["model.thresholds[1]"].step == pytest.approx(0.1)
+    # Optuna stores mapping choices as JSON text; the config gets the mapping back
+    sampled = {"train.lambda_budget": 2.5, "train.target_ratio": 0.3, "model.thresholds[1]": 0.6, "train.warmup_epochs": 1,
+               "train.penalty": "hinge", "model.timm_kwargs": dists["model.timm_kwargs"].choices[1]}
+    cfg = space.config(space.decode(sampled))
+    assert cfg.train.lambda_budget == 2.5 and cfg.train.penalty == "hinge" and cfg.train.warmup_epochs == 1
+    assert cfg.model.thresholds == [0.5, 0.6]  # one number expanded per level, then level 1 set
+    assert cfg.model.timm_kwargs["embed_dim"] == 32
+    assert cfg.train.epochs == 2  # a fixed value passes through
+
+
+def test_searching_one_threshold_level_fixes_the_others(tmp_path):
+    """Over a base whose thresholds are calibrated (``auto``) or one number, searching
+    one level sets every level: the others keep the number (or the model's 0.5)."""
+    for base_value, other in (("auto", 0.5), (0.3, 0.3)):
+        base = dict(TINY_BASE, model=dict(TINY_BASE["model"], thresholds=base_value))
+        space = load_space(write_space(tmp_path, VALID, base=base))
+        assert space.config({"model.thresholds[1]": 0.6}).model.thresholds == [other, 0.6]
+    assert space.config().model.thresholds == 0.3  # not searched at this point: the base's value
+
+
+def test_set_overrides_fix_config_values_and_change_settings(tmp_path):
+    path = write_space(tmp_path, VALID)
+    space = load_space(path, ["search.num_samples=7", "stage_two.points=3", "train.lambda_budget=1.5", "train.epochs=1"])
+    assert space.search.num_samples == 7 and space.stage_two.points == 3
+    assert "train.lambda_budget" not in space.parameters and space.fixed["train.lambda_budget"] == 1.5
+    assert space.config().train.epochs == 1
+    with pytest.raises(SearchSpaceError, match=r"search\.num_samplez: unknown setting; did you mean num_samples"):
+        load_space(path, ["search.num_samplez=3"])
+
+
+# ---------------------------------------------------------------------- invalid spaces
+INVALID = [
+    ("unknown distribution",
+     variant(**{"parameters/train.lr": {"distribution": "gaussian", "low": 0.1, "high": 1}}),
+     r"parameters\.train\.lr: unknown distribution 'gaussian'; expected one of uniform, loguniform, int, categorical"),
+    ("low above high",
+     variant(**{"parameters/train.lr": {"distribution": "loguniform", "low": 0.1, "high": 0.01}}),
+     r"parameters\.train\.lr: low \(0\.1\) > high \(0\.01\)"),
+    ("unknown config key",
+     variant(**{"parameters/train.lrr": {"distribution": "loguniform", "low": 1.0e-4, "high": 1.0e-2}}),
+     r"parameters\.train\.lrr: not a config key; did you mean train\.lr\?$"),
+    ("unknown config section",
+     variant(**{"parameters/optimizer.lr": {"distribution": "uniform", "low": 0.1, "high": 0.2}}),
+     r"parameters\.optimizer\.lr: unknown config key: optimizer is not a config section"),
+    ("bound outside the config's range",
+     variant(**{"parameters/train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 1.5}}),
+     r"parameters\.train\.target_ratio: its high bound is not a valid config value: train\.target_ratio: .*\(0, 1\]"),
+    ("threshold bound outside [0, 1]",
+     variant(**{"parameters/model.thresholds[0]": {"distribution": "uniform", "low": -0.5, "high": 0.5}}),
+     r"parameters\.model\.thresholds\[0\]: its low bound is not a valid config value: model\.thresholds"),
+    ("threshold index past the levels",
+     variant(**{"parameters/model.thresholds[5]": {"distribution": "uniform", "low": 0.1, "high": 0.5}}),
+     r"parameters\.model\.thresholds\[5\]: index 5 is out of range: model\.thresholds has 2 entries$"),
+    ("categorical choice the config rejects",
+     variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}),
+     r"parameters\.train\.penalty: choice 'linear' is not a valid config value"),
+    ("loguniform from zero",
+     variant(**{"parameters/train.lr": {"distribution": "loguniform", "low": 0, "high": 0.1}}),
+     r"parameters\.train\.lr\.low: a loguniform parameter needs low > 0"),
+    ("int with fractional bounds",
+     variant(**{"parameters/train.epochs": {"distribution": "int", "low": 1.5, "high": 3}}),
+     r"parameters\.train\.epochs\.low: an int parameter needs integer bounds"),
+    ("a setting the distribution lacks",
+     variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.1, "high": 0.2, "choices": [1]}}),
+     r"parameters\.train\.lr\.choices: not a setting of a uniform parameter"),
+    ("no bounds",
+     variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.1}}),
+     r"parameters\.train\.lr: a uniform parameter needs low and high"),
+    ("empty categorical",
+     variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": []}}),
+     r"parameters\.train\.penalty\.choices: a categorical parameter needs a non-empty list"),
+    ("unknown section", variant(searchh={"num_samples": 2}), r"searchh: unknown section; did you mean search\?"),
+    ("missing base", {k: v for k, v in VALID.items() if k != "base"}, r"base: name the experiment config"),
+    ("base not found", variant(base="nowhere.yaml"), r"base: experiment config nowhere\.yaml not found"),
+    ("nothing searched", variant(parameters={"train.epochs": 1}), r"parameters: nothing to search"),
+    ("bad fixed value", variant(**{"parameters/train.epochs": 0}), r"parameters\.train\.epochs: train\.epochs: must be >= 1"),
+    ("stage-two thresholds outside [0, 1]", variant(stage_two={"low": 0.2, "high": 1.2}),
+     r"stage_two: thresholds need 0 <= low <= high <= 1"),
+    ("unknown sampler", variant(search={"sampler": "cmaes"}), r"search\.sampler: unknown sampler 'cmaes'"),
+    ("zero trials", variant(search={"num_samples": 0}), r"search\.num_samples: must be >= 1, got 0"),
+    ("empty trial resources", variant(search={"trial_resources": {"CPU": 0}}), r"search\.trial_resources: ask for some resource"),
+    ("initial point outside the bounds",
+     variant(search={"initial_points": [{"train.lambda_budget": 50.0, "train.target_ratio": 0.5, "model.thresholds[1]": 0.5,
+                                         "train.warmup_epochs": 1, "train.penalty": "squared",
+                                         "model.timm_kwargs": VALID["parameters"]["model.timm_kwargs"]["choices"][0]}]}),
+     r"search\.initial_points\[0\]\.train\.lambda_budget: 50\.0 is outside loguniform\[0\.1, 10\.0\]"),
+    ("reference point out of range", variant(pareto={"reference_point": {"accuracy": 1.5, "token_ratio": 1.0}}),
+     r"pareto\.reference_point\.quality: must be in \[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("space", [s for _, s, _ in INVALID], ids=[n for n, _, _ in INVALID])
+def test_invalid_spaces_give_one_clear_error(tmp_path, space):
+    expected = dict((id(s), m) for _, s, m in INVALID)[id(space)]
+    path = write_space(tmp_path, space)
+    with pytest.raises(SearchSpaceError) as info:
+        load_space(path)
+    message = str(info.value)
+    assert message.startswith(f"search space {path}: "), message
+    assert "\n" not in message  # one line, not a traceback's worth
+    assert __import__("re").search(expected, message), message
+
+
+def test_a_bad_space_stops_the_cli_before_ray(tmp_path, monkeypatch, capsys):
+    """`splitvit sweep` on an invalid space exits 2 with the error, and never starts Ray."""
+    import splitvit.train.ray_trainer as ray_trainer
+
+    def no_ray(*args, **kwargs):  # pragma: no cover - reached only if validation comes too late
+        raise AssertionError("Ray was started for an invalid search space")
+
+    monkeypatch.setattr(ray_trainer, "init_ray", no_ray)
+    # main() configures logging on this test's captured stderr: keep that handler out of later tests
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    path = write_space(tmp_path, variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.5, "high": 0.1}}))
+    code = main(["sweep", str(path), "--set", f"storage.path={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == f"splitvit sweep: error: search space {path}: parameters.train.lr: low (0.5) > high (0.1)"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_errors_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("parameters: {train.lr: [\n")
+    with pytest.raises(SearchSpaceError, match=r"<file>: not valid YAML"):
+        load_space(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_space(tmp_path / "missing.yaml")
+
+
+# ---------------------------------------------------------------------- the Pareto math
+def test_pareto_indices_match_brute_force():
+    rng = random.Random(0)
+    for _ in range(20):
+        values = [(round(rng.random(), 2), float(rng.randint(1, 30))) for _ in range(rng.randint(1, 25))]
+        expected = [i for i, v in enumerate(values) if not any(dominates(w, v) for w in values)]
+        assert pareto_indices(values) == expected
+    assert pareto_indices([(0.9, float("nan")), (0.5, 3.0)]) == [1]  # a diverged point is never on the frontier
+
+
+def test_hypervolume_and_contributions():
+    # two points: 0.9 accuracy at half the tokens, 0.8 at a quarter, reference (0, 1)
+    assert hypervolume([(0.9, 0.5), (0.8, 0.25)]) == pytest.approx(0.9 * 0.5 + 0.8 * 0.25)
+    assert hypervolume([(0.9, 0.5), (0.8, 0.25), (0.7, 0.6)]) == pytest.approx(0.65)  # a dominated point adds nothing
+    assert hypervolume([(0.9, 1.2)]) == 0.0  # worse than the reference in tokens
+    assert hypervolume([(0.9, 0.5)], reference=(0.5, 1.0)) == pytest.approx(0.4 * 0.5)
+    points = [Point(0.9, 32.0, 0.5), Point(0.8, 16.0, 0.25), Point(0.7, 40.0, 0.6), Point(float("nan"), 1.0, 0.01)]
+    total = annotate(points)
+    assert total == pytest.approx(0.65)
+    assert [p.on_frontier for p in points] == [True, True, False, False]
+    # without the first point only the second's box (0.8 x 0.75) remains
+    assert points[0].hv_contribution == pytest.approx(0.65 - 0.8 * 0.75)
+    assert points[1].hv_contribution == pytest.approx(0.65 - 0.9 * 0.5)
+    for a, b in itertools.combinations([p for p in points if p.on_frontier], 2):
+        assert not dominates((a.quality, a.tokens_per_image), (b.quality, b.tokens_per_image))

@@ -1,0 +1,317 @@
+"""Multi-objective sweeps end to end: real Ray Tune + Optuna + Ray Train, real MLflow.
+
+One sweep serves the frontier, failure and resume tests (one sweep, because each
+trial costs Ray several process starts): five tiny trials — three good, one that
+diverges, one that raises — whose driver process is killed (SIGKILL) after its
+first completed trial and then resumed. Models are tiny (16-pixel images, one ViT
+block, one epoch of 64 images).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from mlflow import MlflowClient  # noqa: E402
+
+from splitvit.cli import main  # noqa: E402
+from splitvit.tune import SweepError, dominates, hypervolume, run_sweep  # noqa: E402
+
+# 16x16 images, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens.
+BASE = {
+    "model": {"name": "vit_tiny_patch16_224", "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+              "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4},
+    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
+    # one epoch of random-split warm-up: a learning rate of 1e30 then gives a non-finite
+    # loss (the diverged path); in the policy phase it would first make the policy's
+    # split probabilities NaN, which torch.bernoulli rejects with an exception
+    "train": {"epochs": 1, "warmup_epochs": 1, "lr": 0.002, "max_failures": 0},
+    # half a logical CPU per worker and a quarter per trial driver: the session's 4
+    # logical CPUs run all five trials of a sweep at once (they mostly start processes)
+    "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 0.5}},
+    "tracking": {"split_map_images": 0},
+}
+GOOD = [
+    {"train.lambda_budget": 1.0, "model.thresholds[0]": 0.4, "train.lr": 0.002, "data.options.object_size": 4},
+    {"train.lambda_budget": 2.0, "model.thresholds[0]": 0.5, "train.lr": 0.003, "data.options.object_size": 4},
+    {"train.lambda_budget": 3.0, "model.thresholds[0]": 0.6, "train.lr": 0.001, "data.options.object_size": 4},
+]
+DIVERGES = {"train.lambda_budget": 1.0, "model.thresholds[0]": 0.5, "train.lr": 1.0e30, "data.options.object_size": 4}
+RAISES = {"train.lambda_budget": 1.0, "model.thresholds[0]": 0.5, "train.lr": 0.0025, "data.options.object_size": 64}
+
+
+def write_space(folder: Path, mlflow_uri: str, experiment: str, points: list[dict], concurrent: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    base = json.loads(json.dumps(BASE))
+    base["storage"] = {"path": str(folder / "runs")}
+    base["tracking"]["tracking_uri"] = mlflow_uri
+    (folder / "base.yaml").write_text(yaml.safe_dump(base))
+    space = {
+        "base": "base.yaml",
+        "parameters": {
+            "train.lambda_budget": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
+            "model.thresholds[0]": {"distribution": "uniform", "low": 0.3, "high": 0.7},
+            # the top of this range diverges, and a 64-pixel object does not fit a
+            # 16-pixel image: both are here to make trials fail on purpose
+            "train.lr": {"distribution": "loguniform", "low": 1.0e-3, "high": 1.0e31},
+            "data.options.object_size": {"distribution": "categorical", "choices": [4, 64]},
+        },
+        "search": {"num_samples": len(points), "max_concurrent": concurrent, "sampler": "tpe", "seed": 0,
+                   "trial_resources": {"CPU": 0.25}, "initial_points": points},
+        "stage_two": {"points": 2, "sampler": "random"},
+        "baselines": {"entropy_thresholds": [0.5], "random_budgets": 1},
+        "mlflow": {"experiment": experiment, "log_models": 1, "split_map_images": 4},
+    }
+    path = folder / "space.yaml"
+    path.write_text(yaml.safe_dump(space, sort_keys=False))
+    return path
+
+
+def cli(argv: list[str]) -> int:
+    """``splitvit`` in this process; the logging handler main() installs (on pytest's
+    captured stream of the moment) is removed afterwards."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        return main(argv)
+    finally:
+        root.handlers[:] = before
+
+
+def runs_of(client: MlflowClient, experiment: str) -> list:
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], max_results=1000) if exp else []
+
+
+def wait_for_dead_driver_actors(timeout: float = 60.0) -> None:
+    """Wait until Ray has ended the actors of drivers other than this one (a killed
+    driver's trials, Train controllers and workers); detached actors stay."""
+    import ray
+    from ray._private import state
+
+    ours = ray.get_runtime_context().get_job_id()
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = [a for a in state.actors(actor_state_name="ALIVE").values()
+                 if not a["IsDetached"] and a["JobID"] != ours]
+        if not alive:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"actors of the killed driver still alive: {[a['ActorClassName'] for a in alive]}")
+
+
+@pytest.fixture(scope="module")
+def sweep(ray_session, mlflow_uri, tmp_path_factory):
+    """One sweep of five trials (three good, one that diverges, one that raises), two
+    at a time, killed and resumed like a crashed driver would be:
+
+    1. ``splitvit sweep`` starts in a driver process of its own (joining the session's
+       Ray) and is killed with SIGKILL as soon as MLflow records a completed trial;
+    2. ``splitvit sweep --resume`` finishes it in this process.
+    """
+    import ray
+
+    folder = tmp_path_factory.mktemp("sweep")
+    space = write_space(folder, mlflow_uri, "sweep-e2e", [GOOD[0], DIVERGES, GOOD[1], RAISES, GOOD[2]], concurrent=2)
+    client = MlflowClient(mlflow_uri)
+    started = time.time()
+    log_path = folder / "driver.log"
+    with open(log_path, "w") as log_file:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "splitvit.cli", "sweep", str(space), "--name", "e2e",
+             "--address", ray.get_runtime_context().gcs_address],
+            stdout=log_file, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True,
+            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
+        first = None
+        deadline = time.time() + 300
+        try:
+            while time.time() < deadline and driver.poll() is None:
+                try:
+                    done = [r for r in runs_of(client, "sweep-e2e") if r.data.tags.get("splitvit.kind") == "trial"
+                            and r.data.tags.get("splitvit.status") == "completed"]
+                except Exception:  # noqa: BLE001 - the driver may hold the SQLite lock for a moment
+                    done = []
+                if done:
+                    first = done[0]
+                    break
+                time.sleep(0.5)
+        finally:
+            os.killpg(driver.pid, signal.SIGKILL)  # the driver and anything it started, as a crash would
+            driver.wait()
+    assert first is not None, log_path.read_text()[-5000:]
+    wait_for_dead_driver_actors()
+    killed = {
+        "first": first,
+        "runs": runs_of(client, "sweep-e2e"),
+        "folder": folder / "runs" / "e2e" / "train" / first.data.tags["splitvit.trial_id"],
+    }
+    killed["files"] = {p.relative_to(killed["folder"]): p.stat().st_mtime_ns for p in killed["folder"].rglob("*") if p.is_file()}
+
+    out = folder / "sweep.json"
+    code = cli(["sweep", str(space), "--name", "e2e", "--resume", "--json", str(out)])
+    return {"code": code, "json": json.loads(out.read_text()), "client": client, "folder": folder,
+            "seconds": time.time() - started, "uri": mlflow_uri, "killed": killed}
+
+
+def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
+    data, client = sweep["json"], sweep["client"]
+    assert sweep["code"] == 0
+    runs = runs_of(client, "sweep-e2e")
+    parents = [r for r in runs if r.data.tags.get("splitvit.kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert data["mlflow"]["parent_run_id"] == parent.info.run_id
+    assert data["mlflow"]["experiment_id"] == parent.info.experiment_id
+
+    # one child per trial, linked to the parent; three completed with two threshold points each
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 5 and all(r.data.tags["splitvit.kind"] == "trial" for r in children)
+    completed = [r for r in children if r.data.tags["splitvit.status"] == "completed"]
+    assert len(completed) == 3
+    for trial_run in completed:
+        assert trial_run.info.status == "FINISHED"
+        assert trial_run.data.params["sampled.train.lambda_budget"] in {"1.0", "2.0", "3.0"}
+        assert trial_run.data.params["train.epochs"] == "1"  # the whole trial config as params
+        assert {"accuracy", "tokens_per_image", "token_ratio", "epoch"} <= set(trial_run.data.metrics)
+        points = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == trial_run.info.run_id]
+        assert len(points) == 2
+        for point in points:
+            assert point.data.tags["splitvit.kind"] == "threshold_point" and point.info.status == "FINISHED"
+            assert {"accuracy", "tokens_per_image"} <= set(point.data.metrics)
+            assert 0.0 <= float(point.data.params["threshold_level_0"]) <= 1.0
+    assert len(data["points"]) == 3 * (1 + 2)
+    # every point's configuration: the base config plus its searched values
+    assert data["base_config"]["train.epochs"] == 1 and data["base_config"]["tracking.experiment"]
+    assert all(set(p["params"]) == {"train.lambda_budget", "model.thresholds[0]", "train.lr", "data.options.object_size"}
+               for p in data["points"])
+
+    # the frontier table, read back from the parent, is non-dominated and dominates the rest
+    frontier_file = client.download_artifacts(parent.info.run_id, "frontier.json", str(tmp_path))
+    table = json.loads(Path(frontier_file).read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert rows and len(rows) == len(data["frontier"])
+    pairs = [(r["accuracy"], r["tokens_per_image"]) for r in rows]
+    for a, b in itertools.permutations(pairs, 2):
+        assert not dominates(a, b)
+    point_runs = [r for r in runs if r.data.tags.get("splitvit.kind") in ("trial", "threshold_point")
+                  and r.data.tags.get("splitvit.status") == "completed"]
+    assert len(point_runs) == 9
+    frontier_ids = {r["run_id"] for r in rows}
+    for run in point_runs:
+        value = (run.data.metrics["accuracy"], run.data.metrics["tokens_per_image"])
+        if run.info.run_id not in frontier_ids:
+            assert any(dominates(p, value) or p == value for p in pairs), value
+    assert all(r["run_id"] in {p.info.run_id for p in point_runs} for r in rows)
+    csv_file = client.download_artifacts(parent.info.run_id, "frontier.csv", str(tmp_path))
+    assert len(Path(csv_file).read_text().strip().splitlines()) == len(rows) + 1
+
+    # the hypervolume metric is the table's, against the documented reference point (0, 1)
+    hv = parent.data.metrics["hypervolume"]
+    assert hv == pytest.approx(data["hypervolume"])
+    assert hv == pytest.approx(hypervolume([(r["accuracy"], r["token_ratio"]) for r in rows], (0.0, 1.0)))
+    assert hv > 0
+
+    # the plot, the best point's split maps, the frontier's logged models
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"pareto.png", "frontier.json", "frontier.csv", "points.csv", "baselines.json", "sweep.json"} <= artifacts
+    png = Path(client.download_artifacts(parent.info.run_id, "pareto.png", str(tmp_path))).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "split_maps")] == ["split_maps/best_point.png"]
+    logged = [r["model_uri"] for r in rows if r.get("model_uri")]
+    assert len(logged) == 1  # mlflow.log_models: 1, the largest hypervolume contribution
+    for uri in logged:
+        assert client.get_logged_model(uri.split("/", 1)[1]).source_run_id in frontier_ids
+
+    # baselines on the same axes: full resolution, entropy, random at a frontier budget
+    kinds = sorted(b["baseline"] for b in data["baselines"])
+    assert kinds == ["entropy", "full", "random"]
+    full = next(b for b in data["baselines"] if b["baseline"] == "full")
+    assert full["token_ratio"] == pytest.approx(1.0) and full["tokens_per_image"] == pytest.approx(16.0)
+
+    # `splitvit pareto` prints the same frontier from MLflow
+    out = tmp_path / "pareto.json"
+    assert cli(["pareto", "sweep-e2e", "--tracking-uri", sweep["uri"], "--json", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert {p["run_id"] for p in again["frontier"]} == frontier_ids
+    assert again["hypervolume"] == pytest.approx(hv)
+
+
+def test_failing_trials_are_recorded_and_the_sweep_goes_on(sweep):
+    data, client = sweep["json"], sweep["client"]
+    statuses = {t["params"]["train.lr"]: t["status"] for t in data["trials"]}
+    assert sorted(statuses.values()) == ["completed", "completed", "completed", "diverged", "failed"]
+    assert statuses[1.0e30] == "diverged"  # a non-finite loss
+    failed = next(t for t in data["trials"] if t["params"]["data.options.object_size"] == 64)
+    assert failed["status"] == "failed" and "object_size 64 exceeds image_size 16" in failed["error"]
+
+    runs = {r.data.tags.get("splitvit.trial_id"): r for r in runs_of(client, "sweep-e2e")
+            if r.data.tags.get("splitvit.kind") == "trial"}
+    bad = [t for t in data["trials"] if t["status"] != "completed"]
+    for trial in bad:
+        run = runs[trial["trial_id"]]
+        assert run.info.status == "FAILED" and run.data.tags["splitvit.status"] == trial["status"]
+        assert run.data.tags["splitvit.error"]
+    # no point of a failed trial anywhere: not in the points, not on the frontier
+    bad_ids = {t["trial_id"] for t in bad}
+    assert not bad_ids & {p["trial_id"] for p in data["points"]}
+    assert not bad_ids & {p["trial_id"] for p in data["frontier"]}
+    assert data["mlflow"] and data["status"] == "completed"
+
+
+def test_resume_after_the_driver_is_killed(sweep):
+    """The driver died with trials unfinished; --resume restored the Tuner: the
+    finished trial was not trained or evaluated again and no MLflow run is duplicated."""
+    killed, data, client = sweep["killed"], sweep["json"], sweep["client"]
+    # it really was interrupted: the parent was still running, trials were missing
+    parents = [r for r in killed["runs"] if r.data.tags.get("splitvit.kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "RUNNING"
+    assert sum(r.data.tags.get("splitvit.kind") == "trial" for r in killed["runs"]) < 5
+    assert sweep["code"] == 0 and data["resumed"]
+    assert len(data["trials"]) == 5 and all(t["status"] != "unfinished" for t in data["trials"])
+
+    # the finished trial's run folder is untouched: no checkpoint, no stage-two result rewritten
+    after = {p.relative_to(killed["folder"]): p.stat().st_mtime_ns for p in killed["folder"].rglob("*") if p.is_file()}
+    assert after == killed["files"]
+    assert Path("sweep_trial.json") in after and any(p.name == "model.pt" for p in after)
+
+    # one parent (the same), one child per trial, two threshold points per completed trial
+    runs = runs_of(client, "sweep-e2e")
+    parents_now = [r for r in runs if r.data.tags.get("splitvit.kind") == "sweep"]
+    assert [r.info.run_id for r in parents_now] == [parents[0].info.run_id]
+    assert parents_now[0].info.status == "FINISHED"
+    trials = [r for r in runs if r.data.tags.get("splitvit.kind") == "trial"]
+    # a trial the killed driver had started but Tune had not saved yet is rerun under a
+    # new id; its run is taken over (tag splitvit.adopted_from), not duplicated
+    assert sorted(r.data.tags["splitvit.trial_id"] for r in trials) == sorted(t["trial_id"] for t in data["trials"])
+    assert not [r for r in trials if r.data.tags["splitvit.status"] == "superseded"]
+    assert killed["first"].info.run_id in {r.info.run_id for r in trials}
+    points = [r for r in runs if r.data.tags.get("splitvit.kind") == "threshold_point"]
+    assert len(points) == 6 and len({r.data.tags["splitvit.run_uri"] for r in points}) == 6
+    # the finished trial's epochs were logged once
+    history = client.get_metric_history(killed["first"].info.run_id, "epoch")
+    assert [m.step for m in history] == [0]
+
+
+def test_resume_and_restart_guards(ray_session, mlflow_uri, tmp_path):
+    """Nothing to resume, or a sweep name already taken: a clear error, no Tune run."""
+    space = write_space(tmp_path, mlflow_uri, "sweep-guards", [GOOD[0]], concurrent=1)
+    with pytest.raises(SweepError, match="holds no sweep to resume"):
+        run_sweep(space, name="nothing", resume=True)
+    taken = tmp_path / "runs" / "taken"
+    taken.mkdir(parents=True)
+    (taken / "tuner.pkl").write_bytes(b"")  # what marks a Tune experiment folder
+    with pytest.raises(SweepError, match="already exists: pass --resume"):
+        run_sweep(space, name="taken")
