@@ -24,7 +24,7 @@ data:
 	fi
 
 demo: setup
-	$(BIN)/splitvit demo --json runs/demo/result.json
+	$(BIN)/splitvit sweep search_spaces/smoke.yaml --json runs/sweep.json
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

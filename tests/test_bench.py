@@ -21,14 +21,14 @@ from splitvit.bench import (
 )
 
 TINY = dict(embed_dim=32, depth=2, num_heads=2)
-BATCH = 6
+BATCH = 4
 
 
 @pytest.fixture(scope="module")
 def result() -> dict:
     torch.manual_seed(0)
     return run_forward_benchmark(
-        batch_size=BATCH, image_size=64, patch_size=8, levels=3, repeats=2, warmup=1,
+        batch_size=BATCH, image_size=64, patch_size=8, levels=3, repeats=2, warmup=0,
         timm_kwargs=TINY, num_classes=10, memory=("profiler",),
     )
 
@@ -47,7 +47,7 @@ def _walk_numbers(obj, path=""):
 
 
 def test_structure_and_json(result):
-    for key in ("config", "machine", "tokens", "timings", "ideal", "ratios", "ratios_fastest", "memory", "checks",
+    for key in ("config", "machine", "tokens", "timings", "ideal", "ratios", "ratios_fastest", "ratios_cpu_time", "memory", "checks",
                 "targets", "warnings"):
         assert key in result, key
     json.dumps(result, allow_nan=False)  # JSON-serialisable, every number finite
@@ -69,6 +69,7 @@ def test_timings_positive_and_consistent(result):
         assert all(s > 0 for s in t["samples_s"]), name
         assert t["min_s"] <= t["median_s"] <= t["max_s"]
         assert t["images_per_s"] == pytest.approx(BATCH / t["median_s"])
+        assert len(t["cpu_samples_s"]) == result["config"]["repeats"] and t["cpu_median_s"] >= 0
 
 
 def test_tokens_near_budget_and_padding(result):
@@ -104,6 +105,8 @@ def test_ideal_and_ratios_from_measured_values(result):
     fastest = {name: t["min_s"] for name, t in result["timings"].items()}
     assert result["ratios_fastest"]["split_full_overhead"] == pytest.approx(fastest["split_full"] / fastest["timm"] - 1)
     assert result["ratios_fastest"]["learned_b4_speedup_vs_timm"] == pytest.approx(fastest["timm"] / fastest["learned_b4"])
+    cpu = {name: t["cpu_median_s"] for name, t in result["timings"].items()}
+    assert result["ratios_cpu_time"]["entropy_b1_speedup_vs_timm"] == pytest.approx(cpu["timm"] / cpu["entropy_b1"])
     # the full policy is timm's own forward
     assert result["checks"]["split_full_vs_timm_max_abs_logit_diff"] < 1e-4
 
@@ -119,7 +122,7 @@ def test_targets_report_what_was_measured(result):
     report = format_report(result)
     assert report.count("PASS") + report.count("MISS") == len(targets)
     for label in ("timm ViT (full res)", "SplitViT full", "SplitViT learned buckets=4", "entropy split_scores",
-                  "ideal speed-up", "fastest round", "d. peak memory", "profiler"):
+                  "ideal speed-up", "fastest round", "process CPU time", "d. peak memory", "profiler"):
         assert label in report
 
 
@@ -141,9 +144,12 @@ def test_rss_memory_probe_in_fresh_subprocess():
 
 def test_interleaving_and_validation():
     calls: list[str] = []
-    samples = time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
+    cpu: dict[str, list[float]] = {}
+    samples = time_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1, cpu_samples=cpu
+    )
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then A,B / B,A / A,B
-    assert all(len(s) == 3 for s in samples.values())
+    assert all(len(s) == 3 for s in samples.values()) and all(len(s) == 3 for s in cpu.values())
     with pytest.raises(ValueError, match="target_ratio"):
         run_forward_benchmark(target_ratio=0.0)
     with pytest.raises(ValueError, match="repeats"):
