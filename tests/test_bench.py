@@ -119,6 +119,12 @@ def test_targets_report_what_was_measured(result):
     for t in targets:
         assert t["bound"] == bounds[t["key"]]
         assert t["passed"] == (t["value"] <= t["bound"] if t["op"] == "<=" else t["value"] >= t["bound"])
+        rounds = t["per_round"]
+        assert len(rounds["values"]) == result["config"]["repeats"]
+        assert min(rounds["values"]) <= rounds["q1"] <= rounds["median"] <= rounds["q3"] <= max(rounds["values"])
+    samples = {name: t["samples_s"] for name, t in result["timings"].items()}
+    overhead = next(t for t in targets if t["key"] == "a")
+    assert overhead["per_round"]["values"] == pytest.approx([f / t - 1 for f, t in zip(samples["split_full"], samples["timm"])])
     report = format_report(result)
     assert report.count("PASS") + report.count("MISS") == len(targets)
     for label in ("timm ViT (full res)", "SplitViT full", "SplitViT learned buckets=4", "entropy split_scores",
