@@ -214,7 +214,8 @@ def _reset_peak_rss() -> bool:
 def _memory_probe(payload_path: str) -> None:
     """Subprocess entry point: one model's peak RSS growth during one forward pass.
 
-    Prints one JSON line ``{"rss_before", "peak_rss", "growth", "method"}`` (bytes).
+    Writes ``{"rss_before", "peak_rss", "growth", "method"}`` (bytes) as JSON to
+    the payload's path with the suffix ``.json``.
     """
     payload = torch.load(payload_path, map_location="cpu", weights_only=False)
     torch.set_num_threads(int(payload["threads"]))
@@ -235,7 +236,8 @@ def _memory_probe(payload_path: str) -> None:
         peak, method = after["VmHWM"], "peak RSS (VmHWM after clear_refs reset) minus RSS before the forward"
     else:
         peak, method = before["VmRSS"] + max(0, maxrss_after - maxrss_before), "ru_maxrss growth (lower bound)"
-    print(json.dumps({"rss_before": before["VmRSS"], "peak_rss": peak, "growth": peak - before["VmRSS"], "method": method}))
+    result = {"rss_before": before["VmRSS"], "peak_rss": peak, "growth": peak - before["VmRSS"], "method": method}
+    Path(payload_path).with_suffix(".json").write_text(json.dumps(result))
 
 
 def _call(model: nn.Module, kind: str, images: torch.Tensor) -> Any:
@@ -261,10 +263,10 @@ def _cpu_memory(models: dict[str, tuple[nn.Module, str]], images: torch.Tensor, 
         running: list[tuple[str, subprocess.Popen]] = []
 
         def finish(name: str, proc: subprocess.Popen) -> None:
-            stdout, stderr = proc.communicate()
+            _, stderr = proc.communicate()
             if proc.returncode != 0:
                 raise RuntimeError(f"memory probe for {name} failed ({proc.returncode}): {stderr.strip()[-2000:]}")
-            results[name] = json.loads(stdout.strip().splitlines()[-1])
+            results[name] = json.loads((Path(tmp) / f"{name}.json").read_text())
             log.info("bench: memory of %s: %.1f MiB", name, results[name]["growth"] / 2**20)
 
         code = "import sys; from splitvit.bench import _memory_probe; _memory_probe(sys.argv[1])"
