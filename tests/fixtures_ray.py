@@ -26,7 +26,9 @@ class RaySession:
         import ray
 
         if not ray.is_initialized():
-            ray.init(num_cpus=RAY_CPUS, include_dashboard=False)
+            # "local": a fresh instance of the tests' own, never a `ray start` cluster
+            # that happens to run on the machine (ray.init()'s default joins that)
+            ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False)
             self.starts += 1
 
     def shutdown(self) -> None:

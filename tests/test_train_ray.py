@@ -127,6 +127,40 @@ def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
     assert combined["val_images"] == 8
 
 
+@pytest.fixture
+def fake_ray_init(monkeypatch):
+    """``ray.init`` recording its keyword arguments instead of starting Ray."""
+    import ray
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return calls
+
+
+@pytest.mark.parametrize(("address", "env", "expected"), [
+    (None, None, "local"),  # not ray.init()'s default, which joins a `ray start` cluster
+    (None, "10.0.0.1:6379", "auto"),  # a Ray job: RAY_ADDRESS says where
+    ("10.0.0.2:6379", None, "10.0.0.2:6379"),
+    ("10.0.0.2:6379", "10.0.0.1:6379", "10.0.0.2:6379"),
+])
+def test_init_ray_starts_a_local_instance_unless_told_where(fake_ray_init, monkeypatch, address, env, expected):
+    from splitvit.train.ray_trainer import init_ray
+
+    if env:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    init_ray(address)
+    assert [call["address"] for call in fake_ray_init] == [expected]
+
+
+def test_test_session_ray_is_a_local_instance(fake_ray_init):
+    from tests.fixtures_ray import RAY_CPUS, RaySession
+
+    RaySession().ensure()
+    assert fake_ray_init == [{"address": "local", "num_cpus": RAY_CPUS, "include_dashboard": False}]
+
+
 # ---------------------------------------------------------------------- a fit through the CLI
 @pytest.fixture(scope="module")
 def trained(ray_session, mlflow_uri, tmp_path_factory):

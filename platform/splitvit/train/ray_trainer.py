@@ -101,7 +101,8 @@ def init_ray(address: str | None = None) -> None:
     """Join the Ray cluster the process belongs to, or start a local one.
 
     Inside a Ray job (``RAY_ADDRESS`` set) or with ``address``, connect to that
-    cluster; otherwise start Ray on this machine. An already-initialised Ray is reused.
+    cluster; otherwise start a new Ray instance on this machine. An
+    already-initialised Ray is reused.
     """
     import ray
 
@@ -111,8 +112,10 @@ def init_ray(address: str | None = None) -> None:
         ray.init(address=address or "auto")
     else:
         # the embedded default: Ray on this machine, dashboard on 127.0.0.1 (Ray Train
-        # V2 also watches its controller through the dashboard's state API)
-        ray.init()
+        # V2 also watches its controller through the dashboard's state API). "local",
+        # not ray.init()'s default: that joins the last `ray start` cluster on the
+        # machine (/tmp/ray/ray_current_cluster), someone else's maybe.
+        ray.init(address="local")
 
 
 def run_training(
