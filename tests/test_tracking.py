@@ -132,9 +132,36 @@ def test_experiment_gets_local_artifacts_next_to_the_store(mlflow_uri):
     assert (folder / "mlflow.db").is_file()
 
 
-@pytest.mark.parametrize("key", ["aws_access_key_id", "GITHUB_TOKEN", "db_password", "client_secret"])
+@pytest.mark.parametrize("key", [
+    "aws_access_key_id", "GITHUB_TOKEN", "db_password", "client_secret", "data.options.aws_secret_access_key",
+    "AWS_SESSION_TOKEN", "auth_token", "access_token", "api_token", "accessToken", "token", "password", "passwd",
+    "secret", "api_key", "credentials",
+])
 def test_secret_names(key):
-    from splitvit.tracking import safe_params
+    from splitvit.tracking.runs import safe_params, safe_tags
 
     assert safe_params({key: "value"}) == {key: "***"}
+    assert safe_tags({key: "value"}) == {key: "***"}
     assert safe_params({"storage.path": "s3://b/p", "x": None}) == {"storage.path": "s3://b/p", "x": "null"}
+
+
+@pytest.mark.parametrize("key", [
+    "train.token_ratio", "pareto.token_ratio", "tokens_per_image", "final_tokens_per_image", "full_tokens", "max_tokens",
+])
+def test_token_counts_are_not_secrets(key):
+    """Token figures are what a SPLIT run is about: they stay readable."""
+    from splitvit.tracking.runs import safe_params, safe_tags
+
+    assert safe_params({key: 0.25}) == {key: "0.25"}
+    assert safe_tags({key: 0.25}) == {key: "0.25"}
+
+
+def test_credentials_in_uris_are_redacted_but_token_figures_in_queries_are_not():
+    from splitvit.tracking import safe_params
+
+    params = safe_params({
+        "tracking.tracking_uri": "postgresql://user:pass@host/db",
+        "source": "https://h/x?access_token=abc&tokens_per_image=12&X-Amz-Security-Token=zz&api_key=k",
+    })
+    assert params["tracking.tracking_uri"] == "postgresql://user:***@host/db"
+    assert params["source"] == "https://h/x?access_token=***&tokens_per_image=12&X-Amz-Security-Token=***&api_key=***"

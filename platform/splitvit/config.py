@@ -28,8 +28,10 @@ import yaml
 
 SECTIONS = ("model", "data", "train", "scaling", "storage", "tracking")
 DEFAULT_RUNS_DIR = "runs"
-# Keys whose values are never logged, stored in checkpoints or printed.
-SECRET_KEY_PATTERN = re.compile(r"key|secret|token|password|passwd|credential|auth", re.IGNORECASE)
+# Keys whose values are never logged, stored in checkpoints or printed. "token" only
+# ends a credential's name (GITHUB_TOKEN, auth_token, accessToken): elsewhere it is a
+# figure of the model (token_ratio, tokens_per_image), which must stay readable.
+SECRET_KEY_PATTERN = re.compile(r"key|secret|token$|password|passwd|credential|auth", re.IGNORECASE)
 REDACTED = "***"
 
 
@@ -568,13 +570,15 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def is_secret_key(key: str) -> bool:
-    """True for names that look like they hold credentials (key, secret, token, password...)."""
+    """True for names that look like they hold credentials (key, secret, password,
+    ``*token``...); token counts and ratios (``token_ratio``, ``tokens_per_image``) are not."""
     last = str(key).rsplit(".", 1)[-1]
     return bool(SECRET_KEY_PATTERN.search(last))
 
 
 _URI_USERINFO = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^@/]+)@")
-_QUERY_SECRET = re.compile(r"(?P<name>[?&][^=&]*(?:key|secret|token|password|credential)[^=&]*=)(?P<value>[^&]*)", re.IGNORECASE)
+# a query parameter; its value is masked when its name looks secret (is_secret_key)
+_QUERY_PARAM = re.compile(r"(?P<name>[?&](?P<key>[^=&]*)=)(?P<value>[^&]*)")
 
 
 def redact_uri(uri: str) -> str:
@@ -585,7 +589,7 @@ def redact_uri(uri: str) -> str:
     if match:
         user = match.group("userinfo").split(":", 1)[0]
         uri = f"{match.group('scheme')}{user}:{REDACTED}@{uri[match.end():]}" if ":" in match.group("userinfo") else uri
-    return _QUERY_SECRET.sub(lambda m: m.group("name") + REDACTED, uri)
+    return _QUERY_PARAM.sub(lambda m: m.group("name") + (REDACTED if is_secret_key(m.group("key")) else m.group("value")), uri)
 
 
 def redact_secrets(data: Any, key: str = "") -> Any:

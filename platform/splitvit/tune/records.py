@@ -306,7 +306,8 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
     if not parents:
         raise ValueError(f"experiment {experiment!r} holds no sweep (no run tagged {KIND_TAG}=sweep)")
     metric = parents[0].data.tags.get(METRIC_TAG, "accuracy")
-    # a tag, not params: a param named token_ratio is masked as secret-looking ("token")
+    # a tag, not the pareto.* params: stores written before the redaction spared token
+    # counts hold pareto.token_ratio as "***" (taken for a secret)
     reference = tuple(json.loads(parents[0].data.tags.get(REFERENCE_TAG) or "[0.0, 1.0]"))
     sweep_ids = {p.info.run_id for p in parents}
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{STATUS_TAG}` = 'completed'", max_results=50_000)
