@@ -34,8 +34,7 @@ BASE = {
               "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4},
     "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
     # one epoch of random-split warm-up: a learning rate of 1e30 then gives a non-finite
-    # loss (the diverged path); in the policy phase it would first make the policy's
-    # split probabilities NaN, which torch.bernoulli rejects with an exception
+    # loss (the diverged path; in the policy phase NaN split probabilities end the same way)
     "train": {"epochs": 1, "warmup_epochs": 1, "lr": 0.002, "max_failures": 0},
     # half a logical CPU per worker and a quarter per trial driver: the session's 4
     # logical CPUs run all five trials of a sweep at once (they mostly start processes)

@@ -74,6 +74,19 @@ class PoisonAt:
                 model.vit.head.weight.fill_(float("nan"))
 
 
+class PoisonPolicyAt:
+    """Fill rank 0's split policy with NaN at ``epoch``: its split probabilities are NaN."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __call__(self, epoch, rank, model):
+        if epoch == self.epoch and rank == 0:
+            with torch.no_grad():
+                for p in model.policy.parameters():
+                    p.fill_(float("nan"))
+
+
 class RecordPlacement:
     """Write each worker's Ray node id and a checksum of its parameters, at the start of
     every epoch, into ``folder/epoch<e>_rank<r>.json``."""
@@ -125,6 +138,24 @@ def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
     assert combined[quality] == pytest.approx(figures[quality])
     assert combined["tokens_per_image"] == pytest.approx(figures["tokens_per_image"])
     assert combined["val_images"] == 8
+
+
+@pytest.mark.parametrize("teacher_weight", [1.0, 0.0])
+def test_nan_split_probabilities_are_a_divergence_not_a_crash(teacher_weight):
+    """A NaN policy raises FloatingPointError, which the training loop reports as
+    ``diverged``, before the teacher loss or the sampled decisions (torch.bernoulli)
+    reject the NaN with a RuntimeError."""
+    from splitvit.train.ray_trainer import SplitStep
+
+    cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)), [f"train.teacher_weight={teacher_weight}"])
+    model = cfg.model.build()
+    PoisonPolicyAt(epoch=1)(1, 0, model)
+    step = SplitStep(model, cfg.train.loss_config()).train()
+    images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    with pytest.raises(FloatingPointError, match="non-finite split probabilities"):
+        step(images, target, 1, torch.Generator().manual_seed(0))
+    with pytest.raises(FloatingPointError, match="non-finite split probabilities"):
+        model.decide(model.split_scores(images), model.thresholds)
 
 
 @pytest.fixture
@@ -314,11 +345,16 @@ def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_loca
     assert figures["images"] == 32 and figures["epoch"] == 2
 
 
-def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(ray_local, mlflow_uri, tmp_path):
+@pytest.mark.parametrize(("poison", "message"), [
+    (PoisonAt, "non-finite loss"),
+    # in the policy phase (epoch 1): NaN split probabilities end the run the same way
+    (PoisonPolicyAt, "non-finite split probabilities"),
+])
+def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(ray_local, mlflow_uri, tmp_path, poison, message):
     cfg = tiny_config(tmp_path, mlflow_uri, "nan", ["train.epochs=2"])
-    result = run_training(cfg, epoch_hook=PoisonAt(epoch=1))
+    result = run_training(cfg, epoch_hook=poison(epoch=1))
     assert result.status == "diverged"
-    assert "non-finite loss" in result.message
+    assert message in result.message
     assert result.start_epoch == 0  # not retried: a NaN is not a worker failure
     assert result.checkpoint_uri.endswith("checkpoint_epoch0000")
     model = SplitViT.load(Path(result.checkpoint_uri) / "model.pt")

@@ -167,6 +167,18 @@ class LearnedPolicy(SplitPolicy):
         return [torch.sigmoid(z) for z in self.logits(images, geometry, context)]
 
 
+def check_split_probabilities(probs: list[torch.Tensor]) -> None:
+    """Raise ``FloatingPointError`` when a policy's split probabilities are not finite.
+
+    A diverging learned policy yields NaN probabilities, which ``torch.bernoulli`` and
+    binary cross-entropy reject with a ``RuntimeError``: a worker crash, where the
+    training loop should see a divergence (as for a NaN loss). One check, one sync.
+    """
+    if not bool(torch.stack([p.detach().isfinite().all() for p in probs]).all()):
+        levels = [level for level, p in enumerate(probs) if not bool(p.detach().isfinite().all())]
+        raise FloatingPointError(f"non-finite split probabilities from the policy at level(s) {levels}")
+
+
 def build_policy(name: str, *, embed_dim: int = 0, levels: int = 2, seed: int | None = None, **kwargs) -> SplitPolicy:
     """Build a policy by name (one of :data:`POLICY_NAMES`)."""
     if name == "learned":

@@ -31,7 +31,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from .heads import DenseHead, masked_pool
 from .packed import pack, packed_block, packed_kernel, supports_packing, unpack
-from .policies import POLICY_NAMES, PolicyContext, SplitPolicy, build_policy
+from .policies import POLICY_NAMES, PolicyContext, SplitPolicy, build_policy, check_split_probabilities
 from .quadtree import (
     QuadtreeGeometry,
     expected_tokens,
@@ -349,10 +349,14 @@ class SplitViT(nn.Module):
 
         Fixed policies (``full``, ``coarse``) ignore thresholds; a learned policy in
         training mode samples its decisions from its probabilities, for exploration.
+
+        Raises:
+            FloatingPointError: sampling from non-finite probabilities (a diverged policy).
         """
         if not self.policy.thresholded:
             wishes = [p > 0.5 for p in scores]
         elif self.training and self.policy.learned:
+            check_split_probabilities(scores)  # bernoulli would fail on NaN with a RuntimeError
             wishes = [torch.bernoulli(p.detach()).bool() for p in scores]
         else:
             wishes = [p > thresholds[level] for level, p in enumerate(scores)]

@@ -15,8 +15,8 @@ Ray, and runs a ``TorchTrainer`` whose workers execute :func:`train_loop_per_wor
   with a split-map image;
 * a worker failure restarts the group from the latest checkpoint (Ray's
   ``FailureConfig``); a re-run under the same name resumes too;
-* a non-finite loss or gradient stops every worker at once, with status
-  ``diverged``; the last good checkpoint stays the run's checkpoint.
+* a non-finite loss, gradient or split probability stops every worker at once,
+  with status ``diverged``; the last good checkpoint stays the run's checkpoint.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class TrainResult:
 
     Attributes:
         name: the Ray Train run name.
-        status: ``completed`` or ``diverged`` (non-finite loss or gradient).
+        status: ``completed`` or ``diverged`` (non-finite loss, gradient or split
+            probabilities).
         metrics: the last epoch's figures (accuracy or miou, tokens_per_image,
             token_ratio, images_per_s, train_loss...).
         checkpoint_uri: the latest checkpoint folder (local path or ``s3://``).
@@ -411,7 +412,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             # every worker must stop at the same step, or the others hang in a collective
             (any_bad,) = _all_reduce([1.0 if bad else 0.0], op="max", device=device)
             if any_bad:
-                status, message = "diverged", bad or f"a non-finite loss on another worker at epoch {epoch}"
+                status, message = "diverged", bad or f"non-finite values on another worker at epoch {epoch}"
                 break
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

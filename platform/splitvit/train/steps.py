@@ -26,6 +26,7 @@ from typing import Iterable
 
 import torch
 
+from ..model.policies import check_split_probabilities
 from ..model.quadtree import top_down_decisions, token_counts
 from ..model.splitvit import SplitViT
 from .losses import (
@@ -101,6 +102,7 @@ def training_step(
         relevance = model.relevance(images, cfg.teacher, target=label)
         fraction = split_fraction_for_ratio(cfg.target_ratio, model.geometry_for(tuple(images.shape[-2:])))
         probs = model.split_scores(images)
+        check_split_probabilities(probs)  # NaN is a divergence; the BCE would raise a RuntimeError
         distill = teacher_loss(probs, relevance_targets(relevance, fraction))
         loss = loss + cfg.teacher_weight * distill
         stats["teacher_loss"] = float(distill.detach())

@@ -40,7 +40,7 @@ FINAL_KEY = "splitvit_final"
 
 
 class TrialDiverged(RuntimeError):
-    """Training stopped on a non-finite loss or gradient: the trial has no valid point."""
+    """Training stopped on a non-finite loss, gradient or split probability: the trial has no valid point."""
 
 
 class TrialFailed(RuntimeError):
