@@ -466,3 +466,28 @@ def test_registry_names_and_options(fmnist_root):
     assert len(build_dataset("synthetic", "train", image_size=32)) == 1024
     assert len(build_dataset("cluttered-fashion-mnist", "train", image_size=64, train_samples=7, val_samples=3,
                              **tiny_opts(fmnist_root))) == 7
+
+
+def test_canvas_cache_renders_once_and_reads_back_the_same_canvases(fmnist_root, tmp_path):
+    cache = tmp_path / "cache"
+    for name in ("cluttered-fashion-mnist", "cluttered-fashion-mnist-seg"):
+        plain = build_dataset(name, "val", image_size=64, seed=4, **tiny_opts(fmnist_root))
+        cached = build_dataset(name, "val", image_size=64, seed=4, cache_dir=str(cache), **tiny_opts(fmnist_root))
+        for i in (0, len(plain) - 1):
+            a, b = plain[i], cached[i]
+            assert (a[0] - b[0]).abs().max() <= 0.5 / 255 + 1e-6  # stored as 8-bit
+            for x, y in zip(a[1:], b[1:]):
+                assert torch.equal(torch.as_tensor(x), torch.as_tensor(y))
+        with pytest.raises(IndexError):
+            cached[len(cached)]
+    folders = sorted(p.name for p in cache.iterdir() if p.is_dir())
+    assert len(folders) == 2 and not [p for p in cache.iterdir() if ".tmp" in p.name]
+    # the same canvases again: read from the cache, not rendered (the folder is unchanged)
+    stamp = {p: p.stat().st_mtime_ns for p in cache.rglob("*.npy")}
+    build_dataset("cluttered-fashion-mnist", "val", image_size=64, seed=4, cache_dir=str(cache), **tiny_opts(fmnist_root))
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.npy")} == stamp
+    # other settings are other canvases: a new entry, never a stale read
+    seed4 = build_dataset("cluttered-fashion-mnist", "val", image_size=64, seed=4, cache_dir=str(cache), **tiny_opts(fmnist_root))
+    seed5 = build_dataset("cluttered-fashion-mnist", "val", image_size=64, seed=5, cache_dir=str(cache), **tiny_opts(fmnist_root))
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 3
+    assert not torch.equal(seed5[0][0], seed4[0][0])

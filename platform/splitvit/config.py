@@ -68,6 +68,11 @@ class ModelConfig:
         pretrained: load timm's pretrained weights (needs the hub).
         checkpoint_path: local pretrained weights for ``name`` (no hub needed).
         length_buckets: encode variable-length sequences in this many length groups.
+        init_from: start training from the weights of this splitvit checkpoint (a
+            folder or ``model.pt``, local or ``s3://``): every tensor whose name and
+            shape match is copied, so a policy-free backbone (``full``, ``entropy``...)
+            can start from a learned-policy checkpoint and the other way round. A run
+            that resumes from its own checkpoint ignores it.
     """
 
     name: str = "vit_tiny_patch16_224"
@@ -82,6 +87,7 @@ class ModelConfig:
     pretrained: bool = False
     checkpoint_path: str | None = None
     length_buckets: int = 1
+    init_from: str | None = None
 
     def build(self, pretrained: bool | None = None):
         """Build the :class:`~splitvit.model.SplitViT` this section describes."""
@@ -523,6 +529,10 @@ def _validate_model(m: ModelConfig) -> None:
     _require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
     if m.checkpoint_path is not None:
         _require(Path(m.checkpoint_path).expanduser().is_file(), "model.checkpoint_path", f"file {m.checkpoint_path} does not exist")
+    if m.init_from is not None and "://" not in m.init_from:
+        local = Path(m.init_from).expanduser()
+        _require((local / "model.pt").is_file() or local.is_file(), "model.init_from",
+                 f"no splitvit checkpoint at {m.init_from} (a checkpoint folder holding model.pt, or the file)")
     if isinstance(m.thresholds, str):
         _require(m.thresholds == AUTO_THRESHOLDS, "model.thresholds",
                  f"must be numbers in [0, 1] or {AUTO_THRESHOLDS!r}, got {m.thresholds!r}")

@@ -7,13 +7,21 @@ statistics therefore point at the clutter, the label at the item: the case where
 learned split policy should beat entropy splitting.
 
 Everything about canvas ``i`` (placement, colours, clutter) depends only on
-``(seed, i)``.
+``(seed, i)``. Rendering costs about as much as a small ViT's training step, so
+``cache_dir`` renders every canvas once, as 8-bit arrays on disk shared by every
+process (and epoch, trial, run) that asks for the same canvases.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import logging
 import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +31,8 @@ from torch.utils.data import Dataset
 from .fashion_mnist import CLASSES, ITEM_SIZE, load_fashion_mnist
 
 DEFAULT_VAL_SIZE = 5000
+
+log = logging.getLogger(__name__)
 
 
 def fashion_mnist_split(split: str, root: str | os.PathLike | None = None, *, val_size: int = DEFAULT_VAL_SIZE,
@@ -179,6 +189,70 @@ class _ClutterRenderer:
         return clutter
 
 
+def _canvas_cache(dataset: "ClutteredFashionMNIST | ClutteredFashionMNISTSeg", cache_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every canvas of ``dataset`` as arrays memory-mapped from ``cache_dir``, rendered
+    there first if needed (once: a file lock makes concurrent processes wait for the
+    first; the folder appears atomically, so a killed render leaves nothing half-written).
+
+    Arrays: ``images`` uint8 ``(N, 3, S, S)``, and ``labels`` + ``item_masks`` (classification)
+    or ``masks`` uint8 ``(N, S, S)`` (segmentation). The key covers the item pool's bytes
+    and every rendering setting, so changed data or settings never read stale canvases.
+    """
+    r = dataset.renderer
+    settings = {"kind": type(dataset).__name__, "n": len(dataset), "seed": dataset.seed, "size": r.image_size,
+                "item": r.item_size, "clutter": r.clutter_fraction, "frag": r.fragment_prob, "margin": r.margin,
+                "mask": r.mask_threshold, "items": [getattr(dataset, "min_items", 1), getattr(dataset, "max_items", 1)]}
+    digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode())
+    digest.update(np.ascontiguousarray(r.images).tobytes())
+    digest.update(np.ascontiguousarray(r.labels).tobytes())
+    root = Path(cache_dir).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root / f"{settings['kind'].lower()}-{digest.hexdigest()[:16]}"
+    with open(root / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "done").is_file():
+            log.info("rendering %d canvases into %s (once)", len(dataset), folder)
+            tmp = root / f"{folder.name}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            size, n = r.image_size, len(dataset)
+            images = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8, shape=(n, 3, size, size))
+            seg = isinstance(dataset, ClutteredFashionMNISTSeg)
+            if seg:
+                masks = np.lib.format.open_memmap(tmp / "masks.npy", mode="w+", dtype=np.uint8, shape=(n, size, size))
+            else:
+                item_masks = np.lib.format.open_memmap(tmp / "item_masks.npy", mode="w+", dtype=bool, shape=(n, size, size))
+                labels = np.zeros(n, dtype=np.int64)
+            for i in range(n):
+                canvas = dataset.render(i)
+                images[i] = np.round(canvas.image * 255.0).astype(np.uint8)
+                if seg:
+                    masks[i] = _class_map(canvas, size)
+                else:
+                    labels[i] = canvas.labels[0]
+                    item_masks[i] = canvas.item_masks[0]
+            if not seg:
+                np.save(tmp / "labels.npy", labels)
+                del item_masks
+            del images
+            (tmp / "done").write_text(json.dumps(settings) + "\n")
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+    return {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
+
+
+def _class_map(canvas: Canvas, size: int) -> np.ndarray:
+    """Per-pixel classes of a segmentation canvas: item class + 1, 0 elsewhere."""
+    mask = np.zeros((size, size), dtype=np.int64)
+    for label, item_mask in zip(canvas.labels, canvas.item_masks):
+        mask[item_mask] = label + 1
+    return mask
+
+
+def _as_image(pixels: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(pixels.astype(np.float32) / 255.0)
+
+
 class ClutteredFashionMNIST(Dataset):
     """Classification: one Fashion-MNIST item per canvas among clutter.
 
@@ -196,6 +270,7 @@ class ClutteredFashionMNIST(Dataset):
         margin: clutter-free pixels around each item.
         mask_threshold: item intensity above which a pixel belongs to the item mask.
         seed: canvases depend only on ``(seed, index)``.
+        cache_dir: render every canvas once into this folder (8-bit) and read it from there.
     """
 
     num_classes = len(CLASSES)
@@ -203,13 +278,14 @@ class ClutteredFashionMNIST(Dataset):
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int = 64, num_samples: int | None = None,
                  item_size: int = ITEM_SIZE, clutter_fraction: float = 0.4, fragment_prob: float = 0.5, margin: int = 2,
-                 mask_threshold: float = 0.1, seed: int = 0) -> None:
+                 mask_threshold: float = 0.1, seed: int = 0, cache_dir: str | None = None) -> None:
         self.renderer = _ClutterRenderer(images, labels, image_size=image_size, item_size=item_size,
                                          clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
                                          mask_threshold=mask_threshold, max_items=1, seed=seed)
         self.num_samples = len(images) if num_samples is None else int(num_samples)
         self.image_size = image_size
         self.seed = seed
+        self._cache = _canvas_cache(self, cache_dir) if cache_dir else None
 
     def __len__(self) -> int:
         return self.num_samples
@@ -222,6 +298,11 @@ class ClutteredFashionMNIST(Dataset):
         return self.renderer.render(index, [index % len(self.renderer.images)], rng)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        if self._cache is not None:
+            if not 0 <= index < self.num_samples:
+                raise IndexError(index)
+            c = self._cache
+            return _as_image(c["images"][index]), int(c["labels"][index]), torch.from_numpy(np.array(c["item_masks"][index]))
         canvas = self.render(index)
         return torch.from_numpy(canvas.image), canvas.labels[0], torch.from_numpy(canvas.item_masks[0])
 
@@ -246,7 +327,7 @@ class ClutteredFashionMNISTSeg(Dataset):
     def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int = 64, num_samples: int | None = None,
                  item_size: int = ITEM_SIZE, min_items: int | None = None, max_items: int | None = None,
                  clutter_fraction: float = 0.4, fragment_prob: float = 0.5, margin: int = 2,
-                 mask_threshold: float = 0.1, seed: int = 0) -> None:
+                 mask_threshold: float = 0.1, seed: int = 0, cache_dir: str | None = None) -> None:
         tile = (item_size + 2 * margin) ** 2
         if max_items is None:
             max_items = int(max(1, min(4, (image_size * image_size * (1 - clutter_fraction)) // tile)))
@@ -261,6 +342,7 @@ class ClutteredFashionMNISTSeg(Dataset):
         self.num_samples = len(images) if num_samples is None else int(num_samples)
         self.image_size = image_size
         self.seed = seed
+        self._cache = _canvas_cache(self, cache_dir) if cache_dir else None
 
     def __len__(self) -> int:
         return self.num_samples
@@ -277,8 +359,9 @@ class ClutteredFashionMNISTSeg(Dataset):
         return self.renderer.render(index, picks, rng)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache is not None:
+            if not 0 <= index < self.num_samples:
+                raise IndexError(index)
+            return _as_image(self._cache["images"][index]), torch.from_numpy(self._cache["masks"][index].astype(np.int64))
         canvas = self.render(index)
-        mask = np.zeros((self.image_size, self.image_size), dtype=np.int64)
-        for label, item_mask in zip(canvas.labels, canvas.item_masks):
-            mask[item_mask] = label + 1
-        return torch.from_numpy(canvas.image), torch.from_numpy(mask)
+        return torch.from_numpy(canvas.image), torch.from_numpy(_class_map(canvas, self.image_size))

@@ -120,3 +120,27 @@ def load_payload(uri: str | Path) -> dict[str, Any]:
     finally:
         if is_uri(str(uri)):
             shutil.rmtree(local.parent, ignore_errors=True)
+
+
+def init_weights(model: torch.nn.Module, uri: str | Path) -> list[str]:
+    """Copy into ``model`` every tensor of checkpoint ``uri`` whose name and shape match.
+
+    Used to start a run from another run's weights (``model.init_from``), e.g. every
+    method of a study from one warmed-up backbone: the policy's own parameters are
+    carried over only where both models have them; the split thresholds never are.
+    Returns the names of ``model``'s
+    tensors left as initialised; raises ``ValueError`` when any of the model's ViT
+    backbone tensors is missing from the checkpoint or shaped differently (a
+    different architecture), the classifier head excepted.
+    """
+    state = load_payload(uri)["state_dict"]
+    own = model.state_dict()
+    # the split thresholds are the run's own setting (or its calibration), not weights
+    matched = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape and k != "thresholds"}
+    backbone = [k for k in own if k.startswith("vit.") and not k.startswith("vit.head.")]
+    missing = [k for k in backbone if k not in matched]
+    if missing:
+        raise ValueError(f"model.init_from: checkpoint {uri} has no ViT weights of this model's shapes for "
+                         f"{len(missing)} of its {len(backbone)} backbone tensors (e.g. {missing[0]}): a different architecture?")
+    model.load_state_dict(matched, strict=False)
+    return sorted(set(own) - set(matched))

@@ -42,6 +42,7 @@ from .checkpoints import (
     MODEL_FILE,
     STATE_FILE,
     checkpoint_dir_name,
+    init_weights,
     rng_file,
     rng_state,
     set_rng_state,
@@ -355,6 +356,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             rng = torch.load(own, map_location="cpu", weights_only=False) if own.is_file() else None
         if rng is not None:
             set_rng_state(rng, generator)
+
+    if state is None and mc.init_from:
+        fresh = init_weights(model, mc.init_from)
+        if rank == 0:
+            log.info("initialised from %s (%d tensors not in it: %s)", mc.init_from, len(fresh), ", ".join(fresh[:8]))
 
     # find_unused_parameters: which parameters get gradients varies by phase (in the
     # random-split warm-up the policy gets none; the dense task never uses the ViT's

@@ -34,9 +34,11 @@ class CheckpointEvaluator:
         samples: evaluate on this many images (default: the experiment's split).
         device: torch device.
         cache: keep the evaluation batches in memory (sets up to ``CACHE_LIMIT`` images).
+        split: the data split to evaluate on (default: the experiment's validation split).
     """
 
-    def __init__(self, checkpoint: str, *, samples: int | None = None, device: str = "cpu", cache: bool = True) -> None:
+    def __init__(self, checkpoint: str, *, samples: int | None = None, device: str = "cpu", cache: bool = True,
+                 split: str | None = None) -> None:
         from ..data import build_dataset
 
         self.checkpoint = str(checkpoint)
@@ -49,7 +51,7 @@ class CheckpointEvaluator:
         self.num_classes = (config.get("model") or {}).get("num_classes")
         self.model = self._build(None)
         self.levels = self.model.levels
-        self.split = data.get("val_split") or "val"
+        self.split = split or data.get("val_split") or "val"
         options = dict(data.get("options") or {})
         if samples is not None:
             options.pop("num_samples", None)  # it would win over the split's own count
