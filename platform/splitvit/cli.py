@@ -114,25 +114,75 @@ def _run_viz(args) -> int:
 
 # ---------------------------------------------------------------------- bench
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="SPLIT vs full-resolution ViT: forward speed, overhead, memory (side by side)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p = sub.add_parser("bench", help="SPLIT vs full resolution, side by side: forward speed, overhead, memory "
+                                     "(bench forward), or training-step throughput and Ray Train's overhead (bench train)")
+    p.add_argument("kind", nargs="?", choices=("forward", "train"), default="forward",
+                   help="forward (default): the forward benchmark; train: the training benchmark")
+    # shared options; defaults differ by benchmark (None: the benchmark's own)
+    p.add_argument("--batch-size", type=int, help="default 64 (forward), 32 (train)")
     p.add_argument("--image-size", type=int, default=96)
     p.add_argument("--patch-size", type=int, default=8)
     p.add_argument("--levels", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10, help="timed forward passes per model")
+    p.add_argument("--repeats", type=int, help="timed interleaved rounds: default 10 (forward), 6 (train)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="write the figures to this JSON file")
+    train = p.add_argument_group("bench train only")
+    train.add_argument("--model", help="timm ViT name (default vit_tiny_patch16_224)")
+    train.add_argument("--embed-dim", type=int, help="shrink the ViT: embedding width")
+    train.add_argument("--depth", type=int, help="shrink the ViT: blocks")
+    train.add_argument("--heads", type=int, help="shrink the ViT: attention heads")
+    train.add_argument("--policy-depth", type=int, help="blocks the learned policy runs (default 2)")
+    train.add_argument("--epochs", type=int, help="epochs of the plain and Ray runs (default 3)")
+    train.add_argument("--samples", type=int, help="training images of the plain and Ray runs (default 192)")
+    train.add_argument("--val-samples", type=int, help="validation images (default 64)")
+    train.add_argument("--threads", type=int, help="CPU threads of every run (default: torch's default here)")
+    train.add_argument("--ray-rounds", type=int, help="plain/Ray pairs, alternating order (default 1)")
+    train.add_argument("--skip-epochs", type=int, help="leading epochs left out of steady-state images/s (default 1)")
+    train.add_argument("--parts", help="steps, ray or steps,ray (default)")
+    train.add_argument("--tracking", action="store_true", default=None, help="MLflow logging in the Ray run")
+    train.add_argument("--storage", help="Ray storage path (default: a temporary folder)")
     p.set_defaults(func=_run_bench)
 
 
+_TRAIN_ONLY = ("model", "embed_dim", "depth", "heads", "policy_depth", "epochs", "samples", "val_samples", "threads",
+               "ray_rounds", "skip_epochs", "parts", "tracking", "storage")
+
+
 def _run_bench(args) -> int:
+    if args.kind == "train":
+        return _run_bench_train(args)
+    given = [f"--{k.replace('_', '-')}" for k in _TRAIN_ONLY if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of 'splitvit bench train' only")
     from .bench import format_report, run_forward_benchmark
 
     result = run_forward_benchmark(
-        batch_size=args.batch_size, image_size=args.image_size, patch_size=args.patch_size,
-        levels=args.levels, repeats=args.repeats, device=args.device,
+        batch_size=args.batch_size or 64, image_size=args.image_size, patch_size=args.patch_size,
+        levels=args.levels, repeats=args.repeats or 10, device=args.device,
     )
     print(format_report(result))
+    write_json(args.json, result)
+    return 0
+
+
+def _run_bench_train(args) -> int:
+    from .bench_train import benchmark_config, format_train_report, run_train_benchmark
+
+    timm_kwargs = {k: v for k, v in (("embed_dim", args.embed_dim), ("depth", args.depth), ("num_heads", args.heads))
+                   if v is not None}
+    config = benchmark_config(
+        model_name=args.model or "vit_tiny_patch16_224", timm_kwargs=timm_kwargs, image_size=args.image_size,
+        patch_size=args.patch_size, levels=args.levels, batch_size=args.batch_size or 32,
+        **{k: v for k, v in (("policy_depth", args.policy_depth), ("epochs", args.epochs),
+                             ("train_samples", args.samples), ("val_samples", args.val_samples)) if v is not None},
+    )
+    parts = tuple(p.strip() for p in (args.parts or "steps,ray").split(",") if p.strip())
+    result = run_train_benchmark(
+        config, parts=parts, device=args.device, rounds=args.repeats or 6, ray_rounds=args.ray_rounds or 1,
+        threads=args.threads, skip_epochs=1 if args.skip_epochs is None else args.skip_epochs,
+        tracking=bool(args.tracking), storage=args.storage,
+    )
+    print(format_train_report(result))
     write_json(args.json, result)
     return 0
 

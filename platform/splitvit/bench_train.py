@@ -1,0 +1,870 @@
+"""``splitvit bench train``: SPLIT's training throughput and Ray Train's overhead, side by side.
+
+One experiment config (:class:`~splitvit.config.ExperimentConfig`: model, synthetic
+data, batch size, seed) drives both parts, measured in one run on one machine. The
+timing helpers are the forward benchmark's (:mod:`splitvit.bench`).
+
+**A. Training-step throughput.** The config's SplitViT (learned policy) and a
+full-resolution twin sharing its backbone (``full`` policy) train on the same batch
+(the training set's first), in interleaved rounds
+(:func:`splitvit.bench.time_interleaved`). Each timed call is one whole optimisation
+step, as ``fit_local`` and the Ray loop run it: ``training_step`` (train/steps.py),
+``zero_grad``, ``backward``, gradient clipping and ``AdamW.step``:
+
+* ``full``: full resolution (policy ``full``), the baseline of every ratio;
+* ``split_warmup``: SPLIT's random-split warm-up step at its last warm-up epoch
+  (each image draws its split rate in ``[warmup_min_split, 1]``);
+* ``split_learned``: the learned-policy step: sampled decisions with straight-through
+  gates, the budget penalty and the relevance teacher (a full-resolution
+  gradient-saliency pass and the policy's scores);
+* ``timm``: the plain timm ViT's step (forward, cross-entropy, backward, clip, AdamW),
+  a check on ``full``;
+* ``teacher``: ``SplitViT.relevance`` alone: the teacher's share of the learned step.
+
+Before timing, one offset added to the learned policy's output biases is bisected so
+the policy's expected token count on the batch is ``train.target_ratio`` of
+``N_full``: the operating point the budget penalty trains towards (an untrained
+policy would sit anywhere). The learning rate is 0, so every round times the same
+weights at the same operating point; a step's cost does not depend on the learning
+rate's value. Reported per step: images per second (batch / median step time), the
+ratio to ``full``, the token fraction measured over the timed steps, and the ideal
+ratio ``1 / token fraction`` (a step whose cost is proportional to its tokens).
+
+**B. Ray Train's overhead.** The same config trained from scratch twice: by
+:func:`~splitvit.train.local.fit_local` in this process (the plain PyTorch loop) and
+by :func:`~splitvit.train.ray_trainer.run_training` (Ray Train ``TorchTrainer``, one
+worker, so no DDP wrapper). Both use the same number of CPU threads: the worker asks
+Ray for that many CPUs (Ray sets its ``OMP_NUM_THREADS`` from them), this process
+calls ``torch.set_num_threads``; an epoch hook records the worker's thread counts
+(and sets torch's if they differ, saying so). What is compared:
+
+* *steady-state images/s* (the target, Ray >= 0.9x plain): training images over
+  training-loop time (both loops time the same thing: batches, steps and optimiser,
+  not validation), summed over the epochs after the first ``skip_epochs`` (the
+  first holds one-off costs and, with ``train.warmup_epochs: 1``, is the warm-up);
+* *epoch incl. validation*: the training loop plus threshold calibration and
+  validation, which both runs do after every epoch (the plain run does them in its
+  ``on_epoch`` callback, as the Ray loop does, and also saves the model weights);
+* *end to end*: the plain run from model build to its last epoch; the Ray run's
+  ``run_training`` call (worker start-up, data, epochs, checkpoints with optimizer
+  and RNG state, ``ray.train.report`` and its commit barrier) plus Ray's own
+  start-up when this benchmark started Ray.
+
+MLflow tracking is off in both (``--tracking`` turns it on for the Ray run only,
+and the end-to-end figure then includes it); bf16 autocast is off in both; the data
+loaders use no worker processes in either. With ``rounds`` > 1 the two runs
+alternate (plain, Ray, Ray, plain, ...). When this benchmark starts Ray, it shuts
+it down after every Ray run, so the plain loop never shares the machine with an
+idle Ray; under an existing Ray (a Ray job, the tests) it cannot, and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from .bench import (
+    OTHER_LOAD_WARNING,
+    _bound,
+    _cpu_busy_seconds,
+    _machine,
+    _spread,
+    _synchronizer,
+    _table,
+    _target,
+    _value,
+    time_interleaved,
+)
+from .config import AUTO_THRESHOLDS, ExperimentConfig
+from .model import SplitViT
+from .model.quadtree import expected_tokens
+
+log = logging.getLogger(__name__)
+
+#: Issue #3's target: Ray Train's steady-state images per second with one worker, as a
+#: fraction of the plain single-process loop's on the same model and data.
+RAY_OVERHEAD_TARGET = 0.9
+STEP_NAMES = ("timm", "full", "split_warmup", "split_learned", "teacher")
+
+
+# ---------------------------------------------------------------------- config
+def benchmark_config(
+    *,
+    model_name: str = "vit_tiny_patch16_224",
+    timm_kwargs: dict[str, Any] | None = None,
+    image_size: int = 96,
+    patch_size: int = 8,
+    levels: int = 3,
+    policy_depth: int = 2,
+    num_classes: int = 4,
+    batch_size: int = 32,
+    epochs: int = 3,
+    train_samples: int = 192,
+    val_samples: int = 64,
+    target_ratio: float = 0.5,
+    seed: int = 0,
+) -> ExperimentConfig:
+    """The benchmark's experiment: a timm ViT (``timm_kwargs`` shrink it) as a learned
+    SplitViT on the synthetic object-among-clutter task, one warm-up epoch then the
+    learned policy; validated like any experiment config."""
+    raw = {
+        "model": {"name": model_name, "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},
+                  "image_size": image_size, "levels": levels, "policy": "learned", "policy_depth": policy_depth,
+                  "thresholds": AUTO_THRESHOLDS, "num_classes": num_classes},
+        "data": {"name": "synthetic", "options": {"train_samples": train_samples, "val_samples": val_samples},
+                 "batch_size": batch_size, "seed": seed},
+        "train": {"epochs": epochs, "target_ratio": target_ratio, "warmup_epochs": 1, "amp": False},
+        "tracking": {"enabled": False},
+        "storage": {"name": "bench-train"},
+    }
+    return ExperimentConfig.from_dict(raw)
+
+
+def _first_batch(config: ExperimentConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training set's first batch (images, labels): Part A's batch."""
+    from .data import build_dataset
+
+    mc, dc = config.model, config.data
+    data = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
+    if len(data) < dc.batch_size:
+        raise ValueError(f"the training set has {len(data)} images, fewer than one batch of {dc.batch_size}")
+    batch = next(iter(DataLoader(data, batch_size=dc.batch_size, shuffle=False)))
+    return batch[0], batch[1]
+
+
+# ---------------------------------------------------------------------- part A
+@torch.no_grad()
+def aim_learned_policy(model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30) -> dict[str, Any]:
+    """Shift the learned policy's output biases by one offset so that its expected
+    token count on ``images`` is ``target_ratio`` of ``N_full`` (bisection: a larger
+    offset raises every split probability). Returns the offset and the reached ratio;
+    a policy without per-level ``heads`` ending in a linear layer is left alone."""
+    heads = getattr(model.policy, "heads", None)
+    lasts = []
+    for head in heads or []:
+        linears = [m for m in head.modules() if isinstance(m, nn.Linear) and m.bias is not None]
+        if linears:
+            lasts.append(linears[-1])
+    full_tokens = model.geometry_for(tuple(images.shape[-2:])).full_tokens
+
+    def ratio() -> float:
+        return float(expected_tokens(model.split_scores(images)).mean()) / full_tokens
+
+    if not lasts or len(lasts) != len(heads):
+        log.warning("bench train: the learned policy has no per-level linear output; its operating point is left as it is")
+        return {"offset": None, "expected_ratio": ratio()}
+    base = [linear.bias.detach().clone() for linear in lasts]
+
+    def set_offset(offset: float) -> float:
+        for linear, b in zip(lasts, base):
+            linear.bias.copy_(b + offset)
+        return ratio()
+
+    lo, hi = -30.0, 30.0
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if set_offset(mid) < target_ratio:
+            lo = mid
+        else:
+            hi = mid
+    offset = min((lo, hi), key=lambda o: abs(set_offset(o) - target_ratio))
+    return {"offset": offset, "expected_ratio": set_offset(offset)}
+
+
+def _optimizer_step(params: list[nn.Parameter], compute: Callable[[], tuple[torch.Tensor, dict[str, float]]],
+                    grad_clip: float, weight_decay: float, record: list[dict[str, float]]) -> Callable[[], None]:
+    """One whole optimisation step as the training loops run it, with its own AdamW
+    (learning rate 0: the weights, and so the operating point, stay put)."""
+    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=weight_decay)
+    clip = grad_clip if grad_clip > 0 else math.inf
+
+    def step() -> None:
+        loss, stats = compute()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        record.append(stats)
+
+    return step
+
+
+def run_step_benchmark(
+    config: ExperimentConfig,
+    *,
+    rounds: int = 6,
+    warmup: int = 1,
+    device: str = "cpu",
+    autocast_bf16: bool = False,
+    include: tuple[str, ...] = STEP_NAMES,
+) -> dict[str, Any]:
+    """Part A (see the module doc): images/s of full-resolution and SPLIT training
+    steps on the same model and batch, interleaved.
+
+    Args:
+        config: the experiment (model, data, ``train.target_ratio``, ``train.grad_clip``,
+            ``train.weight_decay``, the SPLIT objective).
+        rounds, warmup: timed and untimed interleaved rounds.
+        device: ``cpu`` or ``cuda`` (``cuda:N``).
+        autocast_bf16: run the steps under bf16 autocast (the Ray loop does on CUDA).
+        include: which of :data:`STEP_NAMES` to time (``full`` always is).
+    """
+    from .train.steps import SplitLossConfig, training_step
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    unknown = set(include) - set(STEP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown step(s) {', '.join(sorted(unknown))}; expected some of {', '.join(STEP_NAMES)}")
+    names = [n for n in STEP_NAMES if n in include or n == "full"]
+    mc, tc = config.model, config.train
+    sync = _synchronizer(dev)
+    load_start = list(os.getloadavg())
+
+    torch.manual_seed(config.data.seed)
+    model = mc.build().to(dev).train()
+    if not model.policy.learned:
+        raise ValueError(f"part A needs model.policy learned, got {mc.policy!r}")
+    full = SplitViT(model.vit, levels=mc.levels, policy="full", image_size=mc.image_size, task=mc.task,
+                    policy_depth=mc.policy_depth).to(dev).train()
+    images, target = (t.to(dev) for t in _first_batch(config))
+    batch = images.shape[0]
+    geometry = model.geometry_for(tuple(images.shape[-2:]))
+    # two warm-up epochs, timed at the second: the first is full resolution (curriculum)
+    base = tc.loss_config()
+    loss_cfg = SplitLossConfig(**{**base.__dict__, "warmup_epochs": 2})
+    warm_epoch, policy_epoch = 1, 2
+    aim = aim_learned_policy(model, images, tc.target_ratio)
+    log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.target_ratio, aim)
+    generator = torch.Generator().manual_seed(config.data.seed + 1)
+
+    def autocast():
+        return torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
+
+    def under_autocast(fn):
+        def wrapped():
+            with autocast():
+                return fn()
+        return wrapped
+
+    records: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    split_params = list(model.parameters())
+    compute: dict[str, Callable[[], tuple[torch.Tensor, dict[str, float]]]] = {
+        "full": lambda: training_step(full, images, target, loss_cfg, policy_epoch, generator),
+        "split_warmup": lambda: training_step(model, images, target, loss_cfg, warm_epoch, generator),
+        "split_learned": lambda: training_step(model, images, target, loss_cfg, policy_epoch, generator),
+        "timm": lambda: (lambda loss: (loss, {"token_ratio": 1.0}))(F.cross_entropy(model.vit(images), target)),
+    }
+    params = {"full": list(full.parameters()), "split_warmup": split_params, "split_learned": split_params,
+              "timm": list(model.vit.parameters())}
+    fns: dict[str, Callable[[], Any]] = {}
+    for name in names:
+        if name == "teacher":
+            label = target if mc.task == "classification" else None
+            fns[name] = under_autocast(lambda: model.relevance(images, loss_cfg.teacher, target=label))
+        else:
+            fns[name] = under_autocast(_optimizer_step(params[name], compute[name], tc.grad_clip, tc.weight_decay,
+                                                       records[name]))
+
+    log.info("bench train: timing %d training steps, %d warm-up + %d rounds", len(fns), warmup, rounds)
+    busy_before, own_before, wall_before = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    cpu_samples: dict[str, list[float]] = {}
+    samples = time_interleaved(fns, repeats=rounds, warmup=warmup, sync=sync, cpu_samples=cpu_samples)
+    busy_after, own_after, wall_after = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    others = None
+    if busy_before is not None and busy_after is not None:
+        others = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall_after - wall_before)
+
+    steps: dict[str, dict[str, Any]] = {}
+    for name, s in samples.items():
+        timed = records[name][warmup:] if records[name] else []
+        fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
+        steps[name] = {
+            "median_s": statistics.median(s),
+            "min_s": min(s),
+            "max_s": max(s),
+            "images_per_s": batch / statistics.median(s),
+            "samples_s": s,
+            "cpu_median_s": statistics.median(cpu_samples[name]),
+            "cpu_samples_s": cpu_samples[name],
+            "token_fraction": fraction,
+            "tokens_per_image": fraction * geometry.full_tokens,
+            "ideal_ratio": 1.0 / fraction,
+        }
+    ref = steps["full"]
+    for name, t in steps.items():
+        rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
+        t["ratio_to_full"] = ref["median_s"] / t["median_s"]
+        t["ratio_to_full_fastest"] = ref["min_s"] / t["min_s"]
+        t["ratio_to_full_cpu_time"] = ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None
+        t["per_round"] = _quartiles(rounds_ratio)
+    if "teacher" in steps and "split_learned" in steps:
+        steps["teacher"]["share_of_split_learned"] = steps["teacher"]["median_s"] / steps["split_learned"]["median_s"]
+        for key in ("token_fraction", "tokens_per_image", "ideal_ratio"):
+            steps["teacher"][key] = None  # a full-resolution pass, not a training step at some token count
+
+    warnings = []
+    if others is not None and others > OTHER_LOAD_WARNING:
+        warnings.append(f"part A: other processes used {others:.2f} of the {os.cpu_count()} CPUs on average while the "
+                        f"steps were timed: wall-clock ratios are noisy; see the fastest-round and CPU-time ratios")
+    return {
+        "config": {
+            "batch_size": batch,
+            "rounds": rounds,
+            "warmup": warmup,
+            "autocast_bf16": autocast_bf16,
+            "learning_rate": 0.0,
+            "warmup_step": f"epoch {warm_epoch} of {loss_cfg.warmup_epochs} warm-up epochs: split rates in "
+                           f"[{loss_cfg.warmup_min_split}, 1]",
+            "policy_step": f"epoch {policy_epoch}: sampled decisions, budget penalty (lambda {loss_cfg.lambda_budget}, "
+                           f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
+                           f"(weight {loss_cfg.teacher_weight})",
+            "policy_aim": aim,
+            "images": "the training set's first batch",
+        },
+        "load_average_start": load_start,
+        "load_average_end": list(os.getloadavg()),
+        "other_processes_cpus_during_timing": others,
+        "steps": steps,
+        "warnings": warnings,
+    }
+
+
+def _quartiles(values: list[float]) -> dict[str, Any]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "q1": q[0], "q3": q[2], "values": values}
+
+
+# ---------------------------------------------------------------------- part B
+class WorkerProbe:
+    """Epoch hook for the Ray run, on rank 0: at the first epoch it records the
+    worker's thread settings (``OMP_NUM_THREADS``, torch's intra-op and inter-op
+    threads) and sets torch's thread count to ``threads`` if it differs (recorded as
+    ``forced``); at every epoch's start it records the wall clock and the process's
+    CPU time (all its threads). Rewrites it all as JSON to ``uri`` (local or
+    ``s3://``, where the driver reads it) each time."""
+
+    def __init__(self, uri: str, threads: int) -> None:
+        self.uri, self.threads = uri, threads
+        self.info: dict[str, Any] | None = None
+
+    def __call__(self, epoch: int, rank: int, model: nn.Module) -> None:
+        if rank != 0:
+            return
+        from .storage.uri import write_bytes
+
+        if self.info is None:
+            found = torch.get_num_threads()
+            if found != self.threads:
+                torch.set_num_threads(self.threads)
+            self.info = {"pid": os.getpid(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                         "torch_threads_found": found, "torch_threads": torch.get_num_threads(),
+                         "interop_threads": torch.get_num_interop_threads(), "forced": found != self.threads,
+                         "epoch_starts": []}
+        self.info["epoch_starts"].append({"epoch": epoch, "wall": time.perf_counter(), "cpu": time.process_time()})
+        write_bytes(self.uri, json.dumps(self.info).encode())
+
+
+def _whole_epochs(marks: list[dict[str, float]], epochs: list[dict[str, Any]]) -> None:
+    """Add each epoch's whole wall and CPU seconds (start to next epoch's start:
+    training, validation, checkpoint, and the Ray loop's report) where both ends
+    were marked."""
+    by_epoch = {m["epoch"]: m for m in marks}
+    for e in epochs:
+        a, b = by_epoch.get(e["epoch"]), by_epoch.get(e["epoch"] + 1)
+        if a is not None and b is not None:
+            e["whole_epoch_s"], e["whole_epoch_cpu_s"] = b["wall"] - a["wall"], b["cpu"] - a["cpu"]
+
+
+class _OnDevice(Dataset):
+    """Items moved to ``device`` as they are loaded (``fit_local`` trains on the
+    batches as they come; the Ray loop moves them in ``prepare_data_loader``)."""
+
+    def __init__(self, data: Dataset, device: torch.device) -> None:
+        self.data, self.device = data, device
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int):
+        return tuple(torch.as_tensor(x).to(self.device) for x in self.data[index])
+
+
+def overhead_config(config: ExperimentConfig, *, threads: int, device: str, storage: str, name: str,
+                    tracking: bool = False, tracking_uri: str | None = None) -> ExperimentConfig:
+    """``config`` as part B runs it: one worker with ``threads`` CPUs (and a GPU on
+    CUDA), no loader worker processes, no autocast, storage and run name given,
+    MLflow only with ``tracking``; validated again."""
+    raw = config.to_dict(redact=False)
+    raw["scaling"] = {**raw["scaling"], "num_workers": 1, "use_gpu": device.startswith("cuda"),
+                      "resources_per_worker": {"CPU": float(threads), **({"GPU": 1.0} if device.startswith("cuda") else {})}}
+    raw["data"]["num_workers"] = 0
+    raw["train"]["amp"] = False
+    raw["train"]["max_failures"] = 0
+    raw["storage"] = {"path": storage, "name": name, "num_to_keep": None}
+    raw["tracking"] = {**raw["tracking"], "enabled": bool(tracking), "tracking_uri": tracking_uri if tracking else None}
+    return ExperimentConfig.from_dict(raw)
+
+
+def _steady(epochs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Images over training-loop seconds, summed over the epochs after ``skip``."""
+    kept = [e for e in epochs if e["epoch"] >= skip]
+    images, seconds = sum(e["images"] for e in kept), sum(e["train_s"] for e in kept)
+    return {"epochs": [e["epoch"] for e in kept], "images": images, "train_s": seconds,
+            "images_per_s": images / seconds if seconds > 0 else 0.0}
+
+
+def _epoch_pair(pair: dict[str, Any], epoch: int) -> list[dict[str, Any]]:
+    """Epoch ``epoch`` of both runs of a plain/Ray pair."""
+    return [e for kind in ("plain", "ray") for e in pair[kind]["epochs"] if e["epoch"] == epoch]
+
+
+def _busy() -> tuple[float | None, float, float]:
+    return _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+
+
+def _busy_since(start: tuple[float | None, float, float]) -> dict[str, float | None]:
+    """Average busy CPUs of the whole machine, and of this process, since ``start``."""
+    busy, own, wall = _busy()
+    elapsed = max(wall - start[2], 1e-9)
+    return {"machine_busy_cpus": (busy - start[0]) / elapsed if busy is not None and start[0] is not None else None,
+            "this_process_cpus": (own - start[1]) / elapsed}
+
+
+def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> dict[str, Any]:
+    """The config trained by ``fit_local``, with validation (and threshold calibration)
+    and a model save after every epoch, as the Ray loop does."""
+    from .data import build_dataset
+    from .train.local import fit_local
+    from .train.steps import calibrate_thresholds, evaluate
+
+    mc, dc, tc = config.model, config.data, config.train
+    start, wall = _busy(), time.perf_counter()
+    torch.manual_seed(dc.seed * 1000)  # the Ray worker's seed for rank 0
+    model = mc.build().to(device)
+    train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
+    val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
+    if device.type != "cpu":
+        train_set = _OnDevice(train_set, device)
+    val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False)
+    per_batch = (len(train_set) // dc.batch_size) * dc.batch_size
+    extras: list[dict[str, float]] = []
+    marks = [{"epoch": 0, "wall": time.perf_counter(), "cpu": time.process_time()}]
+
+    def after_epoch(epoch: int, stats: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
+            batch = next(iter(val_loader))
+            model.set_thresholds(calibrate_thresholds(model, batch[0].to(device), tc.target_ratio))
+        figures = evaluate(model, val_loader, num_classes=mc.num_classes)
+        validated = time.perf_counter() - t0
+        model.save(folder / f"epoch{epoch:04d}.pt", extra={"epoch": epoch, "metrics": {**stats, **figures}})
+        extras.append({"validation_s": validated, "save_s": time.perf_counter() - t0 - validated, **figures})
+        marks.append({"epoch": epoch + 1, "wall": time.perf_counter(), "cpu": time.process_time()})
+
+    history = fit_local(model, train_set, tc.loss_config(), epochs=tc.epochs, batch_size=dc.batch_size, lr=tc.lr,
+                        weight_decay=tc.weight_decay, grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,
+                        seed=dc.seed, on_epoch=after_epoch)
+    wall = time.perf_counter() - wall
+    epochs = []
+    for stats, extra in zip(history, extras):
+        train_s = per_batch / stats["images_per_s"]
+        epochs.append({"epoch": int(stats["epoch"]), "images": per_batch, "train_s": train_s,
+                       "images_per_s": stats["images_per_s"], "epoch_s": train_s + extra["validation_s"],
+                       "save_s": extra["save_s"], "token_ratio": stats.get("token_ratio"),
+                       "val_token_ratio": extra.get("token_ratio")})
+    _whole_epochs(marks, epochs)
+    return {"epochs": epochs, "wall_s": wall, "interop_threads": torch.get_num_interop_threads(), **_busy_since(start)}
+
+
+def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) -> dict[str, Any]:
+    """The config trained by ``run_training`` (one worker); per-epoch figures from
+    the checkpoints' ``metrics.json``."""
+    import ray
+
+    from .storage.uri import join_uri, read_bytes
+    from .train.checkpoints import METRICS_FILE, checkpoint_dir_name
+    from .train.ray_trainer import init_ray, run_training
+
+    started_here = not ray.is_initialized()
+    t0 = time.perf_counter()
+    init_ray(ray_address)
+    ray_start = time.perf_counter() - t0 if started_here else 0.0
+    try:
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < threads:
+            raise ValueError(f"the Ray cluster has {cpus:g} CPUs; the worker needs {threads} (pass fewer threads)")
+        storage = config.storage.resolved_path()
+        probe_uri = join_uri(storage, f"{config.storage.name}-worker-threads.json")
+        start, wall = _busy(), time.perf_counter()
+        result = run_training(config, epoch_hook=WorkerProbe(probe_uri, threads))
+        wall = time.perf_counter() - wall
+        busy = _busy_since(start)
+    finally:
+        if started_here:
+            ray.shutdown()  # the next plain run must not share the machine with an idle Ray
+    if result.status != "completed":
+        raise RuntimeError(f"the Ray run stopped: {result.status}: {result.message}")
+    from .data import build_dataset
+
+    dc, mc = config.data, config.model
+    per_batch = (len(build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options))
+                 // dc.batch_size) * dc.batch_size
+    epochs = []
+    for epoch in range(config.train.epochs):
+        metrics = json.loads(read_bytes(join_uri(config.storage.run_uri(), checkpoint_dir_name(epoch), METRICS_FILE)))
+        ips = float(metrics["train_images_per_s"])
+        train_s = per_batch / ips
+        epochs.append({"epoch": epoch, "images": per_batch, "train_s": train_s, "images_per_s": ips,
+                       "epoch_s": float(metrics["epoch_time_s"]), "token_ratio": metrics.get("train_token_ratio"),
+                       "val_token_ratio": metrics.get("token_ratio")})
+    try:
+        worker = json.loads(read_bytes(probe_uri))
+    except OSError:
+        worker = None
+    else:
+        _whole_epochs(worker.pop("epoch_starts"), epochs)
+    return {"epochs": epochs, "wall_s": wall, "ray_start_s": ray_start, "end_to_end_s": ray_start + wall,
+            "started_ray": started_here, "worker_threads": worker, **busy}
+
+
+def run_ray_overhead_benchmark(
+    config: ExperimentConfig,
+    *,
+    threads: int | None = None,
+    device: str = "cpu",
+    rounds: int = 1,
+    skip_epochs: int = 1,
+    tracking: bool = False,
+    storage: str | None = None,
+    ray_address: str | None = None,
+) -> dict[str, Any]:
+    """Part B (see the module doc): the same short training through ``fit_local`` and
+    through Ray Train with one worker, the same thread count in both.
+
+    Args:
+        config: the experiment; part B forces one worker, ``threads`` CPUs for it,
+            no loader processes, no autocast, its own storage and run names.
+        threads: CPU threads of both runs (default: this process's torch threads).
+        device: ``cpu`` or ``cuda``.
+        rounds: plain/Ray pairs, alternating the order.
+        skip_epochs: leading epochs left out of the steady-state figures.
+        tracking: MLflow logging in the Ray run (a temporary SQLite store unless
+            ``$MLFLOW_TRACKING_URI`` is set).
+        storage: Ray storage path (default: a temporary local folder, removed after);
+            a multi-node cluster needs one every node reaches (``s3://...``).
+        ray_address: the Ray cluster to join (default: the job's, or a local Ray).
+    """
+    import ray
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if not 0 <= skip_epochs < config.train.epochs:
+        raise ValueError(f"skip_epochs must be in [0, train.epochs) = [0, {config.train.epochs}), got {skip_epochs}")
+    threads = int(threads or torch.get_num_threads())
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    ray_before = ray.is_initialized() or bool(ray_address or os.environ.get("RAY_ADDRESS"))
+    own_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    load_start = list(os.getloadavg())
+    runs: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="splitvit-bench-train-") as tmp:
+            tmp_path = Path(tmp)
+            store = storage or str(tmp_path / "ray")
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{tmp_path}/mlflow.db"
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            configs = [overhead_config(config, threads=threads, device=device, storage=store,
+                                       name=f"bench-ray-{stamp}-{r}", tracking=tracking, tracking_uri=uri)
+                       for r in range(rounds)]
+            for r, cfg in enumerate(configs):
+                order = ("plain", "ray") if r % 2 == 0 else ("ray", "plain")
+                pair: dict[str, Any] = {"order": list(order)}
+                for kind in order:
+                    log.info("bench train: round %d/%d, %s run", r + 1, rounds, kind)
+                    if kind == "plain":
+                        folder = tmp_path / f"plain-{r}"
+                        folder.mkdir()
+                        pair["plain"] = _run_plain(cfg, dev, folder)
+                    else:
+                        pair["ray"] = _run_ray(cfg, threads, ray_address)
+                for kind in ("plain", "ray"):
+                    pair[kind]["steady"] = _steady(pair[kind]["epochs"], skip_epochs)
+                pair["ratio"] = pair["ray"]["steady"]["images_per_s"] / pair["plain"]["steady"]["images_per_s"]
+                runs.append(pair)
+    finally:
+        torch.set_num_threads(own_threads)
+
+    def total(kind: str) -> dict[str, Any]:
+        images = sum(p[kind]["steady"]["images"] for p in runs)
+        seconds = sum(p[kind]["steady"]["train_s"] for p in runs)
+        epochs_all = [e for p in runs for e in p[kind]["epochs"]]
+        steady_epochs = [e for e in epochs_all if e["epoch"] >= skip_epochs]
+        trained = sum(e["images"] for e in epochs_all)
+        wall = sum(p[kind]["end_to_end_s" if kind == "ray" else "wall_s"] for p in runs)
+        # whole epochs both runs marked at both ends (the Ray hook never sees the last one end)
+        whole = [e for p in runs for e in p[kind]["epochs"]
+                 if e["epoch"] >= skip_epochs and all("whole_epoch_s" in x for x in _epoch_pair(p, e["epoch"]))]
+        return {
+            "steady_images_per_s": images / seconds,
+            "steady_epoch_incl_validation_s": statistics.fmean(e["epoch_s"] for e in steady_epochs),
+            "whole_epoch_s": statistics.fmean(e["whole_epoch_s"] for e in whole) if whole else None,
+            "whole_epoch_cpu_s": statistics.fmean(e["whole_epoch_cpu_s"] for e in whole) if whole else None,
+            "whole_epochs": len(whole),
+            "end_to_end_s": wall / rounds,
+            "end_to_end_images_per_s": trained / wall,
+        }
+
+    plain, ray_ = total("plain"), total("ray")
+    whole_ratio = whole_cpu_ratio = None
+    if plain["whole_epoch_s"] and ray_["whole_epoch_s"]:
+        whole_ratio = plain["whole_epoch_s"] / ray_["whole_epoch_s"]
+        whole_cpu_ratio = plain["whole_epoch_cpu_s"] / ray_["whole_epoch_cpu_s"] if ray_["whole_epoch_cpu_s"] > 0 else None
+    ratio = ray_["steady_images_per_s"] / plain["steady_images_per_s"]
+    worker = next((p["ray"]["worker_threads"] for p in runs if p["ray"].get("worker_threads")), None)
+    target = _target("ray", "Ray Train (1 worker) vs plain loop: steady-state training images/s", ratio, ">=",
+                     RAY_OVERHEAD_TARGET, "times", note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
+                     rounds=[p["ratio"] for p in runs])
+    warnings = []
+    if worker is None:
+        warnings.append("part B: the Ray worker's thread settings could not be read back")
+    elif worker.get("forced"):
+        warnings.append(f"part B: the Ray worker started with {worker['torch_threads_found']} torch threads "
+                        f"(OMP_NUM_THREADS={worker['omp_num_threads']}); set to {threads} by the benchmark")
+    if ray_before:
+        warnings.append("part B: Ray was already running, so the plain loop shared the machine with Ray's idle processes")
+    return {
+        "config": {
+            "experiment": configs[0].to_dict(redact=True),
+            "threads": threads,
+            "device": str(dev),
+            "rounds": rounds,
+            "skip_epochs": skip_epochs,
+            "tracking": tracking,
+            "ray_already_running": ray_before,
+            "ray_train_health_check_interval_s": float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0)),
+        },
+        "worker_threads": worker,
+        "load_average_start": load_start,
+        "load_average_end": list(os.getloadavg()),
+        "runs": runs,
+        "plain": plain,
+        "ray": ray_,
+        "ratio_steady": ratio,
+        "ratio_epoch_incl_validation": plain["steady_epoch_incl_validation_s"] / ray_["steady_epoch_incl_validation_s"],
+        "ratio_whole_epoch": whole_ratio,
+        "ratio_whole_epoch_cpu_time": whole_cpu_ratio,
+        "ratio_end_to_end": plain["end_to_end_s"] / ray_["end_to_end_s"],
+        "target": target,
+        "included": {
+            "steady": "training images / training-loop seconds (batches, training_step, backward, clip, AdamW; "
+                      f"no validation) over epochs >= {skip_epochs}; both loops time exactly this",
+            "epoch_incl_validation": "training loop + threshold calibration + validation, per steady epoch "
+                                     "(plain: in fit_local's on_epoch; Ray: its metrics' epoch_time_s)",
+            "whole_epoch": "one epoch start to the next: training, validation, the plain run's model save or the "
+                           "Ray loop's checkpoint, report and commit barrier; wall seconds, and the CPU seconds of the "
+                           "training process (all its threads: immune to time-slicing by other processes, blind to "
+                           "Ray's other processes); steady epochs but the last",
+            "end_to_end": "plain: model build, data, all epochs with validation and a model save per epoch; "
+                          "Ray: run_training (worker start-up, data, all epochs with validation, checkpoints "
+                          "with optimizer/scheduler/RNG state, report and commit barrier"
+                          + (", MLflow logging" if tracking else "") + ") plus Ray's start-up when started here",
+            "not_included": "MLflow in the plain run" + ("" if tracking else " and in the Ray run (tracking off)")
+                            + "; bf16 autocast; DataLoader worker processes",
+        },
+        "warnings": warnings,
+    }
+
+
+# ---------------------------------------------------------------------- both
+def run_train_benchmark(
+    config: ExperimentConfig | None = None,
+    *,
+    parts: tuple[str, ...] = ("steps", "ray"),
+    device: str = "cpu",
+    rounds: int = 6,
+    warmup: int = 1,
+    ray_rounds: int = 1,
+    threads: int | None = None,
+    skip_epochs: int = 1,
+    tracking: bool = False,
+    storage: str | None = None,
+    ray_address: str | None = None,
+) -> dict[str, Any]:
+    """Both parts on one config (default :func:`benchmark_config`); ``parts`` picks
+    ``steps`` (A) and/or ``ray`` (B); ``threads`` (default: this process's torch
+    threads) holds for both. A JSON-serialisable dict: ``model``, ``machine``,
+    ``steps`` (part A), ``ray_overhead`` (part B), ``targets``, ``warnings``."""
+    config = config or benchmark_config()
+    unknown = set(parts) - {"steps", "ray"}
+    if unknown or not parts:
+        raise ValueError(f"parts must be some of steps, ray; got {', '.join(parts) or 'none'}")
+    dev = torch.device(device)
+    result: dict[str, Any] = {"benchmark": "train", "model": _vit_info(config), "load_average_start": list(os.getloadavg())}
+    own_threads = torch.get_num_threads()
+    threads = int(threads or own_threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)  # part A too: both parts run at the same thread count
+    try:
+        if "steps" in parts:
+            result["steps"] = run_step_benchmark(config, rounds=rounds, warmup=warmup, device=device)
+        if "ray" in parts:
+            result["ray_overhead"] = run_ray_overhead_benchmark(
+                config, threads=threads, device=device, rounds=ray_rounds, skip_epochs=skip_epochs, tracking=tracking,
+                storage=storage, ray_address=ray_address,
+            )
+        result["machine"] = _machine(dev)
+    finally:
+        torch.set_num_threads(own_threads)
+    result["targets"] = [result["ray_overhead"]["target"]] if "ray_overhead" in result else []
+    result["warnings"] = [w for key in ("steps", "ray_overhead") for w in result.get(key, {}).get("warnings", [])]
+    return result
+
+
+def _vit_info(config: ExperimentConfig) -> dict[str, Any]:
+    """The workload's shape, from the config's ViT built on the meta device."""
+    mc, dc = config.model, config.data
+    with torch.device("meta"):
+        model = dataclasses.replace(mc, checkpoint_path=None).build(pretrained=False)
+    vit = model.vit
+    return {
+        "name": mc.name, "timm_kwargs": dict(mc.timm_kwargs), "embed_dim": int(vit.embed_dim), "depth": len(vit.blocks),
+        "num_heads": int(getattr(vit.blocks[0].attn, "num_heads", 0)) or None, "image_size": mc.image_size,
+        "patch_size": model.patch_size, "levels": mc.levels, "coarse_patch_size": model.geometry.coarse_patch_size,
+        "full_tokens": model.geometry.full_tokens, "min_tokens": model.geometry.min_tokens,
+        "policy_depth": mc.policy_depth, "num_classes": mc.num_classes, "batch_size": dc.batch_size,
+        "data": f"{dc.name} {dc.options}", "target_ratio": config.train.target_ratio,
+    }
+
+
+# ---------------------------------------------------------------------- report
+_STEP_LABELS = {
+    "timm": "timm ViT step (full res)",
+    "full": "SplitViT full (full res)",
+    "split_warmup": "SPLIT warm-up (random splits)",
+    "split_learned": "SPLIT learned (policy+teacher)",
+    "teacher": "teacher relevance alone",
+}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"
+
+
+def format_train_report(result: dict[str, Any]) -> str:
+    """A readable report of :func:`run_train_benchmark`'s result."""
+    mach, m = result["machine"], result["model"]
+    lines = [
+        f"SPLIT training benchmark: {mach['device']}{' (' + mach['device_name'] + ')' if 'device_name' in mach else ''}, "
+        f"{mach['cpu_count']} CPUs ({mach['processor']}), torch {mach['torch_version']}, timm {mach['timm_version']}; "
+        f"1-min load average {result['load_average_start'][0]:.2f} at start, {mach['load_average_end'][0]:.2f} at end",
+        f"model {m['name']} (dim {m['embed_dim']}, depth {m['depth']}, heads {m['num_heads']}), {m['image_size']} px, "
+        f"p={m['patch_size']}, L={m['levels']} (P={m['coarse_patch_size']}), N_full={m['full_tokens']}, "
+        f"N_min={m['min_tokens']}, policy depth {m['policy_depth']}, batch {m['batch_size']}, data {m['data']}",
+    ]
+    if "steps" in result:
+        a = result["steps"]
+        cfg = a["config"]
+        others = a["other_processes_cpus_during_timing"]
+        lines += [
+            "",
+            f"A. training-step throughput: one optimisation step (training_step, backward, clip, AdamW at lr 0), "
+            f"median of {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up, {mach['torch_threads']} "
+            f"torch threads; other processes used " + (f"{others:.2f}" if others is not None else "?") + " CPUs",
+            f"  warm-up step: {cfg['warmup_step']}",
+            f"  learned step: {cfg['policy_step']}; policy aimed at "
+            f"{result['model']['target_ratio']:.0%} expected tokens (reached {cfg['policy_aim']['expected_ratio']:.3f})",
+        ]
+        rows = []
+        for name, t in a["steps"].items():
+            frac = t.get("token_fraction")
+            rows.append([
+                _STEP_LABELS.get(name, name),
+                f"{t['tokens_per_image']:.1f}" if frac is not None else "",
+                f"{frac:.3f}" if frac is not None else "",
+                _ms(t["median_s"]), f"{_ms(t['min_s'])}-{_ms(t['max_s'])}",
+                f"{t['images_per_s']:.1f}",
+                f"{t['ratio_to_full']:.2f}x",
+                f"{t['per_round']['q1']:.2f}x .. {t['per_round']['q3']:.2f}x",
+                f"{t['ideal_ratio']:.2f}x" if frac is not None else
+                (f"{t['share_of_split_learned']:.0%} of learned step" if "share_of_split_learned" in t else ""),
+            ])
+        lines += ["  " + line for line in _table(
+            ["step", "tokens/img", "fraction", "ms/step", "min-max ms", "img/s", "vs full", "per-round IQR",
+             "ideal (1/fraction)"], rows)]
+        lines.append("  checks, ratio to full from each step's fastest round: " + ", ".join(
+            f"{n} {t['ratio_to_full_fastest']:.2f}x" for n, t in a["steps"].items() if n != "full")
+            + "; from median process CPU time: " + ", ".join(
+            f"{n} {t['ratio_to_full_cpu_time']:.2f}x" for n, t in a["steps"].items()
+            if n != "full" and t["ratio_to_full_cpu_time"] is not None))
+    if "ray_overhead" in result:
+        b = result["ray_overhead"]
+        cfg, worker = b["config"], b["worker_threads"] or {}
+        lines += [
+            "",
+            f"B. Ray Train overhead: the same config trained by fit_local (plain loop, this process) and by "
+            f"run_training (TorchTrainer, 1 worker); {cfg['threads']} CPU threads in both (worker: OMP_NUM_THREADS="
+            f"{worker.get('omp_num_threads')}, torch {worker.get('torch_threads')}"
+            + (" after being set" if worker.get("forced") else "") + f"), {cfg['rounds']} round(s), "
+            f"{cfg['experiment']['train']['epochs']} epochs of {b['runs'][0]['plain']['epochs'][0]['images']} images",
+        ]
+        rows = []
+        for i, pair in enumerate(b["runs"]):
+            for kind in pair["order"]:
+                run = pair[kind]
+                rows.append([
+                    f"{i + 1}", kind,
+                    " | ".join(f"{e['images_per_s']:.1f}" for e in run["epochs"]),
+                    f"{run['steady']['images_per_s']:.1f}",
+                    f"{statistics.fmean(e['epoch_s'] for e in run['epochs'] if e['epoch'] >= cfg['skip_epochs']):.1f}",
+                    f"{run['wall_s']:.1f}" + (f" + {run['ray_start_s']:.1f} Ray start" if run.get("ray_start_s") else ""),
+                    f"{run['machine_busy_cpus']:.2f}" if run.get("machine_busy_cpus") is not None else "?",
+                ])
+        lines += ["  " + line for line in _table(
+            ["round", "run", "train img/s per epoch", f"steady img/s (epochs >= {cfg['skip_epochs']})",
+             "epoch incl. val s", "wall s", "machine busy CPUs"], rows)]
+        t = b["target"]
+        lines += ["  " + line for line in _table(
+            ["", "target", "measured", "bound", "", "per-round IQR", "note"],
+            [[t["key"], t["what"], _value(t), _bound(t), "PASS" if t["passed"] else "MISS", _spread(t), t["note"]]])]
+        plain, ray_ = b["plain"], b["ray"]
+        lines += [
+            f"  per steady epoch incl. threshold calibration and validation: plain {plain['steady_epoch_incl_validation_s']:.2f} s, "
+            f"Ray {ray_['steady_epoch_incl_validation_s']:.2f} s (Ray/plain speed {b['ratio_epoch_incl_validation']:.2f}x)",
+        ]
+        if b.get("ratio_whole_epoch") is not None:
+            lines.append(
+                f"  whole epoch (start to next start, incl. checkpoint and report), {plain['whole_epochs']} epoch(s): "
+                f"plain {plain['whole_epoch_s']:.2f} s / {plain['whole_epoch_cpu_s']:.2f} CPU-s, Ray {ray_['whole_epoch_s']:.2f} s / "
+                f"{ray_['whole_epoch_cpu_s']:.2f} CPU-s of the worker process; Ray/plain speed {b['ratio_whole_epoch']:.2f}x wall, "
+                + (f"{b['ratio_whole_epoch_cpu_time']:.2f}x CPU time" if b["ratio_whole_epoch_cpu_time"] is not None else "? CPU time"))
+        lines += [
+            f"  END TO END (incl. Ray start-up): plain {plain['end_to_end_s']:.1f} s ({plain['end_to_end_images_per_s']:.1f} img/s), "
+            f"Ray {ray_['end_to_end_s']:.1f} s ({ray_['end_to_end_images_per_s']:.1f} img/s); Ray/plain speed "
+            f"{b['ratio_end_to_end']:.2f}x",
+        ]
+        for key, text in b["included"].items():
+            lines.append(f"  {key}: {text}")
+    for warning in result.get("warnings", []):
+        lines.append(f"WARNING: {warning}")
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""``splitvit bench train`` on a tiny model: structure and consistency of the figures,
+no timing thresholds. One run through the CLI covers both parts (Ray part on the
+session's shared Ray)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from splitvit.bench_train import (
+    RAY_OVERHEAD_TARGET,
+    STEP_NAMES,
+    benchmark_config,
+    format_train_report,
+    run_train_benchmark,
+)
+from splitvit.cli import _run_bench, build_parser, main
+
+TINY_ARGS = ["--image-size", "16", "--patch-size", "4", "--levels", "2", "--embed-dim", "16", "--depth", "1",
+             "--heads", "1", "--policy-depth", "1", "--batch-size", "8", "--repeats", "2", "--epochs", "2",
+             "--samples", "16", "--val-samples", "8", "--threads", "1"]
+
+
+def _numbers(obj, path=""):
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return
+    if isinstance(obj, (int, float)):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+@pytest.fixture(scope="module")
+def cli_result(tmp_path_factory, ray_session):
+    out = tmp_path_factory.mktemp("bench-train") / "train.json"
+    assert main(["bench", "train", *TINY_ARGS, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_json_structure_and_finite(cli_result):
+    for key in ("benchmark", "model", "machine", "steps", "ray_overhead", "targets", "warnings"):
+        assert key in cli_result, key
+    assert cli_result["benchmark"] == "train"
+    json.dumps(cli_result, allow_nan=False)
+    for path, value in _numbers(cli_result):
+        assert math.isfinite(value), path
+    model = cli_result["model"]
+    assert model["full_tokens"] == 16 and model["min_tokens"] == 4 and model["batch_size"] == 8
+
+
+def test_step_throughput_figures(cli_result):
+    steps = cli_result["steps"]["steps"]
+    assert set(steps) == set(STEP_NAMES)
+    for name, t in steps.items():
+        assert len(t["samples_s"]) == 2 and all(s > 0 for s in t["samples_s"]), name
+        assert t["min_s"] <= t["median_s"] <= t["max_s"]
+        assert t["images_per_s"] == pytest.approx(8 / t["median_s"])
+        assert t["ratio_to_full"] == pytest.approx(steps["full"]["median_s"] / t["median_s"])
+        assert t["ratio_to_full_fastest"] > 0
+    assert steps["full"]["token_fraction"] == 1.0 and steps["full"]["ratio_to_full"] == 1.0
+    for name in ("split_warmup", "split_learned"):
+        f = steps[name]["token_fraction"]
+        assert 4 / 16 <= f <= 1.0 and steps[name]["ideal_ratio"] == pytest.approx(1 / f)
+    assert cli_result["steps"]["config"]["policy_aim"]["expected_ratio"] == pytest.approx(0.5, abs=0.05)
+    assert 0 < steps["teacher"]["share_of_split_learned"]
+
+
+def test_ray_overhead_figures(cli_result):
+    b = cli_result["ray_overhead"]
+    assert b["config"]["threads"] == 1 and b["config"]["experiment"]["scaling"]["num_workers"] == 1
+    assert b["config"]["experiment"]["scaling"]["resources_per_worker"] == {"CPU": 1.0}
+    assert b["worker_threads"]["torch_threads"] == 1  # checked inside the Ray worker
+    (pair,) = b["runs"]
+    for kind in ("plain", "ray"):
+        run = pair[kind]
+        assert [e["epoch"] for e in run["epochs"]] == [0, 1]
+        assert all(e["images"] == 16 and e["images_per_s"] > 0 and e["train_s"] > 0 for e in run["epochs"])
+        assert run["steady"]["epochs"] == [1] and run["steady"]["images_per_s"] == pytest.approx(run["epochs"][1]["images_per_s"])
+        assert run["wall_s"] > 0
+        assert run["epochs"][0]["whole_epoch_s"] > 0 and run["epochs"][0]["whole_epoch_cpu_s"] >= 0
+    assert b["ratio_steady"] == pytest.approx(pair["ratio"])
+    assert b["ratio_steady"] == pytest.approx(b["ray"]["steady_images_per_s"] / b["plain"]["steady_images_per_s"])
+    assert b["ray"]["end_to_end_s"] >= pair["ray"]["wall_s"] > 0
+    target = b["target"]
+    assert target["bound"] == RAY_OVERHEAD_TARGET and target["passed"] == (target["value"] >= RAY_OVERHEAD_TARGET)
+    assert cli_result["targets"] == [target]
+
+
+def test_report_labels(cli_result):
+    report = format_train_report(cli_result)
+    for label in ("A. training-step throughput", "SPLIT learned", "ideal (1/fraction)", "B. Ray Train overhead",
+                  "END TO END (incl. Ray start-up)", "PASS" if cli_result["targets"][0]["passed"] else "MISS"):
+        assert label in report
+
+
+def test_validation_and_forward_options():
+    with pytest.raises(ValueError, match="parts"):
+        run_train_benchmark(benchmark_config(), parts=("nope",))
+    with pytest.raises(ValueError, match="options of 'splitvit bench train' only"):
+        _run_bench(build_parser().parse_args(["bench", "--epochs", "2"]))
+    args = build_parser().parse_args(["bench"])
+    assert args.kind == "forward"
