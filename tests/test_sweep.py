@@ -314,3 +314,35 @@ def test_resume_and_restart_guards(ray_session, mlflow_uri, tmp_path):
     (taken / "tuner.pkl").write_bytes(b"")  # what marks a Tune experiment folder
     with pytest.raises(SweepError, match="already exists: pass --resume"):
         run_sweep(space, name="taken")
+
+
+def test_a_trial_trains_through_run_training(monkeypatch):
+    """A trial is the same fit as ``splitvit train`` (run_training), its epochs
+    reported to Tune; Ray Train giving up is the trial's TrialFailed."""
+    import ray.tune.integration.ray_train as tune_integration
+
+    import splitvit.train.ray_trainer as ray_trainer
+    from splitvit.config import ExperimentConfig
+    from splitvit.train.ray_trainer import TrainingError, TrainResult
+    from splitvit.tune.trial import TrialFailed, fit_trial
+
+    calls: list[dict] = []
+
+    def fake_run_training(config, **kwargs):
+        calls.append(kwargs)
+        if config.train.max_failures == 9:
+            raise TrainingError("training t failed: boom") from RuntimeError("boom")
+        return TrainResult(name="t", status="diverged", metrics={"accuracy": 0.5}, checkpoint_uri="/x/checkpoint_epoch0000",
+                           run_uri="/x", message="non-finite loss")
+
+    class TuneReportCallback:  # the real one wants a Tune session
+        pass
+
+    monkeypatch.setattr(tune_integration, "TuneReportCallback", TuneReportCallback)
+    monkeypatch.setattr(ray_trainer, "run_training", fake_run_training)
+    config = ExperimentConfig.from_dict(BASE)
+    assert fit_trial(config) == {"status": "diverged", "metrics": {"accuracy": 0.5},
+                                 "checkpoint": "/x/checkpoint_epoch0000", "message": "non-finite loss"}
+    assert [type(c) for c in calls[0]["callbacks"]] == [TuneReportCallback]
+    with pytest.raises(TrialFailed, match="^training failed: boom$"):
+        fit_trial(ExperimentConfig.from_dict(BASE, ["train.max_failures=9"]))

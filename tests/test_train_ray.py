@@ -158,6 +158,37 @@ def test_nan_split_probabilities_are_a_divergence_not_a_crash(teacher_weight):
         model.decide(model.split_scores(images), model.thresholds)
 
 
+def test_run_training_hands_its_callbacks_to_ray_train(monkeypatch, tmp_path):
+    """``callbacks`` reach Ray Train's RunConfig (a sweep trial's TuneReportCallback)."""
+    from types import SimpleNamespace
+
+    import ray.train
+    import ray.train.torch
+
+    import splitvit.train.ray_trainer as ray_trainer
+
+    made: list[dict] = []
+
+    class FakeTrainer:
+        def __init__(self, loop, **kwargs):
+            made.append(kwargs)
+
+        def fit(self):
+            outcome = {"status": "completed", "metrics": {"accuracy": 0.5}, "message": ""}
+            return SimpleNamespace(return_value=outcome, checkpoint=None, metrics={})
+
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)
+    monkeypatch.setattr(ray_trainer, "init_ray", lambda address=None: None)
+    raw = dict(json.loads(json.dumps(TINY)), storage={"path": str(tmp_path / "runs"), "name": "cb"})
+    cfg = ExperimentConfig.from_dict(raw, ["tracking.enabled=false"])
+    callback = ray.train.UserCallback()
+    result = run_training(cfg, callbacks=[callback])
+    assert made[0]["run_config"].callbacks == [callback]
+    assert result.status == "completed" and result.metrics == {"accuracy": 0.5}
+    run_training(cfg)
+    assert made[1]["run_config"].callbacks == []
+
+
 @pytest.fixture
 def fake_ray_init(monkeypatch):
     """``ray.init`` recording its keyword arguments instead of starting Ray."""

@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,11 +125,14 @@ def run_training(
     *,
     epoch_hook: EpochHook | None = None,
     ray_address: str | None = None,
+    callbacks: Sequence[Any] | None = None,
 ) -> TrainResult:
     """Train ``config`` (already validated: build it with :func:`splitvit.config.load_config`).
 
     Re-running with the same ``storage.path`` and ``storage.name`` resumes from the
-    latest checkpoint and continues the same MLflow run.
+    latest checkpoint and continues the same MLflow run. ``callbacks`` go to Ray
+    Train's ``RunConfig`` (``ray.train.UserCallback`` instances; a sweep trial passes Tune's
+    ``TuneReportCallback`` so that its epochs reach Tune).
 
     Raises:
         TrainingError: the workers failed more often than ``train.max_failures``.
@@ -166,6 +169,7 @@ def run_training(
             storage_path=storage_path,
             failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.storage.num_to_keep),
+            callbacks=list(callbacks or []),
         ),
     )
     log.info("training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path))

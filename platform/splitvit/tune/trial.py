@@ -2,7 +2,8 @@
 
 This is the Ray Train V2 + Tune pattern: Tune runs :func:`sweep_trial` (a light
 function, its own resources ``search.trial_resources``); it launches a
-``TorchTrainer`` whose workers ask for the config's ``scaling`` resources and whose
+``TorchTrainer`` (through :func:`~splitvit.train.ray_trainer.run_training`, the
+same fit as ``splitvit train``) whose workers ask for the config's ``scaling`` resources and whose
 per-epoch reports reach Tune through ``TuneReportCallback`` (so an early-stopping
 scheduler can act on them). After training, stage two runs a threshold sweep on the
 trial's checkpoint (on a GPU where training had them, see :func:`run_evaluation`),
@@ -74,58 +75,26 @@ class SweepPlan:
         return join_uri(self.train_storage, trial_id)
 
 
-def _checkpoint_uri(checkpoint, storage_path: str) -> str | None:
-    if checkpoint is None:
-        return None
-    path = checkpoint.path
-    if "://" in storage_path and "://" not in path:
-        return f"{storage_path.split('://', 1)[0]}://{path.lstrip('/')}"
-    return path
-
-
 def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
-    """Train ``config`` with a ``TorchTrainer`` whose epochs are reported to Tune.
+    """Train ``config`` with :func:`~splitvit.train.ray_trainer.run_training`, its
+    epochs reported to Tune (``TuneReportCallback``).
 
     Returns ``{"status", "metrics", "checkpoint", "message"}``. Raises
     :class:`TrialFailed` when Ray Train gives up.
     """
-    import ray.train
-    from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from ..train.ray_trainer import train_loop_per_worker
+    from ..train.ray_trainer import TrainingError, run_training
 
-    storage_path = config.storage.resolved_path()
-    scaling = config.scaling
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        # the loop's own contract (see run_training): no tracker, so nothing writes to MLflow
-        train_loop_config={"config": config, "tracker": None, "epoch_hook": None},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=scaling.num_workers,
-            use_gpu=scaling.use_gpu,
-            resources_per_worker=dict(scaling.resources_per_worker) or None,
-            placement_strategy=scaling.placement_strategy,
-        ),
-        run_config=ray.train.RunConfig(
-            name=config.storage.name,
-            storage_path=storage_path,
-            failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.storage.num_to_keep),
-            callbacks=[TuneReportCallback()],
-        ),
-    )
+    # a trial's config has tracking off (SweepPlan.trial_config): nothing here writes
+    # to MLflow; Ray is up already (this runs inside Tune), so run_training joins it
     try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as exc:
-        raise TrialFailed(f"training failed: {exc}") from exc
-    outcome = result.return_value or {}
-    return {
-        "status": outcome.get("status", "completed"),
-        "metrics": outcome.get("metrics") or dict(result.metrics or {}),
-        "checkpoint": _checkpoint_uri(result.checkpoint, storage_path),
-        "message": outcome.get("message", ""),
-    }
+        result = run_training(config, callbacks=[TuneReportCallback()])
+    except TrainingError as exc:
+        # Ray Train's own error, as before: the sweep records this message
+        raise TrialFailed(f"training failed: {exc.__cause__ or exc}") from exc
+    return {"status": result.status, "metrics": result.metrics, "checkpoint": result.checkpoint_uri,
+            "message": result.message}
 
 
 def eval_resources(config: ExperimentConfig) -> tuple[dict[str, Any], str]:
