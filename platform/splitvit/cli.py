@@ -426,6 +426,68 @@ def _run_sweep(args) -> int:
     return 0
 
 
+def _add_study(sub) -> None:
+    p = sub.add_parser("study", help="the evidence study: SPLIT vs full resolution, all-coarse, entropy and random "
+                                     "splitting, trained alike, at matched token budgets, over seeds")
+    p.add_argument("study", help="study YAML (e.g. search_spaces/study_fashion.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="repeatable; a config setting for every run (train.epochs=1, data.options.train_samples=512)")
+    p.add_argument("--scale", help="apply the study file's scales.<SCALE> section (e.g. gpu: more data, epochs, GPUs)")
+    p.add_argument("--name", help="the study's folder under the storage path (default: study-<file>); an existing "
+                                  "study of this name is finished, not repeated")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--json", help="write the table (per method and token ratio: mean, std, min, max over seeds), the "
+                                  "per-run points, the goals and the speed comparison to this JSON file")
+    p.set_defaults(func=_run_study)
+
+
+def _run_study(args) -> int:
+    from .tune.study import run_study
+
+    import ray
+
+    logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    ours = not ray.is_initialized()
+    try:
+        result = run_study(args.study, args.overrides, scale=args.scale, name=args.name, ray_address=args.address)
+    finally:
+        if ours and ray.is_initialized():
+            ray.shutdown()
+    metric = result.metric
+    print(f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs, {result.seconds / 60:.1f} min")
+    _print_table([{"method": r["method"], "target ratio": r["target_ratio"] if r["target_ratio"] is not None else "-",
+                   "token ratio": r["token_ratio"], "tokens/image": r["tokens_per_image"],
+                   metric: f"{r[metric]:.4f} ± {r[f'{metric}_std']:.4f}", "min": r[f"{metric}_min"], "max": r[f"{metric}_max"],
+                   "images/s": r["images_per_s"]} for r in result.rows],
+                 ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "images/s"])
+    goals = result.goals
+    if "match" in goals:
+        g = goals["match"]
+        print(f"\nSPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
+              f"{g['token_ratio']:.1%}: {g['gap_points']:+.2f} points below full (goal <= {g['goal_points']}): "
+              f"{'met' if g['met'] else 'MISSED'}")
+    if "above_baselines" in goals:
+        g = goals["above_baselines"]
+        w = g["worst"]
+        print(f"SPLIT above entropy and random at every ratio in {g['range']}: smallest margin {w['margin_points']:+.2f} "
+              f"points (vs {w['versus']} at {w['target_ratio']:.2f}): {'met' if g['met'] else 'MISSED'}")
+    if "margin_over_entropy" in goals:
+        g = goals["margin_over_entropy"]
+        print(f"SPLIT over entropy at {g['target_ratio']:.0%} tokens: {g['margin_points']:+.2f} points (goal >= "
+              f"{g['goal_points']}): {'met' if g['met'] else 'MISSED'}")
+    if result.speed:
+        s = result.speed
+        which = "matches full resolution" if s["matches_full"] else "best SPLIT point (none matches full resolution)"
+        print(f"speed ({which}: {s['method']} @ {s['target_ratio']}, seed {s['seed']}, batch {s['batch_size']} on "
+              f"{s['device']}): {s['split_images_per_s']:.0f} vs {s['full_images_per_s']:.0f} images/s = "
+              f"{s['ratio']:.2f}x (ideal {s['ideal_ratio']:.2f}x at {s['token_fraction']:.1%} tokens)")
+    for failure in result.failed:
+        print(f"failed: {failure}")
+    print(f"MLflow: experiment run {result.mlflow_run_id} in {result.tracking_uri}")
+    write_json(args.json, result.to_dict())
+    return 1 if result.failed and not result.runs else 0
+
+
 def _add_pareto(sub) -> None:
     p = sub.add_parser("pareto", help="print the Pareto frontier (accuracy vs tokens) of an MLflow experiment's sweeps")
     p.add_argument("experiment", help="MLflow experiment name (e.g. smoke-sweep)")
@@ -627,7 +689,7 @@ def _run_stack_status(args) -> int:
     return 0 if status.healthy else 1
 
 
-COMMANDS: list[Callable] = [_add_demo, _add_viz, _add_bench, _add_data, _add_train, _add_eval, _add_sweep, _add_pareto, _add_submit, _add_stack]
+COMMANDS: list[Callable] = [_add_demo, _add_viz, _add_bench, _add_data, _add_train, _add_eval, _add_sweep, _add_study, _add_pareto, _add_submit, _add_stack]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,621 @@
+"""The evidence study: SPLIT against full resolution, all-coarse, entropy and random
+splitting, trained alike and compared at matched token budgets, over several seeds.
+
+A study file (``search_spaces/study_*.yaml``) names an experiment config and:
+
+* ``seeds``: each seed is one repetition (its own canvases, initialisation, draws);
+* ``backbone``: a warm-up run per seed (full resolution first, then random splits
+  at every rate, DESIGN §3) that every method of that seed starts from, so methods
+  differ only in what they do after it;
+* ``methods``: name -> config overrides (at least ``model.policy``); every method
+  trains ``method`` epochs from its seed's backbone (``model.init_from``);
+* ``evaluation``: the held-out split and the token ratios at which every thresholded
+  method (learned, entropy, random) is evaluated: per ratio, thresholds are
+  calibrated on validation images (:func:`~splitvit.train.steps.calibrate_thresholds`),
+  then the test images are evaluated: a threshold sweep at matched budgets;
+* ``goals``: what the study is meant to show (checked and reported, never tuned).
+
+It runs on the platform like a sweep: Ray Tune runs the backbones (one trial per
+seed), then the methods (one trial per seed and method), each trial a Ray Train
+``TorchTrainer``; only the driver writes MLflow (a parent run with the table, the
+plot, the goals and the speed figure; a child run per method and seed). Re-running
+a study under the same name reuses every run that finished (its result file) and
+resumes unfinished training from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, ExperimentConfig
+from ..storage import exists, join_uri, read_bytes, write_bytes
+from .space import SearchSpaceError, _resolve_base, set_dotted
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "study_result.json"
+THRESHOLDED = ("learned", "entropy", "random")
+EPS = 1e-9  # points: means of seeds' accuracies are not exact in binary
+_KEYS = {"base", "description", "seeds", "config", "backbone", "method", "methods", "evaluation", "run", "goals",
+         "speed", "mlflow", "scales"}
+
+
+@dataclass
+class Goals:
+    """What the study should show (DESIGN: report figures as measured, whether or not
+    they reach these)."""
+
+    match_points: float = 0.5      # SPLIT within this many points of full resolution ...
+    match_ratio: float = 0.5       # ... at no more than this share of its tokens
+    beat_range: tuple[float, float] | None = (0.1, 0.6)  # SPLIT above entropy and random at every ratio here
+    margin_at: float | None = 0.25  # and this many points above entropy at this ratio
+    margin: float = 3.0
+
+
+@dataclass
+class StudySpec:
+    """A validated study (see the module docstring)."""
+
+    source: str
+    base: Path
+    description: str
+    seeds: list[int]
+    config: dict[str, Any]
+    backbone: dict[str, Any]
+    method: dict[str, Any]
+    methods: dict[str, dict[str, Any]]
+    ratios: list[float]
+    split: str = "test"
+    samples: int | None = None
+    calibration_samples: int = 512
+    max_concurrent: int = 2
+    trial_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    goals: Goals = field(default_factory=Goals)
+    speed_batch: int = 64
+    speed_rounds: int = 10
+    experiment: str = "study"
+    scale: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # command-line settings: win over every section
+    fixed: dict[str, Any] = field(default_factory=dict)      # set by the study itself (the canvas cache)
+
+    def run_config(self, seed: int, method: str | None, name: str, storage: str | None = None,
+                   init_from: str | None = None) -> ExperimentConfig:
+        """The validated experiment config of the backbone (``method=None``) or a method
+        run, its Ray Train run ``name`` under ``storage`` (default: the config's)."""
+        raw = yaml.safe_load(self.base.read_text()) or {}
+        values = {**self.config, **(self.backbone if method is None else {**self.method, **self.methods[method]}),
+                  **self.overrides, **self.fixed}
+        values.update({"data.seed": seed, "tracking.enabled": False, "storage.name": name})
+        if storage is not None:
+            values["storage.path"] = storage
+        if method is None:
+            values["model.policy"] = "learned"  # the warm-up is the learned policy's curriculum
+        else:
+            values["train.warmup_epochs"] = 0
+            if init_from is not None:
+                values["model.init_from"] = init_from
+        for key, value in values.items():
+            set_dotted(raw, key, value)
+        return ExperimentConfig.from_dict(raw, default_name=name)
+
+    @property
+    def metric(self) -> str:
+        task = (self.config.get("model.task") or (yaml.safe_load(self.base.read_text()) or {}).get("model", {}).get("task")
+                or "classification")
+        return "miou" if task == "dense" else "accuracy"
+
+    def policy(self, method: str) -> str:
+        return str(self.methods[method]["model.policy"])
+
+
+def _merge(raw: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ("config", "methods"):
+            out[key] = _merge(out[key], value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **copy.deepcopy(value)}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _section(raw: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise SearchSpaceError(source, key, f"must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def load_study(path: str | Path, *, scale: str | None = None, overrides: list[str] | None = None) -> StudySpec:
+    """Read and validate a study file; every run's config is built (and so validated)
+    before anything starts. ``scale`` merges the file's ``scales.<scale>`` section over
+    it (e.g. ``gpu``); ``overrides`` are ``key=value`` config settings for every run.
+
+    Raises :class:`SearchSpaceError` (study keys) or :class:`ConfigError` (config keys).
+    """
+    from ..model import POLICY_NAMES
+
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise SearchSpaceError(source, "<file>", "study file not found")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise SearchSpaceError(source, "<root>", "a study file is a mapping")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise SearchSpaceError(source, unknown[0], f"unknown key; known: {', '.join(sorted(_KEYS))}")
+    scales = _section(raw, "scales", source)
+    if scale is not None:
+        if scale not in scales:
+            raise SearchSpaceError(source, "scales", f"no scale {scale!r}; the file has {', '.join(scales) or 'none'}")
+        raw = _merge(raw, scales[scale])
+    seeds = raw.get("seeds") or [0]
+    if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
+    methods = _section(raw, "methods", source)
+    if not methods:
+        raise SearchSpaceError(source, "methods", "name at least one method")
+    for name, settings in methods.items():
+        if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
+            raise SearchSpaceError(source, f"methods.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
+    policies = [m["model.policy"] for m in methods.values()]
+    for needed in ("full", "learned"):
+        if needed not in policies:
+            raise SearchSpaceError(source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)")
+    evaluation = _section(raw, "evaluation", source)
+    ratios = evaluation.get("ratios") or [0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
+    if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
+        raise SearchSpaceError(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
+    run = _section(raw, "run", source)
+    goals = _section(raw, "goals", source)
+    speed = _section(raw, "speed", source)
+    config = _section(raw, "config", source)
+    settings: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(item, "expected key=value")
+        settings[key.strip()] = yaml.safe_load(value)
+    try:
+        spec = StudySpec(
+            source=source, base=_resolve_base(raw.get("base"), path.parent, source),
+            description=str(raw.get("description") or ""), seeds=list(seeds), config=config,
+            backbone=_section(raw, "backbone", source), method=_section(raw, "method", source),
+            methods={k: dict(v) for k, v in methods.items()}, ratios=sorted(float(r) for r in ratios),
+            split=str(evaluation.get("split", "test")), samples=evaluation.get("samples"),
+            calibration_samples=int(evaluation.get("calibration_samples", 512)),
+            max_concurrent=int(run.get("max_concurrent", 2)),
+            trial_resources=dict(run.get("trial_resources") or {"CPU": 0.5}),
+            goals=Goals(**{k: (tuple(v) if k == "beat_range" and v else v) for k, v in goals.items()}),
+            speed_batch=int(speed.get("batch_size", 64)), speed_rounds=int(speed.get("rounds", 10)),
+            experiment=str((raw.get("mlflow") or {}).get("experiment") or f"study-{path.stem}"), scale=scale,
+            overrides=settings,
+        )
+    except TypeError as exc:
+        raise SearchSpaceError(source, "goals", str(exc)) from None
+    # every run's config, validated now: a bad key stops here, before Ray starts
+    for seed in spec.seeds:
+        spec.run_config(seed, None, "check")
+        for method in spec.methods:
+            spec.run_config(seed, method, "check")
+    return spec
+
+
+# ---------------------------------------------------------------------- trials
+def _stored(run_uri: str) -> dict[str, Any] | None:
+    uri = join_uri(run_uri, RESULT_FILE)
+    return json.loads(read_bytes(uri)) if exists(uri) else None
+
+
+def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> None:
+    """Tune trial: train seed ``params['seed']``'s warm-up backbone (or report the stored one)."""
+    from ray import tune
+
+    from .trial import TrialFailed, fit_trial
+
+    seed = int(params["seed"])
+    name = f"backbone-s{seed}"
+    run_uri = join_uri(storage, name)
+    stored = _stored(run_uri)
+    if stored is None:
+        started = time.time()
+        trained = fit_trial(spec.run_config(seed, None, name, storage))
+        if trained["status"] != "completed" or trained["checkpoint"] is None:
+            raise TrialFailed(f"backbone {name} {trained['status']}: {trained['message']}")
+        stored = {"seed": seed, "checkpoint": trained["checkpoint"], "metrics": trained["metrics"],
+                  "train_seconds": time.time() - started, "run_uri": run_uri}
+        write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
+    tune.report({"done": 1, "result": json.dumps(stored, default=float)})
+
+
+def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbones: dict[int, str]) -> None:
+    """Tune trial: train one method from its seed's backbone, then evaluate it at every
+    matched token ratio on the held-out split (or report the stored result)."""
+    from ray import tune
+
+    from .trial import TrialFailed, fit_trial, run_evaluation
+
+    seed, method = int(params["seed"]), str(params["method"])
+    name = f"{method}-s{seed}"
+    run_uri = join_uri(storage, name)
+    stored = _stored(run_uri)
+    if stored is None:
+        started = time.time()
+        config = spec.run_config(seed, method, name, storage, init_from=backbones[seed])
+        trained = fit_trial(config)
+        if trained["status"] != "completed" or trained["checkpoint"] is None:
+            raise TrialFailed(f"{name} {trained['status']}: {trained['message']}")
+        train_seconds = time.time() - started
+        points = run_evaluation(config, evaluate_points, trained["checkpoint"], policy=spec.policy(method),
+                                ratios=spec.ratios if spec.policy(method) in THRESHOLDED else [],
+                                split=spec.split, samples=spec.samples, calibration_samples=spec.calibration_samples,
+                                seed=seed)
+        stored = {"seed": seed, "method": method, "policy": spec.policy(method), "checkpoint": trained["checkpoint"],
+                  "train_metrics": trained["metrics"], "points": points, "train_seconds": train_seconds,
+                  "eval_seconds": time.time() - started - train_seconds, "run_uri": run_uri,
+                  "config": config.flat()}
+        write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
+    tune.report({"done": 1, "result": json.dumps(stored, default=float)})
+
+
+def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split: str, samples: int | None,
+                    calibration_samples: int, seed: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """Quality, tokens per image and images/s of ``checkpoint`` on ``split``: one point
+    for ``full``/``coarse``, else one per token ratio, its thresholds calibrated on the
+    first ``calibration_samples`` validation images (never on the evaluated ones)."""
+    import torch
+
+    from ..train.steps import calibrate_thresholds
+    from .evaluation import CheckpointEvaluator
+
+    evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
+    if not ratios:
+        return [{"target_ratio": None, **evaluator.evaluate(None)}]
+    calibration = CheckpointEvaluator(checkpoint, samples=calibration_samples, device=device, split="val",
+                                      cache=False).first_images(calibration_samples)
+    points = []
+    for ratio in ratios:
+        # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
+        torch.manual_seed(seed * 1009 + round(ratio * 1000))
+        thresholds = calibrate_thresholds(evaluator.model, calibration, ratio)
+        points.append({"target_ratio": ratio, **evaluator.evaluate(thresholds)})
+        log.info("%s @ %.2f: %s %.4f at %.1f tokens/image", policy, ratio, "quality", points[-1]["quality"],
+                 points[-1]["tokens_per_image"])
+    return points
+
+
+# ---------------------------------------------------------------------- aggregation
+def aggregate(results: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """One row per (method, target ratio): mean, standard deviation, min and max over
+    seeds of the quality, and the means of tokens per image, token ratio and images/s."""
+    groups: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+    policies: dict[str, str] = {}
+    for result in results:
+        policies[result["method"]] = result["policy"]
+        for point in result["points"]:
+            groups.setdefault((result["method"], point["target_ratio"]), []).append({**point, "seed": result["seed"]})
+    rows = []
+    for (method, ratio), points in groups.items():
+        q = [float(p["quality"]) for p in points]
+        rows.append({
+            "method": method, "policy": policies[method], "target_ratio": ratio, "seeds": len(points),
+            metric: statistics.fmean(q), f"{metric}_std": statistics.stdev(q) if len(q) > 1 else 0.0,
+            f"{metric}_min": min(q), f"{metric}_max": max(q),
+            "tokens_per_image": statistics.fmean(float(p["tokens_per_image"]) for p in points),
+            "token_ratio": statistics.fmean(float(p["token_ratio"]) for p in points),
+            "images_per_s": statistics.fmean(float(p["images_per_s"]) for p in points),
+            "per_seed": {str(p["seed"]): float(p["quality"]) for p in points},
+        })
+    rows.sort(key=lambda r: (r["policy"] != "full", r["policy"] != "learned", r["method"], r["target_ratio"] or 0.0))
+    return rows
+
+
+def check_goals(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[str, Any]:
+    """The goals, measured on the aggregated rows (means over seeds; points)."""
+    pts = 100.0
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    if full is None:
+        return {}
+
+    def best(policy: str, ratio: float) -> dict[str, Any] | None:
+        found = [r for r in rows if r["policy"] == policy and r["target_ratio"] is not None
+                 and math.isclose(r["target_ratio"], ratio)]
+        return max(found, key=lambda r: r[metric]) if found else None
+
+    out: dict[str, Any] = {"full_" + metric: full[metric]}
+    within = [r for r in rows if r["policy"] == "learned" and r["token_ratio"] <= goals.match_ratio]
+    if within:
+        top = max(within, key=lambda r: r[metric])
+        gap = (full[metric] - top[metric]) * pts
+        out["match"] = {"method": top["method"], "target_ratio": top["target_ratio"], "token_ratio": top["token_ratio"],
+                        metric: top[metric], "gap_points": gap, "goal_points": goals.match_points,
+                        "max_token_ratio": goals.match_ratio, "met": gap <= goals.match_points + EPS}
+    if goals.beat_range:
+        lo, hi = goals.beat_range
+        margins = []
+        for ratio in sorted({r["target_ratio"] for r in rows if r["target_ratio"] is not None}):
+            if not lo - 1e-9 <= ratio <= hi + 1e-9:
+                continue
+            split = best("learned", ratio)
+            for other in ("entropy", "random"):
+                rival = best(other, ratio)
+                if split and rival:
+                    margins.append({"target_ratio": ratio, "versus": other, "margin_points": (split[metric] - rival[metric]) * pts})
+        if margins:
+            worst = min(margins, key=lambda m: m["margin_points"])
+            out["above_baselines"] = {"range": [lo, hi], "margins": margins, "worst": worst, "met": worst["margin_points"] > 0}
+    if goals.margin_at is not None:
+        split, rival = best("learned", goals.margin_at), best("entropy", goals.margin_at)
+        if split and rival:
+            margin = (split[metric] - rival[metric]) * pts
+            out["margin_over_entropy"] = {"target_ratio": goals.margin_at, "margin_points": margin,
+                                          "goal_points": goals.margin, "met": margin >= goals.margin - EPS}
+    return out
+
+
+def matched_point(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[str, Any] | None:
+    """The SPLIT point for the speed comparison: the fewest tokens among those within
+    ``goals.match_points`` of full resolution; failing that, the most accurate one at
+    or under ``goals.match_ratio``."""
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    learned = [r for r in rows if r["policy"] == "learned"]
+    if full is None or not learned:
+        return None
+    close = [r for r in learned if (full[metric] - r[metric]) * 100.0 <= goals.match_points + EPS]
+    if close:
+        return {**min(close, key=lambda r: r["token_ratio"]), "matches_full": True}
+    capped = [r for r in learned if r["token_ratio"] <= goals.match_ratio] or learned
+    return {**max(capped, key=lambda r: r[metric]), "matches_full": False}
+
+
+def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_ratio: float, split: str, batch_size: int,
+                     rounds: int, calibration_samples: int, seed: int, device: str = "cpu") -> dict[str, Any]:
+    """Forward images/s of a trained SPLIT checkpoint at ``target_ratio`` against the
+    trained full-resolution checkpoint, timed interleaved on the same batch."""
+    import torch
+
+    from ..bench import time_interleaved
+    from ..train.steps import calibrate_thresholds
+    from .evaluation import CheckpointEvaluator
+
+    split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
+    full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
+    calibration = CheckpointEvaluator(split_checkpoint, samples=calibration_samples, device=device, split="val",
+                                      cache=False).first_images(calibration_samples)
+    torch.manual_seed(seed)
+    thresholds = calibrate_thresholds(split_eval.model, calibration, target_ratio)
+    images = split_eval.first_images(batch_size)
+    sync = torch.cuda.synchronize if images.device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        tokens = split_eval.model(images, thresholds=thresholds)
+        fns = {"split": lambda: split_eval.model(images, thresholds=thresholds), "full": lambda: full_eval.model(images)}
+        times = time_interleaved(fns, repeats=rounds, warmup=2, sync=sync)
+    fraction = float(tokens.tokens.float().mean()) / tokens.full_tokens
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "batch_size": batch_size, "rounds": rounds, "device": str(images.device), "thresholds": thresholds,
+        "token_fraction": fraction, "ideal_ratio": 1.0 / fraction,
+        "split_images_per_s": batch_size / median["split"], "full_images_per_s": batch_size / median["full"],
+        "ratio": median["full"] / median["split"],
+        "ratio_fastest_round": min(times["full"]) / min(times["split"]),
+    }
+
+
+# ---------------------------------------------------------------------- driver
+@dataclass
+class StudyResult:
+    """What :func:`run_study` produced (also its ``--json`` output)."""
+
+    name: str
+    source: str
+    study_dir: str
+    metric: str
+    seeds: list[int]
+    rows: list[dict[str, Any]]
+    runs: list[dict[str, Any]]
+    goals: dict[str, Any]
+    speed: dict[str, Any] | None
+    failed: list[str]
+    mlflow_run_id: str
+    tracking_uri: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
+    """Run one Tune grid; returns each trial's stored result (``None`` for a failed one)."""
+    from ray import tune
+
+    trainable = tune.with_resources(trainable, dict(spec.trial_resources))
+    tuner = tune.Tuner(
+        trainable,
+        param_space={k: tune.grid_search(v) for k, v in grid.items()},
+        tune_config=tune.TuneConfig(max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
+        run_config=tune.RunConfig(name=name, storage_path=storage, failure_config=tune.FailureConfig(max_failures=0),
+                                  verbose=1),
+    )
+    results = []
+    for result in tuner.fit():
+        if result.error is not None or not result.metrics or "result" not in result.metrics:
+            log.error("trial %s failed: %s", result.config, result.error)
+            results.append({"config": result.config, "error": str(result.error)})
+        else:
+            results.append(json.loads(result.metrics["result"]))
+    return results
+
+
+def run_study(study_path: str | Path, overrides: list[str] | None = None, *, scale: str | None = None,
+              name: str | None = None, ray_address: str | None = None) -> StudyResult:
+    """Run (or, under an existing ``name``, finish) a study; see the module docstring."""
+    from ray import tune
+
+    from ..tracking import RunTracker
+    from ..train.ray_trainer import init_ray
+    from .records import KIND_TAG, METRIC_TAG, flat_params
+    from .trial import run_evaluation
+
+    started = time.time()
+    spec = load_study(study_path, scale=scale, overrides=overrides)  # bad input stops here
+    base = spec.run_config(spec.seeds[0], None, "base")
+    root = base.storage.resolved_path()
+    stem = Path(study_path).stem
+    name = name or (stem if stem.startswith("study") else f"study-{stem}") + (f"-{scale}" if scale else "")
+    study_dir = join_uri(root, name)
+    train_storage = join_uri(study_dir, "train")
+    if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
+        # render every canvas once, for every run of the study (and of later studies)
+        spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
+    tracking_uri = base.tracking_uri()
+    metric = spec.metric
+
+    init_ray(ray_address)
+    parent, _ = RunTracker.open(tracking_uri, spec.experiment, study_dir, name,
+                                params={**flat_params({"seeds": spec.seeds, "ratios": spec.ratios, "scale": spec.scale or "cpu",
+                                                       "methods": spec.methods, "backbone": spec.backbone, "method": spec.method}),
+                                        **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()}},
+                                tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source})
+    log.info("study %s: %d seeds x %d methods, MLflow run %s", name, len(spec.seeds), len(spec.methods), parent.run_id)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        backbones = _tune_grid(tune.with_parameters(backbone_trial, spec=spec, storage=train_storage),
+                               {"seed": spec.seeds}, spec, study_dir, f"backbones-{stamp}")
+        ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
+        failed = [f"backbone seed {b['config'].get('seed')}: {b['error']}" for b in backbones if "error" in b]
+        # the costliest methods first, so the last trials to finish are short ones
+        order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
+        runs: list[dict[str, Any]] = []
+        if ready:
+            grid = {"seed": sorted(ready), "method": order}
+            runs = _tune_grid(tune.with_parameters(method_trial, spec=spec, storage=train_storage, backbones=ready),
+                              grid, spec, study_dir, f"methods-{stamp}")
+        failed += [f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}" for r in runs if "error" in r]
+        runs = [r for r in runs if "points" in r]
+        rows = aggregate(runs, metric)
+        goals = check_goals(rows, spec.goals, metric)
+        speed = None
+        point = matched_point(rows, spec.goals, metric)
+        if point is not None:
+            seed = min(int(s) for s in point["per_seed"])
+            ckpt = {(r["method"], r["seed"]): r["checkpoint"] for r in runs}
+            full_method = next(m for m in spec.methods if spec.policy(m) == "full")
+            if (full_method, seed) in ckpt:
+                speed = run_evaluation(base, speed_comparison, ckpt[(point["method"], seed)], ckpt[(full_method, seed)],
+                                       target_ratio=point["target_ratio"], split=spec.split, batch_size=spec.speed_batch,
+                                       rounds=spec.speed_rounds, calibration_samples=spec.calibration_samples, seed=seed)
+                speed.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed,
+                              "matches_full": point["matches_full"], metric: point[metric]})
+        result = StudyResult(name=name, source=spec.source, study_dir=study_dir, metric=metric, seeds=spec.seeds, rows=rows,
+                             runs=[{k: v for k, v in r.items() if k != "config"} for r in runs], goals=goals, speed=speed,
+                             failed=failed, mlflow_run_id=parent.run_id, tracking_uri=tracking_uri,
+                             seconds=time.time() - started)
+        _record(result, spec, parent, runs, tracking_uri)
+    except KeyboardInterrupt:
+        parent.close("interrupted")
+        raise
+    except Exception as exc:
+        parent.close("failed", tags={"splitvit.error": str(exc)[:2000]})
+        raise
+    parent.close("completed" if not failed else "partial")
+    return result
+
+
+def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, Any]], tracking_uri: str) -> None:
+    """MLflow: a child run per method and seed; the table, plot, goals and speed on the parent."""
+    import tempfile
+
+    import matplotlib.pyplot as plt
+    import mlflow
+
+    from ..tracking import RunTracker
+    from .records import KIND_TAG, METRIC_TAG, PARENT_TAG
+
+    from mlflow.entities import Metric
+
+    metric = result.metric
+    client = mlflow.MlflowClient(tracking_uri)
+    for run in runs:
+        child, _ = RunTracker.open(tracking_uri, spec.experiment, run["run_uri"], f"{run['method']}-s{run['seed']}",
+                                   params=run.get("config") or {},
+                                   tags={PARENT_TAG: parent.run_id, KIND_TAG: "study-run", METRIC_TAG: metric,
+                                         "splitvit.method": run["method"], "splitvit.seed": str(run["seed"])})
+        if client.get_run(child.run_id).data.metrics:
+            child.close("completed")
+            continue  # recorded by an earlier run of this study
+        # one step per evaluated token ratio: MLflow's metric charts draw the threshold sweep
+        now = int(time.time() * 1000)
+        batch = [Metric(key, float(point[src]), now, step) for step, point in enumerate(run["points"])
+                 for key, src in ((metric, "quality"), ("tokens_per_image", "tokens_per_image"),
+                                  ("token_ratio", "token_ratio"), ("images_per_s", "images_per_s"))]
+        client.log_batch(child.run_id, metrics=batch)
+        child.log_dict({"points": run["points"], "checkpoint": run["checkpoint"]}, "study_points.json")
+        child.close("completed")
+    flat_rows = [{k: v for k, v in r.items() if k != "per_seed"} for r in result.rows]
+    client.log_table(parent.run_id, data=_columns(flat_rows), artifact_file="study_table.json")
+    metrics = {f"goal_{k}_met": float(v["met"]) for k, v in result.goals.items() if isinstance(v, dict) and "met" in v}
+    if "match" in result.goals:
+        metrics["match_gap_points"] = result.goals["match"]["gap_points"]
+    if result.speed:
+        metrics.update({"speed_ratio": result.speed["ratio"], "speed_ideal_ratio": result.speed["ideal_ratio"]})
+    for key, value in metrics.items():
+        client.log_metric(parent.run_id, key, float(value))
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "study.json").write_text(json.dumps(result.to_dict(), indent=2, default=float) + "\n")
+        fig = study_figure(result.rows, metric, title=f"{result.name}: {metric} vs tokens ({len(result.seeds)} seeds)")
+        fig.savefig(Path(folder) / "study.png")
+        plt.close(fig)
+        client.log_artifact(parent.run_id, str(Path(folder) / "study.json"))
+        client.log_artifact(parent.run_id, str(Path(folder) / "study.png"))
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return {k: [r.get(k) for r in rows] for k in keys}
+
+
+def study_figure(rows: list[dict[str, Any]], metric: str, title: str = ""):
+    """Mean quality versus tokens per image per method, error bars one standard
+    deviation over seeds; full resolution and all-coarse as single points."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    styles = {"learned": ("o-", None), "entropy": ("s--", "#2ca02c"), "random": ("x:", "#7f7f7f")}
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = sorted((r for r in rows if r["method"] == method), key=lambda r: r["tokens_per_image"])
+        policy = points[0]["policy"]
+        xs = [r["tokens_per_image"] for r in points]
+        ys = [r[metric] for r in points]
+        errs = [r[f"{metric}_std"] for r in points]
+        if policy in styles:
+            fmt, colour = styles[policy]
+            label = f"SPLIT {method}" if policy == "learned" else method
+            ax.errorbar(xs, ys, yerr=errs, fmt=fmt, color=colour, ms=5, capsize=3, label=label)
+        else:
+            marker = "*" if policy == "full" else "v"
+            ax.errorbar(xs, ys, yerr=errs, fmt=marker, color="black", ms=12, capsize=3, label=f"{method} ({policy})")
+    ax.set_xlabel("tokens per image")
+    ax.set_ylabel(f"{metric} (mean ± std over seeds)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,186 @@
+"""The evidence study (``splitvit study``): spec validation, aggregation and goals,
+starting runs from a backbone, and a tiny study end to end on the real stack (Ray
+Tune trials running Ray Train fits, an MLflow store read back, the JSON table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+
+from splitvit.cli import main as cli
+from splitvit.config import ConfigError
+from splitvit.model import SplitViT
+from splitvit.train.checkpoints import init_weights
+from splitvit.tune.space import SearchSpaceError
+from splitvit.tune.study import Goals, aggregate, check_goals, load_study, matched_point
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
+
+
+def write_study(folder: Path, **changes) -> Path:
+    """A tiny study on the smoke config (synthetic data, 32-px images, 2-block ViT)."""
+    spec = {
+        "base": str(SMOKE),
+        "seeds": [0],
+        "config": {"data.options": {"train_samples": 128, "val_samples": 64, "object_size": 8}, "scaling.num_workers": 1,
+                   "scaling.resources_per_worker": {"CPU": 1}, "storage.path": str(folder / "runs"),
+                   "tracking.split_map_images": 0},
+        "backbone": {"train.epochs": 1, "train.warmup_epochs": 1},
+        "method": {"train.epochs": 1},
+        "methods": {"full": {"model.policy": "full"}, "entropy": {"model.policy": "entropy"},
+                    "split": {"model.policy": "learned", "train.target_ratio": 0.3}},
+        "evaluation": {"split": "test", "samples": 64, "ratios": [0.25, 0.5], "calibration_samples": 32},
+        "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
+        "speed": {"batch_size": 8, "rounds": 2},
+        "mlflow": {"experiment": "study-e2e"},
+    }
+    spec.update(changes)
+    path = folder / "study.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+# ----------------------------------------------------------------- validation
+@pytest.mark.parametrize("change, key, message", [
+    ({"colour": 1}, "colour", "unknown key"),
+    ({"seeds": [0, 0]}, "seeds", "distinct"),
+    ({"seeds": "zero"}, "seeds", "non-negative integers"),
+    ({"methods": {"full": {"model.policy": "full"}, "x": {"train.lr": 1.0}}}, "methods.x", "needs model.policy"),
+    ({"methods": {"split": {"model.policy": "learned"}}}, "methods", "model.policy: full"),
+    ({"evaluation": {"ratios": [0.5, 1.5]}}, "evaluation.ratios", "(0, 1]"),
+    ({"base": "missing.yaml"}, "base", "not found"),
+])
+def test_bad_study_files_are_named(tmp_path, change, key, message):
+    with pytest.raises(SearchSpaceError) as err:
+        load_study(write_study(tmp_path, **change))
+    assert key in str(err.value) and message in str(err.value)
+
+
+def test_bad_config_in_a_method_names_the_key_before_ray_starts(tmp_path):
+    methods = {"full": {"model.policy": "full"}, "split": {"model.policy": "learned", "train.lambda_budget": -1}}
+    with pytest.raises(ConfigError, match="train.lambda_budget"):
+        load_study(write_study(tmp_path, methods=methods))
+    with pytest.raises(SearchSpaceError, match="no scale 'gpu'"):
+        load_study(write_study(tmp_path), scale="gpu")
+    assert cli(["study", str(write_study(tmp_path)), "--set", "train.epochs=-2"]) == 2
+
+
+def test_shipped_studies_validate_at_both_scales():
+    for name in ("study_fashion", "study_fashion_seg"):
+        for scale in (None, "gpu"):
+            spec = load_study(ROOT / "search_spaces" / f"{name}.yaml", scale=scale)
+            assert len(spec.seeds) >= 2 and {"full", "coarse", "entropy", "random", "learned"} <= {
+                spec.policy(m) for m in spec.methods}
+            config = spec.run_config(1, next(iter(spec.methods)), "x")
+            assert config.data.seed == 1 and config.train.warmup_epochs == 0
+            assert spec.run_config(0, None, "b").model.policy == "learned"
+        assert spec.run_config(0, "full", "x").scaling.use_gpu  # the gpu scale's runs use GPUs
+
+
+# ----------------------------------------------------------------- aggregation and goals
+def run(method, policy, seed, points):
+    return {"method": method, "policy": policy, "seed": seed,
+            "points": [{"target_ratio": r, "quality": q, "tokens_per_image": 64 * (t if r is None else r),
+                        "token_ratio": t if r is None else r, "images_per_s": 100.0} for r, q, t in points]}
+
+
+def test_aggregate_and_goals_are_computed_from_the_points():
+    results = [
+        run("full", "full", 0, [(None, 0.90, 1.0)]), run("full", "full", 1, [(None, 0.80, 1.0)]),
+        run("split", "learned", 0, [(0.25, 0.86, None), (0.5, 0.90, None)]),
+        run("split", "learned", 1, [(0.25, 0.82, None), (0.5, 0.79, None)]),
+        run("entropy", "entropy", 0, [(0.25, 0.80, None), (0.5, 0.88, None)]),
+        run("entropy", "entropy", 1, [(0.25, 0.80, None), (0.5, 0.86, None)]),
+    ]
+    rows = aggregate(results, "accuracy")
+    by = {(r["method"], r["target_ratio"]): r for r in rows}
+    assert by[("full", None)]["accuracy"] == pytest.approx(0.85) and by[("full", None)]["seeds"] == 2
+    assert by[("split", 0.25)]["accuracy"] == pytest.approx(0.84)
+    assert by[("split", 0.25)]["accuracy_std"] == pytest.approx(0.0282843, rel=1e-4)
+    assert (by[("split", 0.5)]["accuracy_min"], by[("split", 0.5)]["accuracy_max"]) == (0.79, 0.90)
+    goals = check_goals(rows, Goals(match_points=0.5, match_ratio=0.5, beat_range=(0.25, 0.5), margin_at=0.25), "accuracy")
+    # best SPLIT at <= 50% tokens: 0.845 at 0.5 -> 0.5 points under full: met (<= 0.5)
+    assert goals["match"]["gap_points"] == pytest.approx(0.5) and goals["match"]["met"]
+    # at 0.5 SPLIT (0.845) is under entropy (0.87): not above everywhere
+    assert not goals["above_baselines"]["met"]
+    assert goals["above_baselines"]["worst"]["margin_points"] == pytest.approx(-2.5)
+    assert goals["margin_over_entropy"]["margin_points"] == pytest.approx(4.0) and goals["margin_over_entropy"]["met"]
+    point = matched_point(rows, Goals(match_points=1.0), "accuracy")
+    assert point["method"] == "split" and point["target_ratio"] == 0.25 and point["matches_full"]
+    assert not matched_point(rows, Goals(match_points=0.0, match_ratio=0.3), "accuracy")["matches_full"]
+
+
+# ----------------------------------------------------------------- init_from
+def test_init_weights_carries_the_backbone_across_policies(tmp_path):
+    kwargs = dict(levels=3, image_size=32, num_classes=4, timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2))
+    learned = SplitViT.from_timm("vit_tiny_patch16_224", policy="learned", thresholds=0.2, **kwargs)
+    learned.save(tmp_path / "model.pt")
+    entropy = SplitViT.from_timm("vit_tiny_patch16_224", policy="entropy", thresholds=0.7, **kwargs)
+    fresh = init_weights(entropy, tmp_path)
+    assert fresh == ["thresholds"]  # everything else is the backbone's; thresholds stay the run's own
+    assert torch.equal(entropy.vit.blocks[1].mlp.fc1.weight, learned.vit.blocks[1].mlp.fc1.weight)
+    assert torch.allclose(entropy.thresholds, torch.tensor([0.7, 0.7]))
+    other = SplitViT.from_timm("vit_tiny_patch16_224", policy="full", **{**kwargs, "timm_kwargs": dict(
+        patch_size=4, embed_dim=48, depth=2, num_heads=2)})
+    with pytest.raises(ValueError, match="backbone tensors"):
+        init_weights(other, tmp_path)
+
+
+def test_init_from_must_exist(tmp_path):
+    from splitvit.config import load_config
+
+    with pytest.raises(ConfigError, match="model.init_from"):
+        load_config(SMOKE, [f"model.init_from={tmp_path / 'nothing'}"])
+
+
+# ----------------------------------------------------------------- end to end
+def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    spec = write_study(tmp_path)
+    out = tmp_path / "study.json"
+    assert cli(["study", str(spec), "--name", "e2e", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert not data["failed"] and len(data["runs"]) == 3
+    methods = {(r["method"], r["target_ratio"]) for r in data["rows"]}
+    assert methods == {("full", None), ("entropy", 0.25), ("entropy", 0.5), ("split", 0.25), ("split", 0.5)}
+    for row in data["rows"]:
+        assert 0.0 <= row["accuracy"] <= 1.0 and row["seeds"] == 1 and row["tokens_per_image"] > 0
+        if row["target_ratio"] is not None:  # calibrated on validation images, measured on test images
+            assert abs(row["token_ratio"] - row["target_ratio"]) < 0.2
+    full = next(r for r in data["rows"] if r["method"] == "full")
+    assert full["token_ratio"] == 1.0
+    assert {"match", "above_baselines", "margin_over_entropy"} <= set(data["goals"])
+    assert data["speed"]["ratio"] > 0 and data["speed"]["ideal_ratio"] >= 1.0
+    # every method started from the seed's backbone, and says so in its config
+    train = Path(data["study_dir"]) / "train"
+    assert all(r["checkpoint"].startswith(str(train)) for r in data["runs"])
+
+    client = MlflowClient(mlflow_uri)
+    exp = client.get_experiment_by_name("study-e2e")
+    parent = client.get_run(data["mlflow_run_id"])
+    assert parent.data.tags["splitvit.kind"] == "study" and parent.info.status == "FINISHED"
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"study_table.json", "study.json", "study.png"} <= artifacts
+    assert "speed_ratio" in parent.data.metrics
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["entropy-s0", "full-s0", "split-s0"]
+    split = next(c for c in children if c.info.run_name == "split-s0")
+    history = client.get_metric_history(split.info.run_id, "accuracy")
+    assert sorted(m.step for m in history) == [0, 1]
+    assert split.data.params["model.init_from"].startswith(str(train / "backbone-s0"))
+
+    # the same study again: every run's stored result is reported, nothing retrains,
+    # and MLflow keeps one child run per method and seed
+    checkpoints = sorted(p.name for p in train.rglob("checkpoint_epoch*"))
+    again = tmp_path / "again.json"
+    assert cli(["study", str(spec), "--name", "e2e", "--json", str(again)]) == 0
+    assert json.loads(again.read_text())["rows"] == data["rows"]
+    assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 3
