@@ -63,27 +63,18 @@ class CrashOnce:
 
 
 class PoisonAt:
-    """Fill rank 0's classifier with NaN at ``epoch``: its loss is no longer finite."""
+    """Fill a part of rank 0's model with NaN at ``epoch``: the classifier (``head``:
+    the loss is no longer finite) or the split policy (``policy``: its split
+    probabilities are NaN)."""
 
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __call__(self, epoch, rank, model):
-        if epoch == self.epoch and rank == 0:
-            with torch.no_grad():
-                model.vit.head.weight.fill_(float("nan"))
-
-
-class PoisonPolicyAt:
-    """Fill rank 0's split policy with NaN at ``epoch``: its split probabilities are NaN."""
-
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, epoch: int, part: str = "head") -> None:
+        self.epoch, self.part = epoch, part
 
     def __call__(self, epoch, rank, model):
         if epoch == self.epoch and rank == 0:
+            params = list(model.policy.parameters()) if self.part == "policy" else [model.vit.head.weight]
             with torch.no_grad():
-                for p in model.policy.parameters():
+                for p in params:
                     p.fill_(float("nan"))
 
 
@@ -149,7 +140,7 @@ def test_nan_split_probabilities_are_a_divergence_not_a_crash(teacher_weight):
 
     cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)), [f"train.teacher_weight={teacher_weight}"])
     model = cfg.model.build()
-    PoisonPolicyAt(epoch=1)(1, 0, model)
+    PoisonAt(epoch=1, part="policy")(1, 0, model)
     step = SplitStep(model, cfg.train.loss_config()).train()
     images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
     with pytest.raises(FloatingPointError, match="non-finite split probabilities"):
@@ -376,14 +367,14 @@ def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_loca
     assert figures["images"] == 32 and figures["epoch"] == 2
 
 
-@pytest.mark.parametrize(("poison", "message"), [
-    (PoisonAt, "non-finite loss"),
+@pytest.mark.parametrize(("part", "message"), [
+    ("head", "non-finite loss"),
     # in the policy phase (epoch 1): NaN split probabilities end the run the same way
-    (PoisonPolicyAt, "non-finite split probabilities"),
+    ("policy", "non-finite split probabilities"),
 ])
-def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(ray_local, mlflow_uri, tmp_path, poison, message):
+def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(ray_local, mlflow_uri, tmp_path, part, message):
     cfg = tiny_config(tmp_path, mlflow_uri, "nan", ["train.epochs=2"])
-    result = run_training(cfg, epoch_hook=poison(epoch=1))
+    result = run_training(cfg, epoch_hook=PoisonAt(epoch=1, part=part))
     assert result.status == "diverged"
     assert message in result.message
     assert result.start_epoch == 0  # not retried: a NaN is not a worker failure
