@@ -329,7 +329,7 @@ def test_a_trial_trains_through_run_training(monkeypatch):
     calls: list[dict] = []
 
     def fake_run_training(config, **kwargs):
-        calls.append(kwargs)
+        calls.append({"tracking": config.tracking.enabled, **kwargs})
         if config.train.max_failures == 9:
             raise TrainingError("training t failed: boom") from RuntimeError("boom")
         return TrainResult(name="t", status="diverged", metrics={"accuracy": 0.5}, checkpoint_uri="/x/checkpoint_epoch0000",
@@ -340,9 +340,10 @@ def test_a_trial_trains_through_run_training(monkeypatch):
 
     monkeypatch.setattr(tune_integration, "TuneReportCallback", TuneReportCallback)
     monkeypatch.setattr(ray_trainer, "run_training", fake_run_training)
-    config = ExperimentConfig.from_dict(BASE)
+    config = ExperimentConfig.from_dict(BASE, ["tracking.enabled=true"])
     assert fit_trial(config) == {"status": "diverged", "metrics": {"accuracy": 0.5},
                                  "checkpoint": "/x/checkpoint_epoch0000", "message": "non-finite loss"}
     assert [type(c) for c in calls[0]["callbacks"]] == [TuneReportCallback]
+    assert calls[0]["tracking"] is False and config.tracking.enabled  # the trial's copy only: MLflow is the driver's
     with pytest.raises(TrialFailed, match="^training failed: boom$"):
         fit_trial(ExperimentConfig.from_dict(BASE, ["train.max_failures=9"]))

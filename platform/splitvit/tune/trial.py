@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import ExperimentConfig
@@ -86,8 +86,10 @@ def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
 
     from ..train.ray_trainer import TrainingError, run_training
 
-    # a trial's config has tracking off (SweepPlan.trial_config): nothing here writes
-    # to MLflow; Ray is up already (this runs inside Tune), so run_training joins it
+    # trials never write to MLflow (DESIGN §5: only the Tune driver does), whatever the
+    # config says; Ray is up already (this runs inside Tune), so run_training joins it
+    if config.tracking.enabled:
+        config = replace(config, tracking=replace(config.tracking, enabled=False))
     try:
         result = run_training(config, callbacks=[TuneReportCallback()])
     except TrainingError as exc:
