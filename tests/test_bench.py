@@ -61,8 +61,9 @@ def test_structure_and_json(result):
 
 
 def test_timings_positive_and_consistent(result):
-    expected = {"timm", "split_full", "learned_b1", "learned_b4", "entropy_b1", "entropy_b4",
-                "policy_learned", "policy_entropy", "seq_full", "seq_learned", "seq_entropy"}
+    expected = {"timm", "split_full", "learned_packed", "learned_padded_b1", "learned_padded_b4", "entropy_packed",
+                "entropy_padded_b1", "entropy_padded_b4", "policy_learned", "policy_entropy", "seq_full", "seq_learned",
+                "seq_entropy"}
     assert set(result["timings"]) == expected
     for name, t in result["timings"].items():
         assert len(t["samples_s"]) == result["config"]["repeats"]
@@ -77,14 +78,17 @@ def test_tokens_near_budget_and_padding(result):
     assert tokens["timm"]["fraction"] == 1.0 and tokens["split_full"]["mean"] == full
     assert tokens["split_full"]["padding_waste"] == 0.0
     for policy in ("learned", "entropy"):
-        b1, b4 = tokens[f"{policy}_b1"], tokens[f"{policy}_b4"]
-        assert abs(b1["fraction"] - 0.5) < 0.1, (policy, b1["fraction"])
-        assert b1["mean"] == b4["mean"]  # same policy object, same decisions
-        for t in (b1, b4):
+        packed, b1, b4 = tokens[f"{policy}_packed"], tokens[f"{policy}_padded_b1"], tokens[f"{policy}_padded_b4"]
+        assert abs(packed["fraction"] - 0.5) < 0.1, (policy, packed["fraction"])
+        assert packed["mean"] == b1["mean"] == b4["mean"]  # same policy object, same decisions
+        for t in (packed, b1, b4):
             assert t["min"] <= t["mean"] <= t["max"] <= full
-            assert t["padded_slots"] >= t["real_tokens"] == round(t["mean"] * BATCH)
+            assert t["attention_slots"] >= t["padded_slots"] >= t["real_tokens"] == round(t["mean"] * BATCH)
             assert t["padding_waste"] == pytest.approx((t["padded_slots"] - t["real_tokens"]) / t["real_tokens"])
-        assert b1["padded_slots"] == b1["max"] * BATCH  # one bucket: everything padded to the longest
+            assert t["attention_padding_waste"] == pytest.approx((t["attention_slots"] - t["real_tokens"]) / t["real_tokens"])
+        assert packed["padded_slots"] == packed["real_tokens"]  # packed: no padding outside attention
+        assert packed["attention_slots"] <= b1["attention_slots"]
+        assert b1["padded_slots"] == b1["attention_slots"] == b1["max"] * BATCH  # one bucket: all padded to the longest
         assert b4["padded_slots"] <= b1["padded_slots"]
 
 
@@ -94,19 +98,19 @@ def test_ideal_and_ratios_from_measured_values(result):
     assert ratios["split_full_overhead"] == pytest.approx(med["split_full"] / med["timm"] - 1)
     for policy in ("learned", "entropy"):
         ideal = result["ideal"][policy]
-        assert ideal["sequence_tokens"] == max(1, round(result["tokens"][f"{policy}_b1"]["mean"]))
+        assert ideal["sequence_tokens"] == max(1, round(result["tokens"][f"{policy}_packed"]["mean"]))
         assert ideal["seq_full_s"] == med["seq_full"] and ideal["seq_split_s"] == med[f"seq_{policy}"]
         assert ideal["ratio"] == pytest.approx(med["seq_full"] / med[f"seq_{policy}"])
-        for b in (1, 4):
-            key = f"{policy}_b{b}"
+        for key in (f"{policy}_packed", f"{policy}_padded_b1", f"{policy}_padded_b4"):
             assert ratios[f"{key}_speedup_vs_timm"] == pytest.approx(med["timm"] / med[key])
             assert ratios[f"{key}_efficiency"] == pytest.approx(med["timm"] / med[key] / ideal["ratio"])
-        assert ratios[f"policy_{policy}_share"] == pytest.approx(med[f"policy_{policy}"] / med[f"{policy}_b1"])
+        assert ratios[f"policy_{policy}_share"] == pytest.approx(med[f"policy_{policy}"] / med[f"{policy}_packed"])
     fastest = {name: t["min_s"] for name, t in result["timings"].items()}
     assert result["ratios_fastest"]["split_full_overhead"] == pytest.approx(fastest["split_full"] / fastest["timm"] - 1)
-    assert result["ratios_fastest"]["learned_b4_speedup_vs_timm"] == pytest.approx(fastest["timm"] / fastest["learned_b4"])
+    assert result["ratios_fastest"]["learned_padded_b4_speedup_vs_timm"] == pytest.approx(
+        fastest["timm"] / fastest["learned_padded_b4"])
     cpu = {name: t["cpu_median_s"] for name, t in result["timings"].items()}
-    assert result["ratios_cpu_time"]["entropy_b1_speedup_vs_timm"] == pytest.approx(cpu["timm"] / cpu["entropy_b1"])
+    assert result["ratios_cpu_time"]["entropy_packed_speedup_vs_timm"] == pytest.approx(cpu["timm"] / cpu["entropy_packed"])
     # the full policy is timm's own forward
     assert result["checks"]["split_full_vs_timm_max_abs_logit_diff"] < 1e-4
 
@@ -114,7 +118,8 @@ def test_ideal_and_ratios_from_measured_values(result):
 def test_targets_report_what_was_measured(result):
     targets = result["targets"]
     assert [t["key"] for t in targets].count("a") == 1
-    assert [t["key"] for t in targets].count("b") == 4 and [t["key"] for t in targets].count("c") == 2
+    assert [t["key"] for t in targets].count("b") == 2 and [t["key"] for t in targets].count("c") == 2
+    assert all("(packed)" in t["what"] for t in targets if t["key"] == "b")  # the default path is judged
     bounds = {"a": OVERHEAD_TARGET, "b": SPEEDUP_TARGET, "c": POLICY_SHARE_TARGET}
     for t in targets:
         assert t["bound"] == bounds[t["key"]]
@@ -127,7 +132,8 @@ def test_targets_report_what_was_measured(result):
     assert overhead["per_round"]["values"] == pytest.approx([f / t - 1 for f, t in zip(samples["split_full"], samples["timm"])])
     report = format_report(result)
     assert report.count("PASS") + report.count("MISS") == len(targets)
-    for label in ("timm ViT (full res)", "SplitViT full", "SplitViT learned buckets=4", "entropy split_scores",
+    for label in ("timm ViT (full res)", "SplitViT full", "SplitViT learned packed", "SplitViT entropy padded buckets=4",
+                  "attn pad", "entropy split_scores",
                   "ideal speed-up", "fastest round", "process CPU time", "d. peak memory", "profiler"):
         assert label in report
 
@@ -135,7 +141,8 @@ def test_targets_report_what_was_measured(result):
 def test_profiler_memory(result):
     memory = result["memory"]
     assert set(memory["methods"]) == {"profiler"}
-    assert set(memory["models"]) == {"timm", "split_full", "learned_b1", "learned_b4", "entropy_b1", "entropy_b4"}
+    assert set(memory["models"]) == {"timm", "split_full", "learned_packed", "learned_padded_b1", "learned_padded_b4",
+                                     "entropy_packed", "entropy_padded_b1", "entropy_padded_b4"}
     for name, m in memory["models"].items():
         assert m["profiler_peak"] > 0, name
 

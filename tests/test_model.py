@@ -80,7 +80,7 @@ def test_token_counts_lie_between_coarse_and_full(policy):
 @pytest.mark.parametrize("policy", ["learned", "entropy", "random"])
 @pytest.mark.parametrize("buckets", [1, 3])
 def test_reported_tokens_equal_attended_tokens(policy, buckets):
-    model = tiny_model(policy, length_buckets=buckets).eval()
+    model = tiny_model(policy, length_buckets=buckets, attention="padded").eval()
     seen: list[torch.Tensor] = []
 
     def record(module, args, kwargs):
@@ -103,6 +103,40 @@ def test_reported_tokens_equal_attended_tokens(policy, buckets):
     if buckets == 1:
         assert attended.tolist() == out.tokens.tolist()
     assert out.padded_tokens >= int(out.tokens.sum())
+
+
+@pytest.mark.parametrize("policy", ["learned", "entropy", "random"])
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_packed_path_attends_reported_tokens_without_padding(policy, buckets, monkeypatch):
+    from splitvit.model import packed, splitvit as splitvit_module
+
+    model = tiny_model(policy, length_buckets=buckets).eval()
+    calls: list[torch.Tensor] = []
+
+    def recording_kernel(cu_seqlens, groups=None):
+        kernel = packed.padded_sdpa_kernel(cu_seqlens, groups)
+
+        def wrapped(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
+            calls.append(cu_k.diff() - model.vit.num_prefix_tokens)  # keys each image's queries see
+            return kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
+
+        wrapped.padded_rows = kernel.padded_rows
+        return wrapped
+
+    monkeypatch.setattr(splitvit_module, "padded_sdpa_kernel", recording_kernel)
+    if policy == "random":
+        model.policy.seed = 0
+    images = torch.rand(6, 3, 32, 32)
+    images[:2, :, :16] = 0.5
+    with torch.no_grad():
+        # thresholds at the median score of each level: about half the nodes split
+        thresholds = [float(s.median()) for s in model.split_scores(images)]
+        out = model(images, thresholds=thresholds)
+    assert len(set(out.tokens.tolist())) > 1, "the batch must mix lengths"
+    assert len(calls) == len(model.vit.blocks)  # one kernel per block, built once per forward
+    assert calls[-1].tolist() == out.tokens.tolist()
+    assert out.padded_tokens == int(out.tokens.sum())  # no padding outside attention
+    assert out.extras["attention_slots"] >= int(out.tokens.sum())
 
 
 # 4. gradients reach the policy --------------------------------------------------------------------
@@ -293,28 +327,241 @@ def test_from_timm_loads_a_local_checkpoint_file(tmp_path):
 
 
 def test_packed_attention_path_equals_padded(monkeypatch):
-    """The packing logic (offsets, per-sequence attention, unpacking) checked on the
-    CPU with a reference kernel in place of CUDA's varlen FlashAttention."""
+    """The packing logic (offsets, per-sequence attention, unpacking), with the CPU
+    padded-SDPA kernel and with a per-sequence reference kernel standing in for
+    CUDA's varlen FlashAttention."""
     from splitvit.model import packed, splitvit as splitvit_module
 
-    padded = tiny_model("entropy").eval()
-    packed_model = SplitViT(padded.vit, levels=3, policy="entropy", image_size=32, attention="packed").eval()
+    padded = tiny_model("entropy", attention="padded").eval()
+    packed_model = SplitViT(padded.vit, levels=3, policy="entropy", image_size=32).eval()
+    assert packed_model.attention == "packed"  # the default
     images = torch.rand(4, 3, 32, 32)
     images[0] = 0.5
     with torch.no_grad():
         expected = padded(images, thresholds=[0.3, 0.3])
-        fallback = packed_model(images, thresholds=[0.3, 0.3])  # CPU: no kernel, padded path
+        cpu = packed_model(images, thresholds=[0.3, 0.3])  # CPU: padded-SDPA kernel
         calls = []
 
         def kernel(*args, **kwargs):
             calls.append(args[3].tolist())
             return packed.reference_kernel(*args, **kwargs)
 
-        monkeypatch.setattr(splitvit_module, "packed_kernel", lambda device: kernel)
+        monkeypatch.setattr(splitvit_module, "varlen_kernel", lambda device: kernel)
         got = packed_model(images, thresholds=[0.3, 0.3])
     assert len(set(expected.tokens.tolist())) > 1
     assert calls, "the packed path must have run"
     lengths = [b - a for a, b in zip(calls[0][:-1], calls[0][1:])]
     assert lengths == (expected.tokens + 1).tolist()  # + the class token
-    assert (fallback.logits - expected.logits).abs().max() <= 1e-6
+    assert "attention_slots" in cpu.extras and "attention_slots" not in got.extras
+    assert (cpu.logits - expected.logits).abs().max() <= 1e-4
     assert (got.logits - expected.logits).abs().max() <= 1e-4
+
+
+def _mixed_images(n: int = 5) -> torch.Tensor:
+    torch.manual_seed(3)
+    images = torch.rand(n, 3, 32, 32)
+    images[0] = 0.5  # flat: all-coarse
+    images[1, :, :16] = 0.2
+    return images
+
+
+def _pair(policy: str, buckets: int = 1, vit_kwargs: dict | None = None, **kwargs) -> tuple[SplitViT, SplitViT]:
+    """The same weights and policy module, packed and padded."""
+    vit = tiny_vit(32, **(vit_kwargs or {}))
+    packed_model = SplitViT(vit, levels=3, policy=policy, image_size=32, policy_depth=1, length_buckets=buckets, **kwargs)
+    padded = SplitViT(vit, levels=3, policy=packed_model.policy, image_size=32, policy_depth=1, length_buckets=buckets,
+                      attention="padded", **kwargs)
+    padded.level_embed = packed_model.level_embed
+    padded.dense_head = packed_model.dense_head
+    return packed_model, padded
+
+
+@pytest.mark.parametrize("task", ["classification", "dense"])
+@pytest.mark.parametrize("pool_kwargs", [{}, dict(global_pool="avg", class_token=False)])
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_packed_equals_padded_in_eval(task, pool_kwargs, buckets):
+    extra = dict(task="dense", num_classes=3) if task == "dense" else {}
+    packed_model, padded = _pair("entropy", buckets, pool_kwargs, **extra)
+    images = _mixed_images()
+    with torch.no_grad():
+        a = packed_model.eval()(images, thresholds=[0.3, 0.3])
+        b = padded.eval()(images, thresholds=[0.3, 0.3])
+    assert len(set(a.tokens.tolist())) > 1
+    assert torch.equal(a.tokens, b.tokens)
+    assert "attention_slots" in a.extras and "attention_slots" not in b.extras  # each took its own path
+    assert (a.logits - b.logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("task", ["classification", "dense"])
+@pytest.mark.parametrize("vit_kwargs", [{}, dict(drop_path_rate=0.5)])
+def test_packed_equals_padded_in_training_with_gradients(task, vit_kwargs):
+    """Training mode: sampled decisions, straight-through gates, per-image drop path;
+    the same seed gives the same logits and the same gradients on both paths."""
+    extra = dict(task="dense", num_classes=3) if task == "dense" else {}
+    packed_model, padded = _pair("learned", 1, vit_kwargs, **extra)
+    images = _mixed_images(6)
+    results = []
+    for model in (packed_model, padded):
+        model.train().zero_grad()
+        torch.manual_seed(7)
+        out = model(images)
+        loss = out.logits.square().mean() + out.expected_tokens.mean() / out.full_tokens
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((out, grads))
+    (a, ga), (b, gb) = results
+    assert len(set(a.tokens.tolist())) > 1
+    assert torch.equal(a.tokens, b.tokens)
+    assert (a.logits - b.logits).abs().max().item() <= 1e-4
+    assert set(ga) == set(gb) and any(name.startswith("policy.") for name in ga)
+    for name in ga:
+        assert (ga[name] - gb[name]).abs().max().item() <= 1e-4 * max(1.0, gb[name].abs().max().item()), name
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_packed_path_in_chunks_equals_padded(train, monkeypatch):
+    """Large CPU batches are encoded in chunks of similar length: same logits and
+    gradients as the padded path, whatever the chunking."""
+    from splitvit.model import packed
+
+    monkeypatch.setattr(packed, "CPU_CHUNK_TOKENS", 60)  # a handful of images per chunk
+    packed_model, padded = _pair("learned")
+    images = _mixed_images(9)
+    results = []
+    for model in (packed_model, padded):
+        model.train(train).zero_grad()
+        torch.manual_seed(7)
+        out = model(images, thresholds=[0.45, 0.5])
+        out.logits.square().mean().backward()
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = results
+    assert len(packed.token_chunks(a.tokens + 1)) > 2 and len(set(a.tokens.tolist())) > 2
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.padded_tokens == int(a.tokens.sum()) and a.extras["attention_slots"] >= a.padded_tokens
+    assert (a.logits - b.logits).abs().max().item() <= 1e-4
+    assert set(ga) == set(gb)
+    for name in ga:
+        assert (ga[name] - gb[name]).abs().max().item() <= 1e-4 * max(1.0, gb[name].abs().max().item()), name
+
+
+def test_token_chunks_cover_the_batch_by_length():
+    from splitvit.model.packed import token_chunks
+
+    lengths = torch.tensor([5, 30, 12, 30, 7, 1, 50])
+    chunks = token_chunks(lengths, max_tokens=40)
+    assert sorted(torch.cat(chunks).tolist()) == list(range(7))
+    assert [lengths[c].tolist() for c in chunks] == [[50], [30], [30], [12, 7, 5, 1]]  # longest first; oversize alone
+    assert [c.tolist() for c in token_chunks(lengths, max_tokens=1000)] == [[6, 1, 3, 2, 4, 0, 5]]
+
+
+def test_packed_model_returns_attention_through_the_padded_path():
+    packed_model, padded = _pair("entropy")
+    images = _mixed_images()
+    with torch.no_grad():
+        plain = packed_model.eval()(images, thresholds=[0.3, 0.3])
+        with_attention = packed_model(images, thresholds=[0.3, 0.3], return_attention=True)
+        reference = padded.eval()(images, thresholds=[0.3, 0.3], return_attention=True)
+    assert "attention_slots" in plain.extras and "attention_slots" not in with_attention.extras
+    assert (plain.logits - with_attention.logits).abs().max().item() <= 1e-4
+    assert torch.equal(with_attention.extras["fine_attention"], reference.extras["fine_attention"])
+    mass = with_attention.extras["fine_attention"].sum(dim=(1, 2))  # the class token's own share is not on a cell
+    assert ((mass > 0) & (mass <= 1 + 1e-5)).all()
+
+
+def test_attention_dropout_in_training_takes_the_padded_path():
+    packed_model, _ = _pair("entropy", vit_kwargs=dict(attn_drop_rate=0.1))
+    images = _mixed_images()
+    with torch.no_grad():
+        assert "attention_slots" in packed_model.eval()(images, thresholds=[0.3, 0.3]).extras
+        assert "attention_slots" not in packed_model.train()(images, thresholds=[0.3, 0.3]).extras
+
+
+def test_attention_option_is_validated():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        tiny_model("entropy", attention="flash")
+
+
+def test_padded_sdpa_kernel_matches_reference_kernel():
+    from splitvit.model.packed import padded_sdpa_kernel, reference_kernel
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([5, 1, 9, 3, 9, 2])
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    total = int(cu[-1])
+    q, k, v = (torch.randn(total, 2, 8) for _ in range(3))
+    expected = reference_kernel(q, k, v, cu, cu, 9, 9, scale=0.3)
+    for groups in (None, 1, 2, 6, 10):
+        kernel = padded_sdpa_kernel(cu, groups)
+        assert kernel.padded_rows >= total
+        for _ in range(2):  # reused buffers give the same answer on the next block
+            assert (kernel(q, k, v, cu, cu, 9, 9, scale=0.3) - expected).abs().max().item() <= 1e-5
+    assert padded_sdpa_kernel(cu, 1).padded_rows == 9 * len(lengths)
+    assert padded_sdpa_kernel(cu, len(lengths)).padded_rows == total  # one group per image: no padding
+    bimodal = torch.tensor([0, 100, 200, 300, 302, 304], dtype=torch.int32)  # lengths 100, 100, 100, 2, 2
+    assert padded_sdpa_kernel(bimodal).padded_rows == 3 * 100 + 2 * 2  # automatic groups: no padding here
+    with pytest.raises(ValueError, match="other sequence offsets"):
+        padded_sdpa_kernel(cu, 1)(q, k, v, cu.flip(0), cu, 9, 9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_length_groups_minimise_padded_attention_work(seed):
+    import itertools
+
+    from splitvit.model.packed import length_groups
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+    overhead = 64
+
+    def cost(sizes):
+        ordered, total, start = sorted(lengths, reverse=True), 0, 0
+        for n in sizes:
+            total += n * ordered[start] ** 2 + overhead
+            start += n
+        return total
+
+    sizes = length_groups(lengths, overhead)
+    assert sum(sizes) == len(lengths) and all(n > 0 for n in sizes)
+    ordered = sorted(lengths, reverse=True)
+    bounds = list(itertools.accumulate(sizes))[:-1]
+    assert all(ordered[b - 1] != ordered[b] for b in bounds)  # equal lengths stay together
+    best = min(cost([b - a for a, b in zip((0,) + cuts, cuts + (len(lengths),))])
+               for r in range(len(lengths)) for cuts in itertools.combinations(range(1, len(lengths)), r))
+    assert cost(sizes) == best
+    assert length_groups([7] * 5) == [5] and length_groups([100] * 4 + [2] * 4) == [4, 4]
+
+
+def _entropy_with_one_hot(images: torch.Tensor, geometry: QuadtreeGeometry, bins: int) -> list[torch.Tensor]:
+    """The entropy policy's first definition: one-hot histograms averaged per node."""
+    import math
+
+    import torch.nn.functional as F
+
+    grey = images.float().mean(1)
+    lo = grey.flatten(1).min(1).values.view(-1, 1, 1)
+    hi = grey.flatten(1).max(1).values.view(-1, 1, 1)
+    grey = (grey - lo) / (hi - lo).clamp_min(1e-6)
+    idx = (grey * bins).long().clamp_(0, bins - 1)
+    onehot = F.one_hot(idx, bins).permute(0, 3, 1, 2).float()
+    scores = []
+    for level in range(geometry.levels - 1):
+        size = geometry.cell_size(level)
+        hist = F.avg_pool2d(onehot, size)
+        ent = -(hist * hist.clamp_min(1e-12).log()).sum(1)
+        scores.append((ent / math.log(min(bins, size * size))).clamp(0, 1))
+    return scores
+
+
+@pytest.mark.parametrize("size,patch,levels,bins", [(96, 8, 3, 32), (64, 4, 4, 32), (32, 4, 2, 8), (48, 4, 3, 256)])
+def test_entropy_histograms_equal_the_one_hot_definition(size, patch, levels, bins):
+    torch.manual_seed(size + levels)
+    geometry = QuadtreeGeometry(size, patch, levels)
+    images = torch.rand(4, 3, size, size)
+    images[0] = 0.5
+    images[1, :, : size // 2] = 0.1
+    got = EntropyPolicy(bins)(images, geometry, PolicyContext())
+    expected = _entropy_with_one_hot(images, geometry, bins)
+    assert [tuple(g.shape) for g in got] == [tuple(e.shape) for e in expected]
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max().item() <= 1e-6

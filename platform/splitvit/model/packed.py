@@ -1,28 +1,41 @@
-"""Packed (variable-length) attention through timm blocks, for CUDA.
+"""Packed (variable-length) encoding through timm blocks.
 
 Instead of padding every sequence to the longest, the batch's tokens are
-concatenated into one ``(T, D)`` tensor with cumulative sequence offsets, and each
-block's attention runs torch's varlen (FlashAttention) kernel, so no work is spent
-on padding. Everything except the attention kernel is the block's own modules
-(norms, qkv, projection, MLP, layer scale), so the result equals the padded path.
+concatenated into one ``(T, D)`` tensor with cumulative sequence offsets. Every
+part of a block except attention works on single tokens (norms, qkv, projection,
+MLP, layer scale), so those run on the ``T`` real tokens with no padding; only the
+attention kernel needs to know which tokens belong to which image. The block's own
+modules are used, so the result equals the padded path.
 
-``packed_kernel(device)`` returns the kernel where torch offers one (CUDA) and
-``None`` elsewhere; callers then fall back to padding with a key mask.
+Attention kernels share torch's varlen signature
+``kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale)`` on ``(T, H, hd)``:
+
+* CUDA: torch's varlen (FlashAttention) kernel, :func:`varlen_kernel`;
+* elsewhere: :func:`padded_sdpa_kernel`, which scatters the packed q/k/v into a
+  padded ``(B, H, L, hd)`` layout with a key-padding mask, runs
+  ``F.scaled_dot_product_attention`` and gathers the real rows back. Its scatter
+  and gather indices are built once per forward pass (the kernel is a closure over
+  them), not once per block; sequences are grouped by length (:func:`length_groups`)
+  so that attention, the only padded step, pads each group to its own longest
+  sequence. On the CPU the model also encodes large batches in chunks of similar
+  length (:func:`token_chunks`) to keep each chunk's activations in cache.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import DropPath
 
 Kernel = Callable[..., torch.Tensor]
 
 
-def packed_kernel(device: torch.device) -> Kernel | None:
-    """torch's varlen attention on CUDA, else ``None`` (no packed kernel on CPU)."""
+def varlen_kernel(device: torch.device) -> Kernel | None:
+    """torch's varlen attention on CUDA, else ``None`` (torch has no CPU varlen kernel)."""
     if device.type != "cuda":
         return None
     try:
@@ -32,9 +45,148 @@ def packed_kernel(device: torch.device) -> Kernel | None:
     return varlen_attn
 
 
+#: Per-group cost of one more attention call, in the units of :func:`length_groups`
+#: (query-key pairs): that of one 64-token sequence. Splitting a group pays when it
+#: saves more padded pairs than this.
+GROUP_OVERHEAD_PAIRS = 64 * 64
+
+
+def length_groups(lengths: list[int], overhead: int = GROUP_OVERHEAD_PAIRS) -> list[int]:
+    """Sizes of the groups, in descending-length order, that minimise padded attention work.
+
+    Padding a group of ``n`` sequences to its longest ``L`` costs ``n * L**2``
+    query-key pairs, plus ``overhead`` per group (one more kernel call). Groups are
+    runs of the sorted lengths; sequences of equal length stay together. Exact
+    dynamic programme over the distinct lengths.
+    """
+    values: list[int] = []
+    counts: list[int] = []
+    for length in sorted(lengths, reverse=True):
+        if values and values[-1] == length:
+            counts[-1] += 1
+        else:
+            values.append(length)
+            counts.append(1)
+    cum = np.cumsum([0] + counts, dtype=np.float64)
+    square = np.asarray(values, dtype=np.float64) ** 2
+    # best[i]: cost of grouping the first i distinct lengths; a group over distinct
+    # lengths j..i-1 is padded to values[j] (the longest)
+    best = np.zeros(len(values) + 1)
+    cut = [0] * (len(values) + 1)
+    for i in range(1, len(values) + 1):
+        costs = best[:i] + (cum[i] - cum[:i]) * square[:i] + overhead
+        j = int(costs.argmin())
+        best[i], cut[i] = costs[j], j
+    sizes = []
+    i = len(values)
+    while i > 0:
+        sizes.append(int(cum[i] - cum[cut[i]]))
+        i = cut[i]
+    return sizes[::-1]
+
+
+#: Packed tokens per chunk on the CPU: a chunk's activations (MLP hidden layer
+#: included, ~8 MiB at width 768) stay in cache through a block, where a whole
+#: large batch's would stream from memory in every element-wise op.
+CPU_CHUNK_TOKENS = 2048
+
+
+def token_chunks(lengths: torch.Tensor, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Image indices in chunks of at most ``max_tokens`` (default
+    :data:`CPU_CHUNK_TOKENS`) tokens, at least one image each; images sorted by
+    length so that each chunk's attention pads little."""
+    max_tokens = max_tokens or CPU_CHUNK_TOKENS
+    order = torch.argsort(lengths, descending=True, stable=True)
+    chunks: list[list[int]] = []
+    filled = max_tokens
+    for i, n in zip(order.tolist(), lengths[order].tolist()):
+        if filled + n > max_tokens:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(i)
+        filled += n
+    return [torch.tensor(c, dtype=torch.long, device=lengths.device) for c in chunks]
+
+
+def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> Kernel:
+    """A varlen-signature attention kernel for devices without one (CPU).
+
+    ``cu_seqlens`` (``(B + 1,)`` cumulative offsets) fixes the layout: the images are
+    sorted by length and split into groups of similar length, chosen by
+    :func:`length_groups` (``groups=None``) or ``groups`` of equal count; each group's
+    q/k/v are padded to that group's longest sequence, with the padding keys masked
+    (every query row keeps at least its own valid keys, so no row is fully masked).
+    The kernel checks that it is called with the same offsets.
+    """
+    device = cu_seqlens.device
+    cu = cu_seqlens.to(torch.long)
+    lengths = cu[1:] - cu[:-1]
+    batch = lengths.numel()
+    total = int(cu[-1])
+    # image index and position within its image of every packed token
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=total)
+    pos = torch.arange(total, device=device) - cu[:-1][seq]
+    order = torch.argsort(lengths, descending=True, stable=True)
+    if groups is None:
+        split = torch.split(order, length_groups(lengths.tolist()))
+    else:
+        split = torch.tensor_split(order, min(max(groups, 1), batch))
+    # per group: (first row in the padded buffer, images, padded length, key mask)
+    layout: list[tuple[int, int, int, torch.Tensor | None]] = []
+    row_of_image = torch.empty(batch, dtype=torch.long, device=device)  # padded row of each image's slot 0
+    row = 0
+    for idx in split:
+        n = idx.numel()
+        if n == 0:
+            continue
+        group_lengths = lengths[idx]
+        longest = int(group_lengths.max())
+        row_of_image[idx] = row + torch.arange(n, device=device) * longest
+        mask = torch.arange(longest, device=device) < group_lengths[:, None]
+        layout.append((row, n, longest, None if bool(mask.all()) else mask[:, None, None, :]))
+        row += n * longest
+    rows = row
+    slot = row_of_image[seq] + pos  # padded row of every packed token
+
+    buffers: dict[tuple, torch.Tensor] = {}
+
+    def scatter(t: torch.Tensor, which: int) -> torch.Tensor:
+        """Packed ``(T, H, hd)`` -> padded rows ``(rows, H * hd)``, zeros in the padding."""
+        flat = t.reshape(t.shape[0], -1)  # 2-D row copies are the fast case of index_copy_
+        if torch.is_grad_enabled() and t.requires_grad:
+            # autograd saves the attention inputs: a fresh buffer per call
+            return flat.new_zeros(rows, flat.shape[1]).index_copy_(0, slot, flat)
+        # no autograd: one zeroed buffer per forward, reused by every block (the
+        # real rows are overwritten, the padding rows stay zero)
+        key = (which, flat.dtype, flat.shape[1])
+        if key not in buffers:
+            buffers[key] = flat.new_zeros(rows, flat.shape[1])
+        return buffers[key].index_copy_(0, slot, flat)
+
+    def kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        if cu_seq_q is not cu_seqlens and not torch.equal(cu_seq_q, cu_seqlens):
+            raise ValueError("padded_sdpa_kernel was built for other sequence offsets")
+        heads, head_dim = q.shape[1], q.shape[2]
+        qb, kb, vb = scatter(q, 0), scatter(k, 1), scatter(v, 2)
+        outs = []
+        for start, n, longest, mask in layout:
+            end = start + n * longest
+
+            def view(t: torch.Tensor) -> torch.Tensor:
+                return t[start:end].view(n, longest, heads, head_dim).transpose(1, 2)
+
+            res = F.scaled_dot_product_attention(view(qb), view(kb), view(vb), attn_mask=mask, scale=scale)
+            outs.append(res.transpose(1, 2).reshape(n * longest, heads * head_dim))  # a view for SDPA's CPU output
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.index_select(0, slot).view(-1, heads, head_dim)
+
+    kernel.padded_rows = rows  # type: ignore[attr-defined]  # attention slots incl. padding
+    return kernel
+
+
 def reference_kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
-    """Per-sequence scaled-dot-product attention with varlen_attn's signature (for
-    checking the packing on machines without the CUDA kernel)."""
+    """Per-sequence scaled-dot-product attention with varlen_attn's signature (a
+    slow, obviously correct kernel for tests)."""
     out = torch.empty_like(q)
     bounds = cu_seq_q.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -55,34 +207,61 @@ def supports_packing(block: nn.Module) -> bool:
     )
 
 
-def packed_attention(attn: nn.Module, x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, kernel: Kernel) -> torch.Tensor:
+class PackedBatch:
+    """A batch of variable-length sequences packed into ``(T, D)``.
+
+    Attributes:
+        keep: ``(B, S)`` bool, the real slots of the padded layout (valid slots first in each row).
+        cu_seqlens: int32 cumulative offsets ``(B + 1,)``.
+        max_len: longest sequence.
+        seq_ids: ``(T,)`` image index of every packed token (per-image drop path).
+    """
+
+    def __init__(self, keep: torch.Tensor) -> None:
+        self.keep = keep
+        lengths = keep.sum(1)
+        self.cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=keep.device)
+        self.cu_seqlens[1:] = torch.cumsum(lengths, 0)
+        self.max_len = int(lengths.max())
+        self.batch = keep.shape[0]
+        self.seq_ids = torch.repeat_interleave(torch.arange(self.batch, device=keep.device), lengths)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, S, D)`` -> ``(T, D)``."""
+        return x[self.keep]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``(T, D)`` -> ``(B, S, D)`` with zeros in the padding slots."""
+        out = packed.new_zeros(*self.keep.shape, packed.shape[-1])
+        out[self.keep] = packed
+        return out
+
+
+def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Stochastic depth per image, not per packed token (timm's ``DropPath`` would
+    treat each of the ``T`` rows as a sample)."""
+    if isinstance(module, DropPath) and module.training and module.drop_prob > 0.0:
+        keep_prob = 1.0 - module.drop_prob
+        # same draw as timm's drop_path on (B, N, D): one Bernoulli per image
+        mask = x.new_empty(batch.batch, 1, 1).bernoulli_(keep_prob).view(-1)
+        if module.scale_by_keep and keep_prob > 0.0:
+            mask.div_(keep_prob)
+        return x * mask[batch.seq_ids].unsqueeze(-1)
+    return module(x)
+
+
+def packed_attention(attn: nn.Module, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
     """timm ``Attention.forward`` on packed tokens ``(T, D)``."""
     total = x.shape[0]
     q, k, v = attn.qkv(x).reshape(total, 3, attn.num_heads, attn.head_dim).unbind(1)
     q, k = attn.q_norm(q), attn.k_norm(k)
-    out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=attn.scale)
+    out = kernel(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len, scale=attn.scale)
     out = out.reshape(total, attn.num_heads * attn.head_dim)
     out = attn.norm(out) if hasattr(attn, "norm") else out
     return attn.proj_drop(attn.proj(out))
 
 
-def packed_block(block: nn.Module, x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, kernel: Kernel) -> torch.Tensor:
+def packed_block(block: nn.Module, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
     """timm ``Block.forward`` on packed tokens ``(T, D)``."""
-    x = x + block.drop_path1(block.ls1(packed_attention(block.attn, block.norm1(x), cu_seqlens, max_len, kernel)))
-    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
-
-
-def pack(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(B, S, D)`` and a ``(B, S)`` keep mask (valid slots first in each row) ->
-    packed ``(T, D)``, int32 cumulative offsets ``(B + 1,)``, longest length."""
-    lengths = keep.sum(1)
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=x.device)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return x[keep], cu, int(lengths.max())
-
-
-def unpack(packed: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack`: zeros in the padding slots."""
-    out = packed.new_zeros(*keep.shape, packed.shape[-1])
-    out[keep] = packed
-    return out
+    x = x + _drop_path(block.drop_path1, block.ls1(packed_attention(block.attn, block.norm1(x), batch, kernel)), batch)
+    return x + _drop_path(block.drop_path2, block.ls2(block.mlp(block.norm2(x))), batch)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .quadtree import QuadtreeGeometry, upsample_to_children
 
@@ -109,21 +108,51 @@ class EntropyPolicy(SplitPolicy):
             raise ValueError(f"entropy bins must be >= 2, got {bins}")
         self.bins = bins
 
-    @torch.no_grad()
-    def forward(self, images, geometry, context):
-        grey = images.float().mean(1)  # (B, H, W); per-image min-max so the bins are used
+    def bin_indices(self, images: torch.Tensor) -> torch.Tensor:
+        """Per-pixel grey-level bin ``(B, H, W)`` (int64), after a per-image min-max
+        stretch so that every image uses the whole range of bins."""
+        grey = images.float().mean(1)
         lo = grey.flatten(1).min(1).values.view(-1, 1, 1)
         hi = grey.flatten(1).max(1).values.view(-1, 1, 1)
         grey = (grey - lo) / (hi - lo).clamp_min(1e-6)
-        idx = (grey * self.bins).long().clamp_(0, self.bins - 1)
-        onehot = F.one_hot(idx, self.bins).permute(0, 3, 1, 2).float()  # (B, bins, H, W)
-        scores = []
-        for level in range(geometry.levels - 1):
+        return (grey * self.bins).long().clamp_(0, self.bins - 1)
+
+    def histograms(self, idx: torch.Tensor, cell: int) -> torch.Tensor:
+        """Bin counts of every ``cell x cell`` node: ``(B, H / cell, W / cell, bins)``.
+
+        One ``scatter_add_`` over flat (image, node, bin) indices: no one-hot tensor,
+        memory proportional to the pixels, not to pixels times bins. Counts are
+        float32 (exact below 2**24 pixels per node).
+        """
+        b, h, w = idx.shape
+        gh, gw = h // cell, w // cell
+        rows = torch.arange(h, device=idx.device) // cell
+        cols = torch.arange(w, device=idx.device) // cell
+        node = (rows[:, None] * gw + cols[None, :]) * self.bins  # (H, W)
+        image = torch.arange(b, device=idx.device).view(-1, 1, 1) * (gh * gw * self.bins)
+        flat = (image + node + idx).flatten()
+        counts = torch.zeros(b * gh * gw * self.bins, device=idx.device)
+        counts.scatter_add_(0, flat, torch.ones((), device=idx.device).expand(flat.numel()))
+        return counts.view(b, gh, gw, self.bins)
+
+    @torch.no_grad()
+    def forward(self, images, geometry, context):
+        idx = self.bin_indices(images)
+        # histograms of the finest non-finest level; each coarser level sums its children's
+        level = geometry.levels - 2
+        counts = self.histograms(idx, geometry.cell_size(level))
+        scores: list[torch.Tensor] = []
+        while True:
             size = geometry.cell_size(level)
-            hist = F.avg_pool2d(onehot, size)  # per-node bin frequencies
-            ent = -(hist * hist.clamp_min(1e-12).log()).sum(1)
-            scores.append(ent / math.log(min(self.bins, size * size)))
-        return [s.clamp(0, 1) for s in scores]
+            freq = counts / (size * size)
+            ent = -(freq * freq.clamp_min(1e-12).log()).sum(-1)
+            scores.append((ent / math.log(min(self.bins, size * size))).clamp(0, 1))
+            if level == 0:
+                break
+            b, gh, gw, bins = counts.shape
+            counts = counts.view(b, gh // 2, 2, gw // 2, 2, bins).sum((2, 4))
+            level -= 1
+        return scores[::-1]
 
 
 class LearnedPolicy(SplitPolicy):

@@ -7,16 +7,23 @@ The forward pass:
    model's own patch embedding; its position embedding is the base grid's, pooled
    over the area it covers; a zero-initialised level embedding marks its scale;
 2. asks the policy for split scores and turns them into top-down decisions;
-3. gathers each image's leaves into one sequence, pads the batch to the longest
-   and masks the padding keys (no query row is ever fully masked), optionally in
-   length buckets to cut padding;
-4. runs timm's own blocks with that mask, then a classification or dense head.
+3. gathers each image's leaves into one sequence;
+4. runs timm's own blocks, then a classification or dense head. By default
+   (``attention='packed'``) the batch's tokens are packed into one ``(T, D)``
+   tensor: norms, linear layers and MLP run on real tokens only and just the
+   attention kernel groups them per image (varlen attention on CUDA; elsewhere a
+   key-masked ``scaled_dot_product_attention`` on groups of similar length, each
+   padded to its longest sequence). ``attention='padded'`` pads
+   the batch to the longest sequence and masks the padding keys (no query row is
+   ever fully masked), optionally in length buckets to cut padding; it is also the
+   path for ``return_attention=True``.
 
 With the ``full`` policy steps 1-4 are exactly timm's forward: same logits.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -30,7 +37,7 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
 from .heads import DenseHead, masked_pool
-from .packed import pack, packed_block, packed_kernel, supports_packing, unpack
+from .packed import PackedBatch, packed_block, padded_sdpa_kernel, supports_packing, token_chunks, varlen_kernel
 from .policies import POLICY_NAMES, PolicyContext, SplitPolicy, build_policy, check_split_probabilities
 from .quadtree import (
     QuadtreeGeometry,
@@ -44,6 +51,9 @@ from .quadtree import (
 )
 
 TASKS = ("classification", "dense")
+ATTENTION_MODES = ("packed", "padded")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,7 +69,12 @@ class SplitOutput:
         split_probs: per non-finest level, the policy's scores in ``[0, 1]``
             (``None`` when decisions were given from outside).
         full_tokens: ``N_full`` for this image size.
-        padded_tokens: token slots the encoder processed, padding included.
+        padded_tokens: image-token slots the encoder's blocks processed, padding
+            included (prefix tokens excluded). The packed path's norms, linear
+            layers and MLP process no padding, so there it equals ``tokens.sum()``.
+        extras: optional outputs: ``fine_attention`` (``return_attention=True``);
+            ``attention_slots`` when the packed path padded its attention (the CPU
+            kernel): the image-token slots its attention processed, padding included.
     """
 
     logits: torch.Tensor
@@ -114,10 +129,16 @@ class SplitViT(nn.Module):
             give the learned policy the model's view of the image.
         task: ``classification`` or ``dense`` (per-pixel logits).
         num_classes: classes of the dense head (classification uses the ViT's head).
-        length_buckets: encode the batch in this many groups of similar length
-            (less padding).
-        attention: ``padded`` (key-masked batches) or ``packed`` (varlen attention
-            on CUDA, no padding; falls back to ``padded`` where torch has no kernel).
+        length_buckets: padded path only: encode the batch in this many groups of
+            similar length (less padding). The packed path needs no buckets: its
+            CPU attention kernel picks its own length groups (see
+            :func:`~splitvit.model.packed.length_groups`), CUDA's pads nothing.
+        attention: ``packed`` (default): tokens packed without padding, only
+            attention grouped per image; used when the batch mixes lengths, unless
+            ``return_attention=True`` or attention dropout is active in training
+            (those take the padded path). ``padded``: always pad to the longest
+            sequence with a key mask. Blocks other than timm's standard ``Block``
+            cannot be packed and always take the padded path.
     """
 
     def __init__(
@@ -132,7 +153,7 @@ class SplitViT(nn.Module):
         task: str = "classification",
         num_classes: int | None = None,
         length_buckets: int = 1,
-        attention: str = "padded",
+        attention: str = "packed",
         spec: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -148,10 +169,11 @@ class SplitViT(nn.Module):
             raise ValueError(f"policy_depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {policy_depth}")
         if length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {length_buckets}")
-        if attention not in ("padded", "packed"):
-            raise ValueError(f"attention must be 'padded' or 'packed', got {attention!r}")
-        if attention == "packed" and not all(supports_packing(b) for b in vit.blocks):
-            raise ValueError("attention='packed' needs timm's standard Block and Attention modules")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        self.packable = all(supports_packing(b) for b in vit.blocks)
+        if attention == "packed" and not self.packable:
+            log.warning("attention='packed' needs timm's standard Block and Attention modules; using the padded path")
         self.vit = vit
         ph, pw = vit.patch_embed.patch_size
         if ph != pw:
@@ -403,7 +425,7 @@ class SplitViT(nn.Module):
         gates = straight_through_gates(decisions, probs) if (probs is not None and self.training) else None
 
         tokens, valid, layout = self._gather_leaves(embeds, leaves, gates, geometry)
-        features, padded, attention = self._encode(tokens, valid, return_attention)
+        features, padded, attention, attention_slots = self._encode(tokens, valid, return_attention)
         if self.task == "dense":
             fine = self._scatter_to_fine(features, layout, leaves, geometry)
             logits = self.dense_head(fine, geometry.image_size)
@@ -419,6 +441,8 @@ class SplitViT(nn.Module):
             full_tokens=geometry.full_tokens,
             padded_tokens=padded,
         )
+        if attention_slots is not None:
+            out.extras["attention_slots"] = attention_slots
         if return_attention:
             out.extras["fine_attention"] = self._attention_to_fine(attention, layout, leaves, geometry)
         return out
@@ -459,16 +483,27 @@ class SplitViT(nn.Module):
             valid = None
         return tokens, valid, ("gather", order, used, offsets, is_leaf.shape[1], batch)
 
-    def _encode(self, tokens: torch.Tensor, valid: torch.Tensor | None, return_attention: bool):
-        """Prefix tokens, timm's blocks with a key-padding mask, final norm.
+    def _packs(self, valid: torch.Tensor | None, return_attention: bool) -> bool:
+        """Whether this batch takes the packed path (see the ``attention`` option)."""
+        if valid is None or return_attention or self.attention != "packed" or not self.packable:
+            return False
+        # the packed kernels have no attention dropout: keep training with it exact
+        return not (self.training and any(getattr(getattr(b.attn, "attn_drop", None), "p", 0.0) > 0 for b in self.vit.blocks))
 
-        Sequences are processed in ``length_buckets`` groups of similar length.
-        Returns ``(features (B, S_prefix + S, D), padded slot count, last-block attention)``.
+    def _encode(self, tokens: torch.Tensor, valid: torch.Tensor | None, return_attention: bool):
+        """Prefix tokens, timm's blocks, final norm.
+
+        Packed (see :meth:`_packs`): one ``(T, D)`` sequence of real tokens.
+        Padded: a key-padding mask, in ``length_buckets`` groups of similar length.
+        Returns ``(features (B, S_prefix + S, D), padded slot count, last-block
+        attention, attention slots of the packed CPU kernel or None)``.
         """
+        if self._packs(valid, return_attention):
+            return self._encode_packed(tokens, valid)
         batch = tokens.shape[0]
         if valid is None or self.length_buckets == 1 or batch < 2:
             feats, attention = self._encode_group(tokens, valid, return_attention)
-            return feats, tokens.shape[0] * tokens.shape[1], attention
+            return feats, tokens.shape[0] * tokens.shape[1], attention, None
         counts = valid.sum(1)
         order = torch.argsort(counts, descending=True)
         groups = torch.tensor_split(order, min(self.length_buckets, batch))
@@ -486,9 +521,50 @@ class SplitViT(nn.Module):
                 if attention is None:
                     attention = att.new_zeros(batch, tokens.shape[1])
                 attention[idx, :length] = att
-        return feats, padded, attention
+        return feats, padded, attention, None
+
+    def _encode_packed(self, tokens: torch.Tensor, valid: torch.Tensor):
+        """The encoder on packed real tokens; only attention groups them per image.
+
+        With CUDA's varlen kernel the whole batch is one packed sequence. Elsewhere
+        the images are encoded in chunks of similar length (:func:`token_chunks`),
+        for cache locality; each chunk's attention kernel pads per length group.
+        """
+        vit = self.vit
+        b = tokens.shape[0]
+        num_prefix = vit.num_prefix_tokens
+        prefix = self._prefix_tokens(b)
+        x = tokens if prefix is None else torch.cat([prefix, tokens], dim=1)
+        keep = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1)
+        varlen = varlen_kernel(x.device)
+        chunks = token_chunks(keep.sum(1)) if varlen is None else []
+        if len(chunks) <= 1:
+            # one chunk: in batch order, nothing to scatter back
+            batch = PackedBatch(keep)
+            kernel = varlen if varlen is not None else padded_sdpa_kernel(batch.cu_seqlens)
+            slots = None if varlen is not None else kernel.padded_rows - b * num_prefix
+            return self._encode_packed_chunk(x, batch, kernel), int(valid.sum()), None, slots
+        features = x.new_zeros(x.shape)
+        slots = 0
+        for idx in chunks:
+            batch = PackedBatch(keep[idx])
+            # scatter/gather indices built once per chunk, shared by every block
+            kernel = padded_sdpa_kernel(batch.cu_seqlens)
+            slots += kernel.padded_rows - len(idx) * num_prefix
+            features[idx] = self._encode_packed_chunk(x[idx], batch, kernel)
+        return features, int(valid.sum()), None, slots
+
+    def _encode_packed_chunk(self, x: torch.Tensor, batch: PackedBatch, kernel) -> torch.Tensor:
+        """Blocks and final norm on the real slots of ``x`` (prefix included), packed."""
+        vit = self.vit
+        # pos_drop and norm_pre act per token: run them on the packed tokens only
+        packed = vit.norm_pre(vit.pos_drop(batch.pack(x)))
+        for block in vit.blocks:
+            packed = packed_block(block, packed, batch, kernel)
+        return batch.unpack(vit.norm(packed))
 
     def _encode_group(self, tokens, valid, return_attention):
+        """The padded path on one group: timm's blocks with a key-padding mask."""
         vit = self.vit
         b = tokens.shape[0]
         prefix = self._prefix_tokens(b)
@@ -496,14 +572,6 @@ class SplitViT(nn.Module):
         x = tokens if prefix is None else torch.cat([prefix, tokens], dim=1)
         x = vit.norm_pre(vit.pos_drop(x))
         attn_mask = None
-        kernel = packed_kernel(x.device) if self.attention == "packed" else None
-        if valid is not None and kernel is not None and not return_attention:
-            # no padding at all: one packed sequence, varlen attention per image
-            keep = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1)
-            packed, cu_seqlens, max_len = pack(x, keep)
-            for block in vit.blocks:
-                packed = packed_block(block, packed, cu_seqlens, max_len, kernel)
-            return vit.norm(unpack(packed, keep)), None
         if valid is not None:
             keep = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1)
             # mask padding *keys* only; every query row keeps its valid keys
