@@ -67,7 +67,8 @@ class ModelConfig:
         image_size: input side in pixels; a multiple of the coarsest patch.
         pretrained: load timm's pretrained weights (needs the hub).
         checkpoint_path: local pretrained weights for ``name`` (no hub needed).
-        length_buckets: encode variable-length sequences in this many length groups.
+        length_buckets: the padded attention path only (``attention='padded'`` or
+            ``return_attention``): encode variable-length batches in this many length groups.
         init_from: start training from the weights of this splitvit checkpoint (a
             folder or ``model.pt``, local or ``s3://``): every tensor whose name and
             shape match is copied, so a policy-free backbone (``full``, ``entropy``...)
