@@ -20,6 +20,8 @@ from splitvit.bench import (
     time_interleaved,
 )
 
+from .helpers import walk_numbers
+
 TINY = dict(embed_dim=32, depth=2, num_heads=2)
 BATCH = 4
 
@@ -33,25 +35,12 @@ def result() -> dict:
     )
 
 
-def _walk_numbers(obj, path=""):
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return
-    if isinstance(obj, (int, float)):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk_numbers(v, f"{path}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk_numbers(v, f"{path}[{i}]")
-
-
 def test_structure_and_json(result):
     for key in ("config", "machine", "tokens", "timings", "ideal", "ratios", "ratios_fastest", "ratios_cpu_time", "memory", "checks",
                 "targets", "warnings"):
         assert key in result, key
     json.dumps(result, allow_nan=False)  # JSON-serialisable, every number finite
-    for path, value in _walk_numbers(result):
+    for path, value in walk_numbers(result):
         assert math.isfinite(value), path
     machine = result["machine"]
     assert machine["cpu_count"] >= 1 and machine["torch_version"] == torch.__version__ and machine["device"] == "cpu"

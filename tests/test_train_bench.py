@@ -18,22 +18,11 @@ from splitvit.bench_train import (
 )
 from splitvit.cli import _run_bench, build_parser, main
 
+from .helpers import walk_numbers
+
 TINY_ARGS = ["--image-size", "16", "--patch-size", "4", "--levels", "2", "--embed-dim", "16", "--depth", "1",
              "--heads", "1", "--policy-depth", "1", "--batch-size", "8", "--repeats", "2", "--epochs", "2",
              "--samples", "16", "--val-samples", "8", "--threads", "1"]
-
-
-def _numbers(obj, path=""):
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return
-    if isinstance(obj, (int, float)):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _numbers(v, f"{path}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _numbers(v, f"{path}[{i}]")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +37,7 @@ def test_json_structure_and_finite(cli_result):
         assert key in cli_result, key
     assert cli_result["benchmark"] == "train"
     json.dumps(cli_result, allow_nan=False)
-    for path, value in _numbers(cli_result):
+    for path, value in walk_numbers(cli_result):
         assert math.isfinite(value), path
     model = cli_result["model"]
     assert model["full_tokens"] == 16 and model["min_tokens"] == 4 and model["batch_size"] == 8
