@@ -39,8 +39,6 @@ class CheckpointEvaluator:
 
     def __init__(self, checkpoint: str, *, samples: int | None = None, device: str = "cpu", cache: bool = True,
                  split: str | None = None) -> None:
-        from ..data import build_dataset
-
         self.checkpoint = str(checkpoint)
         self.device = torch.device(device)
         self.payload = load_payload(checkpoint)
@@ -52,12 +50,7 @@ class CheckpointEvaluator:
         self.model = self._build(None)
         self.levels = self.model.levels
         self.split = split or data.get("val_split") or "val"
-        options = dict(data.get("options") or {})
-        if samples is not None:
-            options.pop("num_samples", None)  # it would win over the split's own count
-            options[f"{self.split}_samples"] = samples
-        self.dataset = build_dataset(data["name"], self.split, image_size=self.model.geometry.image_size[0],
-                                     seed=int(data.get("seed", 0)), **options)
+        self.dataset = self._dataset(self.split, samples)
         self.batch_size = int(data.get("eval_batch_size") or data.get("batch_size") or 64)
         self.num_workers = int(data.get("num_workers") or 0)
         self._cache: list | None = None
@@ -88,10 +81,24 @@ class CheckpointEvaluator:
         result["quality"] = result.get("miou", result.get("accuracy"))
         return result
 
-    def first_images(self, count: int) -> torch.Tensor:
-        """The first ``count`` evaluation images (split maps, calibration)."""
-        count = min(count, len(self.dataset))
-        return torch.stack([self.dataset[i][0] for i in range(count)]).to(self.device)
+    def _dataset(self, split: str, samples: int | None):
+        """The checkpoint's experiment data, split ``split`` (``samples`` images)."""
+        from ..data import build_dataset
+
+        data = self.payload["config"]["data"]
+        options = dict(data.get("options") or {})
+        if samples is not None:
+            options.pop("num_samples", None)  # it would win over the split's own count
+            options[f"{split}_samples"] = samples
+        return build_dataset(data["name"], split, image_size=self.model.geometry.image_size[0],
+                             seed=int(data.get("seed", 0)), **options)
+
+    def first_images(self, count: int, split: str | None = None) -> torch.Tensor:
+        """The first ``count`` images of the evaluation split, or of ``split`` (e.g.
+        validation images to calibrate thresholds on, never the evaluated ones)."""
+        dataset = self.dataset if split in (None, self.split) else self._dataset(split, count)
+        count = min(count, len(dataset))
+        return torch.stack([dataset[i][0] for i in range(count)]).to(self.device)
 
     @torch.no_grad()
     def split_map(self, thresholds: list[float] | None, count: int = 8):

@@ -68,6 +68,7 @@ class StudySpec:
 
     source: str
     base: Path
+    base_raw: dict[str, Any]   # the base experiment config as read (read once)
     description: str
     seeds: list[int]
     config: dict[str, Any]
@@ -92,7 +93,7 @@ class StudySpec:
                    init_from: str | None = None) -> ExperimentConfig:
         """The validated experiment config of the backbone (``method=None``) or a method
         run, its Ray Train run ``name`` under ``storage`` (default: the config's)."""
-        raw = yaml.safe_load(self.base.read_text()) or {}
+        raw = copy.deepcopy(self.base_raw)
         values = {**self.config, **(self.backbone if method is None else {**self.method, **self.methods[method]}),
                   **self.overrides, **self.fixed}
         values.update({"data.seed": seed, "tracking.enabled": False, "storage.name": name})
@@ -110,8 +111,7 @@ class StudySpec:
 
     @property
     def metric(self) -> str:
-        task = (self.config.get("model.task") or (yaml.safe_load(self.base.read_text()) or {}).get("model", {}).get("task")
-                or "classification")
+        task = self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification"
         return "miou" if task == "dense" else "accuracy"
 
     def policy(self, method: str) -> str:
@@ -119,11 +119,11 @@ class StudySpec:
 
 
 def _merge(raw: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` (a ``scales`` entry) over ``raw``: a section's keys are replaced one by
+    one (the sections are flat: dotted config keys, evaluation settings...)."""
     out = copy.deepcopy(raw)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ("config", "methods"):
-            out[key] = _merge(out[key], value)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = {**out[key], **copy.deepcopy(value)}
         else:
             out[key] = copy.deepcopy(value)
@@ -189,9 +189,10 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
         if not sep:
             raise ConfigError(item, "expected key=value")
         settings[key.strip()] = yaml.safe_load(value)
+    base = _resolve_base(raw.get("base"), path.parent, source)
     try:
         spec = StudySpec(
-            source=source, base=_resolve_base(raw.get("base"), path.parent, source),
+            source=source, base=base, base_raw=yaml.safe_load(base.read_text()) or {},
             description=str(raw.get("description") or ""), seeds=list(seeds), config=config,
             backbone=_section(raw, "backbone", source), method=_section(raw, "method", source),
             methods={k: dict(v) for k, v in methods.items()}, ratios=sorted(float(r) for r in ratios),
@@ -284,8 +285,7 @@ def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split:
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
     if not ratios:
         return [{"target_ratio": None, **evaluator.evaluate(None)}]
-    calibration = CheckpointEvaluator(checkpoint, samples=calibration_samples, device=device, split="val",
-                                      cache=False).first_images(calibration_samples)
+    calibration = evaluator.first_images(calibration_samples, split="val")
     points = []
     for ratio in ratios:
         # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
@@ -393,8 +393,7 @@ def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_rati
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
     full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
-    calibration = CheckpointEvaluator(split_checkpoint, samples=calibration_samples, device=device, split="val",
-                                      cache=False).first_images(calibration_samples)
+    calibration = split_eval.first_images(calibration_samples, split="val")
     torch.manual_seed(seed)
     thresholds = calibrate_thresholds(split_eval.model, calibration, target_ratio)
     images = split_eval.first_images(batch_size)
