@@ -491,3 +491,34 @@ def test_canvas_cache_renders_once_and_reads_back_the_same_canvases(fmnist_root,
     seed5 = build_dataset("cluttered-fashion-mnist", "val", image_size=64, seed=5, cache_dir=str(cache), **tiny_opts(fmnist_root))
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 3
     assert not torch.equal(seed5[0][0], seed4[0][0])
+
+
+def test_canvas_cache_rendered_in_chunks_by_forked_workers_matches_one_process(fmnist_root, tmp_path, monkeypatch):
+    from splitvit.data import cluttered
+
+    monkeypatch.setattr(cluttered, "RENDER_CHUNK", 3)  # 20 val canvases: 7 chunks over the pool
+    pool_sizes = []
+    real_context = cluttered.multiprocessing.get_context
+
+    def counting_context(method):
+        ctx = real_context(method)
+        original = ctx.Pool
+
+        class Ctx:
+            def Pool(self, n):  # noqa: N802 - multiprocessing's name
+                pool_sizes.append(n)
+                return original(n)
+
+        return Ctx()
+
+    monkeypatch.setattr(cluttered.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(cluttered.multiprocessing, "get_context", counting_context)
+    for name in ("cluttered-fashion-mnist", "cluttered-fashion-mnist-seg"):
+        plain = build_dataset(name, "val", image_size=64, seed=2, **tiny_opts(fmnist_root))
+        cached = build_dataset(name, "val", image_size=64, seed=2, cache_dir=str(tmp_path / "c"), **tiny_opts(fmnist_root))
+        for i in range(len(plain)):  # every row written, by whichever worker
+            a, b = plain[i], cached[i]
+            assert (a[0] - b[0]).abs().max() <= 0.5 / 255 + 1e-6
+            for x, y in zip(a[1:], b[1:]):
+                assert torch.equal(torch.as_tensor(x), torch.as_tensor(y))
+    assert pool_sizes == [3, 3]
