@@ -449,7 +449,7 @@ def _busy_since(start: tuple[float | None, float, float]) -> dict[str, float | N
 def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> dict[str, Any]:
     """The config trained by ``fit_local``, with validation (and threshold calibration)
     and a model save after every epoch, as the Ray loop does."""
-    from .data import build_dataset
+    from .data import build_dataset, first_images
     from .train.local import fit_local
     from .train.steps import calibrate_thresholds, evaluate
 
@@ -469,8 +469,8 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
     def after_epoch(epoch: int, stats: dict[str, float]) -> None:
         t0 = time.perf_counter()
         if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
-            batch = next(iter(val_loader))
-            model.set_thresholds(calibrate_thresholds(model, batch[0].to(device), tc.target_ratio))
+            images = first_images(val_set, dc.eval_batch_size or dc.batch_size).to(device)
+            model.set_thresholds(calibrate_thresholds(model, images, tc.target_ratio))
         figures = evaluate(model, val_loader, num_classes=mc.num_classes)
         validated = time.perf_counter() - t0
         model.save(folder / f"epoch{epoch:04d}.pt", extra={"epoch": epoch, "metrics": {**stats, **figures}})
@@ -709,10 +709,11 @@ def run_train_benchmark(
     tracking: bool = False,
     storage: str | None = None,
     ray_address: str | None = None,
+    autocast_bf16: bool = False,
 ) -> dict[str, Any]:
     """Both parts on one config (default :func:`benchmark_config`); ``parts`` picks
     ``steps`` (A) and/or ``ray`` (B); ``threads`` (default: this process's torch
-    threads) holds for both. A JSON-serialisable dict: ``model``, ``machine``,
+    threads) holds for both; ``autocast_bf16`` applies to part A's steps. A JSON-serialisable dict: ``model``, ``machine``,
     ``steps`` (part A), ``ray_overhead`` (part B), ``targets``, ``warnings``."""
     config = config or benchmark_config()
     unknown = set(parts) - {"steps", "ray"}
@@ -727,7 +728,8 @@ def run_train_benchmark(
     torch.set_num_threads(threads)  # part A too: both parts run at the same thread count
     try:
         if "steps" in parts:
-            result["steps"] = run_step_benchmark(config, rounds=rounds, warmup=warmup, device=device)
+            result["steps"] = run_step_benchmark(config, rounds=rounds, warmup=warmup, device=device,
+                                                 autocast_bf16=autocast_bf16)
         if "ray" in parts:
             result["ray_overhead"] = run_ray_overhead_benchmark(
                 config, threads=threads, device=device, rounds=ray_rounds, skip_epochs=skip_epochs, tracking=tracking,

@@ -125,6 +125,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--levels", type=int, default=3)
     p.add_argument("--repeats", type=int, help="timed interleaved rounds: default 10 (forward), 6 (train)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast for every model (default: on for CUDA, as training uses it; off on the CPU)")
     p.add_argument("--json", help="write the figures to this JSON file")
     train = p.add_argument_group("bench train only")
     train.add_argument("--model", help="timm ViT name (default vit_tiny_patch16_224)")
@@ -158,11 +160,15 @@ def _run_bench(args) -> int:
 
     result = run_forward_benchmark(
         batch_size=args.batch_size or 64, image_size=args.image_size, patch_size=args.patch_size,
-        levels=args.levels, repeats=args.repeats or 10, device=args.device,
+        levels=args.levels, repeats=args.repeats or 10, device=args.device, autocast_bf16=_bench_bf16(args),
     )
     print(format_report(result))
     write_json(args.json, result)
     return 0
+
+
+def _bench_bf16(args) -> bool:
+    return args.device.startswith("cuda") if args.bf16 is None else args.bf16
 
 
 def _run_bench_train(args) -> int:
@@ -180,7 +186,7 @@ def _run_bench_train(args) -> int:
     result = run_train_benchmark(
         config, parts=parts, device=args.device, rounds=args.repeats or 6, ray_rounds=args.ray_rounds or 1,
         threads=args.threads, skip_epochs=1 if args.skip_epochs is None else args.skip_epochs,
-        tracking=bool(args.tracking), storage=args.storage,
+        tracking=bool(args.tracking), storage=args.storage, autocast_bf16=_bench_bf16(args),
     )
     print(format_train_report(result))
     write_json(args.json, result)

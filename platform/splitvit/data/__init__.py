@@ -31,7 +31,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .cluttered import Canvas, ClutteredFashionMNIST, ClutteredFashionMNISTSeg, fashion_mnist_split
-from .common import CorruptDataError, SkippingDataset
+from .common import CorruptDataError, SkippingDataset, first_images
 from .fashion_mnist import FashionMNISTNotFound, find_fashion_mnist, load_fashion_mnist
 from .folders import ADE20KDataset, ImageFolderDataset
 from .parquet import ParquetShards

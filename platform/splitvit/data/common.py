@@ -96,6 +96,18 @@ def mask_to_tensor(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).astype(np.int64))
 
 
+def first_images(dataset: Dataset, count: int) -> torch.Tensor:
+    """The images of the first ``count`` items of ``dataset``, stacked (all, if fewer).
+
+    Read in this process: ``next(iter(loader))`` on a loader with worker processes
+    starts them, takes one batch and abandons them, and their shutdown costs seconds.
+    """
+    count = min(count, len(dataset))
+    if count < 1:
+        raise ValueError(f"no images to take: the dataset has {len(dataset)} items")
+    return torch.stack([dataset[i][0] for i in range(count)])
+
+
 class SkippingDataset(Dataset):
     """Base of the file-backed datasets: corrupt items are skipped and counted.
 

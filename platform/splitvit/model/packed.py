@@ -23,6 +23,8 @@ Attention kernels share torch's varlen signature
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Callable
 
 import numpy as np
@@ -35,14 +37,32 @@ Kernel = Callable[..., torch.Tensor]
 
 
 def varlen_kernel(device: torch.device) -> Kernel | None:
-    """torch's varlen attention on CUDA, else ``None`` (torch has no CPU varlen kernel)."""
+    """torch's varlen (FlashAttention) kernel on CUDA, else ``None`` (torch has no CPU
+    varlen kernel).
+
+    FlashAttention computes in half precision only, so float32 attention (a CUDA
+    forward outside autocast: threshold calibration, timing an fp32 model) takes
+    :func:`padded_sdpa_kernel` instead, its indices built once per forward pass.
+    """
     if device.type != "cuda":
         return None
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    takes_scale = "scale" in inspect.signature(varlen_attn).parameters  # torch >= 2.10
+    fallback: dict[int, Kernel] = {}
+
+    def kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        default_scale = scale is None or math.isclose(scale, q.shape[-1] ** -0.5)
+        if q.dtype in (torch.float16, torch.bfloat16) and (takes_scale or default_scale):
+            extra = {"scale": scale} if takes_scale else {}
+            return varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **extra)
+        if id(cu_seq_q) not in fallback:
+            fallback[id(cu_seq_q)] = padded_sdpa_kernel(cu_seq_q)
+        return fallback[id(cu_seq_q)](q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale)
+
+    return kernel
 
 
 #: Per-group cost of one more attention call, in the units of :func:`length_groups`

@@ -186,8 +186,10 @@ class LearnedPolicy(SplitPolicy):
             if self.detach_features:
                 node = node.detach()
                 feats = feats.detach()
-            x = feats + node
-            out.append(head(x).squeeze(-1))
+            # float32 heads, autocast or not: bf16 probabilities near 0.5 are 1/256 apart,
+            # so thresholds calibrated to a token budget would land between tied scores
+            with torch.autocast(device_type=feats.device.type, enabled=False):
+                out.append(head((feats + node).float()).squeeze(-1))
             # carry the ancestor's feature down to the next level's grid
             feats = upsample_to_children(feats.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
         return out

@@ -55,8 +55,13 @@ def relevance_targets(relevance: list[torch.Tensor], fraction: float) -> list[to
 
 
 def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-    """Binary cross-entropy of the policy's split probabilities against relevance targets."""
-    losses = [F.binary_cross_entropy(p.clamp(1e-6, 1 - 1e-6), t) for p, t in zip(split_probs, targets)]
+    """Binary cross-entropy of the policy's split probabilities against relevance targets.
+
+    Computed in float32 with autocast off: CUDA autocast refuses ``binary_cross_entropy``
+    (unsafe in half precision), and the probabilities are float32 already (the policy's
+    heads run in float32)."""
+    with torch.autocast(device_type=split_probs[0].device.type, enabled=False):
+        losses = [F.binary_cross_entropy(p.float().clamp(1e-6, 1 - 1e-6), t.float()) for p, t in zip(split_probs, targets)]
     return torch.stack(losses).mean()
 
 

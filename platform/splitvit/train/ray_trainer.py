@@ -258,12 +258,13 @@ class SplitStep(nn.Module):
         return training_step(self.model, images, target, self.loss, epoch, generator)
 
 
-def _calibrate_thresholds(model, val_loader: DataLoader, target_ratio: float, device: torch.device) -> None:
+def _calibrate_thresholds(model, val_shard, count: int, target_ratio: float, device: torch.device) -> None:
     """``model.thresholds: auto``: thresholds that meet the token budget on this
-    worker's first validation batch, averaged over workers so every rank (and the
-    checkpoint) holds the same values."""
-    batch = next(iter(val_loader), None)
-    local = calibrate_thresholds(model, batch[0].to(device), target_ratio) if batch is not None else None
+    worker's first ``count`` validation images, averaged over workers so every rank
+    (and the checkpoint) holds the same values."""
+    from ..data import first_images
+
+    local = calibrate_thresholds(model, first_images(val_shard, count).to(device), target_ratio) if len(val_shard) else None
     weight = 0.0 if local is None else 1.0
     values = _all_reduce([*(local or [0.0] * (model.levels - 1)), weight], device=device)
     if values[-1] > 0:
@@ -447,7 +448,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         metrics["train_images_per_s"] = seen_all / slowest
         metrics["lr"] = scheduler.get_last_lr()[0]
         if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
-            _calibrate_thresholds(model, val_loader, tc.target_ratio, device)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):  # as evaluated
+                _calibrate_thresholds(model, val_shard, dc.eval_batch_size or dc.batch_size, tc.target_ratio, device)
         if len(val_shard):
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
                 figures = evaluate(model, val_loader, num_classes=mc.num_classes)

@@ -154,6 +154,8 @@ def evaluate(
         images, target = batch[0].to(device), batch[1].to(device)
         start = time.perf_counter()
         out = model(images, thresholds=thresholds)
+        if images.is_cuda:
+            torch.cuda.synchronize(device)  # CUDA runs asynchronously: time the work, not its launch
         elapsed += time.perf_counter() - start
         full_tokens = out.full_tokens
         tokens += int(out.tokens.sum())

@@ -68,13 +68,22 @@ class CheckpointEvaluator:
         """The evaluation batches (cached for small sets)."""
         return self._cache if self._cache is not None else self._loader()
 
+    def autocast(self):
+        """The precision every evaluation runs in: bf16 autocast on CUDA, float32 elsewhere."""
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+    def calibrate(self, images: torch.Tensor, target_ratio: float, model: SplitViT | None = None) -> list[float]:
+        """Thresholds that meet ``target_ratio`` on ``images``, scored in the precision
+        :meth:`evaluate` runs in (so the evaluated budget is the calibrated one)."""
+        with self.autocast():
+            return calibrate_thresholds(model or self.model, images, target_ratio)
+
     def evaluate(self, thresholds: list[float] | None = None, model: SplitViT | None = None) -> dict[str, Any]:
         """Quality, tokens per image, token ratio and images/s at ``thresholds``."""
         model = model or self.model
         if thresholds is not None:
             validate_thresholds(thresholds, model.levels)
-        use_amp = self.device.type == "cuda"
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=use_amp):
+        with self.autocast():
             result = evaluate(model, self.batches(), thresholds=thresholds, num_classes=self.num_classes)
         used = thresholds if thresholds is not None else model.thresholds.tolist()
         result["thresholds"] = [float(t) for t in used]
@@ -96,9 +105,10 @@ class CheckpointEvaluator:
     def first_images(self, count: int, split: str | None = None) -> torch.Tensor:
         """The first ``count`` images of the evaluation split, or of ``split`` (e.g.
         validation images to calibrate thresholds on, never the evaluated ones)."""
+        from ..data import first_images
+
         dataset = self.dataset if split in (None, self.split) else self._dataset(split, count)
-        count = min(count, len(dataset))
-        return torch.stack([dataset[i][0] for i in range(count)]).to(self.device)
+        return first_images(dataset, count).to(self.device)
 
     @torch.no_grad()
     def split_map(self, thresholds: list[float] | None, count: int = 8):
@@ -162,13 +172,13 @@ class CheckpointEvaluator:
             rows.append({"baseline": "entropy", "label": f"entropy t={t:g}", **self.evaluate([float(t)] * (self.levels - 1), model=entropy)})
         if random_ratios:
             random_model = self._build("random")
-            calibration = next(iter(self.batches()))[0].to(self.device)
+            calibration = self.first_images(self.batch_size)
             for ratio in random_ratios:
                 ratio = min(max(float(ratio), 1e-3), 1.0)
                 # fresh draws for every batch from torch's global generator, seeded so
                 # that a rerun (or a resumed sweep) gets the same figures
                 torch.manual_seed(seed)
-                thresholds = calibrate_thresholds(random_model, calibration, ratio)
+                thresholds = self.calibrate(calibration, ratio, model=random_model)
                 torch.manual_seed(seed + 1)
                 row = self.evaluate(thresholds, model=random_model)
                 rows.append({"baseline": "random", "label": f"random @ {ratio:.2f}", "target_ratio": ratio, **row})

@@ -279,7 +279,6 @@ def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split:
     first ``calibration_samples`` validation images (never on the evaluated ones)."""
     import torch
 
-    from ..train.steps import calibrate_thresholds
     from .evaluation import CheckpointEvaluator
 
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
@@ -290,7 +289,7 @@ def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split:
     for ratio in ratios:
         # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
         torch.manual_seed(seed * 1009 + round(ratio * 1000))
-        thresholds = calibrate_thresholds(evaluator.model, calibration, ratio)
+        thresholds = evaluator.calibrate(calibration, ratio)
         points.append({"target_ratio": ratio, **evaluator.evaluate(thresholds)})
         log.info("%s @ %.2f: %s %.4f at %.1f tokens/image", policy, ratio, "quality", points[-1]["quality"],
                  points[-1]["tokens_per_image"])
@@ -388,17 +387,16 @@ def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_rati
     import torch
 
     from ..bench import time_interleaved
-    from ..train.steps import calibrate_thresholds
     from .evaluation import CheckpointEvaluator
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
     full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
     calibration = split_eval.first_images(calibration_samples, split="val")
     torch.manual_seed(seed)
-    thresholds = calibrate_thresholds(split_eval.model, calibration, target_ratio)
+    thresholds = split_eval.calibrate(calibration, target_ratio)
     images = split_eval.first_images(batch_size)
     sync = torch.cuda.synchronize if images.device.type == "cuda" else (lambda: None)
-    with torch.no_grad():
+    with torch.no_grad(), split_eval.autocast():  # the precision the study evaluated in
         tokens = split_eval.model(images, thresholds=thresholds)
         fns = {"split": lambda: split_eval.model(images, thresholds=thresholds), "full": lambda: full_eval.model(images)}
         times = time_interleaved(fns, repeats=rounds, warmup=2, sync=sync)
