@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks, for a machine with a CUDA GPU and PyTorch but not necessarily Ray
+# or MLflow (a lent GPU box, a cloud notebook). Run from anywhere:
+#
+#   bash infra/gpu-check/run.sh smoke          # CUDA tests, forward and training-step
+#                                              # benchmarks, a small study (~3 min on an H200)
+#   bash infra/gpu-check/run.sh study ARGS...  # the one-gpu study; ARGS go to single_gpu_study.py
+#                                              # (e.g. --backbone-epochs 24 --method-epochs 12)
+#
+# Results land in $OUT (default /tmp/gpu-check). Optional, beside the repository root:
+#   .whl/*.whl            wheels installed first into /tmp/site (e.g. the pinned timm);
+#   .data/fashion-mnist/  the four Fashion-MNIST idx files, where the machine cannot download.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/platform${PYTHONPATH:+:$PYTHONPATH}"
+[ -d .data/fashion-mnist ] && export SPLITVIT_DATA_DIR="$PWD/.data"
+study=search_spaces/study_fashion.yaml
+
+stage=${1:-smoke}
+shift || true
+status=0
+case "$stage" in
+  smoke)
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+    python3 -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
+    python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || status=1
+    python3 -m splitvit.cli bench --device cuda --batch-size 256 --repeats 20 --json "$out/bench_forward.json" \
+      2>&1 | grep -v "USDT\|gpuGetDeviceCount" | tee "$out/bench_forward.log" || status=1
+    python3 -m splitvit.cli bench train --parts steps --device cuda --batch-size 128 --repeats 10 \
+      --json "$out/bench_train.json" 2>&1 | tee "$out/bench_train.log" || status=1
+    # a small study with the real model and batch: checks the path and measures images/s for --plan
+    python3 infra/gpu-check/single_gpu_study.py "$study" --scale one-gpu --out /tmp/smoke-study \
+      --json "$out/smoke_study.json" --backbone-epochs 2 --method-epochs 1 "$@" \
+      --set data.options.train_samples=8192 --eval-samples 2000 2>&1 \
+      | grep -v " epoch [0-9]*: \|bench: round" | tail -60 || status=1
+    ;;
+  study)
+    python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -15
+    python3 infra/gpu-check/single_gpu_study.py "$study" --scale one-gpu --out /tmp/study \
+      --json "$out/study.json" "$@" 2>&1 | tee "$out/study.log" | grep -v " epoch [0-9]*: \|bench: round" | tail -60
+    status=${PIPESTATUS[0]}
+    cp /tmp/study/study.png "$out/" 2>/dev/null
+    ;;
+  *) echo "usage: $0 smoke|study [args]" >&2; exit 2 ;;
+esac
+exit $status
