@@ -121,6 +121,23 @@ def test_close_statuses(mlflow_uri):
         assert run.info.status == expected and run.data.tags["splitvit.status"] == status
 
 
+def test_closed_on_error_ends_the_run_and_reraises(mlflow_uri):
+    client = MlflowClient(mlflow_uri)
+    for error, expected, status in ((ValueError("bad shard"), "FAILED", "failed"),
+                                    (KeyboardInterrupt(), "KILLED", "interrupted")):
+        tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+        with pytest.raises(type(error)):
+            with tracker.closed_on_error():
+                raise error
+        run = client.get_run(tracker.run_id)
+        assert run.info.status == expected and run.data.tags["splitvit.status"] == status
+        assert ("bad shard" in run.data.tags.get("splitvit.error", "")) == (status == "failed")
+    tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+    with tracker.closed_on_error():
+        pass
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"  # success: the caller closes it
+
+
 def test_experiment_gets_local_artifacts_next_to_the_store(mlflow_uri):
     from splitvit.tracking import ensure_experiment
 

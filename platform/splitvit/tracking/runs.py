@@ -12,11 +12,12 @@ Secrets never reach the store: params and tags go through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..config import REDACTED, is_secret_key, redact_uri
 
@@ -149,6 +150,20 @@ class RunTracker:
         client = _client(self.tracking_uri)
         for start in range(0, len(params), PARAMS_PER_BATCH):
             client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_BATCH])
+
+    @contextlib.contextmanager
+    def closed_on_error(self) -> Iterator["RunTracker"]:
+        """Run the ``with`` block; if it raises, end this run as ``interrupted``
+        (Ctrl-C) or ``failed`` (the error as tag ``splitvit.error``) and re-raise,
+        so that no run is left RUNNING in the MLflow UI."""
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.close("interrupted")
+            raise
+        except Exception as exc:
+            self.close("failed", tags={"splitvit.error": str(exc)[:2000]})
+            raise
 
     def close(self, status: str, tags: dict[str, str] | None = None) -> None:
         """End the run: ``status`` is ``completed`` (MLflow FINISHED), ``diverged`` or

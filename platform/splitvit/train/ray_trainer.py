@@ -21,6 +21,7 @@ Ray, and runs a ``TorchTrainer`` whose workers execute :func:`train_loop_per_wor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -174,14 +175,9 @@ def run_training(
     )
     log.info("training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path))
     try:
-        result = trainer.fit()
-    except KeyboardInterrupt:
-        if tracker is not None:
-            tracker.close("interrupted")
-        raise
+        with tracker.closed_on_error() if tracker is not None else contextlib.nullcontext():
+            result = trainer.fit()
     except ray.train.TrainingFailedError as exc:
-        if tracker is not None:
-            tracker.close("failed", tags={"splitvit.error": str(exc)[:2000]})
         raise TrainingError(f"training {config.storage.name} failed: {exc}") from exc
     outcome = result.return_value or {}
     # rank 0 always returns its outcome; none means the run was stopped from outside

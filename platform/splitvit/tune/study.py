@@ -490,7 +490,7 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
                                 tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source})
     log.info("study %s: %d seeds x %d methods, MLflow run %s", name, len(spec.seeds), len(spec.methods), parent.run_id)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    try:
+    with parent.closed_on_error():
         backbones = _tune_grid(tune.with_parameters(backbone_trial, spec=spec, storage=train_storage),
                                {"seed": spec.seeds}, spec, study_dir, f"backbones-{stamp}")
         ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
@@ -523,12 +523,6 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
                              failed=failed, mlflow_run_id=parent.run_id, tracking_uri=tracking_uri,
                              seconds=time.time() - started)
         _record(result, spec, parent, runs, tracking_uri)
-    except KeyboardInterrupt:
-        parent.close("interrupted")
-        raise
-    except Exception as exc:
-        parent.close("failed", tags={"splitvit.error": str(exc)[:2000]})
-        raise
     parent.close("completed" if not failed else "partial")
     return result
 

@@ -428,7 +428,7 @@ def run_sweep(
 
     trainable = tune.with_parameters(sweep_trial, plan=plan)
     trainable = tune.with_resources(trainable, dict(space.search.trial_resources))
-    try:
+    with recorder.parent.closed_on_error():
         if resume:
             log.info("resuming sweep %s from %s", name, sweep_dir)
             tuner = tune.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False,
@@ -457,12 +457,6 @@ def run_sweep(
             )
         with _experiment_state_period(space.search.state_period_s):
             grid = tuner.fit()
-    except KeyboardInterrupt:
-        recorder.close("interrupted")
-        raise
-    except Exception as exc:
-        recorder.close("failed", tags={"splitvit.error": str(exc)[:2000]})
-        raise
 
     trials, raw = _collect(grid, space, sweep_dir)
     unfinished = [t for t in trials if t.status == "unfinished"]
@@ -470,12 +464,8 @@ def run_sweep(
         recorder.close("interrupted")
         raise SweepError(f"sweep {name} was interrupted with {len(trials)} of {space.search.num_samples} trials "
                          f"started and {len(unfinished)} unfinished; continue it with --resume --name {name}")
-    try:
-        result = _finish(space, plan, recorder, trials, raw, reference, sweep_dir, name, base, started, resume or reopened)
-    except Exception as exc:
-        recorder.close("failed", tags={"splitvit.error": str(exc)[:2000]})
-        raise
-    return result
+    with recorder.parent.closed_on_error():
+        return _finish(space, plan, recorder, trials, raw, reference, sweep_dir, name, base, started, resume or reopened)
 
 
 def _collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary], dict[str, dict[str, Any]]]:
