@@ -5,7 +5,8 @@
 #   bash infra/gpu-check/run.sh smoke          # CUDA tests, forward and training-step
 #                                              # benchmarks, a small study (~3 min on an H200)
 #   bash infra/gpu-check/run.sh study ARGS...  # the one-gpu study; ARGS go to single_gpu_study.py
-#                                              # (e.g. --backbone-epochs 24 --method-epochs 12)
+#                                              # (e.g. --workers 8 --backbone-epochs 24 --method-epochs 12);
+#                                              # STUDY=search_spaces/study_fashion_seg.yaml for the dense one
 #
 # Results land in $OUT (default /tmp/gpu-check). Optional, beside the repository root:
 #   .whl/*.whl            wheels installed first into /tmp/site (e.g. the pinned timm);
@@ -21,7 +22,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/platform${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .data/fashion-mnist ] && export SPLITVIT_DATA_DIR="$PWD/.data"
-study=search_spaces/study_fashion.yaml
+study=${STUDY:-search_spaces/study_fashion.yaml}
+name=$(basename "$study" .yaml)
 
 stage=${1:-smoke}
 shift || true
@@ -43,10 +45,10 @@ case "$stage" in
     ;;
   study)
     python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -15
-    python3 infra/gpu-check/single_gpu_study.py "$study" --scale one-gpu --out /tmp/study \
-      --json "$out/study.json" "$@" 2>&1 | tee "$out/study.log" | grep -v " epoch [0-9]*: \|bench: round" | tail -60
+    python3 infra/gpu-check/single_gpu_study.py "$study" --scale one-gpu --out "/tmp/$name" \
+      --json "$out/$name.json" "$@" 2>&1 | tee "$out/$name.log" | grep -v " epoch [0-9]*: \|bench: round" | tail -60
     status=${PIPESTATUS[0]}
-    cp /tmp/study/study.png "$out/" 2>/dev/null
+    cp "/tmp/$name/study.png" "$out/$name.png" 2>/dev/null
     ;;
   *) echo "usage: $0 smoke|study [args]" >&2; exit 2 ;;
 esac

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     started = time.time()
 
-    from splitvit.tune.study import aggregate, check_goals, matched_point, speed_comparison, study_figure
+    from splitvit.tune.study import aggregate, check_goals, matched_speed, study_figure
 
     spec = _spec(args)  # bad input stops here
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -257,18 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     metric = spec.metric
     rows = aggregate(runs, metric)
     goals = check_goals(rows, spec.goals, metric)
-    speed = None
-    point = matched_point(rows, spec.goals, metric)
-    if point is not None:
-        seed = min(int(s) for s in point["per_seed"])
-        ckpt = {(r["method"], r["seed"]): r["checkpoint"] for r in runs}
-        full = next(m for m in spec.methods if spec.policy(m) == "full")
-        if (full, seed) in ckpt:
-            speed = speed_comparison(ckpt[(point["method"], seed)], ckpt[(full, seed)], target_ratio=point["target_ratio"],
-                                     split=spec.split, batch_size=spec.speed_batch, rounds=spec.speed_rounds,
-                                     calibration_samples=spec.calibration_samples, seed=seed, device=args.device)
-            speed.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed,
-                          "matches_full": point["matches_full"], metric: point[metric]})
+    speed = matched_speed(spec, rows, runs, metric, run=lambda fn, *a, **kw: fn(*a, device=args.device, **kw))
     import torch
 
     machine = {"python": _platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),

@@ -411,6 +411,29 @@ def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_rati
     }
 
 
+def matched_speed(spec: StudySpec, rows: list[dict[str, Any]], runs: list[dict[str, Any]], metric: str,
+                  run=None) -> dict[str, Any] | None:
+    """:func:`speed_comparison` of the :func:`matched_point` against full resolution,
+    on the lowest seed that trained both (``None`` when there is no such pair).
+    ``run(fn, *args, **kwargs)`` runs it where the checkpoints' device is (default:
+    here, on the CPU)."""
+    point = matched_point(rows, spec.goals, metric)
+    if point is None:
+        return None
+    seed = min(int(s) for s in point["per_seed"])
+    checkpoints = {(r["method"], r["seed"]): r["checkpoint"] for r in runs}
+    full = next(m for m in spec.methods if spec.policy(m) == "full")
+    if (full, seed) not in checkpoints:
+        return None
+    run = run or (lambda fn, *args, **kw: fn(*args, **kw))
+    speed = run(speed_comparison, checkpoints[(point["method"], seed)], checkpoints[(full, seed)],
+                target_ratio=point["target_ratio"], split=spec.split, batch_size=spec.speed_batch,
+                rounds=spec.speed_rounds, calibration_samples=spec.calibration_samples, seed=seed)
+    speed.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed,
+                  "matches_full": point["matches_full"], metric: point[metric]})
+    return speed
+
+
 # ---------------------------------------------------------------------- driver
 @dataclass
 class StudyResult:
@@ -506,18 +529,7 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
         runs = [r for r in runs if "points" in r]
         rows = aggregate(runs, metric)
         goals = check_goals(rows, spec.goals, metric)
-        speed = None
-        point = matched_point(rows, spec.goals, metric)
-        if point is not None:
-            seed = min(int(s) for s in point["per_seed"])
-            ckpt = {(r["method"], r["seed"]): r["checkpoint"] for r in runs}
-            full_method = next(m for m in spec.methods if spec.policy(m) == "full")
-            if (full_method, seed) in ckpt:
-                speed = run_evaluation(base, speed_comparison, ckpt[(point["method"], seed)], ckpt[(full_method, seed)],
-                                       target_ratio=point["target_ratio"], split=spec.split, batch_size=spec.speed_batch,
-                                       rounds=spec.speed_rounds, calibration_samples=spec.calibration_samples, seed=seed)
-                speed.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed,
-                              "matches_full": point["matches_full"], metric: point[metric]})
+        speed = matched_speed(spec, rows, runs, metric, run=lambda fn, *args, **kw: run_evaluation(base, fn, *args, **kw))
         result = StudyResult(name=name, source=spec.source, study_dir=study_dir, metric=metric, seeds=spec.seeds, rows=rows,
                              runs=[{k: v for k, v in r.items() if k != "config"} for r in runs], goals=goals, speed=speed,
                              failed=failed, mlflow_run_id=parent.run_id, tracking_uri=tracking_uri,
