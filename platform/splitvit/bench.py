@@ -147,7 +147,8 @@ def _encode_sequence(vit: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- timing
-def _synchronizer(device: torch.device) -> Callable[[], None]:
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (CUDA), or does nothing."""
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
@@ -369,7 +370,7 @@ def measure_memory(
 
 
 # ---------------------------------------------------------------------- benchmark
-def _cpu_busy_seconds() -> float | None:
+def cpu_busy_seconds() -> float | None:
     """CPU-seconds all processes of the machine have spent busy (Linux ``/proc/stat``)."""
     try:
         with open("/proc/stat") as f:
@@ -392,7 +393,8 @@ def _cpu_model() -> str:
     return ""
 
 
-def _machine(device: torch.device) -> dict[str, Any]:
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """What a benchmark ran on: CPUs, threads, versions, load, and the GPU's name."""
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -486,7 +488,7 @@ def run_forward_benchmark(
     if any(b < 1 for b in buckets):
         raise ValueError(f"buckets must be positive integers, got {buckets}")
     buckets = tuple(int(b) for b in buckets)
-    sync = _synchronizer(dev)
+    sync = synchronizer(dev)
     load_start = list(os.getloadavg())
 
     vit, models = build_benchmark_models(
@@ -551,10 +553,10 @@ def run_forward_benchmark(
     with ExitStack() as stack:
         stack.enter_context(torch.inference_mode())
         stack.enter_context(autocast())
-        busy_before, own_before, wall_before = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+        busy_before, own_before, wall_before = cpu_busy_seconds(), time.process_time(), time.perf_counter()
         cpu_samples: dict[str, list[float]] = {}
         samples = time_interleaved(fns, repeats=repeats, warmup=warmup, sync=sync, cpu_samples=cpu_samples)
-        busy_after, own_after, wall_after = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+        busy_after, own_after, wall_after = cpu_busy_seconds(), time.process_time(), time.perf_counter()
     others_cores = None
     if busy_before is not None and busy_after is not None:
         others_cores = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall_after - wall_before)
@@ -606,18 +608,18 @@ def run_forward_benchmark(
         return [a / b + offset for a, b in zip(samples[num], samples[den])]
 
     targets = [
-        _target("a", "overhead of SplitViT(full) vs timm ViT", ratios["split_full_overhead"], "<=", OVERHEAD_TARGET,
+        make_target("a", "overhead of SplitViT(full) vs timm ViT", ratios["split_full_overhead"], "<=", OVERHEAD_TARGET,
                 "percent", rounds=per_round("split_full", "timm", -1.0)),
     ]
     for policy in _SPLIT_VARIANTS:
         key = policy + ref
-        targets.append(_target(
+        targets.append(make_target(
             "b", f"{policy}@{tokens[key]['fraction']:.0%} tokens (packed): img/s vs timm ViT",
             ratios[f"{key}_speedup_vs_timm"], ">=", SPEEDUP_TARGET, "times",
             note=f"ideal {ideal[policy]['ratio']:.2f}x", rounds=per_round("timm", key),
         ))
     for policy in _SPLIT_VARIANTS:
-        targets.append(_target(
+        targets.append(make_target(
             "c", f"{policy} policy (split_scores) share of its SplitViT forward", ratios[f"policy_{policy}_share"],
             "<=", POLICY_SHARE_TARGET, "percent", rounds=per_round(f"policy_{policy}", policy + ref),
         ))
@@ -653,7 +655,7 @@ def run_forward_benchmark(
             "images": f"SyntheticObjects(seed={seed})",
             "seed": seed,
         },
-        "machine": {**_machine(dev), "load_average_start": load_start, "other_processes_cpus_during_timing": others_cores},
+        "machine": {**machine_info(dev), "load_average_start": load_start, "other_processes_cpus_during_timing": others_cores},
         "tokens": tokens,
         "timings": timings,
         "ideal": ideal,
@@ -690,7 +692,7 @@ def _ratios(times: dict[str, float], buckets: tuple[int, ...], ref: str) -> dict
     return out
 
 
-def _target(
+def make_target(
     key: str, what: str, value: float, op: str, bound: float, unit: str, note: str = "", rounds: list[float] | None = None
 ) -> dict[str, Any]:
     """One target, judged on ``value`` (a ratio of medians). ``rounds`` are the same
@@ -725,7 +727,8 @@ def _label(name: str) -> str:
     return f"SplitViT {policy} padded buckets={b}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned columns under a header and a rule, as lines."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))
@@ -733,12 +736,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def _value(t: dict[str, Any]) -> str:
+def format_value(t: dict[str, Any]) -> str:
+    """A target's measured value as the report prints it."""
     return f"{t['value']:+.1%}" if t["unit"] == "percent" and t["key"] == "a" else (
         f"{t['value']:.1%}" if t["unit"] == "percent" else f"{t['value']:.2f}x")
 
 
-def _spread(t: dict[str, Any]) -> str:
+def format_spread(t: dict[str, Any]) -> str:
     """Interquartile range of the per-round ratio, in the target's unit."""
     if "per_round" not in t:
         return ""
@@ -749,7 +753,8 @@ def _spread(t: dict[str, Any]) -> str:
     return f"{q1:.2f}x .. {q3:.2f}x"
 
 
-def _bound(t: dict[str, Any]) -> str:
+def format_bound(t: dict[str, Any]) -> str:
+    """A target's bound as the report prints it (``<= 5%``, ``>= 1.6x``)."""
     return f"{t['op']} {t['bound']:.0%}" if t["unit"] == "percent" else f"{t['op']} {t['bound']:.2g}x"
 
 
@@ -797,7 +802,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"{t['images_per_s']:.1f}",
             f"{base / t['median_s']:.2f}x",
         ])
-    lines += _table(["model", "tokens/img", "min-max", "fraction", "pad waste", "attn pad", "ms/batch", "min-max ms", "img/s",
+    lines += text_table(["model", "tokens/img", "min-max", "fraction", "pad waste", "attn pad", "ms/batch", "min-max ms", "img/s",
                      "speed vs timm"], rows)
     lines.append("pad waste = (padded slots - real tokens) / real tokens in the norms, linear layers and MLP "
                  "(SplitOutput.padded_tokens); attn pad = the same in attention (the packed path's CPU kernel pads "
@@ -812,10 +817,10 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append(f"check: SplitViT(full) vs timm max |logit diff| = {result['checks']['split_full_vs_timm_max_abs_logit_diff']:.3g}")
     lines.append("")
     rows = [
-        [t["key"], t["what"], _value(t), _bound(t), "PASS" if t["passed"] else "MISS", _spread(t), t["note"]]
+        [t["key"], t["what"], format_value(t), format_bound(t), "PASS" if t["passed"] else "MISS", format_spread(t), t["note"]]
         for t in result["targets"]
     ]
-    lines += _table(["", "target", "measured", "bound", "", "per-round IQR", "note"], rows)
+    lines += text_table(["", "target", "measured", "bound", "", "per-round IQR", "note"], rows)
     lines.append("checks on the medians above, the same ratios")
     lines.append("  from each model's fastest round: " + _ratio_line(result["ratios_fastest"], result["ideal"], "ratio_fastest"))
     lines.append("  from median process CPU time (all threads; immune to time-slicing, counts OpenMP spin-waits): "
@@ -836,7 +841,7 @@ def format_report(result: dict[str, Any]) -> str:
                 ratio = f" ({m[key] / base_mem[key]:.2f}x)" if base_mem.get(key) else ""
                 row.append(f"{m[key] / 2**20:.1f}{ratio}")
             rows.append(row)
-        lines += _table(["model"] + [label for _, label in columns], rows)
+        lines += text_table(["model"] + [label for _, label in columns], rows)
         for method, text in mem["methods"].items():
             lines.append(f"  {method}: {text}")
     return "\n".join(lines)

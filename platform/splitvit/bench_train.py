@@ -79,14 +79,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from .bench import (
     OTHER_LOAD_WARNING,
-    _bound,
-    _cpu_busy_seconds,
-    _machine,
-    _spread,
-    _synchronizer,
-    _table,
-    _target,
-    _value,
+    cpu_busy_seconds,
+    format_bound,
+    format_spread,
+    format_value,
+    machine_info,
+    make_target,
+    synchronizer,
+    text_table,
     time_interleaved,
 )
 from .config import AUTO_THRESHOLDS, ExperimentConfig
@@ -233,7 +233,7 @@ def run_step_benchmark(
         raise ValueError(f"unknown step(s) {', '.join(sorted(unknown))}; expected some of {', '.join(STEP_NAMES)}")
     names = [n for n in STEP_NAMES if n in include or n == "full"]
     mc, tc = config.model, config.train
-    sync = _synchronizer(dev)
+    sync = synchronizer(dev)
     load_start = list(os.getloadavg())
 
     torch.manual_seed(config.data.seed)
@@ -282,10 +282,10 @@ def run_step_benchmark(
                                                        records[name]))
 
     log.info("bench train: timing %d training steps, %d warm-up + %d rounds", len(fns), warmup, rounds)
-    busy_before, own_before, wall_before = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    busy_before, own_before, wall_before = cpu_busy_seconds(), time.process_time(), time.perf_counter()
     cpu_samples: dict[str, list[float]] = {}
     samples = time_interleaved(fns, repeats=rounds, warmup=warmup, sync=sync, cpu_samples=cpu_samples)
-    busy_after, own_after, wall_after = _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    busy_after, own_after, wall_after = cpu_busy_seconds(), time.process_time(), time.perf_counter()
     others = None
     if busy_before is not None and busy_after is not None:
         others = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall_after - wall_before)
@@ -435,7 +435,7 @@ def _epoch_pair(pair: dict[str, Any], epoch: int) -> list[dict[str, Any]]:
 
 
 def _busy() -> tuple[float | None, float, float]:
-    return _cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    return cpu_busy_seconds(), time.process_time(), time.perf_counter()
 
 
 def _busy_since(start: tuple[float | None, float, float]) -> dict[str, float | None]:
@@ -641,7 +641,7 @@ def run_ray_overhead_benchmark(
         whole_cpu_ratio = plain["whole_epoch_cpu_s"] / ray_["whole_epoch_cpu_s"] if ray_["whole_epoch_cpu_s"] > 0 else None
     ratio = ray_["steady_images_per_s"] / plain["steady_images_per_s"]
     worker = next((p["ray"]["worker_threads"] for p in runs if p["ray"].get("worker_threads")), None)
-    target = _target("ray", "Ray Train (1 worker) vs plain loop: steady-state training images/s", ratio, ">=",
+    target = make_target("ray", "Ray Train (1 worker) vs plain loop: steady-state training images/s", ratio, ">=",
                      RAY_OVERHEAD_TARGET, "times", note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
                      rounds=[p["ratio"] for p in runs])
     warnings = []
@@ -735,7 +735,7 @@ def run_train_benchmark(
                 config, threads=threads, device=device, rounds=ray_rounds, skip_epochs=skip_epochs, tracking=tracking,
                 storage=storage, ray_address=ray_address,
             )
-        result["machine"] = _machine(dev)
+        result["machine"] = machine_info(dev)
     finally:
         torch.set_num_threads(own_threads)
     result["targets"] = [result["ray_overhead"]["target"]] if "ray_overhead" in result else []
@@ -811,7 +811,7 @@ def format_train_report(result: dict[str, Any]) -> str:
                 f"{t['ideal_ratio']:.2f}x" if frac is not None else
                 (f"{t['share_of_split_learned']:.0%} of learned step" if "share_of_split_learned" in t else ""),
             ])
-        lines += ["  " + line for line in _table(
+        lines += ["  " + line for line in text_table(
             ["step", "tokens/img", "fraction", "ms/step", "min-max ms", "img/s", "vs full", "per-round IQR",
              "ideal (1/fraction)"], rows)]
         lines.append("  checks, ratio to full from each step's fastest round: " + ", ".join(
@@ -842,13 +842,13 @@ def format_train_report(result: dict[str, Any]) -> str:
                     f"{run['wall_s']:.1f}" + (f" + {run['ray_start_s']:.1f} Ray start" if run.get("ray_start_s") else ""),
                     f"{run['machine_busy_cpus']:.2f}" if run.get("machine_busy_cpus") is not None else "?",
                 ])
-        lines += ["  " + line for line in _table(
+        lines += ["  " + line for line in text_table(
             ["round", "run", "train img/s per epoch", f"steady img/s (epochs >= {cfg['skip_epochs']})",
              "epoch incl. val s", "wall s", "machine busy CPUs"], rows)]
         t = b["target"]
-        lines += ["  " + line for line in _table(
+        lines += ["  " + line for line in text_table(
             ["", "target", "measured", "bound", "", "per-round IQR", "note"],
-            [[t["key"], t["what"], _value(t), _bound(t), "PASS" if t["passed"] else "MISS", _spread(t), t["note"]]])]
+            [[t["key"], t["what"], format_value(t), format_bound(t), "PASS" if t["passed"] else "MISS", format_spread(t), t["note"]]])]
         plain, ray_ = b["plain"], b["ray"]
         lines += [
             f"  per steady epoch incl. threshold calibration and validation: plain {plain['steady_epoch_incl_validation_s']:.2f} s, "
