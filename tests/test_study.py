@@ -140,7 +140,7 @@ def test_init_from_must_exist(tmp_path):
 
 
 # ----------------------------------------------------------------- end to end
-def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_uri, tmp_path, monkeypatch):
+def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_uri, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     spec = write_study(tmp_path)
     out = tmp_path / "study.json"
@@ -184,3 +184,13 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert len(children) == 3
+
+    # changed settings under the same name: one clear error before anything starts,
+    # naming the runs and keys; nothing is retrained or recorded
+    runs_before = len(client.search_runs([exp.experiment_id]))
+    capsys.readouterr()
+    assert cli(["study", str(spec), "--name", "e2e", "--set", "train.weight_decay=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "backbone-s0 (train.weight_decay)" in err and "split-s0 (train.weight_decay)" in err and "--name" in err
+    assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
+    assert len(client.search_runs([exp.experiment_id])) == runs_before

@@ -216,9 +216,41 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
 
 
 # ---------------------------------------------------------------------- trials
+class StudyError(ValueError):
+    """A study that cannot run as asked (the message says why and what to do)."""
+
+
 def _stored(run_uri: str) -> dict[str, Any] | None:
     uri = join_uri(run_uri, RESULT_FILE)
     return json.loads(read_bytes(uri)) if exists(uri) else None
+
+
+def _evaluation(spec: StudySpec) -> dict[str, Any]:
+    """The evaluation settings a method's stored points were made with."""
+    return {"split": spec.split, "samples": spec.samples, "ratios": spec.ratios,
+            "calibration_samples": spec.calibration_samples}
+
+
+def stale_runs(spec: StudySpec, storage: str) -> list[str]:
+    """The finished runs under ``storage`` whose settings differ from what ``spec``
+    asks for now (e.g. the study file changed but kept its name): reusing them would
+    mix settings in one table. Each entry names the run and the differing keys."""
+    stale = []
+    for seed in spec.seeds:
+        for method in (None, *spec.methods):
+            name = f"backbone-s{seed}" if method is None else f"{method}-s{seed}"
+            stored = _stored(join_uri(storage, name))
+            if stored is None or "config" not in stored:
+                continue
+            # through JSON, as stored (tuples become lists); the backbone's path is checked as the backbone
+            now = json.loads(json.dumps(spec.run_config(seed, method, name, storage).flat(), default=float))
+            keys = sorted(k for k in set(now) | set(stored["config"])
+                          if k != "model.init_from" and now.get(k) != stored["config"].get(k))
+            if method is not None and json.loads(json.dumps(_evaluation(spec))) != stored.get("evaluation", _evaluation(spec)):
+                keys.append("evaluation")
+            if keys:
+                stale.append(f"{name} ({', '.join(keys)})")
+    return stale
 
 
 def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> None:
@@ -237,7 +269,8 @@ def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> Non
         if trained["status"] != "completed" or trained["checkpoint"] is None:
             raise TrialFailed(f"backbone {name} {trained['status']}: {trained['message']}")
         stored = {"seed": seed, "checkpoint": trained["checkpoint"], "metrics": trained["metrics"],
-                  "train_seconds": time.time() - started, "run_uri": run_uri}
+                  "train_seconds": time.time() - started, "run_uri": run_uri,
+                  "config": spec.run_config(seed, None, name, storage).flat()}
         write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
     tune.report({"done": 1, "result": json.dumps(stored, default=float)})
 
@@ -267,7 +300,7 @@ def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbone
         stored = {"seed": seed, "method": method, "policy": spec.policy(method), "checkpoint": trained["checkpoint"],
                   "train_metrics": trained["metrics"], "points": points, "train_seconds": train_seconds,
                   "eval_seconds": time.time() - started - train_seconds, "run_uri": run_uri,
-                  "config": config.flat()}
+                  "config": config.flat(), "evaluation": _evaluation(spec)}
         write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
     tune.report({"done": 1, "result": json.dumps(stored, default=float)})
 
@@ -504,6 +537,11 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
         spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
     tracking_uri = base.tracking_uri()
     metric = spec.metric
+    stale = stale_runs(spec, train_storage)
+    if stale:
+        raise StudyError(f"study {name} in {study_dir} holds finished runs made with other settings than "
+                         f"{spec.source} asks for now: {'; '.join(stale)}. Run it under another --name, or delete "
+                         "those runs' folders to train them again.")
 
     init_ray(ray_address)
     parent, _ = RunTracker.open(tracking_uri, spec.experiment, study_dir, name,
