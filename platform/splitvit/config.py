@@ -333,6 +333,12 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         value = text  # not YAML: keep the text, the type check decides
+    parent_section(raw, parts, key)[parts[-1]] = value
+
+
+def parent_section(raw: dict[str, Any], parts: list[str], key: str) -> dict[str, Any]:
+    """The section of ``raw`` that holds the dotted key ``parts`` (all but the last
+    part), created where missing; ``ConfigError`` where a part is a value."""
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -341,7 +347,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
         node = child
-    node[parts[-1]] = value
+    return node
 
 
 def _deep_copy(value: Any) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from ..config import SECTIONS, ConfigError, ExperimentConfig
+from ..config import SECTIONS, ConfigError, ExperimentConfig, parent_section
 
 DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
 SAMPLERS = ("tpe", "nsga2", "random")
@@ -314,14 +314,7 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     expands it to one threshold per non-finest level (``model.levels - 1``).
     """
     parts, index = split_key(key)
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
-        node = child
+    node = parent_section(raw, parts, key)
     last = parts[-1]
     if index is None:
         node[last] = copy.deepcopy(value)
