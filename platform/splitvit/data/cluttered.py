@@ -287,7 +287,34 @@ def _as_image(pixels: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(pixels.astype(np.float32) / 255.0)
 
 
-class ClutteredFashionMNIST(Dataset):
+class _ClutteredCanvases(Dataset):
+    """What both variants share: the renderer, the length, per-canvas seeding, the cache."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int, num_samples: int | None,
+                 item_size: int, clutter_fraction: float, fragment_prob: float, margin: int, mask_threshold: float,
+                 max_items: int, seed: int, cache_dir: str | None) -> None:
+        self.renderer = _ClutterRenderer(images, labels, image_size=image_size, item_size=item_size,
+                                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
+                                         mask_threshold=mask_threshold, max_items=max_items, seed=seed)
+        self.num_samples = len(images) if num_samples is None else int(num_samples)
+        self.image_size = image_size
+        self.seed = seed
+        self._cache = _canvas_cache(self, cache_dir) if cache_dir else None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _check(self, index: int) -> None:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+
+    def _rng(self, index: int) -> np.random.Generator:
+        """Canvas ``index``'s random stream: it depends on ``(seed, index)`` only."""
+        self._check(index)
+        return np.random.default_rng((self.seed, index))
+
+
+class ClutteredFashionMNIST(_ClutteredCanvases):
     """Classification: one Fashion-MNIST item per canvas among clutter.
 
     Items are ``(image (3, S, S) float in [0, 1], label int, item_mask (S, S) bool)``;
@@ -313,35 +340,25 @@ class ClutteredFashionMNIST(Dataset):
     def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int = 64, num_samples: int | None = None,
                  item_size: int = ITEM_SIZE, clutter_fraction: float = 0.4, fragment_prob: float = 0.5, margin: int = 2,
                  mask_threshold: float = 0.1, seed: int = 0, cache_dir: str | None = None) -> None:
-        self.renderer = _ClutterRenderer(images, labels, image_size=image_size, item_size=item_size,
-                                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
-                                         mask_threshold=mask_threshold, max_items=1, seed=seed)
-        self.num_samples = len(images) if num_samples is None else int(num_samples)
-        self.image_size = image_size
-        self.seed = seed
-        self._cache = _canvas_cache(self, cache_dir) if cache_dir else None
-
-    def __len__(self) -> int:
-        return self.num_samples
+        super().__init__(images, labels, image_size=image_size, num_samples=num_samples, item_size=item_size,
+                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
+                         mask_threshold=mask_threshold, max_items=1, seed=seed, cache_dir=cache_dir)
 
     def render(self, index: int) -> Canvas:
         """The full canvas ``index`` (image, item box, masks, clutter mask)."""
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        rng = np.random.default_rng((self.seed, index))
+        rng = self._rng(index)
         return self.renderer.render(index, [index % len(self.renderer.images)], rng)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
         if self._cache is not None:
-            if not 0 <= index < self.num_samples:
-                raise IndexError(index)
+            self._check(index)
             c = self._cache
             return _as_image(c["images"][index]), int(c["labels"][index]), torch.from_numpy(np.array(c["item_masks"][index]))
         canvas = self.render(index)
         return torch.from_numpy(canvas.image), canvas.labels[0], torch.from_numpy(canvas.item_masks[0])
 
 
-class ClutteredFashionMNISTSeg(Dataset):
+class ClutteredFashionMNISTSeg(_ClutteredCanvases):
     """Segmentation: several Fashion-MNIST items per canvas among the same clutter.
 
     Items are ``(image (3, S, S) float in [0, 1], mask (S, S) long)`` with class
@@ -369,23 +386,14 @@ class ClutteredFashionMNISTSeg(Dataset):
             min_items = min(2, max_items)
         if not 1 <= min_items <= max_items:
             raise ValueError(f"need 1 <= min_items <= max_items, got {min_items} and {max_items}")
-        self.renderer = _ClutterRenderer(images, labels, image_size=image_size, item_size=item_size,
-                                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
-                                         mask_threshold=mask_threshold, max_items=max_items, seed=seed)
-        self.min_items, self.max_items = min_items, max_items
-        self.num_samples = len(images) if num_samples is None else int(num_samples)
-        self.image_size = image_size
-        self.seed = seed
-        self._cache = _canvas_cache(self, cache_dir) if cache_dir else None
-
-    def __len__(self) -> int:
-        return self.num_samples
+        self.min_items, self.max_items = min_items, max_items  # before the cache: part of its key
+        super().__init__(images, labels, image_size=image_size, num_samples=num_samples, item_size=item_size,
+                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
+                         mask_threshold=mask_threshold, max_items=max_items, seed=seed, cache_dir=cache_dir)
 
     def render(self, index: int) -> Canvas:
         """The full canvas ``index``."""
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        rng = np.random.default_rng((self.seed, index))
+        rng = self._rng(index)
         count = int(rng.integers(self.min_items, self.max_items + 1))
         pool = len(self.renderer.images)
         count = min(count, pool)
@@ -394,8 +402,7 @@ class ClutteredFashionMNISTSeg(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is not None:
-            if not 0 <= index < self.num_samples:
-                raise IndexError(index)
+            self._check(index)
             return _as_image(self._cache["images"][index]), torch.from_numpy(self._cache["masks"][index].astype(np.int64))
         canvas = self.render(index)
         return torch.from_numpy(canvas.image), torch.from_numpy(_class_map(canvas, self.image_size))
