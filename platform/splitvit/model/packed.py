@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -36,6 +37,17 @@ from timm.layers import DropPath
 Kernel = Callable[..., torch.Tensor]
 
 
+@lru_cache(maxsize=1)
+def _torch_varlen() -> tuple[Kernel | None, bool]:
+    """torch's ``varlen_attn`` (``None`` before torch 2.9) and whether it takes
+    ``scale`` (torch >= 2.10); looked up once, not on every forward pass."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False
+    return varlen_attn, "scale" in inspect.signature(varlen_attn).parameters
+
+
 def varlen_kernel(device: torch.device) -> Kernel | None:
     """torch's varlen (FlashAttention) kernel on CUDA, else ``None`` (torch has no CPU
     varlen kernel).
@@ -44,13 +56,9 @@ def varlen_kernel(device: torch.device) -> Kernel | None:
     forward outside autocast: threshold calibration, timing an fp32 model) takes
     :func:`padded_sdpa_kernel` instead, its indices built once per forward pass.
     """
-    if device.type != "cuda":
+    varlen_attn, takes_scale = _torch_varlen()
+    if device.type != "cuda" or varlen_attn is None:
         return None
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    takes_scale = "scale" in inspect.signature(varlen_attn).parameters  # torch >= 2.10
     fallback: dict[int, Kernel] = {}
 
     def kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
