@@ -71,16 +71,16 @@ def test_bad_config_in_a_method_names_the_key_before_ray_starts(tmp_path):
     assert cli(["study", str(write_study(tmp_path)), "--set", "train.epochs=-2"]) == 2
 
 
-def test_shipped_studies_validate_at_both_scales():
+def test_shipped_studies_validate_at_every_scale():
     for name in ("study_fashion", "study_fashion_seg"):
-        for scale in (None, "gpu"):
+        for scale in (None, "one-gpu", "gpu"):
             spec = load_study(ROOT / "search_spaces" / f"{name}.yaml", scale=scale)
             assert len(spec.seeds) >= 2 and {"full", "coarse", "entropy", "random", "learned"} <= {
                 spec.policy(m) for m in spec.methods}
             config = spec.run_config(1, next(iter(spec.methods)), "x")
             assert config.data.seed == 1 and config.train.warmup_epochs == 0
             assert spec.run_config(0, None, "b").model.policy == "learned"
-        assert spec.run_config(0, "full", "x").scaling.use_gpu  # the gpu scale's runs use GPUs
+            assert spec.run_config(0, "full", "x").scaling.use_gpu == (scale is not None)  # GPU scales use GPUs
 
 
 # ----------------------------------------------------------------- aggregation and goals

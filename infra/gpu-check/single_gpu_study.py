@@ -6,9 +6,10 @@ The study is the one ``splitvit study`` runs: the same file, scale and overrides
 (:func:`splitvit.tune.study.load_study`), the same per-run configs, the same
 evaluation at matched token ratios on the held-out split, the same aggregation,
 goals and speed comparison. Only the executor differs: instead of Ray Tune trials
-running Ray Train, each run is trained here by a plain loop on the shared training
-step (bf16 autocast, AdamW, warm-up + cosine schedule, gradient clipping, auto
-thresholds calibrated each epoch), in a pool of processes that share the GPU.
+running Ray Train, each run is trained here by ``splitvit.train.local.fit_local``
+with the config's schedule (bf16 autocast, AdamW, warm-up + cosine, gradient
+clipping, auto thresholds calibrated each epoch), in a pool of processes that
+share the GPU.
 Its JSON has the shape of ``splitvit study --json`` plus per-run training curves.
 
     python infra/gpu-check/single_gpu_study.py search_spaces/study_fashion.yaml --scale one-gpu \
@@ -49,16 +50,16 @@ def _spec(args: argparse.Namespace):
 
 
 def train_run(config, device: str) -> dict[str, Any]:
-    """Train ``config`` in this process; returns its checkpoint and per-epoch metrics.
-    A finished run (its ``model.pt`` present) is reused."""
+    """Train ``config`` in this process (:func:`splitvit.train.local.fit_local` with the
+    config's schedule, bf16 and auto thresholds); returns its checkpoint and per-epoch
+    metrics. A finished run (its ``model.pt`` and history present) is reused."""
     import torch
     from torch.utils.data import DataLoader
 
     from splitvit.config import AUTO_THRESHOLDS
-    from splitvit.data import build_dataset, first_images
+    from splitvit.data import build_dataset
     from splitvit.train.checkpoints import init_weights
-    from splitvit.train.local import warmup_cosine
-    from splitvit.train.steps import calibrate_thresholds, evaluate, training_step
+    from splitvit.train.local import fit_local, validate
 
     mc, dc, tc = config.model, config.data, config.train
     folder = Path(config.storage.resolved_path()) / config.storage.name
@@ -67,58 +68,34 @@ def train_run(config, device: str) -> dict[str, Any]:
     if checkpoint.is_file() and history_file.is_file():
         return {"checkpoint": str(checkpoint), **json.loads(history_file.read_text())}
     folder.mkdir(parents=True, exist_ok=True)
-    dev = torch.device(device)
     torch.manual_seed(dc.seed * 1000)
-    generator = torch.Generator().manual_seed(dc.seed * 1000 + 1)
     model = mc.build()
     if mc.init_from:
         init_weights(model, mc.init_from)
-    model.to(dev)
+    model.to(device)
     train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
     val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
-    loader = DataLoader(train_set, batch_size=dc.batch_size, shuffle=True, drop_last=True, num_workers=dc.num_workers,
-                        pin_memory=dev.type == "cuda", persistent_workers=dc.num_workers > 0,
-                        generator=torch.Generator().manual_seed(dc.seed))
     val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, num_workers=dc.num_workers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    steps = tc.epochs * len(loader)
-    warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * len(loader))
-    scheduler = warmup_cosine(optimizer, min(warmup, steps), steps)
-    loss_cfg = tc.loss_config()
-    amp = tc.amp and dev.type == "cuda"
-    history = []
-    started = time.time()
-    for epoch in range(tc.epochs):
-        model.train()
-        epoch_start = time.perf_counter()
-        totals: dict[str, float] = {}
-        for images, target, *_ in loader:
-            images, target = images.to(dev, non_blocking=True), target.to(dev, non_blocking=True)
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=amp):
-                loss, stats = training_step(model, images, target, loss_cfg, epoch, generator)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
-            if not torch.isfinite(norm):
-                raise FloatingPointError(f"{config.storage.name}: non-finite gradient norm at epoch {epoch}")
-            optimizer.step()
-            scheduler.step()
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value
-        train_time = time.perf_counter() - epoch_start
-        metrics = {f"train_{k}": v / len(loader) for k, v in totals.items()}
-        metrics["train_images_per_s"] = len(loader) * dc.batch_size / train_time
-        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=amp):
-            if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
-                calibration = first_images(val_set, dc.eval_batch_size or dc.batch_size).to(dev)
-                model.set_thresholds(calibrate_thresholds(model, calibration, tc.target_ratio))
-            metrics.update(evaluate(model, val_loader, num_classes=mc.num_classes))
-        metrics["epoch"] = epoch
-        history.append(metrics)
+    steps_per_epoch = len(train_set) // dc.batch_size
+    auto = mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded
+    history: list[dict[str, Any]] = []
+
+    def after_epoch(epoch: int, stats: dict[str, float]) -> None:
+        metrics = {f"train_{k}": v for k, v in stats.items() if k != "epoch"}
+        metrics.update(validate(model, val_set, val_loader, num_classes=mc.num_classes, amp=tc.amp,
+                                calibrate_to=tc.target_ratio if auto else None,
+                                calibration_images=dc.eval_batch_size or dc.batch_size))
+        history.append({**metrics, "epoch": epoch})
         log.info("%s epoch %d: %s", config.storage.name, epoch,
                  {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
+
+    started = time.time()
+    warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
+    fit_local(model, train_set, tc.loss_config(), epochs=tc.epochs, batch_size=dc.batch_size, lr=tc.lr,
+              weight_decay=tc.weight_decay, grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf, seed=dc.seed,
+              on_epoch=after_epoch, amp=tc.amp, warmup_steps=warmup, num_workers=dc.num_workers)
     model.save(checkpoint, extra={"epoch": tc.epochs - 1, "metrics": history[-1], "config": config.to_dict(redact=True)})
-    record = {"history": history, "train_seconds": time.time() - started, "steps": steps}
+    record = {"history": history, "train_seconds": time.time() - started, "steps": tc.epochs * steps_per_epoch}
     history_file.write_text(json.dumps(record, default=float))
     return {"checkpoint": str(checkpoint), **record}
 
@@ -222,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                              "from a smaller run's measured images/s and evaluation times, and exit")
     parser.add_argument("--budget-s", type=float, help="with --plan: seconds the study may take")
     args = parser.parse_args(argv)
+    if args.plan and args.budget_s is None:
+        parser.error("--plan needs --budget-s (the seconds the study may take)")
     if args.plan:
         print(json.dumps(plan_epochs(json.loads(Path(args.plan).read_text()), _spec(args), args.budget_s, args.workers)))
         return 0
@@ -284,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_table(result: dict[str, Any]) -> None:
+    from splitvit.tune.study import summary_lines
+
     metric = result["metric"]
     print(f"\n{result['name']} on {result['machine'].get('device_name', result['machine']['device'])}: "
           f"{len(result['seeds'])} seeds, backbone {result['backbone_epochs']} + method {result['method_epochs']} epochs, "
@@ -293,14 +274,8 @@ def _print_table(result: dict[str, Any]) -> None:
         ratio = "-" if r["target_ratio"] is None else f"{r['target_ratio']:.2f}"
         print(f"{r['method']:<12}{ratio:>7}{r['tokens_per_image']:>8.1f}{100 * r[metric]:>10.1f}"
               f"{100 * r[metric + '_std']:>7.1f}{100 * r[metric + '_min']:>7.1f}{100 * r[metric + '_max']:>7.1f}")
-    for key, goal in result["goals"].items():
-        if isinstance(goal, dict) and "met" in goal:
-            print(f"goal {key}: {'met' if goal['met'] else 'missed'} {json.dumps({k: v for k, v in goal.items() if k != 'margins'}, default=float)}")
-    if result["speed"]:
-        s = result["speed"]
-        print(f"speed: {s['method']} @ {s['target_ratio']}: {s['ratio']:.2f}x full resolution (ideal {s['ideal_ratio']:.2f}x)")
-    for failure in result["failed"]:
-        print("FAILED:", failure)
+    for line in summary_lines(result["goals"], result["speed"], result["failed"]):
+        print(line)
 
 
 if __name__ == "__main__":

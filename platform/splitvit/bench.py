@@ -154,6 +154,22 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+def time_beside_others(
+    fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int, sync: Callable[[], None] = lambda: None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]], float | None]:
+    """:func:`time_interleaved` with per-call CPU seconds, and the CPU cores that other
+    processes used on average meanwhile (``None`` without ``/proc/stat``): the check
+    that a timing was taken on a quiet machine."""
+    busy_before, own_before, wall_before = cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    cpu_samples: dict[str, list[float]] = {}
+    samples = time_interleaved(fns, repeats=repeats, warmup=warmup, sync=sync, cpu_samples=cpu_samples)
+    busy_after, own_after, wall_after = cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    others = None
+    if busy_before is not None and busy_after is not None:
+        others = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall_after - wall_before)
+    return samples, cpu_samples, others
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], Any]],
     *,
@@ -553,13 +569,7 @@ def run_forward_benchmark(
     with ExitStack() as stack:
         stack.enter_context(torch.inference_mode())
         stack.enter_context(autocast())
-        busy_before, own_before, wall_before = cpu_busy_seconds(), time.process_time(), time.perf_counter()
-        cpu_samples: dict[str, list[float]] = {}
-        samples = time_interleaved(fns, repeats=repeats, warmup=warmup, sync=sync, cpu_samples=cpu_samples)
-        busy_after, own_after, wall_after = cpu_busy_seconds(), time.process_time(), time.perf_counter()
-    others_cores = None
-    if busy_before is not None and busy_after is not None:
-        others_cores = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall_after - wall_before)
+        samples, cpu_samples, others_cores = time_beside_others(fns, repeats=repeats, warmup=warmup, sync=sync)
     timings = {
         name: {
             "median_s": statistics.median(s),

@@ -75,7 +75,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from .bench import (
     OTHER_LOAD_WARNING,
@@ -87,7 +87,7 @@ from .bench import (
     make_target,
     synchronizer,
     text_table,
-    time_interleaved,
+    time_beside_others,
 )
 from .config import AUTO_THRESHOLDS, ExperimentConfig
 from .model import SplitViT
@@ -282,13 +282,7 @@ def run_step_benchmark(
                                                        records[name]))
 
     log.info("bench train: timing %d training steps, %d warm-up + %d rounds", len(fns), warmup, rounds)
-    busy_before, own_before, wall_before = cpu_busy_seconds(), time.process_time(), time.perf_counter()
-    cpu_samples: dict[str, list[float]] = {}
-    samples = time_interleaved(fns, repeats=rounds, warmup=warmup, sync=sync, cpu_samples=cpu_samples)
-    busy_after, own_after, wall_after = cpu_busy_seconds(), time.process_time(), time.perf_counter()
-    others = None
-    if busy_before is not None and busy_after is not None:
-        others = max(0.0, (busy_after - busy_before) - (own_after - own_before)) / (wall_after - wall_before)
+    samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=sync)
 
     steps: dict[str, dict[str, Any]] = {}
     for name, s in samples.items():
@@ -391,20 +385,6 @@ def _whole_epochs(marks: list[dict[str, float]], epochs: list[dict[str, Any]]) -
             e["whole_epoch_s"], e["whole_epoch_cpu_s"] = b["wall"] - a["wall"], b["cpu"] - a["cpu"]
 
 
-class _OnDevice(Dataset):
-    """Items moved to ``device`` as they are loaded (``fit_local`` trains on the
-    batches as they come; the Ray loop moves them in ``prepare_data_loader``)."""
-
-    def __init__(self, data: Dataset, device: torch.device) -> None:
-        self.data, self.device = data, device
-
-    def __len__(self) -> int:
-        return len(self.data)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int):
-        return tuple(torch.as_tensor(x).to(self.device) for x in self.data[index])
-
-
 def overhead_config(config: ExperimentConfig, *, threads: int, device: str, storage: str, name: str,
                     tracking: bool = False, tracking_uri: str | None = None) -> ExperimentConfig:
     """``config`` as part B runs it: one worker with ``threads`` CPUs (and a GPU on
@@ -449,9 +429,8 @@ def _busy_since(start: tuple[float | None, float, float]) -> dict[str, float | N
 def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> dict[str, Any]:
     """The config trained by ``fit_local``, with validation (and threshold calibration)
     and a model save after every epoch, as the Ray loop does."""
-    from .data import build_dataset, first_images
-    from .train.local import fit_local
-    from .train.steps import calibrate_thresholds, evaluate
+    from .data import build_dataset
+    from .train.local import fit_local, validate
 
     mc, dc, tc = config.model, config.data, config.train
     start, wall = _busy(), time.perf_counter()
@@ -459,8 +438,6 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
     model = mc.build().to(device)
     train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
     val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
-    if device.type != "cpu":
-        train_set = _OnDevice(train_set, device)
     val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False)
     per_batch = (len(train_set) // dc.batch_size) * dc.batch_size
     extras: list[dict[str, float]] = []
@@ -468,10 +445,10 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
 
     def after_epoch(epoch: int, stats: dict[str, float]) -> None:
         t0 = time.perf_counter()
-        if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
-            images = first_images(val_set, dc.eval_batch_size or dc.batch_size).to(device)
-            model.set_thresholds(calibrate_thresholds(model, images, tc.target_ratio))
-        figures = evaluate(model, val_loader, num_classes=mc.num_classes)
+        auto = mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded
+        figures = validate(model, val_set, val_loader, num_classes=mc.num_classes,
+                           calibrate_to=tc.target_ratio if auto else None,
+                           calibration_images=dc.eval_batch_size or dc.batch_size)
         validated = time.perf_counter() - t0
         model.save(folder / f"epoch{epoch:04d}.pt", extra={"epoch": epoch, "metrics": {**stats, **figures}})
         extras.append({"validation_s": validated, "save_s": time.perf_counter() - t0 - validated, **figures})

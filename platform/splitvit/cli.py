@@ -448,7 +448,7 @@ def _add_study(sub) -> None:
 
 
 def _run_study(args) -> int:
-    from .tune.study import run_study
+    from .tune.study import run_study, summary_lines
 
     import ray
 
@@ -466,29 +466,9 @@ def _run_study(args) -> int:
                    metric: f"{r[metric]:.4f} ± {r[f'{metric}_std']:.4f}", "min": r[f"{metric}_min"], "max": r[f"{metric}_max"],
                    "images/s": r["images_per_s"]} for r in result.rows],
                  ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "images/s"])
-    goals = result.goals
-    if "match" in goals:
-        g = goals["match"]
-        print(f"\nSPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
-              f"{g['token_ratio']:.1%}: {g['gap_points']:+.2f} points below full (goal <= {g['goal_points']}): "
-              f"{'met' if g['met'] else 'MISSED'}")
-    if "above_baselines" in goals:
-        g = goals["above_baselines"]
-        w = g["worst"]
-        print(f"SPLIT above entropy and random at every ratio in {g['range']}: smallest margin {w['margin_points']:+.2f} "
-              f"points (vs {w['versus']} at {w['target_ratio']:.2f}): {'met' if g['met'] else 'MISSED'}")
-    if "margin_over_entropy" in goals:
-        g = goals["margin_over_entropy"]
-        print(f"SPLIT over entropy at {g['target_ratio']:.0%} tokens: {g['margin_points']:+.2f} points (goal >= "
-              f"{g['goal_points']}): {'met' if g['met'] else 'MISSED'}")
-    if result.speed:
-        s = result.speed
-        which = "matches full resolution" if s["matches_full"] else "best SPLIT point (none matches full resolution)"
-        print(f"speed ({which}: {s['method']} @ {s['target_ratio']}, seed {s['seed']}, batch {s['batch_size']} on "
-              f"{s['device']}): {s['split_images_per_s']:.0f} vs {s['full_images_per_s']:.0f} images/s = "
-              f"{s['ratio']:.2f}x (ideal {s['ideal_ratio']:.2f}x at {s['token_fraction']:.1%} tokens)")
-    for failure in result.failed:
-        print(f"failed: {failure}")
+    print()
+    for line in summary_lines(result.goals, result.speed, result.failed):
+        print(line)
     print(f"MLflow: experiment run {result.mlflow_run_id} in {result.tracking_uri}")
     write_json(args.json, result.to_dict())
     return 1 if result.failed and not result.runs else 0

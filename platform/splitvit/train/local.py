@@ -1,7 +1,8 @@
 """A plain single-process training loop on the shared SPLIT steps.
 
-Used by ``splitvit demo`` and as the plain-PyTorch reference that Ray Train's
-overhead is measured against.
+Used by ``splitvit demo``, as the plain-PyTorch reference that Ray Train's
+overhead is measured against, and by the single-GPU study runner
+(``infra/gpu-check``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..model.splitvit import SplitViT
-from .steps import SplitLossConfig, training_step
+from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +45,27 @@ def fit_local(
     grad_clip: float = 1.0,
     seed: int = 0,
     on_epoch: Callable[[int, dict[str, float]], None] | None = None,
+    amp: bool = False,
+    warmup_steps: int | None = None,
+    num_workers: int = 0,
 ) -> list[dict[str, float]]:
-    """Train ``model`` in this process; returns per-epoch mean statistics."""
+    """Train ``model`` in this process, on the device it is on; returns per-epoch
+    mean statistics.
+
+    ``amp``: bf16 autocast on CUDA (as the Ray loop with ``train.amp``).
+    ``warmup_steps``: linear learning-rate warm-up (default: an epoch, at most a
+    tenth of the run). ``num_workers``: data-loading processes.
+    """
     torch.manual_seed(seed)
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
+    device = next(model.parameters()).device
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
+                        pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
                         generator=torch.Generator().manual_seed(seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     steps = epochs * len(loader)
-    scheduler = warmup_cosine(optimizer, min(len(loader), steps // 10), steps)
+    warmup = min(len(loader), steps // 10) if warmup_steps is None else min(warmup_steps, steps)
+    scheduler = warmup_cosine(optimizer, warmup, steps)
+    use_amp = amp and device.type == "cuda"
     generator = torch.Generator().manual_seed(seed + 1)
     history = []
     model.train()
@@ -60,8 +74,9 @@ def fit_local(
         totals: dict[str, float] = {}
         seen = 0
         for batch in loader:
-            images, target = batch[0], batch[1]
-            loss, stats = training_step(model, images, target, cfg, epoch, generator)
+            images, target = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
+                loss, stats = training_step(model, images, target, cfg, epoch, generator)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -78,3 +93,19 @@ def fit_local(
         if on_epoch is not None:
             on_epoch(epoch, stats)
     return history
+
+
+def validate(model: SplitViT, val_set: Dataset, val_loader, *, num_classes: int | None,
+             calibrate_to: float | None = None, calibration_images: int = 64, amp: bool = False) -> dict[str, float]:
+    """End-of-epoch validation of a single-process run: thresholds calibrated to
+    ``calibrate_to`` on the first ``calibration_images`` of ``val_set`` (``None``: kept),
+    then :func:`~splitvit.train.steps.evaluate` on ``val_loader``, both in the
+    precision training ran in (the Ray loop does the same across its workers)."""
+    from ..data import first_images
+
+    device = next(model.parameters()).device
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp and device.type == "cuda"):
+        if calibrate_to is not None:
+            images = first_images(val_set, calibration_images).to(device)
+            model.set_thresholds(calibrate_thresholds(model, images, calibrate_to))
+        return evaluate(model, val_loader, num_classes=num_classes)

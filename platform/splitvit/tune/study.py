@@ -265,12 +265,12 @@ def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> Non
     stored = _stored(run_uri)
     if stored is None:
         started = time.time()
-        trained = fit_trial(spec.run_config(seed, None, name, storage))
+        config = spec.run_config(seed, None, name, storage)
+        trained = fit_trial(config)
         if trained["status"] != "completed" or trained["checkpoint"] is None:
             raise TrialFailed(f"backbone {name} {trained['status']}: {trained['message']}")
         stored = {"seed": seed, "checkpoint": trained["checkpoint"], "metrics": trained["metrics"],
-                  "train_seconds": time.time() - started, "run_uri": run_uri,
-                  "config": spec.run_config(seed, None, name, storage).flat()}
+                  "train_seconds": time.time() - started, "run_uri": run_uri, "config": config.flat()}
         write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
     tune.report({"done": 1, "result": json.dumps(stored, default=float)})
 
@@ -465,6 +465,35 @@ def matched_speed(spec: StudySpec, rows: list[dict[str, Any]], runs: list[dict[s
     speed.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed,
                   "matches_full": point["matches_full"], metric: point[metric]})
     return speed
+
+
+def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: list[str]) -> list[str]:
+    """The goals as measured, the speed comparison and the failed runs, one line each
+    (``splitvit study`` and the single-GPU runner print these under their table)."""
+    lines = []
+    if "match" in goals:
+        g = goals["match"]
+        lines.append(f"SPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
+                     f"{g['token_ratio']:.1%}: {g['gap_points']:+.2f} points below full (goal <= {g['goal_points']}): "
+                     f"{'met' if g['met'] else 'MISSED'}")
+    if "above_baselines" in goals:
+        g = goals["above_baselines"]
+        w = g["worst"]
+        lines.append(f"SPLIT above entropy and random at every ratio in {g['range']}: smallest margin "
+                     f"{w['margin_points']:+.2f} points (vs {w['versus']} at {w['target_ratio']:.2f}): "
+                     f"{'met' if g['met'] else 'MISSED'}")
+    if "margin_over_entropy" in goals:
+        g = goals["margin_over_entropy"]
+        lines.append(f"SPLIT over entropy at {g['target_ratio']:.0%} tokens: {g['margin_points']:+.2f} points (goal >= "
+                     f"{g['goal_points']}): {'met' if g['met'] else 'MISSED'}")
+    if speed:
+        s = speed
+        which = "matches full resolution" if s["matches_full"] else "best SPLIT point (none matches full resolution)"
+        lines.append(f"speed ({which}: {s['method']} @ {s['target_ratio']}, seed {s['seed']}, batch {s['batch_size']} "
+                     f"on {s['device']}): {s['split_images_per_s']:.0f} vs {s['full_images_per_s']:.0f} images/s = "
+                     f"{s['ratio']:.2f}x (ideal {s['ideal_ratio']:.2f}x at {s['token_fraction']:.1%} tokens)")
+    lines += [f"failed: {failure}" for failure in failed]
+    return lines
 
 
 # ---------------------------------------------------------------------- driver
