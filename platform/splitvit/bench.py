@@ -170,6 +170,14 @@ def time_beside_others(
     return samples, cpu_samples, others
 
 
+def timing_summary(samples: list[float], cpu_samples: list[float], batch_size: int) -> dict[str, Any]:
+    """One timed callable's figures: median/min/max seconds, images/s at the median,
+    the raw samples, and the process CPU seconds per call."""
+    median = statistics.median(samples)
+    return {"median_s": median, "min_s": min(samples), "max_s": max(samples), "images_per_s": batch_size / median,
+            "samples_s": samples, "cpu_median_s": statistics.median(cpu_samples), "cpu_samples_s": cpu_samples}
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], Any]],
     *,
@@ -571,15 +579,7 @@ def run_forward_benchmark(
         stack.enter_context(autocast())
         samples, cpu_samples, others_cores = time_beside_others(fns, repeats=repeats, warmup=warmup, sync=sync)
     timings = {
-        name: {
-            "median_s": statistics.median(s),
-            "min_s": min(s),
-            "max_s": max(s),
-            "images_per_s": batch_size / statistics.median(s),
-            "samples_s": s,
-            "cpu_median_s": statistics.median(cpu_samples[name]),
-            "cpu_samples_s": cpu_samples[name],
-        }
+        name: timing_summary(s, cpu_samples[name], batch_size)
         for name, s in samples.items()
     }
     med = {name: t["median_s"] for name, t in timings.items()}

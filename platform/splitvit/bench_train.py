@@ -88,6 +88,7 @@ from .bench import (
     synchronizer,
     text_table,
     time_beside_others,
+    timing_summary,
 )
 from .config import AUTO_THRESHOLDS, ExperimentConfig
 from .model import SplitViT
@@ -289,13 +290,7 @@ def run_step_benchmark(
         timed = records[name][warmup:] if records[name] else []
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
         steps[name] = {
-            "median_s": statistics.median(s),
-            "min_s": min(s),
-            "max_s": max(s),
-            "images_per_s": batch / statistics.median(s),
-            "samples_s": s,
-            "cpu_median_s": statistics.median(cpu_samples[name]),
-            "cpu_samples_s": cpu_samples[name],
+            **timing_summary(s, cpu_samples[name], batch),
             "token_fraction": fraction,
             "tokens_per_image": fraction * geometry.full_tokens,
             "ideal_ratio": 1.0 / fraction,
