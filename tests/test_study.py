@@ -17,7 +17,7 @@ from splitvit.config import ConfigError
 from splitvit.model import SplitViT
 from splitvit.train.checkpoints import init_weights
 from splitvit.tune.space import SearchSpaceError
-from splitvit.tune.study import Goals, aggregate, check_goals, load_study, matched_point
+from splitvit.tune.study import Goals, aggregate, check_goals, load_study, matched_point, summary_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -194,3 +194,12 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert "backbone-s0 (train.weight_decay)" in err and "split-s0 (train.weight_decay)" in err and "--name" in err
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
     assert len(client.search_runs([exp.experiment_id])) == runs_before
+
+
+@pytest.mark.parametrize("gap, words, verdict", [(7.55, "7.55 points below full", "MISSED"),
+                                                 (-0.3, "0.30 points above full", "met")])
+def test_summary_line_states_the_gap_to_full_resolution_in_words(gap: float, words: str, verdict: str) -> None:
+    match = {"max_token_ratio": 0.5, "method": "split-0.45", "token_ratio": 0.4956, "gap_points": gap,
+             "goal_points": 0.5, "met": gap <= 0.5}
+    (line,) = summary_lines({"match": match}, None, [])
+    assert words in line and line.endswith(verdict) and "49.6%" in line

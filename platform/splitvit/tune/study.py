@@ -474,7 +474,8 @@ def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: l
     if "match" in goals:
         g = goals["match"]
         lines.append(f"SPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
-                     f"{g['token_ratio']:.1%}: {g['gap_points']:+.2f} points below full (goal <= {g['goal_points']}): "
+                     f"{g['token_ratio']:.1%}: {abs(g['gap_points']):.2f} points {'below' if g['gap_points'] > 0 else 'above'} "
+                     f"full (goal: at most {g['goal_points']} below): "
                      f"{'met' if g['met'] else 'MISSED'}")
     if "above_baselines" in goals:
         g = goals["above_baselines"]
