@@ -467,6 +467,10 @@ def matched_speed(spec: StudySpec, rows: list[dict[str, Any]], runs: list[dict[s
     return speed
 
 
+def _verdict(goal: dict[str, Any]) -> str:
+    return "met" if goal["met"] else "MISSED"
+
+
 def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: list[str]) -> list[str]:
     """The goals as measured, the speed comparison and the failed runs, one line each
     (``splitvit study`` and the single-GPU runner print these under their table)."""
@@ -476,17 +480,17 @@ def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: l
         lines.append(f"SPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
                      f"{g['token_ratio']:.1%}: {abs(g['gap_points']):.2f} points {'below' if g['gap_points'] > 0 else 'above'} "
                      f"full (goal: at most {g['goal_points']} below): "
-                     f"{'met' if g['met'] else 'MISSED'}")
+                     f"{_verdict(g)}")
     if "above_baselines" in goals:
         g = goals["above_baselines"]
         w = g["worst"]
         lines.append(f"SPLIT above entropy and random at every ratio in {g['range']}: smallest margin "
                      f"{w['margin_points']:+.2f} points (vs {w['versus']} at {w['target_ratio']:.2f}): "
-                     f"{'met' if g['met'] else 'MISSED'}")
+                     f"{_verdict(g)}")
     if "margin_over_entropy" in goals:
         g = goals["margin_over_entropy"]
         lines.append(f"SPLIT over entropy at {g['target_ratio']:.0%} tokens: {g['margin_points']:+.2f} points (goal >= "
-                     f"{g['goal_points']}): {'met' if g['met'] else 'MISSED'}")
+                     f"{g['goal_points']}): {_verdict(g)}")
     if speed:
         s = speed
         which = "matches full resolution" if s["matches_full"] else "best SPLIT point (none matches full resolution)"
