@@ -294,10 +294,14 @@ def test_failing_job_reports_its_id_and_log_tail(on_stack, tmp_path, capsys):
     err = capsys.readouterr().err
     # --json came after the job's arguments, so it went to the job, which never wrote it
     assert not out.exists()
-    first = err.splitlines()[0]
+    lines = err.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("splitvit submit: error:")]
+    assert len(errors) == 1, err
+    first = lines[errors[0]]
     assert first.startswith("splitvit submit: error: job raysubmit_") and " FAILED on " in first
     job_id = first.split("job ", 1)[1].split()[0]
-    assert "last " in err and "lines of its log:" in err
+    # the error line comes first, the job's log tail after it
+    assert any("lines of its log:" in line for line in lines[errors[0]:]), err
     assert "config error: train.epochs: must be >= 1, got 0" in err
     assert f"ray job logs {job_id} --address {on_stack.state.dashboard_url}" in err
 
