@@ -211,7 +211,9 @@ def test_test_session_ray_is_a_local_instance(fake_ray_init):
     from tests.fixtures_ray import RAY_CPUS, RaySession
 
     RaySession().ensure()
-    assert fake_ray_init == [{"address": "local", "num_cpus": RAY_CPUS, "include_dashboard": False}]
+    # a fresh local instance whose processes' output stays out of the tests' captured stderr
+    assert fake_ray_init == [{"address": "local", "num_cpus": RAY_CPUS, "include_dashboard": False,
+                              "log_to_driver": False}]
 
 
 # ---------------------------------------------------------------------- a fit through the CLI
