@@ -448,6 +448,8 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
         model.save(folder / f"epoch{epoch:04d}.pt", extra={"epoch": epoch, "metrics": {**stats, **figures}})
         extras.append({"validation_s": validated, "save_s": time.perf_counter() - t0 - validated, **figures})
         marks.append({"epoch": epoch + 1, "wall": time.perf_counter(), "cpu": time.process_time()})
+        log.info("bench train: plain run epoch %d: %s", epoch,
+                 {k: round(v, 4) for k, v in {**stats, **figures}.items() if isinstance(v, float)})
 
     history = fit_local(model, train_set, tc.loss_config(), epochs=tc.epochs, batch_size=dc.batch_size, lr=tc.lr,
                         weight_decay=tc.weight_decay, grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,

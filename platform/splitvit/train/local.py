@@ -52,7 +52,9 @@ def fit_local(
     """Train ``model`` in this process, on the device it is on; returns per-epoch
     mean statistics.
 
-    ``amp``: bf16 autocast on CUDA (as the Ray loop with ``train.amp``).
+    ``on_epoch(epoch, stats)``: called after each epoch, and then it reports the
+    epoch (else this function logs it). ``amp``: bf16 autocast on CUDA (as the Ray
+    loop with ``train.amp``).
     ``warmup_steps``: linear learning-rate warm-up (default: an epoch, at most a
     tenth of the run). ``num_workers``: data-loading processes.
     """
@@ -89,9 +91,10 @@ def fit_local(
         stats["epoch"] = epoch
         stats["images_per_s"] = seen / (time.perf_counter() - start)
         history.append(stats)
-        log.info("epoch %d: %s", epoch, stats)
         if on_epoch is not None:
-            on_epoch(epoch, stats)
+            on_epoch(epoch, stats)  # the caller reports the epoch, with its own validation figures
+        else:
+            log.info("epoch %d: %s", epoch, stats)
     return history
 
 
