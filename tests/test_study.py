@@ -179,8 +179,11 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     # and MLflow keeps one child run per method and seed
     checkpoints = sorted(p.name for p in train.rglob("checkpoint_epoch*"))
     again = tmp_path / "again.json"
+    capsys.readouterr()
     assert cli(["study", str(spec), "--name", "e2e", "--json", str(again)]) == 0
     assert json.loads(again.read_text())["rows"] == data["rows"]
+    assert [r["reused"] for r in data["runs"]] == [False] * 3 and [r["reused"] for r in json.loads(again.read_text())["runs"]] == [True] * 3
+    assert "3 runs (3 finished earlier, reused)" in capsys.readouterr().out
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert len(children) == 3

@@ -460,7 +460,9 @@ def _run_study(args) -> int:
         if ours and ray.is_initialized():
             ray.shutdown()
     metric = result.metric
-    print(f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs, {result.seconds / 60:.1f} min")
+    reused = sum(bool(r.get("reused")) for r in result.runs)
+    print(f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs"
+          f"{f' ({reused} finished earlier, reused)' if reused else ''}, {result.seconds / 60:.1f} min")
     _print_table([{"method": r["method"], "target ratio": r["target_ratio"] if r["target_ratio"] is not None else "-",
                    "token ratio": r["token_ratio"], "tokens/image": r["tokens_per_image"],
                    metric: f"{r[metric]:.4f} ± {r[f'{metric}_std']:.4f}", "min": r[f"{metric}_min"], "max": r[f"{metric}_max"],

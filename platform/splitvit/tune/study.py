@@ -286,6 +286,7 @@ def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbone
     name = f"{method}-s{seed}"
     run_uri = join_uri(storage, name)
     stored = _stored(run_uri)
+    reused = stored is not None
     if stored is None:
         started = time.time()
         config = spec.run_config(seed, method, name, storage, init_from=backbones[seed])
@@ -302,7 +303,8 @@ def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbone
                   "eval_seconds": time.time() - started - train_seconds, "run_uri": run_uri,
                   "config": config.flat(), "evaluation": _evaluation(spec)}
         write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
-    tune.report({"done": 1, "result": json.dumps(stored, default=float)})
+    # "reused": finished by an earlier invocation of the study (its times are that one's)
+    tune.report({"done": 1, "result": json.dumps({**stored, "reused": reused}, default=float)})
 
 
 def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split: str, samples: int | None,
