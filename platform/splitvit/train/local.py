@@ -52,9 +52,9 @@ def fit_local(
     """Train ``model`` in this process, on the device it is on; returns per-epoch
     mean statistics.
 
-    ``on_epoch(epoch, stats)``: called after each epoch, and then it reports the
-    epoch (else this function logs it). ``amp``: bf16 autocast on CUDA (as the Ray
-    loop with ``train.amp``).
+    ``on_epoch(epoch, stats)``: called after each epoch; the caller then reports
+    the epoch (without one, this function logs it). ``amp``: bf16 autocast on CUDA
+    (as the Ray loop with ``train.amp``).
     ``warmup_steps``: linear learning-rate warm-up (default: an epoch, at most a
     tenth of the run). ``num_workers``: data-loading processes.
     """
