@@ -377,7 +377,7 @@ def _pair(policy: str, buckets: int = 1, vit_kwargs: dict | None = None, **kwarg
 
 
 @pytest.mark.parametrize("task", ["classification", "dense"])
-@pytest.mark.parametrize("pool_kwargs", [{}, dict(global_pool="avg", class_token=False)])
+@pytest.mark.parametrize("pool_kwargs", [{}, dict(global_pool="avg", class_token=False), dict(qk_norm=True)])
 @pytest.mark.parametrize("buckets", [1, 3])
 def test_packed_equals_padded_in_eval(task, pool_kwargs, buckets):
     extra = dict(task="dense", num_classes=3) if task == "dense" else {}
@@ -502,6 +502,60 @@ def test_padded_sdpa_kernel_matches_reference_kernel():
     assert padded_sdpa_kernel(bimodal).padded_rows == 3 * 100 + 2 * 2  # automatic groups: no padding here
     with pytest.raises(ValueError, match="other sequence offsets"):
         padded_sdpa_kernel(cu, 1)(q, k, v, cu.flip(0), cu, 9, 9)
+    # the fused form takes the qkv projection's (T, 3 * H * hd) rows as they come
+    qkv = torch.stack([q, k, v], dim=1).reshape(total, 3 * 2 * 8)
+    for groups in (None, 1, 6):
+        fused = padded_sdpa_kernel(cu, groups).qkv_attention(qkv, 2, 8, scale=0.3)
+        assert (fused.view(total, 2, 8) - expected).abs().max().item() <= 1e-5
+
+
+def _count_block_calls(model: SplitViT, fn) -> int:
+    calls = []
+    hooks = [b.register_forward_hook(lambda *_: calls.append(1)) for b in model.vit.blocks]
+    try:
+        fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return len(calls)
+
+
+def test_policy_with_own_blocks_runs_none_of_the_vits_blocks_and_learns():
+    """``policy_width``: the learned policy's own narrow blocks replace the ViT's
+    shared ones (the cost that kept SPLIT from its ideal speed at ViT-B size)."""
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    shared = tiny_model("learned")  # policy_depth=1: one shared block
+    own = SplitViT.from_timm(tiny_vit(32), levels=3, policy="learned", image_size=32, policy_depth=2, policy_width=16)
+    assert _count_block_calls(shared, lambda: shared.split_scores(images)) == 1
+    assert _count_block_calls(own, lambda: own.split_scores(images)) == 0
+    assert len(own.policy.blocks) == 2 and own.policy.blocks[0].attn.qkv.in_features == 16
+    own.train()
+    out = own(images)
+    loss = torch.nn.functional.cross_entropy(out.logits, labels) + budget_penalty(out.expected_tokens / out.full_tokens, 0.3)
+    loss.backward()
+    assert own.policy.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    assert own.policy.proj.weight.grad.abs().sum() > 0
+    assert own.vit.blocks[0].attn.qkv.weight.grad is not None  # the task loss still trains the ViT
+    own.set_policy("learned")  # rebuilt by name: the same settings
+    assert own.policy.own_blocks and len(own.policy.blocks) == 2
+
+
+def test_policy_width_survives_save_and_load(tmp_path):
+    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=3, policy="learned", image_size=32, num_classes=5,
+                               timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2),
+                               policy_width=16, policy_depth=1).eval()
+    model.save(tmp_path / "m.pt")
+    loaded = SplitViT.load(tmp_path / "m.pt").eval()
+    assert loaded.policy.own_blocks and loaded.policy_width == 16
+    images = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(images).logits, loaded(images).logits)
+
+
+@pytest.mark.parametrize("width", [0, 129])
+def test_bad_policy_width_names_it(width):
+    with pytest.raises(ValueError, match="policy_width"):
+        SplitViT.from_timm(tiny_vit(32), levels=3, policy="learned", image_size=32, policy_width=width)
 
 
 @pytest.mark.parametrize("seed", range(5))

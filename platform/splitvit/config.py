@@ -43,6 +43,9 @@ class ConfigError(ValueError):
         self.reason = reason
         super().__init__(f"config error: {key}: {reason}")
 
+    def __reduce__(self):  # Ray pickles a worker's exception: rebuild from key and reason
+        return (type(self), (self.key, self.reason), dict(self.__dict__))
+
 
 # ---------------------------------------------------------------------- sections
 #: ``model.thresholds`` value that calibrates thresholds to ``train.target_ratio``.
@@ -58,7 +61,11 @@ class ModelConfig:
             ``num_heads``, ``patch_size``...); the ViT's patch size is the finest patch.
         levels: quadtree levels ``L``.
         policy: ``learned``, ``entropy``, ``random``, ``full`` or ``coarse``.
-        policy_depth: ViT blocks the learned policy runs on the coarse tokens.
+        policy_depth: ViT blocks the learned policy runs on the coarse tokens (with
+            ``policy_width``: blocks of its own).
+        policy_width: give the learned policy its own blocks of this width instead of
+            the ViT's first ones (``null``: share the ViT's): a policy that costs
+            little beside a wide ViT (see ``splitvit bench``).
         thresholds: per-level split thresholds in ``[0, 1]`` (one number: every level),
             or ``auto``: after every epoch the thresholds are calibrated on validation
             images so the model meets ``train.target_ratio`` (the checkpoint keeps them).
@@ -81,6 +88,7 @@ class ModelConfig:
     levels: int = 3
     policy: str = "learned"
     policy_depth: int = 2
+    policy_width: int | None = None
     thresholds: float | list[float] | str = "auto"
     task: str = "classification"
     num_classes: int = 10
@@ -105,6 +113,7 @@ class ModelConfig:
             timm_kwargs=dict(self.timm_kwargs),
             thresholds=0.5 if self.thresholds == AUTO_THRESHOLDS else self.thresholds,
             policy_depth=self.policy_depth,
+            policy_width=self.policy_width,
             task=self.task,
             length_buckets=self.length_buckets,
         )
@@ -564,7 +573,13 @@ def _validate_model(m: ModelConfig) -> None:
         except ValueError as exc:
             raise ConfigError("model.image_size", str(exc)) from None
     depth = len(getattr(vit, "blocks", []))
-    _require(0 <= m.policy_depth <= depth, "model.policy_depth", f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}")
+    if m.policy_width is None:
+        _require(0 <= m.policy_depth <= depth, "model.policy_depth", f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}")
+    else:
+        _require(m.policy_depth >= 0, "model.policy_depth", f"must be >= 0, got {m.policy_depth}")
+        heads = max(1, m.policy_width // 64)
+        _require(m.policy_width >= 1 and m.policy_width % heads == 0, "model.policy_width",
+                 f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {m.policy_width}")
     try:
         # whatever else SplitViT checks; weights are loaded on the workers, not here
         with torch.device("meta"):

@@ -208,7 +208,21 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.index_select(0, slot).view(-1, heads, head_dim)
 
+    def qkv_kernel(qkv: torch.Tensor, heads: int, head_dim: int, scale: float | None = None) -> torch.Tensor:
+        """Attention from the packed ``qkv`` projection ``(T, 3 * H * hd)`` itself: one
+        row copy into the padded layout (q, k and v as strided views of it, as in timm's
+        own ``Attention``) instead of three copies of non-contiguous q, k and v."""
+        buf = scatter(qkv, 3)
+        outs = []
+        for start, n, longest, mask in layout:
+            q, k, v = buf[start : start + n * longest].view(n, longest, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            res = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            outs.append(res.transpose(1, 2).reshape(n * longest, heads * head_dim))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.index_select(0, slot)
+
     kernel.padded_rows = rows  # type: ignore[attr-defined]  # attention slots incl. padding
+    kernel.qkv_attention = qkv_kernel  # type: ignore[attr-defined]
     return kernel
 
 
@@ -281,10 +295,15 @@ def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.
 def packed_attention(attn: nn.Module, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
     """timm ``Attention.forward`` on packed tokens ``(T, D)``."""
     total = x.shape[0]
-    q, k, v = attn.qkv(x).reshape(total, 3, attn.num_heads, attn.head_dim).unbind(1)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    out = kernel(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len, scale=attn.scale)
-    out = out.reshape(total, attn.num_heads * attn.head_dim)
+    qkv = attn.qkv(x)
+    fused = getattr(kernel, "qkv_attention", None)
+    if fused is not None and isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity):
+        out = fused(qkv, attn.num_heads, attn.head_dim, scale=attn.scale)
+    else:
+        q, k, v = qkv.reshape(total, 3, attn.num_heads, attn.head_dim).unbind(1)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        out = kernel(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len, scale=attn.scale)
+        out = out.reshape(total, attn.num_heads * attn.head_dim)
     out = attn.norm(out) if hasattr(attn, "norm") else out
     return attn.proj_drop(attn.proj(out))
 
