@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from splitvit.bench import (
+    BENCH_POLICIES,
+    CPU_SPEEDUP_TARGETS,
+    OUTSIDE_BLOCKS_TARGET,
     OVERHEAD_TARGET,
-    POLICY_SHARE_TARGET,
-    SPEEDUP_TARGET,
     benchmark_images,
+    benchmark_vit,
     build_benchmark_models,
     format_report,
     measure_memory,
+    point_key,
     run_forward_benchmark,
     time_interleaved,
 )
@@ -24,20 +27,20 @@ from .helpers import walk_numbers
 
 TINY = dict(embed_dim=32, depth=2, num_heads=2)
 BATCH = 4
+RATIOS = (0.5, 0.7)
 
 
 @pytest.fixture(scope="module")
 def result() -> dict:
     torch.manual_seed(0)
     return run_forward_benchmark(
-        batch_size=BATCH, image_size=64, patch_size=8, levels=3, repeats=2, warmup=0,
-        timm_kwargs=TINY, num_classes=10, memory=("profiler",),
+        "vit_tiny_patch16_224", image_size=64, patch_size=8, batch_size=BATCH, ratios=RATIOS, repeats=2, warmup=0,
+        policy_width=16, buckets=(1, 4), timm_kwargs=TINY, num_classes=10, memory=("profiler",),
     )
 
 
 def test_structure_and_json(result):
-    for key in ("config", "machine", "tokens", "timings", "ideal", "ratios", "ratios_fastest", "ratios_cpu_time", "memory", "checks",
-                "targets", "warnings"):
+    for key in ("config", "machine", "timings", "points", "overhead", "memory", "checks", "targets", "warnings"):
         assert key in result, key
     json.dumps(result, allow_nan=False)  # JSON-serialisable, every number finite
     for path, value in walk_numbers(result):
@@ -45,16 +48,25 @@ def test_structure_and_json(result):
     machine = result["machine"]
     assert machine["cpu_count"] >= 1 and machine["torch_version"] == torch.__version__ and machine["device"] == "cpu"
     cfg = result["config"]
+    assert cfg["levels"] == 3  # 64 px, 8-px patches: the deepest quadtree that divides the image
     assert cfg["full_tokens"] == (64 // 8) ** 2 and cfg["min_tokens"] == (64 // 32) ** 2
     assert cfg["embed_dim"] == 32 and cfg["depth"] == 2 and cfg["batch_size"] == BATCH
+    # one entry per measured ratio and policy, with the figures the issue names
+    points = result["points"]
+    assert [(p["policy"], p["target_ratio"]) for p in points] == [(pol, r) for pol in BENCH_POLICIES for r in RATIOS]
+    for p in points:
+        for key in ("token_ratio", "speedup_vs_timm", "ideal_speedup", "breakdown_s", "outside_blocks_share"):
+            assert key in p, key
 
 
 def test_timings_positive_and_consistent(result):
-    expected = {"timm", "split_full", "learned_packed", "learned_padded_b1", "learned_padded_b4", "entropy_packed",
-                "entropy_padded_b1", "entropy_padded_b4", "policy_learned", "policy_entropy", "seq_full", "seq_learned",
-                "seq_entropy"}
-    assert set(result["timings"]) == expected
-    for name, t in result["timings"].items():
+    timings = result["timings"]
+    lengths = {max(1, round(p["tokens"]["mean"])) for p in result["points"]} | {result["config"]["full_tokens"]}
+    expected = {"timm", "split_full", *(f"seq/{n}" for n in lengths), *(f"policy/{p}" for p in BENCH_POLICIES)}
+    for p in result["points"]:
+        expected |= {p["key"], f"{p['key']}/encoder", f"{p['key']}/padded_b1", f"{p['key']}/padded_b4"}
+    assert set(timings) == expected
+    for name, t in timings.items():
         assert len(t["samples_s"]) == result["config"]["repeats"]
         assert all(s > 0 for s in t["samples_s"]), name
         assert t["min_s"] <= t["median_s"] <= t["max_s"]
@@ -63,55 +75,56 @@ def test_timings_positive_and_consistent(result):
 
 
 def test_tokens_near_budget_and_padding(result):
-    tokens, full = result["tokens"], result["config"]["full_tokens"]
-    assert tokens["timm"]["fraction"] == 1.0 and tokens["split_full"]["mean"] == full
-    assert tokens["split_full"]["padding_waste"] == 0.0
-    for policy in ("learned", "entropy"):
-        packed, b1, b4 = tokens[f"{policy}_packed"], tokens[f"{policy}_padded_b1"], tokens[f"{policy}_padded_b4"]
-        assert abs(packed["fraction"] - 0.5) < 0.1, (policy, packed["fraction"])
-        assert packed["mean"] == b1["mean"] == b4["mean"]  # same policy object, same decisions
-        for t in (packed, b1, b4):
-            assert t["min"] <= t["mean"] <= t["max"] <= full
-            assert t["attention_slots"] >= t["padded_slots"] >= t["real_tokens"] == round(t["mean"] * BATCH)
-            assert t["padding_waste"] == pytest.approx((t["padded_slots"] - t["real_tokens"]) / t["real_tokens"])
-            assert t["attention_padding_waste"] == pytest.approx((t["attention_slots"] - t["real_tokens"]) / t["real_tokens"])
-        assert packed["padded_slots"] == packed["real_tokens"]  # packed: no padding outside attention
-        assert packed["attention_slots"] <= b1["attention_slots"]
-        assert b1["padded_slots"] == b1["attention_slots"] == b1["max"] * BATCH  # one bucket: all padded to the longest
-        assert b4["padded_slots"] <= b1["padded_slots"]
+    full = result["config"]["full_tokens"]
+    for p in result["points"]:
+        tokens = p["tokens"]
+        assert abs(p["token_ratio"] - p["target_ratio"]) < 0.1, (p["key"], p["token_ratio"])
+        assert p["token_ratio"] == tokens["fraction"] and tokens["min"] <= tokens["mean"] <= tokens["max"] <= full
+        assert tokens["padded_slots"] == tokens["real_tokens"] == round(tokens["mean"] * BATCH)  # packed: no padding
+        b1, b4 = p["padded_tokens"]["b1"], p["padded_tokens"]["b4"]
+        assert b1["mean"] == b4["mean"] == tokens["mean"]  # the same policy object, the same decisions
+        assert b1["padded_slots"] == b1["max"] * BATCH and b4["padded_slots"] <= b1["padded_slots"]
 
 
-def test_ideal_and_ratios_from_measured_values(result):
+def test_speedups_ideal_and_breakdown_from_measured_values(result):
     med = {name: t["median_s"] for name, t in result["timings"].items()}
-    ratios = result["ratios"]
-    assert ratios["split_full_overhead"] == pytest.approx(med["split_full"] / med["timm"] - 1)
-    for policy in ("learned", "entropy"):
-        ideal = result["ideal"][policy]
-        assert ideal["sequence_tokens"] == max(1, round(result["tokens"][f"{policy}_packed"]["mean"]))
-        assert ideal["seq_full_s"] == med["seq_full"] and ideal["seq_split_s"] == med[f"seq_{policy}"]
-        assert ideal["ratio"] == pytest.approx(med["seq_full"] / med[f"seq_{policy}"])
-        for key in (f"{policy}_packed", f"{policy}_padded_b1", f"{policy}_padded_b4"):
-            assert ratios[f"{key}_speedup_vs_timm"] == pytest.approx(med["timm"] / med[key])
-            assert ratios[f"{key}_efficiency"] == pytest.approx(med["timm"] / med[key] / ideal["ratio"])
-        assert ratios[f"policy_{policy}_share"] == pytest.approx(med[f"policy_{policy}"] / med[f"{policy}_packed"])
-    fastest = {name: t["min_s"] for name, t in result["timings"].items()}
-    assert result["ratios_fastest"]["split_full_overhead"] == pytest.approx(fastest["split_full"] / fastest["timm"] - 1)
-    assert result["ratios_fastest"]["learned_padded_b4_speedup_vs_timm"] == pytest.approx(
-        fastest["timm"] / fastest["learned_padded_b4"])
-    cpu = {name: t["cpu_median_s"] for name, t in result["timings"].items()}
-    assert result["ratios_cpu_time"]["entropy_packed_speedup_vs_timm"] == pytest.approx(cpu["timm"] / cpu["entropy_packed"])
-    # the full policy is timm's own forward
-    assert result["checks"]["split_full_vs_timm_max_abs_logit_diff"] < 1e-4
+    full = result["config"]["full_tokens"]
+    assert result["overhead"]["split_full_vs_timm"] == pytest.approx(med["split_full"] / med["timm"] - 1)
+    for p in result["points"]:
+        key, n = p["key"], p["sequence_tokens"]
+        assert n == max(1, round(p["tokens"]["mean"]))
+        assert p["speedup_vs_timm"] == pytest.approx(med["timm"] / med[key])
+        assert p["ideal_speedup"] == pytest.approx(med[f"seq/{full}"] / med[f"seq/{n}"])
+        assert p["efficiency"] == pytest.approx(p["speedup_vs_timm"] / p["ideal_speedup"])
+        b = p["breakdown_s"]
+        assert b["forward"] == med[key] and b["policy"] == med[f"policy/{p['policy']}"]
+        assert b["blocks_fixed_length"] == med[f"seq/{n}"]
+        assert b["attention_packing"] == pytest.approx(med[f"{key}/encoder"] - med[f"seq/{n}"])
+        assert sum(v for k, v in b.items() if k != "forward") == pytest.approx(b["forward"])
+        assert p["outside_blocks_share"] == pytest.approx((med[key] - med[f"{key}/encoder"]) / med[key])
+        assert p["padded_speedup_vs_timm"]["b4"] == pytest.approx(med["timm"] / med[f"{key}/padded_b4"])
+    assert result["checks"]["split_full_vs_timm_max_abs_logit_diff"] < 1e-4  # the full policy is timm's own forward
+
+
+def test_learned_variants_differ_only_in_the_policys_blocks():
+    vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=48, patch_size=8, timm_kwargs=TINY)
+    models = build_benchmark_models(vit, levels=levels, policy_width=16, policy_depth=1)
+    assert levels == 2  # 48 px, 8-px patches: 32-px coarse patches would not tile it, 16-px ones do
+    assert models["learned"].policy.own_blocks and not models["learned_shared"].policy.own_blocks
+    assert models["learned"].vit is models["learned_shared"].vit is vit
+    assert benchmark_vit("vit_base_patch16_224", timm_kwargs=dict(depth=1))[1] == 2  # 224 px: 32-px coarse patches
 
 
 def test_targets_report_what_was_measured(result):
     targets = result["targets"]
-    assert [t["key"] for t in targets].count("a") == 1
-    assert [t["key"] for t in targets].count("b") == 2 and [t["key"] for t in targets].count("c") == 2
-    assert all("(packed)" in t["what"] for t in targets if t["key"] == "b")  # the default path is judged
-    bounds = {"a": OVERHEAD_TARGET, "b": SPEEDUP_TARGET, "c": POLICY_SHARE_TARGET}
+    keys = [t["key"] for t in targets]
+    assert keys.count("a") == 1 and keys.count("b") == len(CPU_SPEEDUP_TARGETS) and keys.count("c") == len(RATIOS)
     for t in targets:
-        assert t["bound"] == bounds[t["key"]]
+        if t["key"] == "b":
+            point = next(p for p in result["points"] if p["policy"] == "learned" and f"{p['token_ratio']:.0%}" in t["what"])
+            assert t["bound"] == CPU_SPEEDUP_TARGETS[point["target_ratio"]] and t["value"] == point["speedup_vs_timm"]
+        else:
+            assert t["bound"] == {"a": OVERHEAD_TARGET, "c": OUTSIDE_BLOCKS_TARGET}[t["key"]]
         assert t["passed"] == (t["value"] <= t["bound"] if t["op"] == "<=" else t["value"] >= t["bound"])
         rounds = t["per_round"]
         assert len(rounds["values"]) == result["config"]["repeats"]
@@ -121,23 +134,22 @@ def test_targets_report_what_was_measured(result):
     assert overhead["per_round"]["values"] == pytest.approx([f / t - 1 for f, t in zip(samples["split_full"], samples["timm"])])
     report = format_report(result)
     assert report.count("PASS") + report.count("MISS") == len(targets)
-    for label in ("timm ViT (full res)", "SplitViT full", "SplitViT learned packed", "SplitViT entropy padded buckets=4",
-                  "attn pad", "entropy split_scores",
-                  "ideal speed-up", "fastest round", "process CPU time", "d. peak memory", "profiler"):
-        assert label in report
+    for label in ("timm ViT (full res)", "SplitViT full", f"SplitViT {point_key('learned', 0.5)}", "encoder",
+                  "padded buckets=4", "learned_shared split_scores", "outside blocks", "ideal =", "time breakdown",
+                  "fastest round", "process CPU time", "d. peak memory", "profiler", "1.85x"):
+        assert label in report, label
 
 
 def test_profiler_memory(result):
     memory = result["memory"]
     assert set(memory["methods"]) == {"profiler"}
-    assert set(memory["models"]) == {"timm", "split_full", "learned_packed", "learned_padded_b1", "learned_padded_b4",
-                                     "entropy_packed", "entropy_padded_b1", "entropy_padded_b4"}
+    assert set(memory["models"]) == {"timm", "split_full", *(point_key(p, 0.5) for p in BENCH_POLICIES)}
     for name, m in memory["models"].items():
         assert m["profiler_peak"] > 0, name
 
 
 def test_rss_memory_probe_in_fresh_subprocess():
-    vit, _ = build_benchmark_models(image_size=32, levels=2, timm_kwargs=TINY, num_classes=10)
+    vit, _ = benchmark_vit("vit_tiny_patch16_224", image_size=32, patch_size=8, timm_kwargs=TINY, num_classes=10)
     out = measure_memory({"timm": (vit, "timm")}, benchmark_images(2, 32), methods=("rss",))
     m = out["models"]["timm"]
     assert "rss" in out["methods"]
@@ -152,7 +164,13 @@ def test_interleaving_and_validation():
     )
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then A,B / B,A / A,B
     assert all(len(s) == 3 for s in samples.values()) and all(len(s) == 3 for s in cpu.values())
-    with pytest.raises(ValueError, match="target_ratio"):
-        run_forward_benchmark(target_ratio=0.0)
+    with pytest.raises(ValueError, match="ratios"):
+        run_forward_benchmark(ratios=(0.0,))
+    with pytest.raises(ValueError, match="policies"):
+        run_forward_benchmark(policies=("smart",))
+    with pytest.raises(ValueError, match="--model 'not_a_vit'"):
+        benchmark_vit("not_a_vit")
+    with pytest.raises(ValueError, match="--image-size 40"):
+        benchmark_vit("vit_tiny_patch16_224", image_size=40, patch_size=8, timm_kwargs=TINY)
     with pytest.raises(ValueError, match="repeats"):
         time_interleaved({"a": lambda: None}, repeats=0, warmup=0)

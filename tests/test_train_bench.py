@@ -93,5 +93,9 @@ def test_validation_and_forward_options():
         run_train_benchmark(benchmark_config(), parts=("nope",))
     with pytest.raises(ValueError, match="options of 'splitvit bench train' only"):
         _run_bench(build_parser().parse_args(["bench", "--epochs", "2"]))
+    with pytest.raises(ValueError, match="--ratios, --buckets: options of 'splitvit bench forward' only"):
+        _run_bench(build_parser().parse_args(["bench", "train", "--ratios", "0.5", "--buckets", "1"]))
+    with pytest.raises(ValueError, match="--ratios: expected comma-separated floats, got 'half'"):
+        _run_bench(build_parser().parse_args(["bench", "--ratios", "half"]))
     args = build_parser().parse_args(["bench"])
     assert args.kind == "forward"

@@ -111,6 +111,7 @@ def benchmark_config(
     patch_size: int = 8,
     levels: int = 3,
     policy_depth: int = 2,
+    policy_width: int | None = None,
     num_classes: int = 4,
     batch_size: int = 32,
     epochs: int = 3,
@@ -125,7 +126,7 @@ def benchmark_config(
     raw = {
         "model": {"name": model_name, "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},
                   "image_size": image_size, "levels": levels, "policy": "learned", "policy_depth": policy_depth,
-                  "thresholds": AUTO_THRESHOLDS, "num_classes": num_classes},
+                  "policy_width": policy_width, "thresholds": AUTO_THRESHOLDS, "num_classes": num_classes},
         "data": {"name": "synthetic", "options": {"train_samples": train_samples, "val_samples": val_samples},
                  "batch_size": batch_size, "seed": seed},
         "train": {"epochs": epochs, "target_ratio": target_ratio, "warmup_epochs": 1, "amp": False},

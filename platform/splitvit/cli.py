@@ -119,21 +119,30 @@ def _add_bench(sub) -> None:
     p.add_argument("kind", nargs="?", choices=("forward", "train"), default="forward",
                    help="forward (default): the forward benchmark; train: the training benchmark")
     # shared options; defaults differ by benchmark (None: the benchmark's own)
-    p.add_argument("--batch-size", type=int, help="default 64 (forward), 32 (train)")
-    p.add_argument("--image-size", type=int, default=96)
-    p.add_argument("--patch-size", type=int, default=8)
-    p.add_argument("--levels", type=int, default=3)
+    p.add_argument("--model", help="timm ViT name (default vit_base_patch16_224 (forward), vit_tiny_patch16_224 (train))")
+    p.add_argument("--image-size", type=int, help="input side (default: the model's (forward), 96 (train))")
+    p.add_argument("--patch-size", type=int, help="finest patch (default: the model's (forward), 8 (train))")
+    p.add_argument("--levels", type=int, help="quadtree levels (default: the deepest of 3 or 2 that divides the image "
+                                              "(forward), 3 (train))")
+    p.add_argument("--embed-dim", type=int, help="shrink the ViT: embedding width")
+    p.add_argument("--depth", type=int, help="shrink the ViT: blocks")
+    p.add_argument("--heads", type=int, help="shrink the ViT: attention heads")
+    p.add_argument("--policy-depth", type=int, help="blocks the learned policy runs (default 2)")
+    p.add_argument("--policy-width", type=int, help="the learned policy's own blocks' width (default 192 (forward); "
+                                                    "train: none, the ViT's blocks)")
+    p.add_argument("--batch-size", type=int, help="default 8 (forward), 32 (train)")
     p.add_argument("--repeats", type=int, help="timed interleaved rounds: default 10 (forward), 6 (train)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast for every model (default: on for CUDA, as training uses it; off on the CPU)")
     p.add_argument("--json", help="write the figures to this JSON file")
+    forward = p.add_argument_group("bench forward only")
+    forward.add_argument("--ratios", help="token ratios to time every policy at (default 0.5,0.7)")
+    forward.add_argument("--policies", help="comma-separated, of learned, learned_shared, entropy (default: all)")
+    forward.add_argument("--buckets", help="also time the padded path with these length_buckets, e.g. 1,4 (default: none)")
+    forward.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                         help="peak memory per model (default: on)")
     train = p.add_argument_group("bench train only")
-    train.add_argument("--model", help="timm ViT name (default vit_tiny_patch16_224)")
-    train.add_argument("--embed-dim", type=int, help="shrink the ViT: embedding width")
-    train.add_argument("--depth", type=int, help="shrink the ViT: blocks")
-    train.add_argument("--heads", type=int, help="shrink the ViT: attention heads")
-    train.add_argument("--policy-depth", type=int, help="blocks the learned policy runs (default 2)")
     train.add_argument("--epochs", type=int, help="epochs of the plain and Ray runs (default 3)")
     train.add_argument("--samples", type=int, help="training images of the plain and Ray runs (default 192)")
     train.add_argument("--val-samples", type=int, help="validation images (default 64)")
@@ -146,21 +155,41 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=_run_bench)
 
 
-_TRAIN_ONLY = ("model", "embed_dim", "depth", "heads", "policy_depth", "epochs", "samples", "val_samples", "threads",
-               "ray_rounds", "skip_epochs", "parts", "tracking", "storage")
+_TRAIN_ONLY = ("epochs", "samples", "val_samples", "threads", "ray_rounds", "skip_epochs", "parts", "tracking", "storage")
+_FORWARD_ONLY = ("ratios", "policies", "buckets", "memory")
+
+
+def _number_list(option: str, text: str | None, kind: type = float) -> tuple | None:
+    """``"0.5,0.7"`` -> ``(0.5, 0.7)``; a bad item is an error naming the option."""
+    if text is None:
+        return None
+    try:
+        return tuple(kind(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ValueError(f"{option}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+
+def _shrunk(args) -> dict:
+    return {k: v for k, v in (("embed_dim", args.embed_dim), ("depth", args.depth), ("num_heads", args.heads)) if v is not None}
 
 
 def _run_bench(args) -> int:
+    only, other = (_TRAIN_ONLY, "train") if args.kind == "forward" else (_FORWARD_ONLY, "forward")
+    given = [f"--{k.replace('_', '-')}" for k in only if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of 'splitvit bench {other}' only")
     if args.kind == "train":
         return _run_bench_train(args)
-    given = [f"--{k.replace('_', '-')}" for k in _TRAIN_ONLY if getattr(args, k) is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)}: options of 'splitvit bench train' only")
-    from .bench import format_report, run_forward_benchmark
+    from .bench import BENCH_POLICIES, DEFAULT_MODEL, DEFAULT_POLICY_WIDTH, format_report, run_forward_benchmark
 
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else BENCH_POLICIES
     result = run_forward_benchmark(
-        batch_size=args.batch_size or 64, image_size=args.image_size, patch_size=args.patch_size,
-        levels=args.levels, repeats=args.repeats or 10, device=args.device, autocast_bf16=_bench_bf16(args),
+        model_name=args.model or DEFAULT_MODEL, image_size=args.image_size, patch_size=args.patch_size,
+        levels=args.levels, batch_size=args.batch_size or 8, ratios=_number_list("--ratios", args.ratios) or (0.5, 0.7),
+        policies=policies, policy_width=args.policy_width or DEFAULT_POLICY_WIDTH,
+        policy_depth=2 if args.policy_depth is None else args.policy_depth,
+        buckets=_number_list("--buckets", args.buckets, int) or (), repeats=args.repeats or 10, device=args.device,
+        autocast_bf16=_bench_bf16(args), memory=None if args.memory in (None, True) else (), timm_kwargs=_shrunk(args),
     )
     print(format_report(result))
     write_json(args.json, result)
@@ -174,12 +203,10 @@ def _bench_bf16(args) -> bool:
 def _run_bench_train(args) -> int:
     from .bench_train import benchmark_config, format_train_report, run_train_benchmark
 
-    timm_kwargs = {k: v for k, v in (("embed_dim", args.embed_dim), ("depth", args.depth), ("num_heads", args.heads))
-                   if v is not None}
     config = benchmark_config(
-        model_name=args.model or "vit_tiny_patch16_224", timm_kwargs=timm_kwargs, image_size=args.image_size,
-        patch_size=args.patch_size, levels=args.levels, batch_size=args.batch_size or 32,
-        **{k: v for k, v in (("policy_depth", args.policy_depth), ("epochs", args.epochs),
+        model_name=args.model or "vit_tiny_patch16_224", timm_kwargs=_shrunk(args), image_size=args.image_size or 96,
+        patch_size=args.patch_size or 8, levels=args.levels or 3, batch_size=args.batch_size or 32,
+        **{k: v for k, v in (("policy_depth", args.policy_depth), ("policy_width", args.policy_width), ("epochs", args.epochs),
                              ("train_samples", args.samples), ("val_samples", args.val_samples)) if v is not None},
     )
     parts = tuple(p.strip() for p in (args.parts or "steps,ray").split(",") if p.strip())

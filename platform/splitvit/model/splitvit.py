@@ -378,6 +378,22 @@ class SplitViT(nn.Module):
         geometry = self.geometry_for(tuple(images.shape[-2:]))
         return self._policy_scores(images, geometry, _LevelEmbeddings(self, images, geometry))
 
+    def encoder_inputs(self, images: torch.Tensor, thresholds: float | list[float] | None = None):
+        """The leaf token sequences :meth:`forward` hands its encoder, as ``(tokens
+        (B, S, D), valid (B, S) or None)``: with :meth:`encode` this times the encoder
+        alone (``splitvit bench`` splits a forward pass into policy, gather and encoder)."""
+        geometry = self.geometry_for(tuple(images.shape[-2:]))
+        tau = self.thresholds if thresholds is None else validate_thresholds(thresholds, self.levels).to(images.device)
+        embeds = _LevelEmbeddings(self, images, geometry)
+        decisions = self.decide(self._policy_scores(images, geometry, embeds), tau)
+        tokens, valid, _ = self._gather_leaves(embeds, leaf_masks(decisions), None, geometry)
+        return tokens, valid
+
+    def encode(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The encoder (prefix tokens, the ViT's blocks, final norm) on leaf sequences
+        from :meth:`encoder_inputs`: ``(B, S_prefix + S, D)``."""
+        return self._encode(tokens, valid, False)[0]
+
     def decide(self, scores: list[torch.Tensor], thresholds: torch.Tensor) -> list[torch.Tensor]:
         """Hierarchical decisions from scores: ``score > tau_l`` and the parent split.
 
