@@ -174,3 +174,29 @@ def test_interleaving_and_validation():
         benchmark_vit("vit_tiny_patch16_224", image_size=40, patch_size=8, timm_kwargs=TINY)
     with pytest.raises(ValueError, match="repeats"):
         time_interleaved({"a": lambda: None}, repeats=0, warmup=0)
+
+
+def test_fixed_shape_and_compiled_benchmark_runs_every_side_compiled(monkeypatch):
+    """``--token-buckets`` and ``--compile``: timm's ViT, the ideal's encoder and the
+    packed encoders all go through ``torch.compile`` (here its eager backend: the
+    wiring, not the compiler, is under test) and the figures keep their structure."""
+    compiled = []
+    original = torch.compile
+
+    def eager_compile(fn=None, **options):
+        compiled.append((getattr(fn, "__name__", type(fn).__name__), options.get("dynamic")))
+        return original(fn, backend="eager", dynamic=options.get("dynamic"))
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    result = run_forward_benchmark(
+        "vit_tiny_patch16_224", image_size=64, patch_size=8, batch_size=BATCH, ratios=(0.5,), policies=("entropy",),
+        token_buckets=2, compile=True, repeats=1, warmup=0, timm_kwargs=TINY, num_classes=10, memory=(),
+    )
+    names = [name for name, _ in compiled]
+    assert "VisionTransformer" in names and "_encode_sequence" in names
+    assert names.count("_before") == names.count("_after") == TINY["depth"]  # every block of the packed encoder
+    assert all(dynamic is False for _, dynamic in compiled)  # static shapes: one graph per token bucket
+    assert result["config"]["token_buckets"] == 2 and result["config"]["compile"] is True
+    (point,) = result["points"]
+    assert abs(point["token_ratio"] - 0.5) < 0.1 and point["speedup_vs_timm"] > 0
+    assert "packed sizes in 2 fixed buckets" in format_report(result)

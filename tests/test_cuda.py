@@ -132,3 +132,45 @@ def test_calibration_meets_the_budget_it_is_evaluated_at(autocast):
         result = evaluate(packed, batches, thresholds=thresholds, num_classes=5)
     assert 0.0 <= result["accuracy"] <= 1.0 and result["images"] == 64
     assert abs(result["token_ratio"] - 0.4) <= 0.05
+
+
+@pytest.mark.parametrize("policy", ["learned", "entropy"])
+@pytest.mark.parametrize("token_buckets", [0, 4])
+def test_forward_synchronises_with_the_host_at_most_once(policy, token_buckets):
+    """The packed varlen path under bf16: at most one synchronising CUDA operation per
+    forward pass (the read-back of the token counts, before the blocks), as counted
+    by ``torch.cuda.set_sync_debug_mode``."""
+    import warnings
+
+    model = SplitViT(tiny_vit(32, embed_dim=64, num_heads=2), levels=3, policy=policy, image_size=32, policy_depth=1,
+                     token_buckets=token_buckets).to(CUDA).eval()
+    images = _images()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model.set_thresholds(calibrate_thresholds(model, images, 0.5))
+        model(images)  # lazy initialisation out of the count
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = model(images)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(set(out.tokens.tolist())) > 1  # a mixed batch: the packed path ran
+    assert len(syncs) <= 1, syncs
+
+
+def test_compiled_encoder_with_token_buckets_matches_eager():
+    """``compile_encoder`` over ``token_buckets``: the encoder's per-token work under
+    ``torch.compile`` gives the eager logits on the GPU."""
+    eager = SplitViT(tiny_vit(32, embed_dim=64, num_heads=2), levels=3, policy="entropy", image_size=32,
+                     token_buckets=4).to(CUDA).eval()
+    compiled = SplitViT(eager.vit, levels=3, policy="entropy", image_size=32, token_buckets=4).to(CUDA).eval()
+    compiled.compile_encoder()
+    images = _images()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for t in (0.3, 0.5, 0.7):
+            a, b = eager(images, thresholds=[t, t]), compiled(images, thresholds=[t, t])
+            assert torch.equal(a.tokens, b.tokens)
+            assert (a.logits.float() - b.logits.float()).abs().max().item() <= 2e-2  # bf16

@@ -2,8 +2,8 @@
 # The GPU checks, for a machine with a CUDA GPU and PyTorch but not necessarily Ray
 # or MLflow (a lent GPU box, a cloud notebook). Run from anywhere:
 #
-#   bash infra/gpu-check/run.sh smoke          # CUDA tests, forward and training-step
-#                                              # benchmarks, a small study (~3 min on an H200)
+#   bash infra/gpu-check/run.sh smoke          # CUDA tests, forward (ViT-B/16, eager and compiled)
+#                                              # and training-step benchmarks, a small study
 #   bash infra/gpu-check/run.sh study ARGS...  # the one-gpu study; ARGS go to single_gpu_study.py
 #                                              # (e.g. --workers 8 --backbone-epochs 24 --method-epochs 12);
 #                                              # STUDY=search_spaces/study_fashion_seg.yaml for the dense one
@@ -33,8 +33,12 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
     python3 -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
     python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || status=1
+    # ViT-B/16 at 224 px (the default workload), bf16, batch 256: eager, then fixed shapes under torch.compile
     python3 -m splitvit.cli bench --device cuda --batch-size 256 --repeats 20 --json "$out/bench_forward.json" \
       2>&1 | grep -v "USDT\|gpuGetDeviceCount" | tee "$out/bench_forward.log" || status=1
+    python3 -m splitvit.cli bench --device cuda --batch-size 256 --repeats 20 --token-buckets 4 --compile --no-memory \
+      --json "$out/bench_forward_compiled.json" 2>&1 | grep -v "USDT\|gpuGetDeviceCount" \
+      | tee "$out/bench_forward_compiled.log" || status=1
     python3 -m splitvit.cli bench train --parts steps --device cuda --batch-size 128 --repeats 10 \
       --json "$out/bench_train.json" 2>&1 | tee "$out/bench_train.log" || status=1
     # a small study with the real model and batch: checks the path and measures images/s for --plan

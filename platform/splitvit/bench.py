@@ -152,6 +152,7 @@ def build_benchmark_models(
     policy_width: int | None = DEFAULT_POLICY_WIDTH,
     policy_depth: int = 2,
     buckets: tuple[int, ...] = (),
+    token_buckets: int = 0,
 ) -> dict[str, SplitViT]:
     """The SplitViT variants that wrap ``vit`` (sharing its weights), in eval mode.
 
@@ -164,7 +165,8 @@ def build_benchmark_models(
     for key in policies:
         name = "learned" if key.startswith("learned") else key
         width = policy_width if key == "learned" else None
-        first = SplitViT(vit, levels=levels, policy=name, policy_depth=policy_depth, policy_width=width).eval()
+        first = SplitViT(vit, levels=levels, policy=name, policy_depth=policy_depth, policy_width=width,
+                         token_buckets=token_buckets).eval()
         models[key] = first
         for b in buckets:
             models[f"{key}_padded_b{b}"] = SplitViT(
@@ -526,6 +528,8 @@ def run_forward_benchmark(
     policy_width: int | None = DEFAULT_POLICY_WIDTH,
     policy_depth: int = 2,
     buckets: tuple[int, ...] = (),
+    token_buckets: int = 0,
+    compile: bool = False,
     repeats: int = 10,
     warmup: int = 2,
     device: str = "cpu",
@@ -550,6 +554,12 @@ def run_forward_benchmark(
             ``policy_depth`` blocks).
         buckets: ``length_buckets`` of padded-path variants timed beside each point
             (the default packed path is what the targets judge); ``()``: none.
+        token_buckets: the split policies' packed sizes rounded up to this many fixed
+            sizes (``SplitViT(token_buckets=...)``); ``0``: exact sizes.
+        compile: ``torch.compile`` the timm ViT, the fixed-length encoder of the ideal
+            and the split policies' packed encoders (:meth:`SplitViT.compile_encoder`,
+            CUDA graphs on a GPU); pair it with ``token_buckets``. SplitViT(full) stays
+            eager, so the overhead target means nothing under it.
         repeats, warmup: timed and untimed interleaved rounds.
         device, autocast_bf16: where and in which precision.
         memory: ``rss`` and/or ``profiler`` on CPU, ``cuda`` on a GPU; ``None``: the
@@ -584,10 +594,11 @@ def run_forward_benchmark(
     vit, levels = benchmark_vit(model_name, image_size=image_size, patch_size=patch_size, levels=levels,
                                 timm_kwargs=timm_kwargs, num_classes=num_classes, seed=seed)
     models = build_benchmark_models(vit, levels=levels, policies=policies, policy_width=policy_width,
-                                    policy_depth=policy_depth, buckets=buckets)
+                                    policy_depth=policy_depth, buckets=buckets, token_buckets=token_buckets)
     vit.to(dev)
     for m in models.values():
         m.to(dev)
+    runners = _compiled_runners(vit, models, policies, dev) if compile else {"timm": vit, "sequence": _encode_sequence}
     size = models["split_full"].geometry.image_size[0]
     images = benchmark_images(batch_size, size, seed=seed).to(dev)
     geometry = models["split_full"].geometry
@@ -598,7 +609,7 @@ def run_forward_benchmark(
 
     with torch.inference_mode(), autocast():
         points, encoder_inputs, full_diff = _operating_points(vit, models, images, policies, ratios, buckets)
-    fns = _timed_callables(vit, models, images, points, encoder_inputs, buckets, full_tokens, seed)
+    fns = _timed_callables(vit, models, images, points, encoder_inputs, buckets, full_tokens, seed, runners)
     log.info("bench: timing %d callables, %d warm-up + %d rounds", len(fns), warmup, repeats)
     with torch.inference_mode(), autocast():
         samples, cpu_samples, others_cores = time_beside_others(fns, repeats=repeats, warmup=warmup, sync=sync)
@@ -642,6 +653,8 @@ def run_forward_benchmark(
             "policy_width": policy_width,
             "policy_depth": policy_depth,
             "buckets": list(buckets),
+            "token_buckets": token_buckets,
+            "compile": compile,
             "repeats": repeats,
             "warmup": warmup,
             "autocast_bf16": autocast_bf16,
@@ -693,7 +706,18 @@ def _operating_points(vit, models, images, policies, ratios, buckets):
     return points, inputs, diff
 
 
-def _timed_callables(vit, models, images, points, encoder_inputs, buckets, full_tokens, seed):
+def _compiled_runners(vit, models, policies, device) -> dict[str, Callable]:
+    """``torch.compile`` for every side alike: timm's ViT, the ideal's encoder, and the
+    split policies' packed encoders (CUDA graphs on a GPU)."""
+    options: dict[str, Any] = {"dynamic": False}
+    if device.type == "cuda":
+        options["mode"] = "reduce-overhead"
+    for policy in policies:
+        models[policy].compile_encoder(**options)
+    return {"timm": torch.compile(vit, **options), "sequence": torch.compile(_encode_sequence, **options)}
+
+
+def _timed_callables(vit, models, images, points, encoder_inputs, buckets, full_tokens, seed, runners):
     """Everything timed in one interleaved run: timm, SplitViT(full), per point the
     forward pass and the encoder alone, per policy its scores alone, and the timm
     encoder on fixed-length sequences of every point's mean length (the ideal)."""
@@ -702,9 +726,10 @@ def _timed_callables(vit, models, images, points, encoder_inputs, buckets, full_
     gen = torch.Generator().manual_seed(seed + 1)
     lengths = sorted({full_tokens, *(max(1, round(p["tokens"]["mean"])) for p in points.values())}, reverse=True)
     sequences = {n: torch.randn(batch, num_prefix + n, dim, generator=gen).to(images.device) for n in lengths}
-    fns: dict[str, Callable[[], Any]] = {"timm": lambda: vit(images), "split_full": lambda: models["split_full"](images)}
+    timm_vit, encode = runners["timm"], runners["sequence"]
+    fns: dict[str, Callable[[], Any]] = {"timm": lambda: timm_vit(images), "split_full": lambda: models["split_full"](images)}
     for n, seq in sequences.items():
-        fns[f"seq/{n}"] = (lambda s: lambda: _encode_sequence(vit, s))(seq)
+        fns[f"seq/{n}"] = (lambda s: lambda: encode(vit, s))(seq)
     for policy in dict.fromkeys(p["policy"] for p in points.values()):
         fns[f"policy/{policy}"] = (lambda m: lambda: m.split_scores(images))(models[policy])
     for key, point in points.items():
@@ -856,7 +881,9 @@ def format_report(result: dict[str, Any]) -> str:
         f"{cfg['coarse_patch_size']} px), N_full={cfg['full_tokens']}, N_min={cfg['min_tokens']}, batch {cfg['batch_size']}",
         f"learned policy: own blocks of width {cfg['policy_width']}, depth {cfg['policy_depth']}; learned_shared: the ViT's "
         f"first {cfg['policy_depth']} blocks; median of {cfg['repeats']} interleaved rounds after {cfg['warmup']} warm-up; "
-        "inference_mode; thresholds calibrated on the batch",
+        "inference_mode; thresholds calibrated on the batch"
+        + (f"; packed sizes in {cfg['token_buckets']} fixed buckets" if cfg.get("token_buckets") else "")
+        + ("; torch.compile (timm, ideal encoder, packed encoders; SplitViT full eager)" if cfg.get("compile") else ""),
         "",
     ]
     base = tim["timm"]["median_s"]

@@ -165,8 +165,8 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
     row = 0
     for idx in split:
         n = idx.numel()
-        if n == 0:
-            continue
+        if n == 0 or int(lengths[idx].max()) == 0:
+            continue  # empty dummy sequences of a fixed-shape batch hold no rows
         group_lengths = lengths[idx]
         longest = int(group_lengths.max())
         row_of_image[idx] = row + torch.arange(n, device=device) * longest
@@ -252,31 +252,82 @@ def supports_packing(block: nn.Module) -> bool:
 class PackedBatch:
     """A batch of variable-length sequences packed into ``(T, D)``.
 
+    Built from the sequence lengths the host already knows (the model reads them
+    in its one host synchronisation), so packing reads nothing back from the device:
+    every index is computed on the device with sizes known on the host.
+
     Attributes:
         keep: ``(B, S)`` bool, the real slots of the padded layout (valid slots first in each row).
-        cu_seqlens: int32 cumulative offsets ``(B + 1,)``.
-        max_len: longest sequence.
+        lengths: per-image sequence lengths, on the host.
+        cu_seqlens: int32 cumulative offsets ``(B + 1,)`` (plus one per dummy sequence).
+        max_len: longest sequence (a static bound with ``capacity``).
         seq_ids: ``(T,)`` image index of every packed token (per-image drop path).
+        total: ``T``, packed rows, dummy rows included.
     """
 
-    def __init__(self, keep: torch.Tensor) -> None:
+    def __init__(self, keep: torch.Tensor, lengths: list[int] | None = None, capacity: int | None = None) -> None:
         self.keep = keep
-        lengths = keep.sum(1)
-        self.cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=keep.device)
-        self.cu_seqlens[1:] = torch.cumsum(lengths, 0)
-        self.max_len = int(lengths.max())
-        self.batch = keep.shape[0]
-        self.seq_ids = torch.repeat_interleave(torch.arange(self.batch, device=keep.device), lengths)
+        self.batch, slots = keep.shape
+        device = keep.device
+        if lengths is None:
+            lengths = keep.sum(1).tolist()  # a host read; the model passes the lengths it knows
+        self.lengths = lengths
+        real = sum(lengths)
+        lengths_t = keep.sum(1)
+        cu = torch.zeros(self.batch + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(lengths_t, 0)
+        self.max_len = max(lengths)
+        # slot of every real packed token in the (B * S) padded layout: valid slots lead each row
+        seq = torch.repeat_interleave(torch.arange(self.batch, device=device), lengths_t, output_size=real)
+        pos = torch.arange(real, device=device) - cu[:-1].to(torch.long)[seq]
+        self.index = seq * slots + pos
+        self.real = real
+        self.total = real
+        if capacity is not None:
+            # fixed shapes: pad to ``capacity`` rows with dummy sequences of at most ``slots``
+            # tokens each, a fixed count of them, so T, cu_seqlens and max_len never change
+            if capacity < real:
+                raise ValueError(f"token bucket capacity {capacity} < {real} packed tokens")
+            dummies = -(-self.batch * slots // slots)  # enough for any padding up to B * S rows
+            bounds = torch.clamp(torch.arange(1, dummies + 1, device=device) * slots, max=capacity - real) + real
+            cu = torch.cat([cu, bounds.to(torch.int32)])
+            seq = torch.cat([seq, torch.full((capacity - real,), self.batch, dtype=seq.dtype, device=device)])
+            self.max_len = slots
+            self.total = capacity
+        self.cu_seqlens = cu
+        self.seq_ids = seq
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, S, D)`` -> ``(T, D)``."""
-        return x[self.keep]
+        """``(B, S, D)`` -> ``(T, D)`` (zeros in the dummy rows)."""
+        packed = x.reshape(-1, x.shape[-1]).index_select(0, self.index)
+        if self.total > self.real:
+            packed = torch.cat([packed, packed.new_zeros(self.total - self.real, packed.shape[-1])])
+        return packed
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """``(T, D)`` -> ``(B, S, D)`` with zeros in the padding slots."""
-        out = packed.new_zeros(*self.keep.shape, packed.shape[-1])
-        out[self.keep] = packed
-        return out
+        out = packed.new_zeros(self.batch * self.keep.shape[1], packed.shape[-1])
+        out.index_copy_(0, self.index, packed[: self.real])
+        return out.view(self.batch, self.keep.shape[1], -1)
+
+
+def bucket_capacity(real: int, batch: int, slots: int, buckets: int) -> int:
+    """The fixed packed size for ``real`` tokens: the smallest of ``buckets`` evenly
+    spaced sizes up to ``batch * slots`` (every sequence full) that holds them."""
+    full = batch * slots
+    step = -(-full // buckets)
+    return min(full, -(-real // step) * step)
+
+
+def masked_kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+    """Varlen attention as one SDPA call with a block-diagonal mask over the packed
+    tokens: no host reads and fixed shapes (a stand-in for CUDA's varlen kernel in
+    tests of the device path; ``T x T`` memory, so small batches only)."""
+    total = q.shape[0]
+    seq = torch.searchsorted(cu_seq_q[1:].contiguous(), torch.arange(total, device=q.device), right=True)
+    mask = seq[:, None] == seq[None, :]
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)
 
 
 def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -285,7 +336,8 @@ def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.
     if isinstance(module, DropPath) and module.training and module.drop_prob > 0.0:
         keep_prob = 1.0 - module.drop_prob
         # same draw as timm's drop_path on (B, N, D): one Bernoulli per image
-        mask = x.new_empty(batch.batch, 1, 1).bernoulli_(keep_prob).view(-1)
+        # one Bernoulli per image (and one for the dummy rows of a fixed-shape batch)
+        mask = x.new_empty(batch.batch + (batch.total > batch.real), 1, 1).bernoulli_(keep_prob).view(-1)
         if module.scale_by_keep and keep_prob > 0.0:
             mask.div_(keep_prob)
         return x * mask[batch.seq_ids].unsqueeze(-1)
@@ -294,21 +346,52 @@ def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.
 
 def packed_attention(attn: nn.Module, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
     """timm ``Attention.forward`` on packed tokens ``(T, D)``."""
-    total = x.shape[0]
-    qkv = attn.qkv(x)
-    fused = getattr(kernel, "qkv_attention", None)
-    if fused is not None and isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity):
-        out = fused(qkv, attn.num_heads, attn.head_dim, scale=attn.scale)
-    else:
-        q, k, v = qkv.reshape(total, 3, attn.num_heads, attn.head_dim).unbind(1)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        out = kernel(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len, scale=attn.scale)
-        out = out.reshape(total, attn.num_heads * attn.head_dim)
+    out = attend(attn, attn.qkv(x), batch, kernel)
     out = attn.norm(out) if hasattr(attn, "norm") else out
     return attn.proj_drop(attn.proj(out))
+
+
+def attend(attn: nn.Module, qkv: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
+    """The attention kernel on the packed ``qkv`` projection ``(T, 3 * D)``: ``(T, D)``."""
+    total = qkv.shape[0]
+    fused = getattr(kernel, "qkv_attention", None)
+    if fused is not None and isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity):
+        return fused(qkv, attn.num_heads, attn.head_dim, scale=attn.scale)
+    q, k, v = qkv.reshape(total, 3, attn.num_heads, attn.head_dim).unbind(1)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    out = kernel(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len, scale=attn.scale)
+    return out.reshape(total, attn.num_heads * attn.head_dim)
 
 
 def packed_block(block: nn.Module, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
     """timm ``Block.forward`` on packed tokens ``(T, D)``."""
     x = x + _drop_path(block.drop_path1, block.ls1(packed_attention(block.attn, block.norm1(x), batch, kernel)), batch)
     return x + _drop_path(block.drop_path2, block.ls2(block.mlp(block.norm2(x))), batch)
+
+
+class CompiledBlock:
+    """A timm ``Block``'s per-token work under ``torch.compile``, for inference.
+
+    Two compiled pieces around the attention kernel: norm and qkv projection before
+    it; projection, residuals, norm and MLP after it. The kernel stays eager: its
+    offsets change with every batch. With fixed packed shapes (``token_buckets``) each
+    piece compiles once per bucket, and ``mode="reduce-overhead"`` replays them as
+    CUDA graphs.
+    """
+
+    def __init__(self, block: nn.Module, **options) -> None:
+        self.block = block
+        self.before = torch.compile(self._before, **options)
+        self.after = torch.compile(self._after, **options)
+
+    def _before(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block.attn.qkv(self.block.norm1(x))
+
+    def _after(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        block, attn = self.block, self.block.attn
+        out = attn.norm(attended) if hasattr(attn, "norm") else attended
+        x = x + block.ls1(attn.proj(out))
+        return x + block.ls2(block.mlp(block.norm2(x)))
+
+    def __call__(self, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
+        return self.after(x, attend(self.block.attn, self.before(x), batch, kernel))

@@ -169,7 +169,7 @@ class LearnedPolicy(SplitPolicy):
 
     With ``width``, the policy has blocks of its own (:attr:`own_blocks`): the coarse
     embeddings and node embeddings are projected to ``width`` and the coarse ones
-    pass through ``depth`` timm ``Block``\ s of that width (``width // 64`` heads,
+    pass through ``depth`` timm ``Block`` modules of that width (``width // 64`` heads,
     at least one) before the heads; the model then runs none of its own blocks for
     the policy.
     """

@@ -37,7 +37,16 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
 from .heads import DenseHead, masked_pool
-from .packed import PackedBatch, packed_block, padded_sdpa_kernel, supports_packing, token_chunks, varlen_kernel
+from .packed import (
+    CompiledBlock,
+    PackedBatch,
+    bucket_capacity,
+    packed_block,
+    padded_sdpa_kernel,
+    supports_packing,
+    token_chunks,
+    varlen_kernel,
+)
 from .policies import POLICY_NAMES, PolicyContext, SplitPolicy, build_policy, check_split_probabilities
 from .quadtree import (
     QuadtreeGeometry,
@@ -137,6 +146,10 @@ class SplitViT(nn.Module):
             similar length (less padding). The packed path needs no buckets: its
             CPU attention kernel picks its own length groups (see
             :func:`~splitvit.model.packed.length_groups`), CUDA's pads nothing.
+        token_buckets: packed path: ``0`` (default) packs exactly the batch's tokens;
+            ``N`` rounds the packed size up to one of ``N`` fixed sizes (dummy
+            sequences fill the rest), so the encoder sees at most ``N`` shapes: what
+            ``torch.compile`` and CUDA graphs need (see :meth:`compile_encoder`).
         attention: ``packed`` (default): tokens packed without padding, only
             attention grouped per image; used when the batch mixes lengths, unless
             ``return_attention=True`` or attention dropout is active in training
@@ -159,6 +172,7 @@ class SplitViT(nn.Module):
         num_classes: int | None = None,
         length_buckets: int = 1,
         attention: str = "packed",
+        token_buckets: int = 0,
         spec: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -174,6 +188,8 @@ class SplitViT(nn.Module):
             raise ValueError(f"policy_depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {policy_depth}")
         if length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {length_buckets}")
+        if token_buckets < 0:
+            raise ValueError(f"token_buckets must be >= 0, got {token_buckets}")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.packable = all(supports_packing(b) for b in vit.blocks)
@@ -193,6 +209,8 @@ class SplitViT(nn.Module):
         self.policy_width = policy_width
         self.length_buckets = length_buckets
         self.attention = attention
+        self.token_buckets = token_buckets
+        self._compiled_blocks: list[CompiledBlock] | None = None
         self.spec = spec
         self.register_buffer("thresholds", validate_thresholds(thresholds, levels), persistent=True)
         # Zero-initialised level embedding: at init a token means what the timm model's does.
@@ -386,13 +404,14 @@ class SplitViT(nn.Module):
         tau = self.thresholds if thresholds is None else validate_thresholds(thresholds, self.levels).to(images.device)
         embeds = _LevelEmbeddings(self, images, geometry)
         decisions = self.decide(self._policy_scores(images, geometry, embeds), tau)
-        tokens, valid, _ = self._gather_leaves(embeds, leaf_masks(decisions), None, geometry)
+        tokens, valid, _, _ = self._gather_leaves(embeds, leaf_masks(decisions), None, geometry)
         return tokens, valid
 
     def encode(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """The encoder (prefix tokens, the ViT's blocks, final norm) on leaf sequences
         from :meth:`encoder_inputs`: ``(B, S_prefix + S, D)``."""
-        return self._encode(tokens, valid, False)[0]
+        lengths = None if valid is None else valid.sum(1).tolist()
+        return self._encode(tokens, valid, False, lengths)[0]
 
     def decide(self, scores: list[torch.Tensor], thresholds: torch.Tensor) -> list[torch.Tensor]:
         """Hierarchical decisions from scores: ``score > tau_l`` and the parent split.
@@ -452,8 +471,8 @@ class SplitViT(nn.Module):
         counts = token_counts(decisions)
         gates = straight_through_gates(decisions, probs) if (probs is not None and self.training) else None
 
-        tokens, valid, layout = self._gather_leaves(embeds, leaves, gates, geometry)
-        features, padded, attention, attention_slots = self._encode(tokens, valid, return_attention)
+        tokens, valid, layout, lengths = self._gather_leaves(embeds, leaves, gates, geometry, return_attention)
+        features, padded, attention, attention_slots = self._encode(tokens, valid, return_attention, lengths)
         if self.task == "dense":
             fine = self._scatter_to_fine(features, layout, leaves, geometry)
             logits = self.dense_head(fine, geometry.image_size)
@@ -475,21 +494,30 @@ class SplitViT(nn.Module):
             out.extras["fine_attention"] = self._attention_to_fine(attention, layout, leaves, geometry)
         return out
 
-    def _gather_leaves(self, embeds, leaves, gates, geometry):
+    def _gather_leaves(self, embeds, leaves, gates, geometry, return_attention: bool = False):
         """Pack each image's leaves, in level-then-raster order, into a padded batch.
 
-        Returns ``(tokens (B, S, D), valid (B, S) or None, layout)`` where ``layout``
-        maps sequence slots back to the all-levels node layout.
+        Returns ``(tokens (B, S, D), valid (B, S) or None, layout, lengths)`` where
+        ``layout`` maps sequence slots back to the all-levels node layout and
+        ``lengths`` are the images' token counts on the host (``None`` with ``valid``).
+        The forward pass's one host synchronisation is here: which levels hold leaves
+        and every image's count, read back together.
         """
         batch = leaves[0].shape[0]
+        counts = sum(m.flatten(1).sum(1) for m in leaves)
+        flags = torch.stack([torch.stack([m.all(), m.any()]) for m in leaves]).flatten()
+        host = torch.cat([flags.to(counts.dtype), counts]).tolist()  # the one host sync
+        every, some, lengths = host[0 : 2 * len(leaves) : 2], host[1 : 2 * len(leaves) : 2], host[2 * len(leaves) :]
         # fast path: one level holds every leaf of every image (full or coarse): no gather
-        for level, mask in enumerate(leaves):
-            if bool(mask.all()):
+        for level, full in enumerate(every):
+            if full:
                 x = embeds[level]
                 if gates is not None:
                     x = x * gates[level].unsqueeze(-1)
-                return x.flatten(1, 2), None, ("level", level)
-        used = [level for level, mask in enumerate(leaves) if bool(mask.any())]
+                return x.flatten(1, 2), None, ("level", level), None
+        fixed = bool(self.token_buckets) and self._packs(counts, return_attention)  # (any tensor stands for valid)
+        # with fixed shapes every level takes part, so that N_full slots always exist
+        used = list(range(len(leaves))) if fixed else [level for level, present in enumerate(some) if present]
         parts, masks, offsets, offset = [], [], {}, 0
         for level in used:
             x = embeds[level]
@@ -501,18 +529,17 @@ class SplitViT(nn.Module):
             offset += masks[-1].shape[1]
         all_tokens = torch.cat(parts, dim=1)
         is_leaf = torch.cat(masks, dim=1)
-        counts = is_leaf.sum(1)
-        length = int(counts.max())
+        length = geometry.full_tokens if fixed else max(lengths)  # fixed shapes: every batch gathers N_full slots
         # stable sort puts each image's leaves first, in layout order
         order = torch.argsort((~is_leaf).to(torch.int8), dim=1, stable=True)[:, :length]
         # rows of the flattened batch: index_select copies whole rows, where gather with an
         # expanded index reads its index once per element (several times slower on the CPU)
         rows = (order + torch.arange(batch, device=order.device).unsqueeze(1) * all_tokens.shape[1]).flatten()
         tokens = all_tokens.flatten(0, 1).index_select(0, rows).view(batch, length, all_tokens.shape[-1])
+        if min(lengths) == length:
+            return tokens, None, ("gather", order, used, offsets, is_leaf.shape[1], batch), None
         valid = torch.arange(length, device=tokens.device).unsqueeze(0) < counts.unsqueeze(1)
-        if bool(valid.all()):
-            valid = None
-        return tokens, valid, ("gather", order, used, offsets, is_leaf.shape[1], batch)
+        return tokens, valid, ("gather", order, used, offsets, is_leaf.shape[1], batch), lengths
 
     def _packs(self, valid: torch.Tensor | None, return_attention: bool) -> bool:
         """Whether this batch takes the packed path (see the ``attention`` option)."""
@@ -521,45 +548,59 @@ class SplitViT(nn.Module):
         # the packed kernels have no attention dropout: keep training with it exact
         return not (self.training and any(getattr(getattr(b.attn, "attn_drop", None), "p", 0.0) > 0 for b in self.vit.blocks))
 
-    def _encode(self, tokens: torch.Tensor, valid: torch.Tensor | None, return_attention: bool):
+    def compile_encoder(self, **options: Any) -> "SplitViT":
+        """Run the packed encoder's per-token work under ``torch.compile`` in inference
+        (``options`` go to ``torch.compile``, e.g. ``mode="reduce-overhead"`` for CUDA
+        graphs). Pair it with ``token_buckets`` so that each compiled piece sees a few
+        fixed shapes. Training keeps the eager blocks. Returns the model."""
+        options.setdefault("dynamic", False)  # one static graph per bucket, as CUDA graphs need
+        self._compiled_blocks = [CompiledBlock(block, **options) for block in self.vit.blocks]
+        return self
+
+    def _encode(self, tokens: torch.Tensor, valid: torch.Tensor | None, return_attention: bool,
+                lengths: list[int] | None = None):
         """Prefix tokens, timm's blocks, final norm.
 
         Packed (see :meth:`_packs`): one ``(T, D)`` sequence of real tokens.
         Padded: a key-padding mask, in ``length_buckets`` groups of similar length.
+        ``lengths``: the images' token counts on the host (read from ``valid`` if not given).
         Returns ``(features (B, S_prefix + S, D), padded slot count, last-block
         attention, attention slots of the packed CPU kernel or None)``.
         """
+        if valid is not None and lengths is None:
+            lengths = valid.sum(1).tolist()
         if self._packs(valid, return_attention):
-            return self._encode_packed(tokens, valid)
+            return self._encode_packed(tokens, valid, lengths)
         batch = tokens.shape[0]
         if valid is None or self.length_buckets == 1 or batch < 2:
             feats, attention = self._encode_group(tokens, valid, return_attention)
             return feats, tokens.shape[0] * tokens.shape[1], attention, None
-        counts = valid.sum(1)
-        order = torch.argsort(counts, descending=True)
-        groups = torch.tensor_split(order, min(self.length_buckets, batch))
+        order = sorted(range(batch), key=lambda i: -lengths[i])
         num_prefix = self.vit.num_prefix_tokens
         feats = tokens.new_zeros(batch, num_prefix + tokens.shape[1], tokens.shape[2])
         attention = None
         padded = 0
-        for idx in groups:
-            length = int(counts[idx].max())
-            sub_valid = valid[idx, :length]
-            sub, att = self._encode_group(tokens[idx, :length], None if bool(sub_valid.all()) else sub_valid, return_attention)
+        for group in (g.tolist() for g in torch.tensor_split(torch.tensor(order), min(self.length_buckets, batch))):
+            idx = torch.tensor(group, device=tokens.device)
+            length = max(lengths[i] for i in group)
+            full = min(lengths[i] for i in group) == length
+            sub, att = self._encode_group(tokens[idx, :length], None if full else valid[idx, :length], return_attention)
             feats[idx, : num_prefix + length] = sub
-            padded += len(idx) * length
+            padded += len(group) * length
             if att is not None:
                 if attention is None:
                     attention = att.new_zeros(batch, tokens.shape[1])
                 attention[idx, :length] = att
         return feats, padded, attention, None
 
-    def _encode_packed(self, tokens: torch.Tensor, valid: torch.Tensor):
+    def _encode_packed(self, tokens: torch.Tensor, valid: torch.Tensor, lengths: list[int]):
         """The encoder on packed real tokens; only attention groups them per image.
 
-        With CUDA's varlen kernel the whole batch is one packed sequence. Elsewhere
-        the images are encoded in chunks of similar length (:func:`token_chunks`),
-        for cache locality; each chunk's attention kernel pads per length group.
+        With CUDA's varlen kernel the whole batch is one packed sequence, built from
+        the host's ``lengths`` without reading the device. Elsewhere the images are
+        encoded in chunks of similar length (:func:`token_chunks`), for cache
+        locality; each chunk's attention kernel pads per length group. With
+        ``token_buckets`` the batch is one chunk of a fixed size.
         """
         vit = self.vit
         b = tokens.shape[0]
@@ -567,31 +608,41 @@ class SplitViT(nn.Module):
         prefix = self._prefix_tokens(b)
         x = tokens if prefix is None else torch.cat([prefix, tokens], dim=1)
         keep = torch.cat([valid.new_ones(b, num_prefix), valid], dim=1)
+        seq_lengths = [n + num_prefix for n in lengths]
+        real = sum(lengths)
         varlen = varlen_kernel(x.device)
+        if self.token_buckets:
+            slots = keep.shape[1]
+            capacity = bucket_capacity(sum(seq_lengths), b, slots, self.token_buckets)
+            batch = PackedBatch(keep, seq_lengths, capacity=capacity)
+            kernel = varlen if varlen is not None else padded_sdpa_kernel(batch.cu_seqlens)
+            attention = None if varlen is not None else kernel.padded_rows - b * num_prefix
+            return self._encode_packed_chunk(x, batch, kernel), real, None, attention
         chunks = token_chunks(keep.sum(1)) if varlen is None else []
         if len(chunks) <= 1:
             # one chunk: in batch order, nothing to scatter back
-            batch = PackedBatch(keep)
+            batch = PackedBatch(keep, seq_lengths)
             kernel = varlen if varlen is not None else padded_sdpa_kernel(batch.cu_seqlens)
             slots = None if varlen is not None else kernel.padded_rows - b * num_prefix
-            return self._encode_packed_chunk(x, batch, kernel), int(valid.sum()), None, slots
+            return self._encode_packed_chunk(x, batch, kernel), real, None, slots
         features = x.new_zeros(x.shape)
         slots = 0
         for idx in chunks:
-            batch = PackedBatch(keep[idx])
+            batch = PackedBatch(keep[idx], [seq_lengths[i] for i in idx.tolist()])
             # scatter/gather indices built once per chunk, shared by every block
             kernel = padded_sdpa_kernel(batch.cu_seqlens)
             slots += kernel.padded_rows - len(idx) * num_prefix
             features[idx] = self._encode_packed_chunk(x[idx], batch, kernel)
-        return features, int(valid.sum()), None, slots
+        return features, real, None, slots
 
     def _encode_packed_chunk(self, x: torch.Tensor, batch: PackedBatch, kernel) -> torch.Tensor:
         """Blocks and final norm on the real slots of ``x`` (prefix included), packed."""
         vit = self.vit
         # pos_drop and norm_pre act per token: run them on the packed tokens only
         packed = vit.norm_pre(vit.pos_drop(batch.pack(x)))
-        for block in vit.blocks:
-            packed = packed_block(block, packed, batch, kernel)
+        compiled = self._compiled_blocks if not self.training else None
+        for i, block in enumerate(vit.blocks):
+            packed = compiled[i](packed, batch, kernel) if compiled else packed_block(block, packed, batch, kernel)
         return batch.unpack(vit.norm(packed))
 
     def _encode_group(self, tokens, valid, return_attention):
