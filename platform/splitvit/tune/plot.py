@@ -1,4 +1,5 @@
-"""The sweep's plot: quality versus tokens per image, frontier and baselines on one set of axes."""
+"""The sweep's plots: quality versus tokens per image (frontier and baselines on one set
+of axes) and quality versus measured speed-up over full resolution."""
 
 from __future__ import annotations
 
@@ -58,5 +59,38 @@ def pareto_figure(points: list[Point], baselines: list[dict[str, Any]], *, metri
         top.set_xlabel("token ratio (of full resolution)")
     ax.set_title(title or f"{metric} vs tokens per image")
     ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    fig.tight_layout()
+    return fig
+
+
+def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality: float | None = None, title: str = ""):
+    """Quality against measured speed-up over the full-resolution model: the frontier
+    points that were timed (``extras["speedup_vs_full"]``), each labelled with its
+    measured token ratio, and full resolution at 1.0x (its quality from the
+    baselines, when known). The caller owns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    timed = sorted((p for p in frontier(points) if "speedup_vs_full" in p.extras), key=lambda p: p.extras["speedup_vs_full"])
+    if timed:
+        xs = [p.extras["speedup_vs_full"] for p in timed]
+        ys = [p.quality for p in timed]
+        ax.plot(xs, ys, "-", color="#d62728", lw=1.2, alpha=0.6, zorder=3)
+        ax.scatter(xs, ys, s=70, marker="D", c="#d62728", edgecolors="black", linewidths=0.6,
+                   label="SPLIT frontier points (timed)", zorder=5)
+        for p, x, y in zip(timed, xs, ys):
+            ratio = p.extras.get("timed_token_ratio", p.token_ratio)
+            ax.annotate(f"{ratio:.0%} tok", (x, y), textcoords="offset points", xytext=(5, -11), fontsize=7)
+    if full_quality is not None:
+        ax.scatter([1.0], [full_quality], s=160, marker="*", c="black", label="full resolution (1.0x)", zorder=6)
+    ax.axvline(1.0, color="black", lw=0.8, ls=":", zorder=1)
+    ax.set_xlabel("measured speed-up vs full resolution (median images/s ratio, same run)")
+    ax.set_ylabel(metric)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title or f"{metric} vs measured speed-up")
+    ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
     fig.tight_layout()
     return fig

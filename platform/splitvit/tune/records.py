@@ -34,6 +34,10 @@ SWEEP_TAG = "splitvit.sweep"
 TRIAL_TAG = "splitvit.trial_id"
 METRIC_TAG = "splitvit.metric"
 REFERENCE_TAG = "splitvit.reference_point"  # JSON [quality, token_ratio]
+SPEED_DEVICE_TAG = "splitvit.speed_device"  # where the frontier was timed (e.g. "cuda:0 (NVIDIA H200)")
+SPEED_TIMING_TAG = "splitvit.speed_timing"  # how: batch, rounds, precision
+#: Metrics of a timed frontier point's run (see :mod:`splitvit.tune.speed`).
+SPEED_METRICS = ("speedup_vs_full", "timed_images_per_s", "timed_token_ratio")
 PARENT_TAG = "mlflow.parentRunId"
 SAMPLED_PREFIX = "sampled."
 SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
@@ -244,6 +248,10 @@ class SweepRecorder:
         entries = _client(self.tracking_uri).list_artifacts(run_id or self.parent_run_id, folder or None)
         return any(e.path == path or e.path.rsplit("/", 1)[-1] == name and not e.is_dir for e in entries)
 
+    def log_run_metrics(self, run_id: str, values: dict[str, float]) -> None:
+        """Figures measured after a run ended (a frontier point's speed-up), at step 0."""
+        self._log_metrics(run_id, _numbers(values), 0)
+
     def log_parent_metrics(self, values: dict[str, float]) -> None:
         """Sweep-level figures on the parent (hypervolume, frontier size...)."""
         self._log_metrics(self.parent_run_id, _numbers(values), 0)
@@ -329,9 +337,15 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
             kind="trial" if tags.get(KIND_TAG) == "trial" else "threshold", trial_id=tags.get(TRIAL_TAG, ""),
             thresholds=thresholds, params=sampled, run_id=run.info.run_id,
             checkpoint=tags.get("splitvit.checkpoint") or None,
+            extras={k: metrics[k] for k in SPEED_METRICS if k in metrics},
         ))
+    # where and how each sweep timed its frontier (absent: a sweep that did not)
+    speed = [{"sweep": p.info.run_id, "device": p.data.tags[SPEED_DEVICE_TAG], "timing": p.data.tags.get(SPEED_TIMING_TAG, ""),
+              **{k: p.data.metrics[k] for k in ("speed_full_images_per_s", "speedup_max", "speedup_best_point",
+                                                 "speedup_within_1pt_of_full") if k in p.data.metrics}}
+             for p in parents if SPEED_DEVICE_TAG in p.data.tags]
     return {"experiment_id": experiment_id, "sweeps": sorted(sweep_ids), "metric": metric, "reference": reference,
-            "points": points}
+            "points": points, "speed": speed}
 
 
 def flat_params(data: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,121 @@
+"""Operating points timed against full resolution (``splitvit.tune.speed``) on tiny
+models: the structure and consistency of the figures, never a speed-up target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from splitvit.config import ExperimentConfig
+from splitvit.model import SplitViT
+from splitvit.tune.pareto import Point
+from splitvit.tune.space import SearchSpaceError, load_space
+from splitvit.tune.speed import spread, time_operating_points
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# 16x16 images, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens
+MODEL = {"name": "vit_tiny_patch16_224", "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4,
+         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1}}
+
+
+def checkpoint(folder: Path, embed_dim: int = 16) -> str:
+    """A checkpoint folder as training writes it: the model and its experiment config."""
+    model_cfg = json.loads(json.dumps(MODEL))
+    model_cfg["timm_kwargs"]["embed_dim"] = embed_dim
+    config = ExperimentConfig.from_dict({
+        "model": model_cfg,
+        "data": {"name": "synthetic", "options": {"train_samples": 32, "val_samples": 16, "object_size": 4}, "batch_size": 8},
+    })
+    model = SplitViT.from_timm(MODEL["name"], levels=2, image_size=16, num_classes=4, policy="learned", policy_depth=1,
+                               timm_kwargs=model_cfg["timm_kwargs"])
+    folder.mkdir(parents=True)
+    model.save(folder / "model.pt", extra={"config": config.to_dict(redact=True)})
+    return str(folder)
+
+
+def test_points_are_timed_against_full_resolution_in_one_interleaved_run(tmp_path):
+    small, wide = checkpoint(tmp_path / "small"), checkpoint(tmp_path / "wide", embed_dim=32)
+    points = [
+        {"checkpoint": small, "thresholds": [1.0], "label": "coarse"},      # nothing splits: 4 of 16 tokens
+        {"checkpoint": small, "thresholds": [0.0], "label": "fine"},        # everything splits: 16 of 16
+        {"checkpoint": small, "thresholds": [0.5], "policy": "entropy"},    # another policy on the same backbone
+        {"checkpoint": wide, "thresholds": [1.0], "label": "wide"},          # another architecture
+    ]
+    result = time_operating_points(points, full_checkpoint=small, batch_size=8, rounds=3, warmup=1)
+    assert result["device"] == "cpu" and result["batch_size"] == 8 and result["rounds"] == 3 and result["warmup"] == 1
+    assert result["precision"] == "float32" and result["machine"]["torch_threads"] >= 1
+    # one full-resolution model per architecture: the given checkpoint first
+    full = {f["key"]: f for f in result["full"]}
+    assert [f["checkpoint"] for f in result["full"]] == [small, wide]
+    assert all(f["speedup_vs_full"] == 1.0 and f["tokens_per_image"] == 16.0 and f["images_per_s"] > 0 for f in full.values())
+    rows = result["points"]
+    assert [r["label"] for r in rows] == ["coarse", "fine", "point2", "wide"]
+    assert [r["full"] for r in rows] == ["full0", "full0", "full0", "full1"]
+    assert [r["policy"] for r in rows] == ["learned", "learned", "entropy", "learned"]
+    assert rows[0]["token_ratio"] == 0.25 and rows[0]["tokens_per_image"] == 4.0 and rows[1]["token_ratio"] == 1.0
+    assert rows[3]["token_ratio"] == 0.25
+    for row in rows:
+        ref = full[row["full"]]
+        assert row["speedup_vs_full"] > 0 and row["images_per_s"] == pytest.approx(8 / row["median_s"])
+        assert row["speedup_vs_full"] == pytest.approx(ref["median_s"] / row["median_s"])  # same run's medians
+        assert row["speedup_vs_full_fastest"] == pytest.approx(ref["min_s"] / row["min_s"])
+        assert row["full_images_per_s"] == pytest.approx(ref["images_per_s"])
+        q = row["speedup_vs_full_per_round"]
+        assert q["q1"] <= q["median"] <= q["q3"]
+    assert result["seconds"] > 0 and isinstance(result["warnings"], list)
+
+
+def test_timing_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="no operating points"):
+        time_operating_points([])
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        time_operating_points([{"checkpoint": "unused", "thresholds": None}], rounds=0)
+
+
+def test_spread_keeps_both_ends():
+    assert spread(list(range(10)), 4) == [0, 3, 6, 9]
+    assert spread(list(range(3)), 4) == [0, 1, 2] and spread(list(range(5)), None) == list(range(5))
+    assert spread(list(range(5)), 1) == [0] and spread(list(range(5)), 0) == []
+
+
+def test_speed_figure_puts_timed_frontier_points_at_their_speed_up():
+    from splitvit.tune.plot import speed_figure
+
+    points = [Point(0.8, 4.0, 0.25, on_frontier=True, extras={"speedup_vs_full": 2.5, "timed_token_ratio": 0.25}),
+              Point(0.9, 16.0, 1.0, on_frontier=True, extras={"speedup_vs_full": 0.95}),
+              Point(0.7, 8.0, 0.5, on_frontier=False)]
+    fig = speed_figure(points, full_quality=0.9)
+    ax = fig.axes[0]
+    offsets = sorted(tuple(map(float, xy)) for c in ax.collections for xy in c.get_offsets())
+    assert offsets == [(0.95, 0.9), (1.0, 0.9), (2.5, 0.8)]  # the two timed points and full resolution at 1.0x
+    assert "speed-up" in ax.get_xlabel()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_search_space_speed_settings_are_validated_by_key():
+    space = load_space(ROOT / "search_spaces" / "smoke.yaml")
+    assert space.speed.enabled and space.speed.rounds >= 1 and space.to_dict()["speed"]["batch_size"] >= 1
+    assert not load_space(ROOT / "search_spaces" / "smoke.yaml", ["speed.enabled=false"]).speed.enabled
+    for item, key in (("speed.rounds=0", "speed.rounds"), ("speed.max_points=-1", "speed.max_points"),
+                      ("speed.batch=4", "speed.batch"), ("speed.enabled=sometimes", "speed.enabled")):
+        with pytest.raises(SearchSpaceError) as err:
+            load_space(ROOT / "search_spaces" / "smoke.yaml", [item])
+        assert err.value.key == key
+
+
+def test_resuming_a_sweep_saved_before_speed_settings_existed(tmp_path):
+    from splitvit.tune.sweep import PLAN_FILE, SweepError, _check_plan
+
+    space = load_space(ROOT / "search_spaces" / "smoke.yaml")
+    saved = {k: v for k, v in space.to_dict().items() if k not in ("source", "speed")}
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"space": saved, "overrides": [], "source": space.source}, default=str))
+    assert _check_plan(space, str(tmp_path), None, resume=True) is space
+    changed = {**saved, "speed": {**space.to_dict()["speed"], "rounds": 99}}
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"space": changed, "overrides": [], "source": space.source}, default=str))
+    with pytest.raises(SweepError, match="speed"):
+        _check_plan(space, str(tmp_path), None, resume=True)
