@@ -132,13 +132,15 @@ def test_missing_fashion_mnist_gives_one_clear_error(tmp_path, monkeypatch, caps
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FashionMNISTNotFound) as info:
-        build_dataset("cluttered-fashion-mnist", "train", image_size=64, root=str(empty))
+        # download=True: a root is only ever filled by a download asked for (no root: the default)
+        build_dataset("cluttered-fashion-mnist", "train", image_size=64, root=str(empty), download=True)
     message = str(info.value)
     for needed in ("apt-get install dataset-fashion-mnist", "root=", str(empty), "no-debian", "not reachable",
                    "train-images-idx3-ubyte"):
         assert needed in message
     # the command reports the same single message and fails
-    rc = main(["data", "prepare", "cluttered-fashion-mnist", "--root", str(empty), "--out", str(tmp_path / "out")])
+    rc = main(["data", "prepare", "cluttered-fashion-mnist", "--root", str(empty), "--option", "download=true",
+               "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 2 and "apt-get install dataset-fashion-mnist" in err and err.count("\n") == 1
 

@@ -84,6 +84,9 @@ class JobFailed(SubmitError):
         super().__init__("\n".join(lines), job_id=result.job_id, address=result.address)
         self.result = result
 
+    def __reduce__(self):  # rebuild from the result (pickling, e.g. through Ray)
+        return (type(self), (self.result,), dict(self.__dict__))
+
 
 @dataclass
 class JobTarget:

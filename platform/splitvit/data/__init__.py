@@ -11,6 +11,8 @@ Built in (``DATASET_NAMES``):
 - ``cluttered-fashion-mnist`` / ``cluttered-fashion-mnist-seg``: Fashion-MNIST items
   among label-irrelevant, high-entropy clutter (options: ``root``, ``download``,
   ``val_size``, ``clutter_fraction``, ``fragment_prob``, ``margin``, ``item_size``, ...).
+  A ``root`` without the files is an error, never a fallback to another copy;
+  ``download=true`` downloads into it.
 - ``imagefolder``: ``root/{train,val}/CLASS/*.jpg`` (option ``root``).
 - ``ade20k``: the ADEChallengeData2016 layout (option ``root``).
 - ``parquet``: shards written by ``write_shards`` / ``splitvit data prepare``, in a
@@ -95,7 +97,9 @@ def build_dataset(name: str, split: str, *, image_size: int, seed: int = 0, **op
         cls = ClutteredFashionMNIST if name == "cluttered-fashion-mnist" else ClutteredFashionMNISTSeg
         allowed = (_kwargs_of(cls) - {"image_size", "num_samples", "seed"}) | {"root", "download", "val_size"}
         _check_options(name, opts, allowed)
-        root, download = opts.pop("root", None), bool(opts.pop("download", True))
+        # download: None = only without root (a root that lacks the files is an error, not a fallback)
+        root, download = opts.pop("root", None), opts.pop("download", None)
+        download = None if download is None else bool(download)
         images, labels = fashion_mnist_split(split, root, val_size=int(opts.pop("val_size", 5000)), download=download)
         return cls(images, labels, image_size=image_size, num_samples=samples, seed=split_seed, **opts)
     if name in ("imagefolder", "ade20k"):

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def fashion_mnist_split(split: str, root: str | os.PathLike | None = None, *, val_size: int = DEFAULT_VAL_SIZE,
-                        download: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                        download: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Images and labels of ``split``: train = the train files minus their last ``val_size``
     items, val = those last ``val_size`` items (a fixed held-out slice), test = t10k."""
     if split == "test":

@@ -25,6 +25,9 @@ class CorruptDataError(ValueError):
         self.source = source
         self.reason = reason
 
+    def __reduce__(self):  # Ray pickles a worker's exception: rebuild from source and reason
+        return (type(self), (self.source, self.reason), dict(self.__dict__))
+
 
 def decode_image(data: bytes, source: str, mode: str = "RGB", *, min_size: int | None = None) -> Image.Image:
     """Decode PNG/JPEG/... bytes fully (so truncation shows here, not later) into ``mode``

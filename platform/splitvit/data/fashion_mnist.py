@@ -1,11 +1,15 @@
 """Finding and reading Fashion-MNIST's idx files, offline first.
 
-Search order: ``root`` (an option), the folder in ``$SPLITVIT_DATA_DIR``, Debian's
-``dataset-fashion-mnist`` package (``/usr/share/datasets/fashion-mnist``), an earlier
-download in ``~/.cache/splitvit``, then a download with torchvision where the
-internet is reachable (into ``root``, ``$SPLITVIT_DATA_DIR`` or ``~/.cache/splitvit``). Each folder may hold
-the files directly, in ``fashion-mnist/`` or in torchvision's ``FashionMNIST/raw/``;
-files may be gzipped.
+With ``root`` (an option) only ``root`` is searched: a ``root`` that does not exist
+or lacks the files is an error, never a reason to read another copy; with
+``download=True`` the files are downloaded into it. Without ``root`` the search
+order is: the folder in ``$SPLITVIT_DATA_DIR``, Debian's ``dataset-fashion-mnist``
+package (``/usr/share/datasets/fashion-mnist``), an earlier download in
+``~/.cache/splitvit``, then (unless ``download=False``) a download with
+torchvision where the internet is reachable (into ``$SPLITVIT_DATA_DIR`` or
+``~/.cache/splitvit``). Each folder may hold the files directly, in
+``fashion-mnist/`` or in torchvision's ``FashionMNIST/raw/``; files may be
+gzipped. The folder used is logged (INFO).
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ def _complete(folder: Path) -> bool:
 
 
 def candidate_dirs(root: str | os.PathLike | None = None) -> list[Path]:
-    """Folders searched for the idx files, in order."""
-    bases = [Path(b).expanduser() for b in (root, os.environ.get(DATA_DIR_ENV)) if b]
+    """Folders searched for the idx files, in order (with ``root``: in ``root`` only)."""
+    if root:
+        base = Path(root).expanduser()
+        return [base, base / "fashion-mnist", base / "FashionMNIST" / "raw"]
+    bases = [Path(b).expanduser() for b in (os.environ.get(DATA_DIR_ENV),) if b]
     dirs = [d for b in bases for d in (b, b / "fashion-mnist", b / "FashionMNIST" / "raw")]
     dirs.append(DEBIAN_DIR)
     dirs.append(_download_dir(None) / "FashionMNIST" / "raw")  # where an earlier download without root went
@@ -77,23 +84,41 @@ def download_fashion_mnist(dest: str | os.PathLike) -> Path:
     return Path(dest) / "FashionMNIST" / "raw"
 
 
-def find_fashion_mnist(root: str | os.PathLike | None = None, *, download: bool = True) -> Path:
+def find_fashion_mnist(root: str | os.PathLike | None = None, *, download: bool | None = None) -> Path:
     """The folder holding all four Fashion-MNIST idx files (see the module doc for the order).
 
+    ``download``: ``None`` (default) downloads when no ``root`` is given and never
+    into a ``root``; ``True`` downloads into ``root`` too; ``False`` never downloads.
     Raises ``FashionMNISTNotFound`` with one message that lists the places searched
     and how to get the data.
     """
     searched = candidate_dirs(root)
-    for folder in searched:
+    env = os.environ.get(DATA_DIR_ENV)
+    for i, folder in enumerate(searched):
         if folder.is_dir() and _complete(folder):
-            log.debug("Fashion-MNIST found in %s", folder)
+            if not root and env and i >= 3:  # not in $SPLITVIT_DATA_DIR: say so, loudly
+                log.warning("Fashion-MNIST: $%s=%s does not hold the idx files; using the files in %s",
+                            DATA_DIR_ENV, env, folder)
+            else:
+                log.info("Fashion-MNIST: using the files in %s", folder)
             return folder
+    if root and not download:
+        base = Path(root).expanduser()
+        state = "does not exist" if not base.exists() else ("is not a folder" if not base.is_dir() else
+                                                            "does not hold all four idx files")
+        raise FashionMNISTNotFound(
+            f"root={root} {state} (searched {', '.join(str(d) for d in searched)} for train-images-idx3-ubyte"
+            "[.gz], train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]); put the "
+            "files there, set download=true to download them into it, or leave root unset to use "
+            f"${DATA_DIR_ENV} or Debian's copy in {DEBIAN_DIR} (`sudo apt-get install dataset-fashion-mnist`)"
+        )
     why = "download disabled (download=False)"
-    if download:
+    if download is None or download:  # None: no root here
         dest = _download_dir(root)
         try:
             folder = download_fashion_mnist(dest)
             if _complete(folder):
+                log.info("Fashion-MNIST: downloaded into %s", folder)
                 return folder
             why = f"download into {dest} left incomplete files"
         except Exception as exc:  # noqa: BLE001 - any failure means: tell the user how to get the data
@@ -136,7 +161,7 @@ def _load(folder: str, part: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def load_fashion_mnist(part: str, root: str | os.PathLike | None = None, *, download: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def load_fashion_mnist(part: str, root: str | os.PathLike | None = None, *, download: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(images uint8 (N, 28, 28), labels int64 (N,))`` of ``part`` (``"train"`` or ``"t10k"``).
 
     Cached per process, so every dataset built on the same files shares one copy.

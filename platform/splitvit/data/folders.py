@@ -57,6 +57,7 @@ class ImageFolderDataset(SkippingDataset):
             raise FileNotFoundError(f"imagefolder: no images ({', '.join(IMAGE_EXTENSIONS)}) under {folder}/CLASS/")
         self.num_classes = len(self.classes)
         self.image_size = image_size
+        log.info("imagefolder %s: %d images of %d classes in %s", split, len(self.samples), self.num_classes, folder)
 
     def raw_len(self) -> int:
         return len(self.samples)
@@ -106,6 +107,7 @@ class ADE20KDataset(SkippingDataset):
             raise FileNotFoundError(f"ade20k: no annotated images in {images_dir}")
         self.root = root
         self.image_size = image_size
+        log.info("ade20k %s: %d annotated images in %s", split, len(self.samples), images_dir)
 
     def raw_len(self) -> int:
         return len(self.samples)

@@ -106,6 +106,7 @@ class ParquetShards(SkippingDataset):
         self.task = "segmentation" if "mask" in self.columns else "classification"
         self._bad_files: set[int] = set()
         self._reset_handles()
+        log.info("parquet shards %s: %d rows in %d shards in %s", split, self.raw_len(), len(self.files), self.folder)
 
     @staticmethod
     def _read_metadata(fs, uri_: str):

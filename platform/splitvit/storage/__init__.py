@@ -10,7 +10,7 @@ never logged or put into error messages.
 
 from __future__ import annotations
 
-from .s3 import S3Settings, UploadResult, s3_client, s3_settings, upload_dir
+from .s3 import S3Settings, UploadResult, check_bucket, s3_client, s3_error_reason, s3_settings, upload_dir
 from .uri import (
     StorageError,
     delete_file,
@@ -28,6 +28,7 @@ from .uri import (
 __all__ = [
     "S3Settings",
     "StorageError",
+    "check_bucket",
     "delete_file",
     "UploadResult",
     "exists",
@@ -38,6 +39,7 @@ __all__ = [
     "makedirs",
     "read_bytes",
     "s3_client",
+    "s3_error_reason",
     "s3_settings",
     "split_s3_uri",
     "upload_dir",

@@ -44,6 +44,50 @@ def s3_client() -> Any:
     return boto3.client("s3", endpoint_url=settings.endpoint_url, region_name=settings.region)
 
 
+def s3_error_reason(exc: BaseException) -> str:
+    """What a boto3 error means, in a few words (never credentials)."""
+    from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutError
+    from botocore.exceptions import ConnectionError as EndpointDown  # refused, unresolved, connect timeout
+
+    if isinstance(exc, NoCredentialsError):
+        return "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile)"
+    if isinstance(exc, (EndpointDown, ReadTimeoutError)):
+        return f"the endpoint does not answer ({exc})"
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("404", "NoSuchBucket"):
+            return "the bucket does not exist (create it first, e.g. `aws s3 mb`)"
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                    "InvalidToken") or status in (401, 403):
+            return f"the credentials were rejected or lack access (HTTP {status} {code})"
+        return f"HTTP {status} {code} {error.get('Message', '')}".strip()
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def check_bucket(s3_uri: str, *, client: Any = None) -> str:
+    """Check that the bucket of ``s3_uri`` exists and the credentials reach it
+    (one ``HeadBucket``); returns the endpoint asked ("AWS" by default).
+
+    Raises ``StorageError`` naming the URI and the endpoint, and saying whether the
+    endpoint does not answer, the bucket is missing or the credentials are rejected.
+    """
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from .uri import StorageError, split_s3_uri
+
+    bucket, _ = split_s3_uri(s3_uri)
+    client = client or s3_client()
+    where = s3_settings().endpoint_url or "AWS"
+    try:
+        client.head_bucket(Bucket=bucket)
+    except (ClientError, BotoCoreError) as exc:
+        raise StorageError(f"{s3_uri}: bucket {bucket!r} is missing or not accessible at {where}: "
+                           f"{s3_error_reason(exc)}") from exc
+    return where
+
+
 @dataclass
 class UploadResult:
     """What ``upload_dir`` wrote."""
@@ -77,12 +121,7 @@ def upload_dir(local: str | os.PathLike, s3_uri: str, *, client: Any = None) -> 
         raise FileNotFoundError(f"{local}: folder has no files to upload")
     bucket, prefix = split_s3_uri(s3_uri)
     client = client or s3_client()
-    settings = s3_settings()
-    where = settings.endpoint_url or "AWS"
-    try:
-        client.head_bucket(Bucket=bucket)
-    except (ClientError, BotoCoreError) as exc:
-        raise StorageError(f"{s3_uri}: bucket {bucket!r} is missing or not accessible at {where}: {exc}") from exc
+    check_bucket(s3_uri, client=client)
     start = time.perf_counter()
     total = 0
     for path in files:

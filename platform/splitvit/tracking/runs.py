@@ -156,18 +156,38 @@ class RunTracker:
         """Run the ``with`` block; if it raises, end this run as ``interrupted``
         (Ctrl-C) or ``failed`` (the error as tag ``splitvit.error``) and re-raise,
         so that no run is left RUNNING in the MLflow UI."""
+        from ..errors import error_line
+
         try:
             yield self
-        except KeyboardInterrupt:
-            self.close("interrupted")
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM in splitvit (errors.Interrupted)
+            self._close_quietly("interrupted")
             raise
         except Exception as exc:
-            self.close("failed", tags={"splitvit.error": str(exc)[:2000]})
+            self._close_quietly("failed", tags={"splitvit.error": error_line(exc)[:2000]})
             raise
+
+    def _close_quietly(self, status: str, tags: dict[str, str] | None = None) -> None:
+        """:meth:`close` on the way out of an error: a store that fails now must not
+        hide the error being raised."""
+        try:
+            self.close(status, tags=tags)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not end MLflow run %s as %s: %s", self.run_id, status, exc)
 
     def close(self, status: str, tags: dict[str, str] | None = None) -> None:
         """End the run: ``status`` is ``completed`` (MLflow FINISHED), ``diverged`` or
-        ``failed`` (FAILED), or ``interrupted`` (KILLED)."""
+        ``failed`` (FAILED), or ``interrupted`` (KILLED). A run that ends otherwise
+        than ``completed`` ends its child runs still RUNNING too (KILLED): a sweep
+        stopped by Ctrl-C or an error leaves none of its trials' runs RUNNING."""
+        self._end(status, tags)
+        if status != "completed":
+            try:
+                close_stale_runs(self, reason=f"its parent run {self.run_id} ended {status}")
+            except Exception as exc:  # noqa: BLE001 - the run itself is ended; its children are a courtesy
+                log.warning("could not end the runs under MLflow run %s: %s", self.run_id, exc)
+
+    def _end(self, status: str, tags: dict[str, str] | None = None) -> None:
         mlflow_status = {"completed": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
         client = _client(self.tracking_uri)
         self.set_tags({STATUS_TAG: status, **(tags or {})})
@@ -264,6 +284,45 @@ class RunTracker:
         )
         self.set_tags({MODEL_ID_TAG: logged.model_id})
         return info.model_uri
+
+
+def close_stale_runs(parent: RunTracker, reason: str = "its driver stopped before ending it") -> list[str]:
+    """End the runs under ``parent`` (its children, their children...) still
+    ``RUNNING``, as ``KILLED`` with tag ``splitvit.status=interrupted``; returns their ids.
+
+    A sweep or study whose driver died (SIGKILL, a lost node) leaves its runs
+    ``RUNNING`` for ever; resuming it calls this before anything of its own starts
+    (a run resumed later is re-opened by :meth:`RunTracker.open`). :meth:`RunTracker.close`
+    calls it too when a run ends otherwise than completed.
+    """
+    client = _client(parent.tracking_uri)
+    running = client.search_runs([parent.experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=50_000)
+    parents = {r.info.run_id: r.data.tags.get("mlflow.parentRunId") for r in running}
+
+    def under(run_id: str) -> bool:
+        seen = set()
+        while run_id and run_id not in seen:
+            seen.add(run_id)
+            if run_id not in parents:  # an ancestor that is not running itself
+                try:
+                    parents[run_id] = client.get_run(run_id).data.tags.get("mlflow.parentRunId")
+                except Exception:  # noqa: BLE001 - a deleted ancestor ends the chain
+                    parents[run_id] = None
+            run_id = parents[run_id]
+            if run_id == parent.run_id:
+                return True
+        return False
+
+    closed: list[str] = []
+    for run in running:
+        if run.info.run_id != parent.run_id and under(run.info.run_id):
+            RunTracker(parent.tracking_uri, parent.experiment_id, run.info.run_id)._end(
+                "interrupted", tags={"splitvit.message": f"ended KILLED: {reason}"})
+            closed.append(run.info.run_id)
+    if closed:
+        log.warning("closed %d MLflow run(s) left RUNNING under %s (%s) as KILLED: %s", len(closed), parent.run_id,
+                    reason, ", ".join(closed))
+    return closed
 
 
 def _is_number(value: Any) -> bool:

@@ -29,6 +29,21 @@ import torch
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.json"
+#: Ray Train's record of a run's reported checkpoints (the one a re-run resumes from)
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+PAYLOAD_KEYS = ("spec", "state_dict")
+
+
+class CheckpointError(ValueError):
+    """A file that is no readable SplitViT checkpoint; ``source`` names it, ``reason`` says why."""
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"checkpoint {source}: {reason}")
+        self.source = source
+        self.reason = reason
+
+    def __reduce__(self):  # Ray pickles a worker's exception: rebuild from source and reason
+        return (type(self), (self.source, self.reason), dict(self.__dict__))
 
 
 def rng_file(rank: int) -> str:
@@ -113,13 +128,98 @@ def fetch_checkpoint(uri: str | Path, dest: str | Path | None = None) -> Path:
 
 
 def load_payload(uri: str | Path) -> dict[str, Any]:
-    """The ``model.pt`` payload of checkpoint ``uri`` (see :func:`fetch_checkpoint`)."""
+    """The ``model.pt`` payload of checkpoint ``uri`` (see :func:`fetch_checkpoint`).
+
+    Raises:
+        FileNotFoundError: nothing at ``uri``.
+        CheckpointError: a file torch cannot read (truncated, garbage) or a torch file
+            that is no SplitViT checkpoint (no ``spec`` and ``state_dict``).
+    """
     local = fetch_checkpoint(uri)
     try:
-        return torch.load(local, map_location="cpu", weights_only=False)
+        return read_payload(local, str(uri))
     finally:
         if is_uri(str(uri)):
             shutil.rmtree(local.parent, ignore_errors=True)
+
+
+def read_payload(path: str | Path, source: str | None = None) -> dict[str, Any]:
+    """Read a local ``model.pt`` and check it is a SplitViT checkpoint (``source``: the
+    name errors give, default ``path``); see :func:`load_payload`."""
+    from ..errors import describe
+
+    source = source or str(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle: the file is not a checkpoint
+        try:
+            size = f"{Path(path).stat().st_size} bytes"
+        except OSError:
+            size = "size unknown"
+        raise CheckpointError(source, f"not a readable torch file ({size}; truncated, or not written by torch.save?): "
+                                      f"{describe(exc)}") from exc
+    check_payload(payload, source)
+    return payload
+
+
+def check_payload(payload: Any, source: str) -> None:
+    """A CheckpointError unless ``payload`` is what :meth:`SplitViT.save` writes."""
+    expected = "a SplitViT checkpoint holds a dict with 'spec' and 'state_dict' (SplitViT.save, splitvit train)"
+    if not isinstance(payload, dict):
+        raise CheckpointError(source, f"a torch file holding a {type(payload).__name__}, not a SplitViT checkpoint: {expected}")
+    missing = [k for k in PAYLOAD_KEYS if k not in payload]
+    if missing:
+        raise CheckpointError(source, f"a torch file without {' and '.join(repr(k) for k in missing)}, not a SplitViT "
+                                      f"checkpoint: {expected}")
+    if not isinstance(payload["spec"], dict) or "name" not in payload["spec"]:
+        raise CheckpointError(source, "its 'spec' names no timm model ('spec.name'): not written by SplitViT.save")
+
+
+def model_from_payload(payload: dict[str, Any], source: str, **overrides: Any):
+    """:meth:`SplitViT.from_checkpoint`, with a CheckpointError naming ``source`` when
+    the weights do not fit the model the spec builds."""
+    from ..model import SplitViT
+
+    check_payload(payload, source)
+    try:
+        return SplitViT.from_checkpoint(payload, **overrides)
+    except (RuntimeError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(source, f"its weights do not fit the model its spec builds: {first}") from exc
+
+
+def latest_checkpoint(run_uri: str) -> str | None:
+    """The checkpoint a re-run of the Ray Train run at ``run_uri`` resumes from: the
+    latest committed one in Ray's snapshot, else the newest epoch folder holding
+    ``model.pt`` and ``train_state.pt``; None when there is none (or it cannot be read)."""
+    from ..storage import filesystem_for, join_uri
+
+    import pyarrow.fs as pafs
+
+    try:
+        fs, path = filesystem_for(run_uri)
+    except (OSError, ValueError):
+        return None
+    path = path.rstrip("/")
+    try:
+        with fs.open_input_stream(f"{path}/{SNAPSHOT_FILE}") as f:
+            latest = (json.loads(f.read().decode()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        if latest:
+            return join_uri(run_uri, latest)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+        names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_"))
+        for name in reversed(names):
+            files = {i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{path}/{name}"))}
+            if {MODEL_FILE, STATE_FILE} <= files:
+                return join_uri(run_uri, name)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def init_weights(model: torch.nn.Module, uri: str | Path) -> list[str]:

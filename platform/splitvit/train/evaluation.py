@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..model import SplitViT, validate_thresholds
-from .checkpoints import load_payload
+from ..model import validate_thresholds
+from .checkpoints import load_payload, model_from_payload
 from .steps import evaluate
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def evaluate_checkpoint(
     """
     payload = load_payload(checkpoint)
     overrides = {"policy": policy} if policy else {}
-    model = SplitViT.from_checkpoint(payload, **overrides).to(device)
+    model = model_from_payload(payload, str(checkpoint), **overrides).to(device)
     if thresholds is not None:
         validate_thresholds(thresholds, model.levels)  # a clear error before any data are read
     config = payload.get("config") or {}
