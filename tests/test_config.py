@@ -80,6 +80,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
         ("model.task=detection", "model.task", "must be one of classification, dense"),
         ("model.policy_depth=3", "model.policy_depth", "must be in [0, 2]"),
+        ("train.teacher_every=0", "train.teacher_every", "must be >= 1, got 0"),
         ("model.policy_width=129", "model.policy_width", "positive multiple of its 2 attention head(s)"),
         ("model.policy_width=0", "model.policy_width", "positive multiple"),
         ("model.policy_width=wide", "model.policy_width", "expected int"),

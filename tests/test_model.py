@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import platform as stdlib_platform
 
 import pytest
@@ -619,3 +620,115 @@ def test_entropy_histograms_equal_the_one_hot_definition(size, patch, levels, bi
     assert [tuple(g.shape) for g in got] == [tuple(e.shape) for e in expected]
     for g, e in zip(got, expected):
         assert (g - e).abs().max().item() <= 1e-6
+
+
+def test_teacher_runs_on_every_kth_policy_step_only(monkeypatch):
+    """``teacher_every``: the relevance pass (about half of a policy-phase step) runs on
+    steps 0, k, 2k... of an epoch; the others train the policy through the task loss
+    and budget penalty alone, and still reach it."""
+    from splitvit.train.steps import training_step
+
+    model = tiny_model("learned").train()
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    calls = []
+    relevance = model.relevance
+    monkeypatch.setattr(model, "relevance", lambda *a, **k: calls.append(1) or relevance(*a, **k))
+    cfg = SplitLossConfig(warmup_epochs=0, teacher_every=3)
+    taught = []
+    for step in range(6):
+        model.zero_grad()
+        loss, stats = training_step(model, images, labels, cfg, epoch=0, step=step)
+        loss.backward()
+        taught.append("teacher_loss" in stats)
+        assert sum(float(p.grad.abs().sum()) for p in model.policy.parameters() if p.grad is not None) > 0
+    assert taught == [True, False, False, True, False, False] and len(calls) == 2
+    with pytest.raises(ValueError, match="teacher_every must be >= 1"):
+        SplitLossConfig(teacher_every=0)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor operations that read a value back to the host (on a GPU, a
+    synchronisation): ``item``, ``tolist``, truth and number conversions, ``nonzero``,
+    boolean-mask indexing, ``repeat_interleave`` without ``output_size``, ``cpu``."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+             torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu, torch.Tensor.numpy,
+             torch.masked_select, torch.Tensor.masked_select}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if func in self.READS:
+            self.reads.append(name)
+        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                self.reads.append(f"{name}[bool mask]")
+        elif func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
+                self.reads.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["learned", "entropy"])
+@pytest.mark.parametrize("buckets", [0, 3])
+def test_device_path_reads_the_host_once_per_forward(policy, buckets, monkeypatch):
+    """The packed path as it runs on CUDA (a host-read-free varlen kernel standing in
+    for FlashAttention): one read-back per forward pass, before the blocks. The CUDA
+    twin of this test runs under ``torch.cuda.set_sync_debug_mode``."""
+    from splitvit.model import packed, splitvit as splitvit_module
+
+    monkeypatch.setattr(splitvit_module, "varlen_kernel", lambda device: packed.masked_kernel)
+    model = tiny_model(policy, token_buckets=buckets).eval()
+    images = _mixed_images()
+    model.set_thresholds(calibrate_thresholds(model, images, 0.5))
+    with torch.no_grad():
+        with _HostReads() as mode:
+            out = model(images)
+    assert len(set(out.tokens.tolist())) > 1  # a mixed batch: the packed path ran
+    assert mode.reads == ["tolist"], mode.reads
+
+
+def test_token_buckets_fix_the_encoders_shapes_and_keep_the_logits(monkeypatch):
+    """``token_buckets``: at most N packed sizes reach the blocks whatever the batch's
+    lengths, dummy sequences change no real token, and the compiled encoder
+    (``compile_encoder``) compiles once per shape and gives the eager logits."""
+    from torch._dynamo.testing import CompileCounter
+
+    from splitvit.model import packed, splitvit as splitvit_module
+
+    monkeypatch.setattr(splitvit_module, "varlen_kernel", lambda device: packed.masked_kernel)
+    exact = tiny_model("entropy").eval()
+    bucketed = SplitViT(exact.vit, levels=3, policy="entropy", image_size=32, token_buckets=2).eval()
+    compiled = SplitViT(copy.deepcopy(exact.vit), levels=3, policy="entropy", image_size=32, token_buckets=2).eval()
+    counter = CompileCounter()
+    compiled.compile_encoder(backend=counter)
+    sizes = []
+    hook = exact.vit.blocks[0].norm1.register_forward_hook(lambda m, args, out: sizes.append(args[0].shape[0]))
+    totals = set()
+    images = _mixed_images()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rate in (0.1, 0.3, 0.5, 0.7, 0.9):
+            wishes = [torch.rand(5, *exact.geometry.grid(level), generator=generator) < rate for level in range(2)]
+            decisions = top_down_decisions(wishes)
+            expected = exact(images, decisions=decisions)
+            sizes.clear()
+            got = bucketed(images, decisions=decisions)
+            totals.add(int(got.tokens.sum()))
+            assert torch.equal(got.tokens, expected.tokens)
+            assert (got.logits - expected.logits).abs().max().item() <= 1e-5
+            assert (compiled(images, decisions=decisions).logits - expected.logits).abs().max().item() <= 1e-5
+            if len(set(got.tokens.tolist())) > 1:
+                full = 5 * (64 + 1)  # every sequence full, class token included
+                assert sizes and set(sizes) <= {full // 2 + 1, full}, sizes  # one of the two buckets
+    hook.remove()
+    assert len(totals) >= 3  # the batches' lengths varied
+    assert counter.frame_count <= 2 * 2  # two pieces per block, one graph per bucket (shared by the blocks)
+    with pytest.raises(ValueError, match="token_buckets"):
+        tiny_model("entropy", token_buckets=-1)

@@ -55,6 +55,9 @@ def write_study(folder: Path, **changes) -> Path:
     ({"methods": {"split": {"model.policy": "learned"}}}, "methods", "model.policy: full"),
     ({"evaluation": {"ratios": [0.5, 1.5]}}, "evaluation.ratios", "(0, 1]"),
     ({"base": "missing.yaml"}, "base", "not found"),
+    ({"speed": {"rounds": 0}}, "speed.rounds", "integer >= 1"),
+    ({"speed": {"enabled": "yes"}}, "speed.enabled", "true or false"),
+    ({"speed": {"colour": 1}}, "speed.colour", "unknown setting"),
 ])
 def test_bad_study_files_are_named(tmp_path, change, key, message):
     with pytest.raises(SearchSpaceError) as err:
@@ -168,11 +171,44 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"study_table.json", "study.json", "study.png"} <= artifacts
     assert "speed_ratio" in parent.data.metrics
+
+    # every method's evaluated points timed against the full method, side by side (seed 0)
+    ps = data["point_speed"]
+    assert ps["seed"] == 0 and ps["device"].startswith("cpu") and ps["batch_size"] == 8 and ps["rounds"] == 2
+    (full_timed,) = ps["full"]
+    assert full_timed["method"] == "full" and full_timed["speedup_vs_full"] == 1.0 and full_timed["images_per_s"] > 0
+    assert full_timed["checkpoint"] == next(r["checkpoint"] for r in data["runs"] if r["method"] == "full")
+    assert {(p["method"], p["target_ratio"]) for p in ps["points"]} == methods - {("full", None)}
+    stored = {(r["method"], p["target_ratio"]): p for r in data["runs"] for p in r["points"]}
+    for p in ps["points"]:
+        assert p["images_per_s"] > 0 and p["speedup_vs_full"] > 0 and 0 < p["token_ratio"] <= 1
+        assert p["speedup_vs_full"] == pytest.approx(full_timed["median_s"] / p["median_s"])
+        assert p["thresholds"] == pytest.approx(stored[(p["method"], p["target_ratio"])]["thresholds"])  # the evaluated point
+    metrics = parent.data.metrics
+    for p in ps["points"]:
+        assert metrics[f"speedup_vs_full.{p['method']}.r{p['target_ratio']:g}"] == pytest.approx(p["speedup_vs_full"])
+    assert metrics["speed_full_images_per_s"] == pytest.approx(full_timed["images_per_s"])
+    assert parent.data.tags["splitvit.speed_device"] == ps["device"]
+    assert {"point_speed.json", "study_speed.png"} <= artifacts
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        table = json.loads(Path(client.download_artifacts(parent.info.run_id, "study_table.json", folder)).read_text())
+    speed_rows = {(r[0], r[1]): r[2] for r in (
+        [row[table["columns"].index(k)] for k in ("method", "target_ratio", "speedup_vs_full")] for row in table["data"])}
+    assert speed_rows[("full", None)] == 1.0
+    assert all(speed_rows[(p["method"], p["target_ratio"])] == pytest.approx(p["speedup_vs_full"]) for p in ps["points"])
+    lines = summary_lines(data["goals"], data["speed"], [], ps)
+    assert any(line.startswith("  split: @0.25 ") and "x (" in line for line in lines)
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["entropy-s0", "full-s0", "split-s0"]
     split = next(c for c in children if c.info.run_name == "split-s0")
     history = client.get_metric_history(split.info.run_id, "accuracy")
     assert sorted(m.step for m in history) == [0, 1]
+    speedups = client.get_metric_history(split.info.run_id, "speedup_vs_full")
+    assert sorted(m.step for m in speedups) == [0, 1]  # at the steps of the points they timed
+    assert {m.step: m.value for m in speedups} == pytest.approx(
+        {i: next(p["speedup_vs_full"] for p in ps["points"] if p["method"] == "split" and p["target_ratio"] == r)
+         for i, r in enumerate([0.25, 0.5])})
     assert split.data.params["model.init_from"].startswith(str(train / "backbone-s0"))
 
     # the same study again: every run's stored result is reported, nothing retrains,

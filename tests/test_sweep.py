@@ -248,6 +248,103 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     assert again["hypervolume"] == pytest.approx(hv)
 
 
+def test_frontier_is_timed_against_full_resolution_and_read_back(sweep, tmp_path, capsys):
+    """After the frontier is known the sweep times its points against the full-resolution
+    model, side by side on one device; the speed-ups land in the JSON, the frontier
+    table, each point's run, the parent run and its plot, and `splitvit pareto`
+    reads them back. Structure and consistency only: no figure is judged."""
+    data, client = sweep["json"], sweep["client"]
+    speed = data["frontier_speed"]
+    assert speed["device"].startswith("cpu") and speed["batch_size"] == 32 and speed["rounds"] == 5
+    assert speed["machine"]["torch_version"] and "interleaved" in speed["method"]
+    (full,) = speed["full"]  # one architecture, one full-resolution model: the reference backbone
+    assert full["speedup_vs_full"] == 1.0 and full["images_per_s"] > 0
+    assert full["tokens_per_image"] == pytest.approx(16.0) and full["token_ratio"] == 1.0
+    best = max(data["frontier"], key=lambda p: (round(p["hv_contribution"], 12), p["accuracy"], -p["tokens_per_image"]))
+    assert full["checkpoint"] == best["checkpoint"]
+    timed = {row["run_id"]: row for row in speed["points"]}
+    assert set(timed) == {p["run_id"] for p in data["frontier"]}  # every frontier point (max_points 16)
+    for row in speed["points"]:
+        assert row["full"] == "full0" and row["images_per_s"] > 0 and row["speedup_vs_full"] > 0
+        # the ratio of medians of the same run: the full model's median over the point's
+        assert row["speedup_vs_full"] == pytest.approx(full["median_s"] / row["median_s"])
+        assert row["images_per_s"] == pytest.approx(32 / row["median_s"])
+        q = row["speedup_vs_full_per_round"]
+        assert q["q1"] <= q["median"] <= q["q3"]
+        assert 0 < row["token_ratio"] <= 1.0 and row["tokens_per_image"] == pytest.approx(16 * row["token_ratio"])
+    for point in data["frontier"]:
+        assert point["extras"]["speedup_vs_full"] == pytest.approx(timed[point["run_id"]]["speedup_vs_full"])
+        assert point["extras"]["timed_token_ratio"] == pytest.approx(timed[point["run_id"]]["token_ratio"])
+    off = [p for p in data["points"] if not p["on_frontier"]]
+    assert off and not any("speedup_vs_full" in p["extras"] for p in off)
+
+    # MLflow: a metric on every frontier point's run, a column in the frontier table,
+    # the figures, the device and the summary metrics on the parent
+    parent = client.get_run(data["mlflow"]["parent_run_id"])
+    for run_id, row in timed.items():
+        metrics = client.get_run(run_id).data.metrics
+        assert metrics["speedup_vs_full"] == pytest.approx(row["speedup_vs_full"])
+        assert metrics["timed_images_per_s"] == pytest.approx(row["images_per_s"])
+    table = json.loads(Path(client.download_artifacts(parent.info.run_id, "frontier.json", str(tmp_path))).read_text())
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert {r["run_id"]: r["speedup_vs_full"] for r in rows} == pytest.approx(
+        {k: r["speedup_vs_full"] for k, r in timed.items()})
+    header = Path(client.download_artifacts(parent.info.run_id, "frontier.csv", str(tmp_path))).read_text().splitlines()[0]
+    assert "speedup_vs_full" in header.split(",")
+    assert parent.data.metrics["speedup_max"] == pytest.approx(max(r["speedup_vs_full"] for r in speed["points"]))
+    assert parent.data.metrics["speedup_best_point"] == pytest.approx(timed[best["run_id"]]["speedup_vs_full"])
+    assert parent.data.metrics["speed_full_images_per_s"] == pytest.approx(full["images_per_s"])
+    assert parent.data.tags["splitvit.speed_device"] == speed["device"]
+    assert "batch 32, 5 interleaved rounds" in parent.data.tags["splitvit.speed_timing"]
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"pareto_speed.png", "frontier_speed.json"} <= artifacts
+    png = Path(client.download_artifacts(parent.info.run_id, "pareto_speed.png", str(tmp_path))).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert Path(data["speed_plot"]).is_file()
+
+    # `splitvit pareto` reads the speed-ups back from MLflow and prints them beside the tokens
+    out = tmp_path / "pareto.json"
+    capsys.readouterr()
+    assert cli(["pareto", "sweep-e2e", "--tracking-uri", sweep["uri"], "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    again = json.loads(out.read_text())
+    assert {p["run_id"]: p["extras"]["speedup_vs_full"] for p in again["frontier"]} == pytest.approx(
+        {k: r["speedup_vs_full"] for k, r in timed.items()})
+    assert again["speed"][0]["device"] == speed["device"] and again["speed"][0]["sweep"] == parent.info.run_id
+    lines = printed.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("tokens/image"))
+    assert lines[head].split()[:4] == ["tokens/image", "accuracy", "token", "ratio"] and "speed-up" in lines[head].split()
+    shown = len({(p["tokens_per_image"], p["accuracy"]) for p in again["frontier"]})  # exact ties are shown once
+    printed_speedups = [line.split()[3] for line in lines[head + 1:head + 1 + shown]]
+    assert set(printed_speedups) <= {f"{r['speedup_vs_full']:.2f}x" for r in speed["points"]}
+    assert len(printed_speedups) == shown
+    assert f"on {speed['device']}" in printed and "not recorded" not in printed
+
+
+def test_pareto_says_when_a_sweep_recorded_no_speed_ups(tmp_path, capsys):
+    """A sweep recorded before frontier timing (points without speed-up metrics):
+    `splitvit pareto` prints its frontier and says the speed-up was not recorded."""
+    uri = f"sqlite:///{tmp_path}/old.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("old-sweep")
+    parent = client.create_run(exp, tags={"splitvit.kind": "sweep", "splitvit.metric": "accuracy"})
+    for accuracy, tokens in ((0.8, 8.0), (0.9, 16.0)):
+        run = client.create_run(exp, tags={"splitvit.kind": "trial", "splitvit.sweep": parent.info.run_id,
+                                           "splitvit.status": "completed", "splitvit.trial_id": f"t{tokens:.0f}",
+                                           "splitvit.thresholds": "[0.5]"})
+        for key, value in (("accuracy", accuracy), ("tokens_per_image", tokens), ("token_ratio", tokens / 16)):
+            client.log_metric(run.info.run_id, key, value)
+    out = tmp_path / "pareto.json"
+    assert cli(["pareto", "old-sweep", "--tracking-uri", uri, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "speed-up: not recorded" in printed
+    head = next(line for line in printed.splitlines() if line.startswith("tokens/image"))
+    assert "speed-up" not in head
+    data = json.loads(out.read_text())
+    assert len(data["frontier"]) == 2 and data["speed"] == []
+    assert all("speedup_vs_full" not in p["extras"] for p in data["frontier"])
+
+
 def test_failing_trials_are_recorded_and_the_sweep_goes_on(sweep):
     data, client = sweep["json"], sweep["client"]
     statuses = {t["params"]["train.lr"]: t["status"] for t in data["trials"]}

@@ -22,7 +22,7 @@ from .helpers import walk_numbers
 
 TINY_ARGS = ["--image-size", "16", "--patch-size", "4", "--levels", "2", "--embed-dim", "16", "--depth", "1",
              "--heads", "1", "--policy-depth", "1", "--batch-size", "8", "--repeats", "2", "--epochs", "2",
-             "--samples", "16", "--val-samples", "8", "--threads", "1"]
+             "--samples", "16", "--val-samples", "8", "--threads", "1", "--teacher-every", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_step_throughput_figures(cli_result):
         assert t["ratio_to_full"] == pytest.approx(steps["full"]["median_s"] / t["median_s"])
         assert t["ratio_to_full_fastest"] > 0
     assert steps["full"]["token_fraction"] == 1.0 and steps["full"]["ratio_to_full"] == 1.0
-    for name in ("split_warmup", "split_learned"):
+    for name in ("split_warmup", "split_learned", "split_learned_every_step"):
         f = steps[name]["token_fraction"]
         assert 4 / 16 <= f <= 1.0 and steps[name]["ideal_ratio"] == pytest.approx(1 / f)
     assert cli_result["steps"]["config"]["policy_aim"]["expected_ratio"] == pytest.approx(0.5, abs=0.05)

@@ -16,7 +16,10 @@ step, as ``fit_local`` and the Ray loop run it: ``training_step`` (train/steps.p
   (each image draws its split rate in ``[warmup_min_split, 1]``);
 * ``split_learned``: the learned-policy step: sampled decisions with straight-through
   gates, the budget penalty and the relevance teacher (a full-resolution
-  gradient-saliency pass and the policy's scores);
+  gradient-saliency pass) on every ``train.teacher_every``-th step: each timed call
+  runs that many consecutive steps (one teacher step and the rest without) and
+  counts as their mean; with ``teacher_every > 1``, ``split_learned_every_step``
+  times the step with the teacher on every step beside it;
 * ``timm``: the plain timm ViT's step (forward, cross-entropy, backward, clip, AdamW),
   a check on ``full``;
 * ``teacher``: ``SplitViT.relevance`` alone: the teacher's share of the learned step.
@@ -61,6 +64,7 @@ idle Ray; under an existing Ray (a Ray job, the tests) it cannot, and says so.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -99,7 +103,7 @@ log = logging.getLogger(__name__)
 #: Issue #3's target: Ray Train's steady-state images per second with one worker, as a
 #: fraction of the plain single-process loop's on the same model and data.
 RAY_OVERHEAD_TARGET = 0.9
-STEP_NAMES = ("timm", "full", "split_warmup", "split_learned", "teacher")
+STEP_NAMES = ("timm", "full", "split_warmup", "split_learned", "split_learned_every_step", "teacher")
 
 
 # ---------------------------------------------------------------------- config
@@ -112,6 +116,8 @@ def benchmark_config(
     levels: int = 3,
     policy_depth: int = 2,
     policy_width: int | None = None,
+    teacher: str = "gradient",
+    teacher_every: int = 1,
     num_classes: int = 4,
     batch_size: int = 32,
     epochs: int = 3,
@@ -129,7 +135,8 @@ def benchmark_config(
                   "policy_width": policy_width, "thresholds": AUTO_THRESHOLDS, "num_classes": num_classes},
         "data": {"name": "synthetic", "options": {"train_samples": train_samples, "val_samples": val_samples},
                  "batch_size": batch_size, "seed": seed},
-        "train": {"epochs": epochs, "target_ratio": target_ratio, "warmup_epochs": 1, "amp": False},
+        "train": {"epochs": epochs, "target_ratio": target_ratio, "warmup_epochs": 1, "amp": False,
+                  "teacher": teacher, "teacher_every": teacher_every},
         "tracking": {"enabled": False},
         "storage": {"name": "bench-train"},
     }
@@ -234,6 +241,9 @@ def run_step_benchmark(
     if unknown:
         raise ValueError(f"unknown step(s) {', '.join(sorted(unknown))}; expected some of {', '.join(STEP_NAMES)}")
     names = [n for n in STEP_NAMES if n in include or n == "full"]
+    cycle = config.train.teacher_every  # split_learned: one timed call is one teacher cycle of steps
+    if cycle == 1:
+        names = [n for n in names if n != "split_learned_every_step"]  # it would be split_learned itself
     mc, tc = config.model, config.train
     sync = synchronizer(dev)
     load_start = list(os.getloadavg())
@@ -266,29 +276,37 @@ def run_step_benchmark(
 
     records: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     split_params = list(model.parameters())
+    every_step = SplitLossConfig(**{**loss_cfg.__dict__, "teacher_every": 1})
+    step_index = itertools.count()
     compute: dict[str, Callable[[], tuple[torch.Tensor, dict[str, float]]]] = {
         "full": lambda: training_step(full, images, target, loss_cfg, policy_epoch, generator),
         "split_warmup": lambda: training_step(model, images, target, loss_cfg, warm_epoch, generator),
-        "split_learned": lambda: training_step(model, images, target, loss_cfg, policy_epoch, generator),
+        "split_learned": lambda: training_step(model, images, target, loss_cfg, policy_epoch, generator,
+                                               next(step_index) % cycle),
+        "split_learned_every_step": lambda: training_step(model, images, target, every_step, policy_epoch, generator),
         "timm": lambda: (lambda loss: (loss, {"token_ratio": 1.0}))(F.cross_entropy(model.vit(images), target)),
     }
     params = {"full": list(full.parameters()), "split_warmup": split_params, "split_learned": split_params,
-              "timm": list(model.vit.parameters())}
+              "split_learned_every_step": split_params, "timm": list(model.vit.parameters())}
+    steps_per_call = {name: cycle if name == "split_learned" else 1 for name in names}
     fns: dict[str, Callable[[], Any]] = {}
     for name in names:
         if name == "teacher":
             label = target if mc.task == "classification" else None
             fns[name] = under_autocast(lambda: model.relevance(images, loss_cfg.teacher, target=label))
         else:
-            fns[name] = under_autocast(_optimizer_step(params[name], compute[name], tc.grad_clip, tc.weight_decay,
-                                                       records[name]))
+            one = _optimizer_step(params[name], compute[name], tc.grad_clip, tc.weight_decay, records[name])
+            fns[name] = under_autocast((lambda f, n: lambda: [f() for _ in range(n)])(one, steps_per_call[name]))
 
     log.info("bench train: timing %d training steps, %d warm-up + %d rounds", len(fns), warmup, rounds)
     samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=sync)
+    for name, n in steps_per_call.items():  # a call of n steps counts as their mean step
+        samples[name] = [t / n for t in samples[name]]
+        cpu_samples[name] = [t / n for t in cpu_samples[name]]
 
     steps: dict[str, dict[str, Any]] = {}
     for name, s in samples.items():
-        timed = records[name][warmup:] if records[name] else []
+        timed = records[name][warmup * steps_per_call.get(name, 1):] if records[name] else []
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
         steps[name] = {
             **timing_summary(s, cpu_samples[name], batch),
@@ -323,7 +341,7 @@ def run_step_benchmark(
                            f"[{loss_cfg.warmup_min_split}, 1]",
             "policy_step": f"epoch {policy_epoch}: sampled decisions, budget penalty (lambda {loss_cfg.lambda_budget}, "
                            f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
-                           f"(weight {loss_cfg.teacher_weight})",
+                           f"(weight {loss_cfg.teacher_weight}, every {loss_cfg.teacher_every} step(s))",
             "policy_aim": aim,
             "images": "the training set's first batch",
         },
@@ -740,6 +758,7 @@ _STEP_LABELS = {
     "full": "SplitViT full (full res)",
     "split_warmup": "SPLIT warm-up (random splits)",
     "split_learned": "SPLIT learned (policy+teacher)",
+    "split_learned_every_step": "SPLIT learned, teacher every step",
     "teacher": "teacher relevance alone",
 }
 

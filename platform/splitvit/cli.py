@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +26,7 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 
 
 def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
@@ -87,12 +89,13 @@ def _run_viz(args) -> int:
 
     from .data import build_dataset
     from .demo import build_demo_model
-    from .model import SplitViT
+    from .train.checkpoints import load_payload, model_from_payload
     from .viz import split_map_grid
 
     if args.checkpoint:
         overrides = {"policy": args.policy} if args.policy else {}
-        model = SplitViT.load(args.checkpoint, **overrides)
+        # a missing, truncated or foreign file is one error line naming it
+        model = model_from_payload(load_payload(args.checkpoint), args.checkpoint, **overrides)
     else:
         model = build_demo_model(args.policy or "entropy")
     model.eval()
@@ -142,6 +145,11 @@ def _add_bench(sub) -> None:
     forward.add_argument("--buckets", help="also time the padded path with these length_buckets, e.g. 1,4 (default: none)")
     forward.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                          help="peak memory per model (default: on)")
+    forward.add_argument("--token-buckets", type=int,
+                         help="round the split policies' packed token counts up to this many fixed sizes (default 0: exact)")
+    forward.add_argument("--compile", action="store_true", default=None,
+                         help="torch.compile timm's ViT and the split policies' packed encoders (CUDA graphs on a GPU); "
+                              "use with --token-buckets")
     train = p.add_argument_group("bench train only")
     train.add_argument("--epochs", type=int, help="epochs of the plain and Ray runs (default 3)")
     train.add_argument("--samples", type=int, help="training images of the plain and Ray runs (default 192)")
@@ -152,11 +160,15 @@ def _add_bench(sub) -> None:
     train.add_argument("--parts", help="steps, ray or steps,ray (default)")
     train.add_argument("--tracking", action="store_true", default=None, help="MLflow logging in the Ray run")
     train.add_argument("--storage", help="Ray storage path (default: a temporary folder)")
+    train.add_argument("--teacher", choices=("gradient", "attention"),
+                       help="the policy's relevance teacher (default gradient)")
+    train.add_argument("--teacher-every", type=int, help="the relevance teacher on every k-th policy step (default 1)")
     p.set_defaults(func=_run_bench)
 
 
-_TRAIN_ONLY = ("epochs", "samples", "val_samples", "threads", "ray_rounds", "skip_epochs", "parts", "tracking", "storage")
-_FORWARD_ONLY = ("ratios", "policies", "buckets", "memory")
+_TRAIN_ONLY = ("epochs", "samples", "val_samples", "threads", "ray_rounds", "skip_epochs", "parts", "tracking", "storage",
+               "teacher", "teacher_every")
+_FORWARD_ONLY = ("ratios", "policies", "buckets", "memory", "token_buckets", "compile")
 
 
 def _number_list(option: str, text: str | None, kind: type = float) -> tuple | None:
@@ -188,7 +200,8 @@ def _run_bench(args) -> int:
         levels=args.levels, batch_size=args.batch_size or 8, ratios=_number_list("--ratios", args.ratios) or (0.5, 0.7),
         policies=policies, policy_width=args.policy_width or DEFAULT_POLICY_WIDTH,
         policy_depth=2 if args.policy_depth is None else args.policy_depth,
-        buckets=_number_list("--buckets", args.buckets, int) or (), repeats=args.repeats or 10, device=args.device,
+        buckets=_number_list("--buckets", args.buckets, int) or (), token_buckets=args.token_buckets or 0,
+        compile=bool(args.compile), repeats=args.repeats or 10, device=args.device,
         autocast_bf16=_bench_bf16(args), memory=None if args.memory in (None, True) else (), timm_kwargs=_shrunk(args),
     )
     print(format_report(result))
@@ -206,7 +219,8 @@ def _run_bench_train(args) -> int:
     config = benchmark_config(
         model_name=args.model or "vit_tiny_patch16_224", timm_kwargs=_shrunk(args), image_size=args.image_size or 96,
         patch_size=args.patch_size or 8, levels=args.levels or 3, batch_size=args.batch_size or 32,
-        **{k: v for k, v in (("policy_depth", args.policy_depth), ("policy_width", args.policy_width), ("epochs", args.epochs),
+        **{k: v for k, v in (("policy_depth", args.policy_depth), ("policy_width", args.policy_width),
+                             ("teacher", args.teacher), ("teacher_every", args.teacher_every), ("epochs", args.epochs),
                              ("train_samples", args.samples), ("val_samples", args.val_samples)) if v is not None},
     )
     parts = tuple(p.strip() for p in (args.parts or "steps,ray").split(",") if p.strip())
@@ -304,27 +318,32 @@ def _add_train(sub) -> None:
 
 def _run_train(args) -> int:
     from .config import load_config
-    from .train.ray_trainer import TrainingError, run_training
+    from .train.ray_trainer import run_training
 
     config = load_config(args.config, args.overrides)  # a ConfigError stops here, before Ray
     print(f"run {config.storage.name}: storage {config.storage.run_uri()}")
-    try:
-        result = run_training(config, ray_address=args.address)
-    except TrainingError as exc:
-        print(f"splitvit train: error: {exc}", file=sys.stderr)
-        return 1
+    from .preflight import preflight
+
+    # what only fails once Ray runs (capacity, Ray, MLflow, storage, data): seconds, a PreflightError
+    print(preflight(config, ray_address=args.address).data_line)  # which data, from which folder
+    # a TrainingError (a worker's error, unwrapped) or Ctrl-C/SIGTERM: main() prints one line
+    result = run_training(config, ray_address=args.address)
     keys = [k for k in ("accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s", "train_loss") if k in result.metrics]
-    _print_table([{"metric": k, "value": result.metrics[k]} for k in keys], ["metric", "value"])
+    if keys:
+        _print_table([{"metric": k, "value": result.metrics[k]} for k in keys], ["metric", "value"])
+    else:
+        print("no epoch completed: no metrics")
     print(f"status: {result.status}")
-    print(f"checkpoint: {result.checkpoint_uri}")
+    print(f"checkpoint: {result.checkpoint_uri or 'none (no epoch completed)'}")
     if result.mlflow_run_id:
         print(f"mlflow run: {result.mlflow_run_id} ({result.tracking_uri})")
     if result.mlflow_model_uri:
         print(f"mlflow model: {result.mlflow_model_uri}")
     write_json(args.json, result.to_dict())
     if result.status != "completed":
-        print(f"splitvit train: error: run {result.status}: {result.message}; last good checkpoint {result.checkpoint_uri}",
-              file=sys.stderr)
+        kept = (f"last good checkpoint {result.checkpoint_uri}" if result.checkpoint_uri
+                else "no epoch completed, so no checkpoint was kept")
+        print(f"splitvit train: error: run {result.status}: {result.message}; {kept}", file=sys.stderr)
         return 1
     return 0
 
@@ -343,8 +362,10 @@ def _add_eval(sub) -> None:
 
 
 def _run_eval(args) -> int:
+    from .preflight import preflight_eval
     from .train.evaluation import evaluate_checkpoint
 
+    preflight_eval(args.checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
     result = evaluate_checkpoint(
         args.checkpoint, thresholds=parse_thresholds(args.thresholds), policy=args.policy, split=args.split,
         batch_size=args.batch_size, samples=args.samples, device=args.device,
@@ -391,8 +412,12 @@ def _frontier_table(points: list[dict[str, Any]], metric: str) -> None:
                "trial": p["trial_id"], "eval thresholds": ",".join(f"{t:.3f}" for t in p.get("thresholds") or [])}
         row.update({k: v for k, v in (p.get("params") or {}).items()})
         row["ties"] = f"+{ties[key]}" if ties[key] else ""
+        speedup = (p.get("extras") or {}).get("speedup_vs_full")
+        row["speed-up"] = f"{speedup:.2f}x" if speedup is not None else "-"
         rows.append(row)
-    columns = ["tokens/image", metric, "token ratio", "kind", "trial", "eval thresholds", *params]
+    timed = any((p.get("extras") or {}).get("speedup_vs_full") is not None for p in points)
+    columns = ["tokens/image", metric, "token ratio", *(["speed-up"] if timed else []), "kind", "trial", "eval thresholds",
+               *params]
     _print_table(rows, columns + (["ties"] if any(ties.values()) else []))
 
 
@@ -496,7 +521,7 @@ def _run_study(args) -> int:
                    "images/s": r["images_per_s"]} for r in result.rows],
                  ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "images/s"])
     print()
-    for line in summary_lines(result.goals, result.speed, result.failed):
+    for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed):
         print(line)
     print(f"MLflow: experiment run {result.mlflow_run_id} in {result.tracking_uri}")
     write_json(args.json, result.to_dict())
@@ -522,6 +547,12 @@ def _run_pareto(args) -> int:
           f"hypervolume {data['hypervolume']:.4f}")
     if data["frontier"]:
         _frontier_table(data["frontier"], metric)
+        for speed in data.get("speed") or []:
+            print(f"speed-up: measured against the full-resolution model in the same run, on {speed['device']} "
+                  f"({speed['timing']}; sweep run {speed['sweep']})")
+        if not any((p.get("extras") or {}).get("speedup_vs_full") is not None for p in data["frontier"]):
+            print("speed-up: not recorded: the sweep(s) did not time their frontier (sweeps before frontier timing, "
+                  "or speed.enabled: false)")
     write_json(args.json, data)
     return 0
 
@@ -716,15 +747,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_status(exc: BaseException) -> int | None:
+    """1 for an error that came through Ray (a worker's, a task's) or any of the
+    project's own; 2 for bad input found before anything started (ValueError,
+    OSError: a bad setting, a missing file, storage); None: a bug, shown in full."""
+    from .errors import from_ray, is_project_error
+
+    if from_ray(exc):
+        return 1
+    if isinstance(exc, (ValueError, OSError)):
+        return 2
+    return 1 if is_project_error(exc) else None
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    from .errors import note_signal
+
+    raise note_signal(signum)
+
+
+def _handle_signals() -> dict[int, Any]:
+    """SIGINT and SIGTERM raise ``errors.Interrupted`` (a KeyboardInterrupt): the same
+    cleanup runs for Ctrl-C, ``timeout``, ``ray job stop`` or a scheduler's SIGTERM.
+    Returns the handlers replaced (none outside the main thread)."""
+    from . import errors
+
+    errors._last_signal.clear()  # a signal noted by an earlier command in this process
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, _raise_interrupted)
+        except ValueError:  # not the main thread
+            break
+    return previous
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. Exit status: 0 done; 1 failed (an error inside Ray is one line,
+    its worker's traceback with ``-v``); 2 bad input found before starting; 130/143
+    interrupted by SIGINT/SIGTERM (what was kept is said)."""
+    from .errors import as_interrupted, error_line, worker_traceback
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    name = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
+    previous = _handle_signals()
     try:
         return int(args.func(args) or 0)
-    except (ValueError, OSError) as exc:  # bad input, missing files, storage (StorageError is an OSError)
-        name = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
-        print(f"splitvit {name}: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM
+        stopped = as_interrupted(exc)
+        sys.stdout.flush()
+        print(f"\nsplitvit {name}: {stopped}", file=sys.stderr)
+        return stopped.exit_code
+    except Exception as exc:  # noqa: BLE001 - bad input, storage, errors from Ray's workers
+        status = _exit_status(exc)
+        if status is None:
+            raise
+        sys.stdout.flush()
+        # bad input says what it has to say (as before); errors through Ray: their root, one line
+        print(f"splitvit {name}: error: {exc if status == 2 else error_line(exc)}", file=sys.stderr)
+        if args.verbose:
+            print(worker_traceback(exc) or "".join(traceback.format_exception(exc)), file=sys.stderr, end="")
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -158,7 +158,8 @@ class TrainConfig:
         max_failures: worker-group failures Ray Train recovers from (resuming from
             the latest checkpoint); -1 for no limit.
         lambda_budget, target_ratio, penalty, teacher_weight, teacher, warmup_epochs,
-        warmup_min_split: the SPLIT objective (:class:`splitvit.train.steps.SplitLossConfig`).
+        warmup_min_split, teacher_every: the SPLIT objective
+            (:class:`splitvit.train.steps.SplitLossConfig`).
     """
 
     epochs: int = 10
@@ -176,6 +177,7 @@ class TrainConfig:
     teacher: str = "gradient"
     warmup_epochs: int = 1
     warmup_min_split: float = 0.3
+    teacher_every: int = 1
 
     def loss_config(self):
         """The :class:`~splitvit.train.steps.SplitLossConfig` of these settings."""

@@ -36,6 +36,7 @@ class Recipe:
     depth: int = 4
     num_heads: int = 4
     policy_depth: int = 1
+    policy_width: int | None = None
     train_samples: int = 2048
     test_samples: int = 512
     epochs: int = 6
@@ -58,6 +59,7 @@ def build_demo_model(policy: str = "learned", recipe: Recipe | None = None) -> S
         image_size=recipe.image_size,
         num_classes=4,
         policy_depth=recipe.policy_depth,
+        policy_width=recipe.policy_width,
         timm_kwargs=dict(patch_size=recipe.patch_size, embed_dim=recipe.embed_dim, depth=recipe.depth, num_heads=recipe.num_heads),
     )
 

@@ -74,11 +74,12 @@ def fit_local(
     for epoch in range(epochs):
         start = time.perf_counter()
         totals: dict[str, float] = {}
+        counts: dict[str, int] = {}
         seen = 0
-        for batch in loader:
+        for index, batch in enumerate(loader):
             images, target = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
-                loss, stats = training_step(model, images, target, cfg, epoch, generator)
+                loss, stats = training_step(model, images, target, cfg, epoch, generator, index)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -87,7 +88,8 @@ def fit_local(
             seen += images.shape[0]
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
-        stats = {key: value / len(loader) for key, value in totals.items()}
+                counts[key] = counts.get(key, 0) + 1  # teacher_loss: teacher steps only
+        stats = {key: value / counts[key] for key, value in totals.items()}
         stats["epoch"] = epoch
         stats["images_per_s"] = seen / (time.perf_counter() - start)
         history.append(stats)

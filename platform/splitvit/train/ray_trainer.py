@@ -16,7 +16,13 @@ Ray, and runs a ``TorchTrainer`` whose workers execute :func:`train_loop_per_wor
 * a worker failure restarts the group from the latest checkpoint (Ray's
   ``FailureConfig``); a re-run under the same name resumes too;
 * a non-finite loss, gradient or split probability stops every worker at once,
-  with status ``diverged``; the last good checkpoint stays the run's checkpoint.
+  with status ``diverged``; the last good checkpoint stays the run's checkpoint;
+* a label outside ``model.num_classes`` stops every worker at once too (not
+  retried: it would fail again) and raises :class:`TrainingError` in the driver;
+* Ctrl-C or SIGTERM in the driver aborts Ray Train's controller (which stops the
+  workers), ends the MLflow run ``KILLED`` and raises
+  :class:`~splitvit.errors.Interrupted` naming the last checkpoint, which a
+  re-run under the same name resumes from.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +44,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..config import AUTO_THRESHOLDS, ExperimentConfig, redact_uri
+from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, redact_uri
+from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
 from .checkpoints import (
@@ -44,6 +53,7 @@ from .checkpoints import (
     STATE_FILE,
     checkpoint_dir_name,
     init_weights,
+    latest_checkpoint,
     rng_file,
     rng_state,
     set_rng_state,
@@ -60,7 +70,9 @@ EpochHook = Callable[[int, int, nn.Module], None]
 
 
 class TrainingError(RuntimeError):
-    """Training failed after Ray Train's retries were spent (the cause is chained)."""
+    """Training failed after Ray Train's retries were spent, or on an error that
+    retries cannot mend (a bad label). The message ends with the root cause's (the
+    exception a worker raised, unwrapped from Ray's), which is chained."""
 
 
 @dataclass
@@ -80,6 +92,8 @@ class TrainResult:
         tracking_uri: the MLflow store (password removed).
         start_epoch: the epoch the last attempt started from (> 0 after a resume).
         message: what went wrong, for a diverged run.
+        completed_epochs: epochs that finished in this run, earlier attempts included
+            (0 when it diverged in its first epoch: no metrics, no checkpoint).
     """
 
     name: str
@@ -92,6 +106,7 @@ class TrainResult:
     tracking_uri: str | None = None
     start_epoch: int = 0
     message: str = ""
+    completed_epochs: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +126,10 @@ def init_ray(address: str | None = None) -> None:
 
     if ray.is_initialized():
         return
+    # ray.init replaces the SIGTERM handler with sys.exit; keep one the process set
+    # (splitvit's: SIGTERM ends runs KILLED and says what was kept, as Ctrl-C does)
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or "auto")
     else:
@@ -119,6 +138,8 @@ def init_ray(address: str | None = None) -> None:
         # not ray.init()'s default: that joins the last `ray start` cluster on the
         # machine (/tmp/ray/ray_current_cluster), someone else's maybe.
         ray.init(address="local")
+    if callable(sigterm) and getattr(sigterm, "__module__", "").startswith("splitvit"):
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def run_training(
@@ -136,7 +157,10 @@ def run_training(
     ``TuneReportCallback`` so that its epochs reach Tune).
 
     Raises:
-        TrainingError: the workers failed more often than ``train.max_failures``.
+        TrainingError: the workers failed more often than ``train.max_failures``, or
+            hit an error retries cannot mend; the message names the root cause.
+        Interrupted: SIGINT or SIGTERM; the workers are stopped, the MLflow run ends
+            ``KILLED`` and ``kept`` names the checkpoint a re-run resumes from.
     """
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -173,22 +197,34 @@ def run_training(
             callbacks=list(callbacks or []),
         ),
     )
+    stopper = _SignalStop(trainer)
     log.info("training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path))
     try:
         with tracker.closed_on_error() if tracker is not None else contextlib.nullcontext():
-            result = trainer.fit()
+            try:
+                result = trainer.fit()
+            except KeyboardInterrupt as exc:
+                raise _interrupted(exc, stopper, config, tracker) from None
+            finally:
+                stopper.restore()
     except ray.train.TrainingFailedError as exc:
-        raise TrainingError(f"training {config.storage.name} failed: {exc}") from exc
+        raise TrainingError(f"training {config.storage.name} failed: {error_line(exc)}") from exc
     outcome = result.return_value or {}
     # rank 0 always returns its outcome; none means the run was stopped from outside
     status = outcome.get("status", "interrupted")
     checkpoint_uri = _checkpoint_uri(result.checkpoint, storage_path)
     metrics = outcome.get("metrics") or dict(result.metrics or {})
+    error = outcome.get("error")
     if tracker is not None:
         tags = {CHECKPOINT_TAG: checkpoint_uri or ""}
         if outcome.get("message"):
             tags["splitvit.message"] = outcome["message"][:2000]
+        if error is not None:
+            tags["splitvit.error"] = error_line(error)[:2000]
         tracker.close(status, tags=tags)
+    if error is not None:  # every worker stopped on it: retrying would fail the same way
+        raise TrainingError(f"training {config.storage.name} failed: {error_line(error)}"
+                            + (f" (last good checkpoint {checkpoint_uri})" if checkpoint_uri else "")) from error
     if status != "completed":
         log.error("training %s stopped: %s (last good checkpoint: %s)", config.storage.name, outcome.get("message"), checkpoint_uri)
     return TrainResult(
@@ -202,7 +238,88 @@ def run_training(
         tracking_uri=redact_uri(config.tracking_uri()) if tracker else None,
         start_epoch=int(outcome.get("start_epoch", 0)),
         message=outcome.get("message", ""),
+        completed_epochs=int(metrics["epoch"]) + 1 if isinstance(metrics.get("epoch"), (int, float)) else 0,
     )
+
+
+class _SignalStop:
+    """Ctrl-C or SIGTERM during ``trainer.fit()``: abort Ray Train's controller (it
+    stops the workers) and raise :class:`Interrupted` in the driver.
+
+    Ray Train V2's ``fit`` installs a SIGINT handler of its own when it runs in the
+    main thread (``_register_sigint_handler``: it aborts the controller, then exits
+    0 or leaves the driver blocked); this one takes its place for SIGINT and SIGTERM
+    and is undone after ``fit``. In a thread (a Tune trial) Ray installs none and
+    neither does this.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, trainer: Any) -> None:
+        self.controller = None
+        self.abort_ref = None
+        self.previous: dict[int, Any] = {}
+        if hasattr(type(trainer), "_register_sigint_handler"):
+            trainer._register_sigint_handler = self._register
+
+    def _register(self, controller: Any) -> None:
+        self.controller = controller
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        stop = note_signal(signum)  # ray.get re-raises it as a plain KeyboardInterrupt
+        self.request_abort()
+        raise stop
+
+    def request_abort(self) -> None:
+        if self.controller is not None and self.abort_ref is None:
+            try:
+                self.abort_ref = self.controller.abort.remote()
+            except Exception as exc:  # noqa: BLE001 - the controller may be gone already
+                log.debug("could not ask the Ray Train controller to abort: %s", exc)
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        """Abort the controller (once) and wait until it has stopped the workers."""
+        import ray
+
+        self.request_abort()
+        if self.abort_ref is None:
+            return
+        try:
+            ray.get(self.abort_ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            log.warning("Ray Train's controller did not stop within %.0f s", timeout_s)
+        except Exception:  # noqa: BLE001 - the controller exits once it has aborted (RayActorError)
+            pass
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self.previous.clear()
+
+
+def _interrupted(exc: KeyboardInterrupt, stopper: _SignalStop, config: ExperimentConfig,
+                 tracker: RunTracker | None) -> Interrupted:
+    """Stop the workers after Ctrl-C or SIGTERM, record the last checkpoint on the
+    MLflow run (which ``closed_on_error`` then ends KILLED) and say what was kept."""
+    signum = as_interrupted(exc).signum
+    stopper.wait()  # the workers stop before their folder is read
+    checkpoint = latest_checkpoint(config.storage.run_uri())
+    stopped = Interrupted(signum)
+    if checkpoint:
+        kept = (f"training {config.storage.name} stopped; kept its last checkpoint {redact_uri(checkpoint)} "
+                "(run the same command again to resume from it)")
+    else:
+        kept = f"training {config.storage.name} stopped before its first checkpoint; nothing to resume from"
+    if tracker is not None:
+        try:
+            tracker.set_tags({CHECKPOINT_TAG: checkpoint or "", "splitvit.message": f"{stopped}: {kept}"})
+        except Exception as err:  # noqa: BLE001 - the run is still ended KILLED by closed_on_error
+            log.warning("could not tag MLflow run %s: %s", tracker.run_id, err)
+    log.info("%s: %s", stopped, kept)  # the caller says it (splitvit train: one line)
+    return Interrupted(signum, kept)
 
 
 def _warn_if_storage_is_temporary(config: ExperimentConfig) -> None:
@@ -238,11 +355,11 @@ def _checkpoint_uri(checkpoint, storage_path: str) -> str | None:
 class SplitStep(nn.Module):
     """The SPLIT training step as a module, for DDP.
 
-    ``training_step`` needs the plain SplitViT (``.policy``, ``.relevance``,
-    ``.split_scores``) and makes *two* gradient-carrying passes: the model's forward
-    and the policy's scores for the teacher loss. Running the whole step inside this
-    module's ``forward`` lets DDP wrap it: both passes happen within DDP's forward,
-    so its reducer sees every parameter that receives a gradient.
+    ``training_step`` needs the plain SplitViT (``.policy``, ``.relevance``) and, on
+    teacher steps, runs a full-resolution relevance pass beside the model's forward.
+    Running the whole step inside this module's ``forward`` lets DDP wrap it: every
+    pass happens within DDP's forward, so its reducer sees every parameter that
+    receives a gradient.
     """
 
     def __init__(self, model: nn.Module, loss: SplitLossConfig) -> None:
@@ -250,8 +367,9 @@ class SplitStep(nn.Module):
         self.model = model
         self.loss = loss
 
-    def forward(self, images: torch.Tensor, target: torch.Tensor, epoch: int, generator: torch.Generator | None = None):
-        return training_step(self.model, images, target, self.loss, epoch, generator)
+    def forward(self, images: torch.Tensor, target: torch.Tensor, epoch: int, generator: torch.Generator | None = None,
+                step: int = 0):
+        return training_step(self.model, images, target, self.loss, epoch, generator, step)
 
 
 def _calibrate_thresholds(model, val_shard, count: int, target_ratio: float, device: torch.device) -> None:
@@ -399,7 +517,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         if rank == 0:
             log.info("resuming %s from epoch %d", config.storage.name, state["epoch"])
 
-    status, message = "completed", ""
+    status, message, error = "completed", "", None
     for epoch in range(start_epoch, tc.epochs):
         if hook is not None:
             hook(epoch, rank, model)
@@ -407,17 +525,24 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         step.train()
         started = time.perf_counter()
         totals: dict[str, float] = {}
+        counts: dict[str, int] = {}
         seen = 0
-        for batch in loader:
+        for index, batch in enumerate(loader):
             images, target = batch[0], batch[1]
-            bad = ""
+            bad, wrong = "", None
             try:
                 with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
-                    loss, stats = step(images, target, epoch, generator)
+                    loss, stats = step(images, target, epoch, generator, index)
             except FloatingPointError as exc:
                 bad = str(exc)
+            except ConfigError as exc:  # a label outside model.num_classes: retrying would not help
+                wrong = exc
             # every worker must stop at the same step, or the others hang in a collective
-            (any_bad,) = _all_reduce([1.0 if bad else 0.0], op="max", device=device)
+            any_bad, any_wrong = _all_reduce([1.0 if bad else 0.0, 1.0 if wrong else 0.0], op="max", device=device)
+            if any_wrong:
+                status, error = "failed", _first_error(wrong, world)
+                message = str(error)
+                break
             if any_bad:
                 status, message = "diverged", bad or f"non-finite values on another worker at epoch {epoch}"
                 break
@@ -433,14 +558,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             seen += images.shape[0]
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
+                counts[key] = counts.get(key, 0) + 1  # teacher_loss: teacher steps only
         if status != "completed":
             break
         train_time = time.perf_counter() - started
         keys = _agreed_keys(totals, world)
-        sums = _all_reduce([totals.get(k, 0.0) for k in keys] + [float(steps_per_epoch), float(seen)], device=device)
+        sums = _all_reduce([totals.get(k, 0.0) for k in keys] + [float(counts.get(k, 0)) for k in keys] + [float(seen)],
+                           device=device)
         (slowest,) = _all_reduce([train_time], op="max", device=device)
-        steps_all, seen_all = sums[-2], sums[-1]
-        metrics = {f"train_{k}": v / steps_all for k, v in zip(keys, sums)}
+        seen_all = sums[-1]
+        metrics = {f"train_{k}": v / max(n, 1.0) for k, v, n in zip(keys, sums[: len(keys)], sums[len(keys) : 2 * len(keys)])}
         metrics["train_images_per_s"] = seen_all / slowest
         metrics["lr"] = scheduler.get_last_lr()[0]
         if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
@@ -491,7 +618,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 model_uri = tracker.log_model(model, params={"levels": mc.levels, "policy": mc.policy})
         else:
             tracker.set_tags({"splitvit.status": status, "splitvit.message": message[:2000]})
-    return {"status": status, "metrics": metrics, "start_epoch": start_epoch, "message": message, "model_uri": model_uri}
+    return {"status": status, "metrics": metrics, "start_epoch": start_epoch, "message": message, "model_uri": model_uri,
+            "error": error}
+
+
+def _first_error(own: BaseException | None, world: int) -> BaseException:
+    """The error of the lowest rank that has one (every rank calls this together)."""
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[BaseException | None] = [None] * world
+        dist.all_gather_object(gathered, own)  # the project's exceptions pickle (splitvit.errors)
+        own = next((e for e in gathered if e is not None), own)
+    return own if own is not None else RuntimeError("a worker stopped on an error it could not send")
 
 
 @torch.no_grad()

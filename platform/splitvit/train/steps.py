@@ -30,6 +30,7 @@ from ..model.policies import check_split_probabilities
 from ..model.quadtree import top_down_decisions, token_counts
 from ..model.splitvit import SplitViT
 from .losses import (
+    IGNORE_INDEX,
     budget_penalty,
     relevance_targets,
     split_fraction_for_ratio,
@@ -53,6 +54,9 @@ class SplitLossConfig:
             attention); see ``SplitViT.relevance``.
         warmup_epochs: epochs of random splits before the policy decides.
         warmup_min_split: lowest per-image random split rate in warm-up.
+        teacher_every: compute the relevance teacher (a full-resolution forward and
+            backward pass, about half of a policy-phase step) on every k-th step only;
+            the other steps train the policy through the task loss and budget penalty.
     """
 
     lambda_budget: float = 1.0
@@ -62,6 +66,7 @@ class SplitLossConfig:
     teacher: str = "gradient"
     warmup_epochs: int = 1
     warmup_min_split: float = 0.3
+    teacher_every: int = 1
 
     def __post_init__(self) -> None:
         validate_loss_settings(self.lambda_budget, self.target_ratio, self.penalty)
@@ -73,6 +78,8 @@ class SplitLossConfig:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if not 0.0 <= self.warmup_min_split <= 1.0:
             raise ValueError(f"warmup_min_split must be in [0, 1], got {self.warmup_min_split}")
+        if self.teacher_every < 1:
+            raise ValueError(f"teacher_every must be >= 1, got {self.teacher_every}")
 
 
 def random_decisions(model: SplitViT, images: torch.Tensor, min_rate: float, generator: torch.Generator | None = None) -> list[torch.Tensor]:
@@ -84,6 +91,33 @@ def random_decisions(model: SplitViT, images: torch.Tensor, min_rate: float, gen
     return top_down_decisions([w.to(images.device) for w in wishes])
 
 
+def model_classes(model: SplitViT) -> int:
+    """The number of classes ``model`` predicts (its classifier's, or its dense head's)."""
+    if model.task == "dense" and model.dense_head is not None:
+        return int(model.dense_head.decoder[-1].out_channels)
+    return int(model.vit.num_classes)
+
+
+def check_labels(target: torch.Tensor, num_classes: int) -> None:
+    """A ``ConfigError`` on ``model.num_classes`` when a label lies outside
+    ``[0, num_classes)`` (``255``, ignored, allowed in masks): better than
+    cross-entropy's ``IndexError`` on the CPU or a device-side assert on CUDA."""
+    from ..config import ConfigError
+
+    if target.is_floating_point() or target.numel() == 0:
+        return
+    valid = (target >= 0) & (target < num_classes)
+    if target.dim() > 1:
+        valid |= target == IGNORE_INDEX
+    if bool(valid.all()):
+        return
+    bad = sorted({int(v) for v in target[~valid].unique()[:8].tolist()})
+    raise ConfigError("model.num_classes", f"the training data hold label{'s' if len(bad) > 1 else ''} "
+                                           f"{', '.join(map(str, bad))}, outside 0..{num_classes - 1} for "
+                                           f"model.num_classes = {num_classes}: set model.num_classes to the "
+                                           "dataset's number of classes, or check its labels")
+
+
 def training_step(
     model: SplitViT,
     images: torch.Tensor,
@@ -91,21 +125,20 @@ def training_step(
     cfg: SplitLossConfig,
     epoch: int,
     generator: torch.Generator | None = None,
+    step: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one batch (call ``backward`` on it) and its scalar statistics."""
+    """Loss of one batch (call ``backward`` on it) and its scalar statistics.
+
+    ``step`` (the batch's index in its epoch) picks the steps that compute the
+    relevance teacher: those with ``step % cfg.teacher_every == 0``.
+
+    Raises ``ConfigError`` (key ``model.num_classes``) for a label the model cannot predict.
+    """
+    check_labels(target, model_classes(model))
     learned = model.policy.learned
     warmup = learned and epoch < cfg.warmup_epochs
     stats: dict[str, float] = {}
     loss = images.new_zeros(())
-    if learned and not warmup and cfg.teacher_weight > 0:
-        label = target if model.task == "classification" else None
-        relevance = model.relevance(images, cfg.teacher, target=label)
-        fraction = split_fraction_for_ratio(cfg.target_ratio, model.geometry_for(tuple(images.shape[-2:])))
-        probs = model.split_scores(images)
-        check_split_probabilities(probs)  # NaN is a divergence; the BCE would raise a RuntimeError
-        distill = teacher_loss(probs, relevance_targets(relevance, fraction))
-        loss = loss + cfg.teacher_weight * distill
-        stats["teacher_loss"] = float(distill.detach())
     if warmup:
         # curriculum: the first warm-up epoch is full resolution (the backbone learns the
         # task), later ones draw lower split rates down to ``warmup_min_split``
@@ -117,6 +150,15 @@ def training_step(
     main = task_loss(out.logits, target)
     loss = loss + main
     stats["task_loss"] = float(main.detach())
+    if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
+        # the teacher grades the split probabilities the forward pass just computed
+        label = target if model.task == "classification" else None
+        relevance = model.relevance(images, cfg.teacher, target=label)
+        fraction = split_fraction_for_ratio(cfg.target_ratio, model.geometry_for(tuple(images.shape[-2:])))
+        # (decide() has checked the probabilities are finite: NaN is a divergence, not a BCE error)
+        distill = teacher_loss(out.split_probs, relevance_targets(relevance, fraction))
+        loss = loss + cfg.teacher_weight * distill
+        stats["teacher_loss"] = float(distill.detach())
     if learned and not warmup:
         penalty = budget_penalty(out.expected_tokens / out.full_tokens, cfg.target_ratio, cfg.penalty)
         loss = loss + cfg.lambda_budget * penalty

@@ -16,6 +16,7 @@ distribution with bounds, or a fixed value that passes through unchanged::
     stage_two:  {points: 4}            # threshold points per finished trial
     baselines:  {entropy_thresholds: [0.3, 0.5, 0.7], random_budgets: 3}
     pareto:     {reference_point: {quality: 0.0, token_ratio: 1.0}}
+    speed:      {enabled: true, batch_size: 32, rounds: 5}   # frontier timed vs full resolution
     mlflow:     {experiment: my-sweep, log_models: 3, split_map_images: 8}
 
 :func:`load_space` checks everything before any Ray work starts: the schema, each
@@ -45,7 +46,7 @@ DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
 SAMPLERS = ("tpe", "nsga2", "random")
 STAGE_TWO_SAMPLERS = ("tpe", "nsga2", "random", "qmc")
 SCHEDULERS = ("asha",)
-TOP_LEVEL = ("base", "description", "parameters", "search", "stage_two", "baselines", "pareto", "mlflow")
+TOP_LEVEL = ("base", "description", "parameters", "search", "stage_two", "baselines", "pareto", "speed", "mlflow")
 _INDEXED = re.compile(r"^(?P<key>[A-Za-z_][\w.]*)\[(?P<index>\d+)\]$")
 
 
@@ -57,6 +58,9 @@ class SearchSpaceError(ValueError):
         self.key = key
         self.reason = reason
         super().__init__(f"search space {source}: {key}: {reason}")
+
+    def __reduce__(self):  # Ray pickles a worker's exception: rebuild from the arguments
+        return (type(self), (self.source, self.key, self.reason), dict(self.__dict__))
 
 
 # ---------------------------------------------------------------------- schema
@@ -219,6 +223,28 @@ class ParetoSettings:
 
 
 @dataclass(frozen=True)
+class SpeedSettings:
+    """The frontier in measured speed: after the frontier is known, each of its points
+    and the full-resolution model are timed side by side, interleaved, on the device
+    the sweep evaluated on (:func:`splitvit.tune.speed.time_operating_points`).
+
+    Attributes:
+        enabled: time the frontier at all.
+        batch_size: images in the one fixed batch every model runs on.
+        rounds: interleaved rounds (every model once per round); figures are medians.
+        warmup: untimed rounds first.
+        max_points: time at most this many frontier points (both ends and evenly in
+            between, by tokens); ``None``: every frontier point.
+    """
+
+    enabled: bool = True
+    batch_size: int = 32
+    rounds: int = 5
+    warmup: int = 1
+    max_points: int | None = 16
+
+
+@dataclass(frozen=True)
 class MlflowSettings:
     """What the sweep records in MLflow.
 
@@ -248,6 +274,7 @@ class SearchSpace:
     baselines: BaselineSettings = field(default_factory=BaselineSettings)
     pareto: ParetoSettings = field(default_factory=ParetoSettings)
     mlflow: MlflowSettings = field(default_factory=MlflowSettings)
+    speed: SpeedSettings = field(default_factory=SpeedSettings)
     description: str = ""
 
     # ------------------------------------------------------------------ configs
@@ -294,6 +321,7 @@ class SearchSpace:
             "stage_two": dataclasses.asdict(self.stage_two),
             "baselines": dataclasses.asdict(self.baselines),
             "pareto": dataclasses.asdict(self.pareto),
+            "speed": dataclasses.asdict(self.speed),
             "mlflow": dataclasses.asdict(self.mlflow),
         }
 
@@ -401,6 +429,7 @@ def space_from_dict(raw: dict[str, Any], *, source: str = "<dict>", root: str | 
         baselines=_settings(BaselineSettings, raw.get("baselines"), "baselines", source),
         pareto=_pareto(raw.get("pareto"), source),
         mlflow=_settings(MlflowSettings, raw.get("mlflow"), "mlflow", source),
+        speed=_settings(SpeedSettings, raw.get("speed"), "speed", source),
         description=str(raw.get("description") or ""),
     )
     _validate_settings(space)
@@ -675,6 +704,11 @@ def _validate_settings(space: SearchSpace) -> None:
         raise SearchSpaceError(src, "pareto.reference_point.quality", f"must be in [0, 1], got {p.quality}")
     if p.token_ratio <= 0:
         raise SearchSpaceError(src, "pareto.reference_point.token_ratio", f"must be > 0, got {p.token_ratio}")
+    v = space.speed
+    for key, value, least in (("batch_size", v.batch_size, 1), ("rounds", v.rounds, 1), ("warmup", v.warmup, 0),
+                              ("max_points", v.max_points, 1)):
+        if value is not None and value < least:
+            raise SearchSpaceError(src, f"speed.{key}", f"must be >= {least}{' or null (every frontier point)' if key == 'max_points' else ''}, got {value}")
     m = space.mlflow
     if m.log_models is not None and m.log_models < 0:
         raise SearchSpaceError(src, "mlflow.log_models", f"must be >= 0 or null (all), got {m.log_models}")

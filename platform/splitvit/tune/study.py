@@ -13,12 +13,15 @@ A study file (``search_spaces/study_*.yaml``) names an experiment config and:
   method (learned, entropy, random) is evaluated: per ratio, thresholds are
   calibrated on validation images (:func:`~splitvit.train.steps.calibrate_thresholds`),
   then the test images are evaluated: a threshold sweep at matched budgets;
-* ``goals``: what the study is meant to show (checked and reported, never tuned).
+* ``goals``: what the study is meant to show (checked and reported, never tuned);
+* ``speed``: ``batch_size``, ``rounds``, ``warmup``, ``max_points`` and ``enabled``
+  of the timings against full resolution: the matched point (:func:`matched_speed`)
+  and every method's evaluated points (:func:`points_speed`).
 
 It runs on the platform like a sweep: Ray Tune runs the backbones (one trial per
 seed), then the methods (one trial per seed and method), each trial a Ray Train
 ``TorchTrainer``; only the driver writes MLflow (a parent run with the table, the
-plot, the goals and the speed figure; a child run per method and seed). Re-running
+plot, the goals and the speed figures; a child run per method and seed). Re-running
 a study under the same name reuses every run that finished (its result file) and
 resumes unfinished training from its checkpoints.
 """
@@ -84,6 +87,9 @@ class StudySpec:
     goals: Goals = field(default_factory=Goals)
     speed_batch: int = 64
     speed_rounds: int = 10
+    speed_enabled: bool = True       # time the matched point and every method's operating points
+    speed_warmup: int = 2
+    speed_max_points: int | None = 24  # operating points timed side by side (spread over each method's ratios)
     experiment: str = "study"
     scale: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # command-line settings: win over every section
@@ -137,6 +143,32 @@ def _section(raw: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     return dict(value)
 
 
+_SPEED = {"enabled": (True, bool, None), "batch_size": (64, int, 1), "rounds": (10, int, 1), "warmup": (2, int, 0),
+          "max_points": (24, int, 1)}
+
+
+def _speed_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ``speed`` section, checked: ``enabled`` (time anything at all), ``batch_size``,
+    ``rounds``, ``warmup`` and ``max_points`` (``null``: every operating point)."""
+    section = _section(raw, "speed", source)
+    out = {}
+    for key in section:
+        if key not in _SPEED:
+            raise SearchSpaceError(source, f"speed.{key}", f"unknown setting; known: {', '.join(_SPEED)}")
+    for key, (default, kind, least) in _SPEED.items():
+        value = section.get(key, default)
+        if value is None and key == "max_points":
+            out[key] = None
+            continue
+        if kind is bool and not isinstance(value, bool):
+            raise SearchSpaceError(source, f"speed.{key}", f"expected true or false, got {value!r}")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise SearchSpaceError(source, f"speed.{key}", f"expected an integer >= {least}"
+                                   f"{' or null (every point)' if key == 'max_points' else ''}, got {value!r}")
+        out[key] = value
+    return out
+
+
 def load_study(path: str | Path, *, scale: str | None = None, overrides: list[str] | None = None) -> StudySpec:
     """Read and validate a study file; every run's config is built (and so validated)
     before anything starts. ``scale`` merges the file's ``scales.<scale>`` section over
@@ -181,7 +213,7 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
         raise SearchSpaceError(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
     run = _section(raw, "run", source)
     goals = _section(raw, "goals", source)
-    speed = _section(raw, "speed", source)
+    speed = _speed_section(raw, source)
     config = _section(raw, "config", source)
     settings: dict[str, Any] = {}
     for item in overrides or []:
@@ -201,7 +233,8 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
             max_concurrent=int(run.get("max_concurrent", 2)),
             trial_resources=dict(run.get("trial_resources") or {"CPU": 0.5}),
             goals=Goals(**{k: (tuple(v) if k == "beat_range" and v else v) for k, v in goals.items()}),
-            speed_batch=int(speed.get("batch_size", 64)), speed_rounds=int(speed.get("rounds", 10)),
+            speed_batch=speed["batch_size"], speed_rounds=speed["rounds"], speed_enabled=speed["enabled"],
+            speed_warmup=speed["warmup"], speed_max_points=speed["max_points"],
             experiment=str((raw.get("mlflow") or {}).get("experiment") or f"study-{path.stem}"), scale=scale,
             overrides=settings,
         )
@@ -469,12 +502,76 @@ def matched_speed(spec: StudySpec, rows: list[dict[str, Any]], runs: list[dict[s
     return speed
 
 
+def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run=None) -> dict[str, Any] | None:
+    """Every method's evaluated operating points timed against full resolution, side
+    by side in one interleaved run (:func:`~splitvit.tune.speed.time_operating_points`).
+
+    What is timed, to stay within a bounded time: one seed (the lowest that trained
+    the ``full`` method); the ``full`` method's checkpoint is the full-resolution
+    model; every other method's points of that seed at the evaluation ratios (one
+    point for ``coarse``), each with the thresholds its evaluation calibrated (as
+    stored with the point), so the timed point is the evaluated one. At most
+    ``speed.max_points`` points: each method gets an equal share, spread over its
+    ratios (both ends kept). The cost is ``(warmup + rounds) x (points + 1)``
+    forward passes of ``speed.batch_size`` images. ``run(fn, *args, **kwargs)`` runs
+    it where the checkpoints' device is (default: here, on the CPU).
+
+    Returns the timing record, its points labelled with ``method``, ``target_ratio``
+    and ``seed`` (``None`` when there is no full-resolution run or nothing to time).
+    """
+    from .speed import spread, time_operating_points
+
+    full = next(m for m in spec.methods if spec.policy(m) == "full")
+    seeds = sorted(int(r["seed"]) for r in runs if r["method"] == full)
+    if not seeds:
+        return None
+    seed = seeds[0]
+    by_method = {r["method"]: r for r in runs if int(r["seed"]) == seed}
+    others = [m for m in spec.methods if m != full and m in by_method]
+    if not others:
+        return None
+    share = None if spec.speed_max_points is None else max(1, spec.speed_max_points // len(others))
+    chosen = []
+    for method in others:
+        stored = sorted(by_method[method]["points"], key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0))
+        for point in spread(stored, share):
+            chosen.append({"checkpoint": by_method[method]["checkpoint"], "thresholds": point.get("thresholds"),
+                           "label": f"{method}@{point['target_ratio']}", "method": method,
+                           "target_ratio": point["target_ratio"]})
+    run = run or (lambda fn, *args, **kw: fn(*args, **kw))
+    record = run(time_operating_points, [{k: p[k] for k in ("checkpoint", "thresholds", "label")} for p in chosen],
+                 full_checkpoint=by_method[full]["checkpoint"], split=spec.split, batch_size=spec.speed_batch,
+                 rounds=spec.speed_rounds, warmup=spec.speed_warmup)
+    for point, row in zip(chosen, record["points"]):
+        row.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed})
+    record["full"][0].update({"method": full, "seed": seed})
+    record["seed"] = seed
+    return record
+
+
+def point_speed_lines(record: dict[str, Any] | None) -> list[str]:
+    """The operating points' measured speed-ups, one line per method."""
+    if not record:
+        return []
+    full = record["full"][0]
+    lines = [f"measured speed-up vs {full.get('method', 'full')} ({full['images_per_s']:.0f} images/s; seed "
+             f"{record.get('seed')}, batch {record['batch_size']}, {record['rounds']} interleaved rounds on {record['device']}):"]
+    for method in dict.fromkeys(p.get("method") for p in record["points"]):
+        points = [p for p in record["points"] if p.get("method") == method]
+        lines.append(f"  {method}: " + ", ".join(
+            (f"@{p['target_ratio']:g}" if p.get("target_ratio") is not None else "") +
+            f" {p['speedup_vs_full']:.2f}x ({p['token_ratio']:.0%} tokens)" for p in points).strip())
+    return lines
+
+
 def _verdict(goal: dict[str, Any]) -> str:
     return "met" if goal["met"] else "MISSED"
 
 
-def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: list[str]) -> list[str]:
-    """The goals as measured, the speed comparison and the failed runs, one line each
+def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: list[str],
+                  point_speed: dict[str, Any] | None = None) -> list[str]:
+    """The goals as measured, the speed comparison, the operating points' measured
+    speed-ups (:func:`points_speed`) and the failed runs, one line each
     (``splitvit study`` and the single-GPU runner print these under their table)."""
     lines = []
     if "match" in goals:
@@ -499,6 +596,7 @@ def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: l
         lines.append(f"speed ({which}: {s['method']} @ {s['target_ratio']}, seed {s['seed']}, batch {s['batch_size']} "
                      f"on {s['device']}): {s['split_images_per_s']:.0f} vs {s['full_images_per_s']:.0f} images/s = "
                      f"{s['ratio']:.2f}x (ideal {s['ideal_ratio']:.2f}x at {s['token_fraction']:.1%} tokens)")
+    lines += point_speed_lines(point_speed)
     lines += [f"failed: {failure}" for failure in failed]
     return lines
 
@@ -521,6 +619,7 @@ class StudyResult:
     mlflow_run_id: str
     tracking_uri: str
     seconds: float
+    point_speed: dict[str, Any] | None = None  # :func:`points_speed`: every method's points timed vs full
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -563,6 +662,9 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
     started = time.time()
     spec = load_study(study_path, scale=scale, overrides=overrides)  # bad input stops here
     base = spec.run_config(spec.seeds[0], None, "base")
+    from ..preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
+    preflight(base, ray_address=ray_address, tracking_uri=base.tracking_uri(), trial_resources=spec.trial_resources,
+              trial_key="run.trial_resources")
     root = base.storage.resolved_path()
     stem = Path(study_path).stem
     name = name or (stem if stem.startswith("study") else f"study-{stem}") + (f"-{scale}" if scale else "")
@@ -585,6 +687,8 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
                                                        "methods": spec.methods, "backbone": spec.backbone, "method": spec.method}),
                                         **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()}},
                                 tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source})
+    from ..tracking.runs import close_stale_runs
+    close_stale_runs(parent)  # runs a driver that died left RUNNING end KILLED
     log.info("study %s: %d seeds x %d methods, MLflow run %s", name, len(spec.seeds), len(spec.methods), parent.run_id)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     with parent.closed_on_error():
@@ -603,11 +707,18 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
         runs = [r for r in runs if "points" in r]
         rows = aggregate(runs, metric)
         goals = check_goals(rows, spec.goals, metric)
-        speed = matched_speed(spec, rows, runs, metric, run=lambda fn, *args, **kw: run_evaluation(base, fn, *args, **kw))
+        on_device = lambda fn, *args, **kw: run_evaluation(base, fn, *args, **kw)  # noqa: E731 - where training ran
+        speed = matched_speed(spec, rows, runs, metric, run=on_device) if spec.speed_enabled else None
+        point_speed = None
+        if spec.speed_enabled and runs:
+            try:
+                point_speed = points_speed(spec, runs, run=on_device)
+            except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the study
+                log.warning("could not time the operating points: %s", exc)
         result = StudyResult(name=name, source=spec.source, study_dir=study_dir, metric=metric, seeds=spec.seeds, rows=rows,
                              runs=[{k: v for k, v in r.items() if k != "config"} for r in runs], goals=goals, speed=speed,
                              failed=failed, mlflow_run_id=parent.run_id, tracking_uri=tracking_uri,
-                             seconds=time.time() - started)
+                             seconds=time.time() - started, point_speed=point_speed)
         _record(result, spec, parent, runs, tracking_uri)
     parent.close("completed" if not failed else "partial")
     return result
@@ -627,12 +738,23 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
 
     metric = result.metric
     client = mlflow.MlflowClient(tracking_uri)
+    timed = _timed_points(result.point_speed)
     for run in runs:
         child, _ = RunTracker.open(tracking_uri, spec.experiment, run["run_uri"], f"{run['method']}-s{run['seed']}",
                                    params=run.get("config") or {},
                                    tags={PARENT_TAG: parent.run_id, KIND_TAG: "study-run", METRIC_TAG: metric,
                                          "splitvit.method": run["method"], "splitvit.seed": str(run["seed"])})
-        if client.get_run(child.run_id).data.metrics:
+        recorded = client.get_run(child.run_id).data.metrics
+        if result.point_speed and int(run["seed"]) == result.point_speed["seed"] and "speedup_vs_full" not in recorded:
+            # the measured speed-up at the step of the evaluated point it timed (full resolution: 1.0)
+            now = int(time.time() * 1000)
+            speed_batch = [Metric(key, float(row[src]), now, step) for step, point in enumerate(run["points"])
+                           for row in [timed.get((run["method"], point["target_ratio"]))] if row
+                           for key, src in (("speedup_vs_full", "speedup_vs_full"), ("timed_images_per_s", "images_per_s"),
+                                            ("timed_token_ratio", "token_ratio"))]
+            if speed_batch:
+                client.log_batch(child.run_id, metrics=speed_batch)
+        if recorded:
             child.close("completed")
             continue  # recorded by an earlier run of this study
         # one step per evaluated token ratio: MLflow's metric charts draw the threshold sweep
@@ -644,12 +766,30 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
         child.log_dict({"points": run["points"], "checkpoint": run["checkpoint"]}, "study_points.json")
         child.close("completed")
     flat_rows = [{k: v for k, v in r.items() if k != "per_seed"} for r in result.rows]
+    if timed:  # measured on one seed: the columns say which
+        for row in flat_rows:
+            found = timed.get((row["method"], row["target_ratio"]))
+            row.update({"speedup_vs_full": found["speedup_vs_full"] if found else None,
+                        "timed_images_per_s": found["images_per_s"] if found else None,
+                        "speed_seed": result.point_speed["seed"] if found else None})
     client.log_table(parent.run_id, data=_columns(flat_rows), artifact_file="study_table.json")
     metrics = {f"goal_{k}_met": float(v["met"]) for k, v in result.goals.items() if isinstance(v, dict) and "met" in v}
     if "match" in result.goals:
         metrics["match_gap_points"] = result.goals["match"]["gap_points"]
     if result.speed:
         metrics.update({"speed_ratio": result.speed["ratio"], "speed_ideal_ratio": result.speed["ideal_ratio"]})
+    if result.point_speed:
+        from .records import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
+
+        ps = result.point_speed
+        metrics["speed_full_images_per_s"] = ps["full"][0]["images_per_s"]
+        for (method, ratio), row in timed.items():
+            if method != ps["full"][0]["method"]:
+                metrics[f"speedup_vs_full.{method}" + (f".r{ratio:g}" if ratio is not None else "")] = row["speedup_vs_full"]
+        client.set_tag(parent.run_id, SPEED_DEVICE_TAG, ps["device"])
+        client.set_tag(parent.run_id, SPEED_TIMING_TAG, f"seed {ps['seed']}, batch {ps['batch_size']}, {ps['rounds']} "
+                                                        f"interleaved rounds after {ps['warmup']} warm-up, {ps['precision']}")
+        client.log_dict(parent.run_id, json.loads(json.dumps(ps, default=str)), "point_speed.json")
     for key, value in metrics.items():
         client.log_metric(parent.run_id, key, float(value))
     with tempfile.TemporaryDirectory() as folder:
@@ -659,6 +799,52 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
         plt.close(fig)
         client.log_artifact(parent.run_id, str(Path(folder) / "study.json"))
         client.log_artifact(parent.run_id, str(Path(folder) / "study.png"))
+        if timed:
+            fig = study_speed_figure(result.rows, timed, metric,
+                                     title=f"{result.name}: {metric} vs measured speed-up ({result.point_speed['device']})")
+            fig.savefig(Path(folder) / "study_speed.png")
+            plt.close(fig)
+            client.log_artifact(parent.run_id, str(Path(folder) / "study_speed.png"))
+
+
+def _timed_points(record: dict[str, Any] | None) -> dict[tuple[str, float | None], dict[str, Any]]:
+    """(method, target ratio) -> the timed point of :func:`points_speed` (the full
+    method's entry at 1.0x included)."""
+    if not record:
+        return {}
+    out = {(p["method"], p["target_ratio"]): p for p in record["points"]}
+    full = record["full"][0]
+    out[(full["method"], None)] = {**full, "target_ratio": None}
+    return out
+
+
+def study_speed_figure(rows: list[dict[str, Any]], timed: dict[tuple[str, float | None], dict[str, Any]], metric: str,
+                       title: str = ""):
+    """Mean quality (over seeds) against the speed-up measured on one seed, per method;
+    full resolution at 1.0x."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = sorted(((timed[(r["method"], r["target_ratio"])]["speedup_vs_full"], r[metric]) for r in rows
+                         if r["method"] == method and (r["method"], r["target_ratio"]) in timed))
+        if not points:
+            continue
+        policy = next(r["policy"] for r in rows if r["method"] == method)
+        fmt = {"full": "*", "coarse": "v"}.get(policy, "o-")
+        ax.plot([x for x, _ in points], [y for _, y in points], fmt, ms=10 if policy in ("full", "coarse") else 5,
+                label=f"{method} ({policy})")
+    ax.axvline(1.0, color="black", lw=0.8, ls=":")
+    ax.set_xlabel("measured speed-up vs full resolution (median images/s ratio, same run)")
+    ax.set_ylabel(f"{metric} (mean over seeds)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:

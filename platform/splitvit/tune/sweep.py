@@ -22,6 +22,14 @@ every checkpoint, the Pareto frontier of quality versus tokens in MLflow.
    threshold point); on the parent the frontier table (``log_table`` + CSV), the
    plot with the baselines, the hypervolume, the best point's split maps and the
    frontier points' models.
+7. **Speed** — the frontier points (at most ``speed.max_points``) and the
+   full-resolution model timed side by side, interleaved, on the device the sweep
+   evaluated on (:func:`~splitvit.tune.speed.time_operating_points`; the space's
+   ``speed`` section, on by default). Each point's ``speedup_vs_full`` goes to the
+   frontier table, its run's metrics and the JSON (``frontier_speed``); the parent
+   gets ``pareto_speed.png`` (quality against measured speed-up),
+   ``frontier_speed.json``, the device (tag ``splitvit.speed_device``) and
+   ``speedup_max``, ``speedup_best_point``, ``speedup_within_1pt_of_full``.
 
 **Resilience.** ``resume=True`` restores the Tuner from the sweep folder
 (``Tuner.restore``): finished trials keep their results, unfinished ones restart
@@ -55,7 +63,7 @@ from typing import Any
 from ..config import ExperimentConfig, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
 from .pareto import Point, annotate, best_point, frontier
-from .records import REFERENCE_TAG, SweepRecorder, flat_params
+from .records import REFERENCE_TAG, SPEED_DEVICE_TAG, SPEED_TIMING_TAG, SweepRecorder, flat_params
 from .space import SearchSpace, load_space
 from .trial import (FINAL_KEY, SweepPlan, TrialDiverged, run_evaluation, sweep_trial, threshold_points,
                     trained_thresholds)
@@ -341,6 +349,8 @@ def _check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None,
         current = {k: v for k, v in space.to_dict().items() if k != "source"}
     stored = saved["space"]
     normal = json.loads(json.dumps(current, sort_keys=True, default=str))
+    if "speed" not in stored:
+        normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
     if normal != stored:
         changed = sorted(k for k in set(normal) | set(stored) if normal.get(k) != stored.get(k))
         raise SweepError(f"--resume: the space differs from the one {sweep_dir} started with (in {', '.join(changed)}); "
@@ -405,6 +415,8 @@ def run_sweep(
     started = time.time()
     space = load_space(space_path, overrides)  # a bad space stops here, before Ray
     base, tracking_uri, experiment = _build_tracking(space)
+    from ..preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
+    preflight(base, ray_address=ray_address, tracking_uri=tracking_uri, trial_resources=space.search.trial_resources)
     name, sweep_dir = _sweep_location(space, base, name, resume)
     checked = _check_plan(space, sweep_dir, overrides, resume)
     if checked is not space:  # resumed with the overrides the sweep started with
@@ -423,6 +435,8 @@ def run_sweep(
                 **{f"fixed.{k}": v for k, v in flat_params(space.fixed).items()}},
         tags={"splitvit.space": space.source, "splitvit.sweep_dir": sweep_dir, REFERENCE_TAG: json.dumps(list(reference))},
     )
+    from ..tracking.runs import close_stale_runs
+    close_stale_runs(recorder.parent)  # runs a driver that died left RUNNING end KILLED (a resumed trial re-opens its own)
     log.info("sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s", name, sweep_dir, space.search.num_samples,
              space.search.max_concurrent, recorder.parent_run_id, redact_uri(tracking_uri))
 
@@ -563,6 +577,7 @@ def _finish(space: SearchSpace, plan: SweepPlan, recorder: SweepRecorder, trials
     if best is not None and space.baselines.enabled:
         baselines = _run_baselines(space, plan, best, front)
     full_tokens = next((b["tokens_per_image"] for b in baselines if b.get("baseline") == "full"), None)
+    speed = _time_frontier(space, plan, front, best) if front and space.speed.enabled else None
 
     result = SweepResult(
         name=name, space=space.source, sweep_dir=sweep_dir, metric=metric, points=points, baselines=baselines,
@@ -577,10 +592,15 @@ def _finish(space: SearchSpace, plan: SweepPlan, recorder: SweepRecorder, trials
         _log_models(space, recorder, front)
         result.split_map = _split_map(space, recorder, best, local_dir)
     result.plot = _plot(result, recorder, local_dir, full_tokens)
+    speed_metrics = {}
+    if speed is not None:
+        result.extras["frontier_speed"] = speed
+        speed_metrics = _record_speed(result, recorder, speed, best, local_dir)
     result.frontier_csv = _tables(result, recorder, local_dir)
     result.wall_time_s = time.time() - started
     recorder.log_parent_metrics({"hypervolume": hv, "frontier_size": len(front), "points": len(points),
-                                 "trials_completed": completed, "trials_failed": failed, "wall_time_s": result.wall_time_s})
+                                 "trials_completed": completed, "trials_failed": failed, "wall_time_s": result.wall_time_s,
+                                 **speed_metrics})
     payload = result.to_dict()
     (local_dir / RESULT_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     recorder.parent.log_dict(json.loads(json.dumps(payload, default=str)), RESULT_FILE)
@@ -609,6 +629,86 @@ def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list
         row["trial_id"] = best.trial_id
         row[space.quality_metric] = row["quality"]
     return rows
+
+
+def _time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best: Point | None) -> dict[str, Any] | None:
+    """Time the frontier points (at most ``speed.max_points``, spread by tokens) against
+    the full-resolution model in one interleaved run, on the device the sweep
+    evaluated on (:func:`~splitvit.tune.speed.time_operating_points`). Each timed
+    point gets ``speedup_vs_full``, ``timed_images_per_s`` and ``timed_token_ratio``
+    in its ``extras``. The full-resolution model is the reference backbone (the best
+    point's checkpoint, on which the baselines ran) with the ``full`` policy.
+    Returns the timing record, or ``None`` when nothing could be timed (logged)."""
+    from .speed import spread, time_operating_points
+
+    s = space.speed
+    chosen = spread([p for p in front if p.checkpoint], s.max_points)
+    if not chosen:
+        return None
+    reference = best if best is not None and best.checkpoint else chosen[0]
+    try:
+        record = run_evaluation(
+            plan.trial_config({}, reference.trial_id), time_operating_points,
+            [{"checkpoint": p.checkpoint, "thresholds": p.thresholds, "label": p.run_id or p.trial_id} for p in chosen],
+            full_checkpoint=reference.checkpoint, batch_size=s.batch_size, rounds=s.rounds, warmup=s.warmup)
+    except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the frontier
+        log.warning("could not time the frontier: %s", exc)
+        return None
+    for point, row in zip(chosen, record["points"]):
+        point.extras.update({"speedup_vs_full": row["speedup_vs_full"], "timed_images_per_s": row["images_per_s"],
+                             "timed_token_ratio": row["token_ratio"]})
+        row["run_id"], row["trial_id"], row["kind"] = point.run_id, point.trial_id, point.kind
+    log.info("frontier timed on %s (batch %d, %d rounds): speed-ups vs full resolution %s", record["device"],
+             record["batch_size"], record["rounds"],
+             ", ".join(f"{r['speedup_vs_full']:.2f}x@{r['token_ratio']:.2f}" for r in record["points"]))
+    return record
+
+
+def _record_speed(result: SweepResult, recorder: SweepRecorder, speed: dict[str, Any], best: Point | None,
+                  local_dir: Path) -> dict[str, float]:
+    """The measured speed-ups in MLflow: a metric on each timed point's run, the
+    accuracy-vs-speed-up figure and the timing record on the parent; returns the
+    parent's speed metrics."""
+    import matplotlib.pyplot as plt
+
+    from .plot import speed_figure
+
+    timed = [p for p in result.frontier() if "speedup_vs_full" in p.extras]
+    for point in timed:
+        if point.run_id:
+            try:
+                recorder.log_run_metrics(point.run_id, {"speedup_vs_full": point.extras["speedup_vs_full"],
+                                                        "timed_images_per_s": point.extras["timed_images_per_s"],
+                                                        "timed_token_ratio": point.extras["timed_token_ratio"]})
+            except Exception as exc:  # noqa: BLE001 - MLflow trouble must not lose the frontier
+                log.warning("could not record the speed-up of point %s: %s", point.run_id, exc)
+    full = next((b for b in result.baselines if b.get("baseline") == "full"), None)
+    fig = speed_figure(result.points, metric=result.metric, full_quality=full["quality"] if full else None,
+                       title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed['device']}, "
+                             f"batch {speed['batch_size']})")
+    path = local_dir / "pareto_speed.png"
+    try:
+        fig.savefig(path)
+        recorder.log_figure(fig, "pareto_speed.png")
+    finally:
+        plt.close(fig)
+    result.extras["speed_plot"] = str(path)
+    recorder.parent.log_dict(json.loads(json.dumps(speed, default=str)), "frontier_speed.json")
+    recorder.parent.set_tags({SPEED_DEVICE_TAG: speed["device"],
+                              SPEED_TIMING_TAG: f"batch {speed['batch_size']}, {speed['rounds']} interleaved rounds "
+                                                f"after {speed['warmup']} warm-up, {speed['precision']}"})
+    metrics: dict[str, float] = {}
+    if timed:
+        metrics["speedup_max"] = max(p.extras["speedup_vs_full"] for p in timed)
+        metrics["speed_full_images_per_s"] = float(speed["full"][0]["images_per_s"])
+    if best is not None and "speedup_vs_full" in best.extras:
+        metrics["speedup_best_point"] = best.extras["speedup_vs_full"]
+    if full is not None:
+        # the fastest frontier point within one point of full resolution's quality
+        close = [p for p in timed if p.quality >= full["quality"] - 0.01]
+        if close:
+            metrics["speedup_within_1pt_of_full"] = max(p.extras["speedup_vs_full"] for p in close)
+    return metrics
 
 
 def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point]) -> None:
@@ -672,11 +772,14 @@ def _plot(result: SweepResult, recorder: SweepRecorder, local_dir: Path, full_to
 def frontier_rows(points: list[Point], metric: str) -> list[dict[str, Any]]:
     """The frontier as table rows (by tokens per image), searched parameters as columns."""
     rows = []
+    timed = any("speedup_vs_full" in p.extras for p in points)  # measured speed-up columns
     for rank, p in enumerate(frontier(points)):
         rows.append({
             "rank": rank, "tokens_per_image": p.tokens_per_image, metric: p.quality, "token_ratio": p.token_ratio,
             "kind": p.kind, "trial_id": p.trial_id, "thresholds": json.dumps([round(t, 4) for t in p.thresholds]),
             "hv_contribution": p.hv_contribution, "run_id": p.run_id, "model_uri": p.model_uri,
+            **({"speedup_vs_full": p.extras.get("speedup_vs_full"), "timed_images_per_s": p.extras.get("timed_images_per_s"),
+                "timed_token_ratio": p.extras.get("timed_token_ratio")} if timed else {}),
             **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in p.params.items()},
         })
     return rows
@@ -712,7 +815,9 @@ def frontier_from_mlflow(experiment: str, tracking_uri: str | None = None, sweep
     from the recorded trial and threshold-point runs (failed runs excluded).
 
     Returns ``{"experiment", "experiment_id", "sweeps", "metric", "hypervolume",
-    "reference_point", "points", "frontier"}`` (points as dicts).
+    "reference_point", "points", "frontier", "speed"}`` (points as dicts; a timed
+    point's ``extras`` hold ``speedup_vs_full``; ``speed`` lists, per sweep that timed
+    its frontier, the device and timing settings: empty for older sweeps).
     """
     from .records import points_from_mlflow
 
@@ -731,4 +836,5 @@ def frontier_from_mlflow(experiment: str, tracking_uri: str | None = None, sweep
         "reference_point": {"quality": data["reference"][0], "token_ratio": data["reference"][1]},
         "points": [p.to_dict(metric) for p in points],
         "frontier": [p.to_dict(metric) for p in frontier(points)],
+        "speed": data["speed"],
     }
