@@ -503,11 +503,19 @@ def test_padded_sdpa_kernel_matches_reference_kernel():
     assert padded_sdpa_kernel(bimodal).padded_rows == 3 * 100 + 2 * 2  # automatic groups: no padding here
     with pytest.raises(ValueError, match="other sequence offsets"):
         padded_sdpa_kernel(cu, 1)(q, k, v, cu.flip(0), cu, 9, 9)
-    # the fused form takes the qkv projection's (T, 3 * H * hd) rows as they come
+    # the fused form takes the qkv projection's (T, 3 * H * hd) rows as they come: per
+    # sequence in place for a few sequences, else through the padded layout
+    from splitvit.model import packed
+
     qkv = torch.stack([q, k, v], dim=1).reshape(total, 3 * 2 * 8)
-    for groups in (None, 1, 6):
-        fused = padded_sdpa_kernel(cu, groups).qkv_attention(qkv, 2, 8, scale=0.3)
-        assert (fused.view(total, 2, 8) - expected).abs().max().item() <= 1e-5
+    for per_image in (packed.PER_IMAGE_SEQUENCES, 0):
+        packed.PER_IMAGE_SEQUENCES, saved = per_image, packed.PER_IMAGE_SEQUENCES
+        try:
+            for groups in (None, 1, 6):
+                fused = padded_sdpa_kernel(cu, groups).qkv_attention(qkv, 2, 8, scale=0.3)
+                assert (fused.view(total, 2, 8) - expected).abs().max().item() <= 1e-5
+        finally:
+            packed.PER_IMAGE_SEQUENCES = saved
 
 
 def _count_block_calls(model: SplitViT, fn) -> int:

@@ -136,6 +136,12 @@ def token_chunks(lengths: torch.Tensor, max_tokens: int | None = None) -> list[t
     return [torch.tensor(c, dtype=torch.long, device=lengths.device) for c in chunks]
 
 
+#: Up to this many sequences, the CPU kernel's fused form (``qkv_attention``) runs one
+#: attention call per sequence on views of the packed rows: a few more calls, but no
+#: copy into a padded layout and back, and no padding.
+PER_IMAGE_SEQUENCES = 16
+
+
 def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> Kernel:
     """A varlen-signature attention kernel for devices without one (CPU).
 
@@ -212,6 +218,15 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         """Attention from the packed ``qkv`` projection ``(T, 3 * H * hd)`` itself: one
         row copy into the padded layout (q, k and v as strided views of it, as in timm's
         own ``Attention``) instead of three copies of non-contiguous q, k and v."""
+        if per_image is not None:
+            # few sequences: attend each in place, its rows of the packed qkv as views;
+            # no scatter, no padding, and the outputs concatenate back in packed order
+            outs = []
+            for start, end in per_image:
+                q, k, v = qkv[start:end].view(1, end - start, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+                res = F.scaled_dot_product_attention(q, k, v, scale=scale)
+                outs.append(res.transpose(1, 2).reshape(end - start, heads * head_dim))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         buf = scatter(qkv, 3)
         outs = []
         for start, n, longest, mask in layout:
@@ -221,6 +236,11 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.index_select(0, slot)
 
+    # up to PER_IMAGE_SEQUENCES sequences, the fused form attends each one in place
+    bounds = cu.tolist()
+    per_image = None
+    if batch <= PER_IMAGE_SEQUENCES:
+        per_image = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     kernel.padded_rows = rows  # type: ignore[attr-defined]  # attention slots incl. padding
     kernel.qkv_attention = qkv_kernel  # type: ignore[attr-defined]
     return kernel
