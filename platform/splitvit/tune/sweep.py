@@ -669,8 +669,6 @@ def _record_speed(result: SweepResult, recorder: SweepRecorder, speed: dict[str,
     """The measured speed-ups in MLflow: a metric on each timed point's run, the
     accuracy-vs-speed-up figure and the timing record on the parent; returns the
     parent's speed metrics."""
-    import matplotlib.pyplot as plt
-
     from .plot import speed_figure
 
     timed = [p for p in result.frontier() if "speedup_vs_full" in p.extras]
@@ -686,13 +684,7 @@ def _record_speed(result: SweepResult, recorder: SweepRecorder, speed: dict[str,
     fig = speed_figure(result.points, metric=result.metric, full_quality=full["quality"] if full else None,
                        title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed['device']}, "
                              f"batch {speed['batch_size']})")
-    path = local_dir / "pareto_speed.png"
-    try:
-        fig.savefig(path)
-        recorder.log_figure(fig, "pareto_speed.png")
-    finally:
-        plt.close(fig)
-    result.extras["speed_plot"] = str(path)
+    result.extras["speed_plot"] = _save_figure(fig, local_dir / "pareto_speed.png", recorder)
     recorder.parent.log_dict(json.loads(json.dumps(speed, default=str)), "frontier_speed.json")
     recorder.parent.set_tags({SPEED_DEVICE_TAG: speed["device"],
                               SPEED_TIMING_TAG: f"batch {speed['batch_size']}, {speed['rounds']} interleaved rounds "
@@ -754,16 +746,20 @@ def _split_map(space: SearchSpace, recorder: SweepRecorder, best: Point, local_d
 
 
 def _plot(result: SweepResult, recorder: SweepRecorder, local_dir: Path, full_tokens: float | None) -> str:
-    import matplotlib.pyplot as plt
-
     from .plot import pareto_figure
 
     fig = pareto_figure(result.points, result.baselines, metric=result.metric, hypervolume=result.hypervolume,
                         title=f"sweep {result.name}: {result.metric} vs tokens per image", full_tokens=full_tokens)
-    path = local_dir / "pareto.png"
+    return _save_figure(fig, local_dir / "pareto.png", recorder)
+
+
+def _save_figure(fig, path: Path, recorder: SweepRecorder) -> str:
+    """Write ``fig`` beside the sweep's JSON and to the parent run (under its file name); close it."""
+    import matplotlib.pyplot as plt
+
     try:
         fig.savefig(path)
-        recorder.log_figure(fig, "pareto.png")
+        recorder.log_figure(fig, path.name)
     finally:
         plt.close(fig)
     return str(path)
