@@ -486,3 +486,16 @@ def test_ctrl_c_and_sigterm_stop_training_and_a_rerun_resumes(ray_local, tmp_pat
     assert result.status == "completed" and result.start_epoch == last_epoch + 1
     run = the_run()
     assert run.info.run_id == result.mlflow_run_id and run.info.status == "FINISHED"
+
+
+def test_a_sweep_stopped_with_unfinished_trials_is_an_interruption():
+    """Ray Tune's own Ctrl-C handler makes ``Tuner.fit`` return with trials unfinished:
+    the sweep raises ``Interrupted`` (exit 130) saying how to resume, not an error."""
+    from splitvit.errors import Interrupted
+    from splitvit.tune.sweep import SweepError, stopped_early
+
+    stopped = stopped_early("s1", started=3, unfinished=2, planned=8)
+    assert isinstance(stopped, Interrupted) and stopped.exit_code in (130, 143)
+    assert "3 of 8 trials started and 2 unfinished" in str(stopped) and "--resume --name s1" in str(stopped)
+    short = stopped_early("s1", started=5, unfinished=0, planned=8)
+    assert isinstance(short, SweepError) and "--resume --name s1" in str(short)

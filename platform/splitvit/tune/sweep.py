@@ -476,10 +476,23 @@ def run_sweep(
     unfinished = [t for t in trials if t.status == "unfinished"]
     if unfinished or len(trials) < space.search.num_samples:
         recorder.close("interrupted")
-        raise SweepError(f"sweep {name} was interrupted with {len(trials)} of {space.search.num_samples} trials "
-                         f"started and {len(unfinished)} unfinished; continue it with --resume --name {name}")
+        raise stopped_early(name, len(trials), len(unfinished), space.search.num_samples)
     with recorder.parent.closed_on_error():
         return _finish(space, plan, recorder, trials, raw, reference, sweep_dir, name, base, started, resume or reopened)
+
+
+def stopped_early(name: str, started: int, unfinished: int, planned: int) -> Exception:
+    """What a sweep that ended before its last trial raises. Trials left unfinished
+    mean Ray Tune stopped on a signal (its own Ctrl-C handler returns from ``fit``):
+    :class:`~splitvit.errors.Interrupted`, so the CLI exits 130 (143 for SIGTERM);
+    otherwise a :class:`SweepError`. Both say how to continue."""
+    from ..errors import Interrupted, as_interrupted
+
+    what = f"sweep {name} stopped with {started} of {planned} trials started and {unfinished} unfinished"
+    if unfinished:
+        return Interrupted(as_interrupted(KeyboardInterrupt()).signum,
+                           f"{what}; its finished trials are kept: continue it with --resume --name {name}")
+    return SweepError(f"{what}; continue it with --resume --name {name}")
 
 
 def _collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary], dict[str, dict[str, Any]]]:
