@@ -171,10 +171,12 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
     row = 0
     for idx in split:
         n = idx.numel()
-        if n == 0 or int(lengths[idx].max()) == 0:
-            continue  # empty dummy sequences of a fixed-shape batch hold no rows
+        if n == 0:
+            continue
         group_lengths = lengths[idx]
         longest = int(group_lengths.max())
+        if longest == 0:
+            continue  # empty dummy sequences of a fixed-shape batch hold no rows
         row_of_image[idx] = row + torch.arange(n, device=device) * longest
         mask = torch.arange(longest, device=device) < group_lengths[:, None]
         layout.append((row, n, longest, None if bool(mask.all()) else mask[:, None, None, :]))
@@ -215,9 +217,10 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         return out.index_select(0, slot).view(-1, heads, head_dim)
 
     def qkv_kernel(qkv: torch.Tensor, heads: int, head_dim: int, scale: float | None = None) -> torch.Tensor:
-        """Attention from the packed ``qkv`` projection ``(T, 3 * H * hd)`` itself: one
-        row copy into the padded layout (q, k and v as strided views of it, as in timm's
-        own ``Attention``) instead of three copies of non-contiguous q, k and v."""
+        """Attention from the packed ``qkv`` projection ``(T, 3 * H * hd)`` itself, q, k
+        and v as strided views of it (as in timm's own ``Attention``): up to
+        :data:`PER_IMAGE_SEQUENCES` sequences each attends on its own rows in place;
+        more are copied once into the padded layout."""
         if per_image is not None:
             # few sequences: attend each in place, its rows of the packed qkv as views;
             # no scatter, no padding, and the outputs concatenate back in packed order
@@ -236,10 +239,9 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.index_select(0, slot)
 
-    # up to PER_IMAGE_SEQUENCES sequences, the fused form attends each one in place
-    bounds = cu.tolist()
     per_image = None
     if batch <= PER_IMAGE_SEQUENCES:
+        bounds = cu.tolist()
         per_image = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     kernel.padded_rows = rows  # type: ignore[attr-defined]  # attention slots incl. padding
     kernel.qkv_attention = qkv_kernel  # type: ignore[attr-defined]
@@ -278,7 +280,6 @@ class PackedBatch:
 
     Attributes:
         keep: ``(B, S)`` bool, the real slots of the padded layout (valid slots first in each row).
-        lengths: per-image sequence lengths, on the host.
         cu_seqlens: int32 cumulative offsets ``(B + 1,)`` (plus one per dummy sequence).
         max_len: longest sequence (a static bound with ``capacity``).
         seq_ids: ``(T,)`` image index of every packed token (per-image drop path).
@@ -291,7 +292,6 @@ class PackedBatch:
         device = keep.device
         if lengths is None:
             lengths = keep.sum(1).tolist()  # a host read; the model passes the lengths it knows
-        self.lengths = lengths
         real = sum(lengths)
         lengths_t = keep.sum(1)
         cu = torch.zeros(self.batch + 1, dtype=torch.int32, device=device)
@@ -308,8 +308,8 @@ class PackedBatch:
             # tokens each, a fixed count of them, so T, cu_seqlens and max_len never change
             if capacity < real:
                 raise ValueError(f"token bucket capacity {capacity} < {real} packed tokens")
-            dummies = -(-self.batch * slots // slots)  # enough for any padding up to B * S rows
-            bounds = torch.clamp(torch.arange(1, dummies + 1, device=device) * slots, max=capacity - real) + real
+            # B dummies of at most S rows hold any padding up to B * S rows
+            bounds = torch.clamp(torch.arange(1, self.batch + 1, device=device) * slots, max=capacity - real) + real
             cu = torch.cat([cu, bounds.to(torch.int32)])
             seq = torch.cat([seq, torch.full((capacity - real,), self.batch, dtype=seq.dtype, device=device)])
             self.max_len = slots
@@ -355,8 +355,8 @@ def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.
     treat each of the ``T`` rows as a sample)."""
     if isinstance(module, DropPath) and module.training and module.drop_prob > 0.0:
         keep_prob = 1.0 - module.drop_prob
-        # same draw as timm's drop_path on (B, N, D): one Bernoulli per image
-        # one Bernoulli per image (and one for the dummy rows of a fixed-shape batch)
+        # same draw as timm's drop_path on (B, N, D): one Bernoulli per image (and one
+        # for the dummy rows of a fixed-shape batch)
         mask = x.new_empty(batch.batch + (batch.total > batch.real), 1, 1).bernoulli_(keep_prob).view(-1)
         if module.scale_by_keep and keep_prob > 0.0:
             mask.div_(keep_prob)

@@ -515,7 +515,7 @@ class SplitViT(nn.Module):
                 if gates is not None:
                     x = x * gates[level].unsqueeze(-1)
                 return x.flatten(1, 2), None, ("level", level), None
-        fixed = bool(self.token_buckets) and self._packs(counts, return_attention)  # (any tensor stands for valid)
+        fixed = bool(self.token_buckets) and self._can_pack(return_attention)
         # with fixed shapes every level takes part, so that N_full slots always exist
         used = list(range(len(leaves))) if fixed else [level for level, present in enumerate(some) if present]
         parts, masks, offsets, offset = [], [], {}, 0
@@ -543,7 +543,11 @@ class SplitViT(nn.Module):
 
     def _packs(self, valid: torch.Tensor | None, return_attention: bool) -> bool:
         """Whether this batch takes the packed path (see the ``attention`` option)."""
-        if valid is None or return_attention or self.attention != "packed" or not self.packable:
+        return valid is not None and self._can_pack(return_attention)
+
+    def _can_pack(self, return_attention: bool) -> bool:
+        """Whether a batch of mixed lengths would take the packed path."""
+        if return_attention or self.attention != "packed" or not self.packable:
             return False
         # the packed kernels have no attention dropout: keep training with it exact
         return not (self.training and any(getattr(getattr(b.attn, "attn_drop", None), "p", 0.0) > 0 for b in self.vit.blocks))
@@ -611,17 +615,12 @@ class SplitViT(nn.Module):
         seq_lengths = [n + num_prefix for n in lengths]
         real = sum(lengths)
         varlen = varlen_kernel(x.device)
-        if self.token_buckets:
-            slots = keep.shape[1]
-            capacity = bucket_capacity(sum(seq_lengths), b, slots, self.token_buckets)
-            batch = PackedBatch(keep, seq_lengths, capacity=capacity)
-            kernel = varlen if varlen is not None else padded_sdpa_kernel(batch.cu_seqlens)
-            attention = None if varlen is not None else kernel.padded_rows - b * num_prefix
-            return self._encode_packed_chunk(x, batch, kernel), real, None, attention
-        chunks = token_chunks(keep.sum(1)) if varlen is None else []
+        # fixed shapes: one chunk, padded to its bucket
+        capacity = bucket_capacity(sum(seq_lengths), b, keep.shape[1], self.token_buckets) if self.token_buckets else None
+        chunks = token_chunks(keep.sum(1)) if varlen is None and capacity is None else []
         if len(chunks) <= 1:
             # one chunk: in batch order, nothing to scatter back
-            batch = PackedBatch(keep, seq_lengths)
+            batch = PackedBatch(keep, seq_lengths, capacity=capacity)
             kernel = varlen if varlen is not None else padded_sdpa_kernel(batch.cu_seqlens)
             slots = None if varlen is not None else kernel.padded_rows - b * num_prefix
             return self._encode_packed_chunk(x, batch, kernel), real, None, slots
