@@ -311,7 +311,9 @@ def test_s3_credentials_rejected(monkeypatch):
             raise ClientError({"Error": {"Code": "403", "Message": "Forbidden"},
                                "ResponseMetadata": {"HTTPStatusCode": 403}}, "HeadBucket")
 
-    monkeypatch.setattr(pf, "_quick_s3_client", lambda timeout: Refusing())
+    import splitvit.storage
+
+    monkeypatch.setattr(splitvit.storage, "s3_client", lambda timeout=None: Refusing())
     with pytest.raises(PreflightError, match="credentials were rejected"):
         pf.check_storage("s3://bucket/runs")
 

@@ -382,7 +382,8 @@ def check_storage(path: str, key: str = "storage.path", *, write: bool = True, t
     can be reached (and, with ``write``, written): for S3 the endpoint answers, the
     bucket exists and the credentials are accepted; a test object is written and
     deleted. A local folder must exist or be creatable, and be writable."""
-    from .storage import StorageError, check_bucket, is_s3, split_s3_uri
+    from .storage import StorageError, check_bucket, is_s3, s3_client, split_s3_uri
+    from .storage.s3 import s3_error_reason
 
     if not is_s3(path):
         local = Path(path[len("file://"):] if path.startswith("file://") else path).expanduser()
@@ -390,7 +391,7 @@ def check_storage(path: str, key: str = "storage.path", *, write: bool = True, t
         if why:
             raise PreflightError(key, f"cannot write to {path}: {why}")
         return f"storage: {local.resolve()} writable"
-    client = _quick_s3_client(timeout)
+    client = s3_client(timeout)
     try:
         where = check_bucket(path, client=client)
     except (StorageError, ValueError) as exc:
@@ -404,27 +405,8 @@ def check_storage(path: str, key: str = "storage.path", *, write: bool = True, t
             client.put_object(Bucket=bucket, Key=probe, Body=b"splitvit preflight\n")
             client.delete_object(Bucket=bucket, Key=probe)
         except (ClientError, BotoCoreError) as exc:
-            raise PreflightError(key, f"cannot write to {path} at {where}: {_s3_reason(exc)}") from None
+            raise PreflightError(key, f"cannot write to {path} at {where}: {s3_error_reason(exc)}") from None
     return f"storage: {path} at {where} {'writable' if write else 'readable'}"
-
-
-def _quick_s3_client(timeout: float):
-    """A boto3 S3 client (the endpoint and region of :func:`splitvit.storage.s3_client`)
-    that gives up after ``timeout`` seconds and one attempt."""
-    import boto3
-    from botocore.config import Config
-
-    from .storage import s3_settings
-
-    settings = s3_settings()
-    config = Config(connect_timeout=timeout, read_timeout=timeout, retries={"max_attempts": 1, "mode": "standard"})
-    return boto3.client("s3", endpoint_url=settings.endpoint_url, region_name=settings.region, config=config)
-
-
-def _s3_reason(exc: Exception) -> str:
-    from .storage.s3 import s3_error_reason
-
-    return s3_error_reason(exc)
 
 
 # ---------------------------------------------------------------------- data

@@ -36,12 +36,19 @@ def s3_settings() -> S3Settings:
     return S3Settings(endpoint_url=endpoint, region=region, has_credentials=has_credentials)
 
 
-def s3_client() -> Any:
-    """A boto3 S3 client for the configured endpoint and region (credentials: boto3's own chain)."""
+def s3_client(timeout: float | None = None) -> Any:
+    """A boto3 S3 client for the configured endpoint and region (credentials: boto3's own
+    chain); with ``timeout``, one that gives up after that many seconds and one attempt
+    (checks that must answer in seconds)."""
     import boto3
 
     settings = s3_settings()
-    return boto3.client("s3", endpoint_url=settings.endpoint_url, region_name=settings.region)
+    config = None
+    if timeout is not None:
+        from botocore.config import Config
+
+        config = Config(connect_timeout=timeout, read_timeout=timeout, retries={"max_attempts": 1, "mode": "standard"})
+    return boto3.client("s3", endpoint_url=settings.endpoint_url, region_name=settings.region, config=config)
 
 
 def s3_error_reason(exc: BaseException) -> str:
