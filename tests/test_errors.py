@@ -239,11 +239,12 @@ def test_ctrl_c_and_sigterm_outside_ray_exit_130_and_143(monkeypatch, tmp_path, 
             raise AssertionError("the signal did not interrupt")
         return effect
 
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or Ray's if an earlier test started Ray in this process
     for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
         _fake_training(monkeypatch, interrupted(signum))
         assert main(["train", str(config)]) == status
         assert f"splitvit train: interrupted by {signal.Signals(signum).name}" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
+    assert signal.getsignal(signal.SIGTERM) == before  # put back
 
 
 # ---------------------------------------------------------------------- eval on bad checkpoints
@@ -268,7 +269,7 @@ def test_eval_on_a_file_that_is_no_checkpoint_is_one_line_exit_2(tmp_path, capsy
         assert main(["eval", path]) == 2, name
         out, err = capsys.readouterr()
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"splitvit eval: error: ") and path in lines[0], (name, err)
+        assert len(lines) == 1 and lines[0].startswith("splitvit eval: error: ") and path in lines[0], (name, err)
         assert message in lines[0], (name, lines[0])
         assert "Traceback" not in err
     assert main(["viz", "--checkpoint", str(tmp_path / "garbage.pt"), "--out", str(tmp_path / "x.png")]) == 2
@@ -380,7 +381,6 @@ def test_labels_beyond_num_classes_stop_every_worker_with_one_line(ray_local, ml
 
     cfg = tiny_config(tmp_path, mlflow_uri, "labels", ["model.num_classes=2", "train.epochs=1", "train.max_failures=2",
                                                          "tracking.split_map_images=0", "tracking.log_model=false"])
-    started = time.time()
     with pytest.raises(TrainingError) as info:  # run_training has no driver-side check: the workers find it
         run_training(cfg)
     line = error_line(info.value)
@@ -391,7 +391,9 @@ def test_labels_beyond_num_classes_stop_every_worker_with_one_line(ray_local, ml
         [MlflowClient(mlflow_uri).get_experiment_by_name("tests").experiment_id],
         filter_string="tags.`splitvit.name` = 'labels'")
     assert runs[0].info.status == "FAILED" and "model.num_classes" in runs[0].data.tags["splitvit.error"]
-    assert time.time() - started < 120  # not retried max_failures times
+    # not retried max_failures times: the workers returned the error as their result, so the
+    # driver raised from it directly, not from Ray Train's failure after spent retries
+    assert type(info.value.__cause__) is ConfigError
 
 
 # ---------------------------------------------------------------------- Ctrl-C / SIGTERM on a real run

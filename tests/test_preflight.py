@@ -205,7 +205,7 @@ def test_ray_address_that_does_not_answer():
     start = time.monotonic()
     with pytest.raises(PreflightError, match=f"no Ray cluster answers at 127.0.0.1:{port}") as info:
         pf.check_ray_address(f"127.0.0.1:{port}", "RAY_ADDRESS")
-    assert info.value.key == "RAY_ADDRESS" and time.monotonic() - start < 5
+    assert info.value.key == "RAY_ADDRESS" and time.monotonic() - start < 15  # the bound for an unreachable service
     with pytest.raises(PreflightError, match="dashboard"):
         pf.check_ray_address("http://127.0.0.1:8265", "--address")
     with pytest.raises(PreflightError, match="not a Ray address"):
@@ -226,7 +226,7 @@ def test_mlflow_server_that_does_not_answer():
     start = time.monotonic()
     with pytest.raises(PreflightError, match=f"no MLflow server answers at {url}") as info:
         pf.check_tracking(url, "MLFLOW_TRACKING_URI")
-    assert info.value.key == "MLFLOW_TRACKING_URI" and time.monotonic() - start < 5
+    assert info.value.key == "MLFLOW_TRACKING_URI" and time.monotonic() - start < 15  # the bound for an unreachable service
 
 
 def test_mlflow_server_answers_or_is_not_mlflow():
@@ -285,7 +285,7 @@ def test_s3_endpoint_down(monkeypatch):
     start = time.monotonic()
     with pytest.raises(PreflightError, match="the endpoint does not answer"):
         pf.check_storage("s3://bucket/runs")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 15  # the bound for an unreachable service
 
 
 def test_s3_errors_say_what_they_mean():

@@ -814,9 +814,14 @@ def make_target(
     passed = value <= bound if op == "<=" else value >= bound
     out = {"key": key, "what": what, "value": value, "op": op, "bound": bound, "unit": unit, "passed": bool(passed), "note": note}
     if rounds:
-        q = statistics.quantiles(rounds, n=4, method="inclusive") if len(rounds) > 1 else [rounds[0]] * 3
-        out["per_round"] = {"median": statistics.median(rounds), "q1": q[0], "q3": q[2], "values": rounds}
+        out["per_round"] = {**quartiles(rounds), "values": rounds}
     return out
+
+
+def quartiles(values: list[float]) -> dict[str, float]:
+    """Median and quartiles of per-round figures: how well one run resolves a ratio."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "q1": q[0], "q3": q[2]}
 
 
 # ---------------------------------------------------------------------- report

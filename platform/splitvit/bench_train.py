@@ -89,6 +89,7 @@ from .bench import (
     format_value,
     machine_info,
     make_target,
+    quartiles,
     synchronizer,
     text_table,
     time_beside_others,
@@ -320,7 +321,7 @@ def run_step_benchmark(
         t["ratio_to_full"] = ref["median_s"] / t["median_s"]
         t["ratio_to_full_fastest"] = ref["min_s"] / t["min_s"]
         t["ratio_to_full_cpu_time"] = ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None
-        t["per_round"] = _quartiles(rounds_ratio)
+        t["per_round"] = {**quartiles(rounds_ratio), "values": rounds_ratio}
     if "teacher" in steps and "split_learned" in steps:
         steps["teacher"]["share_of_split_learned"] = steps["teacher"]["median_s"] / steps["split_learned"]["median_s"]
         for key in ("token_fraction", "tokens_per_image", "ideal_ratio"):
@@ -351,11 +352,6 @@ def run_step_benchmark(
         "steps": steps,
         "warnings": warnings,
     }
-
-
-def _quartiles(values: list[float]) -> dict[str, Any]:
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2], "values": values}
 
 
 # ---------------------------------------------------------------------- part B

@@ -26,7 +26,6 @@ from typing import Iterable
 
 import torch
 
-from ..model.policies import check_split_probabilities
 from ..model.quadtree import top_down_decisions, token_counts
 from ..model.splitvit import SplitViT
 from .losses import (

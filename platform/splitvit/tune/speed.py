@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -55,14 +54,6 @@ def _architecture(payload: dict[str, Any]) -> str:
     spec = payload.get("spec") or {}
     return json.dumps({k: v for k, v in spec.items() if not k.startswith("policy") and k != "thresholds"},
                       sort_keys=True, default=str)
-
-
-def _quartiles(values: list[float]) -> dict[str, float]:
-    if len(values) > 1:
-        q = statistics.quantiles(values, n=4, method="inclusive")
-    else:
-        q = [values[0]] * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2]}
 
 
 def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str | None = None, batch_size: int = 32,
@@ -93,7 +84,7 @@ def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str 
     """
     import torch
 
-    from ..bench import OTHER_LOAD_WARNING, machine_info, synchronizer, time_beside_others, timing_summary
+    from ..bench import OTHER_LOAD_WARNING, machine_info, quartiles, synchronizer, time_beside_others, timing_summary
     from ..model import SplitViT
     from ..train.checkpoints import load_payload
     from .evaluation import CheckpointEvaluator
@@ -178,7 +169,7 @@ def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str 
             "full_images_per_s": f["images_per_s"],
             "speedup_vs_full": f["median_s"] / t["median_s"],
             "speedup_vs_full_fastest": f["min_s"] / t["min_s"],
-            "speedup_vs_full_per_round": _quartiles(per_round),
+            "speedup_vs_full_per_round": quartiles(per_round),
         })
     machine = machine_info(dev)
     warnings = []
