@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from splitvit.bench import (
+from splitvit.bench.forward import (
     BENCH_POLICIES,
     CPU_SPEEDUP_TARGETS,
     OUTSIDE_BLOCKS_TARGET,

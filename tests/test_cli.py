@@ -9,7 +9,7 @@ import sys
 from PIL import Image
 
 from splitvit.cli import main
-from splitvit.demo import build_demo_model
+from splitvit.train.demo import build_demo_model
 
 
 def test_help_lists_subcommands():

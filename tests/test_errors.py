@@ -57,7 +57,7 @@ def project_exceptions() -> dict[str, type]:
 
 
 def _job_result():
-    from splitvit.submit import JobResult
+    from splitvit.cluster.submit import JobResult
 
     return JobResult(job_id="raysubmit_1", address="http://127.0.0.1:8265", entrypoint="splitvit train x.yaml",
                      status="FAILED", message="exit 1", log_tail="line 1\nline 2")
@@ -161,7 +161,7 @@ def _fake_training(monkeypatch, effect):
     import splitvit.train.ray_trainer as ray_trainer
 
     try:
-        import splitvit.preflight as preflight
+        import splitvit.cluster.preflight as preflight
 
         monkeypatch.setattr(preflight, "preflight", lambda *a, **k: _Passed())
     except ImportError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitvit.demo import Recipe, compare_at_budget, held_out_batches, train_recipe
+from splitvit.train.demo import Recipe, compare_at_budget, held_out_batches, train_recipe
 
 TARGET_RATIO = 0.3
 

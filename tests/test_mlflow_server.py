@@ -25,7 +25,7 @@ import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from splitvit import stack  # noqa: E402
+from splitvit.cluster import stack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "infra" / "mlflow" / "serve.sh"

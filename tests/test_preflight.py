@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from splitvit import preflight as pf
+from splitvit.cluster import preflight as pf
 from splitvit.cli import main
 from splitvit.config import ExperimentConfig, load_config
 from splitvit.data import fashion_mnist as fm
-from splitvit.preflight import PreflightError
-from splitvit.stack import free_port
+from splitvit.cluster.preflight import PreflightError
+from splitvit.cluster.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"

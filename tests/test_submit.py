@@ -22,9 +22,9 @@ import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from splitvit import stack  # noqa: E402
+from splitvit.cluster import stack  # noqa: E402
 from splitvit.cli import main  # noqa: E402
-from splitvit.submit import (  # noqa: E402
+from splitvit.cluster.submit import (  # noqa: E402
     EXCLUDES,
     ClusterUnreachable,
     build_entrypoint,
@@ -224,7 +224,7 @@ def on_stack(local_stack, monkeypatch):
 
 
 def test_stack_comes_up_healthy_on_loopback_only(local_stack):
-    from splitvit.stack import _psutil
+    from splitvit.cluster.stack import _psutil
 
     assert local_stack.healthy, [c.detail for c in local_stack.components]
     assert {c.name for c in local_stack.components} == {"ray-dashboard", "ray-job-server", "ray-job-agent", "mlflow"}
@@ -309,7 +309,7 @@ def test_failing_job_reports_its_id_and_log_tail(on_stack, tmp_path, capsys):
 def test_runtime_env_puts_the_submitted_package_first_on_driver_and_workers(on_stack):
     """The driver and a Ray worker of a job import `splitvit` from the uploaded
     py_modules copy, not from an installation on the node."""
-    from splitvit.submit import connect, follow
+    from splitvit.cluster.submit import connect, follow
 
     target = resolve_target(None)
     client = connect(target)
@@ -370,7 +370,7 @@ class FakeJobs:
 def test_a_package_ray_lost_is_submitted_again_once(monkeypatch, no_cluster_env):
     """Ray's SDK does not pin a package it did not upload; when Ray deletes it before the
     job starts, the job is submitted again (which uploads it); other failures are not."""
-    import splitvit.submit as submit
+    import splitvit.cluster.submit as submit
 
     gone = ("runtime_env setup failed: Failed to set up runtime environment.\n"
             "Failed to download runtime_env file package gcs://_ray_pkg_abc.zip from the GCS to the Ray worker node.")

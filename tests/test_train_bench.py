@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from splitvit.bench_train import (
+from splitvit.bench.training import (
     RAY_OVERHEAD_TARGET,
     STEP_NAMES,
     benchmark_config,

@@ -50,7 +50,7 @@ def _add_demo(sub) -> None:
 
 
 def _run_demo(args) -> int:
-    from .demo import run_demo
+    from .train.demo import run_demo
 
     result = run_demo(out_dir=args.out, epochs=args.epochs, samples=args.samples, target_ratio=args.target_ratio)
     _print_table(result["rows"], ["method", "accuracy", "tokens_per_image", "token_ratio", "fine_on_object"])
@@ -88,9 +88,9 @@ def _run_viz(args) -> int:
     import torch
 
     from .data import build_dataset
-    from .demo import build_demo_model
+    from .train.demo import build_demo_model
     from .train.checkpoints import load_payload, model_from_payload
-    from .viz import split_map_grid
+    from .tracking.split_maps import split_map_grid
 
     if args.checkpoint:
         overrides = {"policy": args.policy} if args.policy else {}
@@ -192,7 +192,7 @@ def _run_bench(args) -> int:
         raise ValueError(f"{', '.join(given)}: options of 'splitvit bench {other}' only")
     if args.kind == "train":
         return _run_bench_train(args)
-    from .bench import BENCH_POLICIES, DEFAULT_MODEL, DEFAULT_POLICY_WIDTH, format_report, run_forward_benchmark
+    from .bench.forward import BENCH_POLICIES, DEFAULT_MODEL, DEFAULT_POLICY_WIDTH, format_report, run_forward_benchmark
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else BENCH_POLICIES
     result = run_forward_benchmark(
@@ -214,7 +214,7 @@ def _bench_bf16(args) -> bool:
 
 
 def _run_bench_train(args) -> int:
-    from .bench_train import benchmark_config, format_train_report, run_train_benchmark
+    from .bench.training import benchmark_config, format_train_report, run_train_benchmark
 
     config = benchmark_config(
         model_name=args.model or "vit_tiny_patch16_224", timm_kwargs=_shrunk(args), image_size=args.image_size or 96,
@@ -322,7 +322,7 @@ def _run_train(args) -> int:
 
     config = load_config(args.config, args.overrides)  # a ConfigError stops here, before Ray
     print(f"run {config.storage.name}: storage {config.storage.run_uri()}")
-    from .preflight import preflight
+    from .cluster.preflight import preflight
 
     # what only fails once Ray runs (capacity, Ray, MLflow, storage, data): seconds, a PreflightError
     print(preflight(config, ray_address=args.address).data_line)  # which data, from which folder
@@ -362,7 +362,7 @@ def _add_eval(sub) -> None:
 
 
 def _run_eval(args) -> int:
-    from .preflight import preflight_eval
+    from .cluster.preflight import preflight_eval
     from .train.evaluation import evaluate_checkpoint
 
     preflight_eval(args.checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
@@ -559,7 +559,7 @@ def _run_pareto(args) -> int:
 
 # ---------------------------------------------------------------------- submit / stack
 def _add_submit(sub) -> None:
-    from .submit import ENTRYPOINTS
+    from .cluster.submit import ENTRYPOINTS
 
     p = sub.add_parser(
         "submit", help="run train/sweep/eval as a Ray job (JobSubmissionClient): upload this checkout, follow the log, "
@@ -587,7 +587,7 @@ def _add_submit(sub) -> None:
 
 
 def _run_submit(args) -> int:
-    from .submit import JobFailed, SubmitError, parse_env, run_job, split_submit_options
+    from .cluster.submit import JobFailed, SubmitError, parse_env, run_job, split_submit_options
 
     trailing, job_args = split_submit_options(args.job_args)
     for key, value in trailing.items():  # submit's options after the job's arguments
@@ -683,7 +683,7 @@ def _print_stack(status) -> None:
 
 
 def _run_stack_up(args) -> int:
-    from .stack import StackError, StackSettings, up
+    from .cluster.stack import StackError, StackSettings, up
 
     settings = StackSettings(
         state_dir=Path(args.state_dir) if args.state_dir else None, host=args.host, dashboard_port=args.dashboard_port,
@@ -705,7 +705,7 @@ def _run_stack_up(args) -> int:
 
 
 def _run_stack_down(args) -> int:
-    from .stack import StackError, down
+    from .cluster.stack import StackError, down
 
     try:
         report = down(args.state_dir, grace_s=args.grace)
@@ -723,7 +723,7 @@ def _run_stack_down(args) -> int:
 
 
 def _run_stack_status(args) -> int:
-    from .stack import status as stack_status
+    from .cluster.stack import status as stack_status
 
     status = stack_status(args.state_dir)
     if status.state is None:

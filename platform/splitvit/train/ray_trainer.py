@@ -634,7 +634,7 @@ def _first_error(own: BaseException | None, world: int) -> BaseException:
 @torch.no_grad()
 def _split_map(model, dataset, count: int, device: torch.device):
     """The policy's quadtree over the first ``count`` images of ``dataset``."""
-    from ..viz import split_map_grid
+    from ..tracking.split_maps import split_map_grid
 
     count = min(count, len(dataset))
     images = torch.stack([dataset[i][0] for i in range(count)])

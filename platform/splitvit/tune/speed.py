@@ -3,7 +3,7 @@ against the full-resolution model, side by side, in one run on one device.
 
 :func:`time_operating_points` is the one timing routine of sweeps (every frontier
 point) and studies (every method's point at each evaluation ratio). It reuses
-:mod:`splitvit.bench`'s timer (:func:`~splitvit.bench.time_beside_others`:
+:mod:`splitvit.bench.forward`'s timer (:func:`~splitvit.bench.forward.time_beside_others`:
 interleaved rounds, forward order then reverse, ``synchronize`` around each call on
 CUDA, medians), so a figure here means what it means in ``splitvit bench``:
 
@@ -84,10 +84,10 @@ def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str 
     """
     import torch
 
-    from ..bench import OTHER_LOAD_WARNING, machine_info, quartiles, synchronizer, time_beside_others, timing_summary
+    from ..bench.forward import OTHER_LOAD_WARNING, machine_info, quartiles, synchronizer, time_beside_others, timing_summary
     from ..model import SplitViT
     from ..train.checkpoints import load_payload
-    from .evaluation import CheckpointEvaluator
+    from .checkpoint_evaluator import CheckpointEvaluator
 
     if not points:
         raise ValueError("no operating points to time")

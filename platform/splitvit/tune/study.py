@@ -347,7 +347,7 @@ def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split:
     first ``calibration_samples`` validation images (never on the evaluated ones)."""
     import torch
 
-    from .evaluation import CheckpointEvaluator
+    from .checkpoint_evaluator import CheckpointEvaluator
 
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
     if not ratios:
@@ -454,8 +454,8 @@ def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_rati
     trained full-resolution checkpoint, timed interleaved on the same batch."""
     import torch
 
-    from ..bench import time_interleaved
-    from .evaluation import CheckpointEvaluator
+    from ..bench.forward import time_interleaved
+    from .checkpoint_evaluator import CheckpointEvaluator
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
     full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
@@ -656,13 +656,13 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
 
     from ..tracking import RunTracker
     from ..train.ray_trainer import init_ray
-    from .records import KIND_TAG, METRIC_TAG, flat_params
+    from .mlflow_records import KIND_TAG, METRIC_TAG, flat_params
     from .trial import run_evaluation
 
     started = time.time()
     spec = load_study(study_path, scale=scale, overrides=overrides)  # bad input stops here
     base = spec.run_config(spec.seeds[0], None, "base")
-    from ..preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
+    from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
     preflight(base, ray_address=ray_address, tracking_uri=base.tracking_uri(), trial_resources=spec.trial_resources,
               trial_key="run.trial_resources")
     root = base.storage.resolved_path()
@@ -732,7 +732,7 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
     import mlflow
 
     from ..tracking import RunTracker
-    from .records import KIND_TAG, METRIC_TAG, PARENT_TAG
+    from .mlflow_records import KIND_TAG, METRIC_TAG, PARENT_TAG
 
     from mlflow.entities import Metric
 
@@ -779,7 +779,7 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
     if result.speed:
         metrics.update({"speed_ratio": result.speed["ratio"], "speed_ideal_ratio": result.speed["ideal_ratio"]})
     if result.point_speed:
-        from .records import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
+        from .mlflow_records import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
 
         ps = result.point_speed
         metrics["speed_full_images_per_s"] = ps["full"][0]["images_per_s"]

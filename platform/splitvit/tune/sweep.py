@@ -63,7 +63,7 @@ from typing import Any
 from ..config import ExperimentConfig, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
 from .pareto import Point, annotate, best_point, frontier
-from .records import REFERENCE_TAG, SPEED_DEVICE_TAG, SPEED_TIMING_TAG, SweepRecorder, flat_params
+from .mlflow_records import REFERENCE_TAG, SPEED_DEVICE_TAG, SPEED_TIMING_TAG, SweepRecorder, flat_params
 from .space import SearchSpace, load_space
 from .trial import (FINAL_KEY, SweepPlan, TrialDiverged, run_evaluation, sweep_trial, threshold_points,
                     trained_thresholds)
@@ -415,7 +415,7 @@ def run_sweep(
     started = time.time()
     space = load_space(space_path, overrides)  # a bad space stops here, before Ray
     base, tracking_uri, experiment = _build_tracking(space)
-    from ..preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
+    from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
     preflight(base, ray_address=ray_address, tracking_uri=tracking_uri, trial_resources=space.search.trial_resources)
     name, sweep_dir = _sweep_location(space, base, name, resume)
     checked = _check_plan(space, sweep_dir, overrides, resume)
@@ -626,7 +626,7 @@ def _finish(space: SearchSpace, plan: SweepPlan, recorder: SweepRecorder, trials
 
 def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[dict[str, Any]]:
     """Baselines on the best point's backbone (on a GPU where training had them)."""
-    from .evaluation import baselines as evaluate_baselines
+    from .checkpoint_evaluator import baselines as evaluate_baselines
 
     ratios = sorted({round(p.token_ratio, 4) for p in front if 0 < p.token_ratio < 0.999})
     k = space.baselines.random_budgets
@@ -745,7 +745,7 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point])
 
 
 def _split_map(space: SearchSpace, recorder: SweepRecorder, best: Point, local_dir: Path) -> str | None:
-    from .evaluation import CheckpointEvaluator
+    from .checkpoint_evaluator import CheckpointEvaluator
 
     count = space.mlflow.split_map_images
     if count <= 0 or not best.checkpoint:
@@ -828,7 +828,7 @@ def frontier_from_mlflow(experiment: str, tracking_uri: str | None = None, sweep
     point's ``extras`` hold ``speedup_vs_full``; ``speed`` lists, per sweep that timed
     its frontier, the device and timing settings: empty for older sweeps).
     """
-    from .records import points_from_mlflow
+    from .mlflow_records import points_from_mlflow
 
     uri = tracking_uri or ExperimentConfig().tracking_uri()
     data = points_from_mlflow(uri, experiment, sweep_run_id)

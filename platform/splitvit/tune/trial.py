@@ -199,7 +199,7 @@ def threshold_points(final: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
-    from .evaluation import stage_two
+    from .checkpoint_evaluator import stage_two
 
     return stage_two(checkpoint, **kwargs)
 

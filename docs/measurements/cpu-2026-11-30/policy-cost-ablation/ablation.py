@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from splitvit.demo import Recipe, compare_at_budget, held_out_batches, train_recipe
+from splitvit.train.demo import Recipe, compare_at_budget, held_out_batches, train_recipe
 
 TARGET_RATIO = 0.3
 

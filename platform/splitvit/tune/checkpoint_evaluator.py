@@ -113,7 +113,7 @@ class CheckpointEvaluator:
     @torch.no_grad()
     def split_map(self, thresholds: list[float] | None, count: int = 8):
         """A PIL grid of the quadtree the model chooses on the first ``count`` images."""
-        from ..viz import split_map_grid
+        from ..tracking.split_maps import split_map_grid
 
         images = self.first_images(count)
         out = self.model(images, thresholds=thresholds)

@@ -438,7 +438,7 @@ def _ray_command() -> list[str]:
 
 
 def _redact(uri: str) -> str:
-    from .config import redact_uri
+    from ..config import redact_uri
 
     return redact_uri(uri)
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from .model.quadtree import QuadtreeGeometry, leaf_masks
+from ..model.quadtree import QuadtreeGeometry, leaf_masks
 
 # one outline colour per level, coarse to fine
 LEVEL_COLOURS = [(255, 255, 255), (255, 200, 0), (255, 40, 40), (0, 200, 255), (120, 255, 120)]

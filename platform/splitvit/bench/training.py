@@ -2,12 +2,12 @@
 
 One experiment config (:class:`~splitvit.config.ExperimentConfig`: model, synthetic
 data, batch size, seed) drives both parts, measured in one run on one machine. The
-timing helpers are the forward benchmark's (:mod:`splitvit.bench`).
+timing helpers are the forward benchmark's (:mod:`splitvit.bench.forward`).
 
 **A. Training-step throughput.** The config's SplitViT (learned policy) and a
 full-resolution twin sharing its backbone (``full`` policy) train on the same batch
 (the training set's first), in interleaved rounds
-(:func:`splitvit.bench.time_interleaved`). Each timed call is one whole optimisation
+(:func:`splitvit.bench.forward.time_interleaved`). Each timed call is one whole optimisation
 step, as ``fit_local`` and the Ray loop run it: ``training_step`` (train/steps.py),
 ``zero_grad``, ``backward``, gradient clipping and ``AdamW.step``:
 
@@ -81,7 +81,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .bench import (
+from .forward import (
     OTHER_LOAD_WARNING,
     cpu_busy_seconds,
     format_bound,
@@ -95,9 +95,9 @@ from .bench import (
     time_beside_others,
     timing_summary,
 )
-from .config import AUTO_THRESHOLDS, ExperimentConfig
-from .model import SplitViT
-from .model.quadtree import expected_tokens
+from ..config import AUTO_THRESHOLDS, ExperimentConfig
+from ..model import SplitViT
+from ..model.quadtree import expected_tokens
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def benchmark_config(
 
 def _first_batch(config: ExperimentConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The training set's first batch (images, labels): Part A's batch."""
-    from .data import build_dataset
+    from ..data import build_dataset
 
     mc, dc = config.model, config.data
     data = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
@@ -233,7 +233,7 @@ def run_step_benchmark(
         autocast_bf16: run the steps under bf16 autocast (the Ray loop does on CUDA).
         include: which of :data:`STEP_NAMES` to time (``full`` always is).
     """
-    from .train.steps import SplitLossConfig, training_step
+    from ..train.steps import SplitLossConfig, training_step
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -370,7 +370,7 @@ class WorkerProbe:
     def __call__(self, epoch: int, rank: int, model: nn.Module) -> None:
         if rank != 0:
             return
-        from .storage.uri import write_bytes
+        from ..storage.uri import write_bytes
 
         if self.info is None:
             found = torch.get_num_threads()
@@ -439,8 +439,8 @@ def _busy_since(start: tuple[float | None, float, float]) -> dict[str, float | N
 def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> dict[str, Any]:
     """The config trained by ``fit_local``, with validation (and threshold calibration)
     and a model save after every epoch, as the Ray loop does."""
-    from .data import build_dataset
-    from .train.local import fit_local, validate
+    from ..data import build_dataset
+    from ..train.local import fit_local, validate
 
     mc, dc, tc = config.model, config.data, config.train
     start, wall = _busy(), time.perf_counter()
@@ -486,9 +486,9 @@ def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) ->
     the checkpoints' ``metrics.json``."""
     import ray
 
-    from .storage.uri import join_uri, read_bytes
-    from .train.checkpoints import METRICS_FILE, checkpoint_dir_name
-    from .train.ray_trainer import init_ray, run_training
+    from ..storage.uri import join_uri, read_bytes
+    from ..train.checkpoints import METRICS_FILE, checkpoint_dir_name
+    from ..train.ray_trainer import init_ray, run_training
 
     started_here = not ray.is_initialized()
     t0 = time.perf_counter()
@@ -509,7 +509,7 @@ def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) ->
             ray.shutdown()  # the next plain run must not share the machine with an idle Ray
     if result.status != "completed":
         raise RuntimeError(f"the Ray run stopped: {result.status}: {result.message}")
-    from .data import build_dataset
+    from ..data import build_dataset
 
     dc, mc = config.data, config.model
     per_batch = (len(build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options))

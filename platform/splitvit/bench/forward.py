@@ -80,9 +80,9 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import VisionTransformer
 
-from .data.synthetic import SyntheticObjects
-from .model import SplitViT
-from .train.steps import calibrate_thresholds
+from ..data.synthetic import SyntheticObjects
+from ..model import SplitViT
+from ..train.steps import calibrate_thresholds
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +346,7 @@ def _cpu_memory(models: dict[str, tuple[nn.Module, str]], images: torch.Tensor, 
             results[name] = json.loads((Path(tmp) / f"{name}.json").read_text())
             log.info("bench: memory of %s: %.1f MiB", name, results[name]["growth"] / 2**20)
 
-        code = "import sys; from splitvit.bench import _memory_probe; _memory_probe(sys.argv[1])"
+        code = "import sys; from splitvit.bench.forward import _memory_probe; _memory_probe(sys.argv[1])"
         for name, path in jobs:
             while len(running) >= max(parallel, 1):
                 finish(*running.pop(0))

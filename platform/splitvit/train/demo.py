@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .data.synthetic import SyntheticObjects
-from .model import SplitViT
-from .train.local import fit_local
-from .train.steps import SplitLossConfig, calibrate_thresholds, evaluate
+from ..data.synthetic import SyntheticObjects
+from ..model import SplitViT
+from .local import fit_local
+from .steps import SplitLossConfig, calibrate_thresholds, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def run_demo(out_dir: str | Path = "runs/demo", epochs: int | None = None, sampl
               "random": "random, same backbone", "coarse": "all-coarse, same backbone", "full": "full resolution, same backbone"}
     rows += [{"method": labels[name], **metrics} for name, metrics in comparison.items()]
 
-    from .viz import split_map_grid
+    from ..tracking.split_maps import split_map_grid
 
     images = batches[0][0][:8]
     split_model.eval()

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
-from .config import ExperimentConfig, redact_uri
+from ..config import ExperimentConfig, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -382,8 +382,8 @@ def check_storage(path: str, key: str = "storage.path", *, write: bool = True, t
     can be reached (and, with ``write``, written): for S3 the endpoint answers, the
     bucket exists and the credentials are accepted; a test object is written and
     deleted. A local folder must exist or be creatable, and be writable."""
-    from .storage import StorageError, check_bucket, is_s3, s3_client, split_s3_uri
-    from .storage.s3 import s3_error_reason
+    from ..storage import StorageError, check_bucket, is_s3, s3_client, split_s3_uri
+    from ..storage.s3 import s3_error_reason
 
     if not is_s3(path):
         local = Path(path[len("file://"):] if path.startswith("file://") else path).expanduser()
@@ -421,7 +421,7 @@ def dataset_source(name: str, options: Mapping[str, Any]) -> str | None:
     """Where dataset ``name``'s files come from (the folder or URI), for the log;
     None for a dataset made without files."""
     if name.startswith("cluttered-fashion-mnist"):
-        from .data import find_fashion_mnist
+        from ..data import find_fashion_mnist
 
         return str(find_fashion_mnist(options.get("root"), download=False))  # the dataset was built: no download
     for key in ("uri", "root"):
@@ -452,7 +452,7 @@ def dataset_labels(dataset) -> tuple[int | None, str]:
     if files and getattr(dataset, "columns", None) and "label" in dataset.columns:
         import pyarrow.parquet as pq
 
-        from .storage import filesystem_for
+        from ..storage import filesystem_for
 
         top = -1
         for uri in files[:8]:  # the label column only: a few bytes per row
@@ -482,8 +482,8 @@ def check_data(config: ExperimentConfig, splits: Sequence[str] | None = None) ->
     """Raise :class:`PreflightError` unless the config's dataset opens in this
     process with items in every split the run reads, and labels that fit
     ``model.num_classes``. Returns ``(summary line, data source)``."""
-    from .data import build_dataset
-    from .storage import is_s3
+    from ..data import build_dataset
+    from ..storage import is_s3
 
     d, m = config.data, config.model
     options = dict(d.options)
@@ -565,7 +565,7 @@ def preflight(
     report.add(report.data_line)
     if check_ray and (address or joined):
         if not joined:
-            from .train.ray_trainer import init_ray
+            from ..train.ray_trainer import init_ray
 
             init_ray(ray_address)
         nodes, declared = ray_nodes()
@@ -580,7 +580,7 @@ def preflight(
 def preflight_eval(checkpoint: str, device: str = "cpu") -> PreflightReport:
     """The preflight of ``splitvit eval``: the device exists, an ``s3://`` checkpoint's
     endpoint, bucket and credentials answer (a read-only check)."""
-    from .storage import is_s3
+    from ..storage import is_s3
 
     report = PreflightReport()
     start = time.monotonic()

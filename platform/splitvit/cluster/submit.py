@@ -115,7 +115,7 @@ class JobResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (environment values that look secret are masked)."""
-        from .config import redact_secrets, redact_uri
+        from ..config import redact_secrets, redact_uri
 
         out = asdict(self)
         out["runtime_env"] = redact_secrets(self.runtime_env)
@@ -508,7 +508,7 @@ def _warn_if_loopback(tracking_uri: str, address: str) -> None:
     """A loopback MLflow URI only works for jobs that run on this machine."""
     from urllib.parse import urlparse
 
-    from .config import redact_uri
+    from ..config import redact_uri
 
     mlflow_host = urlparse(tracking_uri).hostname or ""
     ray_host = urlparse(address if "://" in address else f"http://{address}").hostname or ""

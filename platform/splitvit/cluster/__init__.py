@@ -1,0 +1,2 @@
+"""Where work meets a cluster: the local stack (:mod:`.stack`), job submission
+(:mod:`.submit`), and the checks made before any Ray work starts (:mod:`.preflight`)."""
