@@ -57,6 +57,7 @@ def train_run(config, device: str) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from splitvit.config import AUTO_THRESHOLDS
+    from splitvit.train.experiment import build_model
     from splitvit.data import build_dataset
     from splitvit.train.checkpoints import init_weights
     from splitvit.train.local import fit_local, validate
@@ -69,7 +70,7 @@ def train_run(config, device: str) -> dict[str, Any]:
         return {"checkpoint": str(checkpoint), **json.loads(history_file.read_text())}
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(dc.seed * 1000)
-    model = mc.build()
+    model = build_model(mc)
     if mc.init_from:
         init_weights(model, mc.init_from)
     model.to(device)

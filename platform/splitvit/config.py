@@ -51,6 +51,13 @@ class ConfigError(ValueError):
 #: ``model.thresholds`` value that calibrates thresholds to ``train.target_ratio``.
 AUTO_THRESHOLDS = "auto"
 
+
+def quality_metric(task: str) -> str:
+    """The quality a task is judged by: ``miou`` for ``dense``, ``accuracy`` otherwise.
+    The one place the metric's name is derived."""
+    return "miou" if task == "dense" else "accuracy"
+
+
 @dataclass
 class ModelConfig:
     """The SplitViT to train (see :meth:`splitvit.model.SplitViT.from_timm`).
@@ -98,25 +105,10 @@ class ModelConfig:
     length_buckets: int = 1
     init_from: str | None = None
 
-    def build(self, pretrained: bool | None = None):
-        """Build the :class:`~splitvit.model.SplitViT` this section describes."""
-        from .model import SplitViT
-
-        return SplitViT.from_timm(
-            self.name,
-            levels=self.levels,
-            policy=self.policy,
-            pretrained=self.pretrained if pretrained is None else pretrained,
-            checkpoint_path=self.checkpoint_path,
-            image_size=self.image_size,
-            num_classes=self.num_classes,
-            timm_kwargs=dict(self.timm_kwargs),
-            thresholds=0.5 if self.thresholds == AUTO_THRESHOLDS else self.thresholds,
-            policy_depth=self.policy_depth,
-            policy_width=self.policy_width,
-            task=self.task,
-            length_buckets=self.length_buckets,
-        )
+    @property
+    def metric(self) -> str:
+        """The metric this model's task is judged by (:func:`quality_metric`)."""
+        return quality_metric(self.task)
 
 
 @dataclass
@@ -537,6 +529,7 @@ def _validate_model(m: ModelConfig) -> None:
 
     from .model import POLICY_NAMES, QuadtreeGeometry, validate_thresholds
     from .model.splitvit import TASKS
+    from .train.experiment import build_model
 
     _require(timm.is_model(m.name), "model.name", f"unknown timm model {m.name!r}")
     _require(m.policy in POLICY_NAMES, "model.policy", f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
@@ -585,7 +578,7 @@ def _validate_model(m: ModelConfig) -> None:
     try:
         # whatever else SplitViT checks; weights are loaded on the workers, not here
         with torch.device("meta"):
-            dataclasses.replace(m, checkpoint_path=None).build(pretrained=False)
+            build_model(dataclasses.replace(m, checkpoint_path=None), pretrained=False)
     except (TypeError, ValueError) as exc:
         raise ConfigError("model", str(exc)) from None
 

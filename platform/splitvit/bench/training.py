@@ -98,6 +98,7 @@ from .forward import (
 from ..config import AUTO_THRESHOLDS, ExperimentConfig
 from ..model import SplitViT
 from ..model.quadtree import expected_tokens
+from ..train.experiment import build_model
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ def run_step_benchmark(
     load_start = list(os.getloadavg())
 
     torch.manual_seed(config.data.seed)
-    model = mc.build().to(dev).train()
+    model = build_model(mc).to(dev).train()
     if not model.policy.learned:
         raise ValueError(f"part A needs model.policy learned, got {mc.policy!r}")
     full = SplitViT(model.vit, levels=mc.levels, policy="full", image_size=mc.image_size, task=mc.task,
@@ -445,7 +446,7 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
     mc, dc, tc = config.model, config.data, config.train
     start, wall = _busy(), time.perf_counter()
     torch.manual_seed(dc.seed * 1000)  # the Ray worker's seed for rank 0
-    model = mc.build().to(device)
+    model = build_model(mc).to(device)
     train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
     val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
     val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False)
@@ -736,7 +737,7 @@ def _vit_info(config: ExperimentConfig) -> dict[str, Any]:
     """The workload's shape, from the config's ViT built on the meta device."""
     mc, dc = config.model, config.data
     with torch.device("meta"):
-        model = dataclasses.replace(mc, checkpoint_path=None).build(pretrained=False)
+        model = build_model(dataclasses.replace(mc, checkpoint_path=None), pretrained=False)
     vit = model.vit
     return {
         "name": mc.name, "timm_kwargs": dict(mc.timm_kwargs), "embed_dim": int(vit.embed_dim), "depth": len(vit.blocks),

@@ -44,7 +44,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, redact_uri
+from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, quality_metric, redact_uri
+from .experiment import build_model
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -420,7 +421,7 @@ def _agreed_keys(totals: dict[str, float], world: int) -> list[str]:
 def _combine_eval(result: dict[str, float], task: str, device: torch.device) -> dict[str, float]:
     """Per-worker ``evaluate`` figures -> figures over the whole validation set."""
     n = float(result["images"])
-    quality = "miou" if task == "dense" else "accuracy"
+    quality = quality_metric(task)
     elapsed = n / result["images_per_s"] if result["images_per_s"] > 0 else 0.0
     sums = _all_reduce([result[quality] * n, result["tokens_per_image"] * n, result["token_ratio"] * n, n], device=device)
     (longest,) = _all_reduce([elapsed], op="max", device=device)
@@ -462,7 +463,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed + 1)  # warm-up random splits, per worker
 
-    model = mc.build()
+    model = build_model(mc)
     checkpoint = ray.train.get_checkpoint()
     state: dict[str, Any] | None = None
     if checkpoint is not None:
@@ -577,7 +578,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
                 figures = evaluate(model, val_loader, num_classes=mc.num_classes)
         else:  # more workers than validation images: this one adds nothing
-            figures = {"miou" if mc.task == "dense" else "accuracy": 0.0, "tokens_per_image": 0.0, "token_ratio": 0.0,
+            figures = {mc.metric: 0.0, "tokens_per_image": 0.0, "token_ratio": 0.0,
                        "images_per_s": 0.0, "images": 0}
         metrics.update(_combine_eval(figures, mc.task, device))
         metrics["epoch"] = epoch

@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from ..config import SECTIONS, ConfigError, ExperimentConfig, parent_section
+from ..config import SECTIONS, ConfigError, ExperimentConfig, parent_section, quality_metric
 
 DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
 SAMPLERS = ("tpe", "nsga2", "random")
@@ -305,8 +305,7 @@ class SearchSpace:
     @property
     def quality_metric(self) -> str:
         """``accuracy`` for classification, ``miou`` for the dense task."""
-        task = ((self.raw_config().get("model") or {}).get("task")) or "classification"
-        return "miou" if task == "dense" else "accuracy"
+        return quality_metric(((self.raw_config().get("model") or {}).get("task")) or "classification")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-safe) of everything that defines the sweep."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, ExperimentConfig
+from ..config import ConfigError, ExperimentConfig, quality_metric
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from .space import SearchSpaceError, _resolve_base, set_dotted
 
@@ -117,8 +117,7 @@ class StudySpec:
 
     @property
     def metric(self) -> str:
-        task = self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification"
-        return "miou" if task == "dense" else "accuracy"
+        return quality_metric(self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification")
 
     def policy(self, method: str) -> str:
         return str(self.methods[method]["model.policy"])
