@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from splitvit.config import ConfigError, ExperimentConfig, load_config, redact_uri
+from splitvit.train.experiment import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -28,7 +29,7 @@ def test_smoke_config_loads_with_overrides():
     flat = cfg.flat()
     assert flat["train.epochs"] == 5 and flat["model.timm_kwargs.embed_dim"] == 48
     # the model it describes builds and has the configured geometry
-    model = cfg.model.build()
+    model = build_model(cfg.model)
     assert model.geometry.image_size == (32, 32) and model.levels == 3 and model.policy.name == "learned"
 
 

@@ -21,6 +21,7 @@ from splitvit.cli import main  # noqa: E402
 from splitvit.config import ExperimentConfig  # noqa: E402
 from splitvit.model import SplitViT  # noqa: E402
 from splitvit.train.ray_trainer import run_training  # noqa: E402
+from splitvit.train.experiment import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +104,7 @@ def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
     from splitvit.train.steps import evaluate
 
     cfg = ExperimentConfig.from_dict(dict(json.loads(json.dumps(TINY)), model=dict(TINY["model"], task=task)))
-    model = cfg.model.build()
+    model = build_model(cfg.model)
     step = SplitStep(model, cfg.train.loss_config())
     images = torch.rand(4, 3, 16, 16)
     target = torch.randint(0, 4, (4, 16, 16) if task == "dense" else (4,))
@@ -139,7 +140,7 @@ def test_nan_split_probabilities_are_a_divergence_not_a_crash(teacher_weight):
     from splitvit.train.ray_trainer import SplitStep
 
     cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)), [f"train.teacher_weight={teacher_weight}"])
-    model = cfg.model.build()
+    model = build_model(cfg.model)
     PoisonAt(epoch=1, part="policy")(1, 0, model)
     step = SplitStep(model, cfg.train.loss_config()).train()
     images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
