@@ -740,3 +740,21 @@ def test_token_buckets_fix_the_encoders_shapes_and_keep_the_logits(monkeypatch):
     assert counter.frame_count <= 2 * 2  # two pieces per block, one graph per bucket (shared by the blocks)
     with pytest.raises(ValueError, match="token_buckets"):
         tiny_model("entropy", token_buckets=-1)
+
+
+def test_geometry_cache_is_per_model_and_lets_the_model_go():
+    """Other input sizes' geometries are cached on the model itself: a second size is
+    built once, and a dropped model is freed (a cache on the method kept it alive)."""
+    import gc
+    import weakref
+
+    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=2, image_size=64, num_classes=3,
+                               timm_kwargs={"embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8,
+                                            "dynamic_img_size": True})
+    other = model.geometry_for((32, 48))
+    assert other is model.geometry_for((32, 48)) and other.image_size == (32, 48)
+    assert model.geometry_for((64, 64)) is model.geometry
+    alive = weakref.ref(model)
+    del model, other
+    gc.collect()
+    assert alive() is None

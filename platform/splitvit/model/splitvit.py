@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,8 @@ from .quadtree import (
 
 TASKS = ("classification", "dense")
 ATTENTION_MODES = ("packed", "padded")
+#: Input sizes whose geometry a model keeps besides its own (a few sizes are typical).
+GEOMETRY_CACHE_SIZE = 8
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,8 @@ class SplitViT(nn.Module):
         self.levels = levels
         size = image_size if image_size is not None else tuple(vit.patch_embed.img_size)
         self.geometry = QuadtreeGeometry(size, ph, levels)  # validates sizes now, not at first batch
+        # other input sizes' geometries, per model: a cache on the class would keep models alive
+        self._geometries: dict[tuple[int, int], QuadtreeGeometry] = {}
         self.embed_dim = vit.embed_dim
         self.task = task
         self.policy_depth = policy_depth
@@ -327,11 +330,16 @@ class SplitViT(nn.Module):
                                 width=self.policy_width, depth=self.policy_depth)
         return build_policy(name, embed_dim=self.embed_dim, levels=self.levels)
 
-    @lru_cache(maxsize=8)
     def geometry_for(self, size: tuple[int, int]) -> QuadtreeGeometry:
+        """The quadtree geometry of ``(H, W)`` inputs (built once per size and model)."""
         if size == self.geometry.image_size:
             return self.geometry
-        return QuadtreeGeometry(size, self.patch_size, self.levels)
+        geometry = self._geometries.get(size)
+        if geometry is None:
+            if len(self._geometries) >= GEOMETRY_CACHE_SIZE:
+                self._geometries.clear()
+            geometry = self._geometries[size] = QuadtreeGeometry(size, self.patch_size, self.levels)
+        return geometry
 
     # ------------------------------------------------------------------ embedding
     def _prefix_tokens(self, batch: int) -> torch.Tensor | None:

@@ -33,7 +33,8 @@ MAX_TAG_LENGTH = 5000
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch
 
 
-def _client(tracking_uri: str):
+def mlflow_client(tracking_uri: str):
+    """An ``MlflowClient`` of ``tracking_uri`` (mlflow imported only when one is needed)."""
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
@@ -54,7 +55,7 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     from mlflow.exceptions import MlflowException
 
     artifact_root = prepare_store(tracking_uri)
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         if experiment.lifecycle_stage == "deleted":
@@ -117,7 +118,7 @@ class RunTracker:
         """
         from mlflow.entities import Param, RunTag
 
-        client = _client(tracking_uri)
+        client = mlflow_client(tracking_uri)
         experiment_id = ensure_experiment(tracking_uri, experiment)
         safe_uri = redact_uri(run_uri)
         quoted = safe_uri.replace("\\", "\\\\").replace("'", "\\'")
@@ -147,7 +148,7 @@ class RunTracker:
         return tracker, False
 
     def _log_params(self, params: list) -> None:
-        client = _client(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         for start in range(0, len(params), PARAMS_PER_BATCH):
             client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_BATCH])
 
@@ -189,7 +190,7 @@ class RunTracker:
 
     def _end(self, status: str, tags: dict[str, str] | None = None) -> None:
         mlflow_status = {"completed": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
-        client = _client(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         self.set_tags({STATUS_TAG: status, **(tags or {})})
         client.set_terminated(self.run_id, status=mlflow_status)
 
@@ -199,11 +200,11 @@ class RunTracker:
         from mlflow.entities import RunTag
 
         safe = [RunTag(k, v) for k, v in safe_tags(tags).items()]
-        _client(self.tracking_uri).log_batch(self.run_id, tags=safe)
+        mlflow_client(self.tracking_uri).log_batch(self.run_id, tags=safe)
 
     def logged_epochs(self) -> set[int]:
         """Epochs whose metrics are already in the run."""
-        history = _client(self.tracking_uri).get_metric_history(self.run_id, EPOCH_MARKER)
+        history = mlflow_client(self.tracking_uri).get_metric_history(self.run_id, EPOCH_MARKER)
         return {m.step for m in history}
 
     def log_epoch(self, epoch: int, metrics: dict[str, float]) -> bool:
@@ -218,7 +219,7 @@ class RunTracker:
         # the marker goes last: a batch is one transaction, but keep the order meaningful anyway
         batch = [Metric(k, v, now, epoch) for k, v in values.items() if k != EPOCH_MARKER]
         batch.append(Metric(EPOCH_MARKER, float(epoch), now, epoch))
-        _client(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+        mlflow_client(self.tracking_uri).log_batch(self.run_id, metrics=batch)
         return True
 
     def log_final(self, metrics: dict[str, float], prefix: str = "final_") -> None:
@@ -228,24 +229,24 @@ class RunTracker:
         now = int(time.time() * 1000)
         batch = [Metric(f"{prefix}{k}", float(v), now, 0) for k, v in metrics.items() if _is_number(v)]
         if batch:
-            _client(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+            mlflow_client(self.tracking_uri).log_batch(self.run_id, metrics=batch)
 
     def has_final(self, prefix: str = "final_") -> bool:
         """True when :meth:`log_final` has logged figures to this run."""
-        metrics = _client(self.tracking_uri).get_run(self.run_id).data.metrics
+        metrics = mlflow_client(self.tracking_uri).get_run(self.run_id).data.metrics
         return any(k.startswith(prefix) for k in metrics)
 
     def log_image(self, image, artifact_file: str) -> None:
         """Log a PIL image as a PNG artifact (e.g. ``split_maps/epoch_0003.png``)."""
-        _client(self.tracking_uri).log_image(self.run_id, image, artifact_file=artifact_file)
+        mlflow_client(self.tracking_uri).log_image(self.run_id, image, artifact_file=artifact_file)
 
     def log_dict(self, data: dict[str, Any], artifact_file: str) -> None:
         """Log a JSON artifact."""
-        _client(self.tracking_uri).log_dict(self.run_id, data, artifact_file)
+        mlflow_client(self.tracking_uri).log_dict(self.run_id, data, artifact_file)
 
     def logged_model_id(self) -> str | None:
         """The id of the model logged by :meth:`log_model`, if any."""
-        return _client(self.tracking_uri).get_run(self.run_id).data.tags.get(MODEL_ID_TAG)
+        return mlflow_client(self.tracking_uri).get_run(self.run_id).data.tags.get(MODEL_ID_TAG)
 
     def log_model(self, model, name: str = "model", params: dict[str, Any] | None = None) -> str:
         """Log ``model`` (a ``torch.nn.Module``) as an MLflow 3 logged model linked to
@@ -264,7 +265,7 @@ class RunTracker:
         existing = self.logged_model_id()
         if existing:
             return f"models:/{existing}"
-        client = _client(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         # The logged model is created here, in this run's experiment: log_model alone
         # would file it under the process's active experiment.
         logged = client.create_logged_model(self.experiment_id, name=name, source_run_id=self.run_id,
@@ -295,7 +296,7 @@ def close_stale_runs(parent: RunTracker, reason: str = "its driver stopped befor
     (a run resumed later is re-opened by :meth:`RunTracker.open`). :meth:`RunTracker.close`
     calls it too when a run ends otherwise than completed.
     """
-    client = _client(parent.tracking_uri)
+    client = mlflow_client(parent.tracking_uri)
     running = client.search_runs([parent.experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=50_000)
     parents = {r.info.run_id: r.data.tags.get("mlflow.parentRunId") for r in running}
 

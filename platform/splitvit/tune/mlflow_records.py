@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config import flatten
 from ..tracking import RunTracker
-from ..tracking.runs import RUN_URI_TAG, STATUS_TAG
+from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, mlflow_client
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,6 @@ _TUNE_KEYS = {
     "iterations_since_restore", "timesteps_since_restore", "timesteps_total", "episodes_total", "pid",
     "done", "warmup_time", "should_checkpoint", "epoch",
 }
-
-
-def _client(tracking_uri: str):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
 
 
 def _numbers(data: dict[str, Any]) -> dict[str, float]:
@@ -114,7 +108,7 @@ class SweepRecorder:
         """The run keyed by ``run_uri`` (see the module docstring), or None."""
         from ..config import redact_uri
 
-        found = _client(self.tracking_uri).search_runs(
+        found = mlflow_client(self.tracking_uri).search_runs(
             [self.experiment_id], filter_string=f"tags.`{RUN_URI_TAG}` = '{_quote(redact_uri(run_uri))}'", max_results=1)
         return found[0] if found else None
 
@@ -143,13 +137,13 @@ class SweepRecorder:
                 old = orphan.data.tags.get(TRIAL_TAG, "")
                 RunTracker(self.tracking_uri, self.experiment_id, orphan.info.run_id).set_tags(
                     {RUN_URI_TAG: run_uri, TRIAL_TAG: trial_id, "splitvit.adopted_from": old})
-                _client(self.tracking_uri).update_run(orphan.info.run_id, name=f"trial-{trial_id}")
+                mlflow_client(self.tracking_uri).update_run(orphan.info.run_id, name=f"trial-{trial_id}")
                 log.info("trial %s takes over the run of trial %s, lost when the driver stopped", trial_id, old)
         return self._trial_tracker(trial_id, run_uri, sampled, config_params).run_id
 
     def _orphans(self, live: set[str]) -> list:
         """Trial runs of this sweep, never finished, whose trials the Tuner does not know."""
-        runs = _client(self.tracking_uri).search_runs(
+        runs = mlflow_client(self.tracking_uri).search_runs(
             [self.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{self.parent_run_id}' and tags.`{KIND_TAG}` = 'trial'",
             max_results=50_000)
         return [r for r in runs if r.data.tags.get(TRIAL_TAG) not in live
@@ -205,7 +199,7 @@ class SweepRecorder:
         return tracker.run_id, point_ids
 
     def _point_runs(self, trial_run_id: str) -> list[str]:
-        runs = _client(self.tracking_uri).search_runs(
+        runs = mlflow_client(self.tracking_uri).search_runs(
             [self.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{trial_run_id}' and tags.`{STATUS_TAG}` = 'completed'",
             max_results=10_000)
         return [r.info.run_id for r in sorted(runs, key=lambda r: r.data.tags.get(RUN_URI_TAG, ""))]
@@ -239,13 +233,13 @@ class SweepRecorder:
         if not values:
             return
         now = int(time.time() * 1000)
-        _client(self.tracking_uri).log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        mlflow_client(self.tracking_uri).log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
     # ------------------------------------------------------------------ parent artifacts
     def has_artifact(self, path: str, run_id: str | None = None) -> bool:
         """True when the run (default: the parent) already holds artifact ``path``."""
         folder, _, name = path.rpartition("/")
-        entries = _client(self.tracking_uri).list_artifacts(run_id or self.parent_run_id, folder or None)
+        entries = mlflow_client(self.tracking_uri).list_artifacts(run_id or self.parent_run_id, folder or None)
         return any(e.path == path or e.path.rsplit("/", 1)[-1] == name and not e.is_dir for e in entries)
 
     def log_run_metrics(self, run_id: str, values: dict[str, float]) -> None:
@@ -263,15 +257,15 @@ class SweepRecorder:
             return
         columns = list(dict.fromkeys(k for row in rows for k in row))
         table = {c: [_cell(row.get(c)) for row in rows] for c in columns}
-        _client(self.tracking_uri).log_table(self.parent_run_id, data=table, artifact_file=artifact_file)
+        mlflow_client(self.tracking_uri).log_table(self.parent_run_id, data=table, artifact_file=artifact_file)
 
     def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         """A local file as a parent artifact."""
-        _client(self.tracking_uri).log_artifact(self.parent_run_id, local_path, artifact_path)
+        mlflow_client(self.tracking_uri).log_artifact(self.parent_run_id, local_path, artifact_path)
 
     def log_figure(self, figure, artifact_file: str) -> None:
         """A matplotlib figure on the parent."""
-        _client(self.tracking_uri).log_figure(self.parent_run_id, figure, artifact_file)
+        mlflow_client(self.tracking_uri).log_figure(self.parent_run_id, figure, artifact_file)
 
     def log_image(self, image, artifact_file: str) -> None:
         """A PIL image on the parent."""
@@ -300,7 +294,7 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
     from ..config import redact_uri
     from .pareto import Point
 
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ValueError(f"no MLflow experiment {experiment!r} in {redact_uri(tracking_uri)}")
