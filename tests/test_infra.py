@@ -10,16 +10,35 @@ from __future__ import annotations
 import copy
 import re
 import string
+import tomllib
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 PY = "py311"
-RAY_IMAGE = f"rayproject/ray:{ray.__version__}-{PY}-gpu"
+
+
+def _project_requirement(name: str) -> Requirement:
+    """The project's own dependency on ``name`` (pyproject.toml)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return next(r for r in map(Requirement, project["dependencies"]) if r.name == name)
+
+
+def _dockerfile_arg(path: Path, name: str) -> str:
+    match = re.search(rf"^ARG {name}=(\S+)$", path.read_text(), re.MULTILINE)
+    assert match, f"{path} declares no ARG {name}"
+    return match.group(1)
+
+
+# The one place infra names its Ray release: the project image's base. Every other
+# manifest must agree with it, and it must satisfy the project's own Ray requirement
+# (tests check that, not which Ray happens to be installed here).
+RAY_IMAGE = _dockerfile_arg(INFRA / "docker" / "Dockerfile", "RAY_IMAGE")
+RAY_VERSION = re.fullmatch(rf"rayproject/ray:(\d+\.\d+\.\d+)-{PY}-gpu", RAY_IMAGE).group(1)
 # values for the k8s manifests' envsubst placeholders, as a user would export them
 K8S_VALUES = {
     "SPLITVIT_IMAGE": "registry.example.com/splitvit:0.1.0",
@@ -216,7 +235,7 @@ def test_raycluster_manifest_has_the_fields_kuberay_requires():
     assert cluster["apiVersion"] == "ray.io/v1" and cluster["metadata"]["name"]
     spec = cluster["spec"]
     assert raycluster_problems(spec) == []
-    assert spec["rayVersion"] == ray.__version__
+    assert spec["rayVersion"] == RAY_VERSION, "KubeRay runs the Ray of the project's image"
     assert spec["enableInTreeAutoscaling"] is True
     gpu = _gpu_groups(spec)
     assert gpu and all(g["minReplicas"] == 0 and g["maxReplicas"] >= 1 for g in gpu), "a GPU group that scales from zero"
@@ -347,11 +366,9 @@ def test_dockerfile_installs_the_project_on_the_official_ray_image():
 
 
 def test_mlflow_image_and_compose_run_serve_sh_with_a_health_check():
-    import mlflow
-
     steps = _dockerfile(INFRA / "mlflow" / "Dockerfile")
     args = dict(a.split("=", 1) for i, a in steps if i == "ARG" and "=" in a)
-    assert args["MLFLOW_VERSION"] == mlflow.__version__, "server and clients on the same MLflow"
+    assert args["MLFLOW_VERSION"] in _project_requirement("mlflow").specifier, "a server release the clients accept"
     runs = " ".join(a for i, a in steps if i == "RUN")
     assert "mlflow[auth]==" in runs and "psycopg2" in runs and "boto3" in runs
     assert any(i == "HEALTHCHECK" and "healthcheck.py" in a for i, a in steps)
@@ -369,3 +386,9 @@ def test_mlflow_image_and_compose_run_serve_sh_with_a_health_check():
     assert "ports" not in services["postgres"]
     serve = (INFRA / "mlflow" / "serve.sh").read_text()
     assert "--app-name basic-auth" in serve and "--artifacts-destination" in serve
+
+
+def test_infra_names_one_ray_release_that_the_project_accepts():
+    assert RAY_VERSION in _project_requirement("ray").specifier
+    images = re.findall(r"rayproject/ray:[\w.-]+", " ".join(p.read_text() for p in INFRA.rglob("*.yaml")))
+    assert images and set(images) == {RAY_IMAGE}, "every manifest runs the project image's Ray"

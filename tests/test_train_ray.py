@@ -208,13 +208,16 @@ def test_init_ray_starts_a_local_instance_unless_told_where(fake_ray_init, monke
     assert [call["address"] for call in fake_ray_init] == [expected]
 
 
-def test_test_session_ray_is_a_local_instance(fake_ray_init):
-    from tests.fixtures_ray import RAY_CPUS, RaySession
+def test_test_session_ray_is_a_one_node_instance_of_its_own(ray_session):
+    """The tests' Ray is a fresh one-node instance with the tests' CPUs, never a
+    cluster that happens to run on the machine."""
+    import ray
 
-    RaySession().ensure()
-    # a fresh local instance whose processes' output stays out of the tests' captured stderr
-    assert fake_ray_init == [{"address": "local", "num_cpus": RAY_CPUS, "include_dashboard": False,
-                              "log_to_driver": False}]
+    from tests.fixtures_ray import RAY_CPUS
+
+    ray_session.ensure()
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 1
+    assert ray.cluster_resources().get("CPU") == RAY_CPUS
 
 
 # ---------------------------------------------------------------------- a fit through the CLI
