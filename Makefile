@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup data demo test bench clean stack-up stack-down
+.PHONY: setup data demo test lint format bench clean stack-up stack-down
 
 setup: $(STAMP) data
 
@@ -28,6 +28,15 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml: `make lint` checks (CI runs it), `make format` rewrites
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: setup
 	$(BIN)/splitvit bench --json runs/bench/forward.json
