@@ -3,10 +3,10 @@ image (minimised), and its hypervolume, on Optuna's own multi-objective code.
 
 The frontier is Optuna's: every point becomes a trial of an in-memory two-objective
 study and ``study.best_trials`` returns the non-dominated ones. The hypervolume is
-Optuna's exact computation (``optuna._hypervolume.compute_hypervolume``, the routine
-behind ``optuna.visualization.plot_hypervolume_history``) in (quality, token ratio)
-space, against :class:`~splitvit.tune.space.ParetoSettings`' reference point
-(default ``quality 0, token ratio 1``: the worst value of each objective).
+the exact area in (quality, token ratio) space, by a sweep over the points (two
+objectives need no more; Optuna's own routine is private API), against
+:class:`~splitvit.tune.space.ParetoSettings`' reference point (default ``quality 0,
+token ratio 1``: the worst value of each objective).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 
 
 @dataclass
@@ -104,16 +103,17 @@ def hypervolume(values: Sequence[tuple[float, float]], reference: tuple[float, f
     Pairs worse than the reference in either objective add nothing. With the default
     reference ``(0, 1)`` the result lies in ``[0, 1]``.
     """
-    from optuna._hypervolume import compute_hypervolume
-
-    ref = np.array([-float(reference[0]), float(reference[1])])
-    losses = np.array([[-float(q), float(r)] for q, r in values if math.isfinite(q) and math.isfinite(r)], dtype=float)
-    if losses.size == 0:
-        return 0.0
-    losses = losses[np.all(losses <= ref, axis=1)]
-    if losses.size == 0:
-        return 0.0
-    return float(compute_hypervolume(losses, ref))
+    worst_quality, worst_ratio = float(reference[0]), float(reference[1])
+    inside = sorted((float(q), float(r)) for q, r in values
+                    if math.isfinite(q) and math.isfinite(r) and q >= worst_quality and r <= worst_ratio)
+    # best quality first: each point adds the strip between its token ratio and the
+    # lowest ratio seen so far, as wide as its quality is above the reference
+    area, lowest_ratio = 0.0, worst_ratio
+    for quality, ratio in sorted(inside, key=lambda p: (-p[0], p[1])):
+        if ratio < lowest_ratio:
+            area += (quality - worst_quality) * (lowest_ratio - ratio)
+            lowest_ratio = ratio
+    return area
 
 
 def annotate(points: list[Point], reference: tuple[float, float] = (0.0, 1.0)) -> float:
