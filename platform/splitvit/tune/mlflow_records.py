@@ -184,11 +184,12 @@ class SweepRecorder:
             if len(points) == len(rows):
                 return existing.info.run_id, points
         tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)
+        # the final figures belong to the last epoch's step: at step 0 they would sit on
+        # top of epoch 0's values and draw a false spike in the metric's history
         step = max(int(final.get("epochs", 1)) - 1, 0)
-        objectives = {k: final[k] for k in (self.metric, "tokens_per_image", "token_ratio") if k in final}
-        extras = {k: final[k] for k in ("images_per_s", "train_seconds", "trial_seconds") if k in final}
-        self._log_metrics(tracker.run_id, _numbers(objectives), step)
-        self._log_metrics(tracker.run_id, {**_numbers(extras), "threshold_points": float(len(rows))}, 0)
+        keys = (self.metric, "tokens_per_image", "token_ratio", "images_per_s", "train_seconds", "trial_seconds")
+        figures = {k: final[k] for k in keys if k in final}
+        self._log_metrics(tracker.run_id, {**_numbers(figures), "threshold_points": float(len(rows))}, step)
         tracker.log_dict({"thresholds": final.get("thresholds"), "checkpoint": final.get("checkpoint"),
                           "threshold_points": rows}, "trial_result.json")
         point_ids = []

@@ -1,5 +1,5 @@
-"""The frontier's hypervolume against an independent reference: the area of the union
-of each point's dominated box, by coordinate compression."""
+"""The frontier in numbers: its hypervolume against an independent reference (the area
+of the union of each point's dominated box), and its figures at their true MLflow steps."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ def test_hypervolume_equals_the_union_of_dominated_boxes(seed):
 def test_hypervolume_ignores_points_that_are_not_finite():
     assert hypervolume([(0.9, 0.5), (float("nan"), 0.1), (0.95, float("inf"))]) == pytest.approx(0.45)
     assert hypervolume([]) == 0.0
+
+
+def test_a_trials_final_figures_sit_at_its_last_epoch(tmp_path):
+    """The final images/s belongs to the last epoch's step, not on top of epoch 0's."""
+    from mlflow import MlflowClient
+
+    from splitvit.tune.mlflow_records import SweepRecorder
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    recorder, _ = SweepRecorder.open(uri, "steps", str(tmp_path / "sweep"), "sweep", "accuracy", params={}, tags={})
+    run_uri = str(tmp_path / "sweep" / "trial0")
+    recorder.trial_started("t0", run_uri, {"train.lr": 0.1}, {})
+    for epoch in range(3):
+        recorder.trial_epoch("t0", run_uri, {"epoch": epoch, "images_per_s": 100.0 + epoch, "accuracy": 0.5})
+    final = {"epochs": 3, "accuracy": 0.6, "tokens_per_image": 10.0, "token_ratio": 0.5, "images_per_s": 90.0,
+             "train_seconds": 4.0, "threshold_points": []}
+    run_id, _ = recorder.trial_completed("t0", run_uri, {"train.lr": 0.1}, {}, final)
+    history = MlflowClient(uri).get_metric_history(run_id, "images_per_s")
+    assert sorted((m.step, m.value) for m in history) == [(0, 100.0), (1, 101.0), (2, 90.0), (2, 102.0)]
+    assert {m.step for m in MlflowClient(uri).get_metric_history(run_id, "train_seconds")} == {2}
