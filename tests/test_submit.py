@@ -279,6 +279,14 @@ def test_training_job_submitted_to_the_stack_lands_in_its_mlflow(on_stack, tmp_p
     assert {"accuracy", "tokens_per_image", "token_ratio"} <= set(run.data.metrics)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "accuracy")] == [0, 1]
     assert run.data.params["train.epochs"] == "2"
+    # provenance: the job's copy has no .git, so submit passed the checkout's commit along
+    from splitvit import __version__
+    from splitvit.tracking.provenance import git_state
+
+    commit, dirty = git_state(str(Path(__file__).resolve().parents[1]))
+    assert run.data.tags["mlflow.source.git.commit"] == commit
+    assert run.data.tags["splitvit.git_dirty"] == str(dirty).lower()
+    assert run.data.tags["splitvit.version"] == __version__ and run.data.tags["mlflow.user"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "split_maps"} <= artifacts
     # artifacts went through the server into its destination folder

@@ -182,3 +182,28 @@ def test_credentials_in_uris_are_redacted_but_token_figures_in_queries_are_not()
     })
     assert params["tracking.tracking_uri"] == "postgresql://user:***@host/db"
     assert params["source"] == "https://h/x?access_token=***&tokens_per_image=12&X-Amz-Security-Token=***&api_key=***"
+
+
+def test_runs_carry_their_provenance(mlflow_uri, monkeypatch, tmp_path):
+    """Source, user, the checkout's commit and the package version on every run; a job
+    started from a copy without .git takes the commit its submitter passed along."""
+    import subprocess
+
+    from splitvit import __version__
+    from splitvit.tracking.provenance import GIT_COMMIT_ENV, GIT_DIRTY_ENV, git_env, git_state
+
+    monkeypatch.delenv(GIT_COMMIT_ENV, raising=False)
+    tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+    tags = MlflowClient(mlflow_uri).get_run(tracker.run_id).data.tags
+    assert tags["splitvit.version"] == __version__ and tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL"
+    head = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a checkout (CI's clean clone is one)
+        assert tags["mlflow.source.git.commit"] == head.stdout.strip()
+        assert tags["splitvit.git_dirty"] in ("true", "false")
+    # a folder that is no repository has no git state to pass on
+    assert git_state(str(tmp_path)) is None and git_env(tmp_path) == {}
+    monkeypatch.setenv(GIT_COMMIT_ENV, "0123abc")
+    monkeypatch.setenv(GIT_DIRTY_ENV, "false")
+    tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+    tags = MlflowClient(mlflow_uri).get_run(tracker.run_id).data.tags
+    assert tags["mlflow.source.git.commit"] == "0123abc" and tags["splitvit.git_dirty"] == "false"

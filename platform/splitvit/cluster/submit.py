@@ -463,7 +463,10 @@ def run_job(
     target = resolve_target(address, state_dir=state_dir)
     args = with_stack_storage(entry, list(args), target.storage_path, working_dir)
     entrypoint = build_entrypoint(entry, args, working_dir)
-    env_vars = dict(env or {})
+    from ..tracking.provenance import git_env
+
+    # the job's copy of working_dir has no .git: its runs learn their commit from here
+    env_vars = {**git_env(working_dir), **(env or {})}
     tracking_uri = tracking_uri or env_vars.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI") \
         or target.tracking_uri
     if tracking_uri:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..config import REDACTED, is_secret_key, redact_uri
+from .provenance import provenance_tags
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class RunTracker:
             client.log_batch(run.info.run_id, tags=[RunTag(k, v[:MAX_TAG_LENGTH]) for k, v in all_tags.items()])
             log.info("resumed MLflow run %s (%s)", run.info.run_id, safe_uri)
             return tracker, True
-        run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+        run = client.create_run(experiment_id, run_name=run_name, tags={**provenance_tags(), **all_tags})
         tracker = cls(tracking_uri, experiment_id, run.info.run_id)
         tracker._log_params([Param(k, v) for k, v in values.items()])
         log.info("opened MLflow run %s (%s)", run.info.run_id, safe_uri)

@@ -1,0 +1,64 @@
+"""Where a run came from: the tags every MLflow run of the project carries.
+
+MLflow's fluent API tags a run with its source, user and git commit; the project
+opens runs with ``MlflowClient.create_run``, which does not, so :func:`provenance_tags`
+resolves the same tags (MLflow's own context providers) and adds the project's: the
+git commit of the code that runs and the package version. A submitted Ray job's
+working directory has no ``.git``: ``splitvit submit`` passes the commit in
+``SPLITVIT_GIT_COMMIT`` (and whether tracked files had changes in ``SPLITVIT_GIT_DIRTY``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+from .. import __version__
+
+GIT_COMMIT_ENV = "SPLITVIT_GIT_COMMIT"
+GIT_DIRTY_ENV = "SPLITVIT_GIT_DIRTY"
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
+GIT_DIRTY_TAG = "splitvit.git_dirty"  # "true": the run's code differs from the commit
+VERSION_TAG = "splitvit.version"
+SOURCE_DIR = Path(__file__).resolve().parents[1]  # the package: its repository, in a checkout
+
+
+@functools.lru_cache(maxsize=None)
+def git_state(folder: str | None = None) -> tuple[str, bool] | None:
+    """``(commit, dirty)`` of the checkout at ``folder`` (default: the package's own):
+    ``dirty`` when tracked files differ from the commit. ``None`` outside a git
+    repository or without git."""
+    where = folder or str(SOURCE_DIR)
+    try:
+        head = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip(), bool(status.returncode == 0 and status.stdout.strip())
+
+
+def git_env(folder: str | Path) -> dict[str, str]:
+    """The environment that carries ``folder``'s git state into a job that runs a copy
+    of it without ``.git`` (empty outside a repository)."""
+    state = git_state(str(folder))
+    return {GIT_COMMIT_ENV: state[0], GIT_DIRTY_ENV: str(state[1]).lower()} if state else {}
+
+
+def provenance_tags() -> dict[str, str]:
+    """``mlflow.source.*``, ``mlflow.user``, the git commit and ``splitvit.version``."""
+    from mlflow.tracking.context.registry import resolve_tags
+
+    tags = {k: v for k, v in resolve_tags().items() if k.startswith(("mlflow.source.", "mlflow.user"))}
+    if os.environ.get(GIT_COMMIT_ENV):
+        tags[GIT_COMMIT_TAG] = os.environ[GIT_COMMIT_ENV]
+        if os.environ.get(GIT_DIRTY_ENV):
+            tags[GIT_DIRTY_TAG] = os.environ[GIT_DIRTY_ENV]
+    elif (state := git_state()) is not None:
+        tags[GIT_COMMIT_TAG], tags[GIT_DIRTY_TAG] = state[0], str(state[1]).lower()
+    tags[VERSION_TAG] = __version__
+    return tags
