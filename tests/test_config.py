@@ -3,21 +3,25 @@ secrets kept out of what is logged — and errors before any Ray work."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from splitvit.config import ConfigError, ExperimentConfig, load_config, redact_uri
-from splitvit.train.experiment import build_model
+from splitvit.config import ConfigError, ExperimentConfig, load_config, redact_uri, validate
+from splitvit.train.experiment import build_model, experiment_from_dict, load_experiment, validate_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
 
 
 def test_smoke_config_loads_with_overrides():
-    cfg = load_config(SMOKE, ["train.epochs=5", "model.timm_kwargs.embed_dim=48", "model.thresholds=[0.3, 0.7]",
-                              "train.lr=1e-3", "storage.name=abc", "data.options.train_samples=64"])
+    cfg = load_experiment(SMOKE, ["train.epochs=5", "model.timm_kwargs.embed_dim=48", "model.thresholds=[0.3, 0.7]",
+                                  "train.lr=1e-3", "storage.name=abc", "data.options.train_samples=64"])
     assert cfg.train.epochs == 5
     assert cfg.model.timm_kwargs["embed_dim"] == 48 and cfg.model.timm_kwargs["depth"] == 2
     assert cfg.model.thresholds == [0.3, 0.7]
@@ -33,17 +37,21 @@ def test_smoke_config_loads_with_overrides():
     assert model.geometry.image_size == (32, 32) and model.levels == 3 and model.policy.name == "learned"
 
 
-def test_train_section_covers_every_split_loss_setting():
-    import dataclasses
+def test_train_section_is_the_split_loss_settings_and_more():
+    """The SPLIT objective's settings are declared once (SplitLossConfig) and set flat
+    in the train section; the training step gets them as a plain SplitLossConfig."""
+    from splitvit.config import SplitLossConfig, TrainConfig
+    from splitvit.train import steps
 
-    from splitvit.config import TrainConfig
-    from splitvit.train.steps import SplitLossConfig
-
-    train = {f.name for f in dataclasses.fields(TrainConfig)}
-    missing = {f.name for f in dataclasses.fields(SplitLossConfig)} - train
-    assert not missing, f"SplitLossConfig settings the config cannot set: {missing}"
-    cfg = load_config(SMOKE, ["train.warmup_min_split=0.6", "train.teacher_weight=0.25"])
-    assert cfg.train.loss_config().warmup_min_split == 0.6 and cfg.train.loss_config().teacher_weight == 0.25
+    assert steps.SplitLossConfig is SplitLossConfig  # still importable where the training step lives
+    assert issubclass(TrainConfig, SplitLossConfig)
+    declared = set(vars(TrainConfig).get("__annotations__", {}))  # TrainConfig's own fields
+    assert not declared & {f.name for f in dataclasses.fields(SplitLossConfig)}, "re-declared in TrainConfig"
+    cfg = load_config(SMOKE, ["train.warmup_min_split=0.6", "train.teacher_weight=0.25", "train.teacher_every=3"])
+    loss = cfg.train.loss_config()
+    assert type(loss) is SplitLossConfig
+    assert (loss.warmup_min_split, loss.teacher_weight, loss.teacher_every) == (0.6, 0.25, 3)
+    assert {f.name for f in dataclasses.fields(SplitLossConfig)} <= set(cfg.to_dict()["train"])  # flat YAML keys
 
 
 def test_default_name_is_config_stem_and_time():
@@ -101,7 +109,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
 )
 def test_bad_values_name_their_key(override, key, text):
     with pytest.raises(ConfigError) as err:
-        load_config(SMOKE, [override])
+        load_experiment(SMOKE, [override])
     assert err.value.key == key
     assert text in str(err.value)
     assert str(err.value).startswith(f"config error: {key}: ")
@@ -178,3 +186,87 @@ def test_thresholds_auto_or_numbers_only():
     assert ExperimentConfig.from_dict({}, ["model.thresholds=auto"]).model.thresholds == "auto"
     with pytest.raises(ConfigError, match=r"model.thresholds: must be numbers in \[0, 1\] or 'auto', got 'sometimes'"):
         ExperimentConfig.from_dict({}, ["model.thresholds=sometimes"])
+
+
+def test_config_module_needs_no_model_data_or_torch():
+    """``splitvit.config`` loads a repo config without importing torch, timm, the model,
+    the data or the training code, not even lazily."""
+    code = (f"import sys, json; from splitvit.config import load_config; load_config({str(SMOKE)!r}); "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    heavy = ("torch", "timm", "splitvit.model", "splitvit.train", "splitvit.tune", "splitvit.data")
+    loaded = [m for m in json.loads(out) if any(m == h or m.startswith(h + ".") for h in heavy)]
+    assert not loaded, f"splitvit.config imported {loaded}"
+
+
+@pytest.mark.parametrize("override, key, text", [
+    ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
+    ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
+    ("model.image_size=40", "model.image_size", "not a multiple of the coarsest patch 16"),
+    ("model.thresholds=[0.5]", "model.thresholds", "expected 2 values"),
+    ("data.name=imagenet21k", "data.name", "unknown dataset 'imagenet21k'"),
+])
+def test_validate_experiment_checks_what_the_schema_cannot(override, key, text):
+    """A config loaded schema-only (load_config) takes what only timm, the model or the
+    dataset registry can judge; validate_experiment and experiment_from_dict do not."""
+    cfg = load_config(SMOKE, [override])
+    with pytest.raises(ConfigError) as err:
+        validate_experiment(cfg)
+    assert err.value.key == key and text in err.value.reason
+    with pytest.raises(ConfigError) as again:
+        experiment_from_dict(yaml.safe_load(SMOKE.read_text()), [override])
+    assert again.value.key == key
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("lambda_budget", -1.0, "must be >= 0, got -1.0"),
+    ("teacher", "oracle", "must be 'gradient' or 'attention'"),
+    ("teacher_weight", -0.5, "must be >= 0, got -0.5"),
+    ("teacher_every", 0, "must be >= 1, got 0"),
+])
+def test_loss_setting_errors_name_train_keys(field, value, text):
+    """SplitLossConfig's own range checks name ``train.<field>``: when the section is
+    built, and when a built config was changed afterwards."""
+    with pytest.raises(ConfigError) as built:
+        ExperimentConfig.from_dict({"train": {field: value}})
+    assert str(built.value) == f"config error: train.{field}: {built.value.reason}" and text in built.value.reason
+    cfg = ExperimentConfig.from_dict({})
+    setattr(cfg.train, field, value)
+    for check in (validate, validate_experiment):
+        with pytest.raises(ConfigError) as changed:
+            check(cfg)
+        assert changed.value.key == f"train.{field}" and text in changed.value.reason
+
+
+def test_overrides_index_into_lists():
+    """One dotted-key setter for overrides, search spaces and studies: an index sets one
+    level of the thresholds (``auto`` or one number is expanded to one per level first)."""
+    assert load_config(SMOKE, ["model.thresholds[1]=0.7"]).model.thresholds == [0.5, 0.7]
+    assert load_config(SMOKE, ["model.thresholds=0.3", "model.thresholds[0]=0.6"]).model.thresholds == [0.6, 0.3]
+    with pytest.raises(ConfigError, match=r"model.thresholds\[2\]: index 2 is out of range: model.thresholds has 2"):
+        load_config(SMOKE, ["model.thresholds[2]=0.5"])
+    with pytest.raises(ConfigError, match=r"train.epochs: is not a list, so train.epochs\[0\] cannot index it"):
+        load_config(SMOKE, ["train.epochs[0]=1"])
+    with pytest.raises(ConfigError, match=r"train.epochs: is a value, not a section; cannot set train.epochs.max"):
+        load_config(SMOKE, ["train.epochs.max=1"])
+
+
+def test_run_training_and_preflight_validate_a_config_built_schema_only(tmp_path, monkeypatch):
+    """Library callers who build a config without validate_experiment still get the
+    ConfigError, before Ray is touched."""
+    import ray
+
+    from splitvit.cluster import preflight as pf
+    from splitvit.train import ray_trainer
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Ray was touched before the config was validated")
+
+    monkeypatch.setattr(ray, "init", forbidden)
+    monkeypatch.setattr(ray_trainer, "init_ray", forbidden)
+    monkeypatch.setattr(pf, "resolve_ray_address", forbidden)
+    cfg = load_config(SMOKE, ["model.policy=smart", f"storage.path={tmp_path / 'runs'}"])
+    for run in (ray_trainer.run_training, pf.preflight):
+        with pytest.raises(ConfigError, match="model.policy: unknown policy 'smart'"):
+            run(cfg)
+    assert not (tmp_path / "runs").exists()

@@ -20,9 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SPACES = ROOT / "search_spaces"
 
 TINY_BASE = {
-    "model": {"name": "vit_tiny_patch16_224", "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+    "model": {"name": "vit_tiny_patch16_224",
+              "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
               "image_size": 32, "levels": 3, "policy_depth": 1, "num_classes": 4},
-    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
+    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
+             "batch_size": 16},
     "train": {"epochs": 1},
 }
 VALID = {
@@ -66,7 +68,8 @@ def variant(**changes) -> dict:
 # ---------------------------------------------------------------------- the shipped spaces
 @pytest.mark.parametrize("name,metric,searched", [
     ("smoke", "accuracy", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]"}),
-    ("classification", "accuracy", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]",
+    ("classification", "accuracy", {"train.lambda_budget", "train.target_ratio",
+                                    "model.thresholds[0]", "model.thresholds[1]",
                                     "train.lr", "train.weight_decay", "train.epochs", "train.penalty"}),
     ("dense", "miou", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]",
                        "train.lr", "train.weight_decay", "train.epochs", "train.penalty"}),
@@ -93,7 +96,8 @@ def test_a_point_of_the_space_becomes_a_config(tmp_path):
     assert dists["train.lambda_budget"].log and dists["train.warmup_epochs"].low == 0
     assert dists["model.thresholds[1]"].step == pytest.approx(0.1)
     # Optuna stores mapping choices as JSON text; the config gets the mapping back
-    sampled = {"train.lambda_budget": 2.5, "train.target_ratio": 0.3, "model.thresholds[1]": 0.6, "train.warmup_epochs": 1,
+    sampled = {"train.lambda_budget": 2.5, "train.target_ratio": 0.3, "model.thresholds[1]": 0.6,
+               "train.warmup_epochs": 1,
                "train.penalty": "hinge", "model.timm_kwargs": dists["model.timm_kwargs"].choices[1]}
     cfg = space.config(space.decode(sampled))
     assert cfg.train.lambda_budget == 2.5 and cfg.train.penalty == "hinge" and cfg.train.warmup_epochs == 1
@@ -114,12 +118,30 @@ def test_searching_one_threshold_level_fixes_the_others(tmp_path):
 
 def test_set_overrides_fix_config_values_and_change_settings(tmp_path):
     path = write_space(tmp_path, VALID)
-    space = load_space(path, ["search.num_samples=7", "stage_two.points=3", "train.lambda_budget=1.5", "train.epochs=1"])
+    space = load_space(path, ["search.num_samples=7", "stage_two.points=3", "train.lambda_budget=1.5",
+                              "train.epochs=1"])
     assert space.search.num_samples == 7 and space.stage_two.points == 3
     assert "train.lambda_budget" not in space.parameters and space.fixed["train.lambda_budget"] == 1.5
     assert space.config().train.epochs == 1
-    with pytest.raises(SearchSpaceError, match=r"search\.num_samplez: unknown setting; did you mean num_samples"):
-        load_space(path, ["search.num_samplez=3"])
+    for item, message in (
+        ("search.num_samplez=3", r"search\.num_samplez: unknown key; did you mean search\.num_samples\?$"),
+        ("search.num_samples.x=1",
+         r"search\.num_samples: is a value, not a section; cannot set search\.num_samples\.x$"),
+        ("stage_two.points", r"stage_two\.points: override must look like key=value"),
+    ):
+        with pytest.raises(SearchSpaceError) as info:
+            load_space(path, [item])
+        assert str(info.value).startswith(f"search space {path}: ")
+        assert __import__("re").search(message, str(info.value)), str(info.value)
+
+
+def test_settings_are_typed_by_the_config_loader(tmp_path):
+    """Settings sections go through the experiment config's own loader: ints become
+    floats where a float is declared, lists become the declared tuples."""
+    space = load_space(write_space(tmp_path, variant(baselines={"entropy_thresholds": [0, 0.5]},
+                                                     search={"trial_resources": {"CPU": 1}, "state_period_s": 2})))
+    assert space.baselines.entropy_thresholds == (0.0, 0.5) and isinstance(space.baselines.entropy_thresholds[0], float)
+    assert space.search.trial_resources == {"CPU": 1.0} and isinstance(space.search.state_period_s, float)
 
 
 # ---------------------------------------------------------------------- invalid spaces
@@ -167,19 +189,30 @@ INVALID = [
     ("missing base", {k: v for k, v in VALID.items() if k != "base"}, r"base: name the experiment config"),
     ("base not found", variant(base="nowhere.yaml"), r"base: experiment config nowhere\.yaml not found"),
     ("nothing searched", variant(parameters={"train.epochs": 1}), r"parameters: nothing to search"),
-    ("bad fixed value", variant(**{"parameters/train.epochs": 0}), r"parameters\.train\.epochs: train\.epochs: must be >= 1"),
+    ("bad fixed value", variant(**{"parameters/train.epochs": 0}),
+     r"parameters\.train\.epochs: train\.epochs: must be >= 1"),
     ("stage-two thresholds outside [0, 1]", variant(stage_two={"low": 0.2, "high": 1.2}),
      r"stage_two: thresholds need 0 <= low <= high <= 1"),
     ("unknown sampler", variant(search={"sampler": "cmaes"}), r"search\.sampler: unknown sampler 'cmaes'"),
     ("zero trials", variant(search={"num_samples": 0}), r"search\.num_samples: must be >= 1, got 0"),
-    ("empty trial resources", variant(search={"trial_resources": {"CPU": 0}}), r"search\.trial_resources: ask for some resource"),
+    ("empty trial resources", variant(search={"trial_resources": {"CPU": 0}}),
+     r"search\.trial_resources: ask for some resource"),
     ("initial point outside the bounds",
-     variant(search={"initial_points": [{"train.lambda_budget": 50.0, "train.target_ratio": 0.5, "model.thresholds[1]": 0.5,
-                                         "train.warmup_epochs": 1, "train.penalty": "squared",
-                                         "model.timm_kwargs": VALID["parameters"]["model.timm_kwargs"]["choices"][0]}]}),
+     variant(search={"initial_points": [{
+         "train.lambda_budget": 50.0, "train.target_ratio": 0.5, "model.thresholds[1]": 0.5, "train.warmup_epochs": 1,
+         "train.penalty": "squared", "model.timm_kwargs": VALID["parameters"]["model.timm_kwargs"]["choices"][0]}]}),
      r"search\.initial_points\[0\]\.train\.lambda_budget: 50\.0 is outside loguniform\[0\.1, 10\.0\]"),
     ("reference point out of range", variant(pareto={"reference_point": {"accuracy": 1.5, "token_ratio": 1.0}}),
      r"pareto\.reference_point\.quality: must be in \[0, 1\]"),
+    ("unknown reference coordinate", variant(pareto={"reference_point": {"quality": 0.1, "token_rate": 1.0}}),
+     r"pareto\.reference_point\.token_rate: unknown key; did you mean pareto\.reference_point\.token_ratio\?$"),
+    ("setting of the wrong type", variant(search={"num_samples": "three"}),
+     r"search\.num_samples: expected int, got str 'three'$"),
+    ("list item of the wrong type", variant(baselines={"entropy_thresholds": [0.2, "high"]}),
+     r"baselines\.entropy_thresholds\[1\]: expected float, got str 'high'$"),
+    ("choice only the model rejects",  # the space's points are fully validated, model included
+     variant(**{"parameters/model.policy": {"distribution": "categorical", "choices": ["learned", "smart"]}}),
+     r"parameters\.model\.policy: choice 'smart' is not a valid config value: model\.policy: unknown policy 'smart'"),
 ]
 
 
@@ -205,7 +238,8 @@ def test_a_bad_space_stops_the_cli_before_ray(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ray_trainer, "init_ray", no_ray)
     # main() configures logging on this test's captured stderr: keep that handler out of later tests
     monkeypatch.setattr(logging.getLogger(), "handlers", [])
-    path = write_space(tmp_path, variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.5, "high": 0.1}}))
+    bad_bounds = {"parameters/train.lr": {"distribution": "uniform", "low": 0.5, "high": 0.1}}
+    path = write_space(tmp_path, variant(**bad_bounds))
     code = main(["sweep", str(path), "--set", f"storage.path={tmp_path / 'runs'}"])
     err = capsys.readouterr().err
     assert code == 2

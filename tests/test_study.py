@@ -21,6 +21,13 @@ from splitvit.tune.study import Goals, aggregate, check_goals, load_study, match
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
+# the shape of `splitvit study --json` (the local runner's result has these and more: tests/test_study_local.py)
+RESULT_KEYS = {"name", "source", "study_dir", "metric", "seeds", "rows", "runs", "goals", "speed", "failed",
+               "mlflow_run_id", "tracking_uri", "seconds", "point_speed"}
+ROW_KEYS = {"method", "policy", "target_ratio", "seeds", "accuracy", "accuracy_std", "accuracy_min", "accuracy_max",
+            "tokens_per_image", "token_ratio", "images_per_s", "per_seed"}
+RUN_KEYS = {"seed", "method", "policy", "checkpoint", "train_metrics", "points", "train_seconds", "eval_seconds",
+            "run_uri", "evaluation", "reused"}
 
 
 def write_study(folder: Path, **changes) -> Path:
@@ -150,6 +157,8 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert cli(["study", str(spec), "--name", "e2e", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert not data["failed"] and len(data["runs"]) == 3
+    assert set(data) == RESULT_KEYS and all(set(r) == ROW_KEYS for r in data["rows"])
+    assert all(set(r) == RUN_KEYS for r in data["runs"])
     methods = {(r["method"], r["target_ratio"]) for r in data["rows"]}
     assert methods == {("full", None), ("entropy", 0.25), ("entropy", 0.5), ("split", 0.25), ("split", 0.5)}
     for row in data["rows"]:

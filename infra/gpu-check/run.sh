@@ -5,7 +5,9 @@
 #   bash infra/gpu-check/run.sh smoke          # CUDA tests, forward (ViT-B/16, eager and compiled)
 #                                              # and training-step benchmarks, a small study
 #   bash infra/gpu-check/run.sh study ARGS...  # the one-gpu study; ARGS go to single_gpu_study.py
-#                                              # (e.g. --workers 8 --backbone-epochs 24 --method-epochs 12);
+#                                              # (e.g. --workers 8 --backbone-epochs 24 --method-epochs 12;
+#                                              # --tracking-uri sqlite:///... where MLflow is installed);
+#                                              # run again, it reuses the runs /tmp/<study> finished;
 #                                              # STUDY=search_spaces/study_fashion_seg.yaml for the dense one
 #
 # Results land in $OUT (default /tmp/gpu-check). Optional, beside the repository root:
@@ -45,7 +47,8 @@ case "$stage" in
     python3 infra/gpu-check/single_gpu_study.py "$study" --scale one-gpu --out /tmp/smoke-study \
       --json "$out/smoke_study.json" --backbone-epochs 2 --method-epochs 1 "$@" \
       --set data.options.train_samples=8192 --eval-samples 2000 2>&1 \
-      | grep -v " epoch [0-9]*: \|bench: round" | tail -60 || status=1
+      | grep -v " epoch [0-9]*: \|bench: round" | tail -60
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1  # the runner's status, not tail's
     ;;
   study)
     python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -15

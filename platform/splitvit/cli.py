@@ -192,18 +192,23 @@ def _run_bench(args) -> int:
         raise ValueError(f"{', '.join(given)}: options of 'splitvit bench {other}' only")
     if args.kind == "train":
         return _run_bench_train(args)
-    from .bench.forward import BENCH_POLICIES, DEFAULT_MODEL, DEFAULT_POLICY_WIDTH, format_report, run_forward_benchmark
+    from .bench.forward import ForwardSettings, format_report, run_forward_benchmark
 
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else BENCH_POLICIES
-    result = run_forward_benchmark(
-        model_name=args.model or DEFAULT_MODEL, image_size=args.image_size, patch_size=args.patch_size,
-        levels=args.levels, batch_size=args.batch_size or 8, ratios=_number_list("--ratios", args.ratios) or (0.5, 0.7),
-        policies=policies, policy_width=args.policy_width or DEFAULT_POLICY_WIDTH,
-        policy_depth=2 if args.policy_depth is None else args.policy_depth,
-        buckets=_number_list("--buckets", args.buckets, int) or (), token_buckets=args.token_buckets or 0,
-        compile=bool(args.compile), repeats=args.repeats or 10, device=args.device,
-        autocast_bf16=_bench_bf16(args), memory=None if args.memory in (None, True) else (), timm_kwargs=_shrunk(args),
+    # an option left out (or given as 0 / empty) keeps ForwardSettings' default
+    options = {"model_name": args.model, "batch_size": args.batch_size, "ratios": _number_list("--ratios", args.ratios),
+               "policy_width": args.policy_width, "buckets": _number_list("--buckets", args.buckets, int),
+               "token_buckets": args.token_buckets, "repeats": args.repeats}
+    options = {k: v for k, v in options.items() if v}
+    if args.policies:  # "," is no policy at all: an error, not the default
+        options["policies"] = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if args.policy_depth is not None:
+        options["policy_depth"] = args.policy_depth
+    settings = ForwardSettings(
+        image_size=args.image_size, patch_size=args.patch_size, levels=args.levels, compile=bool(args.compile),
+        device=args.device, autocast_bf16=_bench_bf16(args), memory=None if args.memory in (None, True) else (),
+        timm_kwargs=_shrunk(args), **options,
     )
+    result = run_forward_benchmark(settings)
     print(format_report(result))
     write_json(args.json, result)
     return 0
@@ -317,10 +322,10 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
-    from .config import load_config
+    from .train.experiment import load_experiment
     from .train.ray_trainer import run_training
 
-    config = load_config(args.config, args.overrides)  # a ConfigError stops here, before Ray
+    config = load_experiment(args.config, args.overrides)  # a ConfigError stops here, before Ray
     print(f"run {config.storage.name}: storage {config.storage.run_uri()}")
     from .cluster.preflight import preflight
 

@@ -2,12 +2,23 @@
 
 A config has six sections (DESIGN §5): ``model``, ``data``, ``train``, ``scaling``,
 ``storage`` and ``tracking``. :func:`load_config` reads the YAML, applies dotted
-overrides (``train.epochs=3``, ``model.timm_kwargs.embed_dim=64``), checks every
-value's type and range, and runs the model's own validators (quadtree geometry,
-split thresholds, the SPLIT loss settings) — all before any Ray work starts. Any
-problem raises :class:`ConfigError`, whose message names the key::
+overrides (``train.epochs=3``, ``model.timm_kwargs.embed_dim=64``,
+``model.thresholds[0]=0.4``) and checks every value's type and range: all that the
+settings alone can tell. Any problem raises :class:`ConfigError`, whose message
+names the key::
 
     config error: train.lambda_budget: must be >= 0, got -1.0
+
+This module imports neither torch nor timm, the model nor the data. The checks that
+need them (the timm model, the policy, the quadtree geometry, the thresholds, a build
+on the meta device, the dataset's name) are
+:func:`splitvit.train.experiment.validate_experiment`'s. **To get a config to run,
+use** :func:`splitvit.train.experiment.load_experiment` (a YAML file) or
+:func:`~splitvit.train.experiment.experiment_from_dict` (a dict): the loading here
+plus those checks, before any Ray work starts.
+
+The dict-to-dataclass loader (:func:`build_dataclass`, :func:`coerce`) and the
+dotted-key setter (:func:`set_dotted`) are the ones search spaces use too.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import time
 import types
 import typing
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +62,12 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------- sections
 #: ``model.thresholds`` value that calibrates thresholds to ``train.target_ratio``.
 AUTO_THRESHOLDS = "auto"
+#: Where ``auto`` thresholds stand until the first calibration.
+AUTO_THRESHOLD_START = 0.5
+#: Budget penalties of the SPLIT objective (:func:`splitvit.train.losses.budget_penalty`).
+PENALTIES = ("squared", "hinge")
+#: The model's relevance signals that can teach the policy (``SplitViT.relevance``).
+TEACHERS = ("gradient", "attention")
 
 
 def quality_metric(task: str) -> str:
@@ -135,8 +153,59 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
-    """Optimisation and SPLIT objective settings.
+class SplitLossConfig:
+    """Hyper-parameters of the SPLIT objective (:func:`splitvit.train.steps.training_step`).
+
+    Attributes:
+        lambda_budget: weight of the token-budget penalty (>= 0).
+        target_ratio: target tokens as a fraction of full resolution, in (0, 1].
+        penalty: ``squared`` (both sides) or ``hinge`` (over budget only).
+        teacher_weight: weight of the relevance-teacher loss on the policy (>= 0).
+        teacher: the model's relevance signal, ``gradient`` (gradient x input
+            saliency of the true class) or ``attention`` (last block's class-token
+            attention); see ``SplitViT.relevance``.
+        warmup_epochs: epochs of random splits before the policy decides.
+        warmup_min_split: lowest per-image random split rate in warm-up.
+        teacher_every: compute the relevance teacher (a full-resolution forward and
+            backward pass, about half of a policy-phase step) on every k-th step only;
+            the other steps train the policy through the task loss and budget penalty.
+
+    Raises ``ValueError`` for a value out of range; its message starts with the
+    field's name, which :func:`field_error` turns into the key (``train.penalty``).
+    """
+
+    lambda_budget: float = 1.0
+    target_ratio: float = 0.5
+    penalty: str = "squared"
+    teacher_weight: float = 1.0
+    teacher: str = "gradient"
+    warmup_epochs: int = 1
+    warmup_min_split: float = 0.3
+    teacher_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.lambda_budget >= 0:  # "not >=": NaN fails too
+            raise ValueError(f"lambda_budget must be >= 0, got {self.lambda_budget}")
+        if not 0.0 < self.target_ratio <= 1.0:
+            raise ValueError(f"target_ratio must be in (0, 1], got {self.target_ratio}")
+        if self.penalty not in PENALTIES:
+            raise ValueError(f"penalty must be one of {PENALTIES}, got {self.penalty!r}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"teacher must be 'gradient' or 'attention', got {self.teacher!r}")
+        if self.teacher_weight < 0:
+            raise ValueError(f"teacher_weight must be >= 0, got {self.teacher_weight}")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if not 0.0 <= self.warmup_min_split <= 1.0:
+            raise ValueError(f"warmup_min_split must be in [0, 1], got {self.warmup_min_split}")
+        if self.teacher_every < 1:
+            raise ValueError(f"teacher_every must be >= 1, got {self.teacher_every}")
+
+
+@dataclass
+class TrainConfig(SplitLossConfig):
+    """Optimisation settings and the SPLIT objective's (its fields are
+    :class:`SplitLossConfig`'s, set flat in the section: ``train.lambda_budget``).
 
     Attributes:
         epochs: training epochs.
@@ -150,8 +219,7 @@ class TrainConfig:
         max_failures: worker-group failures Ray Train recovers from (resuming from
             the latest checkpoint); -1 for no limit.
         lambda_budget, target_ratio, penalty, teacher_weight, teacher, warmup_epochs,
-        warmup_min_split, teacher_every: the SPLIT objective
-            (:class:`splitvit.train.steps.SplitLossConfig`).
+        warmup_min_split, teacher_every: the SPLIT objective (:class:`SplitLossConfig`).
     """
 
     epochs: int = 10
@@ -162,21 +230,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     amp: bool = True
     max_failures: int = 2
-    lambda_budget: float = 1.0
-    target_ratio: float = 0.5
-    penalty: str = "squared"
-    teacher_weight: float = 1.0
-    teacher: str = "gradient"
-    warmup_epochs: int = 1
-    warmup_min_split: float = 0.3
-    teacher_every: int = 1
 
-    def loss_config(self):
-        """The :class:`~splitvit.train.steps.SplitLossConfig` of these settings."""
-        from .train.steps import SplitLossConfig
-
-        names = {f.name for f in dataclasses.fields(SplitLossConfig)}
-        return SplitLossConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+    def loss_config(self) -> SplitLossConfig:
+        """The SPLIT objective's settings alone, as a plain :class:`SplitLossConfig`
+        (what the training step gets; ``dataclasses.replace`` works on it)."""
+        return SplitLossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SplitLossConfig)})
 
 
 @dataclass
@@ -253,7 +311,9 @@ class TrackingConfig:
 
 @dataclass
 class ExperimentConfig:
-    """A whole experiment. Build it with :func:`load_config` or :meth:`from_dict`."""
+    """A whole experiment. Load it with :func:`load_config` or :meth:`from_dict`; to
+    run it, with :func:`splitvit.train.experiment.load_experiment` (see the module
+    docstring)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -263,8 +323,11 @@ class ExperimentConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None, overrides: list[str] | None = None, *, default_name: str = "experiment") -> "ExperimentConfig":
-        """Build and validate a config from a plain dict plus ``key=value`` overrides.
+    def from_dict(cls, raw: dict[str, Any] | None, overrides: list[str] | None = None, *,
+                  default_name: str = "experiment") -> ExperimentConfig:
+        """A config from a plain dict plus ``key=value`` overrides, its types and ranges
+        checked (:func:`validate`); not the checks that need the model or the data
+        (:func:`splitvit.train.experiment.experiment_from_dict` adds them).
 
         Raises :class:`ConfigError` naming the first bad key.
         """
@@ -273,7 +336,7 @@ class ExperimentConfig:
             raise ConfigError("<root>", f"expected a mapping of sections, got {type(raw).__name__}")
         for item in overrides or []:
             apply_override(raw, item)
-        config = _build_dataclass(cls, raw, "")
+        config = build_dataclass(cls, raw)
         if config.storage.name is None:
             # the time for people, a random tail so two runs started together never share a folder
             config.storage.name = f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
@@ -307,7 +370,9 @@ class ExperimentConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read an experiment YAML, apply ``key=value`` overrides, validate.
+    """Read an experiment YAML, apply ``key=value`` overrides, check types and ranges
+    (:meth:`ExperimentConfig.from_dict`). To run it, use
+    :func:`splitvit.train.experiment.load_experiment`, which checks the rest.
 
     Raises :class:`ConfigError` (a ``ValueError``) naming the bad key, or
     ``FileNotFoundError`` when ``path`` does not exist.
@@ -322,24 +387,74 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     return ExperimentConfig.from_dict(raw, overrides, default_name=path.stem)
 
 
-# ---------------------------------------------------------------------- overrides
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Apply one ``dotted.key=value`` to a raw config dict (value parsed as YAML)."""
+# ---------------------------------------------------------------------- dotted keys
+_INDEXED = re.compile(r"^(?P<key>[A-Za-z_][\w.]*)\[(?P<index>\d+)\]$")
+
+
+def split_key(key: str) -> tuple[list[str], int | None]:
+    """``model.thresholds[1]`` -> ``(["model", "thresholds"], 1)``; ``train.lr`` -> ``(["train", "lr"], None)``."""
+    match = _INDEXED.match(key)
+    if match:
+        return match.group("key").split("."), int(match.group("index"))
+    return key.split("."), None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"train.epochs=3"`` -> ``("train.epochs", 3)``: the dotted key and the value
+    parsed as YAML (text that is not YAML stays text: the type check decides)."""
     if "=" not in item:
         raise ConfigError(item, "override must look like key=value (e.g. train.epochs=3)")
     key, text = item.split("=", 1)
     key = key.strip()
-    parts = key.split(".")
+    parts, _ = split_key(key)
     if not key or any(not p for p in parts):
         raise ConfigError(key or item, "override key must be a dotted name like train.epochs")
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
-        value = text  # not YAML: keep the text, the type check decides
-    parent_section(raw, parts, key)[parts[-1]] = value
+        value = text
+    return key, value
 
 
-def parent_section(raw: dict[str, Any], parts: list[str], key: str) -> dict[str, Any]:
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` (:func:`parse_override`) to a raw config dict."""
+    set_dotted(raw, *parse_override(item))
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set a dotted, optionally indexed key (``train.lr``, ``model.thresholds[0]``) in a
+    raw dict to a copy of ``value``, creating the sections on its way.
+
+    An index into ``model.thresholds`` given as one number (or ``auto``) first
+    expands it to one threshold per non-finest level (``model.levels - 1``).
+    Raises :class:`ConfigError` where a part of the key is a value, not a section,
+    or the index does not fit the list.
+    """
+    parts, index = split_key(key)
+    node = _parent_section(raw, parts, key)
+    last = parts[-1]
+    if index is None:
+        node[last] = _deep_copy(value)
+        return
+    current = node.get(last)
+    if parts == ["model", "thresholds"] and not isinstance(current, list):
+        # one number, or ``auto`` (calibrated to the target ratio): setting one level
+        # fixes them all, the others at the number (or where ``auto`` starts)
+        levels = node.get("levels")
+        if isinstance(levels, bool) or not isinstance(levels, int):
+            levels = ModelConfig.levels  # unset (or wrong: the type check says so)
+        number = isinstance(current, (int, float)) and not isinstance(current, bool)
+        current = [current if number else AUTO_THRESHOLD_START] * max(levels - 1, 1)
+    if not isinstance(current, list):
+        raise ConfigError(".".join(parts), f"is not a list, so {key} cannot index it")
+    if index >= len(current):
+        raise ConfigError(key, f"index {index} is out of range: {'.'.join(parts)} has {len(current)} entries")
+    current = list(current)
+    current[index] = _deep_copy(value)
+    node[last] = current
+
+
+def _parent_section(raw: dict[str, Any], parts: list[str], key: str) -> dict[str, Any]:
     """The section of ``raw`` that holds the dotted key ``parts`` (all but the last
     part), created where missing; ``ConfigError`` where a part is a value."""
     node = raw
@@ -373,21 +488,24 @@ def _type_name(hint: Any) -> str:
         return "null"
     if hint is Any:
         return "any"
+    if hint is Ellipsis:
+        return "..."
     return getattr(hint, "__name__", str(hint))
 
 
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """``value`` checked against the type ``hint`` (ints accepted for floats)."""
+def coerce(value: Any, hint: Any, key: str) -> Any:
+    """``value`` checked against the type ``hint`` and returned as that type (ints
+    accepted for floats, lists for ``tuple[X, ...]``); :class:`ConfigError` on ``key``."""
     if hint is Any:
         return value
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(hint):
             try:
-                return _coerce(value, arg, key)
+                return coerce(value, arg, key)
             except ConfigError:
                 continue
         raise ConfigError(key, f"expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
@@ -409,10 +527,13 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
-    elif origin is list:
+    elif origin in (list, tuple):
+        args = typing.get_args(hint)
+        if origin is tuple and args[1:] != (Ellipsis,):  # pragma: no cover - a hint no config uses
+            raise TypeError(f"unsupported config type {hint!r} for {key}: only tuple[X, ...]")
         if isinstance(value, (list, tuple)):
-            (arg,) = typing.get_args(hint)
-            return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+            items = [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+            return items if origin is list else tuple(items)
     elif origin is dict:
         if isinstance(value, dict):
             _, arg = typing.get_args(hint)
@@ -420,14 +541,21 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise ConfigError(f"{key}.{k}", "keys must be strings")
-                out[k] = _coerce(v, arg, f"{key}.{k}")
+                out[k] = coerce(v, arg, f"{key}.{k}")
             return out
-    else:  # pragma: no cover - a hint this module does not use
+    else:  # pragma: no cover - a hint no config uses
         raise TypeError(f"unsupported config type {hint!r} for {key}")
     raise ConfigError(key, f"expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
 
 
-def _build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+def build_dataclass(cls: type, raw: Any, prefix: str = "") -> Any:
+    """The dataclass ``cls`` from a raw mapping: unknown keys refused (with the closest
+    name), every value checked by :func:`coerce`, nested dataclass fields built the
+    same way. ``prefix`` (``"train."``) starts every key an error names.
+
+    A ``ValueError`` from ``cls`` itself (its ``__post_init__``) becomes a
+    :class:`ConfigError` on the field its message starts with (:func:`field_error`).
+    """
     where = prefix.rstrip(".") or "<root>"
     if raw is None:
         raw = {}
@@ -446,14 +574,32 @@ def _build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
             continue
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build_dataclass(hint, raw[name], f"{prefix}{name}.")
+            kwargs[name] = build_dataclass(hint, raw[name], f"{prefix}{name}.")
         else:
-            kwargs[name] = _coerce(raw[name], hint, f"{prefix}{name}")
-    return cls(**kwargs)
+            kwargs[name] = coerce(raw[name], hint, f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise field_error(exc, names, prefix, where) from None
+
+
+def field_error(exc: ValueError, names: Iterable[str], prefix: str, where: str) -> ConfigError:
+    """A ``ValueError`` whose message starts with one of ``names``
+    (``"lambda_budget must be >= 0, got -1"``) as a :class:`ConfigError` on that key,
+    ``prefix`` first (``train.lambda_budget: must be >= 0, got -1``); any other
+    message on the key ``where``."""
+    message = str(exc)
+    for name in names:
+        if re.match(rf"{re.escape(name)}\b", message):  # \b: "teacher" is not "teacher_weight"
+            return ConfigError(f"{prefix}{name}", _strip_name(message, name))
+    return ConfigError(where, message)
 
 
 # ---------------------------------------------------------------------- validation
-def _require(ok: bool, key: str, reason: str) -> None:
+def require(ok: bool, key: str, reason: str) -> None:
+    """Raise ``ConfigError(key, reason)`` unless ``ok``."""
     if not ok:
         raise ConfigError(key, reason)
 
@@ -467,120 +613,66 @@ def _strip_name(message: str, name: str) -> str:
 
 
 def validate(config: ExperimentConfig) -> None:
-    """Range and consistency checks, the model's own validators included.
+    """Range and consistency checks of every section: all the settings alone can tell.
 
-    Raises :class:`ConfigError` naming the key. Builds the model on PyTorch's
-    ``meta`` device (no memory, no weights, no download) so every check the
-    model makes runs here, before Ray starts.
+    Raises :class:`ConfigError` naming the key. The checks that need timm, the model
+    or the dataset registry are :func:`splitvit.train.experiment.validate_experiment`'s,
+    which runs this first.
     """
     m, d, t, s, st, tr = config.model, config.data, config.train, config.scaling, config.storage, config.tracking
-    # --- train (ranges of the SPLIT objective come from SplitLossConfig itself)
-    _require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
-    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
-    _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
-    _require(t.lr_warmup_steps is None or t.lr_warmup_steps >= 0, "train.lr_warmup_steps", f"must be >= 0, got {t.lr_warmup_steps}")
-    _require(t.lr_warmup_epochs >= 0, "train.lr_warmup_epochs", f"must be >= 0, got {t.lr_warmup_epochs}")
-    _require(t.max_failures >= -1, "train.max_failures", f"must be >= 0, or -1 for no limit, got {t.max_failures}")
+    # --- train (the SPLIT objective's ranges are SplitLossConfig's own)
+    require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
+    require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    require(t.lr_warmup_steps is None or t.lr_warmup_steps >= 0, "train.lr_warmup_steps",
+            f"must be >= 0, got {t.lr_warmup_steps}")
+    require(t.lr_warmup_epochs >= 0, "train.lr_warmup_epochs", f"must be >= 0, got {t.lr_warmup_epochs}")
+    require(t.max_failures >= -1, "train.max_failures", f"must be >= 0, or -1 for no limit, got {t.max_failures}")
     try:
-        t.loss_config()
+        t.loss_config()  # checked when built; again for a config changed since
     except ValueError as exc:
-        message = str(exc)
-        from .train.steps import SplitLossConfig
-
-        # longest first: "teacher_weight ..." must not be read as "teacher ..."
-        for name in sorted((f.name for f in dataclasses.fields(SplitLossConfig)), key=len, reverse=True):
-            if message.startswith(name):
-                raise ConfigError(f"train.{name}", _strip_name(message, name)) from None
-        raise ConfigError("train", message) from None
+        raise field_error(exc, [f.name for f in dataclasses.fields(SplitLossConfig)], "train.", "train") from None
     # --- data
-    from .data import DATASET_NAMES
-
-    _require(d.name in DATASET_NAMES, "data.name", f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}")
-    _require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
-    _require(d.eval_batch_size is None or d.eval_batch_size >= 1, "data.eval_batch_size", f"must be >= 1, got {d.eval_batch_size}")
-    _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
-    _require(d.val_split in ("val", "test"), "data.val_split", f"must be val or test, got {d.val_split!r}")
+    require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
+    require(d.eval_batch_size is None or d.eval_batch_size >= 1, "data.eval_batch_size",
+            f"must be >= 1, got {d.eval_batch_size}")
+    require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
+    require(d.val_split in ("val", "test"), "data.val_split", f"must be val or test, got {d.val_split!r}")
     for key in d.options:
-        _require(key != "image_size", "data.options.image_size", "set the image size with model.image_size")
+        require(key != "image_size", "data.options.image_size", "set the image size with model.image_size")
     # --- scaling
-    _require(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
+    require(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
     for key, value in s.resources_per_worker.items():
-        _require(value >= 0, f"scaling.resources_per_worker.{key}", f"must be >= 0, got {value}")
-    _require(s.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "scaling.placement_strategy",
-             f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}")
+        require(value >= 0, f"scaling.resources_per_worker.{key}", f"must be >= 0, got {value}")
+    require(s.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "scaling.placement_strategy",
+            f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}")
     # --- storage
     if st.is_remote:
-        _require(st.path.startswith("s3://") and len(st.path) > len("s3://"), "storage.path",
-                 f"must be a local folder or s3://bucket/prefix, got {st.path!r}")
-    _require(bool(st.name) and "/" not in st.name and st.name not in (".", ".."), "storage.name",
-             f"must be a plain folder name (no '/'), got {st.name!r}")
-    _require(st.num_to_keep is None or st.num_to_keep >= 1, "storage.num_to_keep", f"must be >= 1 or null, got {st.num_to_keep}")
+        require(st.path.startswith("s3://") and len(st.path) > len("s3://"), "storage.path",
+                f"must be a local folder or s3://bucket/prefix, got {st.path!r}")
+    require(bool(st.name) and "/" not in st.name and st.name not in (".", ".."), "storage.name",
+            f"must be a plain folder name (no '/'), got {st.name!r}")
+    require(st.num_to_keep is None or st.num_to_keep >= 1, "storage.num_to_keep",
+            f"must be >= 1 or null, got {st.num_to_keep}")
     # --- tracking
-    _require(bool(tr.experiment), "tracking.experiment", "must not be empty")
-    _require(tr.split_map_images >= 0, "tracking.split_map_images", f"must be >= 0, got {tr.split_map_images}")
-    # --- model: the model's own validators, errors mapped to keys
-    _validate_model(m)
-
-
-def _validate_model(m: ModelConfig) -> None:
-    import timm
-    import torch
-
-    from .model import POLICY_NAMES, QuadtreeGeometry, validate_thresholds
-    from .model.splitvit import TASKS
-    from .train.experiment import build_model
-
-    _require(timm.is_model(m.name), "model.name", f"unknown timm model {m.name!r}")
-    _require(m.policy in POLICY_NAMES, "model.policy", f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
-    _require(m.task in TASKS, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
-    _require(m.num_classes >= 1, "model.num_classes", f"must be >= 1, got {m.num_classes}")
-    _require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
-    _require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
-    _require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
+    require(bool(tr.experiment), "tracking.experiment", "must not be empty")
+    require(tr.split_map_images >= 0, "tracking.split_map_images", f"must be >= 0, got {tr.split_map_images}")
+    # --- model: what needs no timm and no model (validate_experiment checks the rest)
+    require(m.num_classes >= 1, "model.num_classes", f"must be >= 1, got {m.num_classes}")
+    require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
+    require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
+    require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
     if m.checkpoint_path is not None:
-        _require(Path(m.checkpoint_path).expanduser().is_file(), "model.checkpoint_path", f"file {m.checkpoint_path} does not exist")
+        require(Path(m.checkpoint_path).expanduser().is_file(), "model.checkpoint_path",
+                f"file {m.checkpoint_path} does not exist")
     if m.init_from is not None and "://" not in m.init_from:
         local = Path(m.init_from).expanduser()
-        _require((local / "model.pt").is_file() or local.is_file(), "model.init_from",
-                 f"no splitvit checkpoint at {m.init_from} (a checkpoint folder holding model.pt, or the file)")
+        require((local / "model.pt").is_file() or local.is_file(), "model.init_from",
+                f"no splitvit checkpoint at {m.init_from} (a checkpoint folder holding model.pt, or the file)")
     if isinstance(m.thresholds, str):
-        _require(m.thresholds == AUTO_THRESHOLDS, "model.thresholds",
-                 f"must be numbers in [0, 1] or {AUTO_THRESHOLDS!r}, got {m.thresholds!r}")
-    try:
-        if m.thresholds != AUTO_THRESHOLDS:
-            validate_thresholds(m.thresholds, m.levels)
-    except ValueError as exc:
-        raise ConfigError("model.thresholds", _strip_name(str(exc), "thresholds")) from None
-    # The ViT alone, on the meta device: its patch size decides the quadtree geometry.
-    create = dict(m.timm_kwargs, img_size=m.image_size, num_classes=m.num_classes)
-    try:
-        with torch.device("meta"):
-            vit = timm.create_model(m.name, pretrained=False, **create)
-    except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
-        bad = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
-        key = f"model.timm_kwargs.{bad.group(1)}" if bad else "model.timm_kwargs"
-        raise ConfigError(key, f"timm.create_model({m.name!r}) rejected it: {exc}") from None
-    patch = vit.patch_embed.patch_size[0] if hasattr(vit, "patch_embed") else None
-    if patch is not None:
-        try:
-            QuadtreeGeometry(m.image_size, patch, m.levels)
-        except ValueError as exc:
-            raise ConfigError("model.image_size", str(exc)) from None
-    depth = len(getattr(vit, "blocks", []))
-    if m.policy_width is None:
-        _require(0 <= m.policy_depth <= depth, "model.policy_depth", f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}")
-    else:
-        _require(m.policy_depth >= 0, "model.policy_depth", f"must be >= 0, got {m.policy_depth}")
-        heads = max(1, m.policy_width // 64)
-        _require(m.policy_width >= 1 and m.policy_width % heads == 0, "model.policy_width",
-                 f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {m.policy_width}")
-    try:
-        # whatever else SplitViT checks; weights are loaded on the workers, not here
-        with torch.device("meta"):
-            build_model(dataclasses.replace(m, checkpoint_path=None), pretrained=False)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError("model", str(exc)) from None
+        require(m.thresholds == AUTO_THRESHOLDS, "model.thresholds",
+                f"must be numbers in [0, 1] or {AUTO_THRESHOLDS!r}, got {m.thresholds!r}")
 
 
 # ---------------------------------------------------------------------- flattening
@@ -616,7 +708,11 @@ def redact_uri(uri: str) -> str:
     if match:
         user = match.group("userinfo").split(":", 1)[0]
         uri = f"{match.group('scheme')}{user}:{REDACTED}@{uri[match.end():]}" if ":" in match.group("userinfo") else uri
-    return _QUERY_PARAM.sub(lambda m: m.group("name") + (REDACTED if is_secret_key(m.group("key")) else m.group("value")), uri)
+
+    def masked(m: re.Match) -> str:
+        return m.group("name") + (REDACTED if is_secret_key(m.group("key")) else m.group("value"))
+
+    return _QUERY_PARAM.sub(masked, uri)
 
 
 def redact_secrets(data: Any, key: str = "") -> Any:

@@ -1,13 +1,13 @@
 """``splitvit bench train``: SPLIT's training throughput and Ray Train's overhead, side by side.
 
 One experiment config (:class:`~splitvit.config.ExperimentConfig`: model, synthetic
-data, batch size, seed) drives both parts, measured in one run on one machine. The
-timing helpers are the forward benchmark's (:mod:`splitvit.bench.forward`).
+data, batch size, seed) drives both parts, measured in one run on one machine, with
+the benchmarks' timer (:mod:`splitvit.bench.timing`) and targets (:mod:`splitvit.bench.report`).
 
 **A. Training-step throughput.** The config's SplitViT (learned policy) and a
 full-resolution twin sharing its backbone (``full`` policy) train on the same batch
 (the training set's first), in interleaved rounds
-(:func:`splitvit.bench.forward.time_interleaved`). Each timed call is one whole optimisation
+(:func:`splitvit.bench.timing.time_interleaved`). Each timed call is one whole optimisation
 step, as ``fit_local`` and the Ray loop run it: ``training_step`` (train/steps.py),
 ``zero_grad``, ``backward``, gradient clipping and ``AdamW.step``:
 
@@ -72,33 +72,35 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .forward import (
-    OTHER_LOAD_WARNING,
-    cpu_busy_seconds,
-    format_bound,
-    format_spread,
-    format_value,
-    machine_info,
-    make_target,
-    quartiles,
-    synchronizer,
-    text_table,
-    time_beside_others,
-    timing_summary,
-)
 from ..config import AUTO_THRESHOLDS, ExperimentConfig
 from ..model import SplitViT
 from ..model.quadtree import expected_tokens
-from ..train.experiment import build_model
+from ..train.experiment import build_model, experiment_from_dict
+from .report import device_label, make_target, target_table, text_table
+from .timing import (
+    OTHER_LOAD_WARNING,
+    checked_device,
+    cpu_busy_seconds,
+    machine_info,
+    quartiles,
+    synchronizer,
+    time_beside_others,
+    timing_summary,
+)
+
+if TYPE_CHECKING:
+    from ..train.steps import SplitLossConfig
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,7 @@ def benchmark_config(
         "tracking": {"enabled": False},
         "storage": {"name": "bench-train"},
     }
-    return ExperimentConfig.from_dict(raw)
+    return experiment_from_dict(raw)
 
 
 def _first_batch(config: ExperimentConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +161,9 @@ def _first_batch(config: ExperimentConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------------- part A
 @torch.no_grad()
-def aim_learned_policy(model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30) -> dict[str, Any]:
+def aim_learned_policy(
+    model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30,
+) -> dict[str, Any]:
     """Shift the learned policy's output biases by one offset so that its expected
     token count on ``images`` is ``target_ratio`` of ``N_full`` (bisection: a larger
     offset raises every split probability). Returns the offset and the reached ratio;
@@ -176,7 +180,8 @@ def aim_learned_policy(model: SplitViT, images: torch.Tensor, target_ratio: floa
         return float(expected_tokens(model.split_scores(images)).mean()) / full_tokens
 
     if not lasts or len(lasts) != len(heads):
-        log.warning("bench train: the learned policy has no per-level linear output; its operating point is left as it is")
+        log.warning("bench train: the learned policy has no per-level linear output; "
+                    "its operating point is left as it is")
         return {"offset": None, "expected_ratio": ratio()}
     base = [linear.bias.detach().clone() for linear in lasts]
 
@@ -214,6 +219,172 @@ def _optimizer_step(params: list[nn.Parameter], compute: Callable[[], tuple[torc
     return step
 
 
+#: Part A's curriculum: two warm-up epochs, the warm-up step timed at the second (the
+#: first is full resolution) and the learned-policy step at the epoch after them.
+_WARMUP_EPOCHS, _WARM_EPOCH, _POLICY_EPOCH = 2, 1, 2
+
+StepFn = Callable[[], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclasses.dataclass
+class _StepWorkload:
+    """Part A's models and batch on one device: the config's learned SplitViT, its
+    full-resolution twin (``full`` policy, the same backbone), the training set's
+    first batch, the loss of the timed steps and where the policy was aimed."""
+
+    model: SplitViT
+    full: SplitViT
+    images: torch.Tensor
+    target: torch.Tensor
+    full_tokens: int
+    loss_cfg: SplitLossConfig
+    aim: dict[str, Any]
+
+
+def _step_names(include: tuple[str, ...], teacher_every: int) -> list[str]:
+    """The steps to time, in :data:`STEP_NAMES`' order; ``full`` always (every ratio's
+    baseline), ``split_learned_every_step`` only when it differs from ``split_learned``."""
+    unknown = set(include) - set(STEP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown step(s) {', '.join(sorted(unknown))}; expected some of {', '.join(STEP_NAMES)}")
+    names = [n for n in STEP_NAMES if n in include or n == "full"]
+    if teacher_every == 1:
+        names = [n for n in names if n != "split_learned_every_step"]  # it would be split_learned itself
+    return names
+
+
+def _build_step_workload(config: ExperimentConfig, dev: torch.device) -> _StepWorkload:
+    """Step 1: the models on ``dev``, the batch, and the learned policy aimed at
+    ``train.target_ratio`` (:func:`aim_learned_policy`)."""
+    from ..train.steps import SplitLossConfig
+
+    mc, tc = config.model, config.train
+    torch.manual_seed(config.data.seed)
+    model = build_model(mc).to(dev).train()
+    if not model.policy.learned:
+        raise ValueError(f"part A needs model.policy learned, got {mc.policy!r}")
+    full = SplitViT(model.vit, levels=mc.levels, policy="full", image_size=mc.image_size, task=mc.task,
+                    policy_depth=mc.policy_depth).to(dev).train()
+    images, target = (t.to(dev) for t in _first_batch(config))
+    loss_cfg = SplitLossConfig(**{**tc.loss_config().__dict__, "warmup_epochs": _WARMUP_EPOCHS})
+    aim = aim_learned_policy(model, images, tc.target_ratio)
+    log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.target_ratio, aim)
+    return _StepWorkload(model=model, full=full, images=images, target=target, loss_cfg=loss_cfg, aim=aim,
+                         full_tokens=model.geometry_for(tuple(images.shape[-2:])).full_tokens)
+
+
+def _step_losses(work: _StepWorkload, cycle: int, seed: int) -> dict[str, StepFn]:
+    """Each step's loss and statistics, as the training loops compute them."""
+    from ..train.steps import SplitLossConfig, training_step
+
+    model, full, images, target, loss_cfg = work.model, work.full, work.images, work.target, work.loss_cfg
+    generator = torch.Generator().manual_seed(seed + 1)
+    every_step = SplitLossConfig(**{**loss_cfg.__dict__, "teacher_every": 1})
+    step_index = itertools.count()
+    return {
+        "full": lambda: training_step(full, images, target, loss_cfg, _POLICY_EPOCH, generator),
+        "split_warmup": lambda: training_step(model, images, target, loss_cfg, _WARM_EPOCH, generator),
+        "split_learned": lambda: training_step(model, images, target, loss_cfg, _POLICY_EPOCH, generator,
+                                               next(step_index) % cycle),
+        "split_learned_every_step": lambda: training_step(model, images, target, every_step, _POLICY_EPOCH,
+                                                          generator),
+        "timm": lambda: (lambda loss: (loss, {"token_ratio": 1.0}))(F.cross_entropy(model.vit(images), target)),
+    }
+
+
+def _step_callables(
+    work: _StepWorkload, names: list[str], config: ExperimentConfig, autocast_bf16: bool, dev: torch.device,
+) -> tuple[dict[str, Callable[[], Any]], dict[str, list[dict[str, float]]], dict[str, int]]:
+    """Step 2: one timed callable per step (``split_learned``: a whole teacher cycle of
+    steps), the statistics each step records, and the steps per call."""
+    cycle, tc = config.train.teacher_every, config.train
+    losses = _step_losses(work, cycle, config.data.seed)
+    split_params = list(work.model.parameters())
+    params = {"full": list(work.full.parameters()), "split_warmup": split_params, "split_learned": split_params,
+              "split_learned_every_step": split_params, "timm": list(work.model.vit.parameters())}
+    records: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    steps_per_call = {name: cycle if name == "split_learned" else 1 for name in names}
+
+    def under_autocast(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def wrapped() -> Any:
+            with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext():
+                return fn()
+        return wrapped
+
+    label = work.target if config.model.task == "classification" else None
+    fns: dict[str, Callable[[], Any]] = {}
+    for name in names:
+        if name == "teacher":
+            fns[name] = under_autocast(partial(work.model.relevance, work.images, work.loss_cfg.teacher, target=label))
+        else:
+            one = _optimizer_step(params[name], losses[name], tc.grad_clip, tc.weight_decay, records[name])
+            fns[name] = under_autocast((lambda f, n: lambda: [f() for _ in range(n)])(one, steps_per_call[name]))
+    return fns, records, steps_per_call
+
+
+def _time_steps(
+    fns: dict[str, Callable[[], Any]], steps_per_call: dict[str, int], *, rounds: int, warmup: int,
+    dev: torch.device,
+) -> tuple[dict[str, list[float]], dict[str, list[float]], float | None]:
+    """Step 3: wall and CPU seconds per step, interleaved (a call of n steps counts as
+    their mean step), and the CPUs other processes used meanwhile."""
+    log.info("bench train: timing %d training steps, %d warm-up + %d rounds", len(fns), warmup, rounds)
+    samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=synchronizer(dev))
+    for name, n in steps_per_call.items():
+        samples[name] = [t / n for t in samples[name]]
+        cpu_samples[name] = [t / n for t in cpu_samples[name]]
+    return samples, cpu_samples, others
+
+
+def _step_figures(
+    samples: dict[str, list[float]], cpu_samples: dict[str, list[float]], records: dict[str, list[dict[str, float]]],
+    steps_per_call: dict[str, int], *, warmup: int, batch: int, full_tokens: int,
+) -> dict[str, dict[str, Any]]:
+    """Step 4: per step its timing summary, token fraction over the timed steps, the
+    ideal ratio, and its ratios to ``full`` (medians, fastest rounds, CPU time, per round)."""
+    steps: dict[str, dict[str, Any]] = {}
+    for name, s in samples.items():
+        timed = records[name][warmup * steps_per_call.get(name, 1):] if records[name] else []
+        fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
+        steps[name] = {
+            **timing_summary(s, cpu_samples[name], batch),
+            "token_fraction": fraction,
+            "tokens_per_image": fraction * full_tokens,
+            "ideal_ratio": 1.0 / fraction,
+        }
+    ref = steps["full"]
+    for name, t in steps.items():
+        rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
+        t["ratio_to_full"] = ref["median_s"] / t["median_s"]
+        t["ratio_to_full_fastest"] = ref["min_s"] / t["min_s"]
+        t["ratio_to_full_cpu_time"] = ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None
+        t["per_round"] = {**quartiles(rounds_ratio), "values": rounds_ratio}
+    if "teacher" in steps and "split_learned" in steps:
+        steps["teacher"]["share_of_split_learned"] = steps["teacher"]["median_s"] / steps["split_learned"]["median_s"]
+        for key in ("token_fraction", "tokens_per_image", "ideal_ratio"):
+            steps["teacher"][key] = None  # a full-resolution pass, not a training step at some token count
+    return steps
+
+
+def _step_config(work: _StepWorkload, *, rounds: int, warmup: int, autocast_bf16: bool) -> dict[str, Any]:
+    """Part A's ``config``: how the steps were timed, and what each SPLIT step does."""
+    loss_cfg = work.loss_cfg
+    return {
+        "batch_size": work.images.shape[0],
+        "rounds": rounds,
+        "warmup": warmup,
+        "autocast_bf16": autocast_bf16,
+        "learning_rate": 0.0,
+        "warmup_step": f"epoch {_WARM_EPOCH} of {loss_cfg.warmup_epochs} warm-up epochs: split rates in "
+                       f"[{loss_cfg.warmup_min_split}, 1]",
+        "policy_step": f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.lambda_budget}, "
+                       f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
+                       f"(weight {loss_cfg.teacher_weight}, every {loss_cfg.teacher_every} step(s))",
+        "policy_aim": work.aim,
+        "images": "the training set's first batch",
+    }
+
+
 def run_step_benchmark(
     config: ExperimentConfig,
     *,
@@ -234,119 +405,20 @@ def run_step_benchmark(
         autocast_bf16: run the steps under bf16 autocast (the Ray loop does on CUDA).
         include: which of :data:`STEP_NAMES` to time (``full`` always is).
     """
-    from ..train.steps import SplitLossConfig, training_step
-
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    unknown = set(include) - set(STEP_NAMES)
-    if unknown:
-        raise ValueError(f"unknown step(s) {', '.join(sorted(unknown))}; expected some of {', '.join(STEP_NAMES)}")
-    names = [n for n in STEP_NAMES if n in include or n == "full"]
-    cycle = config.train.teacher_every  # split_learned: one timed call is one teacher cycle of steps
-    if cycle == 1:
-        names = [n for n in names if n != "split_learned_every_step"]  # it would be split_learned itself
-    mc, tc = config.model, config.train
-    sync = synchronizer(dev)
+    dev = checked_device(device)
+    names = _step_names(include, config.train.teacher_every)
     load_start = list(os.getloadavg())
-
-    torch.manual_seed(config.data.seed)
-    model = build_model(mc).to(dev).train()
-    if not model.policy.learned:
-        raise ValueError(f"part A needs model.policy learned, got {mc.policy!r}")
-    full = SplitViT(model.vit, levels=mc.levels, policy="full", image_size=mc.image_size, task=mc.task,
-                    policy_depth=mc.policy_depth).to(dev).train()
-    images, target = (t.to(dev) for t in _first_batch(config))
-    batch = images.shape[0]
-    geometry = model.geometry_for(tuple(images.shape[-2:]))
-    # two warm-up epochs, timed at the second: the first is full resolution (curriculum)
-    base = tc.loss_config()
-    loss_cfg = SplitLossConfig(**{**base.__dict__, "warmup_epochs": 2})
-    warm_epoch, policy_epoch = 1, 2
-    aim = aim_learned_policy(model, images, tc.target_ratio)
-    log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.target_ratio, aim)
-    generator = torch.Generator().manual_seed(config.data.seed + 1)
-
-    def autocast():
-        return torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
-
-    def under_autocast(fn):
-        def wrapped():
-            with autocast():
-                return fn()
-        return wrapped
-
-    records: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    split_params = list(model.parameters())
-    every_step = SplitLossConfig(**{**loss_cfg.__dict__, "teacher_every": 1})
-    step_index = itertools.count()
-    compute: dict[str, Callable[[], tuple[torch.Tensor, dict[str, float]]]] = {
-        "full": lambda: training_step(full, images, target, loss_cfg, policy_epoch, generator),
-        "split_warmup": lambda: training_step(model, images, target, loss_cfg, warm_epoch, generator),
-        "split_learned": lambda: training_step(model, images, target, loss_cfg, policy_epoch, generator,
-                                               next(step_index) % cycle),
-        "split_learned_every_step": lambda: training_step(model, images, target, every_step, policy_epoch, generator),
-        "timm": lambda: (lambda loss: (loss, {"token_ratio": 1.0}))(F.cross_entropy(model.vit(images), target)),
-    }
-    params = {"full": list(full.parameters()), "split_warmup": split_params, "split_learned": split_params,
-              "split_learned_every_step": split_params, "timm": list(model.vit.parameters())}
-    steps_per_call = {name: cycle if name == "split_learned" else 1 for name in names}
-    fns: dict[str, Callable[[], Any]] = {}
-    for name in names:
-        if name == "teacher":
-            label = target if mc.task == "classification" else None
-            fns[name] = under_autocast(lambda: model.relevance(images, loss_cfg.teacher, target=label))
-        else:
-            one = _optimizer_step(params[name], compute[name], tc.grad_clip, tc.weight_decay, records[name])
-            fns[name] = under_autocast((lambda f, n: lambda: [f() for _ in range(n)])(one, steps_per_call[name]))
-
-    log.info("bench train: timing %d training steps, %d warm-up + %d rounds", len(fns), warmup, rounds)
-    samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=sync)
-    for name, n in steps_per_call.items():  # a call of n steps counts as their mean step
-        samples[name] = [t / n for t in samples[name]]
-        cpu_samples[name] = [t / n for t in cpu_samples[name]]
-
-    steps: dict[str, dict[str, Any]] = {}
-    for name, s in samples.items():
-        timed = records[name][warmup * steps_per_call.get(name, 1):] if records[name] else []
-        fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
-        steps[name] = {
-            **timing_summary(s, cpu_samples[name], batch),
-            "token_fraction": fraction,
-            "tokens_per_image": fraction * geometry.full_tokens,
-            "ideal_ratio": 1.0 / fraction,
-        }
-    ref = steps["full"]
-    for name, t in steps.items():
-        rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
-        t["ratio_to_full"] = ref["median_s"] / t["median_s"]
-        t["ratio_to_full_fastest"] = ref["min_s"] / t["min_s"]
-        t["ratio_to_full_cpu_time"] = ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None
-        t["per_round"] = {**quartiles(rounds_ratio), "values": rounds_ratio}
-    if "teacher" in steps and "split_learned" in steps:
-        steps["teacher"]["share_of_split_learned"] = steps["teacher"]["median_s"] / steps["split_learned"]["median_s"]
-        for key in ("token_fraction", "tokens_per_image", "ideal_ratio"):
-            steps["teacher"][key] = None  # a full-resolution pass, not a training step at some token count
-
+    work = _build_step_workload(config, dev)
+    fns, records, steps_per_call = _step_callables(work, names, config, autocast_bf16, dev)
+    samples, cpu_samples, others = _time_steps(fns, steps_per_call, rounds=rounds, warmup=warmup, dev=dev)
+    steps = _step_figures(samples, cpu_samples, records, steps_per_call, warmup=warmup, batch=work.images.shape[0],
+                          full_tokens=work.full_tokens)
     warnings = []
     if others is not None and others > OTHER_LOAD_WARNING:
         warnings.append(f"part A: other processes used {others:.2f} of the {os.cpu_count()} CPUs on average while the "
                         f"steps were timed: wall-clock ratios are noisy; see the fastest-round and CPU-time ratios")
     return {
-        "config": {
-            "batch_size": batch,
-            "rounds": rounds,
-            "warmup": warmup,
-            "autocast_bf16": autocast_bf16,
-            "learning_rate": 0.0,
-            "warmup_step": f"epoch {warm_epoch} of {loss_cfg.warmup_epochs} warm-up epochs: split rates in "
-                           f"[{loss_cfg.warmup_min_split}, 1]",
-            "policy_step": f"epoch {policy_epoch}: sampled decisions, budget penalty (lambda {loss_cfg.lambda_budget}, "
-                           f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
-                           f"(weight {loss_cfg.teacher_weight}, every {loss_cfg.teacher_every} step(s))",
-            "policy_aim": aim,
-            "images": "the training set's first batch",
-        },
+        "config": _step_config(work, rounds=rounds, warmup=warmup, autocast_bf16=autocast_bf16),
         "load_average_start": load_start,
         "load_average_end": list(os.getloadavg()),
         "other_processes_cpus_during_timing": others,
@@ -402,14 +474,15 @@ def overhead_config(config: ExperimentConfig, *, threads: int, device: str, stor
     CUDA), no loader worker processes, no autocast, storage and run name given,
     MLflow only with ``tracking``; validated again."""
     raw = config.to_dict(redact=False)
-    raw["scaling"] = {**raw["scaling"], "num_workers": 1, "use_gpu": device.startswith("cuda"),
-                      "resources_per_worker": {"CPU": float(threads), **({"GPU": 1.0} if device.startswith("cuda") else {})}}
+    gpu = device.startswith("cuda")
+    raw["scaling"] = {**raw["scaling"], "num_workers": 1, "use_gpu": gpu,
+                      "resources_per_worker": {"CPU": float(threads), **({"GPU": 1.0} if gpu else {})}}
     raw["data"]["num_workers"] = 0
     raw["train"]["amp"] = False
     raw["train"]["max_failures"] = 0
     raw["storage"] = {"path": storage, "name": name, "num_to_keep": None}
     raw["tracking"] = {**raw["tracking"], "enabled": bool(tracking), "tracking_uri": tracking_uri if tracking else None}
-    return ExperimentConfig.from_dict(raw)
+    return experiment_from_dict(raw)
 
 
 def _steady(epochs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
@@ -533,6 +606,135 @@ def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) ->
             "started_ray": started_here, "worker_threads": worker, **busy}
 
 
+def _overhead_threads(config: ExperimentConfig, *, threads: int | None, rounds: int, skip_epochs: int) -> int:
+    """Part B's settings checked; the thread count of both runs."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if not 0 <= skip_epochs < config.train.epochs:
+        raise ValueError(f"skip_epochs must be in [0, train.epochs) = [0, {config.train.epochs}), got {skip_epochs}")
+    threads = int(threads or torch.get_num_threads())
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def _overhead_pair(
+    r: int, rounds: int, cfg: ExperimentConfig, *, dev: torch.device, threads: int, folder: Path,
+    skip_epochs: int, ray_address: str | None,
+) -> dict[str, Any]:
+    """Round ``r``: the plain and the Ray run, in alternating order, and their ratio."""
+    order = ("plain", "ray") if r % 2 == 0 else ("ray", "plain")
+    pair: dict[str, Any] = {"order": list(order)}
+    for kind in order:
+        log.info("bench train: round %d/%d, %s run", r + 1, rounds, kind)
+        if kind == "plain":
+            folder.mkdir()
+            pair["plain"] = _run_plain(cfg, dev, folder)
+        else:
+            pair["ray"] = _run_ray(cfg, threads, ray_address)
+    for kind in ("plain", "ray"):
+        pair[kind]["steady"] = _steady(pair[kind]["epochs"], skip_epochs)
+    pair["ratio"] = pair["ray"]["steady"]["images_per_s"] / pair["plain"]["steady"]["images_per_s"]
+    return pair
+
+
+def _overhead_runs(
+    config: ExperimentConfig, *, threads: int, device: str, rounds: int, skip_epochs: int, tracking: bool,
+    storage: str | None, ray_address: str | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every plain/Ray pair, in a temporary folder (the plain runs' models, and Ray's
+    storage and MLflow store unless given); the pairs and the first run's config."""
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory(prefix="splitvit-bench-train-") as tmp:
+        tmp_path = Path(tmp)
+        store = storage or str(tmp_path / "ray")
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{tmp_path}/mlflow.db"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        configs = [overhead_config(config, threads=threads, device=device, storage=store,
+                                   name=f"bench-ray-{stamp}-{r}", tracking=tracking, tracking_uri=uri)
+                   for r in range(rounds)]
+        runs = [_overhead_pair(r, rounds, cfg, dev=dev, threads=threads, folder=tmp_path / f"plain-{r}",
+                               skip_epochs=skip_epochs, ray_address=ray_address) for r, cfg in enumerate(configs)]
+    return runs, configs[0].to_dict(redact=True)
+
+
+def _overhead_total(runs: list[dict[str, Any]], kind: str, skip_epochs: int) -> dict[str, Any]:
+    """One kind of run (``plain`` or ``ray``) over all rounds: steady images/s, epoch
+    seconds with validation, whole epochs (wall and CPU) and end to end."""
+    images = sum(p[kind]["steady"]["images"] for p in runs)
+    seconds = sum(p[kind]["steady"]["train_s"] for p in runs)
+    epochs_all = [e for p in runs for e in p[kind]["epochs"]]
+    steady_epochs = [e for e in epochs_all if e["epoch"] >= skip_epochs]
+    trained = sum(e["images"] for e in epochs_all)
+    wall = sum(p[kind]["end_to_end_s" if kind == "ray" else "wall_s"] for p in runs)
+    # whole epochs both runs marked at both ends (the Ray hook never sees the last one end)
+    whole = [e for p in runs for e in p[kind]["epochs"]
+             if e["epoch"] >= skip_epochs and all("whole_epoch_s" in x for x in _epoch_pair(p, e["epoch"]))]
+    return {
+        "steady_images_per_s": images / seconds,
+        "steady_epoch_incl_validation_s": statistics.fmean(e["epoch_s"] for e in steady_epochs),
+        "whole_epoch_s": statistics.fmean(e["whole_epoch_s"] for e in whole) if whole else None,
+        "whole_epoch_cpu_s": statistics.fmean(e["whole_epoch_cpu_s"] for e in whole) if whole else None,
+        "whole_epochs": len(whole),
+        "end_to_end_s": wall / len(runs),
+        "end_to_end_images_per_s": trained / wall,
+    }
+
+
+def _overhead_figures(runs: list[dict[str, Any]], skip_epochs: int) -> dict[str, Any]:
+    """Both kinds' totals and Ray's speed relative to the plain loop (> 1: Ray faster),
+    steady, per epoch with validation, per whole epoch (wall, CPU time) and end to end."""
+    plain, ray_ = _overhead_total(runs, "plain", skip_epochs), _overhead_total(runs, "ray", skip_epochs)
+    whole_ratio = whole_cpu_ratio = None
+    if plain["whole_epoch_s"] and ray_["whole_epoch_s"]:
+        whole_ratio = plain["whole_epoch_s"] / ray_["whole_epoch_s"]
+        if ray_["whole_epoch_cpu_s"] > 0:
+            whole_cpu_ratio = plain["whole_epoch_cpu_s"] / ray_["whole_epoch_cpu_s"]
+    return {
+        "plain": plain,
+        "ray": ray_,
+        "ratio_steady": ray_["steady_images_per_s"] / plain["steady_images_per_s"],
+        "ratio_epoch_incl_validation": plain["steady_epoch_incl_validation_s"] / ray_["steady_epoch_incl_validation_s"],
+        "ratio_whole_epoch": whole_ratio,
+        "ratio_whole_epoch_cpu_time": whole_cpu_ratio,
+        "ratio_end_to_end": plain["end_to_end_s"] / ray_["end_to_end_s"],
+    }
+
+
+def _overhead_warnings(worker: dict[str, Any] | None, threads: int, ray_before: bool) -> list[str]:
+    """What made part B's comparison less than like for like."""
+    warnings = []
+    if worker is None:
+        warnings.append("part B: the Ray worker's thread settings could not be read back")
+    elif worker.get("forced"):
+        warnings.append(f"part B: the Ray worker started with {worker['torch_threads_found']} torch threads "
+                        f"(OMP_NUM_THREADS={worker['omp_num_threads']}); set to {threads} by the benchmark")
+    if ray_before:
+        warnings.append("part B: Ray was already running, so the plain loop shared the machine with Ray's idle "
+                        "processes")
+    return warnings
+
+
+def _overhead_included(skip_epochs: int, tracking: bool) -> dict[str, str]:
+    """What each of part B's figures includes, in words."""
+    return {
+        "steady": "training images / training-loop seconds (batches, training_step, backward, clip, AdamW; "
+                  f"no validation) over epochs >= {skip_epochs}; both loops time exactly this",
+        "epoch_incl_validation": "training loop + threshold calibration + validation, per steady epoch "
+                                 "(plain: in fit_local's on_epoch; Ray: its metrics' epoch_time_s)",
+        "whole_epoch": "one epoch start to the next: training, validation, the plain run's model save or the "
+                       "Ray loop's checkpoint, report and commit barrier; wall seconds, and the CPU seconds of the "
+                       "training process (all its threads: immune to time-slicing by other processes, blind to "
+                       "Ray's other processes); steady epochs but the last",
+        "end_to_end": "plain: model build, data, all epochs with validation and a model save per epoch; "
+                      "Ray: run_training (worker start-up, data, all epochs with validation, checkpoints "
+                      "with optimizer/scheduler/RNG state, report and commit barrier"
+                      + (", MLflow logging" if tracking else "") + ") plus Ray's start-up when started here",
+        "not_included": "MLflow in the plain run" + ("" if tracking else " and in the Ray run (tracking off)")
+                        + "; bf16 autocast; DataLoader worker processes",
+    }
+
+
 def run_ray_overhead_benchmark(
     config: ExperimentConfig,
     *,
@@ -562,89 +764,27 @@ def run_ray_overhead_benchmark(
     """
     import ray
 
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if not 0 <= skip_epochs < config.train.epochs:
-        raise ValueError(f"skip_epochs must be in [0, train.epochs) = [0, {config.train.epochs}), got {skip_epochs}")
-    threads = int(threads or torch.get_num_threads())
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    dev = checked_device(device)
+    threads = _overhead_threads(config, threads=threads, rounds=rounds, skip_epochs=skip_epochs)
     ray_before = ray.is_initialized() or bool(ray_address or os.environ.get("RAY_ADDRESS"))
     own_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     load_start = list(os.getloadavg())
-    runs: list[dict[str, Any]] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="splitvit-bench-train-") as tmp:
-            tmp_path = Path(tmp)
-            store = storage or str(tmp_path / "ray")
-            uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{tmp_path}/mlflow.db"
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            configs = [overhead_config(config, threads=threads, device=device, storage=store,
-                                       name=f"bench-ray-{stamp}-{r}", tracking=tracking, tracking_uri=uri)
-                       for r in range(rounds)]
-            for r, cfg in enumerate(configs):
-                order = ("plain", "ray") if r % 2 == 0 else ("ray", "plain")
-                pair: dict[str, Any] = {"order": list(order)}
-                for kind in order:
-                    log.info("bench train: round %d/%d, %s run", r + 1, rounds, kind)
-                    if kind == "plain":
-                        folder = tmp_path / f"plain-{r}"
-                        folder.mkdir()
-                        pair["plain"] = _run_plain(cfg, dev, folder)
-                    else:
-                        pair["ray"] = _run_ray(cfg, threads, ray_address)
-                for kind in ("plain", "ray"):
-                    pair[kind]["steady"] = _steady(pair[kind]["epochs"], skip_epochs)
-                pair["ratio"] = pair["ray"]["steady"]["images_per_s"] / pair["plain"]["steady"]["images_per_s"]
-                runs.append(pair)
+        runs, experiment = _overhead_runs(config, threads=threads, device=device, rounds=rounds,
+                                          skip_epochs=skip_epochs, tracking=tracking, storage=storage,
+                                          ray_address=ray_address)
     finally:
         torch.set_num_threads(own_threads)
-
-    def total(kind: str) -> dict[str, Any]:
-        images = sum(p[kind]["steady"]["images"] for p in runs)
-        seconds = sum(p[kind]["steady"]["train_s"] for p in runs)
-        epochs_all = [e for p in runs for e in p[kind]["epochs"]]
-        steady_epochs = [e for e in epochs_all if e["epoch"] >= skip_epochs]
-        trained = sum(e["images"] for e in epochs_all)
-        wall = sum(p[kind]["end_to_end_s" if kind == "ray" else "wall_s"] for p in runs)
-        # whole epochs both runs marked at both ends (the Ray hook never sees the last one end)
-        whole = [e for p in runs for e in p[kind]["epochs"]
-                 if e["epoch"] >= skip_epochs and all("whole_epoch_s" in x for x in _epoch_pair(p, e["epoch"]))]
-        return {
-            "steady_images_per_s": images / seconds,
-            "steady_epoch_incl_validation_s": statistics.fmean(e["epoch_s"] for e in steady_epochs),
-            "whole_epoch_s": statistics.fmean(e["whole_epoch_s"] for e in whole) if whole else None,
-            "whole_epoch_cpu_s": statistics.fmean(e["whole_epoch_cpu_s"] for e in whole) if whole else None,
-            "whole_epochs": len(whole),
-            "end_to_end_s": wall / rounds,
-            "end_to_end_images_per_s": trained / wall,
-        }
-
-    plain, ray_ = total("plain"), total("ray")
-    whole_ratio = whole_cpu_ratio = None
-    if plain["whole_epoch_s"] and ray_["whole_epoch_s"]:
-        whole_ratio = plain["whole_epoch_s"] / ray_["whole_epoch_s"]
-        whole_cpu_ratio = plain["whole_epoch_cpu_s"] / ray_["whole_epoch_cpu_s"] if ray_["whole_epoch_cpu_s"] > 0 else None
-    ratio = ray_["steady_images_per_s"] / plain["steady_images_per_s"]
+    figures = _overhead_figures(runs, skip_epochs)
     worker = next((p["ray"]["worker_threads"] for p in runs if p["ray"].get("worker_threads")), None)
-    target = make_target("ray", "Ray Train (1 worker) vs plain loop: steady-state training images/s", ratio, ">=",
-                     RAY_OVERHEAD_TARGET, "times", note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
-                     rounds=[p["ratio"] for p in runs])
-    warnings = []
-    if worker is None:
-        warnings.append("part B: the Ray worker's thread settings could not be read back")
-    elif worker.get("forced"):
-        warnings.append(f"part B: the Ray worker started with {worker['torch_threads_found']} torch threads "
-                        f"(OMP_NUM_THREADS={worker['omp_num_threads']}); set to {threads} by the benchmark")
-    if ray_before:
-        warnings.append("part B: Ray was already running, so the plain loop shared the machine with Ray's idle processes")
+    target = make_target("ray", "Ray Train (1 worker) vs plain loop: steady-state training images/s",
+                         figures["ratio_steady"], ">=", RAY_OVERHEAD_TARGET, "times",
+                         note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
+                         rounds=[p["ratio"] for p in runs])
     return {
         "config": {
-            "experiment": configs[0].to_dict(redact=True),
+            "experiment": experiment,
             "threads": threads,
             "device": str(dev),
             "rounds": rounds,
@@ -657,31 +797,10 @@ def run_ray_overhead_benchmark(
         "load_average_start": load_start,
         "load_average_end": list(os.getloadavg()),
         "runs": runs,
-        "plain": plain,
-        "ray": ray_,
-        "ratio_steady": ratio,
-        "ratio_epoch_incl_validation": plain["steady_epoch_incl_validation_s"] / ray_["steady_epoch_incl_validation_s"],
-        "ratio_whole_epoch": whole_ratio,
-        "ratio_whole_epoch_cpu_time": whole_cpu_ratio,
-        "ratio_end_to_end": plain["end_to_end_s"] / ray_["end_to_end_s"],
+        **figures,
         "target": target,
-        "included": {
-            "steady": "training images / training-loop seconds (batches, training_step, backward, clip, AdamW; "
-                      f"no validation) over epochs >= {skip_epochs}; both loops time exactly this",
-            "epoch_incl_validation": "training loop + threshold calibration + validation, per steady epoch "
-                                     "(plain: in fit_local's on_epoch; Ray: its metrics' epoch_time_s)",
-            "whole_epoch": "one epoch start to the next: training, validation, the plain run's model save or the "
-                           "Ray loop's checkpoint, report and commit barrier; wall seconds, and the CPU seconds of the "
-                           "training process (all its threads: immune to time-slicing by other processes, blind to "
-                           "Ray's other processes); steady epochs but the last",
-            "end_to_end": "plain: model build, data, all epochs with validation and a model save per epoch; "
-                          "Ray: run_training (worker start-up, data, all epochs with validation, checkpoints "
-                          "with optimizer/scheduler/RNG state, report and commit barrier"
-                          + (", MLflow logging" if tracking else "") + ") plus Ray's start-up when started here",
-            "not_included": "MLflow in the plain run" + ("" if tracking else " and in the Ray run (tracking off)")
-                            + "; bf16 autocast; DataLoader worker processes",
-        },
-        "warnings": warnings,
+        "included": _overhead_included(skip_epochs, tracking),
+        "warnings": _overhead_warnings(worker, threads, ray_before),
     }
 
 
@@ -703,14 +822,16 @@ def run_train_benchmark(
 ) -> dict[str, Any]:
     """Both parts on one config (default :func:`benchmark_config`); ``parts`` picks
     ``steps`` (A) and/or ``ray`` (B); ``threads`` (default: this process's torch
-    threads) holds for both; ``autocast_bf16`` applies to part A's steps. A JSON-serialisable dict: ``model``, ``machine``,
-    ``steps`` (part A), ``ray_overhead`` (part B), ``targets``, ``warnings``."""
+    threads) holds for both; ``autocast_bf16`` applies to part A's steps. A
+    JSON-serialisable dict: ``model``, ``machine``, ``steps`` (part A),
+    ``ray_overhead`` (part B), ``targets``, ``warnings``."""
     config = config or benchmark_config()
     unknown = set(parts) - {"steps", "ray"}
     if unknown or not parts:
         raise ValueError(f"parts must be some of steps, ray; got {', '.join(parts) or 'none'}")
     dev = torch.device(device)
-    result: dict[str, Any] = {"benchmark": "train", "model": _vit_info(config), "load_average_start": list(os.getloadavg())}
+    result: dict[str, Any] = {"benchmark": "train", "model": _vit_info(config),
+                              "load_average_start": list(os.getloadavg())}
     own_threads = torch.get_num_threads()
     threads = int(threads or own_threads)
     if threads < 1:
@@ -764,100 +885,117 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
 
 
-def format_train_report(result: dict[str, Any]) -> str:
-    """A readable report of :func:`run_train_benchmark`'s result."""
+def _train_header(result: dict[str, Any]) -> list[str]:
+    """Where it ran and the workload."""
     mach, m = result["machine"], result["model"]
-    lines = [
-        f"SPLIT training benchmark: {mach['device']}{' (' + mach['device_name'] + ')' if 'device_name' in mach else ''}, "
-        f"{mach['cpu_count']} CPUs ({mach['processor']}), torch {mach['torch_version']}, timm {mach['timm_version']}; "
-        f"1-min load average {result['load_average_start'][0]:.2f} at start, {mach['load_average_end'][0]:.2f} at end",
+    return [
+        f"SPLIT training benchmark: {device_label(mach)}, torch {mach['torch_version']}, "
+        f"timm {mach['timm_version']}; 1-min load average {result['load_average_start'][0]:.2f} at start, "
+        f"{mach['load_average_end'][0]:.2f} at end",
         f"model {m['name']} (dim {m['embed_dim']}, depth {m['depth']}, heads {m['num_heads']}), {m['image_size']} px, "
         f"p={m['patch_size']}, L={m['levels']} (P={m['coarse_patch_size']}), N_full={m['full_tokens']}, "
         f"N_min={m['min_tokens']}, policy depth {m['policy_depth']}, batch {m['batch_size']}, data {m['data']}",
     ]
-    if "steps" in result:
-        a = result["steps"]
-        cfg = a["config"]
-        others = a["other_processes_cpus_during_timing"]
-        lines += [
-            "",
-            f"A. training-step throughput: one optimisation step (training_step, backward, clip, AdamW at lr 0), "
-            f"median of {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up, {mach['torch_threads']} "
-            f"torch threads; other processes used " + (f"{others:.2f}" if others is not None else "?") + " CPUs",
-            f"  warm-up step: {cfg['warmup_step']}",
-            f"  learned step: {cfg['policy_step']}; policy aimed at "
-            f"{result['model']['target_ratio']:.0%} expected tokens (reached {cfg['policy_aim']['expected_ratio']:.3f})",
-        ]
-        rows = []
-        for name, t in a["steps"].items():
-            frac = t.get("token_fraction")
+
+
+def _steps_lines(result: dict[str, Any]) -> list[str]:
+    """Part A: how the steps were timed, one row per step, and the checks beside the medians."""
+    a, mach = result["steps"], result["machine"]
+    cfg, others = a["config"], a["other_processes_cpus_during_timing"]
+    lines = [
+        "",
+        f"A. training-step throughput: one optimisation step (training_step, backward, clip, AdamW at lr 0), "
+        f"median of {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up, {mach['torch_threads']} "
+        f"torch threads; other processes used " + (f"{others:.2f}" if others is not None else "?") + " CPUs",
+        f"  warm-up step: {cfg['warmup_step']}",
+        f"  learned step: {cfg['policy_step']}; policy aimed at "
+        f"{result['model']['target_ratio']:.0%} expected tokens (reached {cfg['policy_aim']['expected_ratio']:.3f})",
+    ]
+    rows = []
+    for name, t in a["steps"].items():
+        frac = t.get("token_fraction")
+        rows.append([
+            _STEP_LABELS.get(name, name),
+            f"{t['tokens_per_image']:.1f}" if frac is not None else "",
+            f"{frac:.3f}" if frac is not None else "",
+            _ms(t["median_s"]), f"{_ms(t['min_s'])}-{_ms(t['max_s'])}",
+            f"{t['images_per_s']:.1f}",
+            f"{t['ratio_to_full']:.2f}x",
+            f"{t['per_round']['q1']:.2f}x .. {t['per_round']['q3']:.2f}x",
+            f"{t['ideal_ratio']:.2f}x" if frac is not None else
+            (f"{t['share_of_split_learned']:.0%} of learned step" if "share_of_split_learned" in t else ""),
+        ])
+    lines += ["  " + line for line in text_table(
+        ["step", "tokens/img", "fraction", "ms/step", "min-max ms", "img/s", "vs full", "per-round IQR",
+         "ideal (1/fraction)"], rows)]
+    others_steps = [(n, t) for n, t in a["steps"].items() if n != "full"]
+    lines.append("  checks, ratio to full from each step's fastest round: "
+                 + ", ".join(f"{n} {t['ratio_to_full_fastest']:.2f}x" for n, t in others_steps)
+                 + "; from median process CPU time: "
+                 + ", ".join(f"{n} {t['ratio_to_full_cpu_time']:.2f}x" for n, t in others_steps
+                             if t["ratio_to_full_cpu_time"] is not None))
+    return lines
+
+
+def _ray_runs_lines(b: dict[str, Any]) -> list[str]:
+    """Part B: what was compared, and one row per run."""
+    cfg, worker = b["config"], b["worker_threads"] or {}
+    lines = [
+        "",
+        f"B. Ray Train overhead: the same config trained by fit_local (plain loop, this process) and by "
+        f"run_training (TorchTrainer, 1 worker); {cfg['threads']} CPU threads in both (worker: OMP_NUM_THREADS="
+        f"{worker.get('omp_num_threads')}, torch {worker.get('torch_threads')}"
+        + (" after being set" if worker.get("forced") else "") + f"), {cfg['rounds']} round(s), "
+        f"{cfg['experiment']['train']['epochs']} epochs of {b['runs'][0]['plain']['epochs'][0]['images']} images",
+    ]
+    rows = []
+    for i, pair in enumerate(b["runs"]):
+        for kind in pair["order"]:
+            run = pair[kind]
+            steady_epochs = [e["epoch_s"] for e in run["epochs"] if e["epoch"] >= cfg["skip_epochs"]]
             rows.append([
-                _STEP_LABELS.get(name, name),
-                f"{t['tokens_per_image']:.1f}" if frac is not None else "",
-                f"{frac:.3f}" if frac is not None else "",
-                _ms(t["median_s"]), f"{_ms(t['min_s'])}-{_ms(t['max_s'])}",
-                f"{t['images_per_s']:.1f}",
-                f"{t['ratio_to_full']:.2f}x",
-                f"{t['per_round']['q1']:.2f}x .. {t['per_round']['q3']:.2f}x",
-                f"{t['ideal_ratio']:.2f}x" if frac is not None else
-                (f"{t['share_of_split_learned']:.0%} of learned step" if "share_of_split_learned" in t else ""),
+                f"{i + 1}", kind,
+                " | ".join(f"{e['images_per_s']:.1f}" for e in run["epochs"]),
+                f"{run['steady']['images_per_s']:.1f}",
+                f"{statistics.fmean(steady_epochs):.1f}",
+                f"{run['wall_s']:.1f}" + (f" + {run['ray_start_s']:.1f} Ray start" if run.get("ray_start_s") else ""),
+                f"{run['machine_busy_cpus']:.2f}" if run.get("machine_busy_cpus") is not None else "?",
             ])
-        lines += ["  " + line for line in text_table(
-            ["step", "tokens/img", "fraction", "ms/step", "min-max ms", "img/s", "vs full", "per-round IQR",
-             "ideal (1/fraction)"], rows)]
-        lines.append("  checks, ratio to full from each step's fastest round: " + ", ".join(
-            f"{n} {t['ratio_to_full_fastest']:.2f}x" for n, t in a["steps"].items() if n != "full")
-            + "; from median process CPU time: " + ", ".join(
-            f"{n} {t['ratio_to_full_cpu_time']:.2f}x" for n, t in a["steps"].items()
-            if n != "full" and t["ratio_to_full_cpu_time"] is not None))
+    return lines + ["  " + line for line in text_table(
+        ["round", "run", "train img/s per epoch", f"steady img/s (epochs >= {cfg['skip_epochs']})",
+         "epoch incl. val s", "wall s", "machine busy CPUs"], rows)]
+
+
+def _ray_summary_lines(b: dict[str, Any]) -> list[str]:
+    """Part B: the target, and Ray's speed per epoch with validation, per whole epoch
+    and end to end."""
+    plain, ray_ = b["plain"], b["ray"]
+    lines = ["  " + line for line in target_table([b["target"]])]
+    lines.append(
+        f"  per steady epoch incl. threshold calibration and validation: plain "
+        f"{plain['steady_epoch_incl_validation_s']:.2f} s, Ray {ray_['steady_epoch_incl_validation_s']:.2f} s "
+        f"(Ray/plain speed {b['ratio_epoch_incl_validation']:.2f}x)")
+    if b.get("ratio_whole_epoch") is not None:
+        cpu = b["ratio_whole_epoch_cpu_time"]
+        lines.append(
+            f"  whole epoch (start to next start, incl. checkpoint and report), {plain['whole_epochs']} epoch(s): "
+            f"plain {plain['whole_epoch_s']:.2f} s / {plain['whole_epoch_cpu_s']:.2f} CPU-s, "
+            f"Ray {ray_['whole_epoch_s']:.2f} s / {ray_['whole_epoch_cpu_s']:.2f} CPU-s of the worker process; "
+            f"Ray/plain speed {b['ratio_whole_epoch']:.2f}x wall, "
+            + (f"{cpu:.2f}x CPU time" if cpu is not None else "? CPU time"))
+    lines.append(
+        f"  END TO END (incl. Ray start-up): plain {plain['end_to_end_s']:.1f} s "
+        f"({plain['end_to_end_images_per_s']:.1f} img/s), Ray {ray_['end_to_end_s']:.1f} s "
+        f"({ray_['end_to_end_images_per_s']:.1f} img/s); Ray/plain speed {b['ratio_end_to_end']:.2f}x")
+    return lines + [f"  {key}: {text}" for key, text in b["included"].items()]
+
+
+def format_train_report(result: dict[str, Any]) -> str:
+    """A readable report of :func:`run_train_benchmark`'s result."""
+    lines = _train_header(result)
+    if "steps" in result:
+        lines += _steps_lines(result)
     if "ray_overhead" in result:
-        b = result["ray_overhead"]
-        cfg, worker = b["config"], b["worker_threads"] or {}
-        lines += [
-            "",
-            f"B. Ray Train overhead: the same config trained by fit_local (plain loop, this process) and by "
-            f"run_training (TorchTrainer, 1 worker); {cfg['threads']} CPU threads in both (worker: OMP_NUM_THREADS="
-            f"{worker.get('omp_num_threads')}, torch {worker.get('torch_threads')}"
-            + (" after being set" if worker.get("forced") else "") + f"), {cfg['rounds']} round(s), "
-            f"{cfg['experiment']['train']['epochs']} epochs of {b['runs'][0]['plain']['epochs'][0]['images']} images",
-        ]
-        rows = []
-        for i, pair in enumerate(b["runs"]):
-            for kind in pair["order"]:
-                run = pair[kind]
-                rows.append([
-                    f"{i + 1}", kind,
-                    " | ".join(f"{e['images_per_s']:.1f}" for e in run["epochs"]),
-                    f"{run['steady']['images_per_s']:.1f}",
-                    f"{statistics.fmean(e['epoch_s'] for e in run['epochs'] if e['epoch'] >= cfg['skip_epochs']):.1f}",
-                    f"{run['wall_s']:.1f}" + (f" + {run['ray_start_s']:.1f} Ray start" if run.get("ray_start_s") else ""),
-                    f"{run['machine_busy_cpus']:.2f}" if run.get("machine_busy_cpus") is not None else "?",
-                ])
-        lines += ["  " + line for line in text_table(
-            ["round", "run", "train img/s per epoch", f"steady img/s (epochs >= {cfg['skip_epochs']})",
-             "epoch incl. val s", "wall s", "machine busy CPUs"], rows)]
-        t = b["target"]
-        lines += ["  " + line for line in text_table(
-            ["", "target", "measured", "bound", "", "per-round IQR", "note"],
-            [[t["key"], t["what"], format_value(t), format_bound(t), "PASS" if t["passed"] else "MISS", format_spread(t), t["note"]]])]
-        plain, ray_ = b["plain"], b["ray"]
-        lines += [
-            f"  per steady epoch incl. threshold calibration and validation: plain {plain['steady_epoch_incl_validation_s']:.2f} s, "
-            f"Ray {ray_['steady_epoch_incl_validation_s']:.2f} s (Ray/plain speed {b['ratio_epoch_incl_validation']:.2f}x)",
-        ]
-        if b.get("ratio_whole_epoch") is not None:
-            lines.append(
-                f"  whole epoch (start to next start, incl. checkpoint and report), {plain['whole_epochs']} epoch(s): "
-                f"plain {plain['whole_epoch_s']:.2f} s / {plain['whole_epoch_cpu_s']:.2f} CPU-s, Ray {ray_['whole_epoch_s']:.2f} s / "
-                f"{ray_['whole_epoch_cpu_s']:.2f} CPU-s of the worker process; Ray/plain speed {b['ratio_whole_epoch']:.2f}x wall, "
-                + (f"{b['ratio_whole_epoch_cpu_time']:.2f}x CPU time" if b["ratio_whole_epoch_cpu_time"] is not None else "? CPU time"))
-        lines += [
-            f"  END TO END (incl. Ray start-up): plain {plain['end_to_end_s']:.1f} s ({plain['end_to_end_images_per_s']:.1f} img/s), "
-            f"Ray {ray_['end_to_end_s']:.1f} s ({ray_['end_to_end_images_per_s']:.1f} img/s); Ray/plain speed "
-            f"{b['ratio_end_to_end']:.2f}x",
-        ]
-        for key, text in b["included"].items():
-            lines.append(f"  {key}: {text}")
-    for warning in result.get("warnings", []):
-        lines.append(f"WARNING: {warning}")
+        lines += _ray_runs_lines(result["ray_overhead"]) + _ray_summary_lines(result["ray_overhead"])
+    lines += [f"WARNING: {warning}" for warning in result.get("warnings", [])]
     return "\n".join(lines)

@@ -1,10 +1,13 @@
 """Preflight: what would only fail once Ray has started, checked in the driver first.
 
 ``splitvit train``, ``sweep``, ``study`` and ``eval`` call :func:`preflight` (or
-:func:`preflight_eval`) after the config is validated and before Ray starts, so
-that bad input found only at run time ends in seconds with one line naming the
-setting, instead of a hang or a worker traceback:
+:func:`preflight_eval`) before Ray starts, so that bad input found only at run time
+ends in seconds with one line naming the setting, instead of a hang or a worker
+traceback:
 
+* **config** -- the experiment config is fully validated first
+  (:func:`splitvit.train.experiment.validate_experiment`; a
+  :class:`~splitvit.config.ConfigError` naming the key), whoever built it;
 * **capacity** -- the cluster can ever hold the requested workers (and a sweep's
   or study's trial driver): in total and per node (a worker's bundle must fit on
   one node; ``STRICT_PACK`` puts them all on one, ``STRICT_SPREAD`` one per
@@ -25,7 +28,7 @@ setting, instead of a hang or a worker traceback:
   ``model.num_classes`` (read from the dataset's class list, label list or
   manifest, else from a bounded sample; nothing is rendered or decoded in bulk).
 
-Every failure raises :class:`PreflightError` (a ``ValueError``), which the
+Every other failure raises :class:`PreflightError` (a ``ValueError``), which the
 command line prints as ``splitvit <command>: error: <key>: <reason>``, exit 2.
 """
 
@@ -43,6 +46,7 @@ from typing import Any, Mapping, Sequence
 from urllib.parse import urlparse
 
 from ..config import ExperimentConfig, redact_uri
+from ..train.experiment import validate_experiment
 
 log = logging.getLogger(__name__)
 
@@ -541,9 +545,11 @@ def preflight(
 
     ``tracking_uri`` is checked instead of the config's own (a study's runs log
     nothing themselves; its parent run does); ``trial_resources`` is a Tune trial's
-    driver bundle (sweep, study). Raises :class:`PreflightError`.
+    driver bundle (sweep, study). Raises :class:`~splitvit.config.ConfigError` for a
+    bad config (checked first, in well under a second), else :class:`PreflightError`.
     """
     start = time.monotonic()
+    validate_experiment(config)
     report = PreflightReport()
     address, source = resolve_ray_address(ray_address)
     if address == "local":  # a new Ray on this machine, as without an address

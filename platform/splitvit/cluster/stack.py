@@ -495,7 +495,47 @@ def up(settings: StackSettings | None = None) -> StackStatus:
         return _up(settings, folder)
 
 
+@dataclass
+class _Launch:
+    """Everything :func:`_up` settles before it starts a process: ports, folders, the
+    MLflow stores and the environment every stack process gets."""
+
+    settings: StackSettings
+    folder: Path
+    client_host: str
+    ports: dict[str, int]
+    ray_temp: Path
+    logs: Path
+    token_path: Path
+    stack_id: str
+    env: dict[str, str]
+    backend: str
+    artifacts: str
+
+    @property
+    def dashboard_url(self) -> str:
+        """The Ray dashboard and job server, as clients on this machine reach it."""
+        return f"http://{self.client_host}:{self.settings.dashboard_port}"
+
+    @property
+    def mlflow_url(self) -> str:
+        """The MLflow server, as clients on this machine reach it."""
+        return f"http://{self.client_host}:{self.settings.mlflow_port}"
+
+    @property
+    def mlflow_log(self) -> Path:
+        """The MLflow server's output."""
+        return self.logs / "mlflow.log"
+
+    @property
+    def ray_log(self) -> Path:
+        """``ray start``'s output."""
+        return self.logs / "ray-start.log"
+
+
 def _up(settings: StackSettings, folder: Path) -> StackStatus:
+    """:func:`up` with the stack folder locked: report a healthy stack, else stop what
+    is left of an unhealthy one, start MLflow and the Ray head and wait for both."""
     current = status(folder)
     if current.state is not None:
         if current.healthy:
@@ -503,9 +543,53 @@ def _up(settings: StackSettings, folder: Path) -> StackStatus:
             return current
         log.warning("a previous stack in %s is not healthy; stopping what is left of it", folder)
         _down(folder, 10.0)
+    launch = _plan_launch(settings, folder)
+    # MLflow first: it is the slower to boot and comes up while `ray start` runs.
+    mlflow_proc = _start_mlflow(launch)
+    state = _initial_state(launch, mlflow_proc.pid)
+    # Written before anything can fail, so that `stack down` finds whatever did start.
+    _write_state(folder, state)
+    try:
+        _start_ray_head(launch, state)
+        _wait_until_healthy(launch, state, mlflow_proc)
+    except BaseException:
+        log.error("the stack did not come up; stopping what started")
+        _down(folder, 10.0)
+        raise
+    _write_private(folder / ENV_FILE, "".join(f"export {k}={_shell_quote(v)}\n" for k, v in state.env().items()))
+    if settings.host not in LOOPBACK:
+        log.warning("the stack listens on %s: Ray's job server needs its token, but the local MLflow server has no "
+                    "authentication (see infra/mlflow for a server with it)", settings.host)
+    return status(folder)
 
-    host = settings.host
-    client_host = _client_host(host)
+
+def _plan_launch(settings: StackSettings, folder: Path) -> _Launch:
+    """Check the ports and Ray's temp folder, create the stack's folders and token, and
+    settle the processes' environment and the MLflow stores."""
+    client_host = _client_host(settings.host)
+    ports = _stack_ports(settings, client_host)
+    ray_temp = Path(settings.ray_temp_dir or folder / "ray").expanduser().resolve()
+    if len(str(ray_temp)) + len(_RAY_SOCKET_SUFFIX) > _SOCKET_PATH_MAX:
+        raise StackError(f"Ray's temp folder {ray_temp} is too long for the Unix sockets Ray creates in it "
+                         f"(at most {_SOCKET_PATH_MAX - len(_RAY_SOCKET_SUFFIX)} characters); "
+                         "pass a shorter --ray-temp-dir")
+    logs = folder / "logs"
+    for path in (ray_temp, logs, folder / "runs"):
+        path.mkdir(parents=True, exist_ok=True)
+    token_path = folder / TOKEN_FILE
+    _ensure_token(token_path)
+    stack_id = uuid.uuid4().hex
+    return _Launch(
+        settings=settings, folder=folder, client_host=client_host, ports=ports, ray_temp=ray_temp, logs=logs,
+        token_path=token_path, stack_id=stack_id, env=_base_env(stack_id, settings, token_path),
+        backend=settings.backend_store_uri or f"sqlite:///{folder / 'mlflow.db'}",
+        artifacts=settings.artifacts_destination or str(folder / "mlartifacts"),
+    )
+
+
+def _stack_ports(settings: StackSettings, client_host: str) -> dict[str, int]:
+    """The stack's ports by setting name (Ray's internal ones picked free when unset);
+    raises :class:`StackError` when two are the same or one is taken."""
     ports = {
         "dashboard_port": settings.dashboard_port,
         "mlflow_port": settings.mlflow_port,
@@ -518,42 +602,61 @@ def _up(settings: StackSettings, folder: Path) -> StackStatus:
     if len(set(ports.values())) != len(ports):
         raise StackError(f"the stack's ports must differ: {ports}")
     for name, port in ports.items():
-        if not port_is_free(port, "0.0.0.0" if host not in LOOPBACK else client_host):
+        if not port_is_free(port, "0.0.0.0" if settings.host not in LOOPBACK else client_host):
             option = "--" + name.replace("_", "-")
             raise StackError(f"port {port} ({name}) is already in use on this machine; "
                              f"stop what listens there or pick another with {option}")
+    return ports
 
-    ray_temp = Path(settings.ray_temp_dir or folder / "ray").expanduser().resolve()
-    if len(str(ray_temp)) + len(_RAY_SOCKET_SUFFIX) > _SOCKET_PATH_MAX:
-        raise StackError(f"Ray's temp folder {ray_temp} is too long for the Unix sockets Ray creates in it "
-                         f"(at most {_SOCKET_PATH_MAX - len(_RAY_SOCKET_SUFFIX)} characters); pass a shorter --ray-temp-dir")
-    logs = folder / "logs"
-    for path in (ray_temp, logs, folder / "runs"):
-        path.mkdir(parents=True, exist_ok=True)
-    token_path = folder / TOKEN_FILE
-    _ensure_token(token_path)
 
-    stack_id = uuid.uuid4().hex
-    env = _base_env(stack_id, settings, token_path)
-    backend = settings.backend_store_uri or f"sqlite:///{folder / 'mlflow.db'}"
-    artifacts = settings.artifacts_destination or str(folder / "mlartifacts")
-    dashboard_url = f"http://{client_host}:{settings.dashboard_port}"
-    mlflow_url = f"http://{client_host}:{settings.mlflow_port}"
+def _initial_state(launch: _Launch, mlflow_pid: int) -> StackState:
+    """The stack's state once MLflow has started (``ray_start_pid`` follows with ``ray start``)."""
+    return StackState(
+        stack_id=launch.stack_id, host=launch.settings.host, dashboard_url=launch.dashboard_url,
+        gcs_address=f"{launch.client_host}:{launch.ports['ray_port']}", mlflow_url=launch.mlflow_url,
+        agent_port=launch.ports["agent_port"], ray_temp_dir=str(launch.ray_temp),
+        auth_token_path=str(launch.token_path), backend_store_uri=_redact(launch.backend),
+        artifacts_destination=_redact(launch.artifacts), storage_path=str(launch.folder / "runs"),
+        mlflow_pid=mlflow_pid, ray_start_pid=0, logs_dir=str(launch.logs), python=sys.executable,
+        started_at=time.time(),
+    )
 
-    mlflow_env = dict(env)
+
+def _write_state(folder: Path, state: StackState) -> None:
+    """``stack.json``: where the stack's parts are (read by ``stack down`` and ``submit``)."""
+    _write_private(folder / STATE_FILE, json.dumps(asdict(state), indent=2) + "\n")
+
+
+def _start_mlflow(launch: _Launch) -> subprocess.Popen:
+    """Start the MLflow tracking server in its own session; returns its process (not yet healthy)."""
+    settings = launch.settings
+    env = dict(launch.env)
     # MLflow's background job runner serves GenAI judges; training tracking does not
     # use it, and it costs several processes on a laptop.
-    mlflow_env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    mlflow_cmd = [
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    command = [
         sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", backend,
-        "--artifacts-destination", artifacts,
+        "--backend-store-uri", launch.backend,
+        "--artifacts-destination", launch.artifacts,
         "--serve-artifacts",
-        "--host", host,
+        "--host", settings.host,
         "--port", str(settings.mlflow_port),
         "--workers", str(settings.mlflow_workers),
     ]
-    ray_cmd = [
+    log.info("starting MLflow on %s (backend %s, artifacts %s)", launch.mlflow_url, _redact(launch.backend),
+             _redact(launch.artifacts))
+    with open(launch.mlflow_log, "ab") as out:
+        return subprocess.Popen(command, env=env, cwd=launch.folder, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _start_ray_head(launch: _Launch, state: StackState) -> None:
+    """Run ``ray start --head`` (it returns once the head's processes run), recording
+    its pid in ``stack.json`` first; raises :class:`StackError` with its log's tail when
+    it fails or outlasts ``timeout_s``."""
+    settings, ports = launch.settings, launch.ports
+    host = settings.host
+    command = [
         *_ray_command(), "start", "--head",
         "--port", str(ports["ray_port"]),
         "--dashboard-host", host,
@@ -561,78 +664,59 @@ def _up(settings: StackSettings, folder: Path) -> StackStatus:
         "--include-dashboard", "true",
         "--dashboard-agent-listen-port", str(ports["agent_port"]),
         "--ray-client-server-port", str(ports["client_port"]),
-        "--temp-dir", str(ray_temp),
+        "--temp-dir", str(launch.ray_temp),
         "--disable-usage-stats",
     ]
     if host not in LOOPBACK and host not in ("0.0.0.0", "::", ""):
-        ray_cmd += ["--node-ip-address", host]
+        command += ["--node-ip-address", host]
     if settings.num_cpus is not None:
-        ray_cmd += ["--num-cpus", str(settings.num_cpus)]
+        command += ["--num-cpus", str(settings.num_cpus)]
     if settings.num_gpus is not None:
-        ray_cmd += ["--num-gpus", str(settings.num_gpus)]
-    ray_env = dict(env)
+        command += ["--num-gpus", str(settings.num_gpus)]
+    env = dict(launch.env)
     # Jobs on the stack log to the stack's MLflow unless their runtime env says otherwise
     # (so `ray job submit` without extra options does what `splitvit submit` does).
-    ray_env["MLFLOW_TRACKING_URI"] = mlflow_url
+    env["MLFLOW_TRACKING_URI"] = launch.mlflow_url
     # Ray's fixed metrics ports would collide with any other Ray instance on the machine.
-    ray_env["AUTOSCALER_METRIC_PORT"] = str(ports["autoscaler_metrics_port"])
-    ray_env["DASHBOARD_METRIC_PORT"] = str(ports["dashboard_metrics_port"])
+    env["AUTOSCALER_METRIC_PORT"] = str(ports["autoscaler_metrics_port"])
+    env["DASHBOARD_METRIC_PORT"] = str(ports["dashboard_metrics_port"])
+    ray_log = launch.ray_log
+    log.info("starting the Ray head (dashboard %s, temp folder %s)", launch.dashboard_url, launch.ray_temp)
+    with open(ray_log, "ab") as out:
+        ray_proc = subprocess.Popen(command, env=env, cwd=launch.folder, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        state.ray_start_pid = ray_proc.pid
+        _write_state(launch.folder, state)
+        try:
+            code = ray_proc.wait(timeout=settings.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise StackError(f"`ray start` did not finish within {settings.timeout_s:.0f}s; "
+                             f"its log ({ray_log}) ends:\n{tail(ray_log)}") from None
+    if code != 0:
+        raise StackError(f"`ray start` failed (exit {code}); its log ({ray_log}) ends:\n{tail(ray_log)}")
 
-    mlflow_log = logs / "mlflow.log"
-    ray_log = logs / "ray-start.log"
-    log.info("starting MLflow on %s (backend %s, artifacts %s)", mlflow_url, _redact(backend), _redact(artifacts))
-    # MLflow first: it is the slower to boot and comes up while `ray start` runs.
-    with open(mlflow_log, "ab") as out:
-        mlflow_proc = subprocess.Popen(mlflow_cmd, env=mlflow_env, cwd=folder, stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
-    state = StackState(
-        stack_id=stack_id, host=host, dashboard_url=dashboard_url,
-        gcs_address=f"{client_host}:{ports['ray_port']}", mlflow_url=mlflow_url, agent_port=ports["agent_port"],
-        ray_temp_dir=str(ray_temp), auth_token_path=str(token_path), backend_store_uri=_redact(backend),
-        artifacts_destination=_redact(artifacts), storage_path=str(folder / "runs"), mlflow_pid=mlflow_proc.pid,
-        ray_start_pid=0, logs_dir=str(logs), python=sys.executable, started_at=time.time(),
-    )
-    # Written before anything can fail, so that `stack down` finds whatever did start.
-    _write_private(folder / STATE_FILE, json.dumps(asdict(state), indent=2) + "\n")
-    try:
-        log.info("starting the Ray head (dashboard %s, temp folder %s)", dashboard_url, ray_temp)
-        with open(ray_log, "ab") as out:
-            ray_proc = subprocess.Popen(ray_cmd, env=ray_env, cwd=folder, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-            state.ray_start_pid = ray_proc.pid
-            _write_private(folder / STATE_FILE, json.dumps(asdict(state), indent=2) + "\n")
-            try:
-                code = ray_proc.wait(timeout=settings.timeout_s)
-            except subprocess.TimeoutExpired:
-                raise StackError(f"`ray start` did not finish within {settings.timeout_s:.0f}s; "
-                                 f"its log ({ray_log}) ends:\n{tail(ray_log)}") from None
-        if code != 0:
-            raise StackError(f"`ray start` failed (exit {code}); its log ({ray_log}) ends:\n{tail(ray_log)}")
 
-        def mlflow_dead() -> str | None:
-            if mlflow_proc.poll() is None:
-                return None
-            return f"exit {mlflow_proc.returncode}; its log ({mlflow_log}) ends:\n{tail(mlflow_log)}"
+def _wait_until_healthy(launch: _Launch, state: StackState, mlflow_proc: subprocess.Popen) -> None:
+    """Wait for the Ray dashboard, job server and job agent and the MLflow server to
+    answer; stop at once if the MLflow server exits."""
+    timeout_s = launch.settings.timeout_s
+    dashboard_url, mlflow_url, mlflow_log = launch.dashboard_url, launch.mlflow_url, launch.mlflow_log
 
-        headers = state.auth_headers()
-        wait_until(lambda: _http_check(f"{dashboard_url}/api/gcs_healthz", None, "success"),
-                   timeout_s=settings.timeout_s, what=f"the Ray dashboard ({dashboard_url})")
-        wait_until(lambda: _http_check(f"{dashboard_url}/api/version", headers, "ray_version"),
-                   timeout_s=settings.timeout_s, what=f"the Ray job server ({dashboard_url})")
-        # The job server hands jobs to this agent; a submission before it is up fails.
-        wait_until(lambda: _http_check(f"http://{client_host}:{ports['agent_port']}/api/healthz"),
-                   timeout_s=settings.timeout_s, what="the Ray job agent")
-        wait_until(lambda: _http_check(f"{mlflow_url}/health", None, "OK"), timeout_s=settings.timeout_s,
-                   what=f"the MLflow server ({mlflow_url})", alive=mlflow_dead)
-    except BaseException:
-        log.error("the stack did not come up; stopping what started")
-        _down(folder, 10.0)
-        raise
-    _write_private(folder / ENV_FILE, "".join(f"export {k}={_shell_quote(v)}\n" for k, v in state.env().items()))
-    if host not in LOOPBACK:
-        log.warning("the stack listens on %s: Ray's job server needs its token, but the local MLflow server has no "
-                    "authentication (see infra/mlflow for a server with it)", host)
-    return status(folder)
+    def mlflow_dead() -> str | None:
+        if mlflow_proc.poll() is None:
+            return None
+        return f"exit {mlflow_proc.returncode}; its log ({mlflow_log}) ends:\n{tail(mlflow_log)}"
+
+    headers = state.auth_headers()
+    wait_until(lambda: _http_check(f"{dashboard_url}/api/gcs_healthz", None, "success"),
+               timeout_s=timeout_s, what=f"the Ray dashboard ({dashboard_url})")
+    wait_until(lambda: _http_check(f"{dashboard_url}/api/version", headers, "ray_version"),
+               timeout_s=timeout_s, what=f"the Ray job server ({dashboard_url})")
+    # The job server hands jobs to this agent; a submission before it is up fails.
+    wait_until(lambda: _http_check(f"http://{launch.client_host}:{launch.ports['agent_port']}/api/healthz"),
+               timeout_s=timeout_s, what="the Ray job agent")
+    wait_until(lambda: _http_check(f"{mlflow_url}/health", None, "OK"), timeout_s=timeout_s,
+               what=f"the MLflow server ({mlflow_url})", alive=mlflow_dead)
 
 
 def _shell_quote(value: str) -> str:

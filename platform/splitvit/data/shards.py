@@ -170,44 +170,114 @@ def write_shards(
     total = len(dataset) if limit is None else min(int(limit), len(dataset))
     if total < 1:
         raise ValueError(f"nothing to write: the dataset has {len(dataset)} items (limit {limit})")
+    stale = _prepare_output(out_uri, overwrite)
+    writer = _ShardWriter(out_uri, rows_per_shard, row_group_size)
+    skipped_files = _write_items(writer, dataset, total, strict=strict, num_workers=num_workers, progress=progress)
+    if writer.rows == 0:
+        raise ValueError(f"no readable items to write to {out_uri} ({len(skipped_files)} corrupt files skipped)")
+    _remove_replaced_shards(stale, writer.shards)
+    manifest_uri = _write_manifest(writer, dataset, skipped_files, metadata)
+    result = ShardWriteResult(
+        uri=out_uri, manifest=manifest_uri, rows=writer.rows, shards=writer.shards,
+        bytes=sum(s["bytes"] for s in writer.shards), skipped=len(skipped_files), skipped_files=skipped_files,
+        task=writer.task or "", columns=list(writer.columns), seconds=time.perf_counter() - start,
+        extra=dict(metadata or {}),
+    )
+    log.info("wrote %d rows in %d shards to %s (%d corrupt skipped)", writer.rows, len(writer.shards), out_uri,
+             result.skipped)
+    return result
+
+
+def _prepare_output(out_uri: str, overwrite: bool) -> list[str]:
+    """Create ``out_uri`` and remove its manifest; returns the shards and manifest that
+    were there (an error unless ``overwrite``).
+
+    The old manifest goes first, so no reader trusts it while shards are replaced;
+    old shards the new set does not replace are removed only once it is complete
+    (:func:`_remove_replaced_shards`).
+    """
     stale = _existing_shards(out_uri, overwrite)
-    # The old manifest goes first, so no reader trusts it while shards are replaced;
-    # old shards the new set does not replace are removed only once it is complete.
     for uri in [u for u in stale if u.endswith(MANIFEST)]:
         delete_file(uri)
     makedirs(out_uri)
-    fs, base = filesystem_for(out_uri)
+    return stale
 
-    columns: dict[str, list] = {}
-    task: str | None = None
-    image_size: tuple[int, int] | None = None
-    shards: list[dict[str, Any]] = []
-    skipped_files: list[str] = []
-    rows = 0
 
-    def flush() -> None:
-        nonlocal columns
-        if not columns.get("image"):
+class _ShardWriter:
+    """Encoded items gathered into columns, written out as one parquet shard every
+    ``rows_per_shard`` rows. The first item fixes the layout (task and columns)."""
+
+    COLUMN_TYPES = {"image": pa.binary(), "label": pa.int64(), "mask": pa.binary(), "object_mask": pa.binary(),
+                    "index": pa.int64()}
+
+    def __init__(self, out_uri: str, rows_per_shard: int, row_group_size: int) -> None:
+        self.out_uri = out_uri
+        self.fs, self.base = filesystem_for(out_uri)
+        self.rows_per_shard, self.row_group_size = rows_per_shard, row_group_size
+        self.columns: dict[str, list] = {}
+        self.task: str | None = None
+        self.image_size: tuple[int, int] | None = None
+        self.shards: list[dict[str, Any]] = []
+        self.rows = 0
+
+    def add(self, i: int, item: tuple) -> None:
+        """Encode item ``i`` (``(image, label | mask[, object_mask])``) as a row; write
+        a shard when one is full."""
+        image, target = item[0], item[1]
+        png, size = _image_png(image)
+        kind = "classification" if np.ndim(target) == 0 else "segmentation"
+        self._check_layout(i, kind, size, has_object_mask=len(item) > 2)
+        self.columns["image"].append(png)
+        if kind == "classification":
+            self.columns["label"].append(int(target))
+        else:
+            self.columns["mask"].append(_mask_png(target, "mask"))
+        if "object_mask" in self.columns:
+            self.columns["object_mask"].append(_mask_png(item[2], "object mask"))
+        self.columns["index"].append(int(i))
+        self.rows += 1
+        if len(self.columns["image"]) >= self.rows_per_shard:
+            self.flush()
+
+    def _check_layout(self, i: int, kind: str, size: tuple[int, int], *, has_object_mask: bool) -> None:
+        """Take the first item's layout; raise on an item whose layout differs."""
+        if self.task is None:
+            self.task, self.image_size = kind, size
+            self.columns = {"image": [], ("label" if kind == "classification" else "mask"): [], "index": []}
+            if has_object_mask:
+                self.columns["object_mask"] = []
+        elif kind != self.task or has_object_mask != ("object_mask" in self.columns):
+            raise ValueError(f"item {i} does not match the first item's layout "
+                             f"({self.task}, {len(self.columns) - 1} fields)")
+
+    def flush(self) -> None:
+        """Write the rows gathered so far as the next shard (nothing when there are none)."""
+        if not self.columns.get("image"):
             return
-        name = SHARD_PATTERN.format(len(shards))
-        types = {"image": pa.binary(), "label": pa.int64(), "mask": pa.binary(), "object_mask": pa.binary(), "index": pa.int64()}
-        table = pa.table({k: pa.array(v, type=types[k]) for k, v in columns.items()})
-        path = f"{base.rstrip('/')}/{name}"
+        name = SHARD_PATTERN.format(len(self.shards))
+        table = pa.table({k: pa.array(v, type=self.COLUMN_TYPES[k]) for k, v in self.columns.items()})
+        path = f"{self.base.rstrip('/')}/{name}"
         try:
-            pq.write_table(table, path, filesystem=fs, row_group_size=row_group_size,
-                           use_dictionary=[c for c in ("label", "index") if c in columns], compression="snappy")
-            size = fs.get_file_info(path).size
+            pq.write_table(table, path, filesystem=self.fs, row_group_size=self.row_group_size,
+                           use_dictionary=[c for c in ("label", "index") if c in self.columns], compression="snappy")
+            size = self.fs.get_file_info(path).size
         except OSError as exc:
-            raise StorageError(f"{join_uri(out_uri, name)}: writing the shard failed: {exc}") from exc
-        shards.append({"file": name, "rows": table.num_rows, "bytes": int(size or 0)})
-        log.info("wrote %s (%d rows)", join_uri(out_uri, name), table.num_rows)
-        columns = {k: [] for k in columns}
+            raise StorageError(f"{join_uri(self.out_uri, name)}: writing the shard failed: {exc}") from exc
+        self.shards.append({"file": name, "rows": table.num_rows, "bytes": int(size or 0)})
+        log.info("wrote %s (%d rows)", join_uri(self.out_uri, name), table.num_rows)
+        self.columns = {k: [] for k in self.columns}
 
+
+def _write_items(writer: _ShardWriter, dataset: Dataset, total: int, *, strict: bool, num_workers: int,
+                 progress: bool) -> list[str]:
+    """Load the first ``total`` items of ``dataset`` and write them with ``writer``;
+    returns the corrupt files skipped (``strict``: the first one raises instead)."""
+    skipped_files: list[str] = []
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc=f"shards -> {out_uri}", unit="img")
+        bar = tqdm(total=total, desc=f"shards -> {writer.out_uri}", unit="img")
     for record in _items(dataset, list(range(total)), num_workers):
         if bar is not None:
             bar.update(1)
@@ -220,59 +290,41 @@ def write_shards(
             log.warning("skipping item %d: corrupt or unreadable data in %s: %s", i, source, reason)
             continue
         _, i, item = record
-        image, target = item[0], item[1]
-        png, size = _image_png(image)
-        kind = "classification" if np.ndim(target) == 0 else "segmentation"
-        if task is None:
-            task, image_size = kind, size
-            columns = {"image": [], ("label" if kind == "classification" else "mask"): [], "index": []}
-            if len(item) > 2:
-                columns["object_mask"] = []
-        elif kind != task or (len(item) > 2) != ("object_mask" in columns):
-            raise ValueError(f"item {i} does not match the first item's layout ({task}, {len(columns) - 1} fields)")
-        columns["image"].append(png)
-        if kind == "classification":
-            columns["label"].append(int(target))
-        else:
-            columns["mask"].append(_mask_png(target, "mask"))
-        if "object_mask" in columns:
-            columns["object_mask"].append(_mask_png(item[2], "object mask"))
-        columns["index"].append(int(i))
-        rows += 1
-        if len(columns["image"]) >= rows_per_shard:
-            flush()
-    flush()
+        writer.add(i, item)
+    writer.flush()
     if bar is not None:
         bar.close()
-    if rows == 0:
-        raise ValueError(f"no readable items to write to {out_uri} ({len(skipped_files)} corrupt files skipped)")
+    return skipped_files
 
+
+def _remove_replaced_shards(stale: list[str], shards: list[dict[str, Any]]) -> None:
+    """Delete the old shards the new set did not overwrite (the old manifest is gone already)."""
     written = {sh["file"] for sh in shards}
     for uri in stale:
         if not uri.endswith(MANIFEST) and uri.replace(os.sep, "/").rsplit("/", 1)[-1] not in written:
             delete_file(uri)
+
+
+def _write_manifest(writer: _ShardWriter, dataset: Dataset, skipped_files: list[str],
+                    metadata: dict[str, Any] | None) -> str:
+    """Write ``_manifest.json`` (written last: its presence means the set is complete); returns its URI."""
+    columns = writer.columns
     manifest = {
         "format": FORMAT,
-        "task": task,
-        "num_rows": rows,
-        "image_size": list(image_size or ()),
+        "task": writer.task,
+        "num_rows": writer.rows,
+        "image_size": list(writer.image_size or ()),
         "num_classes": getattr(dataset, "num_classes", None),
         "classes": list(getattr(dataset, "classes", None) or []) or None,
         "columns": list(columns),
         "schema": {"image": "binary PNG RGB", "label": "int64", "mask": "binary PNG L class ids (255 = ignore)",
                    "object_mask": "binary PNG L 0/1", "index": "int64 index in the source dataset"},
-        "shards": shards,
+        "shards": writer.shards,
         "skipped": len(skipped_files),
         "skipped_files": skipped_files,
         **(metadata or {}),
     }
     manifest["schema"] = {k: v for k, v in manifest["schema"].items() if k in columns}
-    manifest_uri = join_uri(out_uri, MANIFEST)
+    manifest_uri = join_uri(writer.out_uri, MANIFEST)
     write_bytes(manifest_uri, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
-    result = ShardWriteResult(
-        uri=out_uri, manifest=manifest_uri, rows=rows, shards=shards, bytes=sum(s["bytes"] for s in shards),
-        skipped=len(skipped_files), skipped_files=skipped_files, task=task or "", columns=list(columns),
-        seconds=time.perf_counter() - start, extra=dict(metadata or {}),
-    )
-    log.info("wrote %d rows in %d shards to %s (%d corrupt skipped)", rows, len(shards), out_uri, result.skipped)
-    return result
+    return manifest_uri

@@ -1,17 +1,134 @@
-"""From an experiment's settings to the objects that run it: the model a
-:class:`~splitvit.config.ModelConfig` describes."""
+"""From an experiment's settings to what runs it: the one way to get a runnable config,
+and the model a :class:`~splitvit.config.ModelConfig` describes.
+
+**Every caller that builds a config to run uses** :func:`load_experiment` (a YAML
+file plus ``key=value`` overrides) or :func:`experiment_from_dict` (a dict): the
+schema loading of :mod:`splitvit.config` (types and ranges:
+:func:`~splitvit.config.load_config`, :meth:`~splitvit.config.ExperimentConfig.from_dict`)
+followed by :func:`validate_experiment`, the checks that need timm, the model or the
+dataset registry. Both raise :class:`~splitvit.config.ConfigError` naming the key,
+in seconds and before any Ray work. :func:`validate_experiment` alone fully checks a
+config built any other way (the preflight and ``run_training`` call it).
+"""
 
 from __future__ import annotations
 
-from ..config import AUTO_THRESHOLDS, ModelConfig
-from ..model import SplitViT
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+
+from ..config import (
+    AUTO_THRESHOLD_START,
+    AUTO_THRESHOLDS,
+    ConfigError,
+    ExperimentConfig,
+    ModelConfig,
+    field_error,
+    load_config,
+    require,
+    validate,
+)
+from ..data import DATASET_NAMES
+from ..model import POLICY_NAMES, QuadtreeGeometry, SplitViT, validate_thresholds
+from ..model.splitvit import TASKS
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """The experiment YAML at ``path`` with ``key=value`` overrides applied, fully
+    validated (:func:`~splitvit.config.load_config`, then :func:`validate_experiment`).
+
+    Raises :class:`~splitvit.config.ConfigError` naming the bad key, or
+    ``FileNotFoundError`` when ``path`` does not exist.
+    """
+    config = load_config(path, overrides)
+    validate_experiment(config)
+    return config
+
+
+def experiment_from_dict(raw: dict[str, Any] | None, overrides: list[str] | None = None, *,
+                         default_name: str = "experiment") -> ExperimentConfig:
+    """A fully validated config from a plain dict plus ``key=value`` overrides
+    (:meth:`~splitvit.config.ExperimentConfig.from_dict`, then :func:`validate_experiment`).
+
+    ``default_name`` starts the run's name when ``storage.name`` is unset. Raises
+    :class:`~splitvit.config.ConfigError` naming the first bad key.
+    """
+    config = ExperimentConfig.from_dict(raw, overrides, default_name=default_name)
+    validate_experiment(config)
+    return config
+
+
+def validate_experiment(config: ExperimentConfig) -> None:
+    """Every check of ``config``: its settings' own (:func:`splitvit.config.validate`),
+    then the dataset's name against the registry and the model against timm and
+    :class:`~splitvit.model.SplitViT`'s own validators.
+
+    Builds the model on PyTorch's ``meta`` device (no memory, no weights, no
+    download), so every check the model makes runs here. Raises
+    :class:`~splitvit.config.ConfigError` naming the key.
+    """
+    validate(config)
+    d = config.data
+    require(d.name in DATASET_NAMES, "data.name",
+            f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}")
+    _validate_model(config.model)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    """The model's checks: timm knows the name and takes ``timm_kwargs``, the policy
+    and task exist, the thresholds fit the levels, the image fits the quadtree, the
+    policy's depth and width fit the ViT, and SplitViT builds."""
+    require(timm.is_model(m.name), "model.name", f"unknown timm model {m.name!r}")
+    require(m.policy in POLICY_NAMES, "model.policy",
+            f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
+    require(m.task in TASKS, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
+    if m.thresholds != AUTO_THRESHOLDS:
+        try:
+            validate_thresholds(m.thresholds, m.levels)
+        except ValueError as exc:
+            raise field_error(exc, ["thresholds"], "model.", "model.thresholds") from None
+    # The ViT alone, on the meta device: its patch size decides the quadtree geometry.
+    create = dict(m.timm_kwargs, img_size=m.image_size, num_classes=m.num_classes)
+    try:
+        with torch.device("meta"):
+            vit = timm.create_model(m.name, pretrained=False, **create)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as exc:
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+        key = f"model.timm_kwargs.{bad.group(1)}" if bad else "model.timm_kwargs"
+        raise ConfigError(key, f"timm.create_model({m.name!r}) rejected it: {exc}") from None
+    patch = vit.patch_embed.patch_size[0] if hasattr(vit, "patch_embed") else None
+    if patch is not None:
+        try:
+            QuadtreeGeometry(m.image_size, patch, m.levels)
+        except ValueError as exc:
+            raise ConfigError("model.image_size", str(exc)) from None
+    depth = len(getattr(vit, "blocks", []))
+    if m.policy_width is None:
+        require(0 <= m.policy_depth <= depth, "model.policy_depth",
+                f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}")
+    else:
+        require(m.policy_depth >= 0, "model.policy_depth", f"must be >= 0, got {m.policy_depth}")
+        heads = max(1, m.policy_width // 64)
+        require(m.policy_width >= 1 and m.policy_width % heads == 0, "model.policy_width",
+                f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {m.policy_width}")
+    try:
+        # whatever else SplitViT checks; weights are loaded on the workers, not here
+        with torch.device("meta"):
+            build_model(dataclasses.replace(m, checkpoint_path=None), pretrained=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("model", str(exc)) from None
 
 
 def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT:
     """Build the :class:`~splitvit.model.SplitViT` the ``model`` section describes.
 
     ``pretrained`` overrides ``model.pretrained`` (the validation builds on the meta
-    device without weights). ``auto`` thresholds start at 0.5 until calibrated.
+    device without weights). ``auto`` thresholds start at
+    :data:`~splitvit.config.AUTO_THRESHOLD_START` until calibrated.
     """
     return SplitViT.from_timm(
         model.name,
@@ -22,7 +139,7 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT:
         image_size=model.image_size,
         num_classes=model.num_classes,
         timm_kwargs=dict(model.timm_kwargs),
-        thresholds=0.5 if model.thresholds == AUTO_THRESHOLDS else model.thresholds,
+        thresholds=AUTO_THRESHOLD_START if model.thresholds == AUTO_THRESHOLDS else model.thresholds,
         policy_depth=model.policy_depth,
         policy_width=model.policy_width,
         task=model.task,

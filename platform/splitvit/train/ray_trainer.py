@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, quality_metric, redact_uri
-from .experiment import build_model
+from .experiment import build_model, validate_experiment
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -62,6 +62,9 @@ from .checkpoints import (
 )
 from .local import warmup_cosine
 from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,8 @@ def run_training(
     ray_address: str | None = None,
     callbacks: Sequence[Any] | None = None,
 ) -> TrainResult:
-    """Train ``config`` (already validated: build it with :func:`splitvit.config.load_config`).
+    """Train ``config`` (build it with :func:`splitvit.train.experiment.load_experiment`;
+    it is validated again here, before Ray starts).
 
     Re-running with the same ``storage.path`` and ``storage.name`` resumes from the
     latest checkpoint and continues the same MLflow run. ``callbacks`` go to Ray
@@ -163,23 +167,54 @@ def run_training(
         Interrupted: SIGINT or SIGTERM; the workers are stopped, the MLflow run ends
             ``KILLED`` and ``kept`` names the checkpoint a re-run resumes from.
     """
+    validate_experiment(config)  # for callers that built the config themselves: before Ray, cheap (meta device)
+    init_ray(ray_address)
+    _warn_if_storage_is_temporary(config)
+    tracker = _open_tracker(config)
+    storage_path = config.storage.resolved_path()
+    trainer = _torch_trainer(config, storage_path, tracker, epoch_hook, callbacks)
+    result = _fit(trainer, config, tracker)
+    outcome = _rank0_outcome(result)
+    checkpoint_uri = _checkpoint_uri(result.checkpoint, storage_path)
+    _end_run(config, tracker, outcome, checkpoint_uri)
+    return TrainResult(
+        name=config.storage.name,
+        status=outcome["status"],
+        metrics={k: v for k, v in outcome["metrics"].items() if isinstance(v, (int, float))},
+        checkpoint_uri=checkpoint_uri,
+        run_uri=config.storage.run_uri(),
+        mlflow_run_id=tracker.run_id if tracker else None,
+        mlflow_model_uri=outcome.get("model_uri"),
+        tracking_uri=redact_uri(config.tracking_uri()) if tracker else None,
+        start_epoch=int(outcome.get("start_epoch", 0)),
+        message=outcome.get("message", ""),
+        completed_epochs=_completed_epochs(outcome["metrics"]),
+    )
+
+
+def _open_tracker(config: ExperimentConfig) -> RunTracker | None:
+    """The run's MLflow run (re-opened when a run of the same storage key exists), with
+    the config logged; ``None`` with tracking off."""
+    if not config.tracking.enabled:
+        return None
+    tracker, _ = RunTracker.open(
+        config.tracking_uri(),
+        config.tracking.experiment,
+        config.storage.run_uri(),
+        config.storage.name,
+        params=config.flat(redact=True),
+        tags={"splitvit.storage": config.storage.resolved_path(), "splitvit.name": config.storage.name},
+    )
+    tracker.log_dict(config.to_dict(redact=True), "config.json")
+    return tracker
+
+
+def _torch_trainer(config: ExperimentConfig, storage_path: str, tracker: RunTracker | None,
+                   epoch_hook: EpochHook | None, callbacks: Sequence[Any] | None) -> Any:
+    """The ``TorchTrainer`` that runs :func:`train_loop_per_worker` on ``scaling.num_workers`` workers."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    init_ray(ray_address)
-    _warn_if_storage_is_temporary(config)
-    tracker = None
-    if config.tracking.enabled:
-        tracker, resumed = RunTracker.open(
-            config.tracking_uri(),
-            config.tracking.experiment,
-            config.storage.run_uri(),
-            config.storage.name,
-            params=config.flat(redact=True),
-            tags={"splitvit.storage": config.storage.resolved_path(), "splitvit.name": config.storage.name},
-        )
-        tracker.log_dict(config.to_dict(redact=True), "config.json")
-    storage_path = config.storage.resolved_path()
     scaling = config.scaling
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -198,24 +233,45 @@ def run_training(
             callbacks=list(callbacks or []),
         ),
     )
+    log.info("training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers,
+             redact_uri(storage_path))
+    return trainer
+
+
+def _fit(trainer: Any, config: ExperimentConfig, tracker: RunTracker | None) -> Any:
+    """``trainer.fit()``, its result; a signal stops the workers and raises
+    :class:`Interrupted`, spent retries raise :class:`TrainingError` (the MLflow run
+    is ended in both cases)."""
+    import ray.train
+
     stopper = _SignalStop(trainer)
-    log.info("training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path))
     try:
         with tracker.closed_on_error() if tracker is not None else contextlib.nullcontext():
             try:
-                result = trainer.fit()
+                return trainer.fit()
             except KeyboardInterrupt as exc:
                 raise _interrupted(exc, stopper, config, tracker) from None
             finally:
                 stopper.restore()
     except ray.train.TrainingFailedError as exc:
         raise TrainingError(f"training {config.storage.name} failed: {error_line(exc)}") from exc
-    outcome = result.return_value or {}
-    # rank 0 always returns its outcome; none means the run was stopped from outside
-    status = outcome.get("status", "interrupted")
-    checkpoint_uri = _checkpoint_uri(result.checkpoint, storage_path)
-    metrics = outcome.get("metrics") or dict(result.metrics or {})
-    error = outcome.get("error")
+
+
+def _rank0_outcome(result: Any) -> dict[str, Any]:
+    """What rank 0's :func:`train_loop_per_worker` returned. Rank 0 always returns its
+    outcome; none means the run was stopped from outside: status ``interrupted`` and
+    the last reported metrics."""
+    outcome = dict(result.return_value or {})
+    outcome.setdefault("status", "interrupted")
+    outcome["metrics"] = outcome.get("metrics") or dict(result.metrics or {})
+    return outcome
+
+
+def _end_run(config: ExperimentConfig, tracker: RunTracker | None, outcome: dict[str, Any],
+             checkpoint_uri: str | None) -> None:
+    """End the MLflow run with the outcome's status, checkpoint, message and error;
+    raise :class:`TrainingError` when the workers stopped on an error."""
+    status, error = outcome["status"], outcome.get("error")
     if tracker is not None:
         tags = {CHECKPOINT_TAG: checkpoint_uri or ""}
         if outcome.get("message"):
@@ -227,20 +283,13 @@ def run_training(
         raise TrainingError(f"training {config.storage.name} failed: {error_line(error)}"
                             + (f" (last good checkpoint {checkpoint_uri})" if checkpoint_uri else "")) from error
     if status != "completed":
-        log.error("training %s stopped: %s (last good checkpoint: %s)", config.storage.name, outcome.get("message"), checkpoint_uri)
-    return TrainResult(
-        name=config.storage.name,
-        status=status,
-        metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-        checkpoint_uri=checkpoint_uri,
-        run_uri=config.storage.run_uri(),
-        mlflow_run_id=tracker.run_id if tracker else None,
-        mlflow_model_uri=outcome.get("model_uri"),
-        tracking_uri=redact_uri(config.tracking_uri()) if tracker else None,
-        start_epoch=int(outcome.get("start_epoch", 0)),
-        message=outcome.get("message", ""),
-        completed_epochs=int(metrics["epoch"]) + 1 if isinstance(metrics.get("epoch"), (int, float)) else 0,
-    )
+        log.error("training %s stopped: %s (last good checkpoint: %s)", config.storage.name, outcome.get("message"),
+                  checkpoint_uri)
+
+
+def _completed_epochs(metrics: dict[str, Any]) -> int:
+    """Epochs finished, earlier attempts included: the last reported epoch + 1 (0 with none)."""
+    return int(metrics["epoch"]) + 1 if isinstance(metrics.get("epoch"), (int, float)) else 0
 
 
 class _SignalStop:
@@ -379,7 +428,8 @@ def _calibrate_thresholds(model, val_shard, count: int, target_ratio: float, dev
     (and the checkpoint) holds the same values."""
     from ..data import first_images
 
-    local = calibrate_thresholds(model, first_images(val_shard, count).to(device), target_ratio) if len(val_shard) else None
+    local = (calibrate_thresholds(model, first_images(val_shard, count).to(device), target_ratio)
+             if len(val_shard) else None)
     weight = 0.0 if local is None else 1.0
     values = _all_reduce([*(local or [0.0] * (model.levels - 1)), weight], device=device)
     if values[-1] > 0:
@@ -423,7 +473,8 @@ def _combine_eval(result: dict[str, float], task: str, device: torch.device) -> 
     n = float(result["images"])
     quality = quality_metric(task)
     elapsed = n / result["images_per_s"] if result["images_per_s"] > 0 else 0.0
-    sums = _all_reduce([result[quality] * n, result["tokens_per_image"] * n, result["token_ratio"] * n, n], device=device)
+    sums = _all_reduce([result[quality] * n, result["tokens_per_image"] * n, result["token_ratio"] * n, n],
+                       device=device)
     (longest,) = _all_reduce([elapsed], op="max", device=device)
     total = max(sums[3], 1.0)
     # mIoU from per-shard mIoUs weighted by images is an approximation (exact with one worker)
@@ -437,59 +488,164 @@ def _combine_eval(result: dict[str, float], task: str, device: torch.device) -> 
     }
 
 
+@dataclass
+class _WorkerData:
+    """One worker's share of the data: its training shard (sampler and loader) and its
+    validation shard."""
+
+    sampler: DistributedSampler
+    loader: Any  # a DataLoader, as prepare_data_loader returns it
+    val_set: Any
+    val_shard: Subset
+    val_loader: DataLoader
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Training batches per epoch on this worker (the same on every worker)."""
+        return len(self.loader)
+
+
+@dataclass
+class _Worker:
+    """What one worker trains with; set up by :func:`_set_up_worker` and handed to each
+    step of :func:`train_loop_per_worker`."""
+
+    config: ExperimentConfig
+    rank: int
+    world: int
+    device: torch.device
+    tracker: RunTracker | None  # rank 0's only
+    generator: torch.Generator  # warm-up random splits, per worker
+    model: nn.Module  # the plain SplitViT
+    step: nn.Module  # SplitStep, wrapped for DDP
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: _WorkerData
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast on CUDA with ``train.amp``; a no-op otherwise."""
+        use_amp = self.config.train.amp and self.device.type == "cuda"
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=use_amp)
+
+
+@dataclass
+class _Stop:
+    """Why every worker stopped training: ``failed`` (a label outside
+    ``model.num_classes``; ``error`` is the first rank's) or ``diverged`` (a non-finite
+    loss, gradient or split probability)."""
+
+    status: str
+    message: str
+    error: BaseException | None = None
+
+
+@dataclass
+class _EpochPass:
+    """One worker's training pass over its shard: the step statistics summed (and how
+    many steps reported each), the images seen and the time taken, or why it stopped."""
+
+    totals: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    seen: int = 0
+    seconds: float = 0.0
+    stop: _Stop | None = None
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     """One Ray Train worker's training loop (see the module docstring).
 
     ``loop_config`` holds ``config`` (an :class:`ExperimentConfig`), ``tracker`` (a
     :class:`RunTracker` or ``None``) and ``epoch_hook``. Returns, on every rank,
-    ``{"status", "metrics", "start_epoch", "message", "model_uri"}``; Ray hands rank
-    0's to the driver.
+    ``{"status", "metrics", "start_epoch", "message", "model_uri", "error"}``; Ray
+    hands rank 0's to the driver.
     """
+    hook: EpochHook | None = loop_config.get("epoch_hook")
+    worker, saved_state = _set_up_worker(loop_config["config"], loop_config.get("tracker"))
+    start_epoch, metrics = _resume(worker, saved_state)
+    stop: _Stop | None = None
+    for epoch in range(start_epoch, worker.config.train.epochs):
+        if hook is not None:
+            hook(epoch, worker.rank, worker.model)
+        started = time.perf_counter()
+        trained = _train_one_epoch(worker, epoch)
+        if trained.stop is not None:
+            stop = trained.stop
+            break
+        metrics = _training_metrics(worker, trained)
+        metrics.update(_evaluate_epoch(worker))
+        metrics["epoch"] = epoch
+        metrics["epoch_time_s"] = time.perf_counter() - started
+        _checkpoint_and_report(worker, epoch, metrics)
+        _log_epoch(worker, epoch, metrics)
+    status, message = (stop.status, stop.message) if stop is not None else ("completed", "")
+    model_uri = _end_tracking(worker, status, message, metrics, start_epoch)
+    return {"status": status, "metrics": metrics, "start_epoch": start_epoch, "message": message,
+            "model_uri": model_uri, "error": stop.error if stop is not None else None}
+
+
+# ---------------------------------------------------------------------- worker: set-up and resume
+def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tuple[_Worker, dict[str, Any] | None]:
+    """Seed this worker, build its model (from the checkpoint a restart resumes from,
+    else from ``model.init_from``), wrap it for DDP, and make its optimizer, data and
+    learning-rate schedule. Returns the worker and the checkpoint's training state
+    (``None`` on a fresh start)."""
+    import ray.train.torch
+
+    rank, world = _world()
+    device = ray.train.torch.get_device()
+    seed = config.data.seed * 1000 + rank
+    torch.manual_seed(seed)  # before the model is built: its initial weights come from it
+    generator = torch.Generator().manual_seed(seed + 1)
+    model = build_model(config.model)
+    state = _load_checkpoint(model, rank, generator)
+    if state is None and config.model.init_from:
+        fresh = init_weights(model, config.model.init_from)
+        if rank == 0:
+            log.info("initialised from %s (%d tensors not in it: %s)", config.model.init_from, len(fresh),
+                     ", ".join(fresh[:8]))
+    # find_unused_parameters: which parameters get gradients varies by phase (in the
+    # random-split warm-up the policy gets none; the dense task never uses the ViT's
+    # classifier); the graph walk costs little next to a SPLIT step.
+    step = ray.train.torch.prepare_model(SplitStep(model, config.train.loss_config()),
+                                         parallel_strategy_kwargs={"find_unused_parameters": True})
+    model = _unwrap(step).model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
+    data = _worker_data(config, rank, world, device)
+    scheduler = _lr_schedule(optimizer, config, data.steps_per_epoch)
+    worker = _Worker(config=config, rank=rank, world=world, device=device,
+                     tracker=tracker if rank == 0 else None,  # one writer: SQLite dislikes concurrent ones
+                     generator=generator, model=model, step=step, optimizer=optimizer, scheduler=scheduler, data=data)
+    return worker, state
+
+
+def _load_checkpoint(model: nn.Module, rank: int, generator: torch.Generator) -> dict[str, Any] | None:
+    """Load the weights of the checkpoint Ray Train resumes from into ``model`` and this
+    rank's random state into ``generator``; return the checkpoint's training state
+    (optimizer, schedule, epoch, metrics), or ``None`` when there is no checkpoint."""
     import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        folder = Path(folder)
+        payload = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=False)
+        model.load_state_dict(payload["state_dict"])
+        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+        own = folder / rng_file(rank)
+        rng = torch.load(own, map_location="cpu", weights_only=False) if own.is_file() else None
+    if rng is not None:
+        set_rng_state(rng, generator)
+    return state
+
+
+def _worker_data(config: ExperimentConfig, rank: int, world: int, device: torch.device) -> _WorkerData:
+    """This worker's training loader (a ``DistributedSampler`` shard) and validation shard."""
     import ray.train.torch
 
     from ..data import build_dataset
 
-    config: ExperimentConfig = loop_config["config"]
-    tracker: RunTracker | None = loop_config.get("tracker")
-    hook: EpochHook | None = loop_config.get("epoch_hook")
-    rank, world = _world()
-    tracker = tracker if rank == 0 else None  # one writer: SQLite dislikes concurrent ones
-    mc, dc, tc = config.model, config.data, config.train
-    device = ray.train.torch.get_device()
-    use_amp = tc.amp and device.type == "cuda"
-
-    seed = dc.seed * 1000 + rank
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed + 1)  # warm-up random splits, per worker
-
-    model = build_model(mc)
-    checkpoint = ray.train.get_checkpoint()
-    state: dict[str, Any] | None = None
-    if checkpoint is not None:
-        with checkpoint.as_directory() as folder:
-            folder = Path(folder)
-            payload = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=False)
-            model.load_state_dict(payload["state_dict"])
-            state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
-            own = folder / rng_file(rank)
-            rng = torch.load(own, map_location="cpu", weights_only=False) if own.is_file() else None
-        if rng is not None:
-            set_rng_state(rng, generator)
-
-    if state is None and mc.init_from:
-        fresh = init_weights(model, mc.init_from)
-        if rank == 0:
-            log.info("initialised from %s (%d tensors not in it: %s)", mc.init_from, len(fresh), ", ".join(fresh[:8]))
-
-    # find_unused_parameters: which parameters get gradients varies by phase (in the
-    # random-split warm-up the policy gets none; the dense task never uses the ViT's
-    # classifier); the graph walk costs little next to a SPLIT step.
-    step = ray.train.torch.prepare_model(SplitStep(model, tc.loss_config()),
-                                         parallel_strategy_kwargs={"find_unused_parameters": True})
-    model = _unwrap(step).model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-
+    mc, dc = config.model, config.data
     train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
     val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
     # our own DistributedSampler: its seed is the config's; prepare_data_loader keeps it
@@ -497,130 +653,191 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     loader = DataLoader(train_set, batch_size=dc.batch_size, sampler=sampler, num_workers=dc.num_workers,
                         drop_last=True, pin_memory=device.type == "cuda")
     loader = ray.train.torch.prepare_data_loader(loader)
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
-        raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size} on each of {world} workers")
-    total_steps = tc.epochs * steps_per_epoch
-    warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
-    scheduler = warmup_cosine(optimizer, min(warmup, total_steps), total_steps)
+    if len(loader) == 0:
+        raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size} "
+                         f"on each of {world} workers")
     # validation: each worker takes every world-th image (exact shards, no padding)
     val_shard = Subset(val_set, range(rank, len(val_set), world))
-    val_loader = DataLoader(val_shard, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False, num_workers=dc.num_workers)
+    val_loader = DataLoader(val_shard, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False,
+                            num_workers=dc.num_workers)
+    return _WorkerData(sampler=sampler, loader=loader, val_set=val_set, val_shard=val_shard, val_loader=val_loader)
 
-    start_epoch, metrics = 0, {}
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_epoch, metrics = state["epoch"] + 1, dict(state.get("metrics") or {})
-        if tracker is not None and metrics:
-            # the previous attempt may have stopped between its report and its MLflow write
-            tracker.log_epoch(state["epoch"], metrics)
-        if rank == 0:
-            log.info("resuming %s from epoch %d", config.storage.name, state["epoch"])
 
-    status, message, error = "completed", "", None
-    for epoch in range(start_epoch, tc.epochs):
-        if hook is not None:
-            hook(epoch, rank, model)
-        sampler.set_epoch(epoch)
-        step.train()
-        started = time.perf_counter()
-        totals: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        seen = 0
-        for index, batch in enumerate(loader):
-            images, target = batch[0], batch[1]
-            bad, wrong = "", None
-            try:
-                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
-                    loss, stats = step(images, target, epoch, generator, index)
-            except FloatingPointError as exc:
-                bad = str(exc)
-            except ConfigError as exc:  # a label outside model.num_classes: retrying would not help
-                wrong = exc
-            # every worker must stop at the same step, or the others hang in a collective
-            any_bad, any_wrong = _all_reduce([1.0 if bad else 0.0, 1.0 if wrong else 0.0], op="max", device=device)
-            if any_wrong:
-                status, error = "failed", _first_error(wrong, world)
-                message = str(error)
-                break
-            if any_bad:
-                status, message = "diverged", bad or f"non-finite values on another worker at epoch {epoch}"
-                break
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            # gradients are all-reduced by now: every worker sees the same norm
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
-            if not torch.isfinite(norm):
-                status, message = "diverged", f"non-finite gradient norm {float(norm)} at epoch {epoch}"
-                break
-            optimizer.step()
-            scheduler.step()
-            seen += images.shape[0]
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value
-                counts[key] = counts.get(key, 0) + 1  # teacher_loss: teacher steps only
-        if status != "completed":
-            break
-        train_time = time.perf_counter() - started
-        keys = _agreed_keys(totals, world)
-        sums = _all_reduce([totals.get(k, 0.0) for k in keys] + [float(counts.get(k, 0)) for k in keys] + [float(seen)],
-                           device=device)
-        (slowest,) = _all_reduce([train_time], op="max", device=device)
-        seen_all = sums[-1]
-        metrics = {f"train_{k}": v / max(n, 1.0) for k, v, n in zip(keys, sums[: len(keys)], sums[len(keys) : 2 * len(keys)])}
-        metrics["train_images_per_s"] = seen_all / slowest
-        metrics["lr"] = scheduler.get_last_lr()[0]
-        if mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded:
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):  # as evaluated
-                _calibrate_thresholds(model, val_shard, dc.eval_batch_size or dc.batch_size, tc.target_ratio, device)
-        if len(val_shard):
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
-                figures = evaluate(model, val_loader, num_classes=mc.num_classes)
-        else:  # more workers than validation images: this one adds nothing
-            figures = {mc.metric: 0.0, "tokens_per_image": 0.0, "token_ratio": 0.0,
-                       "images_per_s": 0.0, "images": 0}
-        metrics.update(_combine_eval(figures, mc.task, device))
-        metrics["epoch"] = epoch
-        metrics["epoch_time_s"] = time.perf_counter() - started
+def _lr_schedule(optimizer: torch.optim.Optimizer, config: ExperimentConfig, steps_per_epoch: int) -> Any:
+    """Linear warm-up (``train.lr_warmup_steps``, else ``lr_warmup_epochs``), then cosine decay."""
+    tc = config.train
+    total_steps = tc.epochs * steps_per_epoch
+    warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
+    return warmup_cosine(optimizer, min(warmup, total_steps), total_steps)
 
-        with tempfile.TemporaryDirectory(prefix="splitvit-ckpt-") as folder:
-            folder = Path(folder)
-            torch.save(rng_state(generator), folder / rng_file(rank))
-            if rank == 0:
-                model.save(folder / MODEL_FILE, extra={"epoch": epoch, "metrics": metrics, "config": config.to_dict(redact=True)})
-                torch.save({"epoch": epoch, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                            "metrics": metrics, "world_size": world, "global_step": (epoch + 1) * steps_per_epoch},
-                           folder / STATE_FILE)
-                write_metrics(folder, metrics)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
-                             checkpoint_dir_name=checkpoint_dir_name(epoch))
-        # Commit barrier. The controller registers a report only when it next polls
-        # every worker (every couple of seconds); a worker that dies before that poll
-        # takes its queued report with it and the epoch's checkpoint, though written,
-        # is not the one a restart resumes from. Waiting here until the report is
-        # committed makes "reported" mean "resumable", and MLflow (below) only ever
-        # records committed epochs.
-        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-        if rank == 0:
-            log.info("epoch %d: %s", epoch, {k: round(v, 4) for k, v in metrics.items()})
-        if tracker is not None:
-            tracker.log_epoch(epoch, metrics)
-            if config.tracking.split_map_images > 0:
-                tracker.log_image(_split_map(model, val_set, config.tracking.split_map_images, device),
-                                  f"split_maps/epoch_{epoch:04d}.png")
 
-    model_uri = None
-    if tracker is not None:
-        if status == "completed":
-            if metrics and (start_epoch < tc.epochs or not tracker.has_final()):
-                tracker.log_final({k: v for k, v in metrics.items() if k != "epoch"})
-            if config.tracking.log_model:
-                model_uri = tracker.log_model(model, params={"levels": mc.levels, "policy": mc.policy})
-        else:
-            tracker.set_tags({"splitvit.status": status, "splitvit.message": message[:2000]})
-    return {"status": status, "metrics": metrics, "start_epoch": start_epoch, "message": message, "model_uri": model_uri,
-            "error": error}
+def _resume(worker: _Worker, state: dict[str, Any] | None) -> tuple[int, dict[str, float]]:
+    """Restore the optimizer and schedule from a checkpoint's training state; returns
+    the epoch to start from and the last epoch's metrics (``0, {}`` on a fresh start)."""
+    if state is None:
+        return 0, {}
+    worker.optimizer.load_state_dict(state["optimizer"])
+    worker.scheduler.load_state_dict(state["scheduler"])
+    metrics = dict(state.get("metrics") or {})
+    if worker.tracker is not None and metrics:
+        # the previous attempt may have stopped between its report and its MLflow write
+        worker.tracker.log_epoch(state["epoch"], metrics)
+    if worker.rank == 0:
+        log.info("resuming %s from epoch %d", worker.config.storage.name, state["epoch"])
+    return state["epoch"] + 1, metrics
+
+
+# ---------------------------------------------------------------------- worker: one epoch
+def _train_one_epoch(worker: _Worker, epoch: int) -> _EpochPass:
+    """One pass over this worker's training shard; every worker stops at the same step
+    when any of them hits a bad label or a non-finite value."""
+    worker.data.sampler.set_epoch(epoch)
+    worker.step.train()
+    started = time.perf_counter()
+    done = _EpochPass()
+    for index, batch in enumerate(worker.data.loader):
+        images, target = batch[0], batch[1]
+        loss, stats, stop = _guarded_forward(worker, images, target, epoch, index)
+        if stop is None:
+            stop = _apply_gradients(worker, loss, epoch)
+        if stop is not None:
+            done.stop = stop
+            return done
+        done.seen += images.shape[0]
+        for key, value in stats.items():
+            done.totals[key] = done.totals.get(key, 0.0) + value
+            done.counts[key] = done.counts.get(key, 0) + 1  # teacher_loss: teacher steps only
+    done.seconds = time.perf_counter() - started
+    return done
+
+
+def _guarded_forward(worker: _Worker, images: torch.Tensor, target: torch.Tensor, epoch: int,
+                     index: int) -> tuple[Any, dict[str, float], _Stop | None]:
+    """The SPLIT step's forward, then agreement over every worker on whether any of
+    them must stop: a worker that stopped alone would leave the others hanging in a
+    collective. Returns ``(loss, stats, stop)``."""
+    loss, stats, bad, wrong = None, {}, "", None
+    try:
+        with worker.autocast():
+            loss, stats = worker.step(images, target, epoch, worker.generator, index)
+    except FloatingPointError as exc:
+        bad = str(exc)
+    except ConfigError as exc:  # a label outside model.num_classes: retrying would not help
+        wrong = exc
+    any_bad, any_wrong = _all_reduce([1.0 if bad else 0.0, 1.0 if wrong else 0.0], op="max", device=worker.device)
+    if any_wrong:
+        error = _first_error(wrong, worker.world)
+        return loss, stats, _Stop("failed", str(error), error)
+    if any_bad:
+        return loss, stats, _Stop("diverged", bad or f"non-finite values on another worker at epoch {epoch}")
+    return loss, stats, None
+
+
+def _apply_gradients(worker: _Worker, loss: torch.Tensor, epoch: int) -> _Stop | None:
+    """Backward pass, clipped optimizer step and schedule step; a non-finite gradient
+    norm stops training instead (no step taken)."""
+    grad_clip = worker.config.train.grad_clip
+    worker.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    # gradients are all-reduced by now: every worker sees the same norm
+    norm = torch.nn.utils.clip_grad_norm_(worker.model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if not torch.isfinite(norm):
+        return _Stop("diverged", f"non-finite gradient norm {float(norm)} at epoch {epoch}")
+    worker.optimizer.step()
+    worker.scheduler.step()
+    return None
+
+
+def _training_metrics(worker: _Worker, trained: _EpochPass) -> dict[str, float]:
+    """The epoch's training figures over all workers: mean step statistics
+    (``train_<name>``), ``train_images_per_s`` and the learning rate."""
+    keys = _agreed_keys(trained.totals, worker.world)
+    sums = _all_reduce([trained.totals.get(k, 0.0) for k in keys] + [float(trained.counts.get(k, 0)) for k in keys]
+                       + [float(trained.seen)], device=worker.device)
+    (slowest,) = _all_reduce([trained.seconds], op="max", device=worker.device)
+    seen_all = sums[-1]
+    per_key = zip(keys, sums[: len(keys)], sums[len(keys) : 2 * len(keys)])  # (name, total, steps)
+    metrics = {f"train_{k}": v / max(n, 1.0) for k, v, n in per_key}
+    metrics["train_images_per_s"] = seen_all / slowest
+    metrics["lr"] = worker.scheduler.get_last_lr()[0]
+    return metrics
+
+
+def _evaluate_epoch(worker: _Worker) -> dict[str, float]:
+    """Calibrate ``auto`` thresholds, then evaluate on this worker's validation shard;
+    returns the figures over the whole validation set (:func:`_combine_eval`)."""
+    mc, dc = worker.config.model, worker.config.data
+    if mc.thresholds == AUTO_THRESHOLDS and worker.model.policy.thresholded:
+        with worker.autocast():  # as evaluated
+            _calibrate_thresholds(worker.model, worker.data.val_shard, dc.eval_batch_size or dc.batch_size,
+                                  worker.config.train.target_ratio, worker.device)
+    if len(worker.data.val_shard):
+        with worker.autocast():
+            figures = evaluate(worker.model, worker.data.val_loader, num_classes=mc.num_classes)
+    else:  # more workers than validation images: this one adds nothing
+        figures = {mc.metric: 0.0, "tokens_per_image": 0.0, "token_ratio": 0.0, "images_per_s": 0.0, "images": 0}
+    return _combine_eval(figures, mc.task, worker.device)
+
+
+# ---------------------------------------------------------------------- worker: checkpoint, report, MLflow
+def _checkpoint_and_report(worker: _Worker, epoch: int, metrics: dict[str, float]) -> None:
+    """Write the epoch's checkpoint (every rank its random state; rank 0 the model,
+    the optimizer and schedule state and the metrics), report it to Ray Train and wait
+    until the report is committed."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory(prefix="splitvit-ckpt-") as folder:
+        folder = Path(folder)
+        torch.save(rng_state(worker.generator), folder / rng_file(worker.rank))
+        if worker.rank == 0:
+            worker.model.save(folder / MODEL_FILE,
+                              extra={"epoch": epoch, "metrics": metrics, "config": worker.config.to_dict(redact=True)})
+            torch.save({"epoch": epoch, "optimizer": worker.optimizer.state_dict(),
+                        "scheduler": worker.scheduler.state_dict(), "metrics": metrics, "world_size": worker.world,
+                        "global_step": (epoch + 1) * worker.data.steps_per_epoch},
+                       folder / STATE_FILE)
+            write_metrics(folder, metrics)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
+                         checkpoint_dir_name=checkpoint_dir_name(epoch))
+    # Commit barrier. The controller registers a report only when it next polls
+    # every worker (every couple of seconds); a worker that dies before that poll
+    # takes its queued report with it and the epoch's checkpoint, though written,
+    # is not the one a restart resumes from. Waiting here until the report is
+    # committed makes "reported" mean "resumable", and MLflow (_log_epoch) only ever
+    # records committed epochs.
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def _log_epoch(worker: _Worker, epoch: int, metrics: dict[str, float]) -> None:
+    """Rank 0: the epoch's figures to the log and, with tracking on, to MLflow with a
+    split-map image."""
+    if worker.rank == 0:
+        log.info("epoch %d: %s", epoch, {k: round(v, 4) for k, v in metrics.items()})
+    tracking = worker.config.tracking
+    if worker.tracker is not None:
+        worker.tracker.log_epoch(epoch, metrics)
+        if tracking.split_map_images > 0:
+            worker.tracker.log_image(_draw_split_maps(worker.model, worker.data.val_set, tracking.split_map_images,
+                                                      worker.device),
+                                     f"split_maps/epoch_{epoch:04d}.png")
+
+
+def _end_tracking(worker: _Worker, status: str, message: str, metrics: dict[str, float],
+                  start_epoch: int) -> str | None:
+    """Rank 0, tracking on: the final metrics and the model of a completed run (returns
+    the model's URI), or the status and message of one that stopped."""
+    tracker = worker.tracker
+    if tracker is None:
+        return None
+    if status != "completed":
+        tracker.set_tags({"splitvit.status": status, "splitvit.message": message[:2000]})
+        return None
+    if metrics and (start_epoch < worker.config.train.epochs or not tracker.has_final()):
+        tracker.log_final({k: v for k, v in metrics.items() if k != "epoch"})
+    if not worker.config.tracking.log_model:
+        return None
+    mc = worker.config.model
+    return tracker.log_model(worker.model, params={"levels": mc.levels, "policy": mc.policy})
 
 
 def _first_error(own: BaseException | None, world: int) -> BaseException:
@@ -633,8 +850,9 @@ def _first_error(own: BaseException | None, world: int) -> BaseException:
 
 
 @torch.no_grad()
-def _split_map(model, dataset, count: int, device: torch.device):
-    """The policy's quadtree over the first ``count`` images of ``dataset``."""
+def _draw_split_maps(model: nn.Module, dataset: Any, count: int, device: torch.device) -> Image.Image:
+    """The policy's quadtree over the first ``count`` images of ``dataset``, as one
+    captioned grid image (tokens kept per image)."""
     from ..tracking.split_maps import split_map_grid
 
     count = min(count, len(dataset))

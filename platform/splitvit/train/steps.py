@@ -21,11 +21,11 @@ top node on the object 88% of the time, last-block class attention 59%.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
+from ..config import SplitLossConfig  # declared with the config's train section; imported from here too
 from ..model.quadtree import top_down_decisions, token_counts
 from ..model.splitvit import SplitViT
 from .losses import (
@@ -35,50 +35,7 @@ from .losses import (
     split_fraction_for_ratio,
     task_loss,
     teacher_loss,
-    validate_loss_settings,
 )
-
-
-@dataclass
-class SplitLossConfig:
-    """Hyper-parameters of the SPLIT objective.
-
-    Attributes:
-        lambda_budget: weight of the token-budget penalty (>= 0).
-        target_ratio: target tokens as a fraction of full resolution, in (0, 1].
-        penalty: ``squared`` (both sides) or ``hinge`` (over budget only).
-        teacher_weight: weight of the relevance-teacher loss on the policy (>= 0).
-        teacher: the model's relevance signal, ``gradient`` (gradient x input
-            saliency of the true class) or ``attention`` (last block's class-token
-            attention); see ``SplitViT.relevance``.
-        warmup_epochs: epochs of random splits before the policy decides.
-        warmup_min_split: lowest per-image random split rate in warm-up.
-        teacher_every: compute the relevance teacher (a full-resolution forward and
-            backward pass, about half of a policy-phase step) on every k-th step only;
-            the other steps train the policy through the task loss and budget penalty.
-    """
-
-    lambda_budget: float = 1.0
-    target_ratio: float = 0.5
-    penalty: str = "squared"
-    teacher_weight: float = 1.0
-    teacher: str = "gradient"
-    warmup_epochs: int = 1
-    warmup_min_split: float = 0.3
-    teacher_every: int = 1
-
-    def __post_init__(self) -> None:
-        validate_loss_settings(self.lambda_budget, self.target_ratio, self.penalty)
-        if self.teacher not in ("gradient", "attention"):
-            raise ValueError(f"teacher must be 'gradient' or 'attention', got {self.teacher!r}")
-        if self.teacher_weight < 0:
-            raise ValueError(f"teacher_weight must be >= 0, got {self.teacher_weight}")
-        if self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
-        if not 0.0 <= self.warmup_min_split <= 1.0:
-            raise ValueError(f"warmup_min_split must be in [0, 1], got {self.warmup_min_split}")
-        if self.teacher_every < 1:
-            raise ValueError(f"teacher_every must be >= 1, got {self.teacher_every}")
 
 
 def random_decisions(model: SplitViT, images: torch.Tensor, min_rate: float, generator: torch.Generator | None = None) -> list[torch.Tensor]:

@@ -40,14 +40,23 @@ from typing import Any
 
 import yaml
 
-from ..config import SECTIONS, ConfigError, ExperimentConfig, parent_section, quality_metric
+from ..config import (
+    SECTIONS,
+    ConfigError,
+    ExperimentConfig,
+    build_dataclass,
+    parse_override,
+    quality_metric,
+    set_dotted,
+    split_key,
+)
+from ..train.experiment import experiment_from_dict
 
 DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
 SAMPLERS = ("tpe", "nsga2", "random")
 STAGE_TWO_SAMPLERS = ("tpe", "nsga2", "random", "qmc")
 SCHEDULERS = ("asha",)
 TOP_LEVEL = ("base", "description", "parameters", "search", "stage_two", "baselines", "pareto", "speed", "mlflow")
-_INDEXED = re.compile(r"^(?P<key>[A-Za-z_][\w.]*)\[(?P<index>\d+)\]$")
 
 
 class SearchSpaceError(ValueError):
@@ -287,12 +296,13 @@ class SearchSpace:
 
     def config(self, params: dict[str, Any] | None = None, overrides: list[str] | None = None,
                name: str = "sweep") -> ExperimentConfig:
-        """The validated experiment config of one point of the space.
+        """The fully validated experiment config of one point of the space
+        (:func:`~splitvit.train.experiment.experiment_from_dict`).
 
         ``params`` holds sampled values by parameter name (decoded: what the config
         takes); the fixed values always apply. Raises :class:`ConfigError`.
         """
-        return ExperimentConfig.from_dict(self.raw_config(params), overrides, default_name=name)
+        return experiment_from_dict(self.raw_config(params), overrides, default_name=name)
 
     def decode(self, sampled: dict[str, Any]) -> dict[str, Any]:
         """Optuna's (or Tune's) sampled values -> config values, by parameter name."""
@@ -313,7 +323,8 @@ class SearchSpace:
             "source": self.source,
             "base": self.base,
             "description": self.description,
-            "parameters": {k: {key: v for key, v in dataclasses.asdict(p).items() if v not in (None, (), False) or key == "low"}
+            "parameters": {k: {key: v for key, v in dataclasses.asdict(p).items()
+                               if v not in (None, (), False) or key == "low"}
                            for k, p in self.parameters.items()},
             "fixed": self.fixed,
             "search": dataclasses.asdict(self.search),
@@ -323,43 +334,6 @@ class SearchSpace:
             "speed": dataclasses.asdict(self.speed),
             "mlflow": dataclasses.asdict(self.mlflow),
         }
-
-
-# ---------------------------------------------------------------------- dotted keys
-def split_key(key: str) -> tuple[list[str], int | None]:
-    """``model.thresholds[1]`` -> ``(["model", "thresholds"], 1)``; ``train.lr`` -> ``(["train", "lr"], None)``."""
-    match = _INDEXED.match(key)
-    if match:
-        return match.group("key").split("."), int(match.group("index"))
-    return key.split("."), None
-
-
-def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    """Set a dotted (optionally indexed) key in a raw config dict.
-
-    An index into ``model.thresholds`` given as one number (or ``auto``) first
-    expands it to one threshold per non-finest level (``model.levels - 1``).
-    """
-    parts, index = split_key(key)
-    node = parent_section(raw, parts, key)
-    last = parts[-1]
-    if index is None:
-        node[last] = copy.deepcopy(value)
-        return
-    current = node.get(last)
-    if parts == ["model", "thresholds"] and not isinstance(current, list):
-        # one number, or ``auto`` (calibrated to the target ratio): searching one level
-        # fixes them all, the others at the number (or 0.5, the model's default)
-        levels = int((raw.get("model") or {}).get("levels", 3))
-        fill = current if isinstance(current, (int, float)) and not isinstance(current, bool) else 0.5
-        current = [fill] * max(levels - 1, 1)
-    if not isinstance(current, list):
-        raise ConfigError(".".join(parts), f"is not a list, so {key} cannot index it")
-    if index >= len(current):
-        raise ConfigError(key, f"index {index} is out of range: {'.'.join(parts)} has {len(current)} entries")
-    current = list(current)
-    current[index] = copy.deepcopy(value)
-    node[last] = current
 
 
 # ---------------------------------------------------------------------- loading
@@ -390,7 +364,8 @@ def space_from_dict(raw: dict[str, Any], *, source: str = "<dict>", root: str | 
     raw = copy.deepcopy(raw)
     raw.setdefault("parameters", {})
     if not isinstance(raw["parameters"], dict):
-        raise SearchSpaceError(source, "parameters", f"expected a mapping of dotted config keys, got {type(raw['parameters']).__name__}")
+        raise SearchSpaceError(source, "parameters",
+                               f"expected a mapping of dotted config keys, got {type(raw['parameters']).__name__}")
     for item in overrides or []:
         _apply_space_override(raw, item, source)
     for key in raw:
@@ -441,7 +416,8 @@ def _normalize_points(space: SearchSpace) -> None:
     points = []
     for point in space.search.initial_points:
         if isinstance(point, dict):
-            point = {k: (float(_number(v)) if k in space.parameters and space.parameters[k].distribution in ("uniform", "loguniform")
+            point = {k: (float(_number(v)) if k in space.parameters
+                         and space.parameters[k].distribution in ("uniform", "loguniform")
                          and _number(v) is not None else v) for k, v in point.items()}
         points.append(point)
     space.search = dataclasses.replace(space.search, initial_points=tuple(points))
@@ -453,54 +429,43 @@ def _did_you_mean(key: Any, known: tuple[str, ...] | list[str]) -> str:
 
 
 def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
-    if "=" not in item:
-        raise SearchSpaceError(source, item, "--set expects key=value (e.g. search.num_samples=3 or train.epochs=1)")
-    key, text = item.split("=", 1)
-    key = key.strip()
+    """One ``--set key=value``: a config key fixes that value, any other key sets the space's own settings."""
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
-    parts = key.split(".")
-    if not key or any(not p for p in parts):
-        raise SearchSpaceError(source, key or item, "--set key must be a dotted name")
-    if parts[0].split("[")[0] in SECTIONS:
-        # a config value: fixed for this sweep, whether or not the file searches it
-        raw["parameters"][key] = value
-        return
-    node = raw
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise SearchSpaceError(source, key, f"{part} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
+        key, value = parse_override(item)
+        if split_key(key)[0][0] in SECTIONS:
+            # a config value: fixed for this sweep, whether or not the file searches it
+            raw["parameters"][key] = value
+        else:
+            set_dotted(raw, key, value)
+    except ConfigError as exc:
+        raise SearchSpaceError(source, exc.key, exc.reason) from None
 
 
 def _resolve_base(base: Any, root: Path, source: str) -> Path:
     if not base or not isinstance(base, str):
-        raise SearchSpaceError(source, "base", "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml")
+        raise SearchSpaceError(source, "base",
+                               "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml")
     candidate = Path(base).expanduser()
     if not candidate.is_absolute():
         # relative to the space file; a path relative to the working directory also works
         for option in (root / candidate, candidate):
             if option.is_file():
                 return option.resolve()
-        raise SearchSpaceError(source, "base", f"experiment config {base} not found (relative to {root} or the working directory)")
+        raise SearchSpaceError(source, "base",
+                               f"experiment config {base} not found (relative to {root} or the working directory)")
     if not candidate.is_file():
         raise SearchSpaceError(source, "base", f"experiment config {base} not found")
     return candidate
 
 
 def _check_key_syntax(name: str, source: str) -> None:
-    parts, _ = split_key(name)
-    if not all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in parts) or "[" in name and not _INDEXED.match(name):
-        raise SearchSpaceError(source, f"parameters.{name}", "not a dotted config key (like train.lr or model.thresholds[0])")
-    if parts[0] not in SECTIONS:
+    parts, _ = split_key(name)  # a malformed index leaves a "[" in a part
+    if not all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in parts):
         raise SearchSpaceError(source, f"parameters.{name}",
-                               f"unknown config key: {parts[0]} is not a config section{_did_you_mean(parts[0], SECTIONS)}")
+                               "not a dotted config key (like train.lr or model.thresholds[0])")
+    if parts[0] not in SECTIONS:
+        raise SearchSpaceError(source, f"parameters.{name}", f"unknown config key: {parts[0]} is not a config section"
+                                                             f"{_did_you_mean(parts[0], SECTIONS)}")
     if len(parts) < 2:
         raise SearchSpaceError(source, f"parameters.{name}", "name a key inside the section, like train.lr")
 
@@ -530,7 +495,8 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
     key = f"parameters.{name}"
     dist = spec.get("distribution")
     if dist not in DISTRIBUTIONS:
-        raise SearchSpaceError(source, key, f"unknown distribution {dist!r}; expected one of {', '.join(DISTRIBUTIONS)}")
+        raise SearchSpaceError(source, key,
+                               f"unknown distribution {dist!r}; expected one of {', '.join(DISTRIBUTIONS)}")
     unknown = sorted(set(spec) - _SPEC_KEYS[dist])
     if unknown:
         raise SearchSpaceError(source, f"{key}.{unknown[0]}",
@@ -538,7 +504,8 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
     if dist == "categorical":
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices:
-            raise SearchSpaceError(source, f"{key}.choices", "a categorical parameter needs a non-empty list of choices")
+            raise SearchSpaceError(source, f"{key}.choices",
+                                   "a categorical parameter needs a non-empty list of choices")
         if len({json.dumps(c, sort_keys=True, default=str) for c in choices}) != len(choices):
             raise SearchSpaceError(source, f"{key}.choices", f"choices repeat a value: {choices}")
         return Parameter(name, dist, choices=tuple(choices))
@@ -550,7 +517,8 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
         if value is None or not math.isfinite(value):
             raise SearchSpaceError(source, f"{key}.{bound}", f"expected a finite number, got {spec[bound]!r}")
         if dist == "int" and int(value) != value:
-            raise SearchSpaceError(source, f"{key}.{bound}", f"an int parameter needs integer bounds, got {spec[bound]!r}")
+            raise SearchSpaceError(source, f"{key}.{bound}",
+                                   f"an int parameter needs integer bounds, got {spec[bound]!r}")
         bounds[bound] = int(value) if dist == "int" else float(value)
     low, high = bounds["low"], bounds["high"]
     if low > high:
@@ -561,7 +529,8 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
     if step is not None:
         step_value = _number(step)
         if step_value is None or step_value <= 0 or (dist == "int" and int(step_value) != step_value):
-            raise SearchSpaceError(source, f"{key}.step", f"expected a positive {'integer' if dist == 'int' else 'number'}, got {step!r}")
+            raise SearchSpaceError(source, f"{key}.step",
+                                   f"expected a positive {'integer' if dist == 'int' else 'number'}, got {step!r}")
         step = int(step_value) if dist == "int" else float(step_value)
     log = spec.get("log", False)
     if not isinstance(log, bool):
@@ -572,62 +541,11 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
 
 
 def _settings(cls: type, raw: Any, section: str, source: str) -> Any:
-    if raw is None:
-        return cls()
-    if not isinstance(raw, dict):
-        raise SearchSpaceError(source, section, f"expected a mapping, got {type(raw).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in names:
-            raise SearchSpaceError(source, f"{section}.{key}", f"unknown setting{_did_you_mean(key, names)}")
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name in raw:
-            values[f.name] = _typed(raw[f.name], f.type, f"{section}.{f.name}", source)
-    return cls(**values)
-
-
-def _typed(value: Any, hint: str, key: str, source: str) -> Any:
-    """Check a settings value against its field's annotation (kept as text by ``from __future__``)."""
-    optional = "None" in hint
-    if value is None:
-        if optional:
-            return None
-        raise SearchSpaceError(source, key, "must not be null")
-    if hint.startswith("tuple") or hint.startswith("dict"):
-        if hint.startswith("dict"):
-            if not isinstance(value, dict):
-                raise SearchSpaceError(source, key, f"expected a mapping, got {value!r}")
-            return dict(value)
-        if not isinstance(value, list):
-            raise SearchSpaceError(source, key, f"expected a list, got {value!r}")
-        if "float" in hint:
-            out = []
-            for item in value:
-                number = _number(item)
-                if number is None:
-                    raise SearchSpaceError(source, key, f"expected numbers, got {item!r}")
-                out.append(float(number))
-            return tuple(out)
-        return tuple(value)
-    if hint.startswith("bool"):
-        if not isinstance(value, bool):
-            raise SearchSpaceError(source, key, f"expected true or false, got {value!r}")
-        return value
-    if hint.startswith("int"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SearchSpaceError(source, key, f"expected an integer, got {value!r}")
-        return value
-    if hint.startswith("float"):
-        number = _number(value)
-        if number is None:
-            raise SearchSpaceError(source, key, f"expected a number, got {value!r}")
-        return float(number)
-    if hint.startswith("str"):
-        if not isinstance(value, str):
-            raise SearchSpaceError(source, key, f"expected text, got {value!r}")
-        return value
-    return value  # pragma: no cover - every field above has one of these types
+    """A settings section (``search``, ``speed``...) by the config's own loader, its errors naming the file."""
+    try:
+        return build_dataclass(cls, raw, f"{section}.")
+    except ConfigError as exc:
+        raise SearchSpaceError(source, exc.key, exc.reason) from None
 
 
 def _pareto(raw: Any, source: str) -> ParetoSettings:
@@ -652,11 +570,13 @@ def _validate_settings(space: SearchSpace) -> None:
     if s.max_concurrent < 1:
         raise SearchSpaceError(src, "search.max_concurrent", f"must be >= 1, got {s.max_concurrent}")
     if s.sampler not in SAMPLERS:
-        raise SearchSpaceError(src, "search.sampler", f"unknown sampler {s.sampler!r}; expected one of {', '.join(SAMPLERS)}")
+        raise SearchSpaceError(src, "search.sampler",
+                               f"unknown sampler {s.sampler!r}; expected one of {', '.join(SAMPLERS)}")
     if s.population_size is not None and s.population_size < 2:
         raise SearchSpaceError(src, "search.population_size", f"must be >= 2, got {s.population_size}")
     if s.scheduler is not None and s.scheduler not in SCHEDULERS:
-        raise SearchSpaceError(src, "search.scheduler", f"unknown scheduler {s.scheduler!r}; expected null or {', '.join(SCHEDULERS)}")
+        raise SearchSpaceError(src, "search.scheduler",
+                               f"unknown scheduler {s.scheduler!r}; expected null or {', '.join(SCHEDULERS)}")
     if s.state_period_s < 0:
         raise SearchSpaceError(src, "search.state_period_s", f"must be >= 0, got {s.state_period_s}")
     if s.grace_period < 1 or s.reduction_factor < 2:
@@ -667,8 +587,9 @@ def _validate_settings(space: SearchSpace) -> None:
             raise SearchSpaceError(src, f"search.trial_resources.{name}", f"must be a number >= 0, got {amount!r}")
     if not any(_number(a) and a > 0 for a in s.trial_resources.values()):
         # Tune cannot schedule an empty request
-        raise SearchSpaceError(src, "search.trial_resources", "ask for some resource, e.g. {CPU: 0.5}: the trial's driver "
-                               "function only waits for its training workers, so a fraction of a CPU is enough")
+        raise SearchSpaceError(src, "search.trial_resources",
+                               "ask for some resource, e.g. {CPU: 0.5}: the trial's driver function only waits "
+                               "for its training workers, so a fraction of a CPU is enough")
     for i, point in enumerate(s.initial_points):
         key = f"search.initial_points[{i}]"
         if not isinstance(point, dict):
@@ -676,19 +597,23 @@ def _validate_settings(space: SearchSpace) -> None:
         missing = sorted(set(space.parameters) - set(point))
         extra = sorted(set(point) - set(space.parameters))
         if extra:
-            raise SearchSpaceError(src, f"{key}.{extra[0]}", f"not a searched parameter{_did_you_mean(extra[0], list(space.parameters))}")
+            raise SearchSpaceError(src, f"{key}.{extra[0]}",
+                                   f"not a searched parameter{_did_you_mean(extra[0], list(space.parameters))}")
         if missing:
             raise SearchSpaceError(src, key, f"give every searched parameter a value; missing {', '.join(missing)}")
         for name, value in point.items():
             if not space.parameters[name].contains(value):
-                raise SearchSpaceError(src, f"{key}.{name}", f"{value!r} is outside {space.parameters[name].describe()}")
+                raise SearchSpaceError(src, f"{key}.{name}",
+                                       f"{value!r} is outside {space.parameters[name].describe()}")
     t = space.stage_two
     if t.points < 0:
         raise SearchSpaceError(src, "stage_two.points", f"must be >= 0, got {t.points}")
     if not 0.0 <= t.low <= t.high <= 1.0:
-        raise SearchSpaceError(src, "stage_two", f"thresholds need 0 <= low <= high <= 1, got low {t.low}, high {t.high}")
+        raise SearchSpaceError(src, "stage_two",
+                               f"thresholds need 0 <= low <= high <= 1, got low {t.low}, high {t.high}")
     if t.sampler not in STAGE_TWO_SAMPLERS:
-        raise SearchSpaceError(src, "stage_two.sampler", f"unknown sampler {t.sampler!r}; expected one of {', '.join(STAGE_TWO_SAMPLERS)}")
+        raise SearchSpaceError(src, "stage_two.sampler",
+                               f"unknown sampler {t.sampler!r}; expected one of {', '.join(STAGE_TWO_SAMPLERS)}")
     for key, samples in (("stage_two.samples", t.samples), ("baselines.samples", space.baselines.samples)):
         if samples is not None and samples < 1:
             raise SearchSpaceError(src, key, f"must be >= 1 or null, got {samples}")
@@ -707,7 +632,8 @@ def _validate_settings(space: SearchSpace) -> None:
     for key, value, least in (("batch_size", v.batch_size, 1), ("rounds", v.rounds, 1), ("warmup", v.warmup, 0),
                               ("max_points", v.max_points, 1)):
         if value is not None and value < least:
-            raise SearchSpaceError(src, f"speed.{key}", f"must be >= {least}{' or null (every frontier point)' if key == 'max_points' else ''}, got {value}")
+            null = " or null (every frontier point)" if key == "max_points" else ""
+            raise SearchSpaceError(src, f"speed.{key}", f"must be >= {least}{null}, got {value}")
     m = space.mlflow
     if m.log_models is not None and m.log_models < 0:
         raise SearchSpaceError(src, "mlflow.log_models", f"must be >= 0 or null (all), got {m.log_models}")
@@ -756,10 +682,12 @@ def _validate_against_config(space: SearchSpace) -> None:
                 where = f"parameters.{fixed_owner}" if fixed_owner else f"base ({space.base})"
                 raise SearchSpaceError(src, where, f"{exc.key}: {exc.reason}") from None
             if "unknown key" in exc.reason:
-                raise SearchSpaceError(src, f"parameters.{owner}", exc.reason.replace("unknown key", "not a config key")) from None
+                raise SearchSpaceError(src, f"parameters.{owner}",
+                                       exc.reason.replace("unknown key", "not a config key")) from None
             if "out of range" in exc.reason or "cannot index" in exc.reason:
                 raise SearchSpaceError(src, f"parameters.{owner}", exc.reason) from None
-            raise SearchSpaceError(src, f"parameters.{owner}", f"{what} is not a valid config value: {exc.key}: {exc.reason}") from None
+            raise SearchSpaceError(src, f"parameters.{owner}",
+                                   f"{what} is not a valid config value: {exc.key}: {exc.reason}") from None
 
     numeric = {n: p for n, p in space.parameters.items() if p.distribution != "categorical"}
     categorical = {n: p for n, p in space.parameters.items() if p.distribution == "categorical"}

@@ -84,7 +84,7 @@ def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str 
     """
     import torch
 
-    from ..bench.forward import OTHER_LOAD_WARNING, machine_info, quartiles, synchronizer, time_beside_others, timing_summary
+    from ..bench.timing import OTHER_LOAD_WARNING, machine_info, quartiles, synchronizer, time_beside_others, timing_summary
     from ..model import SplitViT
     from ..train.checkpoints import load_payload
     from .checkpoint_evaluator import CheckpointEvaluator

@@ -18,35 +18,52 @@ A study file (``search_spaces/study_*.yaml``) names an experiment config and:
   of the timings against full resolution: the matched point (:func:`matched_speed`)
   and every method's evaluated points (:func:`points_speed`).
 
-It runs on the platform like a sweep: Ray Tune runs the backbones (one trial per
-seed), then the methods (one trial per seed and method), each trial a Ray Train
-``TorchTrainer``; only the driver writes MLflow (a parent run with the table, the
-plot, the goals and the speed figures; a child run per method and seed). Re-running
-a study under the same name reuses every run that finished (its result file) and
-resumes unfinished training from its checkpoints.
+One code path runs every study (:func:`execute_study`): it plans the runs (the
+backbones, one per seed, then the methods, one per seed and method), reuses the runs
+an earlier invocation finished (each run's :data:`STUDY_RESULT_FILE`), evaluates
+every method at the matched token ratios (:func:`study_run`), aggregates over seeds,
+checks the goals, times the speed comparison and records MLflow (a parent run with
+the table, the plot, the goals and the speed figures; a child run per method and
+seed). Only where runs execute (a :class:`StudyExecutor`) and how one run is trained
+(its :class:`RunTrainer`) differ:
+
+* on the platform (:func:`run_study`, ``splitvit study``), like a sweep: Ray Tune
+  trials (:class:`TuneExecutor`), each training a Ray Train ``TorchTrainer``
+  (:class:`RayTrainer`); only the driver writes MLflow;
+* on one machine without Ray (:func:`splitvit.tune.study_local.run_study_local`,
+  ``infra/gpu-check/single_gpu_study.py``): in this process or a pool of processes
+  sharing one device, each run trained by the plain single-process loop with the
+  config's schedule; MLflow optional.
+
+Re-running a study under the same name reuses every run that finished and resumes
+unfinished training (from its checkpoints on Ray; a local run whose training
+finished keeps it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
-from ..config import ConfigError, ExperimentConfig, quality_metric
+from ..config import ConfigError, ExperimentConfig, quality_metric, set_dotted
 from ..storage import exists, join_uri, read_bytes, write_bytes
-from .space import SearchSpaceError, _resolve_base, set_dotted
+from ..train.experiment import experiment_from_dict
+from .space import SearchSpaceError, _resolve_base
 
 log = logging.getLogger(__name__)
 
-RESULT_FILE = "study_result.json"
+STUDY_RESULT_FILE = "study_result.json"  # a finished run's stored result, in its run folder
 THRESHOLDED = ("learned", "entropy", "random")
 EPS = 1e-9  # points: means of seeds' accuracies are not exact in binary
 _KEYS = {"base", "description", "seeds", "config", "backbone", "method", "methods", "evaluation", "run", "goals",
@@ -113,7 +130,7 @@ class StudySpec:
                 values["model.init_from"] = init_from
         for key, value in values.items():
             set_dotted(raw, key, value)
-        return ExperimentConfig.from_dict(raw, default_name=name)
+        return experiment_from_dict(raw, default_name=name)
 
     @property
     def metric(self) -> str:
@@ -252,8 +269,13 @@ class StudyError(ValueError):
     """A study that cannot run as asked (the message says why and what to do)."""
 
 
+def run_name(seed: int, method: str | None) -> str:
+    """The run folder's name: seed ``seed``'s backbone (``method=None``) or a method run."""
+    return f"backbone-s{seed}" if method is None else f"{method}-s{seed}"
+
+
 def _stored(run_uri: str) -> dict[str, Any] | None:
-    uri = join_uri(run_uri, RESULT_FILE)
+    uri = join_uri(run_uri, STUDY_RESULT_FILE)
     return json.loads(read_bytes(uri)) if exists(uri) else None
 
 
@@ -270,7 +292,7 @@ def stale_runs(spec: StudySpec, storage: str) -> list[str]:
     stale = []
     for seed in spec.seeds:
         for method in (None, *spec.methods):
-            name = f"backbone-s{seed}" if method is None else f"{method}-s{seed}"
+            name = run_name(seed, method)
             stored = _stored(join_uri(storage, name))
             if stored is None or "config" not in stored:
                 continue
@@ -285,58 +307,101 @@ def stale_runs(spec: StudySpec, storage: str) -> list[str]:
     return stale
 
 
-def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> None:
-    """Tune trial: train seed ``params['seed']``'s warm-up backbone (or report the stored one)."""
-    from ray import tune
+# ---------------------------------------------------------------------- one run
+class RunTrainer(Protocol):
+    """How one run of a study is trained, and where its evaluations run."""
 
-    from .trial import TrialFailed, fit_trial
+    def train(self, config: ExperimentConfig) -> dict[str, Any]:
+        """Train ``config``: ``status`` (``completed``, or why not), ``metrics`` (the last
+        epoch's), ``checkpoint`` (``None`` without one), ``message``, and any further keys
+        to store with the run (e.g. per-epoch ``history``)."""
+        ...
+
+    def evaluate(self, config: ExperimentConfig, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, device=<where config trains>, **kwargs)``, run there."""
+        ...
+
+
+@dataclass(frozen=True)
+class RayTrainer:
+    """Ray Train, inside a Tune trial (:func:`~splitvit.tune.trial.fit_trial`); evaluations
+    where training ran (:func:`~splitvit.tune.trial.run_evaluation`: a GPU task for GPU runs)."""
+
+    def train(self, config: ExperimentConfig) -> dict[str, Any]:
+        """:func:`~splitvit.tune.trial.fit_trial`."""
+        from .trial import fit_trial
+
+        return fit_trial(config)
+
+    def evaluate(self, config: ExperimentConfig, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """:func:`~splitvit.tune.trial.run_evaluation`."""
+        from .trial import run_evaluation
+
+        return run_evaluation(config, fn, *args, **kwargs)
+
+
+_TRAINED = ("status", "metrics", "checkpoint", "message")  # what every trainer returns; the rest is stored as is
+
+
+def study_run(spec: StudySpec, storage: str, params: dict[str, Any], trainer: RunTrainer,
+              backbones: dict[int, str] | None = None) -> dict[str, Any]:
+    """One run of the study, the same under every executor: seed ``params['seed']``'s
+    backbone, or with ``params['method']`` that method trained by ``trainer`` from the
+    seed's backbone checkpoint (``backbones``) and evaluated at every matched token
+    ratio on the held-out split (:func:`evaluate_points`). The result is stored in the
+    run folder under ``storage`` (:data:`STUDY_RESULT_FILE`); a run an earlier
+    invocation finished is not trained again but its stored result returned.
+
+    Returns the stored result with ``reused`` (finished earlier: its times are that
+    invocation's). Raises :class:`~splitvit.tune.trial.TrialFailed` when training
+    does not complete with a checkpoint.
+    """
+    from .trial import TrialFailed
 
     seed = int(params["seed"])
-    name = f"backbone-s{seed}"
+    method = None if params.get("method") is None else str(params["method"])
+    name = run_name(seed, method)
     run_uri = join_uri(storage, name)
     stored = _stored(run_uri)
-    if stored is None:
-        started = time.time()
-        config = spec.run_config(seed, None, name, storage)
-        trained = fit_trial(config)
-        if trained["status"] != "completed" or trained["checkpoint"] is None:
-            raise TrialFailed(f"backbone {name} {trained['status']}: {trained['message']}")
+    if stored is not None:
+        return {**stored, "reused": True}
+    started = time.time()
+    config = spec.run_config(seed, method, name, storage, init_from=None if method is None else backbones[seed])
+    trained = trainer.train(config)
+    if trained["status"] != "completed" or trained["checkpoint"] is None:
+        raise TrialFailed(f"{'backbone ' if method is None else ''}{name} {trained['status']}: {trained['message']}")
+    extra = {k: v for k, v in trained.items() if k not in _TRAINED}
+    train_seconds = time.time() - started
+    if method is None:
         stored = {"seed": seed, "checkpoint": trained["checkpoint"], "metrics": trained["metrics"],
-                  "train_seconds": time.time() - started, "run_uri": run_uri, "config": config.flat()}
-        write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
-    tune.report({"done": 1, "result": json.dumps(stored, default=float)})
+                  "train_seconds": train_seconds, "run_uri": run_uri, "config": config.flat(), **extra}
+    else:
+        policy = spec.policy(method)
+        points = trainer.evaluate(config, evaluate_points, trained["checkpoint"], policy=policy,
+                                  ratios=spec.ratios if policy in THRESHOLDED else [], split=spec.split,
+                                  samples=spec.samples, calibration_samples=spec.calibration_samples, seed=seed)
+        stored = {"seed": seed, "method": method, "policy": policy, "checkpoint": trained["checkpoint"],
+                  "train_metrics": trained["metrics"], "points": points, "train_seconds": train_seconds,
+                  "eval_seconds": time.time() - started - train_seconds, "run_uri": run_uri,
+                  "config": config.flat(), "evaluation": _evaluation(spec), **extra}
+    write_bytes(join_uri(run_uri, STUDY_RESULT_FILE), json.dumps(stored, default=float).encode())
+    return {**stored, "reused": False}
+
+
+def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> None:
+    """Tune trial: seed ``params['seed']``'s warm-up backbone (:func:`study_run` on Ray Train)."""
+    from ray import tune
+
+    tune.report({"done": 1, "result": json.dumps(study_run(spec, storage, params, RayTrainer()), default=float)})
 
 
 def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbones: dict[int, str]) -> None:
-    """Tune trial: train one method from its seed's backbone, then evaluate it at every
-    matched token ratio on the held-out split (or report the stored result)."""
+    """Tune trial: one method from its seed's backbone, evaluated at every matched token
+    ratio (:func:`study_run` on Ray Train)."""
     from ray import tune
 
-    from .trial import TrialFailed, fit_trial, run_evaluation
-
-    seed, method = int(params["seed"]), str(params["method"])
-    name = f"{method}-s{seed}"
-    run_uri = join_uri(storage, name)
-    stored = _stored(run_uri)
-    reused = stored is not None
-    if stored is None:
-        started = time.time()
-        config = spec.run_config(seed, method, name, storage, init_from=backbones[seed])
-        trained = fit_trial(config)
-        if trained["status"] != "completed" or trained["checkpoint"] is None:
-            raise TrialFailed(f"{name} {trained['status']}: {trained['message']}")
-        train_seconds = time.time() - started
-        points = run_evaluation(config, evaluate_points, trained["checkpoint"], policy=spec.policy(method),
-                                ratios=spec.ratios if spec.policy(method) in THRESHOLDED else [],
-                                split=spec.split, samples=spec.samples, calibration_samples=spec.calibration_samples,
-                                seed=seed)
-        stored = {"seed": seed, "method": method, "policy": spec.policy(method), "checkpoint": trained["checkpoint"],
-                  "train_metrics": trained["metrics"], "points": points, "train_seconds": train_seconds,
-                  "eval_seconds": time.time() - started - train_seconds, "run_uri": run_uri,
-                  "config": config.flat(), "evaluation": _evaluation(spec)}
-        write_bytes(join_uri(run_uri, RESULT_FILE), json.dumps(stored, default=float).encode())
-    # "reused": finished by an earlier invocation of the study (its times are that one's)
-    tune.report({"done": 1, "result": json.dumps({**stored, "reused": reused}, default=float)})
+    result = study_run(spec, storage, params, RayTrainer(), backbones)
+    tune.report({"done": 1, "result": json.dumps(result, default=float)})
 
 
 def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split: str, samples: int | None,
@@ -453,7 +518,7 @@ def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_rati
     trained full-resolution checkpoint, timed interleaved on the same batch."""
     import torch
 
-    from ..bench.forward import time_interleaved
+    from ..bench.timing import time_interleaved
     from .checkpoint_evaluator import CheckpointEvaluator
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
@@ -603,7 +668,7 @@ def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: l
 # ---------------------------------------------------------------------- driver
 @dataclass
 class StudyResult:
-    """What :func:`run_study` produced (also its ``--json`` output)."""
+    """What :func:`execute_study` produced (also the ``--json`` output of ``splitvit study``)."""
 
     name: str
     source: str
@@ -615,19 +680,38 @@ class StudyResult:
     goals: dict[str, Any]
     speed: dict[str, Any] | None
     failed: list[str]
-    mlflow_run_id: str
-    tracking_uri: str
+    mlflow_run_id: str | None  # None: recorded nowhere (a local study without MLflow)
+    tracking_uri: str | None
     seconds: float
     point_speed: dict[str, Any] | None = None  # :func:`points_speed`: every method's points timed vs full
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as JSON-ready data (every field)."""
         from dataclasses import asdict
 
         return asdict(self)
 
 
+class StudyExecutor(Protocol):
+    """Where a study's runs execute; ``trainer`` says how each is trained and where
+    evaluations (and the speed comparison) run."""
+
+    trainer: RunTrainer
+
+    def start(self, spec: StudySpec) -> None:
+        """Get ready to run ``spec``'s runs (called once, with its settings final)."""
+        ...
+
+    def run(self, spec: StudySpec, storage: str, grid: dict[str, list[Any]], stage: str,
+            backbones: dict[int, str] | None = None) -> list[dict[str, Any]]:
+        """:func:`study_run` for every combination of ``grid`` (``seed``; and ``method``
+        in the ``methods`` stage, where ``backbones`` maps seeds to checkpoints); one
+        result per run, ``{"config": params, "error": text}`` for a failed one."""
+        ...
+
+
 def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
-    """Run one Tune grid; returns each trial's stored result (``None`` for a failed one)."""
+    """Run one Tune grid; returns each trial's stored result (``{"config", "error"}`` for a failed one)."""
     from ray import tune
 
     trainable = tune.with_resources(trainable, dict(spec.trial_resources))
@@ -648,31 +732,57 @@ def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: 
     return results
 
 
-def run_study(study_path: str | Path, overrides: list[str] | None = None, *, scale: str | None = None,
-              name: str | None = None, ray_address: str | None = None) -> StudyResult:
-    """Run (or, under an existing ``name``, finish) a study; see the module docstring."""
-    from ray import tune
+@dataclass
+class TuneExecutor:
+    """Ray Tune grid trials (``run.max_concurrent`` at once, ``run.trial_resources``
+    each), one per run, each training with Ray Train (:class:`RayTrainer`); the Tune
+    experiments go under ``study_dir``."""
 
-    from ..tracking import RunTracker
-    from ..train.ray_trainer import init_ray
-    from .mlflow_records import KIND_TAG, METRIC_TAG, flat_params
-    from .trial import run_evaluation
+    study_dir: str
+    ray_address: str | None = None
+    trainer: RunTrainer = field(default_factory=RayTrainer)
+    stamp: str = ""
 
-    started = time.time()
-    spec = load_study(study_path, scale=scale, overrides=overrides)  # bad input stops here
-    base = spec.run_config(spec.seeds[0], None, "base")
-    from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
-    preflight(base, ray_address=ray_address, tracking_uri=base.tracking_uri(), trial_resources=spec.trial_resources,
-              trial_key="run.trial_resources")
-    root = base.storage.resolved_path()
+    def start(self, spec: StudySpec) -> None:
+        """Start (or join) Ray; the Tune experiments' names get this invocation's time."""
+        from ..train.ray_trainer import init_ray
+
+        init_ray(self.ray_address)
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def run(self, spec: StudySpec, storage: str, grid: dict[str, list[Any]], stage: str,
+            backbones: dict[int, str] | None = None) -> list[dict[str, Any]]:
+        """One Tune grid of :func:`backbone_trial` or (with ``backbones``) :func:`method_trial`."""
+        from ray import tune
+
+        if backbones is None:
+            trainable = tune.with_parameters(backbone_trial, spec=spec, storage=storage)
+        else:
+            trainable = tune.with_parameters(method_trial, spec=spec, storage=storage, backbones=backbones)
+        return _tune_grid(trainable, grid, spec, self.study_dir, f"{stage}-{self.stamp}")
+
+
+def study_name(study_path: str | Path, scale: str | None = None, name: str | None = None) -> str:
+    """The study's folder name: ``name``, else ``study-<file>`` (the file's stem when it
+    starts with ``study``) with ``-<scale>``."""
     stem = Path(study_path).stem
-    name = name or (stem if stem.startswith("study") else f"study-{stem}") + (f"-{scale}" if scale else "")
-    study_dir = join_uri(root, name)
+    return name or (stem if stem.startswith("study") else f"study-{stem}") + (f"-{scale}" if scale else "")
+
+
+def execute_study(spec: StudySpec, executor: StudyExecutor, *, name: str, study_dir: str,
+                  tracking_uri: str | None = None,
+                  started: float | None = None) -> tuple[StudyResult, list[dict[str, Any]]]:
+    """Run (or, where ``study_dir`` holds finished runs, finish) the study ``spec`` with
+    ``executor``: the backbones, then every method from its seed's backbone (the
+    costliest first), the aggregation over seeds, the goals and the speed comparison
+    (where ``executor.trainer`` evaluates). With ``tracking_uri``, MLflow records a
+    parent run and a child run per method and seed (:func:`_record`).
+
+    Returns the result and the backbones' stored results. Raises :class:`StudyError`
+    when ``study_dir`` holds finished runs made with other settings.
+    """
+    started = time.time() if started is None else started
     train_storage = join_uri(study_dir, "train")
-    if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
-        # render every canvas once, for every run of the study (and of later studies)
-        spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
-    tracking_uri = base.tracking_uri()
     metric = spec.metric
     stale = stale_runs(spec, train_storage)
     if stale:
@@ -680,33 +790,39 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
                          f"{spec.source} asks for now: {'; '.join(stale)}. Run it under another --name, or delete "
                          "those runs' folders to train them again.")
 
-    init_ray(ray_address)
-    parent, _ = RunTracker.open(tracking_uri, spec.experiment, study_dir, name,
-                                params={**flat_params({"seeds": spec.seeds, "ratios": spec.ratios, "scale": spec.scale or "cpu",
-                                                       "methods": spec.methods, "backbone": spec.backbone, "method": spec.method}),
-                                        **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()}},
-                                tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source})
-    from ..tracking.runs import close_stale_runs
-    close_stale_runs(parent)  # runs a driver that died left RUNNING end KILLED
-    log.info("study %s: %d seeds x %d methods, MLflow run %s", name, len(spec.seeds), len(spec.methods), parent.run_id)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    with parent.closed_on_error():
-        backbones = _tune_grid(tune.with_parameters(backbone_trial, spec=spec, storage=train_storage),
-                               {"seed": spec.seeds}, spec, study_dir, f"backbones-{stamp}")
+    executor.start(spec)
+    parent = None
+    if tracking_uri is not None:
+        from ..tracking import RunTracker
+        from ..tracking.runs import close_stale_runs
+        from .mlflow_records import KIND_TAG, METRIC_TAG, flat_params
+
+        params = {**flat_params({"seeds": spec.seeds, "ratios": spec.ratios, "scale": spec.scale or "cpu",
+                                 "methods": spec.methods, "backbone": spec.backbone, "method": spec.method}),
+                  **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()}}
+        parent, _ = RunTracker.open(tracking_uri, spec.experiment, study_dir, name, params=params,
+                                    tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source})
+        close_stale_runs(parent)  # runs a driver that died left RUNNING end KILLED
+    log.info("study %s: %d seeds x %d methods%s", name, len(spec.seeds), len(spec.methods),
+             f", MLflow run {parent.run_id}" if parent else "")
+    with parent.closed_on_error() if parent is not None else contextlib.nullcontext():
+        backbones = executor.run(spec, train_storage, {"seed": spec.seeds}, "backbones")
         ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
         failed = [f"backbone seed {b['config'].get('seed')}: {b['error']}" for b in backbones if "error" in b]
-        # the costliest methods first, so the last trials to finish are short ones
+        # the costliest methods first, so the last runs to finish are short ones
         order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
         runs: list[dict[str, Any]] = []
         if ready:
-            grid = {"seed": sorted(ready), "method": order}
-            runs = _tune_grid(tune.with_parameters(method_trial, spec=spec, storage=train_storage, backbones=ready),
-                              grid, spec, study_dir, f"methods-{stamp}")
-        failed += [f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}" for r in runs if "error" in r]
+            runs = executor.run(spec, train_storage, {"seed": sorted(ready), "method": order}, "methods",
+                                backbones=ready)
+        failed += [f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}"
+                   for r in runs if "error" in r]
         runs = [r for r in runs if "points" in r]
         rows = aggregate(runs, metric)
         goals = check_goals(rows, spec.goals, metric)
-        on_device = lambda fn, *args, **kw: run_evaluation(base, fn, *args, **kw)  # noqa: E731 - where training ran
+        base = spec.run_config(spec.seeds[0], None, "base")
+        # the speed comparison runs where training ran
+        on_device = lambda fn, *args, **kw: executor.trainer.evaluate(base, fn, *args, **kw)  # noqa: E731
         speed = matched_speed(spec, rows, runs, metric, run=on_device) if spec.speed_enabled else None
         point_speed = None
         if spec.speed_enabled and runs:
@@ -714,12 +830,35 @@ def run_study(study_path: str | Path, overrides: list[str] | None = None, *, sca
                 point_speed = points_speed(spec, runs, run=on_device)
             except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the study
                 log.warning("could not time the operating points: %s", exc)
-        result = StudyResult(name=name, source=spec.source, study_dir=study_dir, metric=metric, seeds=spec.seeds, rows=rows,
-                             runs=[{k: v for k, v in r.items() if k != "config"} for r in runs], goals=goals, speed=speed,
-                             failed=failed, mlflow_run_id=parent.run_id, tracking_uri=tracking_uri,
-                             seconds=time.time() - started, point_speed=point_speed)
-        _record(result, spec, parent, runs, tracking_uri)
-    parent.close("completed" if not failed else "partial")
+        result = StudyResult(name=name, source=spec.source, study_dir=study_dir, metric=metric, seeds=spec.seeds,
+                             rows=rows, runs=[{k: v for k, v in r.items() if k != "config"} for r in runs], goals=goals,
+                             speed=speed, failed=failed, mlflow_run_id=parent.run_id if parent else None,
+                             tracking_uri=tracking_uri, seconds=time.time() - started, point_speed=point_speed)
+        if parent is not None:
+            _record(result, spec, parent, runs, tracking_uri)
+    if parent is not None:
+        parent.close("completed" if not failed else "partial")
+    return result, [b for b in backbones if "checkpoint" in b]
+
+
+def run_study(study_path: str | Path, overrides: list[str] | None = None, *, scale: str | None = None,
+              name: str | None = None, ray_address: str | None = None) -> StudyResult:
+    """Run (or, under an existing ``name``, finish) a study on the platform: Ray Tune
+    trials training with Ray Train, recorded in MLflow (see the module docstring)."""
+    started = time.time()
+    spec = load_study(study_path, scale=scale, overrides=overrides)  # bad input stops here
+    base = spec.run_config(spec.seeds[0], None, "base")
+    from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
+    preflight(base, ray_address=ray_address, tracking_uri=base.tracking_uri(), trial_resources=spec.trial_resources,
+              trial_key="run.trial_resources")
+    root = base.storage.resolved_path()
+    name = study_name(study_path, scale, name)
+    study_dir = join_uri(root, name)
+    if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
+        # render every canvas once, for every run of the study (and of later studies)
+        spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
+    result, _ = execute_study(spec, TuneExecutor(study_dir, ray_address), name=name, study_dir=study_dir,
+                              tracking_uri=base.tracking_uri(), started=started)
     return result
 
 

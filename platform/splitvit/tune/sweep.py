@@ -71,7 +71,7 @@ from .trial import (FINAL_KEY, SweepPlan, TrialDiverged, run_evaluation, sweep_t
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "sweep_space.json"
-RESULT_FILE = "sweep.json"
+SWEEP_RESULT_FILE = "sweep.json"
 
 
 @dataclass
@@ -385,6 +385,65 @@ def _warn_if_temporary(storage: str) -> None:
 
 
 # ---------------------------------------------------------------------- the sweep
+@dataclass
+class _SweepSetup:
+    """What :func:`run_sweep` settles before Ray starts.
+
+    Attributes:
+        space: the validated space (on resume, with the overrides the sweep started with).
+        base: the experiment config the space's fixed values make.
+        tracking_uri: the MLflow store.
+        experiment: the MLflow experiment.
+        name: the sweep's name (its folder under the storage path).
+        sweep_dir: the sweep's folder (Tune's experiment folder).
+        storage: the storage path, as Ray gets it.
+    """
+
+    space: SearchSpace
+    base: ExperimentConfig
+    tracking_uri: str
+    experiment: str
+    name: str
+    sweep_dir: str
+    storage: str
+
+
+@dataclass
+class _Sweep:
+    """A started sweep: what the steps of :func:`run_sweep` after its setup need.
+
+    Attributes:
+        setup: where it runs and what it searches.
+        plan: what every trial gets.
+        recorder: its MLflow records (the parent run and the trials' runs).
+        reference: the hypervolume's reference point, ``(quality, token_ratio)``.
+        started: ``time.time()`` when :func:`run_sweep` began (for ``wall_time_s``).
+        resumed: continued with ``resume``, or its MLflow parent run was re-opened.
+    """
+
+    setup: _SweepSetup
+    plan: SweepPlan
+    recorder: SweepRecorder
+    reference: tuple[float, float]
+    started: float
+    resumed: bool
+
+    @property
+    def space(self) -> SearchSpace:
+        """The search space."""
+        return self.setup.space
+
+    @property
+    def name(self) -> str:
+        """The sweep's name."""
+        return self.setup.name
+
+    @property
+    def metric(self) -> str:
+        """The quality the task is judged by (the first objective)."""
+        return self.setup.space.quality_metric
+
+
 def run_sweep(
     space_path: str | Path,
     overrides: list[str] | None = None,
@@ -408,14 +467,31 @@ def run_sweep(
         SearchSpaceError: the space is invalid (before Ray starts).
         SweepError: nothing to resume, or a name that is taken.
     """
-    from ray import tune
-
-    from ..train.ray_trainer import init_ray
-
     started = time.time()
+    setup = _settle_sweep(space_path, overrides, name=name, resume=resume, ray_address=ray_address)
+    sweep = _start_sweep(setup, ray_address=ray_address, started=started, resume=resume)
+    trainable = _trainable(sweep)
+    with sweep.recorder.parent.closed_on_error():
+        tuner = _tuner(sweep, trainable, resume=resume)
+        with _experiment_state_period(sweep.space.search.state_period_s):
+            grid = tuner.fit()
+    trials, raw = _collect(grid, sweep.space, setup.sweep_dir)
+    unfinished = [t for t in trials if t.status == "unfinished"]
+    if unfinished or len(trials) < sweep.space.search.num_samples:
+        sweep.recorder.close("interrupted")
+        raise stopped_early(sweep.name, len(trials), len(unfinished), sweep.space.search.num_samples)
+    with sweep.recorder.parent.closed_on_error():
+        return _finish(sweep, trials, raw)
+
+
+def _settle_sweep(space_path: str | Path, overrides: list[str] | None, *, name: str | None, resume: bool,
+                  ray_address: str | None) -> _SweepSetup:
+    """Load the space, run the preflight checks, find the sweep's folder and check its
+    plan: all before Ray starts, so a bad space or a taken name costs seconds."""
     space = load_space(space_path, overrides)  # a bad space stops here, before Ray
     base, tracking_uri, experiment = _build_tracking(space)
     from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
+
     preflight(base, ray_address=ray_address, tracking_uri=tracking_uri, trial_resources=space.search.trial_resources)
     name, sweep_dir = _sweep_location(space, base, name, resume)
     checked = _check_plan(space, sweep_dir, overrides, resume)
@@ -424,62 +500,74 @@ def run_sweep(
         base, tracking_uri, experiment = _build_tracking(space)
     storage = base.storage.resolved_path()
     _warn_if_temporary(storage)
-    plan = SweepPlan(space=space, train_storage=join_uri(sweep_dir, "train"), name=name)
-    metric = space.quality_metric
+    return _SweepSetup(space=space, base=base, tracking_uri=tracking_uri, experiment=experiment, name=name,
+                       sweep_dir=sweep_dir, storage=storage)
 
+
+def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float, resume: bool) -> _Sweep:
+    """Start (or join) Ray and open the sweep's MLflow parent run (re-opened on resume);
+    runs that a driver which died left RUNNING end KILLED."""
+    from ..tracking.runs import close_stale_runs
+    from ..train.ray_trainer import init_ray
+
+    space = setup.space
+    plan = SweepPlan(space=space, train_storage=join_uri(setup.sweep_dir, "train"), name=setup.name)
     init_ray(ray_address)
     reference = (space.pareto.quality, space.pareto.token_ratio)
     recorder, reopened = SweepRecorder.open(
-        tracking_uri, experiment, sweep_dir, name, metric,
+        setup.tracking_uri, setup.experiment, setup.sweep_dir, setup.name, space.quality_metric,
         params={**flat_params({k: v for k, v in space.to_dict().items() if k != "fixed"}),
                 **{f"fixed.{k}": v for k, v in flat_params(space.fixed).items()}},
-        tags={"splitvit.space": space.source, "splitvit.sweep_dir": sweep_dir, REFERENCE_TAG: json.dumps(list(reference))},
+        tags={"splitvit.space": space.source, "splitvit.sweep_dir": setup.sweep_dir,
+              REFERENCE_TAG: json.dumps(list(reference))},
     )
-    from ..tracking.runs import close_stale_runs
-    close_stale_runs(recorder.parent)  # runs a driver that died left RUNNING end KILLED (a resumed trial re-opens its own)
-    log.info("sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s", name, sweep_dir, space.search.num_samples,
-             space.search.max_concurrent, recorder.parent_run_id, redact_uri(tracking_uri))
+    close_stale_runs(recorder.parent)  # left RUNNING by a dead driver: KILLED (a resumed trial re-opens its own)
+    log.info("sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s", setup.name, setup.sweep_dir,
+             space.search.num_samples, space.search.max_concurrent, recorder.parent_run_id,
+             redact_uri(setup.tracking_uri))
+    return _Sweep(setup=setup, plan=plan, recorder=recorder, reference=reference, started=started,
+                  resumed=resume or reopened)
 
-    trainable = tune.with_parameters(sweep_trial, plan=plan)
-    trainable = tune.with_resources(trainable, dict(space.search.trial_resources))
-    with recorder.parent.closed_on_error():
-        if resume:
-            log.info("resuming sweep %s from %s", name, sweep_dir)
-            tuner = tune.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False,
-                                       restart_errored=False)
-        else:
-            tuner = tune.Tuner(
-                trainable,
-                tune_config=tune.TuneConfig(
-                    search_alg=_searcher(space),
-                    scheduler=_scheduler(space, base.train.epochs),
-                    num_samples=space.search.num_samples,
-                    max_concurrent_trials=space.search.max_concurrent,
-                    trial_dirname_creator=trial_dirname,
-                    # a trial's driver function only waits on its TorchTrainer: keep its
-                    # process (torch imported) for the next trial instead of starting one
-                    reuse_actors=True,
-                ),
-                run_config=tune.RunConfig(
-                    name=name,
-                    storage_path=storage,
-                    callbacks=[_callback_class()(recorder, plan)],
-                    # a failed trial stays failed: Ray Train already retried its workers
-                    failure_config=tune.FailureConfig(max_failures=0),
-                    verbose=1,
-                ),
-            )
-        with _experiment_state_period(space.search.state_period_s):
-            grid = tuner.fit()
 
-    trials, raw = _collect(grid, space, sweep_dir)
-    unfinished = [t for t in trials if t.status == "unfinished"]
-    if unfinished or len(trials) < space.search.num_samples:
-        recorder.close("interrupted")
-        raise stopped_early(name, len(trials), len(unfinished), space.search.num_samples)
-    with recorder.parent.closed_on_error():
-        return _finish(space, plan, recorder, trials, raw, reference, sweep_dir, name, base, started, resume or reopened)
+def _trainable(sweep: _Sweep) -> Any:
+    """:func:`~splitvit.tune.trial.sweep_trial` with the plan and each trial's resources."""
+    from ray import tune
 
+    trainable = tune.with_parameters(sweep_trial, plan=sweep.plan)
+    return tune.with_resources(trainable, dict(sweep.space.search.trial_resources))
+
+
+def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
+    """The sweep's ``Tuner``: restored from its folder on resume (finished trials kept,
+    unfinished ones restarted, failed ones left failed), else a new one."""
+    from ray import tune
+
+    space, setup = sweep.space, sweep.setup
+    if resume:
+        log.info("resuming sweep %s from %s", setup.name, setup.sweep_dir)
+        return tune.Tuner.restore(setup.sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                  restart_errored=False)
+    return tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=_searcher(space),
+            scheduler=_scheduler(space, setup.base.train.epochs),
+            num_samples=space.search.num_samples,
+            max_concurrent_trials=space.search.max_concurrent,
+            trial_dirname_creator=trial_dirname,
+            # a trial's driver function only waits on its TorchTrainer: keep its
+            # process (torch imported) for the next trial instead of starting one
+            reuse_actors=True,
+        ),
+        run_config=tune.RunConfig(
+            name=setup.name,
+            storage_path=setup.storage,
+            callbacks=[_callback_class()(sweep.recorder, sweep.plan)],
+            # a failed trial stays failed: Ray Train already retried its workers
+            failure_config=tune.FailureConfig(max_failures=0),
+            verbose=1,
+        ),
+    )
 
 def stopped_early(name: str, started: int, unfinished: int, planned: int) -> Exception:
     """What a sweep that ended before its last trial raises. Trials left unfinished
@@ -536,92 +624,144 @@ def _full_uri(path: str, sweep_dir: str) -> str:
     return path
 
 
-def _finish(space: SearchSpace, plan: SweepPlan, recorder: SweepRecorder, trials: list[TrialSummary],
-            raw: dict[str, dict[str, Any]], reference: tuple[float, float], sweep_dir: str, name: str,
-            base: ExperimentConfig, started: float, resumed: bool) -> SweepResult:
+def _finish(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, Any]]) -> SweepResult:
     """Stage-two points, frontier, hypervolume, baselines, plot and MLflow records."""
-    metric = space.quality_metric
-    points: list[Point] = []
-    for trial in trials:
-        config_params = _config_params(plan, trial.params, trial.trial_id)
-        run_uri = plan.run_uri(trial.trial_id)
-        if trial.status == "completed":
-            final = raw[trial.trial_id]
-            run_id, point_ids = recorder.trial_completed(trial.trial_id, run_uri, trial.params, config_params, final)
-            trial.run_id = run_id
-            points.append(Point(final[metric], final["tokens_per_image"], final["token_ratio"], "trial", trial.trial_id,
-                                list(final["thresholds"]), trial.params, final["checkpoint"], run_id,
-                                extras={"images_per_s": final.get("images_per_s", 0.0)}))
-            for row, point_id in zip(threshold_points(final), point_ids):
-                points.append(Point(row[metric], row["tokens_per_image"], row["token_ratio"], "threshold", trial.trial_id,
-                                    list(row["thresholds"]), trial.params, final["checkpoint"], point_id,
-                                    extras={"images_per_s": row.get("images_per_s", 0.0)}))
-        elif trial.status == "stopped":
-            last = raw[trial.trial_id]
-            thresholds = trained_thresholds(plan.trial_config(trial.params, trial.trial_id), trial.checkpoint)
-            final = {metric: last[metric], "tokens_per_image": last["tokens_per_image"], "token_ratio": last.get("token_ratio"),
-                     "epochs": int(last.get("epoch", 0)) + 1, "thresholds": thresholds, "checkpoint": trial.checkpoint}
-            run_id, _ = recorder.trial_completed(trial.trial_id, run_uri, trial.params, config_params, final)
-            trial.run_id = run_id
-            points.append(Point(last[metric], last["tokens_per_image"], last.get("token_ratio", float("nan")), "trial",
-                                trial.trial_id, thresholds, trial.params, trial.checkpoint, run_id, extras={"stopped_early": 1.0}))
-        else:
-            existing = recorder.find_run(run_uri)
-            if existing is None or existing.data.tags.get("splitvit.status") not in ("failed", "diverged"):
-                trial.run_id = recorder.trial_failed(trial.trial_id, run_uri, trial.params, config_params,
-                                                     trial.error or trial.status)
-            else:
-                trial.run_id = existing.info.run_id
-
+    space, recorder = sweep.space, sweep.recorder
+    points = _record_trials(sweep, trials, raw)
     superseded = recorder.close_orphans({t.trial_id for t in trials})
     if superseded:
         log.info("closed %d run(s) of trials lost with a stopped driver: %s", len(superseded), ", ".join(superseded))
-    hv = annotate(points, reference)
+    hv = annotate(points, sweep.reference)
     front = frontier(points)
     best = best_point(points)
-    local_dir = Path(base.local_runs_dir()) / name
+    local_dir = Path(sweep.setup.base.local_runs_dir()) / sweep.name
     local_dir.mkdir(parents=True, exist_ok=True)
-    completed = sum(t.status in ("completed", "stopped") for t in trials)
-    failed = sum(t.status in ("failed", "diverged") for t in trials)
     log.info("frontier: %d of %d points, hypervolume %.4f (reference %s %.2f, token ratio %.2f)",
-             len(front), len(points), hv, metric, reference[0], reference[1])
-
+             len(front), len(points), hv, sweep.metric, sweep.reference[0], sweep.reference[1])
     baselines: list[dict[str, Any]] = []
     if best is not None and space.baselines.enabled:
-        baselines = _run_baselines(space, plan, best, front)
-    full_tokens = next((b["tokens_per_image"] for b in baselines if b.get("baseline") == "full"), None)
-    speed = _time_frontier(space, plan, front, best) if front and space.speed.enabled else None
+        baselines = _run_baselines(space, sweep.plan, best, front)
+    speed = _time_frontier(space, sweep.plan, front, best) if front and space.speed.enabled else None
+    result = _sweep_result(sweep, trials, points, baselines, hv)
+    speed_metrics = _log_sweep_artifacts(sweep, result, front=front, best=best, speed=speed, local_dir=local_dir)
+    _close_sweep_run(sweep, result, front=front, best=best, speed_metrics=speed_metrics, local_dir=local_dir)
+    return result
 
-    result = SweepResult(
-        name=name, space=space.source, sweep_dir=sweep_dir, metric=metric, points=points, baselines=baselines,
-        hypervolume=hv, reference_point={"quality": reference[0], "token_ratio": reference[1]}, trials=trials,
+
+def _record_trials(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, Any]]) -> list[Point]:
+    """Make each trial's MLflow run whole (completed with its stage-two points, stopped
+    early, or failed) and set its ``run_id``; returns the points of the completed and
+    stopped trials."""
+    points: list[Point] = []
+    for trial in trials:
+        config_params = _config_params(sweep.plan, trial.params, trial.trial_id)
+        if trial.status == "completed":
+            points += _completed_trial_points(sweep, trial, raw[trial.trial_id], config_params)
+        elif trial.status == "stopped":
+            points.append(_stopped_trial_point(sweep, trial, raw[trial.trial_id], config_params))
+        else:
+            _record_failed_trial(sweep, trial, config_params)
+    return points
+
+
+def _completed_trial_points(sweep: _Sweep, trial: TrialSummary, final: dict[str, Any],
+                            config_params: dict[str, Any]) -> list[Point]:
+    """A finished trial's point and its stage-two threshold points, each with its MLflow run."""
+    metric = sweep.metric
+    run_id, point_ids = sweep.recorder.trial_completed(trial.trial_id, sweep.plan.run_uri(trial.trial_id),
+                                                       trial.params, config_params, final)
+    trial.run_id = run_id
+    points = [Point(final[metric], final["tokens_per_image"], final["token_ratio"], "trial", trial.trial_id,
+                    list(final["thresholds"]), trial.params, final["checkpoint"], run_id,
+                    extras={"images_per_s": final.get("images_per_s", 0.0)})]
+    for row, point_id in zip(threshold_points(final), point_ids):
+        points.append(Point(row[metric], row["tokens_per_image"], row["token_ratio"], "threshold", trial.trial_id,
+                            list(row["thresholds"]), trial.params, final["checkpoint"], point_id,
+                            extras={"images_per_s": row.get("images_per_s", 0.0)}))
+    return points
+
+
+def _stopped_trial_point(sweep: _Sweep, trial: TrialSummary, last: dict[str, Any],
+                         config_params: dict[str, Any]) -> Point:
+    """An early-stopped trial's point: its last reported epoch, with the thresholds of
+    its checkpoint (no stage two), recorded as a completed run."""
+    metric, plan = sweep.metric, sweep.plan
+    thresholds = trained_thresholds(plan.trial_config(trial.params, trial.trial_id), trial.checkpoint)
+    final = {metric: last[metric], "tokens_per_image": last["tokens_per_image"], "token_ratio": last.get("token_ratio"),
+             "epochs": int(last.get("epoch", 0)) + 1, "thresholds": thresholds, "checkpoint": trial.checkpoint}
+    run_id, _ = sweep.recorder.trial_completed(trial.trial_id, plan.run_uri(trial.trial_id), trial.params,
+                                               config_params, final)
+    trial.run_id = run_id
+    return Point(last[metric], last["tokens_per_image"], last.get("token_ratio", float("nan")), "trial",
+                 trial.trial_id, thresholds, trial.params, trial.checkpoint, run_id, extras={"stopped_early": 1.0})
+
+
+def _record_failed_trial(sweep: _Sweep, trial: TrialSummary, config_params: dict[str, Any]) -> None:
+    """A failed, diverged or unfinished trial's run, marked so (a run already marked
+    failed or diverged is kept as it is)."""
+    run_uri = sweep.plan.run_uri(trial.trial_id)
+    existing = sweep.recorder.find_run(run_uri)
+    if existing is None or existing.data.tags.get("splitvit.status") not in ("failed", "diverged"):
+        trial.run_id = sweep.recorder.trial_failed(trial.trial_id, run_uri, trial.params, config_params,
+                                                   trial.error or trial.status)
+    else:
+        trial.run_id = existing.info.run_id
+
+
+def _sweep_result(sweep: _Sweep, trials: list[TrialSummary], points: list[Point], baselines: list[dict[str, Any]],
+                  hypervolume: float) -> SweepResult:
+    """The sweep's result, before its artifacts (plot, tables, split map) are written."""
+    setup, recorder = sweep.setup, sweep.recorder
+    return SweepResult(
+        name=setup.name, space=setup.space.source, sweep_dir=setup.sweep_dir, metric=sweep.metric, points=points,
+        baselines=baselines, hypervolume=hypervolume,
+        reference_point={"quality": sweep.reference[0], "token_ratio": sweep.reference[1]}, trials=trials,
         tracking_uri=recorder.tracking_uri, experiment=recorder.experiment, experiment_id=recorder.experiment_id,
-        parent_run_id=recorder.parent_run_id, resumed=resumed,
+        parent_run_id=recorder.parent_run_id, resumed=sweep.resumed,
         status="completed" if points else "failed",
         # a point's whole configuration is this plus its searched ``params``
-        extras={"base_config": base.flat(redact=True)},
+        extras={"base_config": setup.base.flat(redact=True)},
     )
+
+
+def _log_sweep_artifacts(sweep: _Sweep, result: SweepResult, *, front: list[Point], best: Point | None,
+                         speed: dict[str, Any] | None, local_dir: Path) -> dict[str, float]:
+    """The frontier models, the best point's split maps, the Pareto plot, the measured
+    speed-ups and the tables: on the parent run and in ``local_dir``, their paths in
+    ``result``. Returns the parent's speed metrics (none without a timing)."""
+    space, recorder = sweep.space, sweep.recorder
+    full_tokens = next((b["tokens_per_image"] for b in result.baselines if b.get("baseline") == "full"), None)
     if best is not None:
         _log_models(space, recorder, front)
-        result.split_map = _split_map(space, recorder, best, local_dir)
+        result.split_map = _log_best_split_map(space, recorder, best, local_dir)
     result.plot = _plot(result, recorder, local_dir, full_tokens)
-    speed_metrics = {}
+    speed_metrics: dict[str, float] = {}
     if speed is not None:
         result.extras["frontier_speed"] = speed
         speed_metrics = _record_speed(result, recorder, speed, best, local_dir)
     result.frontier_csv = _tables(result, recorder, local_dir)
-    result.wall_time_s = time.time() - started
-    recorder.log_parent_metrics({"hypervolume": hv, "frontier_size": len(front), "points": len(points),
-                                 "trials_completed": completed, "trials_failed": failed, "wall_time_s": result.wall_time_s,
-                                 **speed_metrics})
+    return speed_metrics
+
+
+def _close_sweep_run(sweep: _Sweep, result: SweepResult, *, front: list[Point], best: Point | None,
+                     speed_metrics: dict[str, float], local_dir: Path) -> None:
+    """The summary metrics and ``sweep.json`` on the parent run (and in ``local_dir``);
+    then end the parent run: completed with the best point's run, or failed when no
+    trial completed."""
+    recorder, trials = sweep.recorder, result.trials
+    completed = sum(t.status in ("completed", "stopped") for t in trials)
+    failed = sum(t.status in ("failed", "diverged") for t in trials)
+    result.wall_time_s = time.time() - sweep.started
+    recorder.log_parent_metrics({"hypervolume": result.hypervolume, "frontier_size": len(front),
+                                 "points": len(result.points), "trials_completed": completed, "trials_failed": failed,
+                                 "wall_time_s": result.wall_time_s, **speed_metrics})
     payload = result.to_dict()
-    (local_dir / RESULT_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    recorder.parent.log_dict(json.loads(json.dumps(payload, default=str)), RESULT_FILE)
-    if points:
+    (local_dir / SWEEP_RESULT_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    recorder.parent.log_dict(json.loads(json.dumps(payload, default=str)), SWEEP_RESULT_FILE)
+    if result.points:
         recorder.close("completed", tags={"splitvit.best_run": (best.run_id or "") if best else ""})
     else:
         recorder.close("failed", tags={"splitvit.error": "no trial completed"})
-    return result
 
 
 def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[dict[str, Any]]:
@@ -744,7 +884,10 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point])
             log.warning("could not log the model of point %s: %s", point.run_id, exc)
 
 
-def _split_map(space: SearchSpace, recorder: SweepRecorder, best: Point, local_dir: Path) -> str | None:
+def _log_best_split_map(space: SearchSpace, recorder: SweepRecorder, best: Point, local_dir: Path) -> str | None:
+    """Draw the best point's split maps over ``mlflow.split_map_images`` images: saved in
+    ``local_dir`` and logged on the parent run; returns the file (``None`` when off or
+    the point has no checkpoint)."""
     from .checkpoint_evaluator import CheckpointEvaluator
 
     count = space.mlflow.split_map_images

@@ -1,0 +1,338 @@
+"""The study on one machine, without Ray: the same code path as ``splitvit study``
+(:func:`~splitvit.tune.study.execute_study`: the same runs, stored-result reuse,
+evaluation at matched token ratios, aggregation, goals, speed comparison and result)
+with a local executor.
+
+Each run is trained by :func:`fit_config_local`: the plain single-process loop
+(:func:`~splitvit.train.local.fit_local`) with the config's schedule (bf16 autocast
+with ``train.amp``, AdamW, warm-up + cosine, gradient clipping, auto thresholds
+calibrated after every epoch), on one device. :class:`LocalExecutor` runs the runs
+in this process (``workers=1``) or in a pool of spawned processes sharing the device.
+MLflow is optional (a lent GPU machine may have none): pass ``tracking_uri``.
+
+``infra/gpu-check/single_gpu_study.py`` is the command line of :func:`run_study_local`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import itertools
+import json
+import logging
+import math
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import ExperimentConfig
+from .study import (
+    STUDY_RESULT_FILE,
+    RunTrainer,
+    StudySpec,
+    execute_study,
+    load_study,
+    run_name,
+    study_figure,
+    study_name,
+    study_run,
+)
+
+log = logging.getLogger(__name__)
+
+HISTORY_FILE = "history.json"  # a local run's per-epoch curves, beside its model.pt: its training is finished
+
+
+def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
+    """Train ``config`` in this process on ``device`` (:func:`~splitvit.train.local.fit_local`
+    with the config's schedule) into its run folder (``storage.path``/``storage.name``):
+    ``model.pt`` and :data:`HISTORY_FILE`. A run whose training finished (both files
+    there) is not trained again.
+
+    Returns what a :class:`~splitvit.tune.study.RunTrainer` returns, plus ``history``
+    (the per-epoch training and validation figures), ``steps`` and ``train_seconds``.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ..config import AUTO_THRESHOLDS
+    from ..data import build_dataset
+    from ..train.checkpoints import MODEL_FILE, init_weights
+    from ..train.experiment import build_model
+    from ..train.local import fit_local, validate
+
+    mc, dc, tc = config.model, config.data, config.train
+    folder = Path(config.storage.resolved_path()) / config.storage.name
+    checkpoint, history_file = folder / MODEL_FILE, folder / HISTORY_FILE
+    if checkpoint.is_file() and history_file.is_file():
+        record = json.loads(history_file.read_text())
+        return {"status": "completed", "metrics": record["history"][-1], "checkpoint": str(checkpoint),
+                "message": "", **record}
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(dc.seed * 1000)  # as rank 0 of the Ray loop
+    model = build_model(mc)
+    if mc.init_from:
+        init_weights(model, mc.init_from)
+    model.to(device)
+    train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
+    val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
+    val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, num_workers=dc.num_workers)
+    steps_per_epoch = len(train_set) // dc.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size}")
+    auto = mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded
+    history: list[dict[str, Any]] = []
+    epoch_started = [time.perf_counter()]
+
+    def after_epoch(epoch: int, stats: dict[str, float]) -> None:
+        # the figures the Ray loop reports: train_* means, then validation after calibrating auto thresholds
+        metrics = {f"train_{k}": v for k, v in stats.items() if k != "epoch"}
+        metrics.update(validate(model, val_set, val_loader, num_classes=mc.num_classes, amp=tc.amp,
+                                calibrate_to=tc.target_ratio if auto else None,
+                                calibration_images=dc.eval_batch_size or dc.batch_size))
+        metrics.update({"epoch": epoch, "epoch_time_s": time.perf_counter() - epoch_started[0]})
+        epoch_started[0] = time.perf_counter()
+        history.append(metrics)
+        log.info("%s epoch %d: %s", config.storage.name, epoch,
+                 {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
+
+    started = time.time()
+    warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
+    fit_local(model, train_set, tc.loss_config(), epochs=tc.epochs, batch_size=dc.batch_size, lr=tc.lr,
+              weight_decay=tc.weight_decay, grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf, seed=dc.seed,
+              on_epoch=after_epoch, amp=tc.amp, warmup_steps=warmup, num_workers=dc.num_workers)
+    loss = history[-1].get("train_loss", 0.0)
+    if not math.isfinite(loss):  # fit_local does not stop on a non-finite loss: keep no checkpoint of it
+        return {"status": "diverged", "metrics": history[-1], "checkpoint": None,
+                "message": f"non-finite training loss {loss} in the last epoch"}
+    model.save(checkpoint, extra={"epoch": tc.epochs - 1, "metrics": history[-1],
+                                  "config": config.to_dict(redact=True)})
+    record = {"history": history, "train_seconds": time.time() - started, "steps": tc.epochs * steps_per_epoch}
+    history_file.write_text(json.dumps(record, default=float))  # last: its presence says training finished
+    return {"status": "completed", "metrics": history[-1], "checkpoint": str(checkpoint), "message": "", **record}
+
+
+@dataclass(frozen=True)
+class LocalTrainer:
+    """:func:`fit_config_local` on ``device``; evaluations on that device, in the calling process."""
+
+    device: str = "cuda"
+
+    def train(self, config: ExperimentConfig) -> dict[str, Any]:
+        """:func:`fit_config_local` of ``config`` on :attr:`device`."""
+        return fit_config_local(config, self.device)
+
+    def evaluate(self, config: ExperimentConfig, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` here, on :attr:`device`."""
+        return fn(*args, device=self.device, **kwargs)
+
+
+def _pool_init(threads: int) -> None:
+    """A pool process: log to stdout like the parent; few threads, the runs share the CPUs."""
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout, force=True)
+    torch.set_num_threads(threads)
+
+
+def _failure(params: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+    log.error("run %s failed: %r", params, exc)
+    return {"config": params, "error": repr(exc)}
+
+
+@dataclass
+class LocalExecutor:
+    """The runs on this machine: in this process (``workers=1``) or in a pool of
+    ``workers`` spawned processes (CUDA in each) sharing the trainer's device, each with
+    ``threads`` CPU threads; the pool lives until :meth:`close`. A run an earlier
+    invocation finished is read here, not sent to the pool. ``seconds`` holds what
+    preparing and each stage took."""
+
+    trainer: RunTrainer = field(default_factory=LocalTrainer)
+    workers: int = 1
+    threads: int = 2
+    seconds: dict[str, float] = field(default_factory=dict)
+    _pool: futures.ProcessPoolExecutor | None = field(default=None, repr=False)
+
+    def start(self, spec: StudySpec) -> None:
+        """Render every canvas into the cache first: the renderer forks, which a process
+        that holds CUDA must not."""
+        started = time.time()
+        prerender(spec)
+        self.seconds["render"] = time.time() - started
+
+    def run(self, spec: StudySpec, storage: str, grid: dict[str, list[Any]], stage: str,
+            backbones: dict[int, str] | None = None) -> list[dict[str, Any]]:
+        """:func:`~splitvit.tune.study.study_run` for every combination of ``grid``,
+        method-major (the order of ``grid['method']``: the costliest first)."""
+        started = time.time()
+        keys = sorted(grid, key=lambda k: k != "method")
+        jobs = [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+        results: dict[int, dict[str, Any]] = {}
+        submitted: dict[int, futures.Future] = {}
+        for index, params in enumerate(jobs):
+            folder = Path(storage) / run_name(int(params["seed"]), params.get("method"))
+            if self.workers <= 1 or (folder / STUDY_RESULT_FILE).is_file():
+                try:
+                    results[index] = study_run(spec, storage, params, self.trainer, backbones)
+                except Exception as exc:  # noqa: BLE001 - reported as the run's failure; the others go on
+                    results[index] = _failure(params, exc)
+            else:
+                submitted[index] = self._pool_executor().submit(study_run, spec, storage, params, self.trainer,
+                                                                backbones)
+        for index, job in submitted.items():
+            try:
+                results[index] = job.result()
+            except Exception as exc:  # noqa: BLE001
+                results[index] = _failure(jobs[index], exc)
+        self.seconds[stage] = time.time() - started
+        return [results[index] for index in range(len(jobs))]
+
+    def _pool_executor(self) -> futures.ProcessPoolExecutor:
+        if self._pool is None:  # processes start as runs need them, up to ``workers``
+            self._pool = futures.ProcessPoolExecutor(max_workers=self.workers,
+                                                     mp_context=multiprocessing.get_context("spawn"),  # CUDA in each
+                                                     initializer=_pool_init, initargs=(self.threads,))
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the pool's processes (a later :meth:`run` starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def prerender(spec: StudySpec) -> None:
+    """Every seed's canvases of every split the study reads, into the canvas cache
+    (``data.options.cache_dir``; nothing to do without one)."""
+    from ..data import build_dataset
+
+    for seed in spec.seeds:
+        config = spec.run_config(seed, next(iter(spec.methods)), "render")
+        dc = config.data
+        if "cache_dir" not in dc.options:
+            return
+        for split in dict.fromkeys(("train", dc.val_split, "val", spec.split)):
+            options = dict(dc.options)
+            if split == spec.split and spec.samples is not None:
+                options[f"{split}_samples"] = spec.samples
+            started = time.time()
+            data = build_dataset(dc.name, split, image_size=config.model.image_size, seed=dc.seed, **options)
+            log.info("seed %d %s: %d canvases ready in %.1f s", seed, split, len(data), time.time() - started)
+
+
+def load_local_study(study_path: str | Path, out: str | Path, *, scale: str | None = None,
+                     overrides: list[str] | None = None, backbone_epochs: int | None = None,
+                     method_epochs: int | None = None, eval_samples: int | None = None) -> StudySpec:
+    """:func:`~splitvit.tune.study.load_study` with the local runner's settings:
+    ``backbone_epochs`` (all warm-up curriculum), ``method_epochs``, ``eval_samples``
+    held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
+    spec = load_study(study_path, scale=scale, overrides=overrides)
+    if backbone_epochs is not None:
+        spec.backbone.update({"train.epochs": backbone_epochs, "train.warmup_epochs": backbone_epochs})
+    if method_epochs is not None:
+        spec.method["train.epochs"] = method_epochs
+    if eval_samples is not None:
+        spec.samples = eval_samples
+    base = spec.run_config(spec.seeds[0], None, "base")
+    if base.data.name.startswith("cluttered") and "cache_dir" not in base.data.options:
+        spec.fixed["data.options.cache_dir"] = str(Path(out) / "canvas-cache")
+    return spec
+
+
+#: keys of :func:`run_study_local`'s result besides those of ``splitvit study --json``
+LOCAL_KEYS = ("executor", "machine", "render_seconds", "backbone_seconds", "backbone_epochs", "method_epochs",
+              "backbones")
+
+
+def run_study_local(spec: StudySpec, out: str | Path, *, device: str = "cuda", workers: int = 1,
+                    name: str | None = None, tracking_uri: str | None = None,
+                    started: float | None = None) -> dict[str, Any]:
+    """Run (or, where ``out`` holds finished runs, finish) the study ``spec`` on this
+    machine's ``device`` (:class:`LocalExecutor`), its runs under ``out``/train, the
+    figure at ``out``/study.png; MLflow records it only with ``tracking_uri``.
+
+    Returns the result of ``splitvit study --json`` plus :data:`LOCAL_KEYS` (the
+    machine, stage times, epochs and the backbones' results); every run carries its
+    training curves (``history``). Raises :class:`~splitvit.tune.study.StudyError` when
+    ``out`` holds runs made with other settings.
+    """
+    import torch
+
+    started = time.time() if started is None else started
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    executor = LocalExecutor(LocalTrainer(device), workers=workers)
+    name = study_name(spec.source, spec.scale, name)
+    try:
+        result, backbones = execute_study(spec, executor, name=name, study_dir=str(out), tracking_uri=tracking_uri,
+                                          started=started)
+    finally:
+        executor.close()
+    machine = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+               "device": device}
+    if device.startswith("cuda"):
+        machine["device_name"] = torch.cuda.get_device_name(device)
+    data = {
+        **result.to_dict(),
+        "executor": f"{'one process' if workers <= 1 else f'a pool of {workers} processes'} on one machine "
+                    f"(splitvit.tune.study_local): no Ray{'' if tracking_uri else ', no MLflow'}",
+        "machine": machine, "render_seconds": executor.seconds.get("render"),
+        "backbone_seconds": executor.seconds.get("backbones"),
+        "backbone_epochs": spec.backbone.get("train.epochs"), "method_epochs": spec.method.get("train.epochs"),
+        "backbones": [{k: v for k, v in b.items() if k != "config"} for b in backbones],
+    }
+    if result.rows:
+        import matplotlib.pyplot as plt
+
+        fig = study_figure(result.rows, result.metric,
+                           title=f"{name}: {result.metric} vs tokens ({len(spec.seeds)} seeds, one {device} device)")
+        fig.savefig(out / "study.png")
+        plt.close(fig)
+    return data
+
+
+def plan_epochs(smoke: dict[str, Any], spec: StudySpec, budget_s: float, workers: int,
+                fixed_s: float = 60.0) -> dict[str, Any]:
+    """Epochs for ``spec`` that fit ``budget_s`` on the machine ``smoke`` (a smaller
+    :func:`run_study_local` result, same workers) ran on: training time from each run's
+    measured images/s, evaluation scaled by the evaluated images, the method runs spread
+    over ``workers``; ``fixed_s`` covers rendering, start-up and the speed comparison.
+
+    Raises ``ValueError`` when not even one method epoch fits.
+    """
+    train_images = len(_dataset(spec, "train"))
+    test_images = len(_dataset(spec, spec.split, spec.samples))
+    smoke_test = smoke["runs"][0]["points"][0]["images"]
+    backbone_ips = min(statistics.fmean(h["train_images_per_s"] for h in b["history"]) for b in smoke["backbones"])
+    method_s_per_epoch = sum(train_images / statistics.fmean(h["train_images_per_s"] for h in r["history"])
+                             for r in smoke["runs"]) * len(spec.seeds) / len(smoke["seeds"])
+    eval_s = (sum(r["eval_seconds"] for r in smoke["runs"]) * test_images / smoke_test
+              * len(spec.seeds) / len(smoke["seeds"]))
+    best = None
+    for method_epochs in range(1, 101):
+        backbone_s = 2 * method_epochs * train_images / backbone_ips
+        methods_s = (method_epochs * method_s_per_epoch + eval_s) / workers * 1.15  # imperfect packing
+        if fixed_s + backbone_s + methods_s > budget_s:
+            break
+        best = {"backbone_epochs": 2 * method_epochs, "method_epochs": method_epochs,
+                "estimated_s": round(fixed_s + backbone_s + methods_s), "train_images": train_images}
+    if best is None:
+        raise ValueError(f"not even one method epoch fits {budget_s} s")
+    return best
+
+
+def _dataset(spec: StudySpec, split: str, samples: int | None = None):
+    from ..data import build_dataset
+
+    config = spec.run_config(spec.seeds[0], next(iter(spec.methods)), "plan")
+    options = {k: v for k, v in config.data.options.items() if k != "cache_dir"}
+    if samples is not None:
+        options[f"{split}_samples"] = samples
+    return build_dataset(config.data.name, split, image_size=config.model.image_size, seed=0, **options)
