@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 def walk_numbers(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:

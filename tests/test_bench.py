@@ -34,10 +34,22 @@ RATIOS = (0.5, 0.7)
 @pytest.fixture(scope="module")
 def result() -> dict:
     torch.manual_seed(0)
-    return run_forward_benchmark(ForwardSettings(
-        "vit_tiny_patch16_224", image_size=64, patch_size=8, batch_size=BATCH, ratios=RATIOS, repeats=2, warmup=0,
-        policy_width=16, buckets=(1, 4), timm_kwargs=TINY, num_classes=10, memory=("profiler",),
-    ))
+    return run_forward_benchmark(
+        ForwardSettings(
+            "vit_tiny_patch16_224",
+            image_size=64,
+            patch_size=8,
+            batch_size=BATCH,
+            ratios=RATIOS,
+            repeats=2,
+            warmup=0,
+            policy_width=16,
+            buckets=(1, 4),
+            timm_kwargs=TINY,
+            num_classes=10,
+            memory=("profiler",),
+        )
+    )
 
 
 def test_structure_and_json(result):
@@ -124,8 +136,9 @@ def test_targets_report_what_was_measured(result):
     assert keys.count("a") == 1 and keys.count("b") == len(CPU_SPEEDUP_TARGETS) and keys.count("c") == len(RATIOS)
     for t in targets:
         if t["key"] == "b":
-            point = next(p for p in result["points"]
-                         if p["policy"] == "learned" and f"{p['token_ratio']:.0%}" in t["what"])
+            point = next(
+                p for p in result["points"] if p["policy"] == "learned" and f"{p['token_ratio']:.0%}" in t["what"]
+            )
             assert t["bound"] == CPU_SPEEDUP_TARGETS[point["target_ratio"]] and t["value"] == point["speedup_vs_timm"]
         else:
             assert t["bound"] == {"a": OVERHEAD_TARGET, "c": OUTSIDE_BLOCKS_TARGET}[t["key"]]
@@ -139,9 +152,22 @@ def test_targets_report_what_was_measured(result):
     assert overhead["per_round"]["values"] == pytest.approx(per_round)
     report = format_report(result)
     assert report.count("PASS") + report.count("MISS") == len(targets)
-    for label in ("timm ViT (full res)", "SplitViT full", f"SplitViT {point_key('learned', 0.5)}", "encoder",
-                  "padded buckets=4", "learned_shared split_scores", "outside blocks", "ideal =", "time breakdown",
-                  "fastest round", "process CPU time", "d. peak memory", "profiler", "1.85x"):
+    for label in (
+        "timm ViT (full res)",
+        "SplitViT full",
+        f"SplitViT {point_key('learned', 0.5)}",
+        "encoder",
+        "padded buckets=4",
+        "learned_shared split_scores",
+        "outside blocks",
+        "ideal =",
+        "time breakdown",
+        "fastest round",
+        "process CPU time",
+        "d. peak memory",
+        "profiler",
+        "1.85x",
+    ):
         assert label in report, label
 
 
@@ -198,10 +224,23 @@ def test_fixed_shape_and_compiled_benchmark_runs_every_side_compiled(monkeypatch
         return original(fn, backend="eager", dynamic=options.get("dynamic"))
 
     monkeypatch.setattr(torch, "compile", eager_compile)
-    result = run_forward_benchmark(ForwardSettings(
-        "vit_tiny_patch16_224", image_size=64, patch_size=8, batch_size=BATCH, ratios=(0.5,), policies=("entropy",),
-        token_buckets=2, compile=True, repeats=1, warmup=0, timm_kwargs=TINY, num_classes=10, memory=(),
-    ))
+    result = run_forward_benchmark(
+        ForwardSettings(
+            "vit_tiny_patch16_224",
+            image_size=64,
+            patch_size=8,
+            batch_size=BATCH,
+            ratios=(0.5,),
+            policies=("entropy",),
+            token_buckets=2,
+            compile=True,
+            repeats=1,
+            warmup=0,
+            timm_kwargs=TINY,
+            num_classes=10,
+            memory=(),
+        )
+    )
     names = [name for name, _ in compiled]
     assert "VisionTransformer" in names and "_encode_sequence" in names
     assert names.count("_before") == names.count("_after") == TINY["depth"]  # every block of the packed encoder

@@ -20,8 +20,17 @@ SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
 
 
 def test_smoke_config_loads_with_overrides():
-    cfg = load_experiment(SMOKE, ["train.epochs=5", "model.timm_kwargs.embed_dim=48", "model.thresholds=[0.3, 0.7]",
-                                  "train.lr=1e-3", "storage.name=abc", "data.options.train_samples=64"])
+    cfg = load_experiment(
+        SMOKE,
+        [
+            "train.epochs=5",
+            "model.timm_kwargs.embed_dim=48",
+            "model.thresholds=[0.3, 0.7]",
+            "train.lr=1e-3",
+            "storage.name=abc",
+            "data.options.train_samples=64",
+        ],
+    )
     assert cfg.train.epochs == 5
     assert cfg.model.timm_kwargs["embed_dim"] == 48 and cfg.model.timm_kwargs["depth"] == 2
     assert cfg.model.thresholds == [0.3, 0.7]
@@ -139,14 +148,18 @@ def test_tracking_uri_defaults(tmp_path, monkeypatch):
     # checkpoints on S3: the embedded store stays local
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     remote = ExperimentConfig.from_dict({"storage": {"path": "s3://bucket/prefix"}})
-    assert remote.tracking_uri().startswith("sqlite:////") and remote.storage.run_uri().startswith("s3://bucket/prefix/")
+    assert remote.tracking_uri().startswith("sqlite:////") and remote.storage.run_uri().startswith(
+        "s3://bucket/prefix/"
+    )
 
 
 def test_secrets_are_redacted_from_what_is_logged():
-    cfg = ExperimentConfig.from_dict({
-        "data": {"options": {"aws_secret_access_key": "AKIASECRET", "api_token": "tok123", "object_size": 8}},
-        "tracking": {"tracking_uri": "postgresql://alice:hunter2@db.example/mlflow"},
-    })
+    cfg = ExperimentConfig.from_dict(
+        {
+            "data": {"options": {"aws_secret_access_key": "AKIASECRET", "api_token": "tok123", "object_size": 8}},
+            "tracking": {"tracking_uri": "postgresql://alice:hunter2@db.example/mlflow"},
+        }
+    )
     flat = cfg.flat()
     text = repr(flat) + repr(cfg.to_dict())
     for secret in ("AKIASECRET", "tok123", "hunter2"):
@@ -191,21 +204,26 @@ def test_thresholds_auto_or_numbers_only():
 def test_config_module_needs_no_model_data_or_torch():
     """``splitvit.config`` loads a repo config without importing torch, timm, the model,
     the data or the training code, not even lazily."""
-    code = (f"import sys, json; from splitvit.config import load_config; load_config({str(SMOKE)!r}); "
-            "print(json.dumps(sorted(sys.modules)))")
+    code = (
+        f"import sys, json; from splitvit.config import load_config; load_config({str(SMOKE)!r}); "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     heavy = ("torch", "timm", "splitvit.model", "splitvit.train", "splitvit.tune", "splitvit.data")
     loaded = [m for m in json.loads(out) if any(m == h or m.startswith(h + ".") for h in heavy)]
     assert not loaded, f"splitvit.config imported {loaded}"
 
 
-@pytest.mark.parametrize("override, key, text", [
-    ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
-    ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
-    ("model.image_size=40", "model.image_size", "not a multiple of the coarsest patch 16"),
-    ("model.thresholds=[0.5]", "model.thresholds", "expected 2 values"),
-    ("data.name=imagenet21k", "data.name", "unknown dataset 'imagenet21k'"),
-])
+@pytest.mark.parametrize(
+    "override, key, text",
+    [
+        ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
+        ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
+        ("model.image_size=40", "model.image_size", "not a multiple of the coarsest patch 16"),
+        ("model.thresholds=[0.5]", "model.thresholds", "expected 2 values"),
+        ("data.name=imagenet21k", "data.name", "unknown dataset 'imagenet21k'"),
+    ],
+)
 def test_validate_experiment_checks_what_the_schema_cannot(override, key, text):
     """A config loaded schema-only (load_config) takes what only timm, the model or the
     dataset registry can judge; validate_experiment and experiment_from_dict do not."""
@@ -218,12 +236,15 @@ def test_validate_experiment_checks_what_the_schema_cannot(override, key, text):
     assert again.value.key == key
 
 
-@pytest.mark.parametrize("field, value, text", [
-    ("lambda_budget", -1.0, "must be >= 0, got -1.0"),
-    ("teacher", "oracle", "must be 'gradient' or 'attention'"),
-    ("teacher_weight", -0.5, "must be >= 0, got -0.5"),
-    ("teacher_every", 0, "must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, text",
+    [
+        ("lambda_budget", -1.0, "must be >= 0, got -1.0"),
+        ("teacher", "oracle", "must be 'gradient' or 'attention'"),
+        ("teacher_weight", -0.5, "must be >= 0, got -0.5"),
+        ("teacher_every", 0, "must be >= 1, got 0"),
+    ],
+)
 def test_loss_setting_errors_name_train_keys(field, value, text):
     """SplitLossConfig's own range checks name ``train.<field>``: when the section is
     built, and when a built config was changed afterwards."""

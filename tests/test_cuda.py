@@ -31,7 +31,7 @@ def _pair(policy: str, **kwargs) -> tuple[SplitViT, SplitViT]:
 def _images(n: int = 16) -> torch.Tensor:
     torch.manual_seed(5)
     images = torch.rand(n, 3, 32, 32)
-    images[0] = 0.5          # flat: all-coarse
+    images[0] = 0.5  # flat: all-coarse
     images[1, :, :16] = 0.2  # half flat
     return images.to(CUDA)
 
@@ -46,8 +46,8 @@ def test_varlen_kernel_matches_per_sequence_attention_in_bf16_and_fp32():
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
     for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
         q, k, v = (torch.randn(sum(lengths), 2, 32, device=CUDA, dtype=dtype) for _ in range(3))
-        got = kernel(q, k, v, cu, cu, max(lengths), max(lengths), scale=32 ** -0.5)
-        want = reference_kernel(q.double(), k.double(), v.double(), cu, cu, max(lengths), max(lengths), scale=32 ** -0.5)
+        got = kernel(q, k, v, cu, cu, max(lengths), max(lengths), scale=32**-0.5)
+        want = reference_kernel(q.double(), k.double(), v.double(), cu, cu, max(lengths), max(lengths), scale=32**-0.5)
         rel = (got.double() - want).norm() / want.norm()
         assert got.dtype == dtype and rel <= tol, (dtype, float(rel))
 
@@ -126,7 +126,7 @@ def test_calibration_meets_the_budget_it_is_evaluated_at(autocast):
     evaluated token ratio is the calibrated one."""
     packed, _ = _pair("learned")
     images = _images(64)
-    batches = [(images[i:i + 16].cpu(), torch.randint(0, 5, (16,))) for i in range(0, 64, 16)]
+    batches = [(images[i : i + 16].cpu(), torch.randint(0, 5, (16,))) for i in range(0, 64, 16)]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         thresholds = calibrate_thresholds(packed.eval(), images, 0.4)
         result = evaluate(packed, batches, thresholds=thresholds, num_classes=5)
@@ -142,8 +142,18 @@ def test_forward_synchronises_with_the_host_at_most_once(policy, token_buckets):
     by ``torch.cuda.set_sync_debug_mode``."""
     import warnings
 
-    model = SplitViT(tiny_vit(32, embed_dim=64, num_heads=2), levels=3, policy=policy, image_size=32, policy_depth=1,
-                     token_buckets=token_buckets).to(CUDA).eval()
+    model = (
+        SplitViT(
+            tiny_vit(32, embed_dim=64, num_heads=2),
+            levels=3,
+            policy=policy,
+            image_size=32,
+            policy_depth=1,
+            token_buckets=token_buckets,
+        )
+        .to(CUDA)
+        .eval()
+    )
     images = _images()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         model.set_thresholds(calibrate_thresholds(model, images, 0.5))
@@ -164,8 +174,11 @@ def test_forward_synchronises_with_the_host_at_most_once(policy, token_buckets):
 def test_compiled_encoder_with_token_buckets_matches_eager():
     """``compile_encoder`` over ``token_buckets``: the encoder's per-token work under
     ``torch.compile`` gives the eager logits on the GPU."""
-    eager = SplitViT(tiny_vit(32, embed_dim=64, num_heads=2), levels=3, policy="entropy", image_size=32,
-                     token_buckets=4).to(CUDA).eval()
+    eager = (
+        SplitViT(tiny_vit(32, embed_dim=64, num_heads=2), levels=3, policy="entropy", image_size=32, token_buckets=4)
+        .to(CUDA)
+        .eval()
+    )
     compiled = SplitViT(eager.vit, levels=3, policy="entropy", image_size=32, token_buckets=4).to(CUDA).eval()
     compiled.compile_encoder()
     images = _images()

@@ -88,9 +88,17 @@ def same_items(a, b, atol: float = 0.0) -> bool:
         return False
     for x, y in zip(a, b):
         x, y = torch.as_tensor(x), torch.as_tensor(y)  # a DataLoader turns int labels into 0-d tensors
-        if x.shape != y.shape or x.is_floating_point() != y.is_floating_point() or (x.dtype == torch.bool) != (y.dtype == torch.bool):
+        if (
+            x.shape != y.shape
+            or x.is_floating_point() != y.is_floating_point()
+            or (x.dtype == torch.bool) != (y.dtype == torch.bool)
+        ):
             return False
-        ok = torch.allclose(x.float(), y.float(), atol=atol, rtol=0) if x.is_floating_point() else torch.equal(x.long(), y.long())
+        ok = (
+            torch.allclose(x.float(), y.float(), atol=atol, rtol=0)
+            if x.is_floating_point()
+            else torch.equal(x.long(), y.long())
+        )
         if not ok:
             return False
     return True
@@ -113,7 +121,7 @@ def test_fashion_mnist_found_in_debian_folder(monkeypatch):
     # val is the held-out tail of the train files: its canvas 3 shows raw train item 55003
     canvas = val.render(3)
     y, x, h, w = canvas.boxes[0]
-    tile = canvas.image[:, y: y + h, x: x + w].mean(0)
+    tile = canvas.image[:, y : y + h, x : x + w].mean(0)
     assert canvas.labels == [int(raw_labels[55003])]
     assert np.corrcoef(tile.ravel(), raw_train[55003].ravel().astype(float))[0, 1] > 0.99
     image, label, item_mask = test[0]
@@ -135,12 +143,29 @@ def test_missing_fashion_mnist_gives_one_clear_error(tmp_path, monkeypatch, caps
         # download=True: a root is only ever filled by a download asked for (no root: the default)
         build_dataset("cluttered-fashion-mnist", "train", image_size=64, root=str(empty), download=True)
     message = str(info.value)
-    for needed in ("apt-get install dataset-fashion-mnist", "root=", str(empty), "no-debian", "not reachable",
-                   "train-images-idx3-ubyte"):
+    for needed in (
+        "apt-get install dataset-fashion-mnist",
+        "root=",
+        str(empty),
+        "no-debian",
+        "not reachable",
+        "train-images-idx3-ubyte",
+    ):
         assert needed in message
     # the command reports the same single message and fails
-    rc = main(["data", "prepare", "cluttered-fashion-mnist", "--root", str(empty), "--option", "download=true",
-               "--out", str(tmp_path / "out")])
+    rc = main(
+        [
+            "data",
+            "prepare",
+            "cluttered-fashion-mnist",
+            "--root",
+            str(empty),
+            "--option",
+            "download=true",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "apt-get install dataset-fashion-mnist" in err and err.count("\n") == 1
 
@@ -188,7 +213,9 @@ def _patch_entropy(gray: np.ndarray, size: int = 8) -> np.ndarray:
     out = np.zeros((h // size, w // size))
     for i in range(h // size):
         for j in range(w // size):
-            hist = np.bincount((gray[i * size:(i + 1) * size, j * size:(j + 1) * size] * 15.999).astype(int).ravel(), minlength=16)
+            hist = np.bincount(
+                (gray[i * size : (i + 1) * size, j * size : (j + 1) * size] * 15.999).astype(int).ravel(), minlength=16
+            )
             p = hist[hist > 0] / hist.sum()
             out[i, j] = -(p * np.log2(p)).sum()
     return out
@@ -206,22 +233,22 @@ def test_clutter_covers_a_third_and_stays_off_the_item(fmnist_root, image_size):
         assert c.clutter_mask.mean() >= 1 / 3
         (y, x, h, w), m = c.boxes[0], ds.renderer.margin
         keepout = np.zeros_like(c.clutter_mask)
-        keepout[max(y - m, 0): y + h + m, max(x - m, 0): x + w + m] = True
+        keepout[max(y - m, 0) : y + h + m, max(x - m, 0) : x + w + m] = True
         assert not (c.clutter_mask & keepout).any()
         # everything that is neither clutter nor the item's tile is flat background
         rest = ~(c.clutter_mask | keepout)
         assert np.allclose(c.image[:, rest], c.background[:, None])
         # the item is intact: its tile is the Fashion-MNIST item, scaled into colour
-        tile = c.image[:, y: y + h, x: x + w]
+        tile = c.image[:, y : y + h, x : x + w]
         assert np.corrcoef(tile.mean(0).ravel(), images[i].ravel().astype(float))[0, 1] > 0.999
         assert torch.equal(item_mask, torch.from_numpy(c.item_masks[0]))
-        assert item_mask[y: y + h, x: x + w].sum() == (images[i] > 0.1 * 255).sum() and item_mask.sum() > 0
+        assert item_mask[y : y + h, x : x + w].sum() == (images[i] > 0.1 * 255).sum() and item_mask.sum() > 0
         gray = c.image.mean(0)
         ent = _patch_entropy(gray)
         cells_clutter = _patch_entropy(c.clutter_mask.astype(float)) == 0  # 8x8 cells wholly in or out of clutter
         in_clutter = cells_clutter & (c.clutter_mask[::8, ::8])
         on_item = np.zeros_like(ent, bool)
-        on_item[y // 8: (y + h) // 8, x // 8: (x + w) // 8] = True
+        on_item[y // 8 : (y + h) // 8, x // 8 : (x + w) // 8] = True
         clutter_entropy += ent[in_clutter].tolist()
         item_entropy += ent[on_item & ~in_clutter].tolist()
     # pixel entropy is high where the label is not
@@ -233,6 +260,7 @@ def test_fragments_of_other_items_are_in_the_clutter(fmnist_root):
     images = np.where(images > 0, 255, 0).astype(np.uint8)  # smooth items: fragments show as flat bright areas
     with_frag = ClutteredFashionMNIST(images, labels, image_size=64, fragment_prob=1.0, seed=2)
     without = ClutteredFashionMNIST(images, labels, image_size=64, fragment_prob=0.0, seed=2)
+
     # fragment pixels are bright and smooth; pure noise has no bright-and-smooth 3x3 neighbourhoods
     def smooth_bright(ds):
         total = 0
@@ -243,6 +271,7 @@ def test_fragments_of_other_items_are_in_the_clutter(fmnist_root):
             smooth = (windows.std(axis=(-1, -2)) < 0.02) & (windows.mean(axis=(-1, -2)) > 0.6)
             total += int((smooth & c.clutter_mask[1:-1, 1:-1]).sum())
         return total
+
     assert smooth_bright(with_frag) > 50 * max(smooth_bright(without), 1)
 
 
@@ -338,8 +367,9 @@ def test_ade20k_layout(tmp_path):
 
 def test_parquet_round_trip_local(fmnist_root, tmp_path):
     src = build_dataset("cluttered-fashion-mnist", "val", image_size=64, **tiny_opts(fmnist_root))
-    result = write_shards(src, str(tmp_path / "shards" / "val"), rows_per_shard=8, row_group_size=3,
-                          metadata={"split": "val"})
+    result = write_shards(
+        src, str(tmp_path / "shards" / "val"), rows_per_shard=8, row_group_size=3, metadata={"split": "val"}
+    )
     assert (result.rows, len(result.shards), result.skipped) == (20, 3, 0)
     manifest = json.loads((tmp_path / "shards" / "val" / "_manifest.json").read_text())
     assert manifest["num_rows"] == 20 and [s["rows"] for s in manifest["shards"]] == [8, 8, 4]
@@ -354,7 +384,9 @@ def test_parquet_round_trip_local(fmnist_root, tmp_path):
     loaded = [item for batch in DataLoader(ds, batch_size=5, num_workers=2) for item in zip(*batch)]
     assert all(same_items(loaded[i], ds[i]) for i in range(20))
     # read back at another size: resized
-    assert ds.image_size == 64 and build_dataset("parquet", "val", image_size=32, uri=str(tmp_path / "shards"))[0][0].shape == (3, 32, 32)
+    assert ds.image_size == 64 and build_dataset("parquet", "val", image_size=32, uri=str(tmp_path / "shards"))[0][
+        0
+    ].shape == (3, 32, 32)
     # the folder holds val: asking it for train is an error, not a silent mix-up
     with pytest.raises(ValueError, match="'val'"):
         build_dataset("parquet", "train", image_size=64, uri=str(tmp_path / "shards" / "val"))
@@ -377,13 +409,37 @@ def test_parquet_round_trip_segmentation(fmnist_root, tmp_path):
 
 def test_prepare_push_and_read_from_s3(fmnist_root, tmp_path, s3_bucket):
     local = tmp_path / "prepared" / "val"
-    rc = main(["data", "prepare", "cluttered-fashion-mnist", "--split", "val", "--root", str(fmnist_root),
-               "--option", "val_size=20", "--option", "download=false", "--out", str(local), "--image-size", "64",
-               "--limit", "12", "--rows-per-shard", "5", "--json", str(tmp_path / "prepare.json")])
+    rc = main(
+        [
+            "data",
+            "prepare",
+            "cluttered-fashion-mnist",
+            "--split",
+            "val",
+            "--root",
+            str(fmnist_root),
+            "--option",
+            "val_size=20",
+            "--option",
+            "download=false",
+            "--out",
+            str(local),
+            "--image-size",
+            "64",
+            "--limit",
+            "12",
+            "--rows-per-shard",
+            "5",
+            "--json",
+            str(tmp_path / "prepare.json"),
+        ]
+    )
     assert rc == 0
     prepared = json.loads((tmp_path / "prepare.json").read_text())
     assert prepared["rows"] == 12 and len(prepared["shards"]) == 3 and prepared["skipped"] == 0
-    rc = main(["data", "push", str(tmp_path / "prepared"), f"s3://{s3_bucket}/fmnist", "--json", str(tmp_path / "push.json")])
+    rc = main(
+        ["data", "push", str(tmp_path / "prepared"), f"s3://{s3_bucket}/fmnist", "--json", str(tmp_path / "push.json")]
+    )
     assert rc == 0
     pushed = json.loads((tmp_path / "push.json").read_text())
     assert pushed["files"] == 4 and pushed["bytes"] == sum(p.stat().st_size for p in local.iterdir())
@@ -396,8 +452,21 @@ def test_prepare_push_and_read_from_s3(fmnist_root, tmp_path, s3_bucket):
     loaded = [item for batch in DataLoader(remote, batch_size=4, num_workers=2) for item in zip(*batch)]
     assert all(same_items(loaded[i], here[i]) for i in range(12))
     # prepare can also write straight to S3
-    rc = main(["data", "prepare", "parquet", "--split", "val", "--root", str(tmp_path / "prepared"),
-               "--out", f"s3://{s3_bucket}/direct/val", "--rows-per-shard", "100"])
+    rc = main(
+        [
+            "data",
+            "prepare",
+            "parquet",
+            "--split",
+            "val",
+            "--root",
+            str(tmp_path / "prepared"),
+            "--out",
+            f"s3://{s3_bucket}/direct/val",
+            "--rows-per-shard",
+            "100",
+        ]
+    )
     assert rc == 0 and len(build_dataset("parquet", "val", image_size=64, uri=f"s3://{s3_bucket}/direct")) == 12
 
 
@@ -420,9 +489,41 @@ def test_corrupt_shard_skipped_counted_or_strict(fmnist_root, tmp_path, caplog):
     with pytest.raises(CorruptDataError, match=str(bad)):
         build_dataset("parquet", "val", image_size=48, uri=str(tmp_path), strict=True)
     # via the command: strict stops with the file named; without strict the rows are re-sharded
-    assert main(["data", "prepare", "parquet", "--split", "val", "--root", str(tmp_path), "--out", str(tmp_path / "re"), "--strict"]) == 2
-    assert main(["data", "prepare", "parquet", "--split", "val", "--root", str(tmp_path), "--out", str(tmp_path / "re"),
-                 "--json", str(tmp_path / "re.json")]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "parquet",
+                "--split",
+                "val",
+                "--root",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "re"),
+                "--strict",
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "parquet",
+                "--split",
+                "val",
+                "--root",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "re"),
+                "--json",
+                str(tmp_path / "re.json"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "re.json").read_text())["rows"] == 13
 
 
@@ -458,7 +559,14 @@ def test_write_shards_skips_corrupt_images(tmp_path):
 
 
 def test_registry_names_and_options(fmnist_root):
-    assert set(DATASET_NAMES) >= {"synthetic", "cluttered-fashion-mnist", "cluttered-fashion-mnist-seg", "imagefolder", "ade20k", "parquet"}
+    assert set(DATASET_NAMES) >= {
+        "synthetic",
+        "cluttered-fashion-mnist",
+        "cluttered-fashion-mnist-seg",
+        "imagefolder",
+        "ade20k",
+        "parquet",
+    }
     with pytest.raises(ValueError, match="clutter_fractoin"):
         build_dataset("cluttered-fashion-mnist", "train", image_size=64, clutter_fractoin=0.5, **tiny_opts(fmnist_root))
     with pytest.raises(ValueError, match="needs option root"):
@@ -466,8 +574,19 @@ def test_registry_names_and_options(fmnist_root):
     with pytest.raises(ValueError, match="parquet"):
         build_dataset("nope", "train", image_size=64)
     assert len(build_dataset("synthetic", "train", image_size=32)) == 1024
-    assert len(build_dataset("cluttered-fashion-mnist", "train", image_size=64, train_samples=7, val_samples=3,
-                             **tiny_opts(fmnist_root))) == 7
+    assert (
+        len(
+            build_dataset(
+                "cluttered-fashion-mnist",
+                "train",
+                image_size=64,
+                train_samples=7,
+                val_samples=3,
+                **tiny_opts(fmnist_root),
+            )
+        )
+        == 7
+    )
 
 
 def test_canvas_cache_renders_once_and_reads_back_the_same_canvases(fmnist_root, tmp_path):
@@ -486,11 +605,17 @@ def test_canvas_cache_renders_once_and_reads_back_the_same_canvases(fmnist_root,
     assert len(folders) == 2 and not [p for p in cache.iterdir() if ".tmp" in p.name]
     # the same canvases again: read from the cache, not rendered (the folder is unchanged)
     stamp = {p: p.stat().st_mtime_ns for p in cache.rglob("*.npy")}
-    build_dataset("cluttered-fashion-mnist", "val", image_size=64, seed=4, cache_dir=str(cache), **tiny_opts(fmnist_root))
+    build_dataset(
+        "cluttered-fashion-mnist", "val", image_size=64, seed=4, cache_dir=str(cache), **tiny_opts(fmnist_root)
+    )
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.npy")} == stamp
     # other settings are other canvases: a new entry, never a stale read
-    seed4 = build_dataset("cluttered-fashion-mnist", "val", image_size=64, seed=4, cache_dir=str(cache), **tiny_opts(fmnist_root))
-    seed5 = build_dataset("cluttered-fashion-mnist", "val", image_size=64, seed=5, cache_dir=str(cache), **tiny_opts(fmnist_root))
+    seed4 = build_dataset(
+        "cluttered-fashion-mnist", "val", image_size=64, seed=4, cache_dir=str(cache), **tiny_opts(fmnist_root)
+    )
+    seed5 = build_dataset(
+        "cluttered-fashion-mnist", "val", image_size=64, seed=5, cache_dir=str(cache), **tiny_opts(fmnist_root)
+    )
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 3
     assert not torch.equal(seed5[0][0], seed4[0][0])
 
@@ -517,7 +642,9 @@ def test_canvas_cache_rendered_in_chunks_by_forked_workers_matches_one_process(f
     monkeypatch.setattr(cluttered.multiprocessing, "get_context", counting_context)
     for name in ("cluttered-fashion-mnist", "cluttered-fashion-mnist-seg"):
         plain = build_dataset(name, "val", image_size=64, seed=2, **tiny_opts(fmnist_root))
-        cached = build_dataset(name, "val", image_size=64, seed=2, cache_dir=str(tmp_path / "c"), **tiny_opts(fmnist_root))
+        cached = build_dataset(
+            name, "val", image_size=64, seed=2, cache_dir=str(tmp_path / "c"), **tiny_opts(fmnist_root)
+        )
         for i in range(len(plain)):  # every row written, by whichever worker
             a, b = plain[i], cached[i]
             assert (a[0] - b[0]).abs().max() <= 0.5 / 255 + 1e-6

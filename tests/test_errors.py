@@ -59,8 +59,14 @@ def project_exceptions() -> dict[str, type]:
 def _job_result():
     from splitvit.cluster.submit import JobResult
 
-    return JobResult(job_id="raysubmit_1", address="http://127.0.0.1:8265", entrypoint="splitvit train x.yaml",
-                     status="FAILED", message="exit 1", log_tail="line 1\nline 2")
+    return JobResult(
+        job_id="raysubmit_1",
+        address="http://127.0.0.1:8265",
+        entrypoint="splitvit train x.yaml",
+        status="FAILED",
+        message="exit 1",
+        log_tail="line 1\nline 2",
+    )
 
 
 #: arguments for classes whose __init__ takes something other than strings
@@ -87,8 +93,15 @@ EXCEPTIONS = project_exceptions()
 
 def test_the_package_defines_the_exceptions_the_issue_names():
     names = {name.rsplit(".", 1)[-1] for name in EXCEPTIONS}
-    assert {"ConfigError", "CorruptDataError", "SearchSpaceError", "TrainingError", "CheckpointError", "JobFailed",
-            "Interrupted"} <= names
+    assert {
+        "ConfigError",
+        "CorruptDataError",
+        "SearchSpaceError",
+        "TrainingError",
+        "CheckpointError",
+        "JobFailed",
+        "Interrupted",
+    } <= names
 
 
 @pytest.mark.parametrize("name", sorted(EXCEPTIONS))
@@ -109,7 +122,10 @@ def test_a_worker_error_inside_ray_wrappers_pickles_and_unwraps():
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     cause = CorruptDataError("s3://bucket/shards/part-0003.parquet", "not a parquet file")
-    wrapped = WorkerGroupError("[Rank 1]\nTraceback ...", {1: UserExceptionWithTraceback(cause, "Traceback (most recent call last):\n  worker frame\n")})
+    wrapped = WorkerGroupError(
+        "[Rank 1]\nTraceback ...",
+        {1: UserExceptionWithTraceback(cause, "Traceback (most recent call last):\n  worker frame\n")},
+    )
     wrapped = pickle.loads(pickle.dumps(wrapped))
     try:
         try:
@@ -120,8 +136,9 @@ def test_a_worker_error_inside_ray_wrappers_pickles_and_unwraps():
         error = err
     root = root_cause(error)
     assert type(root) is CorruptDataError and root.source == "s3://bucket/shards/part-0003.parquet"
-    assert str(error) == ("training run1 failed: corrupt or unreadable data in s3://bucket/shards/part-0003.parquet: "
-                          "not a parquet file")
+    assert str(error) == (
+        "training run1 failed: corrupt or unreadable data in s3://bucket/shards/part-0003.parquet: not a parquet file"
+    )
     assert error_line(error) == str(error)
     assert "worker frame" in worker_traceback(error)
 
@@ -135,7 +152,10 @@ def test_ray_task_and_controller_errors_unwrap_to_their_cause():
     assert root_cause(task_error) is cause or type(root_cause(task_error)) is ConfigError
     assert error_line(task_error) == "config error: model.num_classes: the training data hold label 7"
     assert "task frame" in worker_traceback(task_error)
-    assert error_line(ControllerError(IndexError("Target 7 is out of bounds."))) == "IndexError: Target 7 is out of bounds."
+    assert (
+        error_line(ControllerError(IndexError("Target 7 is out of bounds.")))
+        == "IndexError: Target 7 is out of bounds."
+    )
     assert error_line(KeyError("spec")) == "KeyError: 'spec'"
 
 
@@ -195,8 +215,10 @@ def _worker_failure() -> TrainingError:
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     cause = CorruptDataError("/data/imgs/cat/003.jpg", "cannot identify image file")
-    group = WorkerGroupError("[Rank 0] long Ray text\nTraceback ...",
-                             {0: UserExceptionWithTraceback(cause, "Traceback (most recent call last):\n  File \"worker.py\"\n")})
+    group = WorkerGroupError(
+        "[Rank 0] long Ray text\nTraceback ...",
+        {0: UserExceptionWithTraceback(cause, 'Traceback (most recent call last):\n  File "worker.py"\n')},
+    )
     try:
         raise TrainingError(f"training run failed: {error_line(group)}") from group
     except TrainingError as exc:
@@ -208,8 +230,10 @@ def test_an_error_inside_ray_is_one_line_exit_1_traceback_only_with_v(monkeypatc
     _fake_training(monkeypatch, _worker_failure())
     assert main(["train", str(config)]) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["splitvit train: error: training run failed: corrupt or unreadable data in "
-                                        "/data/imgs/cat/003.jpg: cannot identify image file"]
+    assert err.strip().splitlines() == [
+        "splitvit train: error: training run failed: corrupt or unreadable data in "
+        "/data/imgs/cat/003.jpg: cannot identify image file"
+    ]
     assert main(["-v", "train", str(config)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("splitvit train: error: training run failed: corrupt") and 'File "worker.py"' in err
@@ -217,15 +241,25 @@ def test_an_error_inside_ray_is_one_line_exit_1_traceback_only_with_v(monkeypatc
 
 def test_divergence_in_the_first_epoch_prints_what_happened(monkeypatch, tmp_path, capsys):
     config = _tiny_yaml(tmp_path)
-    _fake_training(monkeypatch, lambda cfg: TrainResult(
-        name=cfg.storage.name, status="diverged", metrics={}, checkpoint_uri=None, run_uri=cfg.storage.run_uri(),
-        message="non-finite loss nan at epoch 0"))
+    _fake_training(
+        monkeypatch,
+        lambda cfg: TrainResult(
+            name=cfg.storage.name,
+            status="diverged",
+            metrics={},
+            checkpoint_uri=None,
+            run_uri=cfg.storage.run_uri(),
+            message="non-finite loss nan at epoch 0",
+        ),
+    )
     out_json = tmp_path / "out.json"
     assert main(["train", str(config), "--json", str(out_json)]) == 1
     out, err = capsys.readouterr()
     assert "no epoch completed" in out and "status: diverged" in out
-    assert err.strip().splitlines() == ["splitvit train: error: run diverged: non-finite loss nan at epoch 0; no epoch "
-                                        "completed, so no checkpoint was kept"]
+    assert err.strip().splitlines() == [
+        "splitvit train: error: run diverged: non-finite loss nan at epoch 0; no epoch "
+        "completed, so no checkpoint was kept"
+    ]
     assert json.loads(out_json.read_text())["status"] == "diverged"
 
 
@@ -237,6 +271,7 @@ def test_ctrl_c_and_sigterm_outside_ray_exit_130_and_143(monkeypatch, tmp_path, 
             os.kill(os.getpid(), signum)  # main's handler raises Interrupted here
             time.sleep(5)
             raise AssertionError("the signal did not interrupt")
+
         return effect
 
     before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or Ray's if an earlier test started Ray in this process
@@ -280,8 +315,14 @@ def test_weights_that_do_not_fit_their_spec_are_a_checkpoint_error(tmp_path):
     from splitvit.model import SplitViT
     from splitvit.train.checkpoints import CheckpointError, load_payload, model_from_payload
 
-    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=2, image_size=16, num_classes=4,
-                               timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1}, policy_depth=1)
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=2,
+        image_size=16,
+        num_classes=4,
+        timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        policy_depth=1,
+    )
     model.save(tmp_path / "model.pt")
     payload = load_payload(tmp_path)
     assert model_from_payload(payload, "x").levels == 2
@@ -296,10 +337,20 @@ def test_a_label_outside_num_classes_fails_the_step_naming_the_key():
     from splitvit.train.losses import IGNORE_INDEX
     from splitvit.train.steps import SplitLossConfig, check_labels, training_step
 
-    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=2, image_size=16, num_classes=4, policy="entropy",
-                               timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1}, policy_depth=1)
-    with pytest.raises(ConfigError, match=r"model.num_classes: the training data hold label 7, outside 0..3 for "
-                                          r"model.num_classes = 4") as info:
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=2,
+        image_size=16,
+        num_classes=4,
+        policy="entropy",
+        timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        policy_depth=1,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"model.num_classes: the training data hold label 7, outside 0..3 for "
+        r"model.num_classes = 4",
+    ) as info:
         training_step(model, torch.rand(2, 3, 16, 16), torch.tensor([1, 7]), SplitLossConfig(), epoch=0)
     assert info.value.key == "model.num_classes"
     with pytest.raises(ConfigError, match="labels -1, 9"):
@@ -351,15 +402,27 @@ def test_a_worker_error_reaches_the_driver_with_its_type(ray_local, mlflow_uri, 
     from splitvit.train.ray_trainer import run_training
     from tests.test_train_ray import tiny_config
 
-    cfg = tiny_config(tmp_path, mlflow_uri, "corrupt", ["train.epochs=1", "train.max_failures=0", "scaling.num_workers=1",
-                                                          "tracking.split_map_images=0", "tracking.log_model=false"])
+    cfg = tiny_config(
+        tmp_path,
+        mlflow_uri,
+        "corrupt",
+        [
+            "train.epochs=1",
+            "train.max_failures=0",
+            "scaling.num_workers=1",
+            "tracking.split_map_images=0",
+            "tracking.log_model=false",
+        ],
+    )
     with pytest.raises(TrainingError) as info:
         run_training(cfg, epoch_hook=RaiseCorrupt())
     assert str(info.value) == "training corrupt failed: corrupt or unreadable data in /data/broken.png: truncated image"
     root = root_cause(info.value)
     assert type(root) is CorruptDataError and root.source == "/data/broken.png"
-    runs = MlflowClient(mlflow_uri).search_runs([MlflowClient(mlflow_uri).get_experiment_by_name("tests").experiment_id],
-                                                filter_string="tags.`splitvit.name` = 'corrupt'")
+    runs = MlflowClient(mlflow_uri).search_runs(
+        [MlflowClient(mlflow_uri).get_experiment_by_name("tests").experiment_id],
+        filter_string="tags.`splitvit.name` = 'corrupt'",
+    )
     assert runs[0].info.status == "FAILED"
     assert runs[0].data.tags["splitvit.error"] == "corrupt or unreadable data in /data/broken.png: truncated image"
 
@@ -379,8 +442,18 @@ def test_labels_beyond_num_classes_stop_every_worker_with_one_line(ray_local, ml
     from splitvit.train.ray_trainer import run_training
     from tests.test_train_ray import tiny_config
 
-    cfg = tiny_config(tmp_path, mlflow_uri, "labels", ["model.num_classes=2", "train.epochs=1", "train.max_failures=2",
-                                                         "tracking.split_map_images=0", "tracking.log_model=false"])
+    cfg = tiny_config(
+        tmp_path,
+        mlflow_uri,
+        "labels",
+        [
+            "model.num_classes=2",
+            "train.epochs=1",
+            "train.max_failures=2",
+            "tracking.split_map_images=0",
+            "tracking.log_model=false",
+        ],
+    )
     with pytest.raises(TrainingError) as info:  # run_training has no driver-side check: the workers find it
         run_training(cfg)
     line = error_line(info.value)
@@ -389,7 +462,8 @@ def test_labels_beyond_num_classes_stop_every_worker_with_one_line(ray_local, ml
     assert type(root_cause(info.value)) is ConfigError
     runs = MlflowClient(mlflow_uri).search_runs(
         [MlflowClient(mlflow_uri).get_experiment_by_name("tests").experiment_id],
-        filter_string="tags.`splitvit.name` = 'labels'")
+        filter_string="tags.`splitvit.name` = 'labels'",
+    )
     assert runs[0].info.status == "FAILED" and "model.num_classes" in runs[0].data.tags["splitvit.error"]
     # not retried max_failures times: the workers returned the error as their result, so the
     # driver raised from it directly, not from Ray Train's failure after spent retries
@@ -403,12 +477,23 @@ def _spawn_train(config: Path, tmp_path: Path, name: str) -> subprocess.Popen:
     find two)."""
     import ray
 
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-           "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    env = {
+        **os.environ,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+        "PYTHONUNBUFFERED": "1",
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+    }
     out = open(tmp_path / f"{name}.out", "w")
     err = open(tmp_path / f"{name}.err", "w")
-    return subprocess.Popen([sys.executable, "-m", "splitvit.cli", "train", str(config)], cwd=ROOT, env=env,
-                            stdout=out, stderr=err, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "splitvit.cli", "train", str(config)],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=err,
+        start_new_session=True,
+    )
 
 
 def _checkpoints(folder: Path) -> set[str]:
@@ -446,11 +531,19 @@ def test_ctrl_c_and_sigterm_stop_training_and_a_rerun_resumes(ray_local, tmp_pat
     from splitvit.config import load_config
     from splitvit.train.ray_trainer import run_training
 
-    config = _tiny_yaml(tmp_path, "sigrun", train={"epochs": 40, "max_failures": 0},
-                        data={"options": {"train_samples": 256, "val_samples": 16, "object_size": 4}},
-                        scaling={"num_workers": 1, "resources_per_worker": {"CPU": 1}},
-                        tracking={"experiment": "tests", "split_map_images": 0, "log_model": False,
-                                  "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})
+    config = _tiny_yaml(
+        tmp_path,
+        "sigrun",
+        train={"epochs": 40, "max_failures": 0},
+        data={"options": {"train_samples": 256, "val_samples": 16, "object_size": 4}},
+        scaling={"num_workers": 1, "resources_per_worker": {"CPU": 1}},
+        tracking={
+            "experiment": "tests",
+            "split_map_images": 0,
+            "log_model": False,
+            "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        },
+    )
     run_dir = tmp_path / "runs" / "sigrun"
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
 

@@ -50,8 +50,15 @@ def test_a_trials_final_figures_sit_at_its_last_epoch(tmp_path):
     recorder.trial_started("t0", run_uri, {"train.lr": 0.1}, {})
     for epoch in range(3):
         recorder.trial_epoch("t0", run_uri, {"epoch": epoch, "images_per_s": 100.0 + epoch, "accuracy": 0.5})
-    final = {"epochs": 3, "accuracy": 0.6, "tokens_per_image": 10.0, "token_ratio": 0.5, "images_per_s": 90.0,
-             "train_seconds": 4.0, "threshold_points": []}
+    final = {
+        "epochs": 3,
+        "accuracy": 0.6,
+        "tokens_per_image": 10.0,
+        "token_ratio": 0.5,
+        "images_per_s": 90.0,
+        "train_seconds": 4.0,
+        "threshold_points": [],
+    }
     run_id, _ = recorder.trial_completed("t0", run_uri, {"train.lr": 0.1}, {}, final)
     history = MlflowClient(uri).get_metric_history(run_id, "images_per_s")
     assert sorted((m.step, m.value) for m in history) == [(0, 100.0), (1, 101.0), (2, 90.0), (2, 102.0)]

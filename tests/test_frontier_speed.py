@@ -17,20 +17,39 @@ from splitvit.tune.speed import spread, time_operating_points
 ROOT = Path(__file__).resolve().parents[1]
 
 # 16x16 images, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens
-MODEL = {"name": "vit_tiny_patch16_224", "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4,
-         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1}}
+MODEL = {
+    "name": "vit_tiny_patch16_224",
+    "image_size": 16,
+    "levels": 2,
+    "policy_depth": 1,
+    "num_classes": 4,
+    "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+}
 
 
 def checkpoint(folder: Path, embed_dim: int = 16) -> str:
     """A checkpoint folder as training writes it: the model and its experiment config."""
     model_cfg = json.loads(json.dumps(MODEL))
     model_cfg["timm_kwargs"]["embed_dim"] = embed_dim
-    config = ExperimentConfig.from_dict({
-        "model": model_cfg,
-        "data": {"name": "synthetic", "options": {"train_samples": 32, "val_samples": 16, "object_size": 4}, "batch_size": 8},
-    })
-    model = SplitViT.from_timm(MODEL["name"], levels=2, image_size=16, num_classes=4, policy="learned", policy_depth=1,
-                               timm_kwargs=model_cfg["timm_kwargs"])
+    config = ExperimentConfig.from_dict(
+        {
+            "model": model_cfg,
+            "data": {
+                "name": "synthetic",
+                "options": {"train_samples": 32, "val_samples": 16, "object_size": 4},
+                "batch_size": 8,
+            },
+        }
+    )
+    model = SplitViT.from_timm(
+        MODEL["name"],
+        levels=2,
+        image_size=16,
+        num_classes=4,
+        policy="learned",
+        policy_depth=1,
+        timm_kwargs=model_cfg["timm_kwargs"],
+    )
     folder.mkdir(parents=True)
     model.save(folder / "model.pt", extra={"config": config.to_dict(redact=True)})
     return str(folder)
@@ -39,10 +58,10 @@ def checkpoint(folder: Path, embed_dim: int = 16) -> str:
 def test_points_are_timed_against_full_resolution_in_one_interleaved_run(tmp_path):
     small, wide = checkpoint(tmp_path / "small"), checkpoint(tmp_path / "wide", embed_dim=32)
     points = [
-        {"checkpoint": small, "thresholds": [1.0], "label": "coarse"},      # nothing splits: 4 of 16 tokens
-        {"checkpoint": small, "thresholds": [0.0], "label": "fine"},        # everything splits: 16 of 16
-        {"checkpoint": small, "thresholds": [0.5], "policy": "entropy"},    # another policy on the same backbone
-        {"checkpoint": wide, "thresholds": [1.0], "label": "wide"},          # another architecture
+        {"checkpoint": small, "thresholds": [1.0], "label": "coarse"},  # nothing splits: 4 of 16 tokens
+        {"checkpoint": small, "thresholds": [0.0], "label": "fine"},  # everything splits: 16 of 16
+        {"checkpoint": small, "thresholds": [0.5], "policy": "entropy"},  # another policy on the same backbone
+        {"checkpoint": wide, "thresholds": [1.0], "label": "wide"},  # another architecture
     ]
     result = time_operating_points(points, full_checkpoint=small, batch_size=8, rounds=3, warmup=1)
     assert result["device"] == "cpu" and result["batch_size"] == 8 and result["rounds"] == 3 and result["warmup"] == 1
@@ -50,7 +69,9 @@ def test_points_are_timed_against_full_resolution_in_one_interleaved_run(tmp_pat
     # one full-resolution model per architecture: the given checkpoint first
     full = {f["key"]: f for f in result["full"]}
     assert [f["checkpoint"] for f in result["full"]] == [small, wide]
-    assert all(f["speedup_vs_full"] == 1.0 and f["tokens_per_image"] == 16.0 and f["images_per_s"] > 0 for f in full.values())
+    assert all(
+        f["speedup_vs_full"] == 1.0 and f["tokens_per_image"] == 16.0 and f["images_per_s"] > 0 for f in full.values()
+    )
     rows = result["points"]
     assert [r["label"] for r in rows] == ["coarse", "fine", "point2", "wide"]
     assert [r["full"] for r in rows] == ["full0", "full0", "full0", "full1"]
@@ -84,9 +105,11 @@ def test_spread_keeps_both_ends():
 def test_speed_figure_puts_timed_frontier_points_at_their_speed_up():
     from splitvit.tune.plot import speed_figure
 
-    points = [Point(0.8, 4.0, 0.25, on_frontier=True, extras={"speedup_vs_full": 2.5, "timed_token_ratio": 0.25}),
-              Point(0.9, 16.0, 1.0, on_frontier=True, extras={"speedup_vs_full": 0.95}),
-              Point(0.7, 8.0, 0.5, on_frontier=False)]
+    points = [
+        Point(0.8, 4.0, 0.25, on_frontier=True, extras={"speedup_vs_full": 2.5, "timed_token_ratio": 0.25}),
+        Point(0.9, 16.0, 1.0, on_frontier=True, extras={"speedup_vs_full": 0.95}),
+        Point(0.7, 8.0, 0.5, on_frontier=False),
+    ]
     fig = speed_figure(points, full_quality=0.9)
     ax = fig.axes[0]
     offsets = sorted(tuple(map(float, xy)) for c in ax.collections for xy in c.get_offsets())
@@ -101,8 +124,12 @@ def test_search_space_speed_settings_are_validated_by_key():
     space = load_space(ROOT / "search_spaces" / "smoke.yaml")
     assert space.speed.enabled and space.speed.rounds >= 1 and space.to_dict()["speed"]["batch_size"] >= 1
     assert not load_space(ROOT / "search_spaces" / "smoke.yaml", ["speed.enabled=false"]).speed.enabled
-    for item, key in (("speed.rounds=0", "speed.rounds"), ("speed.max_points=-1", "speed.max_points"),
-                      ("speed.batch=4", "speed.batch"), ("speed.enabled=sometimes", "speed.enabled")):
+    for item, key in (
+        ("speed.rounds=0", "speed.rounds"),
+        ("speed.max_points=-1", "speed.max_points"),
+        ("speed.batch=4", "speed.batch"),
+        ("speed.enabled=sometimes", "speed.enabled"),
+    ):
         with pytest.raises(SearchSpaceError) as err:
             load_space(ROOT / "search_spaces" / "smoke.yaml", [item])
         assert err.value.key == key
@@ -113,9 +140,13 @@ def test_resuming_a_sweep_saved_before_speed_settings_existed(tmp_path):
 
     space = load_space(ROOT / "search_spaces" / "smoke.yaml")
     saved = {k: v for k, v in space.to_dict().items() if k not in ("source", "speed")}
-    (tmp_path / PLAN_FILE).write_text(json.dumps({"space": saved, "overrides": [], "source": space.source}, default=str))
+    (tmp_path / PLAN_FILE).write_text(
+        json.dumps({"space": saved, "overrides": [], "source": space.source}, default=str)
+    )
     assert _check_plan(space, str(tmp_path), None, resume=True) is space
     changed = {**saved, "speed": {**space.to_dict()["speed"], "rounds": 99}}
-    (tmp_path / PLAN_FILE).write_text(json.dumps({"space": changed, "overrides": [], "source": space.source}, default=str))
+    (tmp_path / PLAN_FILE).write_text(
+        json.dumps({"space": changed, "overrides": [], "source": space.source}, default=str)
+    )
     with pytest.raises(SweepError, match="speed"):
         _check_plan(space, str(tmp_path), None, resume=True)

@@ -62,10 +62,19 @@ def test_fit_local_reports_each_epoch_once(caplog):
     data = TensorDataset(torch.rand(8, 3, 32, 32), torch.randint(0, 5, (8,)))  # tiny_model has 5 classes
     seen = []
     with caplog.at_level(logging.INFO, logger="splitvit.train.local"):
-        history = fit_local(tiny_model("full"), data, SplitLossConfig(), epochs=2, batch_size=4,
-                            on_epoch=lambda epoch, stats: seen.append((epoch, stats["loss"])))
+        history = fit_local(
+            tiny_model("full"),
+            data,
+            SplitLossConfig(),
+            epochs=2,
+            batch_size=4,
+            on_epoch=lambda epoch, stats: seen.append((epoch, stats["loss"])),
+        )
     assert [e for e, _ in seen] == [0, 1] and [h["loss"] for h in history] == [loss for _, loss in seen]
     assert not [r for r in caplog.records if r.name == "splitvit.train.local"]
     with caplog.at_level(logging.INFO, logger="splitvit.train.local"):
         fit_local(tiny_model("full"), data, SplitLossConfig(), epochs=2, batch_size=4)
-    assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "splitvit.train.local"] == ["epoch 0", "epoch 1"]
+    assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "splitvit.train.local"] == [
+        "epoch 0",
+        "epoch 1",
+    ]

@@ -73,26 +73,55 @@ def postgres():
         shutil.chown(pwfile, "postgres", "postgres")
     data, port = folder / "data", stack.free_port()
     log = folder / "postgres.log"
-    subprocess.run(_as_postgres([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=scram-sha-256",
-                                 f"--pwfile={pwfile}", "-E", "UTF8", "--no-instructions"]),
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        _as_postgres(
+            [
+                str(bin_dir / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                "postgres",
+                "--auth=scram-sha-256",
+                f"--pwfile={pwfile}",
+                "-E",
+                "UTF8",
+                "--no-instructions",
+            ]
+        ),
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={folder} -c fsync=off"
-    subprocess.run(_as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options,
-                                 "-w", "-t", "60", "start"]), check=True, capture_output=True, timeout=90)
+    subprocess.run(
+        _as_postgres(
+            [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start"]
+        ),
+        check=True,
+        capture_output=True,
+        timeout=90,
+    )
     try:
-        conn = psycopg2.connect(host="127.0.0.1", port=port, user="postgres", password=superuser_password,
-                                dbname="postgres")
+        conn = psycopg2.connect(
+            host="127.0.0.1", port=port, user="postgres", password=superuser_password, dbname="postgres"
+        )
         conn.autocommit = True
         with conn.cursor() as cur:
             cur.execute("CREATE ROLE mlflow LOGIN PASSWORD %s", (mlflow_password,))
             cur.execute("CREATE DATABASE mlflow OWNER mlflow")
             cur.execute("CREATE DATABASE mlflow_auth OWNER mlflow")
         conn.close()
-        yield {"port": port, "password": mlflow_password,
-               "uri": f"postgresql+psycopg2://mlflow:{mlflow_password}@127.0.0.1:{port}"}
+        yield {
+            "port": port,
+            "password": mlflow_password,
+            "uri": f"postgresql+psycopg2://mlflow:{mlflow_password}@127.0.0.1:{port}",
+        }
     finally:
-        subprocess.run(_as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            _as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
+            capture_output=True,
+            timeout=60,
+        )
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -106,34 +135,52 @@ def team_server(postgres, s3_endpoint):
     port = stack.free_port()
     admin_password = secrets.token_hex(16)
     env = dict(os.environ)
-    env.update({
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",  # this venv's mlflow
-        "MLFLOW_BACKEND_STORE_URI": f"{postgres['uri']}/mlflow",
-        "MLFLOW_AUTH_DATABASE_URI": f"{postgres['uri']}/mlflow_auth",
-        "MLFLOW_ARTIFACTS_DESTINATION": f"s3://{bucket}/mlflow",
-        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
-        "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password,
-        "MLFLOW_HOST": "127.0.0.1",
-        "MLFLOW_PORT": str(port),
-        "MLFLOW_WORKERS": "1",
-        "MLFLOW_AUTH_CACHE_TTL_SECONDS": "60",  # as compose.yaml and k8s/mlflow.yaml run it
-        "MLFLOW_S3_ENDPOINT_URL": s3_endpoint,
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-    })
+    env.update(
+        {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",  # this venv's mlflow
+            "MLFLOW_BACKEND_STORE_URI": f"{postgres['uri']}/mlflow",
+            "MLFLOW_AUTH_DATABASE_URI": f"{postgres['uri']}/mlflow_auth",
+            "MLFLOW_ARTIFACTS_DESTINATION": f"s3://{bucket}/mlflow",
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password,
+            "MLFLOW_HOST": "127.0.0.1",
+            "MLFLOW_PORT": str(port),
+            "MLFLOW_WORKERS": "1",
+            "MLFLOW_AUTH_CACHE_TTL_SECONDS": "60",  # as compose.yaml and k8s/mlflow.yaml run it
+            "MLFLOW_S3_ENDPOINT_URL": s3_endpoint,
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        }
+    )
     log_path = Path(tempfile.mkdtemp(prefix="svmlflow-")) / "server.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(["bash", str(SERVE)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", str(SERVE)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
 
     def dead() -> str | None:
         return None if proc.poll() is None else f"exit {proc.returncode}:\n{stack.tail(log_path)}"
 
     try:
-        stack.wait_until(lambda: stack._http_check(f"{url}/health", None, "OK"), timeout_s=240,
-                         what=f"the team MLflow server ({url})", alive=dead)
-        yield {"url": url, "admin": ("admin", admin_password), "bucket": bucket, "endpoint": s3_endpoint,
-               "postgres": postgres, "log": log_path}
+        stack.wait_until(
+            lambda: stack._http_check(f"{url}/health", None, "OK"),
+            timeout_s=240,
+            what=f"the team MLflow server ({url})",
+            alive=dead,
+        )
+        yield {
+            "url": url,
+            "admin": ("admin", admin_password),
+            "bucket": bucket,
+            "endpoint": s3_endpoint,
+            "postgres": postgres,
+            "log": log_path,
+        }
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # serve.sh exec'd mlflow; its workers share the session
@@ -161,17 +208,23 @@ def test_team_server_requires_a_login_and_answers_its_health_check(team_server):
 
     user, password = team_server["admin"]
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    code, body = stack.http_get(f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
-                                headers={"Authorization": f"Basic {token}"})
+    code, body = stack.http_get(
+        f"{url}/api/2.0/mlflow/experiments/search?max_results=1", headers={"Authorization": f"Basic {token}"}
+    )
     assert code == 200 and "experiments" in body
-    code, _ = stack.http_get(f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
-                             headers={"Authorization": "Basic " + base64.b64encode(b"admin:wrong").decode()})
+    code, _ = stack.http_get(
+        f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
+        headers={"Authorization": "Basic " + base64.b64encode(b"admin:wrong").decode()},
+    )
     assert code == 401
     # the health check the compose file and the image use
     ok = subprocess.run([sys.executable, str(HEALTHCHECK), f"{url}/health"], timeout=30)
     assert ok.returncode == 0
-    down = subprocess.run([sys.executable, str(HEALTHCHECK), f"http://127.0.0.1:{stack.free_port()}/health"],
-                          capture_output=True, timeout=30)
+    down = subprocess.run(
+        [sys.executable, str(HEALTHCHECK), f"http://127.0.0.1:{stack.free_port()}/health"],
+        capture_output=True,
+        timeout=30,
+    )
     assert down.returncode == 1
 
 
@@ -188,15 +241,28 @@ def test_training_run_is_recorded_in_postgres_and_s3(team_server, ray_local, tmp
     # Credentials in the URI: the Ray workers of the shared test instance cannot be given
     # MLFLOW_TRACKING_USERNAME/PASSWORD after they started (a job's runtime env would).
     tracking_uri = f"http://{user}:{password}@{host}"
-    config = ExperimentConfig.from_dict({
-        "model": {"name": "vit_tiny_patch16_224", "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-                  "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4, "policy": "learned"},
-        "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
-        "train": {"epochs": 2, "lr": 0.002, "warmup_epochs": 1},
-        "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
-        "storage": {"path": str(tmp_path / "runs"), "name": "team-server"},
-        "tracking": {"experiment": "team-server", "split_map_images": 2, "tracking_uri": tracking_uri},
-    })
+    config = ExperimentConfig.from_dict(
+        {
+            "model": {
+                "name": "vit_tiny_patch16_224",
+                "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+                "image_size": 16,
+                "levels": 2,
+                "policy_depth": 1,
+                "num_classes": 4,
+                "policy": "learned",
+            },
+            "data": {
+                "name": "synthetic",
+                "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
+                "batch_size": 16,
+            },
+            "train": {"epochs": 2, "lr": 0.002, "warmup_epochs": 1},
+            "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 1}},
+            "storage": {"path": str(tmp_path / "runs"), "name": "team-server"},
+            "tracking": {"experiment": "team-server", "split_map_images": 2, "tracking_uri": tracking_uri},
+        }
+    )
     result = run_training(config)
     assert result.status == "completed" and result.mlflow_run_id
     assert password not in (result.tracking_uri or "")
@@ -210,7 +276,9 @@ def test_training_run_is_recorded_in_postgres_and_s3(team_server, ray_local, tmp
     assert {"accuracy", "tokens_per_image", "token_ratio", "final_accuracy"} <= set(run.data.metrics)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_image")] == [0, 1]
     assert run.data.params["model.levels"] == "2"
-    assert not any(password in v for v in [*run.data.params.values(), *run.data.tags.values()]), "no password in the store"
+    assert not any(password in v for v in [*run.data.params.values(), *run.data.tags.values()]), (
+        "no password in the store"
+    )
     split_maps = [a.path for a in client.list_artifacts(run.info.run_id, "split_maps")]
     assert split_maps and all(p.endswith(".png") for p in split_maps)
     png = Path(client.download_artifacts(run.info.run_id, split_maps[-1], str(tmp_path)))
@@ -227,8 +295,11 @@ def test_training_run_is_recorded_in_postgres_and_s3(team_server, ray_local, tmp
     conn.close()
     # ... and the artifacts (run files and the logged model) are objects in the bucket
     s3 = boto3.client("s3", endpoint_url=team_server["endpoint"], region_name="us-east-1")
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=team_server["bucket"])
-            for o in page.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=team_server["bucket"])
+        for o in page.get("Contents", [])
+    ]
     assert any(k.endswith(f"{run.info.run_id}/artifacts/config.json") for k in keys), keys[:20]
     assert any(f"{run.info.run_id}/artifacts/split_maps/" in k for k in keys)
     model_id = result.mlflow_model_uri.split("/")[-1]

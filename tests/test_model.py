@@ -25,7 +25,9 @@ def tiny_vit(image_size: int = 32, patch_size: int = 4, **kwargs) -> timm.models
 
 
 def tiny_model(policy: str = "learned", image_size: int = 32, levels: int = 3, **kwargs) -> SplitViT:
-    return SplitViT.from_timm(tiny_vit(image_size), levels=levels, policy=policy, image_size=image_size, policy_depth=1, **kwargs)
+    return SplitViT.from_timm(
+        tiny_vit(image_size), levels=levels, policy=policy, image_size=image_size, policy_depth=1, **kwargs
+    )
 
 
 def test_platform_folder_does_not_shadow_stdlib():
@@ -109,7 +111,8 @@ def test_reported_tokens_equal_attended_tokens(policy, buckets):
 @pytest.mark.parametrize("policy", ["learned", "entropy", "random"])
 @pytest.mark.parametrize("buckets", [1, 3])
 def test_packed_path_attends_reported_tokens_without_padding(policy, buckets, monkeypatch):
-    from splitvit.model import packed, splitvit as splitvit_module
+    from splitvit.model import packed
+    from splitvit.model import splitvit as splitvit_module
 
     model = tiny_model(policy, length_buckets=buckets).eval()
     calls: list[torch.Tensor] = []
@@ -253,9 +256,14 @@ def test_bad_image_size_for_model_names_sizes():
         model(torch.rand(1, 3, 36, 36))
 
 
-@pytest.mark.parametrize("thresholds,message", [([0.5, 1.5], r"thresholds\[1\] = 1.5 is outside \[0, 1\]"),
-                                                ([-0.1, 0.5], r"thresholds\[0\] = -0.1 is outside"),
-                                                ([0.5], "expected 2 values")])
+@pytest.mark.parametrize(
+    "thresholds,message",
+    [
+        ([0.5, 1.5], r"thresholds\[1\] = 1.5 is outside \[0, 1\]"),
+        ([-0.1, 0.5], r"thresholds\[0\] = -0.1 is outside"),
+        ([0.5], "expected 2 values"),
+    ],
+)
 def test_bad_thresholds(thresholds, message):
     with pytest.raises(ValueError, match=message):
         tiny_model("entropy", thresholds=thresholds)
@@ -264,9 +272,14 @@ def test_bad_thresholds(thresholds, message):
         model(torch.rand(1, 3, 32, 32), thresholds=thresholds)
 
 
-@pytest.mark.parametrize("kwargs,message", [(dict(lambda_budget=-1.0), "lambda_budget must be >= 0, got -1.0"),
-                                            (dict(target_ratio=0.0), "target_ratio must be in"),
-                                            (dict(penalty="linear"), "penalty must be one of")])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(lambda_budget=-1.0), "lambda_budget must be >= 0, got -1.0"),
+        (dict(target_ratio=0.0), "target_ratio must be in"),
+        (dict(penalty="linear"), "penalty must be one of"),
+    ],
+)
 def test_bad_penalty_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SplitLossConfig(**kwargs)
@@ -300,8 +313,15 @@ def test_calibrated_thresholds_hit_a_budget():
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=3, policy="learned", image_size=32, num_classes=5,
-                               timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2), thresholds=[0.3, 0.7]).eval()
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=3,
+        policy="learned",
+        image_size=32,
+        num_classes=5,
+        timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2),
+        thresholds=[0.3, 0.7],
+    ).eval()
     path = tmp_path / "m.pt"
     model.save(path)
     loaded = SplitViT.load(path).eval()
@@ -318,8 +338,15 @@ def test_from_timm_loads_a_local_checkpoint_file(tmp_path):
     source = timm.create_model("vit_tiny_patch16_224", **args).eval()
     path = tmp_path / "weights.pth"
     torch.save(source.state_dict(), path)
-    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=2, policy="full", checkpoint_path=path, image_size=32,
-                               num_classes=5, timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)).eval()
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=2,
+        policy="full",
+        checkpoint_path=path,
+        image_size=32,
+        num_classes=5,
+        timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2),
+    ).eval()
     images = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         assert (model(images).logits - source(images)).abs().max() <= 1e-5
@@ -331,7 +358,8 @@ def test_packed_attention_path_equals_padded(monkeypatch):
     """The packing logic (offsets, per-sequence attention, unpacking), with the CPU
     padded-SDPA kernel and with a per-sequence reference kernel standing in for
     CUDA's varlen FlashAttention."""
-    from splitvit.model import packed, splitvit as splitvit_module
+    from splitvit.model import packed
+    from splitvit.model import splitvit as splitvit_module
 
     padded = tiny_model("entropy", attention="padded").eval()
     packed_model = SplitViT(padded.vit, levels=3, policy="entropy", image_size=32).eval()
@@ -369,9 +397,19 @@ def _mixed_images(n: int = 5) -> torch.Tensor:
 def _pair(policy: str, buckets: int = 1, vit_kwargs: dict | None = None, **kwargs) -> tuple[SplitViT, SplitViT]:
     """The same weights and policy module, packed and padded."""
     vit = tiny_vit(32, **(vit_kwargs or {}))
-    packed_model = SplitViT(vit, levels=3, policy=policy, image_size=32, policy_depth=1, length_buckets=buckets, **kwargs)
-    padded = SplitViT(vit, levels=3, policy=packed_model.policy, image_size=32, policy_depth=1, length_buckets=buckets,
-                      attention="padded", **kwargs)
+    packed_model = SplitViT(
+        vit, levels=3, policy=policy, image_size=32, policy_depth=1, length_buckets=buckets, **kwargs
+    )
+    padded = SplitViT(
+        vit,
+        levels=3,
+        policy=packed_model.policy,
+        image_size=32,
+        policy_depth=1,
+        length_buckets=buckets,
+        attention="padded",
+        **kwargs,
+    )
     padded.level_embed = packed_model.level_embed
     padded.dense_head = packed_model.dense_head
     return packed_model, padded
@@ -540,7 +578,9 @@ def test_policy_with_own_blocks_runs_none_of_the_vits_blocks_and_learns():
     assert len(own.policy.blocks) == 2 and own.policy.blocks[0].attn.qkv.in_features == 16
     own.train()
     out = own(images)
-    loss = torch.nn.functional.cross_entropy(out.logits, labels) + budget_penalty(out.expected_tokens / out.full_tokens, 0.3)
+    loss = torch.nn.functional.cross_entropy(out.logits, labels) + budget_penalty(
+        out.expected_tokens / out.full_tokens, 0.3
+    )
     loss.backward()
     assert own.policy.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
     assert own.policy.proj.weight.grad.abs().sum() > 0
@@ -550,9 +590,16 @@ def test_policy_with_own_blocks_runs_none_of_the_vits_blocks_and_learns():
 
 
 def test_policy_width_survives_save_and_load(tmp_path):
-    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=3, policy="learned", image_size=32, num_classes=5,
-                               timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2),
-                               policy_width=16, policy_depth=1).eval()
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=3,
+        policy="learned",
+        image_size=32,
+        num_classes=5,
+        timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2),
+        policy_width=16,
+        policy_depth=1,
+    ).eval()
     model.save(tmp_path / "m.pt")
     loaded = SplitViT.load(tmp_path / "m.pt").eval()
     assert loaded.policy.own_blocks and loaded.policy_width == 16
@@ -589,8 +636,11 @@ def test_length_groups_minimise_padded_attention_work(seed):
     ordered = sorted(lengths, reverse=True)
     bounds = list(itertools.accumulate(sizes))[:-1]
     assert all(ordered[b - 1] != ordered[b] for b in bounds)  # equal lengths stay together
-    best = min(cost([b - a for a, b in zip((0,) + cuts, cuts + (len(lengths),))])
-               for r in range(len(lengths)) for cuts in itertools.combinations(range(1, len(lengths)), r))
+    best = min(
+        cost([b - a for a, b in zip((0,) + cuts, cuts + (len(lengths),))])
+        for r in range(len(lengths))
+        for cuts in itertools.combinations(range(1, len(lengths)), r)
+    )
     assert cost(sizes) == best
     assert length_groups([7] * 5) == [5] and length_groups([100] * 4 + [2] * 4) == [4, 4]
 
@@ -659,9 +709,20 @@ class _HostReads(torch.overrides.TorchFunctionMode):
     synchronisation): ``item``, ``tolist``, truth and number conversions, ``nonzero``,
     boolean-mask indexing, ``repeat_interleave`` without ``output_size``, ``cpu``."""
 
-    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
-             torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu, torch.Tensor.numpy,
-             torch.masked_select, torch.Tensor.masked_select}
+    READS = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+        torch.Tensor.nonzero,
+        torch.nonzero,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+        torch.masked_select,
+        torch.Tensor.masked_select,
+    }
 
     def __init__(self):
         super().__init__()
@@ -689,7 +750,8 @@ def test_device_path_reads_the_host_once_per_forward(policy, buckets, monkeypatc
     """The packed path as it runs on CUDA (a host-read-free varlen kernel standing in
     for FlashAttention): one read-back per forward pass, before the blocks. The CUDA
     twin of this test runs under ``torch.cuda.set_sync_debug_mode``."""
-    from splitvit.model import packed, splitvit as splitvit_module
+    from splitvit.model import packed
+    from splitvit.model import splitvit as splitvit_module
 
     monkeypatch.setattr(splitvit_module, "varlen_kernel", lambda device: packed.masked_kernel)
     model = tiny_model(policy, token_buckets=buckets).eval()
@@ -708,7 +770,8 @@ def test_token_buckets_fix_the_encoders_shapes_and_keep_the_logits(monkeypatch):
     (``compile_encoder``) compiles once per shape and gives the eager logits."""
     from torch._dynamo.testing import CompileCounter
 
-    from splitvit.model import packed, splitvit as splitvit_module
+    from splitvit.model import packed
+    from splitvit.model import splitvit as splitvit_module
 
     monkeypatch.setattr(splitvit_module, "varlen_kernel", lambda device: packed.masked_kernel)
     exact = tiny_model("entropy").eval()
@@ -748,9 +811,13 @@ def test_geometry_cache_is_per_model_and_lets_the_model_go():
     import gc
     import weakref
 
-    model = SplitViT.from_timm("vit_tiny_patch16_224", levels=2, image_size=64, num_classes=3,
-                               timm_kwargs={"embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8,
-                                            "dynamic_img_size": True})
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=2,
+        image_size=64,
+        num_classes=3,
+        timm_kwargs={"embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8, "dynamic_img_size": True},
+    )
     other = model.geometry_for((32, 48))
     assert other is model.geometry_for((32, 48)) and other.image_size == (32, 48)
     assert model.geometry_for((64, 64)) is model.geometry

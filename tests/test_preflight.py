@@ -26,24 +26,36 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from splitvit.cluster import preflight as pf
 from splitvit.cli import main
-from splitvit.config import ExperimentConfig, load_config
-from splitvit.data import fashion_mnist as fm
+from splitvit.cluster import preflight as pf
 from splitvit.cluster.preflight import PreflightError
 from splitvit.cluster.stack import free_port
+from splitvit.config import ExperimentConfig, load_config
+from splitvit.data import fashion_mnist as fm
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
 #: a tiny model and data, two workers of one CPU each
-TINY = ["model.timm_kwargs={patch_size: 4, embed_dim: 16, depth: 1, num_heads: 1}", "model.image_size=16",
-        "model.levels=2", "model.policy_depth=1", "data.options={train_samples: 32, val_samples: 16, object_size: 4}"]
+TINY = [
+    "model.timm_kwargs={patch_size: 4, embed_dim: 16, depth: 1, num_heads: 1}",
+    "model.image_size=16",
+    "model.levels=2",
+    "model.policy_depth=1",
+    "data.options={train_samples: 32, val_samples: 16, object_size: 4}",
+]
 
 
 # ---------------------------------------------------------------------- helpers
 def tiny(tmp_path: Path, *overrides: str) -> ExperimentConfig:
-    return load_config(SMOKE, [*TINY, f"storage.path={tmp_path / 'runs'}",
-                               f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}", *overrides])
+    return load_config(
+        SMOKE,
+        [
+            *TINY,
+            f"storage.path={tmp_path / 'runs'}",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}",
+            *overrides,
+        ],
+    )
 
 
 def cli(capsys, argv: list[str]) -> tuple[int, str, float]:
@@ -69,8 +81,14 @@ def assert_one_error_line(err: str, command: str, *needles: str) -> None:
 
 
 def train_argv(tmp_path: Path, *overrides: str) -> list[str]:
-    return ["train", str(SMOKE), *TINY, f"storage.path={tmp_path / 'runs'}",
-            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}", *overrides]
+    return [
+        "train",
+        str(SMOKE),
+        *TINY,
+        f"storage.path={tmp_path / 'runs'}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}",
+        *overrides,
+    ]
 
 
 def assert_nothing_started(tmp_path: Path) -> None:
@@ -130,8 +148,9 @@ def image_folder(root: Path, classes: tuple[str, ...], per_class: int = 1) -> Pa
 
 
 def scaling(num_workers=1, use_gpu=False, resources=None, strategy="PACK"):
-    return SimpleNamespace(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources or {},
-                           placement_strategy=strategy)
+    return SimpleNamespace(
+        num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources or {}, placement_strategy=strategy
+    )
 
 
 # ---------------------------------------------------------------------- capacity (no Ray)
@@ -147,13 +166,17 @@ def test_too_many_workers_for_the_cpus():
         pf.check_capacity(scaling(16, resources={"CPU": 1}), [{"CPU": 2.0, "GPU": 0.0}], where="this machine")
     assert info.value.key == "scaling.num_workers"
     assert "16 workers x 1 CPU = 16 CPUs, but this machine has 2 CPUs" in str(info.value)
-    assert "fit this machine" in pf.check_capacity(scaling(2, resources={"CPU": 1}), [{"CPU": 2.0}], where="this machine")
+    assert "fit this machine" in pf.check_capacity(
+        scaling(2, resources={"CPU": 1}), [{"CPU": 2.0}], where="this machine"
+    )
 
 
 def test_gpus_that_are_not_there():
     with pytest.raises(PreflightError) as info:
         pf.check_capacity(scaling(1, use_gpu=True), [{"CPU": 8.0, "GPU": 0.0}], where="this machine")
-    assert info.value.key == "scaling.use_gpu" and "1 worker x 1 GPU = 1 GPU, but this machine has 0 GPUs" in str(info.value)
+    assert info.value.key == "scaling.use_gpu" and "1 worker x 1 GPU = 1 GPU, but this machine has 0 GPUs" in str(
+        info.value
+    )
     with pytest.raises(PreflightError) as info:
         pf.check_capacity(scaling(2, resources={"GPU": 4}), [{"CPU": 8.0, "GPU": 2.0}], where="the cluster")
     assert info.value.key == "scaling.resources_per_worker.GPU"
@@ -180,7 +203,9 @@ def test_a_trials_driver_counts_too():
     with pytest.raises(PreflightError, match=r"0.5 CPUs for the trial's driver \(search.trial_resources\) = 2.5 CPUs"):
         pf.check_capacity(scaling(2), [{"CPU": 2.0}], where="this machine", extra={"CPU": 0.5})
     with pytest.raises(PreflightError) as info:
-        pf.check_capacity(scaling(1), [{"CPU": 2.0}], where="this machine", extra={"CPU": 4}, extra_key="run.trial_resources")
+        pf.check_capacity(
+            scaling(1), [{"CPU": 2.0}], where="this machine", extra={"CPU": 4}, extra_key="run.trial_resources"
+        )
     assert info.value.key == "run.trial_resources"
 
 
@@ -189,8 +214,12 @@ def test_autoscaler_node_groups_are_the_limit(monkeypatch):
     it can scale to), not against the nodes up now."""
     from ray._private import state as ray_state
 
-    config = SimpleNamespace(node_group_configs=[SimpleNamespace(resources={"CPU": 4, "GPU": 1}, max_count=3),
-                                                 SimpleNamespace(resources={"CPU": 2}, max_count=1)])
+    config = SimpleNamespace(
+        node_group_configs=[
+            SimpleNamespace(resources={"CPU": 4, "GPU": 1}, max_count=3),
+            SimpleNamespace(resources={"CPU": 2}, max_count=1),
+        ]
+    )
     monkeypatch.setattr(ray_state.state, "get_cluster_config", lambda: config)
     nodes, declared = pf.ray_nodes()
     assert declared and sorted(n.get("GPU", 0) for n in nodes) == [0, 1, 1, 1]
@@ -205,7 +234,9 @@ def test_ray_address_that_does_not_answer():
     start = time.monotonic()
     with pytest.raises(PreflightError, match=f"no Ray cluster answers at 127.0.0.1:{port}") as info:
         pf.check_ray_address(f"127.0.0.1:{port}", "RAY_ADDRESS")
-    assert info.value.key == "RAY_ADDRESS" and time.monotonic() - start < 15  # the issue's bound for an unreachable service
+    assert (
+        info.value.key == "RAY_ADDRESS" and time.monotonic() - start < 15
+    )  # the issue's bound for an unreachable service
     with pytest.raises(PreflightError, match="dashboard"):
         pf.check_ray_address("http://127.0.0.1:8265", "--address")
     with pytest.raises(PreflightError, match="not a Ray address"):
@@ -226,7 +257,9 @@ def test_mlflow_server_that_does_not_answer():
     start = time.monotonic()
     with pytest.raises(PreflightError, match=f"no MLflow server answers at {url}") as info:
         pf.check_tracking(url, "MLFLOW_TRACKING_URI")
-    assert info.value.key == "MLFLOW_TRACKING_URI" and time.monotonic() - start < 15  # the issue's bound for an unreachable service
+    assert (
+        info.value.key == "MLFLOW_TRACKING_URI" and time.monotonic() - start < 15
+    )  # the issue's bound for an unreachable service
 
 
 def test_mlflow_server_answers_or_is_not_mlflow():
@@ -294,7 +327,9 @@ def test_s3_errors_say_what_they_mean():
     from splitvit.storage import s3_error_reason
 
     def client_error(code, status):
-        return ClientError({"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}}, "HeadBucket")
+        return ClientError(
+            {"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}}, "HeadBucket"
+        )
 
     assert "credentials were rejected" in s3_error_reason(client_error("403", 403))
     assert "credentials were rejected" in s3_error_reason(client_error("InvalidAccessKeyId", 403))
@@ -308,8 +343,10 @@ def test_s3_credentials_rejected(monkeypatch):
 
     class Refusing:
         def head_bucket(self, Bucket):
-            raise ClientError({"Error": {"Code": "403", "Message": "Forbidden"},
-                               "ResponseMetadata": {"HTTPStatusCode": 403}}, "HeadBucket")
+            raise ClientError(
+                {"Error": {"Code": "403", "Message": "Forbidden"}, "ResponseMetadata": {"HTTPStatusCode": 403}},
+                "HeadBucket",
+            )
 
     import splitvit.storage
 
@@ -333,23 +370,31 @@ def test_labels_beyond_num_classes_from_the_file_list(tmp_path):
     with pytest.raises(PreflightError, match="is 2, but .* have labels up to 2 .* set model.num_classes=3") as info:
         pf.check_data(config)
     assert info.value.key == "model.num_classes"
-    line, source = pf.check_data(tiny(tmp_path, "data.name=imagefolder", f"data.options={{root: {root}}}",
-                                      "model.num_classes=3"))
+    line, source = pf.check_data(
+        tiny(tmp_path, "data.name=imagefolder", f"data.options={{root: {root}}}", "model.num_classes=3")
+    )
     assert source == str(root) and "3 train, 3 val items, 3 classes" in line
 
 
 def test_labels_of_synthetic_and_fashion_mnist(tmp_path, fmnist_root):
     with pytest.raises(PreflightError, match="set model.num_classes=4"):
         pf.check_data(tiny(tmp_path, "model.num_classes=3"))
-    fashion = ["data.name=cluttered-fashion-mnist", "model.image_size=64",
-               f"data.options={{root: {fmnist_root}, val_size: 10}}"]
+    fashion = [
+        "data.name=cluttered-fashion-mnist",
+        "model.image_size=64",
+        f"data.options={{root: {fmnist_root}, val_size: 10}}",
+    ]
     with pytest.raises(PreflightError, match="set model.num_classes=10"):
         pf.check_data(tiny(tmp_path, *fashion, "model.num_classes=5"))
     line, source = pf.check_data(tiny(tmp_path, *fashion, "model.num_classes=10"))
     assert source == str(fmnist_root) and "30 train, 10 val items, 10 classes" in line
     # the dense variant paints class k as k + 1 (0: background)
-    seg = ["data.name=cluttered-fashion-mnist-seg", "model.image_size=64", f"data.options={{root: {fmnist_root}, val_size: 10}}",
-           "model.task=dense"]
+    seg = [
+        "data.name=cluttered-fashion-mnist-seg",
+        "model.image_size=64",
+        f"data.options={{root: {fmnist_root}, val_size: 10}}",
+        "model.task=dense",
+    ]
     with pytest.raises(PreflightError, match="set model.num_classes=11"):
         pf.check_data(tiny(tmp_path, *seg, "model.num_classes=10"))
 
@@ -391,8 +436,15 @@ def test_parquet_data_on_a_missing_bucket(tmp_path, s3_endpoint):
 
 def test_canvas_cache_is_not_rendered(tmp_path, fmnist_root):
     cache = tmp_path / "canvas-cache"
-    pf.check_data(tiny(tmp_path, "data.name=cluttered-fashion-mnist", "model.num_classes=10", "model.image_size=64",
-                       f"data.options={{root: {fmnist_root}, val_size: 10, cache_dir: {cache}}}"))
+    pf.check_data(
+        tiny(
+            tmp_path,
+            "data.name=cluttered-fashion-mnist",
+            "model.num_classes=10",
+            "model.image_size=64",
+            f"data.options={{root: {fmnist_root}, val_size: 10, cache_dir: {cache}}}",
+        )
+    )
     assert not cache.exists()
 
 
@@ -411,7 +463,9 @@ def test_fashion_mnist_root_naming_an_empty_folder_is_an_error(tmp_path, fmnist_
             build_dataset("cluttered-fashion-mnist", "train", image_size=32, root=str(root))
     # download=true fills the named folder, and only it
     asked = []
-    monkeypatch.setattr(fm, "download_fashion_mnist", lambda dest: asked.append(dest) or (_ for _ in ()).throw(OSError("offline")))
+    monkeypatch.setattr(
+        fm, "download_fashion_mnist", lambda dest: asked.append(dest) or (_ for _ in ()).throw(OSError("offline"))
+    )
     with pytest.raises(fm.FashionMNISTNotFound, match="offline"):
         fm.find_fashion_mnist(empty, download=True)
     assert asked == [empty]
@@ -462,10 +516,13 @@ def machine(monkeypatch):
     return nodes
 
 
-@pytest.mark.parametrize("override,needles", [
-    ("scaling.num_workers=16", ("scaling.num_workers", "16 workers x 1 CPU = 16 CPUs", "has 2 CPUs")),
-    ("scaling.use_gpu=true", ("scaling.use_gpu", "2 workers x 1 GPU = 2 GPUs", "has 0 GPUs")),
-])
+@pytest.mark.parametrize(
+    "override,needles",
+    [
+        ("scaling.num_workers=16", ("scaling.num_workers", "16 workers x 1 CPU = 16 CPUs", "has 2 CPUs")),
+        ("scaling.use_gpu=true", ("scaling.use_gpu", "2 workers x 1 GPU = 2 GPUs", "has 0 GPUs")),
+    ],
+)
 def test_cli_capacity(tmp_path, capsys, machine, override, needles):
     code, err, seconds = cli(capsys, train_argv(tmp_path, override))
     assert code == 2 and seconds < 30
@@ -501,8 +558,9 @@ def test_cli_s3_endpoint_down(tmp_path, capsys, machine, monkeypatch):
 
 def test_cli_empty_image_folder(tmp_path, capsys, machine):
     (tmp_path / "images" / "train" / "cat").mkdir(parents=True)
-    code, err, seconds = cli(capsys, train_argv(tmp_path, "data.name=imagefolder",
-                                                f"data.options={{root: {tmp_path / 'images'}}}"))
+    code, err, seconds = cli(
+        capsys, train_argv(tmp_path, "data.name=imagefolder", f"data.options={{root: {tmp_path / 'images'}}}")
+    )
     assert code == 2 and seconds < 30
     assert_one_error_line(err, "train", "data.options.root", "no images")
     assert_nothing_started(tmp_path)
@@ -518,21 +576,46 @@ def test_cli_labels_beyond_num_classes(tmp_path, capsys, machine):
 
 def test_cli_fashion_mnist_root_empty(tmp_path, capsys, machine):
     (tmp_path / "empty").mkdir()
-    code, err, seconds = cli(capsys, train_argv(tmp_path, "data.name=cluttered-fashion-mnist", "model.num_classes=10",
-                                                f"data.options={{root: {tmp_path / 'empty'}}}"))
+    code, err, seconds = cli(
+        capsys,
+        train_argv(
+            tmp_path,
+            "data.name=cluttered-fashion-mnist",
+            "model.num_classes=10",
+            f"data.options={{root: {tmp_path / 'empty'}}}",
+        ),
+    )
     assert code == 2 and seconds < 30
     assert_one_error_line(err, "train", "data.options.root", f"root={tmp_path / 'empty'} does not hold")
     assert_nothing_started(tmp_path)
 
 
 def test_cli_sweep_and_study_run_the_preflight(tmp_path, capsys, machine):
-    code, err, seconds = cli(capsys, ["sweep", str(ROOT / "search_spaces" / "smoke.yaml"), "--set",
-                                      f"storage.path={tmp_path / 'runs'}", "--set", "scaling.num_workers=8"])
+    code, err, seconds = cli(
+        capsys,
+        [
+            "sweep",
+            str(ROOT / "search_spaces" / "smoke.yaml"),
+            "--set",
+            f"storage.path={tmp_path / 'runs'}",
+            "--set",
+            "scaling.num_workers=8",
+        ],
+    )
     assert code == 2 and seconds < 30
     assert_one_error_line(err, "sweep", "scaling.num_workers", "search.trial_resources", "has 2 CPUs")
     assert not (tmp_path / "runs").exists()
-    code, err, seconds = cli(capsys, ["study", str(ROOT / "search_spaces" / "study_fashion.yaml"), "--set",
-                                      f"storage.path={tmp_path / 'runs'}", "--set", "scaling.num_workers=8"])
+    code, err, seconds = cli(
+        capsys,
+        [
+            "study",
+            str(ROOT / "search_spaces" / "study_fashion.yaml"),
+            "--set",
+            f"storage.path={tmp_path / 'runs'}",
+            "--set",
+            "scaling.num_workers=8",
+        ],
+    )
     assert code == 2 and seconds < 30
     assert_one_error_line(err, "study", "scaling.num_workers", "run.trial_resources", "has 2 CPUs")
     assert not (tmp_path / "runs").exists()
@@ -540,8 +623,9 @@ def test_cli_sweep_and_study_run_the_preflight(tmp_path, capsys, machine):
 
 def _run_splitvit(args: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "splitvit.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "splitvit.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+    )
     return done, time.monotonic() - start
 
 

@@ -20,11 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SPACES = ROOT / "search_spaces"
 
 TINY_BASE = {
-    "model": {"name": "vit_tiny_patch16_224",
-              "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-              "image_size": 32, "levels": 3, "policy_depth": 1, "num_classes": 4},
-    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
-             "batch_size": 16},
+    "model": {
+        "name": "vit_tiny_patch16_224",
+        "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        "image_size": 32,
+        "levels": 3,
+        "policy_depth": 1,
+        "num_classes": 4,
+    },
+    "data": {
+        "name": "synthetic",
+        "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
+        "batch_size": 16,
+    },
     "train": {"epochs": 1},
 }
 VALID = {
@@ -35,9 +43,13 @@ VALID = {
         "model.thresholds[1]": {"distribution": "uniform", "low": 0.3, "high": 0.7, "step": 0.1},
         "train.warmup_epochs": {"distribution": "int", "low": 0, "high": 2},
         "train.penalty": {"distribution": "categorical", "choices": ["squared", "hinge"]},
-        "model.timm_kwargs": {"distribution": "categorical",
-                              "choices": [{"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-                                          {"patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2}]},
+        "model.timm_kwargs": {
+            "distribution": "categorical",
+            "choices": [
+                {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+                {"patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2},
+            ],
+        },
         "train.epochs": 2,
     },
     "search": {"num_samples": 3, "max_concurrent": 1},
@@ -66,14 +78,44 @@ def variant(**changes) -> dict:
 
 
 # ---------------------------------------------------------------------- the shipped spaces
-@pytest.mark.parametrize("name,metric,searched", [
-    ("smoke", "accuracy", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]"}),
-    ("classification", "accuracy", {"train.lambda_budget", "train.target_ratio",
-                                    "model.thresholds[0]", "model.thresholds[1]",
-                                    "train.lr", "train.weight_decay", "train.epochs", "train.penalty"}),
-    ("dense", "miou", {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]",
-                       "train.lr", "train.weight_decay", "train.epochs", "train.penalty"}),
-])
+@pytest.mark.parametrize(
+    "name,metric,searched",
+    [
+        (
+            "smoke",
+            "accuracy",
+            {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]"},
+        ),
+        (
+            "classification",
+            "accuracy",
+            {
+                "train.lambda_budget",
+                "train.target_ratio",
+                "model.thresholds[0]",
+                "model.thresholds[1]",
+                "train.lr",
+                "train.weight_decay",
+                "train.epochs",
+                "train.penalty",
+            },
+        ),
+        (
+            "dense",
+            "miou",
+            {
+                "train.lambda_budget",
+                "train.target_ratio",
+                "model.thresholds[0]",
+                "model.thresholds[1]",
+                "train.lr",
+                "train.weight_decay",
+                "train.epochs",
+                "train.penalty",
+            },
+        ),
+    ],
+)
 def test_shipped_spaces_load(name, metric, searched):
     space = load_space(SPACES / f"{name}.yaml")
     assert set(space.parameters) == searched
@@ -96,9 +138,14 @@ def test_a_point_of_the_space_becomes_a_config(tmp_path):
     assert dists["train.lambda_budget"].log and dists["train.warmup_epochs"].low == 0
     assert dists["model.thresholds[1]"].step == pytest.approx(0.1)
     # Optuna stores mapping choices as JSON text; the config gets the mapping back
-    sampled = {"train.lambda_budget": 2.5, "train.target_ratio": 0.3, "model.thresholds[1]": 0.6,
-               "train.warmup_epochs": 1,
-               "train.penalty": "hinge", "model.timm_kwargs": dists["model.timm_kwargs"].choices[1]}
+    sampled = {
+        "train.lambda_budget": 2.5,
+        "train.target_ratio": 0.3,
+        "model.thresholds[1]": 0.6,
+        "train.warmup_epochs": 1,
+        "train.penalty": "hinge",
+        "model.timm_kwargs": dists["model.timm_kwargs"].choices[1],
+    }
     cfg = space.config(space.decode(sampled))
     assert cfg.train.lambda_budget == 2.5 and cfg.train.penalty == "hinge" and cfg.train.warmup_epochs == 1
     assert cfg.model.thresholds == [0.5, 0.6]  # one number expanded per level, then level 1 set
@@ -118,15 +165,18 @@ def test_searching_one_threshold_level_fixes_the_others(tmp_path):
 
 def test_set_overrides_fix_config_values_and_change_settings(tmp_path):
     path = write_space(tmp_path, VALID)
-    space = load_space(path, ["search.num_samples=7", "stage_two.points=3", "train.lambda_budget=1.5",
-                              "train.epochs=1"])
+    space = load_space(
+        path, ["search.num_samples=7", "stage_two.points=3", "train.lambda_budget=1.5", "train.epochs=1"]
+    )
     assert space.search.num_samples == 7 and space.stage_two.points == 3
     assert "train.lambda_budget" not in space.parameters and space.fixed["train.lambda_budget"] == 1.5
     assert space.config().train.epochs == 1
     for item, message in (
         ("search.num_samplez=3", r"search\.num_samplez: unknown key; did you mean search\.num_samples\?$"),
-        ("search.num_samples.x=1",
-         r"search\.num_samples: is a value, not a section; cannot set search\.num_samples\.x$"),
+        (
+            "search.num_samples.x=1",
+            r"search\.num_samples: is a value, not a section; cannot set search\.num_samples\.x$",
+        ),
         ("stage_two.points", r"stage_two\.points: override must look like key=value"),
     ):
         with pytest.raises(SearchSpaceError) as info:
@@ -138,81 +188,150 @@ def test_set_overrides_fix_config_values_and_change_settings(tmp_path):
 def test_settings_are_typed_by_the_config_loader(tmp_path):
     """Settings sections go through the experiment config's own loader: ints become
     floats where a float is declared, lists become the declared tuples."""
-    space = load_space(write_space(tmp_path, variant(baselines={"entropy_thresholds": [0, 0.5]},
-                                                     search={"trial_resources": {"CPU": 1}, "state_period_s": 2})))
+    space = load_space(
+        write_space(
+            tmp_path,
+            variant(
+                baselines={"entropy_thresholds": [0, 0.5]}, search={"trial_resources": {"CPU": 1}, "state_period_s": 2}
+            ),
+        )
+    )
     assert space.baselines.entropy_thresholds == (0.0, 0.5) and isinstance(space.baselines.entropy_thresholds[0], float)
     assert space.search.trial_resources == {"CPU": 1.0} and isinstance(space.search.state_period_s, float)
 
 
 # ---------------------------------------------------------------------- invalid spaces
 INVALID = [
-    ("unknown distribution",
-     variant(**{"parameters/train.lr": {"distribution": "gaussian", "low": 0.1, "high": 1}}),
-     r"parameters\.train\.lr: unknown distribution 'gaussian'; expected one of uniform, loguniform, int, categorical"),
-    ("low above high",
-     variant(**{"parameters/train.lr": {"distribution": "loguniform", "low": 0.1, "high": 0.01}}),
-     r"parameters\.train\.lr: low \(0\.1\) > high \(0\.01\)"),
-    ("unknown config key",
-     variant(**{"parameters/train.lrr": {"distribution": "loguniform", "low": 1.0e-4, "high": 1.0e-2}}),
-     r"parameters\.train\.lrr: not a config key; did you mean train\.lr\?$"),
-    ("unknown config section",
-     variant(**{"parameters/optimizer.lr": {"distribution": "uniform", "low": 0.1, "high": 0.2}}),
-     r"parameters\.optimizer\.lr: unknown config key: optimizer is not a config section"),
-    ("bound outside the config's range",
-     variant(**{"parameters/train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 1.5}}),
-     r"parameters\.train\.target_ratio: its high bound is not a valid config value: train\.target_ratio: .*\(0, 1\]"),
-    ("threshold bound outside [0, 1]",
-     variant(**{"parameters/model.thresholds[0]": {"distribution": "uniform", "low": -0.5, "high": 0.5}}),
-     r"parameters\.model\.thresholds\[0\]: its low bound is not a valid config value: model\.thresholds"),
-    ("threshold index past the levels",
-     variant(**{"parameters/model.thresholds[5]": {"distribution": "uniform", "low": 0.1, "high": 0.5}}),
-     r"parameters\.model\.thresholds\[5\]: index 5 is out of range: model\.thresholds has 2 entries$"),
-    ("categorical choice the config rejects",
-     variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}),
-     r"parameters\.train\.penalty: choice 'linear' is not a valid config value"),
-    ("loguniform from zero",
-     variant(**{"parameters/train.lr": {"distribution": "loguniform", "low": 0, "high": 0.1}}),
-     r"parameters\.train\.lr\.low: a loguniform parameter needs low > 0"),
-    ("int with fractional bounds",
-     variant(**{"parameters/train.epochs": {"distribution": "int", "low": 1.5, "high": 3}}),
-     r"parameters\.train\.epochs\.low: an int parameter needs integer bounds"),
-    ("a setting the distribution lacks",
-     variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.1, "high": 0.2, "choices": [1]}}),
-     r"parameters\.train\.lr\.choices: not a setting of a uniform parameter"),
-    ("no bounds",
-     variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.1}}),
-     r"parameters\.train\.lr: a uniform parameter needs low and high"),
-    ("empty categorical",
-     variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": []}}),
-     r"parameters\.train\.penalty\.choices: a categorical parameter needs a non-empty list"),
+    (
+        "unknown distribution",
+        variant(**{"parameters/train.lr": {"distribution": "gaussian", "low": 0.1, "high": 1}}),
+        r"parameters\.train\.lr: unknown distribution 'gaussian'; "
+        r"expected one of uniform, loguniform, int, categorical",
+    ),
+    (
+        "low above high",
+        variant(**{"parameters/train.lr": {"distribution": "loguniform", "low": 0.1, "high": 0.01}}),
+        r"parameters\.train\.lr: low \(0\.1\) > high \(0\.01\)",
+    ),
+    (
+        "unknown config key",
+        variant(**{"parameters/train.lrr": {"distribution": "loguniform", "low": 1.0e-4, "high": 1.0e-2}}),
+        r"parameters\.train\.lrr: not a config key; did you mean train\.lr\?$",
+    ),
+    (
+        "unknown config section",
+        variant(**{"parameters/optimizer.lr": {"distribution": "uniform", "low": 0.1, "high": 0.2}}),
+        r"parameters\.optimizer\.lr: unknown config key: optimizer is not a config section",
+    ),
+    (
+        "bound outside the config's range",
+        variant(**{"parameters/train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 1.5}}),
+        r"parameters\.train\.target_ratio: its high bound is not a valid config value: train\.target_ratio: .*\(0, 1\]",
+    ),
+    (
+        "threshold bound outside [0, 1]",
+        variant(**{"parameters/model.thresholds[0]": {"distribution": "uniform", "low": -0.5, "high": 0.5}}),
+        r"parameters\.model\.thresholds\[0\]: its low bound is not a valid config value: model\.thresholds",
+    ),
+    (
+        "threshold index past the levels",
+        variant(**{"parameters/model.thresholds[5]": {"distribution": "uniform", "low": 0.1, "high": 0.5}}),
+        r"parameters\.model\.thresholds\[5\]: index 5 is out of range: model\.thresholds has 2 entries$",
+    ),
+    (
+        "categorical choice the config rejects",
+        variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}),
+        r"parameters\.train\.penalty: choice 'linear' is not a valid config value",
+    ),
+    (
+        "loguniform from zero",
+        variant(**{"parameters/train.lr": {"distribution": "loguniform", "low": 0, "high": 0.1}}),
+        r"parameters\.train\.lr\.low: a loguniform parameter needs low > 0",
+    ),
+    (
+        "int with fractional bounds",
+        variant(**{"parameters/train.epochs": {"distribution": "int", "low": 1.5, "high": 3}}),
+        r"parameters\.train\.epochs\.low: an int parameter needs integer bounds",
+    ),
+    (
+        "a setting the distribution lacks",
+        variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.1, "high": 0.2, "choices": [1]}}),
+        r"parameters\.train\.lr\.choices: not a setting of a uniform parameter",
+    ),
+    (
+        "no bounds",
+        variant(**{"parameters/train.lr": {"distribution": "uniform", "low": 0.1}}),
+        r"parameters\.train\.lr: a uniform parameter needs low and high",
+    ),
+    (
+        "empty categorical",
+        variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": []}}),
+        r"parameters\.train\.penalty\.choices: a categorical parameter needs a non-empty list",
+    ),
     ("unknown section", variant(searchh={"num_samples": 2}), r"searchh: unknown section; did you mean search\?"),
     ("missing base", {k: v for k, v in VALID.items() if k != "base"}, r"base: name the experiment config"),
     ("base not found", variant(base="nowhere.yaml"), r"base: experiment config nowhere\.yaml not found"),
     ("nothing searched", variant(parameters={"train.epochs": 1}), r"parameters: nothing to search"),
-    ("bad fixed value", variant(**{"parameters/train.epochs": 0}),
-     r"parameters\.train\.epochs: train\.epochs: must be >= 1"),
-    ("stage-two thresholds outside [0, 1]", variant(stage_two={"low": 0.2, "high": 1.2}),
-     r"stage_two: thresholds need 0 <= low <= high <= 1"),
+    (
+        "bad fixed value",
+        variant(**{"parameters/train.epochs": 0}),
+        r"parameters\.train\.epochs: train\.epochs: must be >= 1",
+    ),
+    (
+        "stage-two thresholds outside [0, 1]",
+        variant(stage_two={"low": 0.2, "high": 1.2}),
+        r"stage_two: thresholds need 0 <= low <= high <= 1",
+    ),
     ("unknown sampler", variant(search={"sampler": "cmaes"}), r"search\.sampler: unknown sampler 'cmaes'"),
     ("zero trials", variant(search={"num_samples": 0}), r"search\.num_samples: must be >= 1, got 0"),
-    ("empty trial resources", variant(search={"trial_resources": {"CPU": 0}}),
-     r"search\.trial_resources: ask for some resource"),
-    ("initial point outside the bounds",
-     variant(search={"initial_points": [{
-         "train.lambda_budget": 50.0, "train.target_ratio": 0.5, "model.thresholds[1]": 0.5, "train.warmup_epochs": 1,
-         "train.penalty": "squared", "model.timm_kwargs": VALID["parameters"]["model.timm_kwargs"]["choices"][0]}]}),
-     r"search\.initial_points\[0\]\.train\.lambda_budget: 50\.0 is outside loguniform\[0\.1, 10\.0\]"),
-    ("reference point out of range", variant(pareto={"reference_point": {"accuracy": 1.5, "token_ratio": 1.0}}),
-     r"pareto\.reference_point\.quality: must be in \[0, 1\]"),
-    ("unknown reference coordinate", variant(pareto={"reference_point": {"quality": 0.1, "token_rate": 1.0}}),
-     r"pareto\.reference_point\.token_rate: unknown key; did you mean pareto\.reference_point\.token_ratio\?$"),
-    ("setting of the wrong type", variant(search={"num_samples": "three"}),
-     r"search\.num_samples: expected int, got str 'three'$"),
-    ("list item of the wrong type", variant(baselines={"entropy_thresholds": [0.2, "high"]}),
-     r"baselines\.entropy_thresholds\[1\]: expected float, got str 'high'$"),
-    ("choice only the model rejects",  # the space's points are fully validated, model included
-     variant(**{"parameters/model.policy": {"distribution": "categorical", "choices": ["learned", "smart"]}}),
-     r"parameters\.model\.policy: choice 'smart' is not a valid config value: model\.policy: unknown policy 'smart'"),
+    (
+        "empty trial resources",
+        variant(search={"trial_resources": {"CPU": 0}}),
+        r"search\.trial_resources: ask for some resource",
+    ),
+    (
+        "initial point outside the bounds",
+        variant(
+            search={
+                "initial_points": [
+                    {
+                        "train.lambda_budget": 50.0,
+                        "train.target_ratio": 0.5,
+                        "model.thresholds[1]": 0.5,
+                        "train.warmup_epochs": 1,
+                        "train.penalty": "squared",
+                        "model.timm_kwargs": VALID["parameters"]["model.timm_kwargs"]["choices"][0],
+                    }
+                ]
+            }
+        ),
+        r"search\.initial_points\[0\]\.train\.lambda_budget: 50\.0 is outside loguniform\[0\.1, 10\.0\]",
+    ),
+    (
+        "reference point out of range",
+        variant(pareto={"reference_point": {"accuracy": 1.5, "token_ratio": 1.0}}),
+        r"pareto\.reference_point\.quality: must be in \[0, 1\]",
+    ),
+    (
+        "unknown reference coordinate",
+        variant(pareto={"reference_point": {"quality": 0.1, "token_rate": 1.0}}),
+        r"pareto\.reference_point\.token_rate: unknown key; did you mean pareto\.reference_point\.token_ratio\?$",
+    ),
+    (
+        "setting of the wrong type",
+        variant(search={"num_samples": "three"}),
+        r"search\.num_samples: expected int, got str 'three'$",
+    ),
+    (
+        "list item of the wrong type",
+        variant(baselines={"entropy_thresholds": [0.2, "high"]}),
+        r"baselines\.entropy_thresholds\[1\]: expected float, got str 'high'$",
+    ),
+    (
+        "choice only the model rejects",  # the space's points are fully validated, model included
+        variant(**{"parameters/model.policy": {"distribution": "categorical", "choices": ["learned", "smart"]}}),
+        r"parameters\.model\.policy: choice 'smart' is not a valid config value: model\.policy: unknown policy 'smart'",
+    ),
 ]
 
 

@@ -45,7 +45,10 @@ def test_local_filesystem_and_listing(tmp_path, monkeypatch):
     write_bytes(str(tmp_path / "d" / "sub" / "b.parquet"), b"BB")
     write_bytes(str(tmp_path / "d" / "c.json"), b"{}")
     assert read_bytes(str(tmp_path / "d" / "sub" / "b.parquet")) == b"BB"
-    assert list_files(str(tmp_path / "d"), ".parquet") == [str(tmp_path / "d" / "a.parquet"), str(tmp_path / "d" / "sub" / "b.parquet")]
+    assert list_files(str(tmp_path / "d"), ".parquet") == [
+        str(tmp_path / "d" / "a.parquet"),
+        str(tmp_path / "d" / "sub" / "b.parquet"),
+    ]
     assert list_files(str(tmp_path / "d"), ".parquet", recursive=False) == [str(tmp_path / "d" / "a.parquet")]
     assert exists(str(tmp_path / "d")) and not exists(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="nope"):

@@ -22,12 +22,49 @@ from splitvit.tune.study import Goals, aggregate, check_goals, load_study, match
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
 # the shape of `splitvit study --json` (the local runner's result has these and more: tests/test_study_local.py)
-RESULT_KEYS = {"name", "source", "study_dir", "metric", "seeds", "rows", "runs", "goals", "speed", "failed",
-               "mlflow_run_id", "tracking_uri", "seconds", "point_speed"}
-ROW_KEYS = {"method", "policy", "target_ratio", "seeds", "accuracy", "accuracy_std", "accuracy_min", "accuracy_max",
-            "tokens_per_image", "token_ratio", "images_per_s", "per_seed"}
-RUN_KEYS = {"seed", "method", "policy", "checkpoint", "train_metrics", "points", "train_seconds", "eval_seconds",
-            "run_uri", "evaluation", "reused"}
+RESULT_KEYS = {
+    "name",
+    "source",
+    "study_dir",
+    "metric",
+    "seeds",
+    "rows",
+    "runs",
+    "goals",
+    "speed",
+    "failed",
+    "mlflow_run_id",
+    "tracking_uri",
+    "seconds",
+    "point_speed",
+}
+ROW_KEYS = {
+    "method",
+    "policy",
+    "target_ratio",
+    "seeds",
+    "accuracy",
+    "accuracy_std",
+    "accuracy_min",
+    "accuracy_max",
+    "tokens_per_image",
+    "token_ratio",
+    "images_per_s",
+    "per_seed",
+}
+RUN_KEYS = {
+    "seed",
+    "method",
+    "policy",
+    "checkpoint",
+    "train_metrics",
+    "points",
+    "train_seconds",
+    "eval_seconds",
+    "run_uri",
+    "evaluation",
+    "reused",
+}
 
 
 def write_study(folder: Path, **changes) -> Path:
@@ -35,13 +72,20 @@ def write_study(folder: Path, **changes) -> Path:
     spec = {
         "base": str(SMOKE),
         "seeds": [0],
-        "config": {"data.options": {"train_samples": 128, "val_samples": 64, "object_size": 8}, "scaling.num_workers": 1,
-                   "scaling.resources_per_worker": {"CPU": 1}, "storage.path": str(folder / "runs"),
-                   "tracking.split_map_images": 0},
+        "config": {
+            "data.options": {"train_samples": 128, "val_samples": 64, "object_size": 8},
+            "scaling.num_workers": 1,
+            "scaling.resources_per_worker": {"CPU": 1},
+            "storage.path": str(folder / "runs"),
+            "tracking.split_map_images": 0,
+        },
         "backbone": {"train.epochs": 1, "train.warmup_epochs": 1},
         "method": {"train.epochs": 1},
-        "methods": {"full": {"model.policy": "full"}, "entropy": {"model.policy": "entropy"},
-                    "split": {"model.policy": "learned", "train.target_ratio": 0.3}},
+        "methods": {
+            "full": {"model.policy": "full"},
+            "entropy": {"model.policy": "entropy"},
+            "split": {"model.policy": "learned", "train.target_ratio": 0.3},
+        },
         "evaluation": {"split": "test", "samples": 64, "ratios": [0.25, 0.5], "calibration_samples": 32},
         "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
         "speed": {"batch_size": 8, "rounds": 2},
@@ -54,18 +98,21 @@ def write_study(folder: Path, **changes) -> Path:
 
 
 # ----------------------------------------------------------------- validation
-@pytest.mark.parametrize("change, key, message", [
-    ({"colour": 1}, "colour", "unknown key"),
-    ({"seeds": [0, 0]}, "seeds", "distinct"),
-    ({"seeds": "zero"}, "seeds", "non-negative integers"),
-    ({"methods": {"full": {"model.policy": "full"}, "x": {"train.lr": 1.0}}}, "methods.x", "needs model.policy"),
-    ({"methods": {"split": {"model.policy": "learned"}}}, "methods", "model.policy: full"),
-    ({"evaluation": {"ratios": [0.5, 1.5]}}, "evaluation.ratios", "(0, 1]"),
-    ({"base": "missing.yaml"}, "base", "not found"),
-    ({"speed": {"rounds": 0}}, "speed.rounds", "integer >= 1"),
-    ({"speed": {"enabled": "yes"}}, "speed.enabled", "true or false"),
-    ({"speed": {"colour": 1}}, "speed.colour", "unknown setting"),
-])
+@pytest.mark.parametrize(
+    "change, key, message",
+    [
+        ({"colour": 1}, "colour", "unknown key"),
+        ({"seeds": [0, 0]}, "seeds", "distinct"),
+        ({"seeds": "zero"}, "seeds", "non-negative integers"),
+        ({"methods": {"full": {"model.policy": "full"}, "x": {"train.lr": 1.0}}}, "methods.x", "needs model.policy"),
+        ({"methods": {"split": {"model.policy": "learned"}}}, "methods", "model.policy: full"),
+        ({"evaluation": {"ratios": [0.5, 1.5]}}, "evaluation.ratios", "(0, 1]"),
+        ({"base": "missing.yaml"}, "base", "not found"),
+        ({"speed": {"rounds": 0}}, "speed.rounds", "integer >= 1"),
+        ({"speed": {"enabled": "yes"}}, "speed.enabled", "true or false"),
+        ({"speed": {"colour": 1}}, "speed.colour", "unknown setting"),
+    ],
+)
 def test_bad_study_files_are_named(tmp_path, change, key, message):
     with pytest.raises(SearchSpaceError) as err:
         load_study(write_study(tmp_path, **change))
@@ -86,7 +133,8 @@ def test_shipped_studies_validate_at_every_scale():
         for scale in (None, "one-gpu", "gpu"):
             spec = load_study(ROOT / "search_spaces" / f"{name}.yaml", scale=scale)
             assert len(spec.seeds) >= 2 and {"full", "coarse", "entropy", "random", "learned"} <= {
-                spec.policy(m) for m in spec.methods}
+                spec.policy(m) for m in spec.methods
+            }
             config = spec.run_config(1, next(iter(spec.methods)), "x")
             assert config.data.seed == 1 and config.train.warmup_epochs == 0
             assert spec.run_config(0, None, "b").model.policy == "learned"
@@ -95,14 +143,27 @@ def test_shipped_studies_validate_at_every_scale():
 
 # ----------------------------------------------------------------- aggregation and goals
 def run(method, policy, seed, points):
-    return {"method": method, "policy": policy, "seed": seed,
-            "points": [{"target_ratio": r, "quality": q, "tokens_per_image": 64 * (t if r is None else r),
-                        "token_ratio": t if r is None else r, "images_per_s": 100.0} for r, q, t in points]}
+    return {
+        "method": method,
+        "policy": policy,
+        "seed": seed,
+        "points": [
+            {
+                "target_ratio": r,
+                "quality": q,
+                "tokens_per_image": 64 * (t if r is None else r),
+                "token_ratio": t if r is None else r,
+                "images_per_s": 100.0,
+            }
+            for r, q, t in points
+        ],
+    }
 
 
 def test_aggregate_and_goals_are_computed_from_the_points():
     results = [
-        run("full", "full", 0, [(None, 0.90, 1.0)]), run("full", "full", 1, [(None, 0.80, 1.0)]),
+        run("full", "full", 0, [(None, 0.90, 1.0)]),
+        run("full", "full", 1, [(None, 0.80, 1.0)]),
         run("split", "learned", 0, [(0.25, 0.86, None), (0.5, 0.90, None)]),
         run("split", "learned", 1, [(0.25, 0.82, None), (0.5, 0.79, None)]),
         run("entropy", "entropy", 0, [(0.25, 0.80, None), (0.5, 0.88, None)]),
@@ -114,7 +175,9 @@ def test_aggregate_and_goals_are_computed_from_the_points():
     assert by[("split", 0.25)]["accuracy"] == pytest.approx(0.84)
     assert by[("split", 0.25)]["accuracy_std"] == pytest.approx(0.0282843, rel=1e-4)
     assert (by[("split", 0.5)]["accuracy_min"], by[("split", 0.5)]["accuracy_max"]) == (0.79, 0.90)
-    goals = check_goals(rows, Goals(match_points=0.5, match_ratio=0.5, beat_range=(0.25, 0.5), margin_at=0.25), "accuracy")
+    goals = check_goals(
+        rows, Goals(match_points=0.5, match_ratio=0.5, beat_range=(0.25, 0.5), margin_at=0.25), "accuracy"
+    )
     # best SPLIT at <= 50% tokens: 0.845 at 0.5 -> 0.5 points under full: met (<= 0.5)
     assert goals["match"]["gap_points"] == pytest.approx(0.5) and goals["match"]["met"]
     # at 0.5 SPLIT (0.845) is under entropy (0.87): not above everywhere
@@ -128,7 +191,9 @@ def test_aggregate_and_goals_are_computed_from_the_points():
 
 # ----------------------------------------------------------------- init_from
 def test_init_weights_carries_the_backbone_across_policies(tmp_path):
-    kwargs = dict(levels=3, image_size=32, num_classes=4, timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2))
+    kwargs = dict(
+        levels=3, image_size=32, num_classes=4, timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
+    )
     learned = SplitViT.from_timm("vit_tiny_patch16_224", policy="learned", thresholds=0.2, **kwargs)
     learned.save(tmp_path / "model.pt")
     entropy = SplitViT.from_timm("vit_tiny_patch16_224", policy="entropy", thresholds=0.7, **kwargs)
@@ -136,8 +201,11 @@ def test_init_weights_carries_the_backbone_across_policies(tmp_path):
     assert fresh == ["thresholds"]  # everything else is the backbone's; thresholds stay the run's own
     assert torch.equal(entropy.vit.blocks[1].mlp.fc1.weight, learned.vit.blocks[1].mlp.fc1.weight)
     assert torch.allclose(entropy.thresholds, torch.tensor([0.7, 0.7]))
-    other = SplitViT.from_timm("vit_tiny_patch16_224", policy="full", **{**kwargs, "timm_kwargs": dict(
-        patch_size=4, embed_dim=48, depth=2, num_heads=2)})
+    other = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        policy="full",
+        **{**kwargs, "timm_kwargs": dict(patch_size=4, embed_dim=48, depth=2, num_heads=2)},
+    )
     with pytest.raises(ValueError, match="backbone tensors"):
         init_weights(other, tmp_path)
 
@@ -192,7 +260,9 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     for p in ps["points"]:
         assert p["images_per_s"] > 0 and p["speedup_vs_full"] > 0 and 0 < p["token_ratio"] <= 1
         assert p["speedup_vs_full"] == pytest.approx(full_timed["median_s"] / p["median_s"])
-        assert p["thresholds"] == pytest.approx(stored[(p["method"], p["target_ratio"])]["thresholds"])  # the evaluated point
+        assert p["thresholds"] == pytest.approx(
+            stored[(p["method"], p["target_ratio"])]["thresholds"]
+        )  # the evaluated point
     metrics = parent.data.metrics
     for p in ps["points"]:
         assert metrics[f"speedup_vs_full.{p['method']}.r{p['target_ratio']:g}"] == pytest.approx(p["speedup_vs_full"])
@@ -200,12 +270,20 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert parent.data.tags["splitvit.speed_device"] == ps["device"]
     assert {"point_speed.json", "study_speed.png"} <= artifacts
     import tempfile
+
     with tempfile.TemporaryDirectory() as folder:
         table = json.loads(Path(client.download_artifacts(parent.info.run_id, "study_table.json", folder)).read_text())
-    speed_rows = {(r[0], r[1]): r[2] for r in (
-        [row[table["columns"].index(k)] for k in ("method", "target_ratio", "speedup_vs_full")] for row in table["data"])}
+    speed_rows = {
+        (r[0], r[1]): r[2]
+        for r in (
+            [row[table["columns"].index(k)] for k in ("method", "target_ratio", "speedup_vs_full")]
+            for row in table["data"]
+        )
+    }
     assert speed_rows[("full", None)] == 1.0
-    assert all(speed_rows[(p["method"], p["target_ratio"])] == pytest.approx(p["speedup_vs_full"]) for p in ps["points"])
+    assert all(
+        speed_rows[(p["method"], p["target_ratio"])] == pytest.approx(p["speedup_vs_full"]) for p in ps["points"]
+    )
     lines = summary_lines(data["goals"], data["speed"], [], ps)
     assert any(line.startswith("  split: @0.25 ") and "x (" in line for line in lines)
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
@@ -216,8 +294,11 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     speedups = client.get_metric_history(split.info.run_id, "speedup_vs_full")
     assert sorted(m.step for m in speedups) == [0, 1]  # at the steps of the points they timed
     assert {m.step: m.value for m in speedups} == pytest.approx(
-        {i: next(p["speedup_vs_full"] for p in ps["points"] if p["method"] == "split" and p["target_ratio"] == r)
-         for i, r in enumerate([0.25, 0.5])})
+        {
+            i: next(p["speedup_vs_full"] for p in ps["points"] if p["method"] == "split" and p["target_ratio"] == r)
+            for i, r in enumerate([0.25, 0.5])
+        }
+    )
     assert split.data.params["model.init_from"].startswith(str(train / "backbone-s0"))
 
     # the same study again: every run's stored result is reported, nothing retrains,
@@ -227,7 +308,9 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     capsys.readouterr()
     assert cli(["study", str(spec), "--name", "e2e", "--json", str(again)]) == 0
     assert json.loads(again.read_text())["rows"] == data["rows"]
-    assert [r["reused"] for r in data["runs"]] == [False] * 3 and [r["reused"] for r in json.loads(again.read_text())["runs"]] == [True] * 3
+    assert [r["reused"] for r in data["runs"]] == [False] * 3 and [
+        r["reused"] for r in json.loads(again.read_text())["runs"]
+    ] == [True] * 3
     assert "3 runs (3 finished earlier, reused)" in capsys.readouterr().out
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
@@ -244,10 +327,17 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert len(client.search_runs([exp.experiment_id])) == runs_before
 
 
-@pytest.mark.parametrize("gap, words, verdict", [(7.55, "7.55 points below full", "MISSED"),
-                                                 (-0.3, "0.30 points above full", "met")])
+@pytest.mark.parametrize(
+    "gap, words, verdict", [(7.55, "7.55 points below full", "MISSED"), (-0.3, "0.30 points above full", "met")]
+)
 def test_summary_line_states_the_gap_to_full_resolution_in_words(gap: float, words: str, verdict: str) -> None:
-    match = {"max_token_ratio": 0.5, "method": "split-0.45", "token_ratio": 0.4956, "gap_points": gap,
-             "goal_points": 0.5, "met": gap <= 0.5}
+    match = {
+        "max_token_ratio": 0.5,
+        "method": "split-0.45",
+        "token_ratio": 0.4956,
+        "gap_points": gap,
+        "goal_points": 0.5,
+        "met": gap <= 0.5,
+    }
     (line,) = summary_lines({"match": match}, None, [])
     assert words in line and line.endswith(verdict) and "49.6%" in line

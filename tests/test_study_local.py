@@ -17,8 +17,15 @@ from splitvit.tune.study import STUDY_RESULT_FILE
 from splitvit.tune.study_local import load_local_study, run_study_local
 from tests.test_study import RESULT_KEYS, ROOT, ROW_KEYS, RUN_KEYS, write_study
 
-LOCAL_EXTRAS = {"executor", "machine", "render_seconds", "backbone_seconds", "backbone_epochs", "method_epochs",
-                "backbones"}
+LOCAL_EXTRAS = {
+    "executor",
+    "machine",
+    "render_seconds",
+    "backbone_seconds",
+    "backbone_epochs",
+    "method_epochs",
+    "backbones",
+}
 METHODS = {("full", None), ("entropy", 0.25), ("entropy", 0.5), ("split", 0.25), ("split", 0.5)}
 TRAIN_IMAGES = 64  # two steps of 32 per epoch
 
@@ -87,8 +94,9 @@ def test_local_study_runs_the_study_path_end_to_end(local_study):
     assert (out / "study.png").is_file()
 
 
-def test_second_invocation_through_the_command_line_reuses_every_finished_run(local_study, tmp_path, capsys,
-                                                                               mlflow_uri):
+def test_second_invocation_through_the_command_line_reuses_every_finished_run(
+    local_study, tmp_path, capsys, mlflow_uri
+):
     path, out, first = local_study
     runner = _runner()
     checkpoints = {p: p.stat().st_mtime_ns for p in (out / "train").rglob("model.pt")}
@@ -98,11 +106,31 @@ def test_second_invocation_through_the_command_line_reuses_every_finished_run(lo
     methods = {**yaml.safe_load(path.read_text())["methods"], "random": {"model.policy": "random"}}
     more = tiny_study(tmp_path, methods=methods, mlflow={"experiment": "study-local"})
     result = tmp_path / "again.json"
-    assert runner.main([str(more), "--out", str(out), "--device", "cpu", "--workers", "2", "--json", str(result),
-                        "--tracking-uri", mlflow_uri]) == 0
+    assert (
+        runner.main(
+            [
+                str(more),
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--workers",
+                "2",
+                "--json",
+                str(result),
+                "--tracking-uri",
+                mlflow_uri,
+            ]
+        )
+        == 0
+    )
     again = json.loads(result.read_text())
     assert not again["failed"] and {r["method"]: r["reused"] for r in again["runs"]} == {
-        "split": True, "full": True, "entropy": True, "random": False}
+        "split": True,
+        "full": True,
+        "entropy": True,
+        "random": False,
+    }
     assert [r for r in again["rows"] if r["method"] != "random"] == first["rows"]
     assert {r["target_ratio"] for r in again["rows"] if r["method"] == "random"} == {0.25, 0.5}
     by_method = {r["method"]: r for r in again["runs"]}
@@ -118,8 +146,7 @@ def test_second_invocation_through_the_command_line_reuses_every_finished_run(lo
     assert again["tracking_uri"] == mlflow_uri and parent.info.status == "FINISHED"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"study_table.json", "study.json", "study.png"} <= artifacts
-    children = client.search_runs([parent.info.experiment_id],
-                                  f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["entropy-s0", "full-s0", "random-s0", "split-s0"]
     checkpoints = trained
 

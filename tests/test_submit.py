@@ -22,8 +22,8 @@ import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from splitvit.cluster import stack  # noqa: E402
 from splitvit.cli import main  # noqa: E402
+from splitvit.cluster import stack  # noqa: E402
 from splitvit.cluster.submit import (  # noqa: E402
     EXCLUDES,
     ClusterUnreachable,
@@ -38,10 +38,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "jobs/configs/smoke.yaml"
 # smoke.yaml shrunk to seconds: 16x16 images, two levels, one block, two epochs, one worker
 TINY = [
-    "model.timm_kwargs.embed_dim=16", "model.timm_kwargs.depth=1", "model.timm_kwargs.num_heads=1",
-    "model.image_size=16", "model.levels=2", "model.policy_depth=1",
-    "data.options.train_samples=64", "data.options.val_samples=32", "data.options.object_size=4", "data.batch_size=16",
-    "train.epochs=2", "tracking.split_map_images=2", "scaling.num_workers=1",
+    "model.timm_kwargs.embed_dim=16",
+    "model.timm_kwargs.depth=1",
+    "model.timm_kwargs.num_heads=1",
+    "model.image_size=16",
+    "model.levels=2",
+    "model.policy_depth=1",
+    "data.options.train_samples=64",
+    "data.options.val_samples=32",
+    "data.options.object_size=4",
+    "data.batch_size=16",
+    "train.epochs=2",
+    "tracking.split_map_images=2",
+    "scaling.num_workers=1",
     # the logged model's upload is covered against the team server (test_mlflow_server.py)
     "tracking.log_model=false",
 ]
@@ -59,8 +68,22 @@ def no_cluster_env(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------- no cluster
 def test_submit_options_after_the_job_arguments_are_submits():
     options, rest = split_submit_options(
-        [SMOKE, "train.epochs=1", "--address", "http://h:8265", "--env", "A=1", "--env=B", "--json", "out.json",
-         "--no-wait", "--", "--address", "for-the-job"])
+        [
+            SMOKE,
+            "train.epochs=1",
+            "--address",
+            "http://h:8265",
+            "--env",
+            "A=1",
+            "--env=B",
+            "--json",
+            "out.json",
+            "--no-wait",
+            "--",
+            "--address",
+            "for-the-job",
+        ]
+    )
     assert options == {"address": "http://h:8265", "env": ["A=1", "B"], "no_wait": True}
     assert rest == [SMOKE, "train.epochs=1", "--json", "out.json", "--address", "for-the-job"]
     with pytest.raises(ValueError, match="--address needs a value"):
@@ -68,9 +91,13 @@ def test_submit_options_after_the_job_arguments_are_submits():
 
 
 def test_entrypoint_quotes_arguments_and_needs_the_script(tmp_path):
-    assert build_entrypoint("train", [SMOKE, "storage.name=a b"], ROOT) == \
-        f"python jobs/train.py {SMOKE} 'storage.name=a b'"
-    assert build_entrypoint("eval", ["s3://b/ck", "--thresholds", "0.4,0.6"], ROOT).startswith("python jobs/evaluate.py ")
+    assert (
+        build_entrypoint("train", [SMOKE, "storage.name=a b"], ROOT)
+        == f"python jobs/train.py {SMOKE} 'storage.name=a b'"
+    )
+    assert build_entrypoint("eval", ["s3://b/ck", "--thresholds", "0.4,0.6"], ROOT).startswith(
+        "python jobs/evaluate.py "
+    )
     assert build_entrypoint("sweep", ["search_spaces/smoke.yaml"], ROOT).startswith("python jobs/sweep.py ")
     with pytest.raises(FileNotFoundError, match="jobs/train.py not found"):
         build_entrypoint("train", [SMOKE], tmp_path)
@@ -117,8 +144,13 @@ def test_runtime_env_ships_the_checkout_and_the_package(tmp_path):
 def test_relative_storage_goes_to_the_stacks_runs_folder(tmp_path):
     runs = str(tmp_path / "runs")
     # smoke.yaml says `storage.path: runs`: the override goes before the job's options
-    assert with_stack_storage("train", [SMOKE, "train.epochs=1", "--json", "x.json"], runs, ROOT) == \
-        [SMOKE, "train.epochs=1", f"storage.path={runs}", "--json", "x.json"]
+    assert with_stack_storage("train", [SMOKE, "train.epochs=1", "--json", "x.json"], runs, ROOT) == [
+        SMOKE,
+        "train.epochs=1",
+        f"storage.path={runs}",
+        "--json",
+        "x.json",
+    ]
     assert with_stack_storage("train", [SMOKE, "storage.path=s3://b/p"], runs, ROOT) == [SMOKE, "storage.path=s3://b/p"]
     assert with_stack_storage("eval", ["ck"], runs, ROOT) == ["ck"]
     assert with_stack_storage("train", [SMOKE], None, ROOT) == [SMOKE]
@@ -126,8 +158,13 @@ def test_relative_storage_goes_to_the_stacks_runs_folder(tmp_path):
     absolute.write_text("storage: {path: /data/runs}\n")
     assert with_stack_storage("train", [str(absolute)], runs, ROOT) == [str(absolute)]
     # a sweep's storage comes from its space's base config (a path relative to the space)
-    assert with_stack_storage("sweep", ["search_spaces/smoke.yaml", "--name", "s"], runs, ROOT) == \
-        ["search_spaces/smoke.yaml", "--name", "s", "--set", f"storage.path={runs}"]
+    assert with_stack_storage("sweep", ["search_spaces/smoke.yaml", "--name", "s"], runs, ROOT) == [
+        "search_spaces/smoke.yaml",
+        "--name",
+        "s",
+        "--set",
+        f"storage.path={runs}",
+    ]
     space = tmp_path / "space.yaml"
     space.write_text(f"base: {ROOT / SMOKE}\nparameters: {{}}\n")
     assert with_stack_storage("sweep", [str(space)], runs, ROOT) == [str(space), "--set", f"storage.path={runs}"]
@@ -142,10 +179,23 @@ def test_address_comes_from_the_flag_the_environment_or_the_stack(monkeypatch, n
     folder.mkdir()
     (folder / stack.TOKEN_FILE).write_text("t0ken")
     state = stack.StackState(
-        stack_id="x", host="127.0.0.1", dashboard_url="http://127.0.0.1:18265", gcs_address="127.0.0.1:16379",
-        mlflow_url="http://127.0.0.1:15000", agent_port=1, ray_temp_dir=str(folder / "ray"),
-        auth_token_path=str(folder / stack.TOKEN_FILE), backend_store_uri="sqlite:///x", artifacts_destination="a",
-        storage_path=str(folder / "runs"), mlflow_pid=0, ray_start_pid=0, logs_dir="l", python="p", started_at=0.0)
+        stack_id="x",
+        host="127.0.0.1",
+        dashboard_url="http://127.0.0.1:18265",
+        gcs_address="127.0.0.1:16379",
+        mlflow_url="http://127.0.0.1:15000",
+        agent_port=1,
+        ray_temp_dir=str(folder / "ray"),
+        auth_token_path=str(folder / stack.TOKEN_FILE),
+        backend_store_uri="sqlite:///x",
+        artifacts_destination="a",
+        storage_path=str(folder / "runs"),
+        mlflow_pid=0,
+        ray_start_pid=0,
+        logs_dir="l",
+        python="p",
+        started_at=0.0,
+    )
     from dataclasses import asdict
 
     (folder / stack.STATE_FILE).write_text(json.dumps(asdict(state)))
@@ -201,8 +251,13 @@ def local_stack():
     length-limited), stopped at the end of the module if a test did not stop it."""
     folder = Path(tempfile.mkdtemp(prefix="svstack-"))
     settings = stack.StackSettings(
-        state_dir=folder, dashboard_port=stack.free_port(), mlflow_port=stack.free_port(), ray_port=stack.free_port(),
-        num_cpus=4, mlflow_workers=1, timeout_s=240,
+        state_dir=folder,
+        dashboard_port=stack.free_port(),
+        mlflow_port=stack.free_port(),
+        ray_port=stack.free_port(),
+        num_cpus=4,
+        mlflow_workers=1,
+        timeout_s=240,
     )
     started = time.monotonic()
     status = stack.up(settings)
@@ -243,8 +298,9 @@ def test_stack_comes_up_healthy_on_loopback_only(local_stack):
     pids = {p.pid for p in stack.marked_processes(state.stack_id, cmdline_markers=[state.ray_temp_dir])}
     listening = [c for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
     assert len(listening) >= 4
-    assert all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for c in listening), \
-        [(c.laddr, psutil.Process(c.pid).name()) for c in listening if not c.laddr.ip.endswith("127.0.0.1")]
+    assert all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for c in listening), [
+        (c.laddr, psutil.Process(c.pid).name()) for c in listening if not c.laddr.ip.endswith("127.0.0.1")
+    ]
     # a second `up` finds it healthy and starts nothing
     again = stack.up(stack.StackSettings(state_dir=folder))
     assert again.already_running and again.state.stack_id == state.stack_id
@@ -257,8 +313,20 @@ def test_training_job_submitted_to_the_stack_lands_in_its_mlflow(on_stack, tmp_p
     state = on_stack.state
     out = tmp_path / "submit.json"
     job_json = tmp_path / "train.json"
-    code = main(["submit", "--json", str(out), "train", SMOKE, *TINY, "storage.name=stack-smoke",
-                 "tracking.experiment=stack-test", "--json", str(job_json)])
+    code = main(
+        [
+            "submit",
+            "--json",
+            str(out),
+            "train",
+            SMOKE,
+            *TINY,
+            "storage.name=stack-smoke",
+            "tracking.experiment=stack-test",
+            "--json",
+            str(job_json),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     result = json.loads(out.read_text())
@@ -309,7 +377,7 @@ def test_failing_job_reports_its_id_and_log_tail(on_stack, tmp_path, capsys):
     assert first.startswith("splitvit submit: error: job raysubmit_") and " FAILED on " in first
     job_id = first.split("job ", 1)[1].split()[0]
     # the error line comes first, the job's log tail after it
-    assert any("lines of its log:" in line for line in lines[errors[0]:]), err
+    assert any("lines of its log:" in line for line in lines[errors[0] :]), err
     assert "config error: train.epochs: must be >= 1, got 0" in err
     assert f"ray job logs {job_id} --address {on_stack.state.dashboard_url}" in err
 
@@ -380,8 +448,10 @@ def test_a_package_ray_lost_is_submitted_again_once(monkeypatch, no_cluster_env)
     job starts, the job is submitted again (which uploads it); other failures are not."""
     import splitvit.cluster.submit as submit
 
-    gone = ("runtime_env setup failed: Failed to set up runtime environment.\n"
-            "Failed to download runtime_env file package gcs://_ray_pkg_abc.zip from the GCS to the Ray worker node.")
+    gone = (
+        "runtime_env setup failed: Failed to set up runtime environment.\n"
+        "Failed to download runtime_env file package gcs://_ray_pkg_abc.zip from the GCS to the Ray worker node."
+    )
     fake = FakeJobs([("FAILED", gone), ("SUCCEEDED", "")])
     monkeypatch.setattr(submit, "connect", lambda target: fake)
     chunks: list[str] = []
@@ -400,8 +470,16 @@ def test_a_package_ray_lost_is_submitted_again_once(monkeypatch, no_cluster_env)
     assert "gcs://_ray_pkg_abc.zip" in text and "its log is empty" in text
 
     # an entrypoint failure is the job's own: no second try, Ray's copy of the log is cut
-    fake = FakeJobs([("FAILED", "Job entrypoint command failed with exit code 2, last available logs (truncated "
-                                "to 20,000 chars):\nboom")], logs="line 1\nconfig error: boom\n")
+    fake = FakeJobs(
+        [
+            (
+                "FAILED",
+                "Job entrypoint command failed with exit code 2, last available logs (truncated "
+                "to 20,000 chars):\nboom",
+            )
+        ],
+        logs="line 1\nconfig error: boom\n",
+    )
     monkeypatch.setattr(submit, "connect", lambda target: fake)
     with pytest.raises(submit.JobFailed) as failed:
         submit.run_job("train", [SMOKE], address="http://jobs:8265", working_dir=ROOT, log_lines=1)

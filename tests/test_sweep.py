@@ -30,9 +30,19 @@ from splitvit.tune import SweepError, dominates, hypervolume, run_sweep  # noqa:
 
 # 16x16 images, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens.
 BASE = {
-    "model": {"name": "vit_tiny_patch16_224", "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-              "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4},
-    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
+    "model": {
+        "name": "vit_tiny_patch16_224",
+        "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        "image_size": 16,
+        "levels": 2,
+        "policy_depth": 1,
+        "num_classes": 4,
+    },
+    "data": {
+        "name": "synthetic",
+        "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
+        "batch_size": 16,
+    },
     # one epoch of random-split warm-up: a learning rate of 1e30 then gives a non-finite
     # loss (the diverged path; in the policy phase NaN split probabilities end the same way)
     "train": {"epochs": 1, "warmup_epochs": 1, "lr": 0.002, "max_failures": 0},
@@ -66,8 +76,14 @@ def write_space(folder: Path, mlflow_uri: str, experiment: str, points: list[dic
             "train.lr": {"distribution": "loguniform", "low": 1.0e-3, "high": 1.0e31},
             "data.options.object_size": {"distribution": "categorical", "choices": [4, 64]},
         },
-        "search": {"num_samples": len(points), "max_concurrent": concurrent, "sampler": "tpe", "seed": 0,
-                   "trial_resources": {"CPU": 0.25}, "initial_points": points},
+        "search": {
+            "num_samples": len(points),
+            "max_concurrent": concurrent,
+            "sampler": "tpe",
+            "seed": 0,
+            "trial_resources": {"CPU": 0.25},
+            "initial_points": points,
+        },
         "stage_two": {"points": 2, "sampler": "random"},
         "baselines": {"entropy_thresholds": [0.5], "random_budgets": 1},
         "mlflow": {"experiment": experiment, "log_models": 1, "split_map_images": 4},
@@ -104,8 +120,9 @@ def wait_for_dead_driver_actors(timeout: float = 60.0) -> None:
     ours = ray.get_runtime_context().get_job_id()
     deadline = time.time() + timeout
     while time.time() < deadline:
-        alive = [a for a in state.actors(actor_state_name="ALIVE").values()
-                 if not a["IsDetached"] and a["JobID"] != ours]
+        alive = [
+            a for a in state.actors(actor_state_name="ALIVE").values() if not a["IsDetached"] and a["JobID"] != ours
+        ]
         if not alive:
             return
         time.sleep(0.5)
@@ -130,17 +147,34 @@ def sweep(ray_session, mlflow_uri, tmp_path_factory):
     log_path = folder / "driver.log"
     with open(log_path, "w") as log_file:
         driver = subprocess.Popen(
-            [sys.executable, "-m", "splitvit.cli", "sweep", str(space), "--name", "e2e",
-             "--address", ray.get_runtime_context().gcs_address],
-            stdout=log_file, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True,
-            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"))
+            [
+                sys.executable,
+                "-m",
+                "splitvit.cli",
+                "sweep",
+                str(space),
+                "--name",
+                "e2e",
+                "--address",
+                ray.get_runtime_context().gcs_address,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=folder,
+            start_new_session=True,
+            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"),
+        )
         first = None
         deadline = time.time() + 300
         try:
             while time.time() < deadline and driver.poll() is None:
                 try:
-                    done = [r for r in runs_of(client, "sweep-e2e") if r.data.tags.get("splitvit.kind") == "trial"
-                            and r.data.tags.get("splitvit.status") == "completed"]
+                    done = [
+                        r
+                        for r in runs_of(client, "sweep-e2e")
+                        if r.data.tags.get("splitvit.kind") == "trial"
+                        and r.data.tags.get("splitvit.status") == "completed"
+                    ]
                 except Exception:  # noqa: BLE001 - the driver may hold the SQLite lock for a moment
                     done = []
                 if done:
@@ -157,12 +191,21 @@ def sweep(ray_session, mlflow_uri, tmp_path_factory):
         "runs": runs_of(client, "sweep-e2e"),
         "folder": folder / "runs" / "e2e" / "train" / first.data.tags["splitvit.trial_id"],
     }
-    killed["files"] = {p.relative_to(killed["folder"]): p.stat().st_mtime_ns for p in killed["folder"].rglob("*") if p.is_file()}
+    killed["files"] = {
+        p.relative_to(killed["folder"]): p.stat().st_mtime_ns for p in killed["folder"].rglob("*") if p.is_file()
+    }
 
     out = folder / "sweep.json"
     code = cli(["sweep", str(space), "--name", "e2e", "--resume", "--json", str(out)])
-    return {"code": code, "json": json.loads(out.read_text()), "client": client, "folder": folder,
-            "seconds": time.time() - started, "uri": mlflow_uri, "killed": killed}
+    return {
+        "code": code,
+        "json": json.loads(out.read_text()),
+        "client": client,
+        "folder": folder,
+        "seconds": time.time() - started,
+        "uri": mlflow_uri,
+        "killed": killed,
+    }
 
 
 def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
@@ -194,8 +237,10 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     assert len(data["points"]) == 3 * (1 + 2)
     # every point's configuration: the base config plus its searched values
     assert data["base_config"]["train.epochs"] == 1 and data["base_config"]["tracking.experiment"]
-    assert all(set(p["params"]) == {"train.lambda_budget", "model.thresholds[0]", "train.lr", "data.options.object_size"}
-               for p in data["points"])
+    assert all(
+        set(p["params"]) == {"train.lambda_budget", "model.thresholds[0]", "train.lr", "data.options.object_size"}
+        for p in data["points"]
+    )
 
     # the frontier table, read back from the parent, is non-dominated and dominates the rest
     frontier_file = client.download_artifacts(parent.info.run_id, "frontier.json", str(tmp_path))
@@ -205,8 +250,12 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     pairs = [(r["accuracy"], r["tokens_per_image"]) for r in rows]
     for a, b in itertools.permutations(pairs, 2):
         assert not dominates(a, b)
-    point_runs = [r for r in runs if r.data.tags.get("splitvit.kind") in ("trial", "threshold_point")
-                  and r.data.tags.get("splitvit.status") == "completed"]
+    point_runs = [
+        r
+        for r in runs
+        if r.data.tags.get("splitvit.kind") in ("trial", "threshold_point")
+        and r.data.tags.get("splitvit.status") == "completed"
+    ]
     assert len(point_runs) == 9
     frontier_ids = {r["run_id"] for r in rows}
     for run in point_runs:
@@ -288,8 +337,11 @@ def test_frontier_is_timed_against_full_resolution_and_read_back(sweep, tmp_path
     table = json.loads(Path(client.download_artifacts(parent.info.run_id, "frontier.json", str(tmp_path))).read_text())
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]
     assert {r["run_id"]: r["speedup_vs_full"] for r in rows} == pytest.approx(
-        {k: r["speedup_vs_full"] for k, r in timed.items()})
-    header = Path(client.download_artifacts(parent.info.run_id, "frontier.csv", str(tmp_path))).read_text().splitlines()[0]
+        {k: r["speedup_vs_full"] for k, r in timed.items()}
+    )
+    header = (
+        Path(client.download_artifacts(parent.info.run_id, "frontier.csv", str(tmp_path))).read_text().splitlines()[0]
+    )
     assert "speedup_vs_full" in header.split(",")
     assert parent.data.metrics["speedup_max"] == pytest.approx(max(r["speedup_vs_full"] for r in speed["points"]))
     assert parent.data.metrics["speedup_best_point"] == pytest.approx(timed[best["run_id"]]["speedup_vs_full"])
@@ -309,13 +361,16 @@ def test_frontier_is_timed_against_full_resolution_and_read_back(sweep, tmp_path
     printed = capsys.readouterr().out
     again = json.loads(out.read_text())
     assert {p["run_id"]: p["extras"]["speedup_vs_full"] for p in again["frontier"]} == pytest.approx(
-        {k: r["speedup_vs_full"] for k, r in timed.items()})
+        {k: r["speedup_vs_full"] for k, r in timed.items()}
+    )
     assert again["speed"][0]["device"] == speed["device"] and again["speed"][0]["sweep"] == parent.info.run_id
     lines = printed.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("tokens/image"))
-    assert lines[head].split()[:4] == ["tokens/image", "accuracy", "token", "ratio"] and "speed-up" in lines[head].split()
+    assert (
+        lines[head].split()[:4] == ["tokens/image", "accuracy", "token", "ratio"] and "speed-up" in lines[head].split()
+    )
     shown = len({(p["tokens_per_image"], p["accuracy"]) for p in again["frontier"]})  # exact ties are shown once
-    printed_speedups = [line.split()[3] for line in lines[head + 1:head + 1 + shown]]
+    printed_speedups = [line.split()[3] for line in lines[head + 1 : head + 1 + shown]]
     assert set(printed_speedups) <= {f"{r['speedup_vs_full']:.2f}x" for r in speed["points"]}
     assert len(printed_speedups) == shown
     assert f"on {speed['device']}" in printed and "not recorded" not in printed
@@ -329,9 +384,16 @@ def test_pareto_says_when_a_sweep_recorded_no_speed_ups(tmp_path, capsys):
     exp = client.create_experiment("old-sweep")
     parent = client.create_run(exp, tags={"splitvit.kind": "sweep", "splitvit.metric": "accuracy"})
     for accuracy, tokens in ((0.8, 8.0), (0.9, 16.0)):
-        run = client.create_run(exp, tags={"splitvit.kind": "trial", "splitvit.sweep": parent.info.run_id,
-                                           "splitvit.status": "completed", "splitvit.trial_id": f"t{tokens:.0f}",
-                                           "splitvit.thresholds": "[0.5]"})
+        run = client.create_run(
+            exp,
+            tags={
+                "splitvit.kind": "trial",
+                "splitvit.sweep": parent.info.run_id,
+                "splitvit.status": "completed",
+                "splitvit.trial_id": f"t{tokens:.0f}",
+                "splitvit.thresholds": "[0.5]",
+            },
+        )
         for key, value in (("accuracy", accuracy), ("tokens_per_image", tokens), ("token_ratio", tokens / 16)):
             client.log_metric(run.info.run_id, key, value)
     out = tmp_path / "pareto.json"
@@ -353,8 +415,11 @@ def test_failing_trials_are_recorded_and_the_sweep_goes_on(sweep):
     failed = next(t for t in data["trials"] if t["params"]["data.options.object_size"] == 64)
     assert failed["status"] == "failed" and "object_size 64 exceeds image_size 16" in failed["error"]
 
-    runs = {r.data.tags.get("splitvit.trial_id"): r for r in runs_of(client, "sweep-e2e")
-            if r.data.tags.get("splitvit.kind") == "trial"}
+    runs = {
+        r.data.tags.get("splitvit.trial_id"): r
+        for r in runs_of(client, "sweep-e2e")
+        if r.data.tags.get("splitvit.kind") == "trial"
+    }
     bad = [t for t in data["trials"] if t["status"] != "completed"]
     for trial in bad:
         run = runs[trial["trial_id"]]
@@ -429,8 +494,14 @@ def test_a_trial_trains_through_run_training(monkeypatch):
         calls.append({"tracking": config.tracking.enabled, **kwargs})
         if config.train.max_failures == 9:
             raise TrainingError("training t failed: boom") from RuntimeError("boom")
-        return TrainResult(name="t", status="diverged", metrics={"accuracy": 0.5}, checkpoint_uri="/x/checkpoint_epoch0000",
-                           run_uri="/x", message="non-finite loss")
+        return TrainResult(
+            name="t",
+            status="diverged",
+            metrics={"accuracy": 0.5},
+            checkpoint_uri="/x/checkpoint_epoch0000",
+            run_uri="/x",
+            message="non-finite loss",
+        )
 
     class TuneReportCallback:  # the real one wants a Tune session
         pass
@@ -438,8 +509,12 @@ def test_a_trial_trains_through_run_training(monkeypatch):
     monkeypatch.setattr(tune_integration, "TuneReportCallback", TuneReportCallback)
     monkeypatch.setattr(ray_trainer, "run_training", fake_run_training)
     config = ExperimentConfig.from_dict(BASE, ["tracking.enabled=true"])
-    assert fit_trial(config) == {"status": "diverged", "metrics": {"accuracy": 0.5},
-                                 "checkpoint": "/x/checkpoint_epoch0000", "message": "non-finite loss"}
+    assert fit_trial(config) == {
+        "status": "diverged",
+        "metrics": {"accuracy": 0.5},
+        "checkpoint": "/x/checkpoint_epoch0000",
+        "message": "non-finite loss",
+    }
     assert [type(c) for c in calls[0]["callbacks"]] == [TuneReportCallback]
     assert calls[0]["tracking"] is False and config.tracking.enabled  # the trial's copy only: MLflow is the driver's
     with pytest.raises(TrialFailed, match="^training failed: boom$"):

@@ -26,8 +26,15 @@ def _tiny_model(policy: str = "learned"):
     from splitvit.model import SplitViT
 
     torch.manual_seed(0)
-    return SplitViT.from_timm("vit_tiny_patch16_224", levels=2, policy=policy, image_size=16, num_classes=3,
-                              timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1}, policy_depth=1)
+    return SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=2,
+        policy=policy,
+        image_size=16,
+        num_classes=3,
+        timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        policy_depth=1,
+    )
 
 
 def _open(uri: str, run_uri: str, params: dict, tags: dict | None = None):
@@ -35,14 +42,20 @@ def _open(uri: str, run_uri: str, params: dict, tags: dict | None = None):
 
 
 def test_open_logs_params_without_secrets_and_resumes_same_run(mlflow_uri, caplog):
-    cfg = ExperimentConfig.from_dict({
-        "data": {"options": {"aws_secret_access_key": SECRETS[0], "session_token": SECRETS[1]}},
-        "tracking": {"tracking_uri": f"https://bob:{SECRETS[2]}@mlflow.example"},
-    })
+    cfg = ExperimentConfig.from_dict(
+        {
+            "data": {"options": {"aws_secret_access_key": SECRETS[0], "session_token": SECRETS[1]}},
+            "tracking": {"tracking_uri": f"https://bob:{SECRETS[2]}@mlflow.example"},
+        }
+    )
     run_uri = f"/runs/{uuid.uuid4().hex}"
     with caplog.at_level(logging.DEBUG):
-        tracker, resumed = _open(mlflow_uri, run_uri, cfg.flat(),
-                                 tags={"source": f"https://bob:{SECRETS[2]}@git.example/repo", "api_key": SECRETS[0]})
+        tracker, resumed = _open(
+            mlflow_uri,
+            run_uri,
+            cfg.flat(),
+            tags={"source": f"https://bob:{SECRETS[2]}@git.example/repo", "api_key": SECRETS[0]},
+        )
     assert not resumed
     client = MlflowClient(mlflow_uri)
     run = client.get_run(tracker.run_id)
@@ -123,8 +136,10 @@ def test_close_statuses(mlflow_uri):
 
 def test_closed_on_error_ends_the_run_and_reraises(mlflow_uri):
     client = MlflowClient(mlflow_uri)
-    for error, expected, status in ((ValueError("bad shard"), "FAILED", "failed"),
-                                    (KeyboardInterrupt(), "KILLED", "interrupted")):
+    for error, expected, status in (
+        (ValueError("bad shard"), "FAILED", "failed"),
+        (KeyboardInterrupt(), "KILLED", "interrupted"),
+    ):
         tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
         with pytest.raises(type(error)):
             with tracker.closed_on_error():
@@ -141,7 +156,7 @@ def test_closed_on_error_ends_the_run_and_reraises(mlflow_uri):
 def test_experiment_gets_local_artifacts_next_to_the_store(mlflow_uri):
     from splitvit.tracking import ensure_experiment
 
-    folder = Path(mlflow_uri[len("sqlite:///"):]).parent
+    folder = Path(mlflow_uri[len("sqlite:///") :]).parent
     experiment_id = ensure_experiment(mlflow_uri, "local-artifacts")
     assert ensure_experiment(mlflow_uri, "local-artifacts") == experiment_id
     location = MlflowClient(mlflow_uri).get_experiment(experiment_id).artifact_location
@@ -149,11 +164,27 @@ def test_experiment_gets_local_artifacts_next_to_the_store(mlflow_uri):
     assert (folder / "mlflow.db").is_file()
 
 
-@pytest.mark.parametrize("key", [
-    "aws_access_key_id", "GITHUB_TOKEN", "db_password", "client_secret", "data.options.aws_secret_access_key",
-    "AWS_SESSION_TOKEN", "auth_token", "access_token", "api_token", "accessToken", "token", "password", "passwd",
-    "secret", "api_key", "credentials",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "aws_access_key_id",
+        "GITHUB_TOKEN",
+        "db_password",
+        "client_secret",
+        "data.options.aws_secret_access_key",
+        "AWS_SESSION_TOKEN",
+        "auth_token",
+        "access_token",
+        "api_token",
+        "accessToken",
+        "token",
+        "password",
+        "passwd",
+        "secret",
+        "api_key",
+        "credentials",
+    ],
+)
 def test_secret_names(key):
     from splitvit.tracking.runs import safe_params, safe_tags
 
@@ -162,9 +193,17 @@ def test_secret_names(key):
     assert safe_params({"storage.path": "s3://b/p", "x": None}) == {"storage.path": "s3://b/p", "x": "null"}
 
 
-@pytest.mark.parametrize("key", [
-    "train.token_ratio", "pareto.token_ratio", "tokens_per_image", "final_tokens_per_image", "full_tokens", "max_tokens",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.token_ratio",
+        "pareto.token_ratio",
+        "tokens_per_image",
+        "final_tokens_per_image",
+        "full_tokens",
+        "max_tokens",
+    ],
+)
 def test_token_counts_are_not_secrets(key):
     """Token figures are what a SPLIT run is about: they stay readable."""
     from splitvit.tracking.runs import safe_params, safe_tags
@@ -176,10 +215,12 @@ def test_token_counts_are_not_secrets(key):
 def test_credentials_in_uris_are_redacted_but_token_figures_in_queries_are_not():
     from splitvit.tracking import safe_params
 
-    params = safe_params({
-        "tracking.tracking_uri": "postgresql://user:pass@host/db",
-        "source": "https://h/x?access_token=abc&tokens_per_image=12&X-Amz-Security-Token=zz&api_key=k",
-    })
+    params = safe_params(
+        {
+            "tracking.tracking_uri": "postgresql://user:pass@host/db",
+            "source": "https://h/x?access_token=abc&tokens_per_image=12&X-Amz-Security-Token=zz&api_key=k",
+        }
+    )
     assert params["tracking.tracking_uri"] == "postgresql://user:***@host/db"
     assert params["source"] == "https://h/x?access_token=***&tokens_per_image=12&X-Amz-Security-Token=***&api_key=***"
 
@@ -196,7 +237,9 @@ def test_runs_carry_their_provenance(mlflow_uri, monkeypatch, tmp_path):
     tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
     tags = MlflowClient(mlflow_uri).get_run(tracker.run_id).data.tags
     assert tags["splitvit.version"] == __version__ and tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL"
-    head = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True)
+    head = subprocess.run(
+        ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
     if head.returncode == 0:  # a checkout (CI's clean clone is one)
         assert tags["mlflow.source.git.commit"] == head.stdout.strip()
         assert tags["splitvit.git_dirty"] in ("true", "false")

@@ -20,9 +20,36 @@ from splitvit.cli import _run_bench, build_parser, main
 
 from .helpers import walk_numbers
 
-TINY_ARGS = ["--image-size", "16", "--patch-size", "4", "--levels", "2", "--embed-dim", "16", "--depth", "1",
-             "--heads", "1", "--policy-depth", "1", "--batch-size", "8", "--repeats", "2", "--epochs", "2",
-             "--samples", "16", "--val-samples", "8", "--threads", "1", "--teacher-every", "2"]
+TINY_ARGS = [
+    "--image-size",
+    "16",
+    "--patch-size",
+    "4",
+    "--levels",
+    "2",
+    "--embed-dim",
+    "16",
+    "--depth",
+    "1",
+    "--heads",
+    "1",
+    "--policy-depth",
+    "1",
+    "--batch-size",
+    "8",
+    "--repeats",
+    "2",
+    "--epochs",
+    "2",
+    "--samples",
+    "16",
+    "--val-samples",
+    "8",
+    "--threads",
+    "1",
+    "--teacher-every",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +111,14 @@ def test_ray_overhead_figures(cli_result):
 
 def test_report_labels(cli_result):
     report = format_train_report(cli_result)
-    for label in ("A. training-step throughput", "SPLIT learned", "ideal (1/fraction)", "B. Ray Train overhead",
-                  "END TO END (incl. Ray start-up)", "PASS" if cli_result["targets"][0]["passed"] else "MISS"):
+    for label in (
+        "A. training-step throughput",
+        "SPLIT learned",
+        "ideal (1/fraction)",
+        "B. Ray Train overhead",
+        "END TO END (incl. Ray start-up)",
+        "PASS" if cli_result["targets"][0]["passed"] else "MISS",
+    ):
         assert label in report
 
 

@@ -20,16 +20,27 @@ from mlflow import MlflowClient  # noqa: E402
 from splitvit.cli import main  # noqa: E402
 from splitvit.config import ExperimentConfig  # noqa: E402
 from splitvit.model import SplitViT  # noqa: E402
-from splitvit.train.ray_trainer import run_training  # noqa: E402
 from splitvit.train.experiment import build_model
+from splitvit.train.ray_trainer import run_training  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # A 16x16 image, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens.
 TINY = {
-    "model": {"name": "vit_tiny_patch16_224", "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-              "image_size": 16, "levels": 2, "policy_depth": 1, "num_classes": 4, "policy": "learned"},
-    "data": {"name": "synthetic", "options": {"train_samples": 64, "val_samples": 32, "object_size": 4}, "batch_size": 16},
+    "model": {
+        "name": "vit_tiny_patch16_224",
+        "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        "image_size": 16,
+        "levels": 2,
+        "policy_depth": 1,
+        "num_classes": 4,
+        "policy": "learned",
+    },
+    "data": {
+        "name": "synthetic",
+        "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
+        "batch_size": 16,
+    },
     "train": {"epochs": 2, "lr": 0.002, "warmup_epochs": 1, "max_failures": 2},
     "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
     "tracking": {"experiment": "tests", "split_map_images": 4},
@@ -193,12 +204,15 @@ def fake_ray_init(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize(("address", "env", "expected"), [
-    (None, None, "local"),  # not ray.init()'s default, which joins a `ray start` cluster
-    (None, "10.0.0.1:6379", "auto"),  # a Ray job: RAY_ADDRESS says where
-    ("10.0.0.2:6379", None, "10.0.0.2:6379"),
-    ("10.0.0.2:6379", "10.0.0.1:6379", "10.0.0.2:6379"),
-])
+@pytest.mark.parametrize(
+    ("address", "env", "expected"),
+    [
+        (None, None, "local"),  # not ray.init()'s default, which joins a `ray start` cluster
+        (None, "10.0.0.1:6379", "auto"),  # a Ray job: RAY_ADDRESS says where
+        ("10.0.0.2:6379", None, "10.0.0.2:6379"),
+        ("10.0.0.2:6379", "10.0.0.1:6379", "10.0.0.2:6379"),
+    ],
+)
 def test_init_ray_starts_a_local_instance_unless_told_where(fake_ray_init, monkeypatch, address, env, expected):
     from splitvit.train.ray_trainer import init_ray
 
@@ -275,7 +289,9 @@ def test_checkpoint_holds_model_optimizer_and_rng(trained):
     assert payload["epoch"] == 1 and model.levels == 2
     assert payload["metrics"]["accuracy"] == pytest.approx(trained["result"]["metrics"]["accuracy"])
     state = torch.load(folder / "train_state.pt", weights_only=False)
-    assert state["epoch"] == 1 and state["optimizer"]["state"] and state["scheduler"]["last_epoch"] == state["global_step"]
+    assert (
+        state["epoch"] == 1 and state["optimizer"]["state"] and state["scheduler"]["last_epoch"] == state["global_step"]
+    )
     for rank in (0, 1):
         rng = torch.load(folder / f"rng_rank{rank}.pt", weights_only=False)
         assert {"torch", "numpy", "python", "generator"} <= set(rng)
@@ -321,9 +337,11 @@ def test_bad_input_errors_before_ray_and_keeps_earlier_results(trained, monkeypa
     client = MlflowClient(trained["uri"])
     run_before = client.get_run(trained["result"]["mlflow_run_id"])
     runs_before = len(client.search_runs([run_before.info.experiment_id]))
-    for bad, message in (("train.lambda_budget=-1", "config error: train.lambda_budget: must be >= 0, got -1.0"),
-                         ("model.thresholds=[2.0]", "config error: model.thresholds: thresholds[0] = 2.0 is outside [0, 1]"),
-                         ("model.image_size=18", "config error: model.image_size: image size 18x18")):
+    for bad, message in (
+        ("train.lambda_budget=-1", "config error: train.lambda_budget: must be >= 0, got -1.0"),
+        ("model.thresholds=[2.0]", "config error: model.thresholds: thresholds[0] = 2.0 is outside [0, 1]"),
+        ("model.image_size=18", "config error: model.image_size: image size 18x18"),
+    ):
         assert main(["train", str(trained["config"]), bad]) == 2
         assert message in capsys.readouterr().err
     after = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file())
@@ -344,8 +362,9 @@ def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_loca
     storage = f"s3://{s3_bucket}/experiments"
     marker = tmp_path / "crashed"
     overrides = [f"storage.path={storage}", "train.epochs=2", "tracking.log_model=false"]
-    first = run_training(tiny_config(tmp_path, mlflow_uri, "on-s3", overrides),
-                         epoch_hook=CrashOnce(str(marker), epoch=1, rank=1))
+    first = run_training(
+        tiny_config(tmp_path, mlflow_uri, "on-s3", overrides), epoch_hook=CrashOnce(str(marker), epoch=1, rank=1)
+    )
     assert marker.exists(), "the worker was never killed"
     assert first.status == "completed"
     assert first.start_epoch == 1  # the last attempt resumed after epoch 0's checkpoint
@@ -361,7 +380,9 @@ def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_loca
         assert steps == [0, 1], key  # every epoch once: none lost, none repeated
     assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
 
-    second = run_training(tiny_config(tmp_path, mlflow_uri, "on-s3", overrides + ["train.epochs=3", "scaling.num_workers=1"]))
+    second = run_training(
+        tiny_config(tmp_path, mlflow_uri, "on-s3", overrides + ["train.epochs=3", "scaling.num_workers=1"])
+    )
     assert second.status == "completed" and second.start_epoch == 2
     assert second.checkpoint_uri == f"{storage}/on-s3/checkpoint_epoch0002"
     assert second.mlflow_run_id == first.mlflow_run_id
@@ -373,12 +394,17 @@ def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_loca
     assert figures["images"] == 32 and figures["epoch"] == 2
 
 
-@pytest.mark.parametrize(("part", "message"), [
-    ("head", "non-finite loss"),
-    # in the policy phase (epoch 1): NaN split probabilities end the run the same way
-    ("policy", "non-finite split probabilities"),
-])
-def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(ray_local, mlflow_uri, tmp_path, part, message):
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ("head", "non-finite loss"),
+        # in the policy phase (epoch 1): NaN split probabilities end the run the same way
+        ("policy", "non-finite split probabilities"),
+    ],
+)
+def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(
+    ray_local, mlflow_uri, tmp_path, part, message
+):
     cfg = tiny_config(tmp_path, mlflow_uri, "nan", ["train.epochs=2"])
     result = run_training(cfg, epoch_hook=PoisonAt(epoch=1, part=part))
     assert result.status == "diverged"

@@ -35,17 +35,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="folder for the runs, the canvas cache and the figure")
     parser.add_argument("--json", help="write the result (the table, goals, speed, runs with their curves) here")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--workers", type=int, default=4,
-                        help="runs trained at once on the device (1: in this process)")
+    parser.add_argument(
+        "--workers", type=int, default=4, help="runs trained at once on the device (1: in this process)"
+    )
     parser.add_argument("--backbone-epochs", type=int)
     parser.add_argument("--method-epochs", type=int)
     parser.add_argument("--eval-samples", type=int, help="evaluate on this many held-out images (default: the study's)")
     parser.add_argument("--name", help="the study's name (default: study-<file>-<scale>)")
-    parser.add_argument("--tracking-uri", help="record the study in this MLflow store (e.g. sqlite:///runs/mlflow.db); "
-                                               "default: no MLflow")
-    parser.add_argument("--plan", metavar="SMOKE_JSON",
-                        help="print the largest epochs (backbone twice the methods') whose training fits --budget-s, "
-                             "from a smaller run's measured images/s and evaluation times, and exit")
+    parser.add_argument(
+        "--tracking-uri",
+        help="record the study in this MLflow store (e.g. sqlite:///runs/mlflow.db); default: no MLflow",
+    )
+    parser.add_argument(
+        "--plan",
+        metavar="SMOKE_JSON",
+        help="print the largest epochs (backbone twice the methods') whose training fits --budget-s, "
+        "from a smaller run's measured images/s and evaluation times, and exit",
+    )
     parser.add_argument("--budget-s", type=float, help="with --plan: seconds the study may take")
     return parser
 
@@ -64,9 +70,15 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.time()
     try:
-        spec = load_local_study(args.study, args.out, scale=args.scale, overrides=args.set,
-                                backbone_epochs=args.backbone_epochs, method_epochs=args.method_epochs,
-                                eval_samples=args.eval_samples)  # bad input stops here
+        spec = load_local_study(
+            args.study,
+            args.out,
+            scale=args.scale,
+            overrides=args.set,
+            backbone_epochs=args.backbone_epochs,
+            method_epochs=args.method_epochs,
+            eval_samples=args.eval_samples,
+        )  # bad input stops here
         if args.plan:
             try:
                 plan = plan_epochs(json.loads(Path(args.plan).read_text()), spec, args.budget_s, args.workers)
@@ -75,8 +87,15 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(plan))
             return 0
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-        result = run_study_local(spec, args.out, device=args.device, workers=args.workers, name=args.name,
-                                 tracking_uri=args.tracking_uri, started=started)
+        result = run_study_local(
+            spec,
+            args.out,
+            device=args.device,
+            workers=args.workers,
+            name=args.name,
+            tracking_uri=args.tracking_uri,
+            started=started,
+        )
     except (ConfigError, SearchSpaceError, StudyError) as exc:  # the study cannot run as asked: say why
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -92,15 +111,19 @@ def _print_table(result: dict[str, Any]) -> None:
 
     metric = result["metric"]
     reused = sum(bool(r.get("reused")) for r in result["runs"])
-    print(f"\n{result['name']} on {result['machine'].get('device_name', result['machine']['device'])}: "
-          f"{len(result['seeds'])} seeds, {len(result['runs'])} runs"
-          f"{f' ({reused} finished earlier, reused)' if reused else ''}, backbone {result['backbone_epochs']} + "
-          f"method {result['method_epochs']} epochs, {result['seconds']:.0f} s")
+    print(
+        f"\n{result['name']} on {result['machine'].get('device_name', result['machine']['device'])}: "
+        f"{len(result['seeds'])} seeds, {len(result['runs'])} runs"
+        f"{f' ({reused} finished earlier, reused)' if reused else ''}, backbone {result['backbone_epochs']} + "
+        f"method {result['method_epochs']} epochs, {result['seconds']:.0f} s"
+    )
     print(f"{'method':<12}{'ratio':>7}{'tokens':>8}{metric:>10}{'std':>7}{'min':>7}{'max':>7}")
     for r in result["rows"]:
         ratio = "-" if r["target_ratio"] is None else f"{r['target_ratio']:.2f}"
-        print(f"{r['method']:<12}{ratio:>7}{r['tokens_per_image']:>8.1f}{100 * r[metric]:>10.1f}"
-              f"{100 * r[metric + '_std']:>7.1f}{100 * r[metric + '_min']:>7.1f}{100 * r[metric + '_max']:>7.1f}")
+        print(
+            f"{r['method']:<12}{ratio:>7}{r['tokens_per_image']:>8.1f}{100 * r[metric]:>10.1f}"
+            f"{100 * r[metric + '_std']:>7.1f}{100 * r[metric + '_min']:>7.1f}{100 * r[metric + '_max']:>7.1f}"
+        )
     for line in summary_lines(result["goals"], result["speed"], result["failed"], result["point_speed"]):
         print(line)
     if result["mlflow_run_id"]:

@@ -12,8 +12,9 @@ import logging
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("splitvit")
 
@@ -40,10 +41,14 @@ def _fmt(value: Any) -> str:
 
 # ---------------------------------------------------------------------- demo
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="train a tiny SPLIT model and a full-resolution ViT on synthetic data, compare them")
+    p = sub.add_parser(
+        "demo", help="train a tiny SPLIT model and a full-resolution ViT on synthetic data, compare them"
+    )
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the demo's)")
     p.add_argument("--samples", type=int, default=None, help="training images (default: the demo's)")
-    p.add_argument("--target-ratio", type=float, default=0.3, help="SPLIT's token budget as a fraction of full resolution")
+    p.add_argument(
+        "--target-ratio", type=float, default=0.3, help="SPLIT's token budget as a fraction of full resolution"
+    )
     p.add_argument("--out", default="runs/demo", help="folder for checkpoints and split maps")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(func=_run_demo)
@@ -88,9 +93,9 @@ def _run_viz(args) -> int:
     import torch
 
     from .data import build_dataset
-    from .train.demo import build_demo_model
-    from .train.checkpoints import load_payload, model_from_payload
     from .tracking.split_maps import split_map_grid
+    from .train.checkpoints import load_payload, model_from_payload
+    from .train.demo import build_demo_model
 
     if args.checkpoint:
         overrides = {"policy": args.policy} if args.policy else {}
@@ -110,46 +115,82 @@ def _run_viz(args) -> int:
         out = model(images, thresholds=parse_thresholds(args.thresholds))
     captions = [f"{int(t)} tok" for t in out.tokens]
     split_map_grid(images, out.decisions, model.geometry, captions).save(args.out)
-    print(f"wrote {args.out}: {model.policy.name} policy, mean {out.tokens.float().mean():.1f} of {out.full_tokens} tokens")
-    write_json(args.json, {"png": args.out, "policy": model.policy.name, "tokens": out.tokens.tolist(), "full_tokens": out.full_tokens})
+    print(
+        f"wrote {args.out}: {model.policy.name} policy, "
+        f"mean {out.tokens.float().mean():.1f} of {out.full_tokens} tokens"
+    )
+    write_json(
+        args.json,
+        {"png": args.out, "policy": model.policy.name, "tokens": out.tokens.tolist(), "full_tokens": out.full_tokens},
+    )
     return 0
 
 
 # ---------------------------------------------------------------------- bench
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="SPLIT vs full resolution, side by side: forward speed, overhead, memory "
-                                     "(bench forward), or training-step throughput and Ray Train's overhead (bench train)")
-    p.add_argument("kind", nargs="?", choices=("forward", "train"), default="forward",
-                   help="forward (default): the forward benchmark; train: the training benchmark")
+    p = sub.add_parser(
+        "bench",
+        help="SPLIT vs full resolution, side by side: forward speed, overhead, memory "
+        "(bench forward), or training-step throughput and Ray Train's overhead (bench train)",
+    )
+    p.add_argument(
+        "kind",
+        nargs="?",
+        choices=("forward", "train"),
+        default="forward",
+        help="forward (default): the forward benchmark; train: the training benchmark",
+    )
     # shared options; defaults differ by benchmark (None: the benchmark's own)
-    p.add_argument("--model", help="timm ViT name (default vit_base_patch16_224 (forward), vit_tiny_patch16_224 (train))")
+    p.add_argument(
+        "--model", help="timm ViT name (default vit_base_patch16_224 (forward), vit_tiny_patch16_224 (train))"
+    )
     p.add_argument("--image-size", type=int, help="input side (default: the model's (forward), 96 (train))")
     p.add_argument("--patch-size", type=int, help="finest patch (default: the model's (forward), 8 (train))")
-    p.add_argument("--levels", type=int, help="quadtree levels (default: the deepest of 3 or 2 that divides the image "
-                                              "(forward), 3 (train))")
+    p.add_argument(
+        "--levels",
+        type=int,
+        help="quadtree levels (default: the deepest of 3 or 2 that divides the image (forward), 3 (train))",
+    )
     p.add_argument("--embed-dim", type=int, help="shrink the ViT: embedding width")
     p.add_argument("--depth", type=int, help="shrink the ViT: blocks")
     p.add_argument("--heads", type=int, help="shrink the ViT: attention heads")
     p.add_argument("--policy-depth", type=int, help="blocks the learned policy runs (default 2)")
-    p.add_argument("--policy-width", type=int, help="the learned policy's own blocks' width (default 192 (forward); "
-                                                    "train: none, the ViT's blocks)")
+    p.add_argument(
+        "--policy-width",
+        type=int,
+        help="the learned policy's own blocks' width (default 192 (forward); train: none, the ViT's blocks)",
+    )
     p.add_argument("--batch-size", type=int, help="default 8 (forward), 32 (train)")
     p.add_argument("--repeats", type=int, help="timed interleaved rounds: default 10 (forward), 6 (train)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast for every model (default: on for CUDA, as training uses it; off on the CPU)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast for every model (default: on for CUDA, as training uses it; off on the CPU)",
+    )
     p.add_argument("--json", help="write the figures to this JSON file")
     forward = p.add_argument_group("bench forward only")
     forward.add_argument("--ratios", help="token ratios to time every policy at (default 0.5,0.7)")
     forward.add_argument("--policies", help="comma-separated, of learned, learned_shared, entropy (default: all)")
-    forward.add_argument("--buckets", help="also time the padded path with these length_buckets, e.g. 1,4 (default: none)")
-    forward.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
-                         help="peak memory per model (default: on)")
-    forward.add_argument("--token-buckets", type=int,
-                         help="round the split policies' packed token counts up to this many fixed sizes (default 0: exact)")
-    forward.add_argument("--compile", action="store_true", default=None,
-                         help="torch.compile timm's ViT and the split policies' packed encoders (CUDA graphs on a GPU); "
-                              "use with --token-buckets")
+    forward.add_argument(
+        "--buckets", help="also time the padded path with these length_buckets, e.g. 1,4 (default: none)"
+    )
+    forward.add_argument(
+        "--memory", action=argparse.BooleanOptionalAction, default=None, help="peak memory per model (default: on)"
+    )
+    forward.add_argument(
+        "--token-buckets",
+        type=int,
+        help="round the split policies' packed token counts up to this many fixed sizes (default 0: exact)",
+    )
+    forward.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile timm's ViT and the split policies' packed encoders (CUDA graphs on a GPU); "
+        "use with --token-buckets",
+    )
     train = p.add_argument_group("bench train only")
     train.add_argument("--epochs", type=int, help="epochs of the plain and Ray runs (default 3)")
     train.add_argument("--samples", type=int, help="training images of the plain and Ray runs (default 192)")
@@ -160,14 +201,26 @@ def _add_bench(sub) -> None:
     train.add_argument("--parts", help="steps, ray or steps,ray (default)")
     train.add_argument("--tracking", action="store_true", default=None, help="MLflow logging in the Ray run")
     train.add_argument("--storage", help="Ray storage path (default: a temporary folder)")
-    train.add_argument("--teacher", choices=("gradient", "attention"),
-                       help="the policy's relevance teacher (default gradient)")
+    train.add_argument(
+        "--teacher", choices=("gradient", "attention"), help="the policy's relevance teacher (default gradient)"
+    )
     train.add_argument("--teacher-every", type=int, help="the relevance teacher on every k-th policy step (default 1)")
     p.set_defaults(func=_run_bench)
 
 
-_TRAIN_ONLY = ("epochs", "samples", "val_samples", "threads", "ray_rounds", "skip_epochs", "parts", "tracking", "storage",
-               "teacher", "teacher_every")
+_TRAIN_ONLY = (
+    "epochs",
+    "samples",
+    "val_samples",
+    "threads",
+    "ray_rounds",
+    "skip_epochs",
+    "parts",
+    "tracking",
+    "storage",
+    "teacher",
+    "teacher_every",
+)
 _FORWARD_ONLY = ("ratios", "policies", "buckets", "memory", "token_buckets", "compile")
 
 
@@ -182,7 +235,11 @@ def _number_list(option: str, text: str | None, kind: type = float) -> tuple | N
 
 
 def _shrunk(args) -> dict:
-    return {k: v for k, v in (("embed_dim", args.embed_dim), ("depth", args.depth), ("num_heads", args.heads)) if v is not None}
+    return {
+        k: v
+        for k, v in (("embed_dim", args.embed_dim), ("depth", args.depth), ("num_heads", args.heads))
+        if v is not None
+    }
 
 
 def _run_bench(args) -> int:
@@ -195,18 +252,30 @@ def _run_bench(args) -> int:
     from .bench.forward import ForwardSettings, format_report, run_forward_benchmark
 
     # an option left out (or given as 0 / empty) keeps ForwardSettings' default
-    options = {"model_name": args.model, "batch_size": args.batch_size, "ratios": _number_list("--ratios", args.ratios),
-               "policy_width": args.policy_width, "buckets": _number_list("--buckets", args.buckets, int),
-               "token_buckets": args.token_buckets, "repeats": args.repeats}
+    options = {
+        "model_name": args.model,
+        "batch_size": args.batch_size,
+        "ratios": _number_list("--ratios", args.ratios),
+        "policy_width": args.policy_width,
+        "buckets": _number_list("--buckets", args.buckets, int),
+        "token_buckets": args.token_buckets,
+        "repeats": args.repeats,
+    }
     options = {k: v for k, v in options.items() if v}
     if args.policies:  # "," is no policy at all: an error, not the default
         options["policies"] = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if args.policy_depth is not None:
         options["policy_depth"] = args.policy_depth
     settings = ForwardSettings(
-        image_size=args.image_size, patch_size=args.patch_size, levels=args.levels, compile=bool(args.compile),
-        device=args.device, autocast_bf16=_bench_bf16(args), memory=None if args.memory in (None, True) else (),
-        timm_kwargs=_shrunk(args), **options,
+        image_size=args.image_size,
+        patch_size=args.patch_size,
+        levels=args.levels,
+        compile=bool(args.compile),
+        device=args.device,
+        autocast_bf16=_bench_bf16(args),
+        memory=None if args.memory in (None, True) else (),
+        timm_kwargs=_shrunk(args),
+        **options,
     )
     result = run_forward_benchmark(settings)
     print(format_report(result))
@@ -222,17 +291,38 @@ def _run_bench_train(args) -> int:
     from .bench.training import benchmark_config, format_train_report, run_train_benchmark
 
     config = benchmark_config(
-        model_name=args.model or "vit_tiny_patch16_224", timm_kwargs=_shrunk(args), image_size=args.image_size or 96,
-        patch_size=args.patch_size or 8, levels=args.levels or 3, batch_size=args.batch_size or 32,
-        **{k: v for k, v in (("policy_depth", args.policy_depth), ("policy_width", args.policy_width),
-                             ("teacher", args.teacher), ("teacher_every", args.teacher_every), ("epochs", args.epochs),
-                             ("train_samples", args.samples), ("val_samples", args.val_samples)) if v is not None},
+        model_name=args.model or "vit_tiny_patch16_224",
+        timm_kwargs=_shrunk(args),
+        image_size=args.image_size or 96,
+        patch_size=args.patch_size or 8,
+        levels=args.levels or 3,
+        batch_size=args.batch_size or 32,
+        **{
+            k: v
+            for k, v in (
+                ("policy_depth", args.policy_depth),
+                ("policy_width", args.policy_width),
+                ("teacher", args.teacher),
+                ("teacher_every", args.teacher_every),
+                ("epochs", args.epochs),
+                ("train_samples", args.samples),
+                ("val_samples", args.val_samples),
+            )
+            if v is not None
+        },
     )
     parts = tuple(p.strip() for p in (args.parts or "steps,ray").split(",") if p.strip())
     result = run_train_benchmark(
-        config, parts=parts, device=args.device, rounds=args.repeats or 6, ray_rounds=args.ray_rounds or 1,
-        threads=args.threads, skip_epochs=1 if args.skip_epochs is None else args.skip_epochs,
-        tracking=bool(args.tracking), storage=args.storage, autocast_bf16=_bench_bf16(args),
+        config,
+        parts=parts,
+        device=args.device,
+        rounds=args.repeats or 6,
+        ray_rounds=args.ray_rounds or 1,
+        threads=args.threads,
+        skip_epochs=1 if args.skip_epochs is None else args.skip_epochs,
+        tracking=bool(args.tracking),
+        storage=args.storage,
+        autocast_bf16=_bench_bf16(args),
     )
     print(format_train_report(result))
     write_json(args.json, result)
@@ -250,8 +340,13 @@ def _add_data(sub) -> None:
     prep.add_argument("--image-size", type=int, default=64, help="side of the stored images")
     prep.add_argument("--seed", type=int, default=0, help="dataset seed")
     prep.add_argument("--root", help="dataset folder (imagefolder, ade20k, Fashion-MNIST files) or shard URI (parquet)")
-    prep.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                      help="extra dataset option, repeatable (e.g. clutter_fraction=0.5)")
+    prep.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra dataset option, repeatable (e.g. clutter_fraction=0.5)",
+    )
     prep.add_argument("--limit", type=int, help="write only the first N items")
     prep.add_argument("--rows-per-shard", type=int, default=1000)
     prep.add_argument("--workers", type=int, default=0, help="DataLoader workers that decode items in parallel")
@@ -284,14 +379,22 @@ def _run_data_prepare(args) -> int:
         options["strict"] = True
     dataset = build_dataset(args.dataset, args.split, image_size=args.image_size, seed=args.seed, **options)
     result = write_shards(
-        dataset, args.out, args.rows_per_shard, limit=args.limit, strict=args.strict, overwrite=args.overwrite,
-        num_workers=args.workers, progress=sys.stderr.isatty(),
+        dataset,
+        args.out,
+        args.rows_per_shard,
+        limit=args.limit,
+        strict=args.strict,
+        overwrite=args.overwrite,
+        num_workers=args.workers,
+        progress=sys.stderr.isatty(),
         metadata={"dataset": args.dataset, "split": args.split, "seed": args.seed, "options": options},
     )
     payload = {"dataset": args.dataset, "split": args.split, **result.as_dict()}
     payload.pop("extra", None)
-    print(f"wrote {result.rows} rows ({result.task}) in {len(result.shards)} shards, {result.bytes} bytes, "
-          f"to {result.uri} in {result.seconds:.1f}s; skipped {result.skipped} corrupt")
+    print(
+        f"wrote {result.rows} rows ({result.task}) in {len(result.shards)} shards, {result.bytes} bytes, "
+        f"to {result.uri} in {result.seconds:.1f}s; skipped {result.skipped} corrupt"
+    )
     for path in result.skipped_files:
         print(f"  skipped: {path}")
     print(f"manifest: {result.manifest}")
@@ -305,17 +408,23 @@ def _run_data_push(args) -> int:
     if not is_s3(args.destination):
         raise ValueError(f"destination must be s3://bucket/prefix, got {args.destination!r}")
     result = upload_dir(args.source, args.destination)
-    print(f"pushed {result.files} files, {result.bytes} bytes, from {result.source} to {result.destination} "
-          f"in {result.seconds:.1f}s")
+    print(
+        f"pushed {result.files} files, {result.bytes} bytes, from {result.source} to {result.destination} "
+        f"in {result.seconds:.1f}s"
+    )
     write_json(args.json, result.as_dict())
     return 0
 
 
 # ---------------------------------------------------------------------- train / eval
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train an experiment with Ray Train (config YAML + key=value overrides), tracked in MLflow")
+    p = sub.add_parser(
+        "train", help="train an experiment with Ray Train (config YAML + key=value overrides), tracked in MLflow"
+    )
     p.add_argument("config", help="experiment YAML (e.g. jobs/configs/smoke.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.epochs=3 storage.name=run1")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.epochs=3 storage.name=run1"
+    )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--json", help="write final metrics, checkpoint URI and MLflow run id to this JSON file")
     p.set_defaults(func=_run_train)
@@ -333,7 +442,11 @@ def _run_train(args) -> int:
     print(preflight(config, ray_address=args.address).data_line)  # which data, from which folder
     # a TrainingError (a worker's error, unwrapped) or Ctrl-C/SIGTERM: main() prints one line
     result = run_training(config, ray_address=args.address)
-    keys = [k for k in ("accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s", "train_loss") if k in result.metrics]
+    keys = [
+        k
+        for k in ("accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s", "train_loss")
+        if k in result.metrics
+    ]
     if keys:
         _print_table([{"metric": k, "value": result.metrics[k]} for k in keys], ["metric", "value"])
     else:
@@ -346,15 +459,20 @@ def _run_train(args) -> int:
         print(f"mlflow model: {result.mlflow_model_uri}")
     write_json(args.json, result.to_dict())
     if result.status != "completed":
-        kept = (f"last good checkpoint {result.checkpoint_uri}" if result.checkpoint_uri
-                else "no epoch completed, so no checkpoint was kept")
+        kept = (
+            f"last good checkpoint {result.checkpoint_uri}"
+            if result.checkpoint_uri
+            else "no epoch completed, so no checkpoint was kept"
+        )
         print(f"splitvit train: error: run {result.status}: {result.message}; {kept}", file=sys.stderr)
         return 1
     return 0
 
 
 def _add_eval(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate a training checkpoint (local or s3://): accuracy or mIoU, tokens, images/s")
+    p = sub.add_parser(
+        "eval", help="evaluate a training checkpoint (local or s3://): accuracy or mIoU, tokens, images/s"
+    )
     p.add_argument("checkpoint", help="checkpoint folder or its model.pt, local or s3://bucket/...")
     p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
     p.add_argument("--policy", help="evaluate with this split policy instead of the checkpoint's")
@@ -372,12 +490,19 @@ def _run_eval(args) -> int:
 
     preflight_eval(args.checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
     result = evaluate_checkpoint(
-        args.checkpoint, thresholds=parse_thresholds(args.thresholds), policy=args.policy, split=args.split,
-        batch_size=args.batch_size, samples=args.samples, device=args.device,
+        args.checkpoint,
+        thresholds=parse_thresholds(args.thresholds),
+        policy=args.policy,
+        split=args.split,
+        batch_size=args.batch_size,
+        samples=args.samples,
+        device=args.device,
     )
     quality = "miou" if "miou" in result else "accuracy"
-    _print_table([{"metric": k, "value": result[k]} for k in (quality, "tokens_per_image", "token_ratio", "images_per_s")],
-                 ["metric", "value"])
+    _print_table(
+        [{"metric": k, "value": result[k]} for k in (quality, "tokens_per_image", "token_ratio", "images_per_s")],
+        ["metric", "value"],
+    )
     print(f"policy {result['policy']}, thresholds {result['thresholds']}, {result['images']} {args.split} images")
     write_json(args.json, result)
     return 0
@@ -385,17 +510,34 @@ def _run_eval(args) -> int:
 
 # ---------------------------------------------------------------------- sweep / pareto
 def _add_sweep(sub) -> None:
-    p = sub.add_parser("sweep", help="multi-objective sweep (Ray Tune + Optuna): accuracy up, tokens down; frontier in MLflow")
+    p = sub.add_parser(
+        "sweep", help="multi-objective sweep (Ray Tune + Optuna): accuracy up, tokens down; frontier in MLflow"
+    )
     p.add_argument("space", help="search space YAML (e.g. search_spaces/smoke.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="repeatable; a config key fixes that value (train.epochs=1), any other key sets the space's "
-                        "settings (search.num_samples=3, stage_two.points=2)")
-    p.add_argument("--name", help="the sweep's folder under the storage path (default: the space's name and a timestamp; "
-                                  "with --resume, the latest sweep of this space)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep (Tuner.restore): finished trials "
-                                                         "are not run again, MLflow runs are not duplicated")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="repeatable; a config key fixes that value (train.epochs=1), any other key sets the space's "
+        "settings (search.num_samples=3, stage_two.points=2)",
+    )
+    p.add_argument(
+        "--name",
+        help="the sweep's folder under the storage path (default: the space's name and a timestamp; "
+        "with --resume, the latest sweep of this space)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted sweep (Tuner.restore): finished trials "
+        "are not run again, MLflow runs are not duplicated",
+    )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--json", help="write every point, the frontier, the hypervolume and the MLflow ids to this JSON file")
+    p.add_argument(
+        "--json", help="write every point, the frontier, the hypervolume and the MLflow ids to this JSON file"
+    )
     p.set_defaults(func=_run_sweep)
 
 
@@ -413,23 +555,37 @@ def _frontier_table(points: list[dict[str, Any]], metric: str) -> None:
         shown[key], ties[key] = p, 0
     rows = []
     for key, p in shown.items():
-        row = {"tokens/image": p["tokens_per_image"], metric: p[metric], "token ratio": p["token_ratio"], "kind": p["kind"],
-               "trial": p["trial_id"], "eval thresholds": ",".join(f"{t:.3f}" for t in p.get("thresholds") or [])}
+        row = {
+            "tokens/image": p["tokens_per_image"],
+            metric: p[metric],
+            "token ratio": p["token_ratio"],
+            "kind": p["kind"],
+            "trial": p["trial_id"],
+            "eval thresholds": ",".join(f"{t:.3f}" for t in p.get("thresholds") or []),
+        }
         row.update({k: v for k, v in (p.get("params") or {}).items()})
         row["ties"] = f"+{ties[key]}" if ties[key] else ""
         speedup = (p.get("extras") or {}).get("speedup_vs_full")
         row["speed-up"] = f"{speedup:.2f}x" if speedup is not None else "-"
         rows.append(row)
     timed = any((p.get("extras") or {}).get("speedup_vs_full") is not None for p in points)
-    columns = ["tokens/image", metric, "token ratio", *(["speed-up"] if timed else []), "kind", "trial", "eval thresholds",
-               *params]
+    columns = [
+        "tokens/image",
+        metric,
+        "token ratio",
+        *(["speed-up"] if timed else []),
+        "kind",
+        "trial",
+        "eval thresholds",
+        *params,
+    ]
     _print_table(rows, columns + (["ties"] if any(ties.values()) else []))
 
 
 def _run_sweep(args) -> int:
-    from .tune import SweepError, run_sweep
-
     import ray
+
+    from .tune import SweepError, run_sweep
 
     # progress of the sweep (trials starting, epochs, trials finishing) is shown by default
     logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -450,10 +606,15 @@ def _run_sweep(args) -> int:
     for trial in result.trials:
         counts[trial.status] = counts.get(trial.status, 0) + 1
     print()
-    print(f"sweep {result.name}: {len(result.trials)} trials ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
-          f"{len(result.points)} points, {len(data['frontier'])} on the Pareto frontier")
-    print(f"hypervolume {result.hypervolume:.4f} (reference point: {metric} {result.reference_point['quality']:g}, "
-          f"token ratio {result.reference_point['token_ratio']:g})")
+    print(
+        f"sweep {result.name}: {len(result.trials)} trials "
+        f"({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
+        f"{len(result.points)} points, {len(data['frontier'])} on the Pareto frontier"
+    )
+    print(
+        f"hypervolume {result.hypervolume:.4f} (reference point: {metric} {result.reference_point['quality']:g}, "
+        f"token ratio {result.reference_point['token_ratio']:g})"
+    )
     print(f"\nPareto frontier ({metric} vs tokens per image; searched parameters as columns):")
     if data["frontier"]:
         _frontier_table(data["frontier"], metric)
@@ -462,9 +623,18 @@ def _run_sweep(args) -> int:
     if result.baselines:
         trial = result.baselines[0].get("trial_id", "?")
         print(f"\nbaselines on trial {trial}'s backbone, same data:")
-        _print_table([{"baseline": b["label"], "tokens/image": b["tokens_per_image"], metric: b["quality"],
-                       "token ratio": b["token_ratio"]} for b in result.baselines],
-                     ["baseline", "tokens/image", metric, "token ratio"])
+        _print_table(
+            [
+                {
+                    "baseline": b["label"],
+                    "tokens/image": b["tokens_per_image"],
+                    metric: b["quality"],
+                    "token ratio": b["token_ratio"],
+                }
+                for b in result.baselines
+            ],
+            ["baseline", "tokens/image", metric, "token ratio"],
+        )
     for trial in result.trials:
         if trial.status in ("failed", "diverged"):
             last = trial.error.strip().splitlines()[-1] if trial.error.strip() else ""
@@ -474,7 +644,10 @@ def _run_sweep(args) -> int:
     if result.split_map:
         print(f"split maps:     {result.split_map}")
     print(f"frontier table: {result.frontier_csv}")
-    print(f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), parent run {result.parent_run_id}")
+    print(
+        f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), "
+        f"parent run {result.parent_run_id}"
+    )
     command = result.mlflow_ui_command()
     if command.startswith("mlflow ui"):
         print(f"open the UI:    {command}")
@@ -490,24 +663,39 @@ def _run_sweep(args) -> int:
 
 
 def _add_study(sub) -> None:
-    p = sub.add_parser("study", help="the evidence study: SPLIT vs full resolution, all-coarse, entropy and random "
-                                     "splitting, trained alike, at matched token budgets, over seeds")
+    p = sub.add_parser(
+        "study",
+        help="the evidence study: SPLIT vs full resolution, all-coarse, entropy and random "
+        "splitting, trained alike, at matched token budgets, over seeds",
+    )
     p.add_argument("study", help="study YAML (e.g. search_spaces/study_fashion.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="repeatable; a config setting for every run (train.epochs=1, data.options.train_samples=512)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="repeatable; a config setting for every run (train.epochs=1, data.options.train_samples=512)",
+    )
     p.add_argument("--scale", help="apply the study file's scales.<SCALE> section (e.g. gpu: more data, epochs, GPUs)")
-    p.add_argument("--name", help="the study's folder under the storage path (default: study-<file>); an existing "
-                                  "study of this name is finished, not repeated")
+    p.add_argument(
+        "--name",
+        help="the study's folder under the storage path (default: study-<file>); an existing "
+        "study of this name is finished, not repeated",
+    )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--json", help="write the table (per method and token ratio: mean, std, min, max over seeds), the "
-                                  "per-run points, the goals and the speed comparison to this JSON file")
+    p.add_argument(
+        "--json",
+        help="write the table (per method and token ratio: mean, std, min, max over seeds), the "
+        "per-run points, the goals and the speed comparison to this JSON file",
+    )
     p.set_defaults(func=_run_study)
 
 
 def _run_study(args) -> int:
-    from .tune.study import run_study, summary_lines
-
     import ray
+
+    from .tune.study import run_study, summary_lines
 
     logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     ours = not ray.is_initialized()
@@ -518,13 +706,26 @@ def _run_study(args) -> int:
             ray.shutdown()
     metric = result.metric
     reused = sum(bool(r.get("reused")) for r in result.runs)
-    print(f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs"
-          f"{f' ({reused} finished earlier, reused)' if reused else ''}, {result.seconds / 60:.1f} min")
-    _print_table([{"method": r["method"], "target ratio": r["target_ratio"] if r["target_ratio"] is not None else "-",
-                   "token ratio": r["token_ratio"], "tokens/image": r["tokens_per_image"],
-                   metric: f"{r[metric]:.4f} ± {r[f'{metric}_std']:.4f}", "min": r[f"{metric}_min"], "max": r[f"{metric}_max"],
-                   "images/s": r["images_per_s"]} for r in result.rows],
-                 ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "images/s"])
+    print(
+        f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs"
+        f"{f' ({reused} finished earlier, reused)' if reused else ''}, {result.seconds / 60:.1f} min"
+    )
+    _print_table(
+        [
+            {
+                "method": r["method"],
+                "target ratio": r["target_ratio"] if r["target_ratio"] is not None else "-",
+                "token ratio": r["token_ratio"],
+                "tokens/image": r["tokens_per_image"],
+                metric: f"{r[metric]:.4f} ± {r[f'{metric}_std']:.4f}",
+                "min": r[f"{metric}_min"],
+                "max": r[f"{metric}_max"],
+                "images/s": r["images_per_s"],
+            }
+            for r in result.rows
+        ],
+        ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "images/s"],
+    )
     print()
     for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed):
         print(line)
@@ -547,17 +748,23 @@ def _run_pareto(args) -> int:
 
     data = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep)
     metric = data["metric"]
-    print(f"experiment {data['experiment']!r} (id {data['experiment_id']}, {data['tracking_uri']}): "
-          f"{len(data['sweeps'])} sweep(s), {len(data['points'])} points, {len(data['frontier'])} on the frontier, "
-          f"hypervolume {data['hypervolume']:.4f}")
+    print(
+        f"experiment {data['experiment']!r} (id {data['experiment_id']}, {data['tracking_uri']}): "
+        f"{len(data['sweeps'])} sweep(s), {len(data['points'])} points, {len(data['frontier'])} on the frontier, "
+        f"hypervolume {data['hypervolume']:.4f}"
+    )
     if data["frontier"]:
         _frontier_table(data["frontier"], metric)
         for speed in data.get("speed") or []:
-            print(f"speed-up: measured against the full-resolution model in the same run, on {speed['device']} "
-                  f"({speed['timing']}; sweep run {speed['sweep']})")
+            print(
+                f"speed-up: measured against the full-resolution model in the same run, on {speed['device']} "
+                f"({speed['timing']}; sweep run {speed['sweep']})"
+            )
         if not any((p.get("extras") or {}).get("speedup_vs_full") is not None for p in data["frontier"]):
-            print("speed-up: not recorded: the sweep(s) did not time their frontier (sweeps before frontier timing, "
-                  "or speed.enabled: false)")
+            print(
+                "speed-up: not recorded: the sweep(s) did not time their frontier (sweeps before frontier timing, "
+                "or speed.enabled: false)"
+            )
     write_json(args.json, data)
     return 0
 
@@ -567,27 +774,46 @@ def _add_submit(sub) -> None:
     from .cluster.submit import ENTRYPOINTS
 
     p = sub.add_parser(
-        "submit", help="run train/sweep/eval as a Ray job (JobSubmissionClient): upload this checkout, follow the log, "
-                       "exit with the job's status",
+        "submit",
+        help="run train/sweep/eval as a Ray job (JobSubmissionClient): upload this checkout, follow the log, "
+        "exit with the job's status",
         description="Options before ENTRY belong to submit; after it, the job's arguments, except submit's own "
-                    "--address, --working-dir, --env, --pip, --tracking-uri, --submission-id, --log-lines and "
-                    "--no-wait, which may come anywhere. Exit status: 0 succeeded, 1 failed or stopped, "
-                    "2 not submitted (no cluster, bad arguments).")
-    p.add_argument("--address", help="Ray dashboard/job server, http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, "
-                                     "$RAY_ADDRESS, else the local stack)")
+        "--address, --working-dir, --env, --pip, --tracking-uri, --submission-id, --log-lines and "
+        "--no-wait, which may come anywhere. Exit status: 0 succeeded, 1 failed or stopped, "
+        "2 not submitted (no cluster, bad arguments).",
+    )
+    p.add_argument(
+        "--address",
+        help="Ray dashboard/job server, http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, "
+        "$RAY_ADDRESS, else the local stack)",
+    )
     p.add_argument("--working-dir", default=".", help="the splitvit checkout to upload (default: .)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
-                   help="environment variable for the job, repeatable; KEY alone copies it from here")
-    p.add_argument("--pip", action="append", default=[], metavar="REQ", help="extra pip requirement for the job, repeatable")
-    p.add_argument("--tracking-uri", help="MLflow server the job logs to (default: $MLFLOW_TRACKING_URI, else the "
-                                          "local stack's when submitting there)")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="environment variable for the job, repeatable; KEY alone copies it from here",
+    )
+    p.add_argument(
+        "--pip", action="append", default=[], metavar="REQ", help="extra pip requirement for the job, repeatable"
+    )
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow server the job logs to (default: $MLFLOW_TRACKING_URI, else the "
+        "local stack's when submitting there)",
+    )
     p.add_argument("--submission-id", help="job id to use (default: Ray picks one)")
     p.add_argument("--log-lines", type=int, default=40, help="lines of the job's log shown when it fails")
     p.add_argument("--no-wait", action="store_true", help="submit, print the job id and return")
     p.add_argument("--json", help="write the job id, status and runtime environment to this JSON file")
     p.add_argument("entry", choices=list(ENTRYPOINTS), metavar="ENTRY", help="train, sweep or eval")
-    p.add_argument("job_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="the job's arguments, as for `splitvit ENTRY` (e.g. jobs/configs/smoke.yaml train.epochs=1)")
+    p.add_argument(
+        "job_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="the job's arguments, as for `splitvit ENTRY` (e.g. jobs/configs/smoke.yaml train.epochs=1)",
+    )
     p.set_defaults(func=_run_submit)
 
 
@@ -613,7 +839,9 @@ def _run_submit(args) -> int:
     def submitted(job_id: str, address: str) -> None:
         if args.no_wait:
             return
-        print(f"job {job_id} submitted to {address}; following its log (Ctrl-C stops following, not the job)", flush=True)
+        print(
+            f"job {job_id} submitted to {address}; following its log (Ctrl-C stops following, not the job)", flush=True
+        )
 
     def sink(chunk: str) -> None:
         sys.stdout.write(chunk)
@@ -621,9 +849,18 @@ def _run_submit(args) -> int:
 
     try:
         result = run_job(
-            args.entry, job_args, address=args.address, working_dir=args.working_dir, env=parse_env(args.env),
-            pip=args.pip, tracking_uri=args.tracking_uri, submission_id=args.submission_id, wait=not args.no_wait,
-            sink=sink, log_lines=args.log_lines, on_submitted=submitted,
+            args.entry,
+            job_args,
+            address=args.address,
+            working_dir=args.working_dir,
+            env=parse_env(args.env),
+            pip=args.pip,
+            tracking_uri=args.tracking_uri,
+            submission_id=args.submission_id,
+            wait=not args.no_wait,
+            sink=sink,
+            log_lines=args.log_lines,
+            on_submitted=submitted,
         )
     except JobFailed as exc:
         print(f"splitvit submit: error: {exc}", file=sys.stderr)
@@ -634,7 +871,9 @@ def _run_submit(args) -> int:
         print(f"splitvit submit: error{where}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\nstopped following; the job keeps running (`ray job status`, `ray job stop` with its id)", file=sys.stderr)
+        print(
+            "\nstopped following; the job keeps running (`ray job status`, `ray job stop` with its id)", file=sys.stderr
+        )
         return 130
     if args.no_wait:
         print(f"job {result.job_id} submitted to {result.address}")
@@ -648,7 +887,9 @@ def _run_submit(args) -> int:
 
 
 def _add_stack(sub) -> None:
-    p = sub.add_parser("stack", help="the local stack: a Ray head (dashboard, job server) and an MLflow server on 127.0.0.1")
+    p = sub.add_parser(
+        "stack", help="the local stack: a Ray head (dashboard, job server) and an MLflow server on 127.0.0.1"
+    )
     ssub = p.add_subparsers(dest="stack_command", required=True, metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", help="the stack's folder (default: $SPLITVIT_STACK_DIR, else ~/.splitvit/stack)")
@@ -663,7 +904,9 @@ def _add_stack(sub) -> None:
     upp.add_argument("--num-cpus", type=int, help="CPUs the Ray head advertises (default: detected)")
     upp.add_argument("--num-gpus", type=int, help="GPUs the Ray head advertises (default: detected)")
     upp.add_argument("--backend-store-uri", help="MLflow backend store (default: SQLite in the state folder)")
-    upp.add_argument("--artifacts-destination", help="where MLflow stores artifacts (default: a folder in the state folder)")
+    upp.add_argument(
+        "--artifacts-destination", help="where MLflow stores artifacts (default: a folder in the state folder)"
+    )
     upp.add_argument("--mlflow-workers", type=int, default=2)
     upp.add_argument("--ray-temp-dir", help="Ray's temp folder (default: <state dir>/ray)")
     upp.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for each component's health")
@@ -681,7 +924,10 @@ def _print_stack(status) -> None:
     if status.state is not None:
         s = status.state
         print(f"Ray dashboard and job server: {s.dashboard_url}   (GCS {s.gcs_address})")
-        print(f"MLflow:                       {s.mlflow_url}   (store {s.backend_store_uri}, artifacts {s.artifacts_destination})")
+        print(
+            f"MLflow:                       {s.mlflow_url}   "
+            f"(store {s.backend_store_uri}, artifacts {s.artifacts_destination})"
+        )
         print(f"runs folder:                  {s.storage_path}")
         print(f"logs:                         {s.logs_dir}")
         print(f"for ray job submit / MLflow:  source {Path(status.state_dir) / 'stack.env'}")
@@ -691,19 +937,30 @@ def _run_stack_up(args) -> int:
     from .cluster.stack import StackError, StackSettings, up
 
     settings = StackSettings(
-        state_dir=Path(args.state_dir) if args.state_dir else None, host=args.host, dashboard_port=args.dashboard_port,
-        mlflow_port=args.mlflow_port, ray_port=args.ray_port, client_port=args.client_port, agent_port=args.agent_port,
-        num_cpus=args.num_cpus, num_gpus=args.num_gpus, backend_store_uri=args.backend_store_uri,
-        artifacts_destination=args.artifacts_destination, mlflow_workers=args.mlflow_workers,
-        ray_temp_dir=Path(args.ray_temp_dir) if args.ray_temp_dir else None, timeout_s=args.timeout,
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+        host=args.host,
+        dashboard_port=args.dashboard_port,
+        mlflow_port=args.mlflow_port,
+        ray_port=args.ray_port,
+        client_port=args.client_port,
+        agent_port=args.agent_port,
+        num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
+        backend_store_uri=args.backend_store_uri,
+        artifacts_destination=args.artifacts_destination,
+        mlflow_workers=args.mlflow_workers,
+        ray_temp_dir=Path(args.ray_temp_dir) if args.ray_temp_dir else None,
+        timeout_s=args.timeout,
     )
     try:
         status = up(settings)
     except StackError as exc:
         print(f"splitvit stack up: error: {exc}", file=sys.stderr)
         return 1
-    print(f"stack {'already running' if status.already_running else 'up'} in {status.state_dir}: "
-          f"{'healthy' if status.healthy else 'NOT healthy'}")
+    print(
+        f"stack {'already running' if status.already_running else 'up'} in {status.state_dir}: "
+        f"{'healthy' if status.healthy else 'NOT healthy'}"
+    )
     _print_stack(status)
     write_json(args.json, status.to_dict())
     return 0 if status.healthy else 1
@@ -734,17 +991,34 @@ def _run_stack_status(args) -> int:
     if status.state is None:
         print(f"no stack runs in {status.state_dir} (start one with `splitvit stack up`)")
     else:
-        print(f"stack in {status.state_dir}: {'healthy' if status.healthy else 'NOT healthy'}, {status.processes} processes")
+        print(
+            f"stack in {status.state_dir}: {'healthy' if status.healthy else 'NOT healthy'}, "
+            f"{status.processes} processes"
+        )
         _print_stack(status)
     write_json(args.json, status.to_dict())
     return 0 if status.healthy else 1
 
 
-COMMANDS: list[Callable] = [_add_demo, _add_viz, _add_bench, _add_data, _add_train, _add_eval, _add_sweep, _add_study, _add_pareto, _add_submit, _add_stack]
+COMMANDS: list[Callable] = [
+    _add_demo,
+    _add_viz,
+    _add_bench,
+    _add_data,
+    _add_train,
+    _add_eval,
+    _add_sweep,
+    _add_study,
+    _add_pareto,
+    _add_submit,
+    _add_stack,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitvit", description="SPLIT: learned hierarchical patch splitting for ViTs")
+    parser = argparse.ArgumentParser(
+        prog="splitvit", description="SPLIT: learned hierarchical patch splitting for ViTs"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
@@ -794,7 +1068,9 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import as_interrupted, error_line, worker_traceback
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
+    )
     name = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
     previous = _handle_signals()
     try:

@@ -323,8 +323,9 @@ class ExperimentConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None, overrides: list[str] | None = None, *,
-                  default_name: str = "experiment") -> ExperimentConfig:
+    def from_dict(
+        cls, raw: dict[str, Any] | None, overrides: list[str] | None = None, *, default_name: str = "experiment"
+    ) -> ExperimentConfig:
         """A config from a plain dict plus ``key=value`` overrides, its types and ranges
         checked (:func:`validate`); not the checks that need the model or the data
         (:func:`splitvit.train.experiment.experiment_from_dict` adds them).
@@ -625,8 +626,11 @@ def validate(config: ExperimentConfig) -> None:
     require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
-    require(t.lr_warmup_steps is None or t.lr_warmup_steps >= 0, "train.lr_warmup_steps",
-            f"must be >= 0, got {t.lr_warmup_steps}")
+    require(
+        t.lr_warmup_steps is None or t.lr_warmup_steps >= 0,
+        "train.lr_warmup_steps",
+        f"must be >= 0, got {t.lr_warmup_steps}",
+    )
     require(t.lr_warmup_epochs >= 0, "train.lr_warmup_epochs", f"must be >= 0, got {t.lr_warmup_epochs}")
     require(t.max_failures >= -1, "train.max_failures", f"must be >= 0, or -1 for no limit, got {t.max_failures}")
     try:
@@ -635,8 +639,11 @@ def validate(config: ExperimentConfig) -> None:
         raise field_error(exc, [f.name for f in dataclasses.fields(SplitLossConfig)], "train.", "train") from None
     # --- data
     require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
-    require(d.eval_batch_size is None or d.eval_batch_size >= 1, "data.eval_batch_size",
-            f"must be >= 1, got {d.eval_batch_size}")
+    require(
+        d.eval_batch_size is None or d.eval_batch_size >= 1,
+        "data.eval_batch_size",
+        f"must be >= 1, got {d.eval_batch_size}",
+    )
     require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
     require(d.val_split in ("val", "test"), "data.val_split", f"must be val or test, got {d.val_split!r}")
     for key in d.options:
@@ -645,16 +652,28 @@ def validate(config: ExperimentConfig) -> None:
     require(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
     for key, value in s.resources_per_worker.items():
         require(value >= 0, f"scaling.resources_per_worker.{key}", f"must be >= 0, got {value}")
-    require(s.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "scaling.placement_strategy",
-            f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}")
+    require(
+        s.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        "scaling.placement_strategy",
+        f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}",
+    )
     # --- storage
     if st.is_remote:
-        require(st.path.startswith("s3://") and len(st.path) > len("s3://"), "storage.path",
-                f"must be a local folder or s3://bucket/prefix, got {st.path!r}")
-    require(bool(st.name) and "/" not in st.name and st.name not in (".", ".."), "storage.name",
-            f"must be a plain folder name (no '/'), got {st.name!r}")
-    require(st.num_to_keep is None or st.num_to_keep >= 1, "storage.num_to_keep",
-            f"must be >= 1 or null, got {st.num_to_keep}")
+        require(
+            st.path.startswith("s3://") and len(st.path) > len("s3://"),
+            "storage.path",
+            f"must be a local folder or s3://bucket/prefix, got {st.path!r}",
+        )
+    require(
+        bool(st.name) and "/" not in st.name and st.name not in (".", ".."),
+        "storage.name",
+        f"must be a plain folder name (no '/'), got {st.name!r}",
+    )
+    require(
+        st.num_to_keep is None or st.num_to_keep >= 1,
+        "storage.num_to_keep",
+        f"must be >= 1 or null, got {st.num_to_keep}",
+    )
     # --- tracking
     require(bool(tr.experiment), "tracking.experiment", "must not be empty")
     require(tr.split_map_images >= 0, "tracking.split_map_images", f"must be >= 0, got {tr.split_map_images}")
@@ -664,15 +683,24 @@ def validate(config: ExperimentConfig) -> None:
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
     if m.checkpoint_path is not None:
-        require(Path(m.checkpoint_path).expanduser().is_file(), "model.checkpoint_path",
-                f"file {m.checkpoint_path} does not exist")
+        require(
+            Path(m.checkpoint_path).expanduser().is_file(),
+            "model.checkpoint_path",
+            f"file {m.checkpoint_path} does not exist",
+        )
     if m.init_from is not None and "://" not in m.init_from:
         local = Path(m.init_from).expanduser()
-        require((local / "model.pt").is_file() or local.is_file(), "model.init_from",
-                f"no splitvit checkpoint at {m.init_from} (a checkpoint folder holding model.pt, or the file)")
+        require(
+            (local / "model.pt").is_file() or local.is_file(),
+            "model.init_from",
+            f"no splitvit checkpoint at {m.init_from} (a checkpoint folder holding model.pt, or the file)",
+        )
     if isinstance(m.thresholds, str):
-        require(m.thresholds == AUTO_THRESHOLDS, "model.thresholds",
-                f"must be numbers in [0, 1] or {AUTO_THRESHOLDS!r}, got {m.thresholds!r}")
+        require(
+            m.thresholds == AUTO_THRESHOLDS,
+            "model.thresholds",
+            f"must be numbers in [0, 1] or {AUTO_THRESHOLDS!r}, got {m.thresholds!r}",
+        )
 
 
 # ---------------------------------------------------------------------- flattening
@@ -707,7 +735,9 @@ def redact_uri(uri: str) -> str:
     match = _URI_USERINFO.match(uri)
     if match:
         user = match.group("userinfo").split(":", 1)[0]
-        uri = f"{match.group('scheme')}{user}:{REDACTED}@{uri[match.end():]}" if ":" in match.group("userinfo") else uri
+        uri = (
+            f"{match.group('scheme')}{user}:{REDACTED}@{uri[match.end() :]}" if ":" in match.group("userinfo") else uri
+        )
 
     def masked(m: re.Match) -> str:
         return m.group("name") + (REDACTED if is_secret_key(m.group("key")) else m.group("value"))

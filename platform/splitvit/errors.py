@@ -24,10 +24,16 @@ from typing import Any
 
 #: Ray's wrapper exceptions, by class name (anywhere in the class's MRO, so the
 #: ``RayTaskError(ValueError)`` classes Ray makes with ``as_instanceof_cause`` count)
-RAY_WRAPPERS = frozenset({
-    "TrainingFailedError", "WorkerGroupError", "ControllerError", "UserExceptionWithTraceback",
-    "RayTaskError", "TuneError",
-})
+RAY_WRAPPERS = frozenset(
+    {
+        "TrainingFailedError",
+        "WorkerGroupError",
+        "ControllerError",
+        "UserExceptionWithTraceback",
+        "RayTaskError",
+        "TuneError",
+    }
+)
 #: the project's own wrappers: their message says what failed, the cause why
 PROJECT_WRAPPERS = frozenset({"TrainingError", "TrialFailed"})
 

@@ -179,7 +179,8 @@ class ForwardSettings:
         unknown = [p for p in policies if p not in BENCH_POLICIES]
         if unknown or not policies:
             raise ValueError(
-                f"policies: unknown {unknown or 'none given'}; expected some of {', '.join(BENCH_POLICIES)}")
+                f"policies: unknown {unknown or 'none given'}; expected some of {', '.join(BENCH_POLICIES)}"
+            )
         if self.policy_width is None:  # learned and learned_shared would be the same model
             policies = tuple(p for p in policies if p != "learned_shared") or ("learned",)
         if any(b < 1 for b in self.buckets):
@@ -262,8 +263,9 @@ def build_benchmark_models(
     for key in policies:
         name = "learned" if key.startswith("learned") else key
         width = policy_width if key == "learned" else None
-        first = SplitViT(vit, levels=levels, policy=name, policy_depth=policy_depth, policy_width=width,
-                         token_buckets=token_buckets).eval()
+        first = SplitViT(
+            vit, levels=levels, policy=name, policy_depth=policy_depth, policy_width=width, token_buckets=token_buckets
+        ).eval()
         models[key] = first
         for b in buckets:
             models[f"{key}_padded_b{b}"] = SplitViT(
@@ -310,10 +312,24 @@ class _Workload:
 
 def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
     """Step 1: the ViT, its SplitViT variants and the images, on ``dev``."""
-    vit, levels = benchmark_vit(s.model_name, image_size=s.image_size, patch_size=s.patch_size, levels=s.levels,
-                                timm_kwargs=s.timm_kwargs, num_classes=s.num_classes, seed=s.seed)
-    models = build_benchmark_models(vit, levels=levels, policies=s.policies, policy_width=s.policy_width,
-                                    policy_depth=s.policy_depth, buckets=s.buckets, token_buckets=s.token_buckets)
+    vit, levels = benchmark_vit(
+        s.model_name,
+        image_size=s.image_size,
+        patch_size=s.patch_size,
+        levels=s.levels,
+        timm_kwargs=s.timm_kwargs,
+        num_classes=s.num_classes,
+        seed=s.seed,
+    )
+    models = build_benchmark_models(
+        vit,
+        levels=levels,
+        policies=s.policies,
+        policy_width=s.policy_width,
+        policy_depth=s.policy_depth,
+        buckets=s.buckets,
+        token_buckets=s.token_buckets,
+    )
     vit.to(dev)
     for m in models.values():
         m.to(dev)
@@ -375,11 +391,18 @@ def _operating_points(work: _Workload, s: ForwardSettings) -> tuple[dict[str, di
             key = point_key(policy, ratio)
             tau = [float(t) for t in calibrate_thresholds(model, images, ratio)]
             stats = _token_stats(model(images, thresholds=tau), full_tokens)
-            padded = {b: _token_stats(models[f"{policy}_padded_b{b}"](images, thresholds=tau), full_tokens)
-                      for b in s.buckets}
-            points[key] = {"key": key, "policy": policy, "target_ratio": ratio, "thresholds": tau,
-                           "token_ratio": stats["fraction"], "tokens": stats,
-                           "padded_tokens": {f"b{b}": t for b, t in padded.items()}}
+            padded = {
+                b: _token_stats(models[f"{policy}_padded_b{b}"](images, thresholds=tau), full_tokens) for b in s.buckets
+            }
+            points[key] = {
+                "key": key,
+                "policy": policy,
+                "target_ratio": ratio,
+                "thresholds": tau,
+                "token_ratio": stats["fraction"],
+                "tokens": stats,
+                "padded_tokens": {f"b{b}": t for b, t in padded.items()},
+            }
             inputs[key] = model.encoder_inputs(images, thresholds=tau)
             log.info("bench: %s thresholds %s, %.1f tokens per image", key, tau, stats["mean"])
     diff = float((work.vit(images).float() - models["split_full"](images).logits.float()).abs().max())
@@ -409,12 +432,15 @@ def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings
     vit, models, images = work.vit, work.models, work.images
     num_prefix, dim, batch = vit.num_prefix_tokens, vit.embed_dim, images.shape[0]
     gen = torch.Generator().manual_seed(s.seed + 1)
-    lengths = sorted({work.geometry.full_tokens, *(max(1, round(p["tokens"]["mean"])) for p in points.values())},
-                     reverse=True)
+    lengths = sorted(
+        {work.geometry.full_tokens, *(max(1, round(p["tokens"]["mean"])) for p in points.values())}, reverse=True
+    )
     sequences = {n: torch.randn(batch, num_prefix + n, dim, generator=gen).to(images.device) for n in lengths}
     timm_vit, encode = work.runners["timm"], work.runners["sequence"]
-    fns: dict[str, Callable[[], Any]] = {"timm": lambda: timm_vit(images),
-                                         "split_full": lambda: models["split_full"](images)}
+    fns: dict[str, Callable[[], Any]] = {
+        "timm": lambda: timm_vit(images),
+        "split_full": lambda: models["split_full"](images),
+    }
     # the factories bind each loop variable now, not at call time
     for n, seq in sequences.items():
         fns[f"seq/{n}"] = (lambda q: lambda: encode(vit, q))(seq)
@@ -437,7 +463,8 @@ def _time_points(work: _Workload, points, encoder_inputs, s: ForwardSettings) ->
     log.info("bench: timing %d callables, %d warm-up + %d rounds", len(fns), s.warmup, s.repeats)
     with torch.inference_mode(), s.autocast():
         samples, cpu_samples, others_cores = time_beside_others(
-            fns, repeats=s.repeats, warmup=s.warmup, sync=synchronizer(work.device))
+            fns, repeats=s.repeats, warmup=s.warmup, sync=synchronizer(work.device)
+        )
     timings = {name: timing_summary(t, cpu_samples[name], s.batch_size) for name, t in samples.items()}
     for point in points.values():
         _summarise_point(point, timings, s.buckets)
@@ -477,16 +504,19 @@ def _point_memory(work: _Workload, points, s: ForwardSettings) -> dict[str, Any]
     methods = s.memory_methods()
     if not methods:
         return {}
-    probes: dict[str, tuple[nn.Module, str]] = {"timm": (work.vit, "timm"),
-                                                "split_full": (work.models["split_full"], "split")}
+    probes: dict[str, tuple[nn.Module, str]] = {
+        "timm": (work.vit, "timm"),
+        "split_full": (work.models["split_full"], "split"),
+    }
     for point in points.values():
         if point["target_ratio"] == s.ratios[0]:
             model = work.models[point["policy"]]
             model.set_thresholds(point["thresholds"])  # the probe runs the model with its own thresholds
             probes[point["key"]] = (model, "split")
     log.info("bench: measuring memory of %d models by %s", len(probes), ", ".join(methods))
-    return measure_memory(probes, work.images, methods=methods, bf16=s.autocast_bf16,
-                          parallel=s.memory_parallel or os.cpu_count() or 1)
+    return measure_memory(
+        probes, work.images, methods=methods, bf16=s.autocast_bf16, parallel=s.memory_parallel or os.cpu_count() or 1
+    )
 
 
 # ---------------------------------------------------------------------- targets
@@ -504,21 +534,46 @@ def _forward_targets(points, timed: _Timed, speed_bounds: dict[float, float]) ->
     def per_round(num: str, den: str, offset: float = 0.0) -> list[float]:
         return [a / b + offset for a, b in zip(samples[num], samples[den])]
 
-    targets = [make_target("a", "overhead of SplitViT(full) vs timm ViT", timed.overhead, "<=", OVERHEAD_TARGET,
-                           "percent", rounds=per_round("split_full", "timm", -1.0))]
+    targets = [
+        make_target(
+            "a",
+            "overhead of SplitViT(full) vs timm ViT",
+            timed.overhead,
+            "<=",
+            OVERHEAD_TARGET,
+            "percent",
+            rounds=per_round("split_full", "timm", -1.0),
+        )
+    ]
     for point in points.values():
         if point["policy"] != "learned":
             continue
         key, ratio, share = point["key"], point["target_ratio"], f"{point['token_ratio']:.0%}"
         bound = next((b for r, b in speed_bounds.items() if math.isclose(r, ratio)), None)
         if bound is not None:
-            targets.append(make_target(
-                "b", f"learned@{share} tokens: img/s vs timm ViT", point["speedup_vs_timm"], ">=", bound,
-                "times", note=f"ideal {point['ideal_speedup']:.2f}x", rounds=per_round("timm", key)))
-        targets.append(make_target(
-            "c", f"learned@{share} tokens: time outside the ViT blocks", point["outside_blocks_share"],
-            "<=", OUTSIDE_BLOCKS_TARGET, "percent",
-            rounds=[(t - e) / t for t, e in zip(samples[key], samples[f"{key}/encoder"])]))
+            targets.append(
+                make_target(
+                    "b",
+                    f"learned@{share} tokens: img/s vs timm ViT",
+                    point["speedup_vs_timm"],
+                    ">=",
+                    bound,
+                    "times",
+                    note=f"ideal {point['ideal_speedup']:.2f}x",
+                    rounds=per_round("timm", key),
+                )
+            )
+        targets.append(
+            make_target(
+                "c",
+                f"learned@{share} tokens: time outside the ViT blocks",
+                point["outside_blocks_share"],
+                "<=",
+                OUTSIDE_BLOCKS_TARGET,
+                "percent",
+                rounds=[(t - e) / t for t, e in zip(samples[key], samples[f"{key}/encoder"])],
+            )
+        )
     return targets
 
 
@@ -526,9 +581,11 @@ def _load_warnings(others_cores: float | None) -> list[str]:
     """A warning when other processes competed for the cores while timing."""
     if others_cores is None or others_cores <= OTHER_LOAD_WARNING:
         return []
-    return [f"other processes used {others_cores:.2f} of the {os.cpu_count()} CPUs on average while the models "
-            f"were timed: wall-clock timings are noisy; see the fastest-round and CPU-time ratios, and rerun on an "
-            f"idle machine"]
+    return [
+        f"other processes used {others_cores:.2f} of the {os.cpu_count()} CPUs on average while the models "
+        f"were timed: wall-clock timings are noisy; see the fastest-round and CPU-time ratios, and rerun on an "
+        f"idle machine"
+    ]
 
 
 # ---------------------------------------------------------------------- result
@@ -594,12 +651,17 @@ def run_forward_benchmark(settings: ForwardSettings | None = None) -> dict[str, 
     timings = timed.timings
     return {
         "config": _config_record(s, work),
-        "machine": {**machine_info(dev), "load_average_start": load_start,
-                    "other_processes_cpus_during_timing": timed.others_cores},
+        "machine": {
+            **machine_info(dev),
+            "load_average_start": load_start,
+            "other_processes_cpus_during_timing": timed.others_cores,
+        },
         "timings": timings,
         "points": list(points.values()),
-        "overhead": {"split_full_vs_timm": timed.overhead,
-                     "fastest": timings["split_full"]["min_s"] / timings["timm"]["min_s"] - 1.0},
+        "overhead": {
+            "split_full_vs_timm": timed.overhead,
+            "fastest": timings["split_full"]["min_s"] / timings["timm"]["min_s"] - 1.0,
+        },
         "warnings": _load_warnings(timed.others_cores),
         "memory": memory,
         "checks": {"split_full_vs_timm_max_abs_logit_diff": full_diff},
@@ -650,8 +712,16 @@ def _report_header(cfg: dict[str, Any], mach: dict[str, Any]) -> list[str]:
 def _timings_lines(timings: dict[str, dict[str, Any]]) -> list[str]:
     """One row per timed callable: median, range, images/s, ratio to timm."""
     base = timings["timm"]["median_s"]
-    rows = [[_timing_label(name), f"{t['median_s'] * 1e3:.1f}", f"{t['min_s'] * 1e3:.1f}-{t['max_s'] * 1e3:.1f}",
-             f"{t['images_per_s']:.1f}", f"{base / t['median_s']:.2f}x"] for name, t in timings.items()]
+    rows = [
+        [
+            _timing_label(name),
+            f"{t['median_s'] * 1e3:.1f}",
+            f"{t['min_s'] * 1e3:.1f}-{t['max_s'] * 1e3:.1f}",
+            f"{t['images_per_s']:.1f}",
+            f"{base / t['median_s']:.2f}x",
+        ]
+        for name, t in timings.items()
+    ]
     return text_table(["timed", "ms/batch", "min-max ms", "img/s", "vs timm"], rows)
 
 
@@ -662,29 +732,55 @@ def _points_lines(result: dict[str, Any]) -> list[str]:
     parts = ("policy", "embedding_gather_head", "attention_packing", "blocks_fixed_length")
     for p in result["points"]:
         b, tokens = p["breakdown_s"], p["tokens"]
-        rows.append([
-            p["policy"], f"{p['target_ratio']:.2f}", f"{tokens['mean']:.1f} ({tokens['min']}-{tokens['max']})",
-            f"{p['token_ratio']:.3f}", f"{p['images_per_s']:.1f}", f"{p['speedup_vs_timm']:.2f}x",
-            f"{p['ideal_speedup']:.2f}x", f"{p['efficiency']:.0%}", f"{p['outside_blocks_share']:.1%}",
-            " / ".join(f"{b[k] * 1e3:.1f}" for k in parts),
-            ", ".join(f"{k} {v:.2f}x" for k, v in p["padded_speedup_vs_timm"].items()),
-        ])
-    lines = text_table(["policy", "ratio", "tokens/img (min-max)", "token ratio", "img/s", "vs timm", "ideal",
-                        "of ideal", "outside blocks", "ms: policy / embed+gather+head / attn+packing / blocks",
-                        "padded"], rows)
+        rows.append(
+            [
+                p["policy"],
+                f"{p['target_ratio']:.2f}",
+                f"{tokens['mean']:.1f} ({tokens['min']}-{tokens['max']})",
+                f"{p['token_ratio']:.3f}",
+                f"{p['images_per_s']:.1f}",
+                f"{p['speedup_vs_timm']:.2f}x",
+                f"{p['ideal_speedup']:.2f}x",
+                f"{p['efficiency']:.0%}",
+                f"{p['outside_blocks_share']:.1%}",
+                " / ".join(f"{b[k] * 1e3:.1f}" for k in parts),
+                ", ".join(f"{k} {v:.2f}x" for k, v in p["padded_speedup_vs_timm"].items()),
+            ]
+        )
+    lines = text_table(
+        [
+            "policy",
+            "ratio",
+            "tokens/img (min-max)",
+            "token ratio",
+            "img/s",
+            "vs timm",
+            "ideal",
+            "of ideal",
+            "outside blocks",
+            "ms: policy / embed+gather+head / attn+packing / blocks",
+            "padded",
+        ],
+        rows,
+    )
     diff = result["checks"]["split_full_vs_timm_max_abs_logit_diff"]
-    return lines + [f"ideal = {result['ideal_definition']}", f"time breakdown: {result['breakdown_definition']}",
-                    f"check: SplitViT(full) vs timm max |logit diff| = {diff:.3g}"]
+    return lines + [
+        f"ideal = {result['ideal_definition']}",
+        f"time breakdown: {result['breakdown_definition']}",
+        f"check: SplitViT(full) vs timm max |logit diff| = {diff:.3g}",
+    ]
 
 
 def _targets_lines(result: dict[str, Any]) -> list[str]:
     """The targets marked PASS or MISS, the checks beside the medians, and warnings."""
     points = result["points"]
     lines = target_table(result["targets"])
-    lines.append("checks on the medians: speed-up vs timm from each model's fastest round: "
-                 + ", ".join(f"{p['key']} {p['speedup_fastest']:.2f}x" for p in points)
-                 + "; from median process CPU time: "
-                 + ", ".join(f"{p['key']} {p['speedup_cpu_time']:.2f}x" for p in points))
+    lines.append(
+        "checks on the medians: speed-up vs timm from each model's fastest round: "
+        + ", ".join(f"{p['key']} {p['speedup_fastest']:.2f}x" for p in points)
+        + "; from median process CPU time: "
+        + ", ".join(f"{p['key']} {p['speedup_cpu_time']:.2f}x" for p in points)
+    )
     return lines + [f"WARNING: {warning}" for warning in result.get("warnings", [])]
 
 
@@ -693,8 +789,11 @@ def _memory_lines(mem: dict[str, Any], ratio: float) -> list[str]:
     without memory figures."""
     if not mem.get("models"):
         return []
-    columns = [(key, label) for key, label in (("rss_growth", "rss"), ("profiler_peak", "profiler"),
-                                               ("cuda_growth", "cuda")) if label in mem["methods"]]
+    columns = [
+        (key, label)
+        for key, label in (("rss_growth", "rss"), ("profiler_peak", "profiler"), ("cuda_growth", "cuda"))
+        if label in mem["methods"]
+    ]
     base = mem["models"].get("timm", {})
     rows = []
     for name, m in mem["models"].items():

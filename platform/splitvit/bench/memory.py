@@ -135,8 +135,13 @@ def _cpu_memory(models: Probes, images: torch.Tensor, bf16: bool, parallel: int)
         for name, path in jobs:
             while len(running) >= max(parallel, 1):
                 finish(*running.pop(0))
-            proc = subprocess.Popen([sys.executable, "-c", _PROBE_CODE, str(path)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _PROBE_CODE, str(path)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
             running.append((name, proc))
         for name, proc in running:
             finish(name, proc)
@@ -185,17 +190,22 @@ def _profiler_memory(models: Probes, images: torch.Tensor, bf16: bool) -> dict[s
 
 MEMORY_METHODS = {
     "rss": "peak RSS (VmHWM, reset via /proc/self/clear_refs) during one batch forward minus RSS before it, "
-           "one fresh subprocess per model after a one-image warm-up",
+    "one fresh subprocess per model after a one-image warm-up",
     "rss_fallback": "ru_maxrss growth during one batch forward, fresh subprocess per model (a lower bound: "
-                    "the peak counter could not be reset)",
+    "the peak counter could not be reset)",
     "profiler": "peak of live torch CPU tensor allocations during one batch forward (torch.profiler "
-                "profile_memory events, running sum in time order), in process",
+    "profile_memory events, running sum in time order), in process",
     "cuda": "torch.cuda.max_memory_allocated during one batch forward minus memory_allocated before it",
 }
 
 
 def measure_memory(
-    probes: Probes, images: torch.Tensor, *, methods: tuple[str, ...], bf16: bool = False, parallel: int = 1,
+    probes: Probes,
+    images: torch.Tensor,
+    *,
+    methods: tuple[str, ...],
+    bf16: bool = False,
+    parallel: int = 1,
 ) -> dict[str, Any]:
     """Peak forward memory of each model by each of ``methods`` (``rss``, ``profiler``
     on CPU; ``cuda`` on a GPU). Returns ``{"methods": {...}, "models": {name: {method: bytes}}}``."""
@@ -216,8 +226,9 @@ def measure_memory(
             res = _cuda_memory(probes, images, bf16, images.device)
             out["methods"]["cuda"] = MEMORY_METHODS["cuda"]
             for name, r in res.items():
-                out["models"][name].update(cuda_growth=r["growth"], cuda_peak=r["peak_allocated"],
-                                           cuda_before=r["allocated_before"])
+                out["models"][name].update(
+                    cuda_growth=r["growth"], cuda_peak=r["peak_allocated"], cuda_before=r["allocated_before"]
+                )
         else:
             raise ValueError(f"unknown memory method {method!r}; expected rss, profiler or cuda")
         log.info("bench: memory measured by %s", method)

@@ -16,15 +16,29 @@ TARGET_HEADER = ["", "target", "measured", "bound", "", "per-round IQR", "note"]
 
 
 def make_target(
-    key: str, what: str, value: float, op: str, bound: float, unit: str, note: str = "",
+    key: str,
+    what: str,
+    value: float,
+    op: str,
+    bound: float,
+    unit: str,
+    note: str = "",
     rounds: list[float] | None = None,
 ) -> dict[str, Any]:
     """One target, judged on ``value`` (a ratio of medians). ``rounds`` are the same
     ratio within each interleaved round; their quartiles show how well one run
     resolves the figure."""
     passed = value <= bound if op == "<=" else value >= bound
-    out = {"key": key, "what": what, "value": value, "op": op, "bound": bound, "unit": unit, "passed": bool(passed),
-           "note": note}
+    out = {
+        "key": key,
+        "what": what,
+        "value": value,
+        "op": op,
+        "bound": bound,
+        "unit": unit,
+        "passed": bool(passed),
+        "note": note,
+    }
     if rounds:
         out["per_round"] = {**quartiles(rounds), "values": rounds}
     return out
@@ -41,8 +55,11 @@ def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def format_value(t: dict[str, Any]) -> str:
     """A target's measured value as the report prints it."""
-    return f"{t['value']:+.1%}" if t["unit"] == "percent" and t["key"] == "a" else (
-        f"{t['value']:.1%}" if t["unit"] == "percent" else f"{t['value']:.2f}x")
+    return (
+        f"{t['value']:+.1%}"
+        if t["unit"] == "percent" and t["key"] == "a"
+        else (f"{t['value']:.1%}" if t["unit"] == "percent" else f"{t['value']:.2f}x")
+    )
 
 
 def format_spread(t: dict[str, Any]) -> str:
@@ -63,8 +80,18 @@ def format_bound(t: dict[str, Any]) -> str:
 
 def target_table(targets: list[dict[str, Any]]) -> list[str]:
     """The targets as table lines: measured value, bound, PASS or MISS, per-round IQR, note."""
-    rows = [[t["key"], t["what"], format_value(t), format_bound(t), "PASS" if t["passed"] else "MISS", format_spread(t),
-             t["note"]] for t in targets]
+    rows = [
+        [
+            t["key"],
+            t["what"],
+            format_value(t),
+            format_bound(t),
+            "PASS" if t["passed"] else "MISS",
+            format_spread(t),
+            t["note"],
+        ]
+        for t in targets
+    ]
     return text_table(TARGET_HEADER, rows)
 
 

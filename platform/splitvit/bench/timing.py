@@ -93,7 +93,11 @@ def time_interleaved(
 
 
 def time_beside_others(
-    fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int, sync: Callable[[], None] = lambda: None,
+    fns: dict[str, Callable[[], Any]],
+    *,
+    repeats: int,
+    warmup: int,
+    sync: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], float | None]:
     """:func:`time_interleaved` with per-call CPU seconds, and the CPU cores that other
     processes used on average meanwhile (``None`` without ``/proc/stat``): the check
@@ -112,8 +116,15 @@ def timing_summary(samples: list[float], cpu_samples: list[float], batch_size: i
     """One timed callable's figures: median/min/max seconds, images/s at the median,
     the raw samples, and the process CPU seconds per call."""
     median = statistics.median(samples)
-    return {"median_s": median, "min_s": min(samples), "max_s": max(samples), "images_per_s": batch_size / median,
-            "samples_s": samples, "cpu_median_s": statistics.median(cpu_samples), "cpu_samples_s": cpu_samples}
+    return {
+        "median_s": median,
+        "min_s": min(samples),
+        "max_s": max(samples),
+        "images_per_s": batch_size / median,
+        "samples_s": samples,
+        "cpu_median_s": statistics.median(cpu_samples),
+        "cpu_samples_s": cpu_samples,
+    }
 
 
 def quartiles(values: list[float]) -> dict[str, float]:

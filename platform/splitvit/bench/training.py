@@ -134,13 +134,31 @@ def benchmark_config(
     SplitViT on the synthetic object-among-clutter task, one warm-up epoch then the
     learned policy; validated like any experiment config."""
     raw = {
-        "model": {"name": model_name, "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},
-                  "image_size": image_size, "levels": levels, "policy": "learned", "policy_depth": policy_depth,
-                  "policy_width": policy_width, "thresholds": AUTO_THRESHOLDS, "num_classes": num_classes},
-        "data": {"name": "synthetic", "options": {"train_samples": train_samples, "val_samples": val_samples},
-                 "batch_size": batch_size, "seed": seed},
-        "train": {"epochs": epochs, "target_ratio": target_ratio, "warmup_epochs": 1, "amp": False,
-                  "teacher": teacher, "teacher_every": teacher_every},
+        "model": {
+            "name": model_name,
+            "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},
+            "image_size": image_size,
+            "levels": levels,
+            "policy": "learned",
+            "policy_depth": policy_depth,
+            "policy_width": policy_width,
+            "thresholds": AUTO_THRESHOLDS,
+            "num_classes": num_classes,
+        },
+        "data": {
+            "name": "synthetic",
+            "options": {"train_samples": train_samples, "val_samples": val_samples},
+            "batch_size": batch_size,
+            "seed": seed,
+        },
+        "train": {
+            "epochs": epochs,
+            "target_ratio": target_ratio,
+            "warmup_epochs": 1,
+            "amp": False,
+            "teacher": teacher,
+            "teacher_every": teacher_every,
+        },
         "tracking": {"enabled": False},
         "storage": {"name": "bench-train"},
     }
@@ -162,7 +180,10 @@ def _first_batch(config: ExperimentConfig) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------- part A
 @torch.no_grad()
 def aim_learned_policy(
-    model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30,
+    model: SplitViT,
+    images: torch.Tensor,
+    target_ratio: float,
+    iterations: int = 30,
 ) -> dict[str, Any]:
     """Shift the learned policy's output biases by one offset so that its expected
     token count on ``images`` is ``target_ratio`` of ``N_full`` (bisection: a larger
@@ -180,8 +201,9 @@ def aim_learned_policy(
         return float(expected_tokens(model.split_scores(images)).mean()) / full_tokens
 
     if not lasts or len(lasts) != len(heads):
-        log.warning("bench train: the learned policy has no per-level linear output; "
-                    "its operating point is left as it is")
+        log.warning(
+            "bench train: the learned policy has no per-level linear output; its operating point is left as it is"
+        )
         return {"offset": None, "expected_ratio": ratio()}
     base = [linear.bias.detach().clone() for linear in lasts]
 
@@ -201,8 +223,13 @@ def aim_learned_policy(
     return {"offset": offset, "expected_ratio": set_offset(offset)}
 
 
-def _optimizer_step(params: list[nn.Parameter], compute: Callable[[], tuple[torch.Tensor, dict[str, float]]],
-                    grad_clip: float, weight_decay: float, record: list[dict[str, float]]) -> Callable[[], None]:
+def _optimizer_step(
+    params: list[nn.Parameter],
+    compute: Callable[[], tuple[torch.Tensor, dict[str, float]]],
+    grad_clip: float,
+    weight_decay: float,
+    record: list[dict[str, float]],
+) -> Callable[[], None]:
     """One whole optimisation step as the training loops run it, with its own AdamW
     (learning rate 0: the weights, and so the operating point, stay put)."""
     optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=weight_decay)
@@ -263,14 +290,31 @@ def _build_step_workload(config: ExperimentConfig, dev: torch.device) -> _StepWo
     model = build_model(mc).to(dev).train()
     if not model.policy.learned:
         raise ValueError(f"part A needs model.policy learned, got {mc.policy!r}")
-    full = SplitViT(model.vit, levels=mc.levels, policy="full", image_size=mc.image_size, task=mc.task,
-                    policy_depth=mc.policy_depth).to(dev).train()
+    full = (
+        SplitViT(
+            model.vit,
+            levels=mc.levels,
+            policy="full",
+            image_size=mc.image_size,
+            task=mc.task,
+            policy_depth=mc.policy_depth,
+        )
+        .to(dev)
+        .train()
+    )
     images, target = (t.to(dev) for t in _first_batch(config))
     loss_cfg = SplitLossConfig(**{**tc.loss_config().__dict__, "warmup_epochs": _WARMUP_EPOCHS})
     aim = aim_learned_policy(model, images, tc.target_ratio)
     log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.target_ratio, aim)
-    return _StepWorkload(model=model, full=full, images=images, target=target, loss_cfg=loss_cfg, aim=aim,
-                         full_tokens=model.geometry_for(tuple(images.shape[-2:])).full_tokens)
+    return _StepWorkload(
+        model=model,
+        full=full,
+        images=images,
+        target=target,
+        loss_cfg=loss_cfg,
+        aim=aim,
+        full_tokens=model.geometry_for(tuple(images.shape[-2:])).full_tokens,
+    )
 
 
 def _step_losses(work: _StepWorkload, cycle: int, seed: int) -> dict[str, StepFn]:
@@ -284,24 +328,33 @@ def _step_losses(work: _StepWorkload, cycle: int, seed: int) -> dict[str, StepFn
     return {
         "full": lambda: training_step(full, images, target, loss_cfg, _POLICY_EPOCH, generator),
         "split_warmup": lambda: training_step(model, images, target, loss_cfg, _WARM_EPOCH, generator),
-        "split_learned": lambda: training_step(model, images, target, loss_cfg, _POLICY_EPOCH, generator,
-                                               next(step_index) % cycle),
-        "split_learned_every_step": lambda: training_step(model, images, target, every_step, _POLICY_EPOCH,
-                                                          generator),
+        "split_learned": lambda: training_step(
+            model, images, target, loss_cfg, _POLICY_EPOCH, generator, next(step_index) % cycle
+        ),
+        "split_learned_every_step": lambda: training_step(model, images, target, every_step, _POLICY_EPOCH, generator),
         "timm": lambda: (lambda loss: (loss, {"token_ratio": 1.0}))(F.cross_entropy(model.vit(images), target)),
     }
 
 
 def _step_callables(
-    work: _StepWorkload, names: list[str], config: ExperimentConfig, autocast_bf16: bool, dev: torch.device,
+    work: _StepWorkload,
+    names: list[str],
+    config: ExperimentConfig,
+    autocast_bf16: bool,
+    dev: torch.device,
 ) -> tuple[dict[str, Callable[[], Any]], dict[str, list[dict[str, float]]], dict[str, int]]:
     """Step 2: one timed callable per step (``split_learned``: a whole teacher cycle of
     steps), the statistics each step records, and the steps per call."""
     cycle, tc = config.train.teacher_every, config.train
     losses = _step_losses(work, cycle, config.data.seed)
     split_params = list(work.model.parameters())
-    params = {"full": list(work.full.parameters()), "split_warmup": split_params, "split_learned": split_params,
-              "split_learned_every_step": split_params, "timm": list(work.model.vit.parameters())}
+    params = {
+        "full": list(work.full.parameters()),
+        "split_warmup": split_params,
+        "split_learned": split_params,
+        "split_learned_every_step": split_params,
+        "timm": list(work.model.vit.parameters()),
+    }
     records: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     steps_per_call = {name: cycle if name == "split_learned" else 1 for name in names}
 
@@ -309,6 +362,7 @@ def _step_callables(
         def wrapped() -> Any:
             with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext():
                 return fn()
+
         return wrapped
 
     label = work.target if config.model.task == "classification" else None
@@ -323,7 +377,11 @@ def _step_callables(
 
 
 def _time_steps(
-    fns: dict[str, Callable[[], Any]], steps_per_call: dict[str, int], *, rounds: int, warmup: int,
+    fns: dict[str, Callable[[], Any]],
+    steps_per_call: dict[str, int],
+    *,
+    rounds: int,
+    warmup: int,
     dev: torch.device,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], float | None]:
     """Step 3: wall and CPU seconds per step, interleaved (a call of n steps counts as
@@ -337,14 +395,20 @@ def _time_steps(
 
 
 def _step_figures(
-    samples: dict[str, list[float]], cpu_samples: dict[str, list[float]], records: dict[str, list[dict[str, float]]],
-    steps_per_call: dict[str, int], *, warmup: int, batch: int, full_tokens: int,
+    samples: dict[str, list[float]],
+    cpu_samples: dict[str, list[float]],
+    records: dict[str, list[dict[str, float]]],
+    steps_per_call: dict[str, int],
+    *,
+    warmup: int,
+    batch: int,
+    full_tokens: int,
 ) -> dict[str, dict[str, Any]]:
     """Step 4: per step its timing summary, token fraction over the timed steps, the
     ideal ratio, and its ratios to ``full`` (medians, fastest rounds, CPU time, per round)."""
     steps: dict[str, dict[str, Any]] = {}
     for name, s in samples.items():
-        timed = records[name][warmup * steps_per_call.get(name, 1):] if records[name] else []
+        timed = records[name][warmup * steps_per_call.get(name, 1) :] if records[name] else []
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
         steps[name] = {
             **timing_summary(s, cpu_samples[name], batch),
@@ -376,10 +440,10 @@ def _step_config(work: _StepWorkload, *, rounds: int, warmup: int, autocast_bf16
         "autocast_bf16": autocast_bf16,
         "learning_rate": 0.0,
         "warmup_step": f"epoch {_WARM_EPOCH} of {loss_cfg.warmup_epochs} warm-up epochs: split rates in "
-                       f"[{loss_cfg.warmup_min_split}, 1]",
+        f"[{loss_cfg.warmup_min_split}, 1]",
         "policy_step": f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.lambda_budget}, "
-                       f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
-                       f"(weight {loss_cfg.teacher_weight}, every {loss_cfg.teacher_every} step(s))",
+        f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
+        f"(weight {loss_cfg.teacher_weight}, every {loss_cfg.teacher_every} step(s))",
         "policy_aim": work.aim,
         "images": "the training set's first batch",
     }
@@ -411,12 +475,21 @@ def run_step_benchmark(
     work = _build_step_workload(config, dev)
     fns, records, steps_per_call = _step_callables(work, names, config, autocast_bf16, dev)
     samples, cpu_samples, others = _time_steps(fns, steps_per_call, rounds=rounds, warmup=warmup, dev=dev)
-    steps = _step_figures(samples, cpu_samples, records, steps_per_call, warmup=warmup, batch=work.images.shape[0],
-                          full_tokens=work.full_tokens)
+    steps = _step_figures(
+        samples,
+        cpu_samples,
+        records,
+        steps_per_call,
+        warmup=warmup,
+        batch=work.images.shape[0],
+        full_tokens=work.full_tokens,
+    )
     warnings = []
     if others is not None and others > OTHER_LOAD_WARNING:
-        warnings.append(f"part A: other processes used {others:.2f} of the {os.cpu_count()} CPUs on average while the "
-                        f"steps were timed: wall-clock ratios are noisy; see the fastest-round and CPU-time ratios")
+        warnings.append(
+            f"part A: other processes used {others:.2f} of the {os.cpu_count()} CPUs on average while the "
+            f"steps were timed: wall-clock ratios are noisy; see the fastest-round and CPU-time ratios"
+        )
     return {
         "config": _step_config(work, rounds=rounds, warmup=warmup, autocast_bf16=autocast_bf16),
         "load_average_start": load_start,
@@ -449,10 +522,15 @@ class WorkerProbe:
             found = torch.get_num_threads()
             if found != self.threads:
                 torch.set_num_threads(self.threads)
-            self.info = {"pid": os.getpid(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                         "torch_threads_found": found, "torch_threads": torch.get_num_threads(),
-                         "interop_threads": torch.get_num_interop_threads(), "forced": found != self.threads,
-                         "epoch_starts": []}
+            self.info = {
+                "pid": os.getpid(),
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                "torch_threads_found": found,
+                "torch_threads": torch.get_num_threads(),
+                "interop_threads": torch.get_num_interop_threads(),
+                "forced": found != self.threads,
+                "epoch_starts": [],
+            }
         self.info["epoch_starts"].append({"epoch": epoch, "wall": time.perf_counter(), "cpu": time.process_time()})
         write_bytes(self.uri, json.dumps(self.info).encode())
 
@@ -468,15 +546,27 @@ def _whole_epochs(marks: list[dict[str, float]], epochs: list[dict[str, Any]]) -
             e["whole_epoch_s"], e["whole_epoch_cpu_s"] = b["wall"] - a["wall"], b["cpu"] - a["cpu"]
 
 
-def overhead_config(config: ExperimentConfig, *, threads: int, device: str, storage: str, name: str,
-                    tracking: bool = False, tracking_uri: str | None = None) -> ExperimentConfig:
+def overhead_config(
+    config: ExperimentConfig,
+    *,
+    threads: int,
+    device: str,
+    storage: str,
+    name: str,
+    tracking: bool = False,
+    tracking_uri: str | None = None,
+) -> ExperimentConfig:
     """``config`` as part B runs it: one worker with ``threads`` CPUs (and a GPU on
     CUDA), no loader worker processes, no autocast, storage and run name given,
     MLflow only with ``tracking``; validated again."""
     raw = config.to_dict(redact=False)
     gpu = device.startswith("cuda")
-    raw["scaling"] = {**raw["scaling"], "num_workers": 1, "use_gpu": gpu,
-                      "resources_per_worker": {"CPU": float(threads), **({"GPU": 1.0} if gpu else {})}}
+    raw["scaling"] = {
+        **raw["scaling"],
+        "num_workers": 1,
+        "use_gpu": gpu,
+        "resources_per_worker": {"CPU": float(threads), **({"GPU": 1.0} if gpu else {})},
+    }
     raw["data"]["num_workers"] = 0
     raw["train"]["amp"] = False
     raw["train"]["max_failures"] = 0
@@ -489,8 +579,12 @@ def _steady(epochs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     """Images over training-loop seconds, summed over the epochs after ``skip``."""
     kept = [e for e in epochs if e["epoch"] >= skip]
     images, seconds = sum(e["images"] for e in kept), sum(e["train_s"] for e in kept)
-    return {"epochs": [e["epoch"] for e in kept], "images": images, "train_s": seconds,
-            "images_per_s": images / seconds if seconds > 0 else 0.0}
+    return {
+        "epochs": [e["epoch"] for e in kept],
+        "images": images,
+        "train_s": seconds,
+        "images_per_s": images / seconds if seconds > 0 else 0.0,
+    }
 
 
 def _epoch_pair(pair: dict[str, Any], epoch: int) -> list[dict[str, Any]]:
@@ -506,8 +600,10 @@ def _busy_since(start: tuple[float | None, float, float]) -> dict[str, float | N
     """Average busy CPUs of the whole machine, and of this process, since ``start``."""
     busy, own, wall = _busy()
     elapsed = max(wall - start[2], 1e-9)
-    return {"machine_busy_cpus": (busy - start[0]) / elapsed if busy is not None and start[0] is not None else None,
-            "this_process_cpus": (own - start[1]) / elapsed}
+    return {
+        "machine_busy_cpus": (busy - start[0]) / elapsed if busy is not None and start[0] is not None else None,
+        "this_process_cpus": (own - start[1]) / elapsed,
+    }
 
 
 def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> dict[str, Any]:
@@ -530,27 +626,52 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
     def after_epoch(epoch: int, stats: dict[str, float]) -> None:
         t0 = time.perf_counter()
         auto = mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded
-        figures = validate(model, val_set, val_loader, num_classes=mc.num_classes,
-                           calibrate_to=tc.target_ratio if auto else None,
-                           calibration_images=dc.eval_batch_size or dc.batch_size)
+        figures = validate(
+            model,
+            val_set,
+            val_loader,
+            num_classes=mc.num_classes,
+            calibrate_to=tc.target_ratio if auto else None,
+            calibration_images=dc.eval_batch_size or dc.batch_size,
+        )
         validated = time.perf_counter() - t0
         model.save(folder / f"epoch{epoch:04d}.pt", extra={"epoch": epoch, "metrics": {**stats, **figures}})
         extras.append({"validation_s": validated, "save_s": time.perf_counter() - t0 - validated, **figures})
         marks.append({"epoch": epoch + 1, "wall": time.perf_counter(), "cpu": time.process_time()})
-        log.info("bench train: plain run epoch %d: %s", epoch,
-                 {k: round(v, 4) for k, v in {**stats, **figures}.items() if isinstance(v, float)})
+        log.info(
+            "bench train: plain run epoch %d: %s",
+            epoch,
+            {k: round(v, 4) for k, v in {**stats, **figures}.items() if isinstance(v, float)},
+        )
 
-    history = fit_local(model, train_set, tc.loss_config(), epochs=tc.epochs, batch_size=dc.batch_size, lr=tc.lr,
-                        weight_decay=tc.weight_decay, grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,
-                        seed=dc.seed, on_epoch=after_epoch)
+    history = fit_local(
+        model,
+        train_set,
+        tc.loss_config(),
+        epochs=tc.epochs,
+        batch_size=dc.batch_size,
+        lr=tc.lr,
+        weight_decay=tc.weight_decay,
+        grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,
+        seed=dc.seed,
+        on_epoch=after_epoch,
+    )
     wall = time.perf_counter() - wall
     epochs = []
     for stats, extra in zip(history, extras):
         train_s = per_batch / stats["images_per_s"]
-        epochs.append({"epoch": int(stats["epoch"]), "images": per_batch, "train_s": train_s,
-                       "images_per_s": stats["images_per_s"], "epoch_s": train_s + extra["validation_s"],
-                       "save_s": extra["save_s"], "token_ratio": stats.get("token_ratio"),
-                       "val_token_ratio": extra.get("token_ratio")})
+        epochs.append(
+            {
+                "epoch": int(stats["epoch"]),
+                "images": per_batch,
+                "train_s": train_s,
+                "images_per_s": stats["images_per_s"],
+                "epoch_s": train_s + extra["validation_s"],
+                "save_s": extra["save_s"],
+                "token_ratio": stats.get("token_ratio"),
+                "val_token_ratio": extra.get("token_ratio"),
+            }
+        )
     _whole_epochs(marks, epochs)
     return {"epochs": epochs, "wall_s": wall, "interop_threads": torch.get_num_interop_threads(), **_busy_since(start)}
 
@@ -586,24 +707,40 @@ def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) ->
     from ..data import build_dataset
 
     dc, mc = config.data, config.model
-    per_batch = (len(build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options))
-                 // dc.batch_size) * dc.batch_size
+    per_batch = (
+        len(build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)) // dc.batch_size
+    ) * dc.batch_size
     epochs = []
     for epoch in range(config.train.epochs):
         metrics = json.loads(read_bytes(join_uri(config.storage.run_uri(), checkpoint_dir_name(epoch), METRICS_FILE)))
         ips = float(metrics["train_images_per_s"])
         train_s = per_batch / ips
-        epochs.append({"epoch": epoch, "images": per_batch, "train_s": train_s, "images_per_s": ips,
-                       "epoch_s": float(metrics["epoch_time_s"]), "token_ratio": metrics.get("train_token_ratio"),
-                       "val_token_ratio": metrics.get("token_ratio")})
+        epochs.append(
+            {
+                "epoch": epoch,
+                "images": per_batch,
+                "train_s": train_s,
+                "images_per_s": ips,
+                "epoch_s": float(metrics["epoch_time_s"]),
+                "token_ratio": metrics.get("train_token_ratio"),
+                "val_token_ratio": metrics.get("token_ratio"),
+            }
+        )
     try:
         worker = json.loads(read_bytes(probe_uri))
     except OSError:
         worker = None
     else:
         _whole_epochs(worker.pop("epoch_starts"), epochs)
-    return {"epochs": epochs, "wall_s": wall, "ray_start_s": ray_start, "end_to_end_s": ray_start + wall,
-            "started_ray": started_here, "worker_threads": worker, **busy}
+    return {
+        "epochs": epochs,
+        "wall_s": wall,
+        "ray_start_s": ray_start,
+        "end_to_end_s": ray_start + wall,
+        "started_ray": started_here,
+        "worker_threads": worker,
+        **busy,
+    }
 
 
 def _overhead_threads(config: ExperimentConfig, *, threads: int | None, rounds: int, skip_epochs: int) -> int:
@@ -619,8 +756,15 @@ def _overhead_threads(config: ExperimentConfig, *, threads: int | None, rounds: 
 
 
 def _overhead_pair(
-    r: int, rounds: int, cfg: ExperimentConfig, *, dev: torch.device, threads: int, folder: Path,
-    skip_epochs: int, ray_address: str | None,
+    r: int,
+    rounds: int,
+    cfg: ExperimentConfig,
+    *,
+    dev: torch.device,
+    threads: int,
+    folder: Path,
+    skip_epochs: int,
+    ray_address: str | None,
 ) -> dict[str, Any]:
     """Round ``r``: the plain and the Ray run, in alternating order, and their ratio."""
     order = ("plain", "ray") if r % 2 == 0 else ("ray", "plain")
@@ -639,8 +783,15 @@ def _overhead_pair(
 
 
 def _overhead_runs(
-    config: ExperimentConfig, *, threads: int, device: str, rounds: int, skip_epochs: int, tracking: bool,
-    storage: str | None, ray_address: str | None,
+    config: ExperimentConfig,
+    *,
+    threads: int,
+    device: str,
+    rounds: int,
+    skip_epochs: int,
+    tracking: bool,
+    storage: str | None,
+    ray_address: str | None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every plain/Ray pair, in a temporary folder (the plain runs' models, and Ray's
     storage and MLflow store unless given); the pairs and the first run's config."""
@@ -650,11 +801,31 @@ def _overhead_runs(
         store = storage or str(tmp_path / "ray")
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{tmp_path}/mlflow.db"
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        configs = [overhead_config(config, threads=threads, device=device, storage=store,
-                                   name=f"bench-ray-{stamp}-{r}", tracking=tracking, tracking_uri=uri)
-                   for r in range(rounds)]
-        runs = [_overhead_pair(r, rounds, cfg, dev=dev, threads=threads, folder=tmp_path / f"plain-{r}",
-                               skip_epochs=skip_epochs, ray_address=ray_address) for r, cfg in enumerate(configs)]
+        configs = [
+            overhead_config(
+                config,
+                threads=threads,
+                device=device,
+                storage=store,
+                name=f"bench-ray-{stamp}-{r}",
+                tracking=tracking,
+                tracking_uri=uri,
+            )
+            for r in range(rounds)
+        ]
+        runs = [
+            _overhead_pair(
+                r,
+                rounds,
+                cfg,
+                dev=dev,
+                threads=threads,
+                folder=tmp_path / f"plain-{r}",
+                skip_epochs=skip_epochs,
+                ray_address=ray_address,
+            )
+            for r, cfg in enumerate(configs)
+        ]
     return runs, configs[0].to_dict(redact=True)
 
 
@@ -668,8 +839,12 @@ def _overhead_total(runs: list[dict[str, Any]], kind: str, skip_epochs: int) -> 
     trained = sum(e["images"] for e in epochs_all)
     wall = sum(p[kind]["end_to_end_s" if kind == "ray" else "wall_s"] for p in runs)
     # whole epochs both runs marked at both ends (the Ray hook never sees the last one end)
-    whole = [e for p in runs for e in p[kind]["epochs"]
-             if e["epoch"] >= skip_epochs and all("whole_epoch_s" in x for x in _epoch_pair(p, e["epoch"]))]
+    whole = [
+        e
+        for p in runs
+        for e in p[kind]["epochs"]
+        if e["epoch"] >= skip_epochs and all("whole_epoch_s" in x for x in _epoch_pair(p, e["epoch"]))
+    ]
     return {
         "steady_images_per_s": images / seconds,
         "steady_epoch_incl_validation_s": statistics.fmean(e["epoch_s"] for e in steady_epochs),
@@ -707,11 +882,14 @@ def _overhead_warnings(worker: dict[str, Any] | None, threads: int, ray_before: 
     if worker is None:
         warnings.append("part B: the Ray worker's thread settings could not be read back")
     elif worker.get("forced"):
-        warnings.append(f"part B: the Ray worker started with {worker['torch_threads_found']} torch threads "
-                        f"(OMP_NUM_THREADS={worker['omp_num_threads']}); set to {threads} by the benchmark")
+        warnings.append(
+            f"part B: the Ray worker started with {worker['torch_threads_found']} torch threads "
+            f"(OMP_NUM_THREADS={worker['omp_num_threads']}); set to {threads} by the benchmark"
+        )
     if ray_before:
-        warnings.append("part B: Ray was already running, so the plain loop shared the machine with Ray's idle "
-                        "processes")
+        warnings.append(
+            "part B: Ray was already running, so the plain loop shared the machine with Ray's idle processes"
+        )
     return warnings
 
 
@@ -719,19 +897,21 @@ def _overhead_included(skip_epochs: int, tracking: bool) -> dict[str, str]:
     """What each of part B's figures includes, in words."""
     return {
         "steady": "training images / training-loop seconds (batches, training_step, backward, clip, AdamW; "
-                  f"no validation) over epochs >= {skip_epochs}; both loops time exactly this",
+        f"no validation) over epochs >= {skip_epochs}; both loops time exactly this",
         "epoch_incl_validation": "training loop + threshold calibration + validation, per steady epoch "
-                                 "(plain: in fit_local's on_epoch; Ray: its metrics' epoch_time_s)",
+        "(plain: in fit_local's on_epoch; Ray: its metrics' epoch_time_s)",
         "whole_epoch": "one epoch start to the next: training, validation, the plain run's model save or the "
-                       "Ray loop's checkpoint, report and commit barrier; wall seconds, and the CPU seconds of the "
-                       "training process (all its threads: immune to time-slicing by other processes, blind to "
-                       "Ray's other processes); steady epochs but the last",
+        "Ray loop's checkpoint, report and commit barrier; wall seconds, and the CPU seconds of the "
+        "training process (all its threads: immune to time-slicing by other processes, blind to "
+        "Ray's other processes); steady epochs but the last",
         "end_to_end": "plain: model build, data, all epochs with validation and a model save per epoch; "
-                      "Ray: run_training (worker start-up, data, all epochs with validation, checkpoints "
-                      "with optimizer/scheduler/RNG state, report and commit barrier"
-                      + (", MLflow logging" if tracking else "") + ") plus Ray's start-up when started here",
-        "not_included": "MLflow in the plain run" + ("" if tracking else " and in the Ray run (tracking off)")
-                        + "; bf16 autocast; DataLoader worker processes",
+        "Ray: run_training (worker start-up, data, all epochs with validation, checkpoints "
+        "with optimizer/scheduler/RNG state, report and commit barrier"
+        + (", MLflow logging" if tracking else "")
+        + ") plus Ray's start-up when started here",
+        "not_included": "MLflow in the plain run"
+        + ("" if tracking else " and in the Ray run (tracking off)")
+        + "; bf16 autocast; DataLoader worker processes",
     }
 
 
@@ -771,17 +951,30 @@ def run_ray_overhead_benchmark(
     torch.set_num_threads(threads)
     load_start = list(os.getloadavg())
     try:
-        runs, experiment = _overhead_runs(config, threads=threads, device=device, rounds=rounds,
-                                          skip_epochs=skip_epochs, tracking=tracking, storage=storage,
-                                          ray_address=ray_address)
+        runs, experiment = _overhead_runs(
+            config,
+            threads=threads,
+            device=device,
+            rounds=rounds,
+            skip_epochs=skip_epochs,
+            tracking=tracking,
+            storage=storage,
+            ray_address=ray_address,
+        )
     finally:
         torch.set_num_threads(own_threads)
     figures = _overhead_figures(runs, skip_epochs)
     worker = next((p["ray"]["worker_threads"] for p in runs if p["ray"].get("worker_threads")), None)
-    target = make_target("ray", "Ray Train (1 worker) vs plain loop: steady-state training images/s",
-                         figures["ratio_steady"], ">=", RAY_OVERHEAD_TARGET, "times",
-                         note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
-                         rounds=[p["ratio"] for p in runs])
+    target = make_target(
+        "ray",
+        "Ray Train (1 worker) vs plain loop: steady-state training images/s",
+        figures["ratio_steady"],
+        ">=",
+        RAY_OVERHEAD_TARGET,
+        "times",
+        note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
+        rounds=[p["ratio"] for p in runs],
+    )
     return {
         "config": {
             "experiment": experiment,
@@ -830,8 +1023,11 @@ def run_train_benchmark(
     if unknown or not parts:
         raise ValueError(f"parts must be some of steps, ray; got {', '.join(parts) or 'none'}")
     dev = torch.device(device)
-    result: dict[str, Any] = {"benchmark": "train", "model": _vit_info(config),
-                              "load_average_start": list(os.getloadavg())}
+    result: dict[str, Any] = {
+        "benchmark": "train",
+        "model": _vit_info(config),
+        "load_average_start": list(os.getloadavg()),
+    }
     own_threads = torch.get_num_threads()
     threads = int(threads or own_threads)
     if threads < 1:
@@ -839,12 +1035,19 @@ def run_train_benchmark(
     torch.set_num_threads(threads)  # part A too: both parts run at the same thread count
     try:
         if "steps" in parts:
-            result["steps"] = run_step_benchmark(config, rounds=rounds, warmup=warmup, device=device,
-                                                 autocast_bf16=autocast_bf16)
+            result["steps"] = run_step_benchmark(
+                config, rounds=rounds, warmup=warmup, device=device, autocast_bf16=autocast_bf16
+            )
         if "ray" in parts:
             result["ray_overhead"] = run_ray_overhead_benchmark(
-                config, threads=threads, device=device, rounds=ray_rounds, skip_epochs=skip_epochs, tracking=tracking,
-                storage=storage, ray_address=ray_address,
+                config,
+                threads=threads,
+                device=device,
+                rounds=ray_rounds,
+                skip_epochs=skip_epochs,
+                tracking=tracking,
+                storage=storage,
+                ray_address=ray_address,
             )
         result["machine"] = machine_info(dev)
     finally:
@@ -861,12 +1064,22 @@ def _vit_info(config: ExperimentConfig) -> dict[str, Any]:
         model = build_model(dataclasses.replace(mc, checkpoint_path=None), pretrained=False)
     vit = model.vit
     return {
-        "name": mc.name, "timm_kwargs": dict(mc.timm_kwargs), "embed_dim": int(vit.embed_dim), "depth": len(vit.blocks),
-        "num_heads": int(getattr(vit.blocks[0].attn, "num_heads", 0)) or None, "image_size": mc.image_size,
-        "patch_size": model.patch_size, "levels": mc.levels, "coarse_patch_size": model.geometry.coarse_patch_size,
-        "full_tokens": model.geometry.full_tokens, "min_tokens": model.geometry.min_tokens,
-        "policy_depth": mc.policy_depth, "num_classes": mc.num_classes, "batch_size": dc.batch_size,
-        "data": f"{dc.name} {dc.options}", "target_ratio": config.train.target_ratio,
+        "name": mc.name,
+        "timm_kwargs": dict(mc.timm_kwargs),
+        "embed_dim": int(vit.embed_dim),
+        "depth": len(vit.blocks),
+        "num_heads": int(getattr(vit.blocks[0].attn, "num_heads", 0)) or None,
+        "image_size": mc.image_size,
+        "patch_size": model.patch_size,
+        "levels": mc.levels,
+        "coarse_patch_size": model.geometry.coarse_patch_size,
+        "full_tokens": model.geometry.full_tokens,
+        "min_tokens": model.geometry.min_tokens,
+        "policy_depth": mc.policy_depth,
+        "num_classes": mc.num_classes,
+        "batch_size": dc.batch_size,
+        "data": f"{dc.name} {dc.options}",
+        "target_ratio": config.train.target_ratio,
     }
 
 
@@ -914,26 +1127,49 @@ def _steps_lines(result: dict[str, Any]) -> list[str]:
     rows = []
     for name, t in a["steps"].items():
         frac = t.get("token_fraction")
-        rows.append([
-            _STEP_LABELS.get(name, name),
-            f"{t['tokens_per_image']:.1f}" if frac is not None else "",
-            f"{frac:.3f}" if frac is not None else "",
-            _ms(t["median_s"]), f"{_ms(t['min_s'])}-{_ms(t['max_s'])}",
-            f"{t['images_per_s']:.1f}",
-            f"{t['ratio_to_full']:.2f}x",
-            f"{t['per_round']['q1']:.2f}x .. {t['per_round']['q3']:.2f}x",
-            f"{t['ideal_ratio']:.2f}x" if frac is not None else
-            (f"{t['share_of_split_learned']:.0%} of learned step" if "share_of_split_learned" in t else ""),
-        ])
-    lines += ["  " + line for line in text_table(
-        ["step", "tokens/img", "fraction", "ms/step", "min-max ms", "img/s", "vs full", "per-round IQR",
-         "ideal (1/fraction)"], rows)]
+        rows.append(
+            [
+                _STEP_LABELS.get(name, name),
+                f"{t['tokens_per_image']:.1f}" if frac is not None else "",
+                f"{frac:.3f}" if frac is not None else "",
+                _ms(t["median_s"]),
+                f"{_ms(t['min_s'])}-{_ms(t['max_s'])}",
+                f"{t['images_per_s']:.1f}",
+                f"{t['ratio_to_full']:.2f}x",
+                f"{t['per_round']['q1']:.2f}x .. {t['per_round']['q3']:.2f}x",
+                f"{t['ideal_ratio']:.2f}x"
+                if frac is not None
+                else (f"{t['share_of_split_learned']:.0%} of learned step" if "share_of_split_learned" in t else ""),
+            ]
+        )
+    lines += [
+        "  " + line
+        for line in text_table(
+            [
+                "step",
+                "tokens/img",
+                "fraction",
+                "ms/step",
+                "min-max ms",
+                "img/s",
+                "vs full",
+                "per-round IQR",
+                "ideal (1/fraction)",
+            ],
+            rows,
+        )
+    ]
     others_steps = [(n, t) for n, t in a["steps"].items() if n != "full"]
-    lines.append("  checks, ratio to full from each step's fastest round: "
-                 + ", ".join(f"{n} {t['ratio_to_full_fastest']:.2f}x" for n, t in others_steps)
-                 + "; from median process CPU time: "
-                 + ", ".join(f"{n} {t['ratio_to_full_cpu_time']:.2f}x" for n, t in others_steps
-                             if t["ratio_to_full_cpu_time"] is not None))
+    lines.append(
+        "  checks, ratio to full from each step's fastest round: "
+        + ", ".join(f"{n} {t['ratio_to_full_fastest']:.2f}x" for n, t in others_steps)
+        + "; from median process CPU time: "
+        + ", ".join(
+            f"{n} {t['ratio_to_full_cpu_time']:.2f}x"
+            for n, t in others_steps
+            if t["ratio_to_full_cpu_time"] is not None
+        )
+    )
     return lines
 
 
@@ -945,7 +1181,8 @@ def _ray_runs_lines(b: dict[str, Any]) -> list[str]:
         f"B. Ray Train overhead: the same config trained by fit_local (plain loop, this process) and by "
         f"run_training (TorchTrainer, 1 worker); {cfg['threads']} CPU threads in both (worker: OMP_NUM_THREADS="
         f"{worker.get('omp_num_threads')}, torch {worker.get('torch_threads')}"
-        + (" after being set" if worker.get("forced") else "") + f"), {cfg['rounds']} round(s), "
+        + (" after being set" if worker.get("forced") else "")
+        + f"), {cfg['rounds']} round(s), "
         f"{cfg['experiment']['train']['epochs']} epochs of {b['runs'][0]['plain']['epochs'][0]['images']} images",
     ]
     rows = []
@@ -953,17 +1190,33 @@ def _ray_runs_lines(b: dict[str, Any]) -> list[str]:
         for kind in pair["order"]:
             run = pair[kind]
             steady_epochs = [e["epoch_s"] for e in run["epochs"] if e["epoch"] >= cfg["skip_epochs"]]
-            rows.append([
-                f"{i + 1}", kind,
-                " | ".join(f"{e['images_per_s']:.1f}" for e in run["epochs"]),
-                f"{run['steady']['images_per_s']:.1f}",
-                f"{statistics.fmean(steady_epochs):.1f}",
-                f"{run['wall_s']:.1f}" + (f" + {run['ray_start_s']:.1f} Ray start" if run.get("ray_start_s") else ""),
-                f"{run['machine_busy_cpus']:.2f}" if run.get("machine_busy_cpus") is not None else "?",
-            ])
-    return lines + ["  " + line for line in text_table(
-        ["round", "run", "train img/s per epoch", f"steady img/s (epochs >= {cfg['skip_epochs']})",
-         "epoch incl. val s", "wall s", "machine busy CPUs"], rows)]
+            rows.append(
+                [
+                    f"{i + 1}",
+                    kind,
+                    " | ".join(f"{e['images_per_s']:.1f}" for e in run["epochs"]),
+                    f"{run['steady']['images_per_s']:.1f}",
+                    f"{statistics.fmean(steady_epochs):.1f}",
+                    f"{run['wall_s']:.1f}"
+                    + (f" + {run['ray_start_s']:.1f} Ray start" if run.get("ray_start_s") else ""),
+                    f"{run['machine_busy_cpus']:.2f}" if run.get("machine_busy_cpus") is not None else "?",
+                ]
+            )
+    return lines + [
+        "  " + line
+        for line in text_table(
+            [
+                "round",
+                "run",
+                "train img/s per epoch",
+                f"steady img/s (epochs >= {cfg['skip_epochs']})",
+                "epoch incl. val s",
+                "wall s",
+                "machine busy CPUs",
+            ],
+            rows,
+        )
+    ]
 
 
 def _ray_summary_lines(b: dict[str, Any]) -> list[str]:
@@ -974,7 +1227,8 @@ def _ray_summary_lines(b: dict[str, Any]) -> list[str]:
     lines.append(
         f"  per steady epoch incl. threshold calibration and validation: plain "
         f"{plain['steady_epoch_incl_validation_s']:.2f} s, Ray {ray_['steady_epoch_incl_validation_s']:.2f} s "
-        f"(Ray/plain speed {b['ratio_epoch_incl_validation']:.2f}x)")
+        f"(Ray/plain speed {b['ratio_epoch_incl_validation']:.2f}x)"
+    )
     if b.get("ratio_whole_epoch") is not None:
         cpu = b["ratio_whole_epoch_cpu_time"]
         lines.append(
@@ -982,11 +1236,13 @@ def _ray_summary_lines(b: dict[str, Any]) -> list[str]:
             f"plain {plain['whole_epoch_s']:.2f} s / {plain['whole_epoch_cpu_s']:.2f} CPU-s, "
             f"Ray {ray_['whole_epoch_s']:.2f} s / {ray_['whole_epoch_cpu_s']:.2f} CPU-s of the worker process; "
             f"Ray/plain speed {b['ratio_whole_epoch']:.2f}x wall, "
-            + (f"{cpu:.2f}x CPU time" if cpu is not None else "? CPU time"))
+            + (f"{cpu:.2f}x CPU time" if cpu is not None else "? CPU time")
+        )
     lines.append(
         f"  END TO END (incl. Ray start-up): plain {plain['end_to_end_s']:.1f} s "
         f"({plain['end_to_end_images_per_s']:.1f} img/s), Ray {ray_['end_to_end_s']:.1f} s "
-        f"({ray_['end_to_end_images_per_s']:.1f} img/s); Ray/plain speed {b['ratio_end_to_end']:.2f}x")
+        f"({ray_['end_to_end_images_per_s']:.1f} img/s); Ray/plain speed {b['ratio_end_to_end']:.2f}x"
+    )
     return lines + [f"  {key}: {text}" for key, text in b["included"].items()]
 
 

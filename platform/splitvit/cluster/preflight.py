@@ -40,9 +40,10 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from ..config import ExperimentConfig, redact_uri
@@ -77,7 +78,7 @@ class PreflightReport:
 
     lines: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    data_line: str = ""             # "data: NAME from FOLDER: N train, M val items, K classes"
+    data_line: str = ""  # "data: NAME from FOLDER: N train, M val items, K classes"
     data_source: str | None = None  # the folder or URI the data come from ("" when generated)
 
     def add(self, line: str) -> None:
@@ -150,8 +151,11 @@ def check_capacity(
     node_word = f"{len(nodes)} node" + ("" if len(nodes) == 1 else "s")
     in_nodes = "" if where == "this machine" else f" ({node_word})"
     if extra and not any(_fits(node, extra) for node in nodes):
-        raise PreflightError(extra_key, f"a trial's driver asks for {_bundle(extra)}, but no node of {where} has that "
-                                        f"much ({node_word}, {has}); lower {extra_key}")
+        raise PreflightError(
+            extra_key,
+            f"a trial's driver asks for {_bundle(extra)}, but no node of {where} has that "
+            f"much ({node_word}, {has}); lower {extra_key}",
+        )
     for resource in sorted(set(per) | set(extra)):
         if resource in _UNCHECKED:
             continue
@@ -162,35 +166,53 @@ def check_capacity(
             asked = f"{n} worker{'s' if n != 1 else ''} x {_plural(per.get(resource, 0.0), resource)}"
             if extra.get(resource):
                 asked += f" + {_plural(extra[resource], resource)} for the trial's driver ({extra_key})"
-            hint = {"scaling.use_gpu": "set scaling.use_gpu=false to train on CPUs, or run on a cluster with GPUs (--address)",
-                    "scaling.num_workers": "lower scaling.num_workers (or scaling.resources_per_worker.CPU), or run on a "
-                                           "larger cluster (--address)"}.get(
-                key, f"lower {key} or scaling.num_workers, or run on a cluster that has them (--address)")
-            raise PreflightError(key, f"asks for {asked} = {_plural(need, resource)}, but {where} has "
-                                      f"{_plural(have, resource)}{in_nodes}; Ray would wait for them forever. {hint}")
+            hint = {
+                "scaling.use_gpu": "set scaling.use_gpu=false to train on CPUs, "
+                "or run on a cluster with GPUs (--address)",
+                "scaling.num_workers": "lower scaling.num_workers (or scaling.resources_per_worker.CPU), or run on a "
+                "larger cluster (--address)",
+            }.get(key, f"lower {key} or scaling.num_workers, or run on a cluster that has them (--address)")
+            raise PreflightError(
+                key,
+                f"asks for {asked} = {_plural(need, resource)}, but {where} has "
+                f"{_plural(have, resource)}{in_nodes}; Ray would wait for them forever. {hint}",
+            )
     fits = [_fits(node, per) for node in nodes]
     if not any(fits):
         largest = max(nodes, key=lambda node: _fits(node, {k: 1.0 for k in per}), default={})
-        raise PreflightError(_key_for(max(per, key=lambda r: per[r] / max(totals.get(r, 0.0), 1e-9)), scaling),
-                             f"one worker asks for {_bundle(per)}, but no node of {where} has that much (largest: "
-                             f"{_bundle({k: largest.get(k, 0.0) for k in per})}): a worker runs on one node")
+        raise PreflightError(
+            _key_for(max(per, key=lambda r: per[r] / max(totals.get(r, 0.0), 1e-9)), scaling),
+            f"one worker asks for {_bundle(per)}, but no node of {where} has that much (largest: "
+            f"{_bundle({k: largest.get(k, 0.0) for k in per})}): a worker runs on one node",
+        )
     strategy = scaling.placement_strategy
     if strategy == "STRICT_PACK":
         if not any(f >= n for f in fits):
-            raise PreflightError("scaling.placement_strategy", f"STRICT_PACK puts all {n} workers ({_bundle(per)} each) on "
-                                                               f"one node, but the largest node of {where} holds {max(fits)}")
+            raise PreflightError(
+                "scaling.placement_strategy",
+                f"STRICT_PACK puts all {n} workers ({_bundle(per)} each) on "
+                f"one node, but the largest node of {where} holds {max(fits)}",
+            )
     elif strategy == "STRICT_SPREAD":
         if sum(1 for f in fits if f >= 1) < n:
-            raise PreflightError("scaling.placement_strategy", f"STRICT_SPREAD puts each of the {n} workers on its own node, "
-                                                               f"but {where} has {sum(1 for f in fits if f >= 1)} node(s) "
-                                                               f"that hold one")
+            raise PreflightError(
+                "scaling.placement_strategy",
+                f"STRICT_SPREAD puts each of the {n} workers on its own node, "
+                f"but {where} has {sum(1 for f in fits if f >= 1)} node(s) "
+                f"that hold one",
+            )
     elif sum(fits) < n:
-        raise PreflightError(_key_for(next(iter(per)), scaling),
-                             f"{n} workers x {_bundle(per)} do not fit on the nodes of {where} ({node_word}: "
-                             f"{'; '.join(_bundle({k: node.get(k, 0.0) for k in per}) for node in nodes[:8])}"
-                             f"{'; ...' if len(nodes) > 8 else ''}): at most {sum(fits)} at once")
-    return f"capacity: {n} worker(s) x {_bundle(per)}" + (f" + trial driver {_bundle(extra)}" if extra else "") + \
-           f" fit {where} ({node_word}, {has})"
+        raise PreflightError(
+            _key_for(next(iter(per)), scaling),
+            f"{n} workers x {_bundle(per)} do not fit on the nodes of {where} ({node_word}: "
+            f"{'; '.join(_bundle({k: node.get(k, 0.0) for k in per}) for node in nodes[:8])}"
+            f"{'; ...' if len(nodes) > 8 else ''}): at most {sum(fits)} at once",
+        )
+    return (
+        f"capacity: {n} worker(s) x {_bundle(per)}"
+        + (f" + trial driver {_bundle(extra)}" if extra else "")
+        + f" fit {where} ({node_word}, {has})"
+    )
 
 
 def _bundle(resources: Mapping[str, float]) -> str:
@@ -226,7 +248,7 @@ def ray_nodes() -> tuple[list[dict[str, float]], bool]:
         from ray._private.state import state
 
         config = state.get_cluster_config()
-        for group in (config.node_group_configs if config is not None else []):
+        for group in config.node_group_configs if config is not None else []:
             resources = {k: float(v) for k, v in group.resources.items()}
             count = int(group.max_count)
             if resources and count != 0:
@@ -270,9 +292,12 @@ def check_ray_address(address: str, source: str, timeout: float = NETWORK_TIMEOU
     if address == "local":
         return address
     if address.startswith(("http://", "https://")):
-        raise PreflightError(key, f"{address} is a Ray dashboard / job server address; this command joins a cluster by "
-                                  "its GCS address (HOST:6379) or ray://HOST:10001. To run on a cluster through its job "
-                                  "server, use `splitvit submit` (it reads RAY_API_SERVER_ADDRESS or --address)")
+        raise PreflightError(
+            key,
+            f"{address} is a Ray dashboard / job server address; this command joins a cluster by "
+            "its GCS address (HOST:6379) or ray://HOST:10001. To run on a cluster through its job "
+            "server, use `splitvit submit` (it reads RAY_API_SERVER_ADDRESS or --address)",
+        )
     target = address
     if address == "auto":
         try:
@@ -282,17 +307,23 @@ def check_ray_address(address: str, source: str, timeout: float = NETWORK_TIMEOU
         except Exception:  # noqa: BLE001
             target = None
         if not target:
-            raise PreflightError(key, "'auto': no Ray cluster was started on this machine (`ray start --head` or "
-                                      "`splitvit stack up`); unset it to start a local Ray")
-    rest = target[len("ray://"):] if target.startswith("ray://") else target
+            raise PreflightError(
+                key,
+                "'auto': no Ray cluster was started on this machine (`ray start --head` or "
+                "`splitvit stack up`); unset it to start a local Ray",
+            )
+    rest = target[len("ray://") :] if target.startswith("ray://") else target
     host, sep, port = rest.rpartition(":")
     if not sep or not port.isdigit():
         raise PreflightError(key, f"{address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT or auto)")
     host = host.strip("[]") or "127.0.0.1"
     reason = _tcp_check(host, int(port), timeout)
     if reason:
-        raise PreflightError(key, f"no Ray cluster answers at {target} within {timeout:g}s ({reason}); is it up "
-                                  "(`ray status`, `splitvit stack status`)? Unset it to start a local Ray")
+        raise PreflightError(
+            key,
+            f"no Ray cluster answers at {target} within {timeout:g}s ({reason}); is it up "
+            "(`ray status`, `splitvit stack status`)? Unset it to start a local Ray",
+        )
     return address
 
 
@@ -338,21 +369,35 @@ def check_tracking(uri: str, key: str, timeout: float = NETWORK_TIMEOUT_S) -> st
         base = uri.rstrip("/")
         try:
             # the API itself, not /health: a server behind a path prefix or a proxy has the API under the URI
-            response = requests.get(f"{base}/api/2.0/mlflow/experiments/get-by-name",
-                                    params={"experiment_name": "splitvit-preflight"}, headers=headers, auth=auth,
-                                    timeout=(timeout, timeout), allow_redirects=True)
+            response = requests.get(
+                f"{base}/api/2.0/mlflow/experiments/get-by-name",
+                params={"experiment_name": "splitvit-preflight"},
+                headers=headers,
+                auth=auth,
+                timeout=(timeout, timeout),
+                allow_redirects=True,
+            )
         except requests.RequestException as exc:
-            raise PreflightError(key, f"no MLflow server answers at {shown} within {timeout:g}s ({_http_reason(exc)}); "
-                                      "is it up (`splitvit stack status`)?") from None
+            raise PreflightError(
+                key,
+                f"no MLflow server answers at {shown} within {timeout:g}s ({_http_reason(exc)}); "
+                "is it up (`splitvit stack status`)?",
+            ) from None
         if response.status_code in (401, 403):
-            raise PreflightError(key, f"the MLflow server at {shown} refused us (HTTP {response.status_code}): set "
-                                      "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN")
+            raise PreflightError(
+                key,
+                f"the MLflow server at {shown} refused us (HTTP {response.status_code}): set "
+                "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN",
+            )
         if response.status_code == 200 or (response.status_code == 404 and "RESOURCE_DOES_NOT_EXIST" in response.text):
             return f"MLflow: server {shown} answers"
-        raise PreflightError(key, f"{shown} answers, but not as an MLflow tracking server (GET "
-                                  f"/api/2.0/mlflow/experiments/get-by-name: HTTP {response.status_code})")
+        raise PreflightError(
+            key,
+            f"{shown} answers, but not as an MLflow tracking server (GET "
+            f"/api/2.0/mlflow/experiments/get-by-name: HTTP {response.status_code})",
+        )
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):]).expanduser()
+        db = Path(uri[len("sqlite:///") :]).expanduser()
         if db.exists() and (not db.is_file() or not os.access(db, os.R_OK | os.W_OK)):
             raise PreflightError(key, f"the MLflow store {db} ({shown}) is not a writable file")
         why = _writable_folder(db.parent)
@@ -381,7 +426,9 @@ def _short(text: str, limit: int = 160) -> str:
 
 
 # ---------------------------------------------------------------------- storage
-def check_storage(path: str, key: str = "storage.path", *, write: bool = True, timeout: float = NETWORK_TIMEOUT_S) -> str:
+def check_storage(
+    path: str, key: str = "storage.path", *, write: bool = True, timeout: float = NETWORK_TIMEOUT_S
+) -> str:
     """Raise :class:`PreflightError` unless ``path`` (a local folder or ``s3://``)
     can be reached (and, with ``write``, written): for S3 the endpoint answers, the
     bucket exists and the credentials are accepted; a test object is written and
@@ -390,7 +437,7 @@ def check_storage(path: str, key: str = "storage.path", *, write: bool = True, t
     from ..storage.s3 import s3_error_reason
 
     if not is_s3(path):
-        local = Path(path[len("file://"):] if path.startswith("file://") else path).expanduser()
+        local = Path(path[len("file://") :] if path.startswith("file://") else path).expanduser()
         why = _writable_folder(local)
         if why:
             raise PreflightError(key, f"cannot write to {path}: {why}")
@@ -518,11 +565,17 @@ def check_data(config: ExperimentConfig, splits: Sequence[str] | None = None) ->
         source = str(uri) if uri else None
     named = f"the {d.name} data" + (f" in {source}" if source else "")
     if need is not None and need > m.num_classes:
-        raise PreflightError("model.num_classes", f"is {m.num_classes}, but {named} have labels up to {need - 1} "
-                                                  f"(from {how}): set model.num_classes={need}")
+        raise PreflightError(
+            "model.num_classes",
+            f"is {m.num_classes}, but {named} have labels up to {need - 1} (from {how}): set model.num_classes={need}",
+        )
     counts = ", ".join(f"{n} {s}" for s, n in sizes.items())
-    return (f"data: {d.name} " + (f"from {source}" if source else "(generated)") + f": {counts} items"
-            + (f", {need} classes" if need else "")), source or ""
+    return (
+        f"data: {d.name} "
+        + (f"from {source}" if source else "(generated)")
+        + f": {counts} items"
+        + (f", {need} classes" if need else "")
+    ), source or ""
 
 
 def _one_line(text: str) -> str:
@@ -561,8 +614,11 @@ def preflight(
         check_ray_address(address, source)
         report.add(f"Ray: {address} answers")
     if check_ray and not address and not joined:
-        report.add(check_capacity(config.scaling, local_nodes(), where="this machine", extra=trial_resources,
-                                  extra_key=trial_key))
+        report.add(
+            check_capacity(
+                config.scaling, local_nodes(), where="this machine", extra=trial_resources, extra_key=trial_key
+            )
+        )
     uri = tracking_uri or (config.tracking_uri() if config.tracking.enabled else None)
     if uri:
         report.add(check_tracking(uri, _tracking_key(config)))
@@ -575,8 +631,11 @@ def preflight(
 
             init_ray(ray_address)
         nodes, declared = ray_nodes()
-        where = "the cluster" + (f" at {address}" if address else "") + (" (as far as its autoscaler may scale it)"
-                                                                         if declared else "")
+        where = (
+            "the cluster"
+            + (f" at {address}" if address else "")
+            + (" (as far as its autoscaler may scale it)" if declared else "")
+        )
         report.add(check_capacity(config.scaling, nodes, where=where, extra=trial_resources, extra_key=trial_key))
     report.seconds = time.monotonic() - start
     log.info("preflight passed in %.1fs", report.seconds)
@@ -596,8 +655,9 @@ def preflight_eval(checkpoint: str, device: str = "cpu") -> PreflightReport:
         count = torch.cuda.device_count()
         index = int(device.split(":", 1)[1]) if ":" in device and device.split(":", 1)[1].isdigit() else 0
         if index >= count:
-            raise PreflightError("--device", f"{device}: this machine has {count} CUDA GPU(s)"
-                                             + ("" if count else "; use --device cpu"))
+            raise PreflightError(
+                "--device", f"{device}: this machine has {count} CUDA GPU(s)" + ("" if count else "; use --device cpu")
+            )
     report.add(f"device: {device}")
     if is_s3(checkpoint):
         report.add(check_storage(checkpoint, "checkpoint", write=False))

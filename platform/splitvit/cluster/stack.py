@@ -39,9 +39,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +240,8 @@ def _psutil():
         import psutil
     except ImportError:
         # Ray ships psutil in its thirdparty_files and puts that on sys.path on import.
-        import ray  # noqa: F401
-
         import psutil
+        import ray  # noqa: F401
     return psutil
 
 
@@ -346,8 +346,14 @@ def http_get(url: str, *, headers: dict[str, str] | None = None, timeout: float 
         return exc.code, exc.read().decode("utf-8", "replace")
 
 
-def wait_until(check: Callable[[], tuple[bool, str]], *, timeout_s: float, what: str,
-               alive: Callable[[], str | None] | None = None, interval_s: float = 0.5) -> str:
+def wait_until(
+    check: Callable[[], tuple[bool, str]],
+    *,
+    timeout_s: float,
+    what: str,
+    alive: Callable[[], str | None] | None = None,
+    interval_s: float = 0.5,
+) -> str:
     """Poll ``check`` (returns ``(ok, detail)``) until it passes or ``timeout_s`` runs out.
 
     ``alive`` returns a message when the process behind the check has died: the
@@ -422,8 +428,9 @@ def status(state_dir: Path | str | None = None) -> StackStatus:
     if state is None:
         return StackStatus(str(folder), running=False)
     procs = marked_processes(state.stack_id, cmdline_markers=[state.ray_temp_dir])
-    return StackStatus(str(folder), running=bool(procs), components=check_health(state), state=state,
-                       processes=len(procs))
+    return StackStatus(
+        str(folder), running=bool(procs), components=check_health(state), state=state, processes=len(procs)
+    )
 
 
 # ---------------------------------------------------------------------- up
@@ -558,8 +565,11 @@ def _up(settings: StackSettings, folder: Path) -> StackStatus:
         raise
     _write_private(folder / ENV_FILE, "".join(f"export {k}={_shell_quote(v)}\n" for k, v in state.env().items()))
     if settings.host not in LOOPBACK:
-        log.warning("the stack listens on %s: Ray's job server needs its token, but the local MLflow server has no "
-                    "authentication (see infra/mlflow for a server with it)", settings.host)
+        log.warning(
+            "the stack listens on %s: Ray's job server needs its token, but the local MLflow server has no "
+            "authentication (see infra/mlflow for a server with it)",
+            settings.host,
+        )
     return status(folder)
 
 
@@ -570,9 +580,11 @@ def _plan_launch(settings: StackSettings, folder: Path) -> _Launch:
     ports = _stack_ports(settings, client_host)
     ray_temp = Path(settings.ray_temp_dir or folder / "ray").expanduser().resolve()
     if len(str(ray_temp)) + len(_RAY_SOCKET_SUFFIX) > _SOCKET_PATH_MAX:
-        raise StackError(f"Ray's temp folder {ray_temp} is too long for the Unix sockets Ray creates in it "
-                         f"(at most {_SOCKET_PATH_MAX - len(_RAY_SOCKET_SUFFIX)} characters); "
-                         "pass a shorter --ray-temp-dir")
+        raise StackError(
+            f"Ray's temp folder {ray_temp} is too long for the Unix sockets Ray creates in it "
+            f"(at most {_SOCKET_PATH_MAX - len(_RAY_SOCKET_SUFFIX)} characters); "
+            "pass a shorter --ray-temp-dir"
+        )
     logs = folder / "logs"
     for path in (ray_temp, logs, folder / "runs"):
         path.mkdir(parents=True, exist_ok=True)
@@ -580,8 +592,15 @@ def _plan_launch(settings: StackSettings, folder: Path) -> _Launch:
     _ensure_token(token_path)
     stack_id = uuid.uuid4().hex
     return _Launch(
-        settings=settings, folder=folder, client_host=client_host, ports=ports, ray_temp=ray_temp, logs=logs,
-        token_path=token_path, stack_id=stack_id, env=_base_env(stack_id, settings, token_path),
+        settings=settings,
+        folder=folder,
+        client_host=client_host,
+        ports=ports,
+        ray_temp=ray_temp,
+        logs=logs,
+        token_path=token_path,
+        stack_id=stack_id,
+        env=_base_env(stack_id, settings, token_path),
         backend=settings.backend_store_uri or f"sqlite:///{folder / 'mlflow.db'}",
         artifacts=settings.artifacts_destination or str(folder / "mlartifacts"),
     )
@@ -604,20 +623,31 @@ def _stack_ports(settings: StackSettings, client_host: str) -> dict[str, int]:
     for name, port in ports.items():
         if not port_is_free(port, "0.0.0.0" if settings.host not in LOOPBACK else client_host):
             option = "--" + name.replace("_", "-")
-            raise StackError(f"port {port} ({name}) is already in use on this machine; "
-                             f"stop what listens there or pick another with {option}")
+            raise StackError(
+                f"port {port} ({name}) is already in use on this machine; "
+                f"stop what listens there or pick another with {option}"
+            )
     return ports
 
 
 def _initial_state(launch: _Launch, mlflow_pid: int) -> StackState:
     """The stack's state once MLflow has started (``ray_start_pid`` follows with ``ray start``)."""
     return StackState(
-        stack_id=launch.stack_id, host=launch.settings.host, dashboard_url=launch.dashboard_url,
-        gcs_address=f"{launch.client_host}:{launch.ports['ray_port']}", mlflow_url=launch.mlflow_url,
-        agent_port=launch.ports["agent_port"], ray_temp_dir=str(launch.ray_temp),
-        auth_token_path=str(launch.token_path), backend_store_uri=_redact(launch.backend),
-        artifacts_destination=_redact(launch.artifacts), storage_path=str(launch.folder / "runs"),
-        mlflow_pid=mlflow_pid, ray_start_pid=0, logs_dir=str(launch.logs), python=sys.executable,
+        stack_id=launch.stack_id,
+        host=launch.settings.host,
+        dashboard_url=launch.dashboard_url,
+        gcs_address=f"{launch.client_host}:{launch.ports['ray_port']}",
+        mlflow_url=launch.mlflow_url,
+        agent_port=launch.ports["agent_port"],
+        ray_temp_dir=str(launch.ray_temp),
+        auth_token_path=str(launch.token_path),
+        backend_store_uri=_redact(launch.backend),
+        artifacts_destination=_redact(launch.artifacts),
+        storage_path=str(launch.folder / "runs"),
+        mlflow_pid=mlflow_pid,
+        ray_start_pid=0,
+        logs_dir=str(launch.logs),
+        python=sys.executable,
         started_at=time.time(),
     )
 
@@ -635,19 +665,38 @@ def _start_mlflow(launch: _Launch) -> subprocess.Popen:
     # use it, and it costs several processes on a laptop.
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     command = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", launch.backend,
-        "--artifacts-destination", launch.artifacts,
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        launch.backend,
+        "--artifacts-destination",
+        launch.artifacts,
         "--serve-artifacts",
-        "--host", settings.host,
-        "--port", str(settings.mlflow_port),
-        "--workers", str(settings.mlflow_workers),
+        "--host",
+        settings.host,
+        "--port",
+        str(settings.mlflow_port),
+        "--workers",
+        str(settings.mlflow_workers),
     ]
-    log.info("starting MLflow on %s (backend %s, artifacts %s)", launch.mlflow_url, _redact(launch.backend),
-             _redact(launch.artifacts))
+    log.info(
+        "starting MLflow on %s (backend %s, artifacts %s)",
+        launch.mlflow_url,
+        _redact(launch.backend),
+        _redact(launch.artifacts),
+    )
     with open(launch.mlflow_log, "ab") as out:
-        return subprocess.Popen(command, env=env, cwd=launch.folder, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            command,
+            env=env,
+            cwd=launch.folder,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _start_ray_head(launch: _Launch, state: StackState) -> None:
@@ -657,14 +706,23 @@ def _start_ray_head(launch: _Launch, state: StackState) -> None:
     settings, ports = launch.settings, launch.ports
     host = settings.host
     command = [
-        *_ray_command(), "start", "--head",
-        "--port", str(ports["ray_port"]),
-        "--dashboard-host", host,
-        "--dashboard-port", str(settings.dashboard_port),
-        "--include-dashboard", "true",
-        "--dashboard-agent-listen-port", str(ports["agent_port"]),
-        "--ray-client-server-port", str(ports["client_port"]),
-        "--temp-dir", str(launch.ray_temp),
+        *_ray_command(),
+        "start",
+        "--head",
+        "--port",
+        str(ports["ray_port"]),
+        "--dashboard-host",
+        host,
+        "--dashboard-port",
+        str(settings.dashboard_port),
+        "--include-dashboard",
+        "true",
+        "--dashboard-agent-listen-port",
+        str(ports["agent_port"]),
+        "--ray-client-server-port",
+        str(ports["client_port"]),
+        "--temp-dir",
+        str(launch.ray_temp),
         "--disable-usage-stats",
     ]
     if host not in LOOPBACK and host not in ("0.0.0.0", "::", ""):
@@ -683,15 +741,24 @@ def _start_ray_head(launch: _Launch, state: StackState) -> None:
     ray_log = launch.ray_log
     log.info("starting the Ray head (dashboard %s, temp folder %s)", launch.dashboard_url, launch.ray_temp)
     with open(ray_log, "ab") as out:
-        ray_proc = subprocess.Popen(command, env=env, cwd=launch.folder, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        ray_proc = subprocess.Popen(
+            command,
+            env=env,
+            cwd=launch.folder,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         state.ray_start_pid = ray_proc.pid
         _write_state(launch.folder, state)
         try:
             code = ray_proc.wait(timeout=settings.timeout_s)
         except subprocess.TimeoutExpired:
-            raise StackError(f"`ray start` did not finish within {settings.timeout_s:.0f}s; "
-                             f"its log ({ray_log}) ends:\n{tail(ray_log)}") from None
+            raise StackError(
+                f"`ray start` did not finish within {settings.timeout_s:.0f}s; "
+                f"its log ({ray_log}) ends:\n{tail(ray_log)}"
+            ) from None
     if code != 0:
         raise StackError(f"`ray start` failed (exit {code}); its log ({ray_log}) ends:\n{tail(ray_log)}")
 
@@ -708,15 +775,28 @@ def _wait_until_healthy(launch: _Launch, state: StackState, mlflow_proc: subproc
         return f"exit {mlflow_proc.returncode}; its log ({mlflow_log}) ends:\n{tail(mlflow_log)}"
 
     headers = state.auth_headers()
-    wait_until(lambda: _http_check(f"{dashboard_url}/api/gcs_healthz", None, "success"),
-               timeout_s=timeout_s, what=f"the Ray dashboard ({dashboard_url})")
-    wait_until(lambda: _http_check(f"{dashboard_url}/api/version", headers, "ray_version"),
-               timeout_s=timeout_s, what=f"the Ray job server ({dashboard_url})")
+    wait_until(
+        lambda: _http_check(f"{dashboard_url}/api/gcs_healthz", None, "success"),
+        timeout_s=timeout_s,
+        what=f"the Ray dashboard ({dashboard_url})",
+    )
+    wait_until(
+        lambda: _http_check(f"{dashboard_url}/api/version", headers, "ray_version"),
+        timeout_s=timeout_s,
+        what=f"the Ray job server ({dashboard_url})",
+    )
     # The job server hands jobs to this agent; a submission before it is up fails.
-    wait_until(lambda: _http_check(f"http://{launch.client_host}:{launch.ports['agent_port']}/api/healthz"),
-               timeout_s=timeout_s, what="the Ray job agent")
-    wait_until(lambda: _http_check(f"{mlflow_url}/health", None, "OK"), timeout_s=timeout_s,
-               what=f"the MLflow server ({mlflow_url})", alive=mlflow_dead)
+    wait_until(
+        lambda: _http_check(f"http://{launch.client_host}:{launch.ports['agent_port']}/api/healthz"),
+        timeout_s=timeout_s,
+        what="the Ray job agent",
+    )
+    wait_until(
+        lambda: _http_check(f"{mlflow_url}/health", None, "OK"),
+        timeout_s=timeout_s,
+        what=f"the MLflow server ({mlflow_url})",
+        alive=mlflow_dead,
+    )
 
 
 def _shell_quote(value: str) -> str:
@@ -759,8 +839,12 @@ def _down(folder: Path, grace_s: float) -> DownReport:
     rest = marked_processes(state.stack_id, cmdline_markers=[state.ray_temp_dir])
     more_stopped, more_killed = terminate_processes(rest, grace_s)
     report.stopped, report.killed = stopped + more_stopped, killed + more_killed
-    ports = [int(state.dashboard_url.rsplit(":", 1)[1]), int(state.mlflow_url.rsplit(":", 1)[1]),
-             int(state.gcs_address.rsplit(":", 1)[1]), state.agent_port]
+    ports = [
+        int(state.dashboard_url.rsplit(":", 1)[1]),
+        int(state.mlflow_url.rsplit(":", 1)[1]),
+        int(state.gcs_address.rsplit(":", 1)[1]),
+        state.agent_port,
+    ]
     host = _client_host(state.host)
     deadline = time.monotonic() + 10.0
     while True:  # sockets close a moment after their processes exit

@@ -33,9 +33,10 @@ import logging
 import os
 import shlex
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,35 @@ log = logging.getLogger(__name__)
 ENTRYPOINTS = {"train": "jobs/train.py", "sweep": "jobs/sweep.py", "eval": "jobs/evaluate.py"}
 #: What never goes into the uploaded working dir (anchored patterns: the checkout's root).
 EXCLUDES = [
-    "/.git", "/.venv", "/venv", "/runs", "/mlruns", "/mlartifacts", "/mlflow.db", "/.splitvit",
-    ".pytest_cache", "__pycache__", "*.pyc", "*.egg-info", "*.pt", "*.pth", "*.ckpt", "*.safetensors",
+    "/.git",
+    "/.venv",
+    "/venv",
+    "/runs",
+    "/mlruns",
+    "/mlartifacts",
+    "/mlflow.db",
+    "/.splitvit",
+    ".pytest_cache",
+    "__pycache__",
+    "*.pyc",
+    "*.egg-info",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.safetensors",
 ]
 PACKAGE_DIR = "platform/splitvit"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 #: Options of ``splitvit submit`` that may also follow the job's arguments: name -> takes a value.
 SUBMIT_OPTIONS = {
-    "--address": True, "--working-dir": True, "--env": True, "--pip": True, "--tracking-uri": True,
-    "--submission-id": True, "--log-lines": True, "--no-wait": False,
+    "--address": True,
+    "--working-dir": True,
+    "--env": True,
+    "--pip": True,
+    "--tracking-uri": True,
+    "--submission-id": True,
+    "--log-lines": True,
+    "--no-wait": False,
 }
 REPEATABLE = ("--env", "--pip")
 
@@ -72,9 +93,11 @@ class ClusterUnreachable(SubmitError):
 class JobFailed(SubmitError):
     """The job ended ``FAILED`` or ``STOPPED``; ``result`` has its status, message and log tail."""
 
-    def __init__(self, result: "JobResult") -> None:
-        lines = [f"job {result.job_id} {result.status} on {result.address}"
-                 + (f": {result.message}" if result.message else "")]
+    def __init__(self, result: JobResult) -> None:
+        lines = [
+            f"job {result.job_id} {result.status} on {result.address}"
+            + (f": {result.message}" if result.message else "")
+        ]
         if result.log_tail:
             lines.append(f"last {len(result.log_tail.splitlines())} lines of its log:")
             lines.extend(f"  | {line}" for line in result.log_tail.splitlines())
@@ -189,13 +212,16 @@ def build_entrypoint(entry: str, args: list[str], working_dir: Path | str = ".")
         raise ValueError(f"unknown job {entry!r}; expected one of {', '.join(ENTRYPOINTS)}")
     script = ENTRYPOINTS[entry]
     if not (Path(working_dir) / script).is_file():
-        raise FileNotFoundError(f"{script} not found in the working dir {Path(working_dir).resolve()}; "
-                                "submit from the root of a splitvit checkout or pass --working-dir")
+        raise FileNotFoundError(
+            f"{script} not found in the working dir {Path(working_dir).resolve()}; "
+            "submit from the root of a splitvit checkout or pass --working-dir"
+        )
     return shlex.join(["python", script, *args])
 
 
-def build_runtime_env(working_dir: Path | str, env_vars: dict[str, str] | None = None,
-                      pip: list[str] | None = None) -> dict[str, Any]:
+def build_runtime_env(
+    working_dir: Path | str, env_vars: dict[str, str] | None = None, pip: list[str] | None = None
+) -> dict[str, Any]:
     """The job's runtime environment (see the module docstring for why each part)."""
     root = Path(working_dir).expanduser().resolve()
     package = root / PACKAGE_DIR
@@ -248,8 +274,9 @@ def _written_storage_path(entry: str, first: Path) -> str | None:
     return _config_storage_path(first.parent / base) if isinstance(base, str) else "runs"
 
 
-def with_stack_storage(entry: str, args: list[str], storage_path: str | None,
-                       working_dir: Path | str = ".") -> list[str]:
+def with_stack_storage(
+    entry: str, args: list[str], storage_path: str | None, working_dir: Path | str = "."
+) -> list[str]:
     """For ``train`` and ``sweep`` on the local stack: point a relative ``storage.path``
     at the stack's runs folder.
 
@@ -294,10 +321,15 @@ def resolve_target(address: str | None = None, *, state_dir: Path | str | None =
                 address, source = os.environ[var], f"${var}"
                 break
     if not address and state is not None:
-        address, source = state.dashboard_url, f"the local stack ({stack.default_state_dir() if state_dir is None else state_dir})"
+        address, source = (
+            state.dashboard_url,
+            f"the local stack ({stack.default_state_dir() if state_dir is None else state_dir})",
+        )
     if not address:
-        raise ClusterUnreachable("no Ray cluster to submit to: pass --address http://HEAD:8265, set RAY_ADDRESS, "
-                                 "or start the local stack with `splitvit stack up`")
+        raise ClusterUnreachable(
+            "no Ray cluster to submit to: pass --address http://HEAD:8265, set RAY_ADDRESS, "
+            "or start the local stack with `splitvit stack up`"
+        )
     address = address.rstrip("/")
     target = JobTarget(address=address, source=source)
     if state is not None and _same_server(address, state.dashboard_url):
@@ -342,22 +374,31 @@ def connect(target: JobTarget, timeout_s: float = 15.0):
         try:
             response = requests.get(f"{address}/api/version", headers=target.headers, timeout=timeout_s)
         except requests.RequestException as exc:
-            raise ClusterUnreachable(f"cannot reach the Ray job server at {address} (from {target.source}): "
-                                     f"{_reason(exc)}. Is the cluster up (`splitvit stack status`, `ray status`) and "
-                                     "is this the dashboard's address (http://HEAD:8265)?", address=address) from None
+            raise ClusterUnreachable(
+                f"cannot reach the Ray job server at {address} (from {target.source}): "
+                f"{_reason(exc)}. Is the cluster up (`splitvit stack status`, `ray status`) and "
+                "is this the dashboard's address (http://HEAD:8265)?",
+                address=address,
+            ) from None
         if response.status_code in (401, 403):
-            raise ClusterUnreachable(f"the Ray job server at {address} refused us (HTTP {response.status_code}): "
-                                     "it needs Ray's auth token; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or "
-                                     "RAY_AUTH_TOKEN_PATH)", address=address)
+            raise ClusterUnreachable(
+                f"the Ray job server at {address} refused us (HTTP {response.status_code}): "
+                "it needs Ray's auth token; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or "
+                "RAY_AUTH_TOKEN_PATH)",
+                address=address,
+            )
         if response.status_code != 200 or "ray_version" not in response.text:
-            raise ClusterUnreachable(f"{address} answers, but not as a Ray job server "
-                                     f"(GET /api/version: HTTP {response.status_code})", address=address)
+            raise ClusterUnreachable(
+                f"{address} answers, but not as a Ray job server (GET /api/version: HTTP {response.status_code})",
+                address=address,
+            )
     try:
         with _explicit_address():
             return JobSubmissionClient(address, headers=dict(target.headers) or None)
     except Exception as exc:  # ConnectionError, AuthenticationError, RuntimeError, ValueError...
-        raise ClusterUnreachable(f"cannot connect to the Ray cluster at {address} (from {target.source}): "
-                                 f"{_reason(exc)}", address=address) from None
+        raise ClusterUnreachable(
+            f"cannot connect to the Ray cluster at {address} (from {target.source}): {_reason(exc)}", address=address
+        ) from None
 
 
 def _reason(exc: BaseException) -> str:
@@ -395,8 +436,9 @@ def _short_message(message: str | None, max_lines: int = 30) -> str:
 _PACKAGE_GONE = "Failed to download runtime_env file package"
 
 
-def follow(client, job_id: str, sink: Callable[[str], None] | None, *, poll_s: float = 2.0,
-           lost_after_s: float = 120.0) -> Any:
+def follow(
+    client, job_id: str, sink: Callable[[str], None] | None, *, poll_s: float = 2.0, lost_after_s: float = 120.0
+) -> Any:
     """Stream a job's log to ``sink`` until the job ends; return its ``JobDetails``.
 
     ``sink=None`` only waits. If the log stream breaks, the job's status is polled
@@ -404,6 +446,7 @@ def follow(client, job_id: str, sink: Callable[[str], None] | None, *, poll_s: f
     ``lost_after_s`` seconds (the job itself may still be running).
     """
     if sink is not None:
+
         async def stream() -> None:
             async for chunk in client.tail_job_logs(job_id):
                 sink(chunk)
@@ -421,8 +464,11 @@ def follow(client, job_id: str, sink: Callable[[str], None] | None, *, poll_s: f
                 return info
         except Exception as exc:
             if time.monotonic() - last_ok > lost_after_s:
-                raise SubmitError(f"lost the Ray job server while following job {job_id} ({_reason(exc)}); "
-                                  f"the job may still be running: ray job status {job_id}", job_id=job_id) from None
+                raise SubmitError(
+                    f"lost the Ray job server while following job {job_id} ({_reason(exc)}); "
+                    f"the job may still be running: ray job status {job_id}",
+                    job_id=job_id,
+                ) from None
         time.sleep(poll_s)
 
 
@@ -467,8 +513,12 @@ def run_job(
 
     # the job's copy of working_dir has no .git: its runs learn their commit from here
     env_vars = {**git_env(working_dir), **(env or {})}
-    tracking_uri = tracking_uri or env_vars.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI") \
+    tracking_uri = (
+        tracking_uri
+        or env_vars.get("MLFLOW_TRACKING_URI")
+        or os.environ.get("MLFLOW_TRACKING_URI")
         or target.tracking_uri
+    )
     if tracking_uri:
         env_vars["MLFLOW_TRACKING_URI"] = tracking_uri
         _warn_if_loopback(tracking_uri, target.address)
@@ -478,17 +528,27 @@ def run_job(
     started = time.monotonic()
     for attempt in (1, 2):
         try:
-            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata,
-                                       submission_id=submission_id if attempt == 1 or not submission_id
-                                       else f"{submission_id}-2")
+            job_id = client.submit_job(
+                entrypoint=entrypoint,
+                runtime_env=runtime_env,
+                metadata=metadata,
+                submission_id=submission_id if attempt == 1 or not submission_id else f"{submission_id}-2",
+            )
         except Exception as exc:
-            raise SubmitError(f"the Ray job server at {target.address} rejected the job: {_reason(exc)}",
-                              address=target.address) from None
+            raise SubmitError(
+                f"the Ray job server at {target.address} rejected the job: {_reason(exc)}", address=target.address
+            ) from None
         log.info("submitted job %s to %s: %s", job_id, target.address, entrypoint)
         if on_submitted is not None:
             on_submitted(job_id, target.address)
-        result = JobResult(job_id=job_id, address=target.address, entrypoint=entrypoint, status="PENDING",
-                           tracking_uri=tracking_uri, runtime_env=runtime_env)
+        result = JobResult(
+            job_id=job_id,
+            address=target.address,
+            entrypoint=entrypoint,
+            status="PENDING",
+            tracking_uri=tracking_uri,
+            runtime_env=runtime_env,
+        )
         if not wait:
             return result
         info = follow(client, job_id, sink)
@@ -517,6 +577,9 @@ def _warn_if_loopback(tracking_uri: str, address: str) -> None:
     ray_host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
     loop = ("127.0.0.1", "localhost", "::1")
     if mlflow_host in loop and ray_host not in loop:
-        log.warning("MLFLOW_TRACKING_URI %s is loopback but the cluster at %s is not on this machine: the job's "
-                    "processes will not reach it (pass --tracking-uri with an address the cluster can reach)",
-                    redact_uri(tracking_uri), address)
+        log.warning(
+            "MLFLOW_TRACKING_URI %s is loopback but the cluster at %s is not on this machine: the job's "
+            "processes will not reach it (pass --tracking-uri with an address the cluster can reach)",
+            redact_uri(tracking_uri),
+            address,
+        )

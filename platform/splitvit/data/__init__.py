@@ -40,13 +40,34 @@ from .parquet import ParquetShards
 from .shards import ShardWriteResult, write_shards
 from .synthetic import SyntheticObjects
 
-DATASET_NAMES = ("synthetic", "cluttered-fashion-mnist", "cluttered-fashion-mnist-seg", "imagefolder", "ade20k", "parquet")
+DATASET_NAMES = (
+    "synthetic",
+    "cluttered-fashion-mnist",
+    "cluttered-fashion-mnist-seg",
+    "imagefolder",
+    "ade20k",
+    "parquet",
+)
 
 __all__ = [
-    "ADE20KDataset", "Canvas", "ClutteredFashionMNIST", "ClutteredFashionMNISTSeg", "CorruptDataError",
-    "DATASET_NAMES", "FashionMNISTNotFound", "ImageFolderDataset", "ParquetShards", "ShardWriteResult",
-    "SkippingDataset", "SyntheticObjects", "build_dataset", "fashion_mnist_split", "find_fashion_mnist",
-    "load_fashion_mnist", "write_shards",
+    "ADE20KDataset",
+    "Canvas",
+    "ClutteredFashionMNIST",
+    "ClutteredFashionMNISTSeg",
+    "CorruptDataError",
+    "DATASET_NAMES",
+    "FashionMNISTNotFound",
+    "ImageFolderDataset",
+    "ParquetShards",
+    "ShardWriteResult",
+    "SkippingDataset",
+    "SyntheticObjects",
+    "build_dataset",
+    "fashion_mnist_split",
+    "find_fashion_mnist",
+    "first_images",
+    "load_fashion_mnist",
+    "write_shards",
 ]
 
 _SPLIT_SEED = {"train": 0, "val": 1, "test": 2}
@@ -63,7 +84,9 @@ def _take_samples(opts: dict[str, Any], split: str) -> int | None:
 def _check_options(name: str, opts: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(opts) - allowed)
     if unknown:
-        raise ValueError(f"dataset {name!r}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
+        raise ValueError(
+            f"dataset {name!r}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}"
+        )
 
 
 def _kwargs_of(cls: type) -> set[str]:
@@ -114,7 +137,12 @@ def build_dataset(name: str, split: str, *, image_size: int, seed: int = 0, **op
         uri = opts.get("uri") or opts.get("root")
         if not uri:
             raise ValueError("dataset 'parquet' needs option uri=FOLDER_OR_S3_URI (or root=)")
-        ds = ParquetShards(str(uri), split, image_size=image_size, strict=bool(opts.get("strict", False)),
-                           cache_row_groups=int(opts.get("cache_row_groups", 4)))
+        ds = ParquetShards(
+            str(uri),
+            split,
+            image_size=image_size,
+            strict=bool(opts.get("strict", False)),
+            cache_row_groups=int(opts.get("cache_row_groups", 4)),
+        )
         return _file_backed(ds, samples, bool(opts.get("verify", False)))
     raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASET_NAMES)}")

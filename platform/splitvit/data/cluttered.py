@@ -36,8 +36,9 @@ DEFAULT_VAL_SIZE = 5000
 log = logging.getLogger(__name__)
 
 
-def fashion_mnist_split(split: str, root: str | os.PathLike | None = None, *, val_size: int = DEFAULT_VAL_SIZE,
-                        download: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+def fashion_mnist_split(
+    split: str, root: str | os.PathLike | None = None, *, val_size: int = DEFAULT_VAL_SIZE, download: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Images and labels of ``split``: train = the train files minus their last ``val_size``
     items, val = those last ``val_size`` items (a fixed held-out slice), test = t10k."""
     if split == "test":
@@ -57,35 +58,51 @@ def fashion_mnist_split(split: str, root: str | os.PathLike | None = None, *, va
 class Canvas:
     """One rendered canvas with everything a test or a figure may want to inspect."""
 
-    image: np.ndarray          # (3, H, W) float32 in [0, 1]
-    labels: list[int]          # the class of each placed item
+    image: np.ndarray  # (3, H, W) float32 in [0, 1]
+    labels: list[int]  # the class of each placed item
     boxes: list[tuple[int, int, int, int]]  # (y, x, h, w) of each item's tile
-    item_masks: np.ndarray     # (n_items, H, W) bool: each item's silhouette
-    clutter_mask: np.ndarray   # (H, W) bool
-    background: np.ndarray     # (3,) the flat background colour
+    item_masks: np.ndarray  # (n_items, H, W) bool: each item's silhouette
+    clutter_mask: np.ndarray  # (H, W) bool
+    background: np.ndarray  # (3,) the flat background colour
 
 
 class _ClutterRenderer:
     """Shared canvas rendering of both the classification and the segmentation variant."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int, item_size: int,
-                 clutter_fraction: float, fragment_prob: float, margin: int, mask_threshold: float,
-                 max_items: int, seed: int) -> None:
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        *,
+        image_size: int,
+        item_size: int,
+        clutter_fraction: float,
+        fragment_prob: float,
+        margin: int,
+        mask_threshold: float,
+        max_items: int,
+        seed: int,
+    ) -> None:
         if images.ndim != 3 or len(images) != len(labels) or len(images) < 2:
-            raise ValueError(f"need at least two items as (N, h, w) images with N labels, got {images.shape} and {labels.shape}")
+            raise ValueError(
+                f"need at least two items as (N, h, w) images with N labels, got {images.shape} and {labels.shape}"
+            )
         if not 0.0 <= clutter_fraction < 1.0:
             raise ValueError(f"clutter_fraction must be in [0, 1), got {clutter_fraction}")
         if not 0.0 <= fragment_prob <= 1.0:
             raise ValueError(f"fragment_prob must be in [0, 1], got {fragment_prob}")
         tile = item_size + 2 * margin
         if image_size < tile:
-            raise ValueError(f"image_size {image_size} is smaller than an item ({item_size}) plus its margin ({margin})")
+            raise ValueError(
+                f"image_size {image_size} is smaller than an item ({item_size}) plus its margin ({margin})"
+            )
         # The clutter target must fit next to the items, else coverage could not be met.
         free = image_size * image_size - max_items * tile * tile
         if free < clutter_fraction * image_size * image_size:
             raise ValueError(
                 f"clutter_fraction {clutter_fraction} of a {image_size}x{image_size} canvas does not fit beside "
-                f"{max_items} item(s) of {item_size}px (+{margin}px margin); use a larger image_size or fewer items")
+                f"{max_items} item(s) of {item_size}px (+{margin}px margin); use a larger image_size or fewer items"
+            )
         self.images = images
         self.labels = labels.astype(np.int64)
         self.image_size = image_size
@@ -113,23 +130,30 @@ class _ClutterRenderer:
             for _ in range(64):  # rejection sampling: tiles (with margins) never overlap
                 oy, ox = (int(v) for v in rng.integers(0, size - it + 1, size=2))
                 y0, x0 = max(oy - margin, 0), max(ox - margin, 0)
-                if not keepout[y0: oy + it + margin, x0: ox + it + margin].any():
+                if not keepout[y0 : oy + it + margin, x0 : ox + it + margin].any():
                     break
             else:
                 continue
-            keepout[y0: oy + it + margin, x0: ox + it + margin] = True
+            keepout[y0 : oy + it + margin, x0 : ox + it + margin] = True
             alpha = self.item_alpha(j)
             fg = rng.uniform(0.75, 1.0, size=3).astype(np.float32)
-            image[:, oy: oy + it, ox: ox + it] = background[:, None, None] + alpha[None] * (fg - background)[:, None, None]
+            image[:, oy : oy + it, ox : ox + it] = (
+                background[:, None, None] + alpha[None] * (fg - background)[:, None, None]
+            )
             mask = np.zeros((size, size), dtype=bool)
-            mask[oy: oy + it, ox: ox + it] = alpha > self.mask_threshold
+            mask[oy : oy + it, ox : ox + it] = alpha > self.mask_threshold
             boxes.append((oy, ox, it, it))
             labels.append(int(self.labels[j]))
             masks.append(mask)
         clutter = self._clutter(image, keepout, set(item_indices), rng)
-        return Canvas(image=image, labels=labels, boxes=boxes,
-                      item_masks=np.stack(masks) if masks else np.zeros((0, size, size), bool),
-                      clutter_mask=clutter, background=background)
+        return Canvas(
+            image=image,
+            labels=labels,
+            boxes=boxes,
+            item_masks=np.stack(masks) if masks else np.zeros((0, size, size), bool),
+            clutter_mask=clutter,
+            background=background,
+        )
 
     def _texture(self, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
         kind = rng.integers(3)
@@ -154,10 +178,12 @@ class _ClutterRenderer:
         cy, cx = rng.integers(0, alpha.shape[0] - fh + 1), rng.integers(0, alpha.shape[1] - fw + 1)
         out = np.zeros((h, w), dtype=np.float32)
         py, px = rng.integers(0, h - fh + 1), rng.integers(0, w - fw + 1)
-        out[py: py + fh, px: px + fw] = alpha[cy: cy + fh, cx: cx + fw]
+        out[py : py + fh, px : px + fw] = alpha[cy : cy + fh, cx : cx + fw]
         return out
 
-    def _clutter(self, image: np.ndarray, keepout: np.ndarray, exclude: set[int], rng: np.random.Generator) -> np.ndarray:
+    def _clutter(
+        self, image: np.ndarray, keepout: np.ndarray, exclude: set[int], rng: np.random.Generator
+    ) -> np.ndarray:
         size = self.image_size
         clutter = np.zeros((size, size), dtype=bool)
         target = int(np.ceil(self.clutter_fraction * size * size))
@@ -168,7 +194,7 @@ class _ClutterRenderer:
                 break
             h, w = (int(v) for v in rng.integers(lo, hi + 1, size=2))
             y, x = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
-            region = ~keepout[y: y + h, x: x + w]
+            region = ~keepout[y : y + h, x : x + w]
             if not region.any():
                 continue
             texture = self._texture(h, w, rng)
@@ -176,10 +202,10 @@ class _ClutterRenderer:
                 alpha = self._fragment(h, w, exclude, rng)
                 colour = rng.uniform(0.6, 1.0, size=3).astype(np.float32)
                 texture = texture * (1 - alpha[None]) + alpha[None] * colour[:, None, None]
-            patch = image[:, y: y + h, x: x + w]
+            patch = image[:, y : y + h, x : x + w]
             patch[:, region] = texture[:, region]
-            covered += int((region & ~clutter[y: y + h, x: x + w]).sum())
-            clutter[y: y + h, x: x + w] |= region
+            covered += int((region & ~clutter[y : y + h, x : x + w]).sum())
+            clutter[y : y + h, x : x + w] |= region
         missing = target - covered
         if missing > 0:  # rare: rectangles kept landing on the items; finish with scattered noise pixels
             free = np.flatnonzero(~(clutter | keepout))
@@ -190,7 +216,9 @@ class _ClutterRenderer:
         return clutter
 
 
-def _canvas_cache(dataset: "ClutteredFashionMNIST | ClutteredFashionMNISTSeg", cache_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+def _canvas_cache(
+    dataset: ClutteredFashionMNIST | ClutteredFashionMNISTSeg, cache_dir: str | os.PathLike
+) -> dict[str, np.ndarray]:
     """Every canvas of ``dataset`` as arrays memory-mapped from ``cache_dir``, rendered
     there first if needed (once: a file lock makes concurrent processes wait for the
     first; the folder appears atomically, so a killed render leaves nothing half-written).
@@ -200,9 +228,18 @@ def _canvas_cache(dataset: "ClutteredFashionMNIST | ClutteredFashionMNISTSeg", c
     and every rendering setting, so changed data or settings never read stale canvases.
     """
     r = dataset.renderer
-    settings = {"kind": type(dataset).__name__, "n": len(dataset), "seed": dataset.seed, "size": r.image_size,
-                "item": r.item_size, "clutter": r.clutter_fraction, "frag": r.fragment_prob, "margin": r.margin,
-                "mask": r.mask_threshold, "items": [getattr(dataset, "min_items", 1), getattr(dataset, "max_items", 1)]}
+    settings = {
+        "kind": type(dataset).__name__,
+        "n": len(dataset),
+        "seed": dataset.seed,
+        "size": r.image_size,
+        "item": r.item_size,
+        "clutter": r.clutter_fraction,
+        "frag": r.fragment_prob,
+        "margin": r.margin,
+        "mask": r.mask_threshold,
+        "items": [getattr(dataset, "min_items", 1), getattr(dataset, "max_items", 1)],
+    }
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode())
     digest.update(np.ascontiguousarray(r.images).tobytes())
     digest.update(np.ascontiguousarray(r.labels).tobytes())
@@ -225,10 +262,10 @@ def _canvas_cache(dataset: "ClutteredFashionMNIST | ClutteredFashionMNISTSeg", c
 
 #: Canvases per rendering task; larger caches are rendered by a pool of forked processes.
 RENDER_CHUNK = 512
-_RENDERING: "ClutteredFashionMNIST | ClutteredFashionMNISTSeg | None" = None  # the dataset a forked pool renders
+_RENDERING: ClutteredFashionMNIST | ClutteredFashionMNISTSeg | None = None  # the dataset a forked pool renders
 
 
-def _render_into(dataset: "ClutteredFashionMNIST | ClutteredFashionMNISTSeg", folder: Path) -> None:
+def _render_into(dataset: ClutteredFashionMNIST | ClutteredFashionMNISTSeg, folder: Path) -> None:
     """Render every canvas of ``dataset`` into ``.npy`` arrays in ``folder``: in this
     process for small sets, else in chunks on every CPU this process may use (the full
     training set of 55,000 canvases takes about two minutes on one core)."""
@@ -236,8 +273,11 @@ def _render_into(dataset: "ClutteredFashionMNIST | ClutteredFashionMNISTSeg", fo
     size, n = dataset.renderer.image_size, len(dataset)
     seg = isinstance(dataset, ClutteredFashionMNISTSeg)
     shapes = {"images": (np.uint8, (n, 3, size, size))}
-    shapes.update({"masks": (np.uint8, (n, size, size))} if seg else
-                  {"item_masks": (bool, (n, size, size)), "labels": (np.int64, (n,))})
+    shapes.update(
+        {"masks": (np.uint8, (n, size, size))}
+        if seg
+        else {"item_masks": (bool, (n, size, size)), "labels": (np.int64, (n,))}
+    )
     for name, (dtype, shape) in shapes.items():  # the files first; each chunk fills its own rows
         np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=dtype, shape=shape).flush()
     chunks = [(start, min(start + RENDER_CHUNK, n)) for start in range(0, n, RENDER_CHUNK)]
@@ -290,12 +330,34 @@ def _as_image(pixels: np.ndarray) -> torch.Tensor:
 class _ClutteredCanvases(Dataset):
     """What both variants share: the renderer, the length, per-canvas seeding, the cache."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int, num_samples: int | None,
-                 item_size: int, clutter_fraction: float, fragment_prob: float, margin: int, mask_threshold: float,
-                 max_items: int, seed: int, cache_dir: str | None) -> None:
-        self.renderer = _ClutterRenderer(images, labels, image_size=image_size, item_size=item_size,
-                                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
-                                         mask_threshold=mask_threshold, max_items=max_items, seed=seed)
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        *,
+        image_size: int,
+        num_samples: int | None,
+        item_size: int,
+        clutter_fraction: float,
+        fragment_prob: float,
+        margin: int,
+        mask_threshold: float,
+        max_items: int,
+        seed: int,
+        cache_dir: str | None,
+    ) -> None:
+        self.renderer = _ClutterRenderer(
+            images,
+            labels,
+            image_size=image_size,
+            item_size=item_size,
+            clutter_fraction=clutter_fraction,
+            fragment_prob=fragment_prob,
+            margin=margin,
+            mask_threshold=mask_threshold,
+            max_items=max_items,
+            seed=seed,
+        )
         self.num_samples = len(images) if num_samples is None else int(num_samples)
         self.image_size = image_size
         self.seed = seed
@@ -337,12 +399,35 @@ class ClutteredFashionMNIST(_ClutteredCanvases):
     num_classes = len(CLASSES)
     classes = CLASSES
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int = 64, num_samples: int | None = None,
-                 item_size: int = ITEM_SIZE, clutter_fraction: float = 0.4, fragment_prob: float = 0.5, margin: int = 2,
-                 mask_threshold: float = 0.1, seed: int = 0, cache_dir: str | None = None) -> None:
-        super().__init__(images, labels, image_size=image_size, num_samples=num_samples, item_size=item_size,
-                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
-                         mask_threshold=mask_threshold, max_items=1, seed=seed, cache_dir=cache_dir)
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        *,
+        image_size: int = 64,
+        num_samples: int | None = None,
+        item_size: int = ITEM_SIZE,
+        clutter_fraction: float = 0.4,
+        fragment_prob: float = 0.5,
+        margin: int = 2,
+        mask_threshold: float = 0.1,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__(
+            images,
+            labels,
+            image_size=image_size,
+            num_samples=num_samples,
+            item_size=item_size,
+            clutter_fraction=clutter_fraction,
+            fragment_prob=fragment_prob,
+            margin=margin,
+            mask_threshold=mask_threshold,
+            max_items=1,
+            seed=seed,
+            cache_dir=cache_dir,
+        )
 
     def render(self, index: int) -> Canvas:
         """The full canvas ``index`` (image, item box, masks, clutter mask)."""
@@ -353,7 +438,11 @@ class ClutteredFashionMNIST(_ClutteredCanvases):
         if self._cache is not None:
             self._check(index)
             c = self._cache
-            return _as_image(c["images"][index]), int(c["labels"][index]), torch.from_numpy(np.array(c["item_masks"][index]))
+            return (
+                _as_image(c["images"][index]),
+                int(c["labels"][index]),
+                torch.from_numpy(np.array(c["item_masks"][index])),
+            )
         canvas = self.render(index)
         return torch.from_numpy(canvas.image), canvas.labels[0], torch.from_numpy(canvas.item_masks[0])
 
@@ -375,10 +464,23 @@ class ClutteredFashionMNISTSeg(_ClutteredCanvases):
     classes = ("background", *CLASSES)
     ignore_index = 255
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, *, image_size: int = 64, num_samples: int | None = None,
-                 item_size: int = ITEM_SIZE, min_items: int | None = None, max_items: int | None = None,
-                 clutter_fraction: float = 0.4, fragment_prob: float = 0.5, margin: int = 2,
-                 mask_threshold: float = 0.1, seed: int = 0, cache_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        *,
+        image_size: int = 64,
+        num_samples: int | None = None,
+        item_size: int = ITEM_SIZE,
+        min_items: int | None = None,
+        max_items: int | None = None,
+        clutter_fraction: float = 0.4,
+        fragment_prob: float = 0.5,
+        margin: int = 2,
+        mask_threshold: float = 0.1,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
         tile = (item_size + 2 * margin) ** 2
         if max_items is None:
             max_items = int(max(1, min(4, (image_size * image_size * (1 - clutter_fraction)) // tile)))
@@ -387,9 +489,20 @@ class ClutteredFashionMNISTSeg(_ClutteredCanvases):
         if not 1 <= min_items <= max_items:
             raise ValueError(f"need 1 <= min_items <= max_items, got {min_items} and {max_items}")
         self.min_items, self.max_items = min_items, max_items  # before the cache: part of its key
-        super().__init__(images, labels, image_size=image_size, num_samples=num_samples, item_size=item_size,
-                         clutter_fraction=clutter_fraction, fragment_prob=fragment_prob, margin=margin,
-                         mask_threshold=mask_threshold, max_items=max_items, seed=seed, cache_dir=cache_dir)
+        super().__init__(
+            images,
+            labels,
+            image_size=image_size,
+            num_samples=num_samples,
+            item_size=item_size,
+            clutter_fraction=clutter_fraction,
+            fragment_prob=fragment_prob,
+            margin=margin,
+            mask_threshold=mask_threshold,
+            max_items=max_items,
+            seed=seed,
+            cache_dir=cache_dir,
+        )
 
     def render(self, index: int) -> Canvas:
         """The full canvas ``index``."""
@@ -403,6 +516,8 @@ class ClutteredFashionMNISTSeg(_ClutteredCanvases):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is not None:
             self._check(index)
-            return _as_image(self._cache["images"][index]), torch.from_numpy(self._cache["masks"][index].astype(np.int64))
+            return _as_image(self._cache["images"][index]), torch.from_numpy(
+                self._cache["masks"][index].astype(np.int64)
+            )
         canvas = self.render(index)
         return torch.from_numpy(canvas.image), torch.from_numpy(_class_map(canvas, self.image_size))

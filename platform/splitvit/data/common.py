@@ -176,7 +176,9 @@ class SkippingDataset(Dataset):
             except CorruptDataError as exc:
                 self._bad_raw.add(raw)
                 self.record_corrupt(exc)
-        raise RuntimeError(f"every one of the {n} items of {type(self).__name__} is corrupt; first: {self.skipped_files[:1]}")
+        raise RuntimeError(
+            f"every one of the {n} items of {type(self).__name__} is corrupt; first: {self.skipped_files[:1]}"
+        )
 
     def verify(self) -> int:
         """Decode every item now, drop the corrupt ones from the index; returns how many were dropped."""

@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 DATA_DIR_ENV = "SPLITVIT_DATA_DIR"
 CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
-PARTS = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-         "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+PARTS = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
 ITEM_SIZE = 28
 
 
@@ -97,15 +99,22 @@ def find_fashion_mnist(root: str | os.PathLike | None = None, *, download: bool 
     for i, folder in enumerate(searched):
         if folder.is_dir() and _complete(folder):
             if not root and env and i >= 3:  # not in $SPLITVIT_DATA_DIR: say so, loudly
-                log.warning("Fashion-MNIST: $%s=%s does not hold the idx files; using the files in %s",
-                            DATA_DIR_ENV, env, folder)
+                log.warning(
+                    "Fashion-MNIST: $%s=%s does not hold the idx files; using the files in %s",
+                    DATA_DIR_ENV,
+                    env,
+                    folder,
+                )
             else:
                 log.info("Fashion-MNIST: using the files in %s", folder)
             return folder
     if root and not download:
         base = Path(root).expanduser()
-        state = "does not exist" if not base.exists() else ("is not a folder" if not base.is_dir() else
-                                                            "does not hold all four idx files")
+        state = (
+            "does not exist"
+            if not base.exists()
+            else ("is not a folder" if not base.is_dir() else "does not hold all four idx files")
+        )
         raise FashionMNISTNotFound(
             f"root={root} {state} (searched {', '.join(str(d) for d in searched)} for train-images-idx3-ubyte"
             "[.gz], train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]); put the "
@@ -145,7 +154,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise ValueError(f"{path}: not an unsigned-byte idx file (bad magic {data[:4].hex()})")
     ndim = data[3]
     header = 4 + 4 * ndim
-    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     if len(data) != header + int(np.prod(shape)):
         raise ValueError(f"{path}: idx size {len(data) - header} does not match its shape {shape}")
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
@@ -161,7 +170,9 @@ def _load(folder: str, part: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def load_fashion_mnist(part: str, root: str | os.PathLike | None = None, *, download: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+def load_fashion_mnist(
+    part: str, root: str | os.PathLike | None = None, *, download: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(images uint8 (N, 28, 28), labels int64 (N,))`` of ``part`` (``"train"`` or ``"t10k"``).
 
     Cached per process, so every dataset built on the same files shares one copy.

@@ -45,7 +45,9 @@ class ImageFolderDataset(SkippingDataset):
         self.root = Path(root).expanduser()
         folder = self.root / split
         if not folder.is_dir():
-            raise FileNotFoundError(f"imagefolder: {folder} does not exist (expected {self.root}/{{train,val}}/CLASS/*.jpg)")
+            raise FileNotFoundError(
+                f"imagefolder: {folder} does not exist (expected {self.root}/{{train,val}}/CLASS/*.jpg)"
+            )
         reference = self.root / "train" if (self.root / "train").is_dir() else folder
         self.classes = sorted(d.name for d in reference.iterdir() if d.is_dir())
         index = {c: i for i, c in enumerate(self.classes)}
@@ -92,7 +94,9 @@ class ADE20KDataset(SkippingDataset):
         images_dir, ann_dir = root / "images" / self.SPLITS[split], root / "annotations" / self.SPLITS[split]
         for d in (images_dir, ann_dir):
             if not d.is_dir():
-                raise FileNotFoundError(f"ade20k: {d} does not exist (expected the ADEChallengeData2016 layout under {root})")
+                raise FileNotFoundError(
+                    f"ade20k: {d} does not exist (expected the ADEChallengeData2016 layout under {root})"
+                )
         self.samples = []
         missing = 0
         for img in _images_in(images_dir):
@@ -102,7 +106,9 @@ class ADE20KDataset(SkippingDataset):
             else:
                 missing += 1
         if missing:
-            log.warning("ade20k: %d images in %s have no annotation in %s and are left out", missing, images_dir, ann_dir)
+            log.warning(
+                "ade20k: %d images in %s have no annotation in %s and are left out", missing, images_dir, ann_dir
+            )
         if not self.samples:
             raise FileNotFoundError(f"ade20k: no annotated images in {images_dir}")
         self.root = root
@@ -117,7 +123,9 @@ class ADE20KDataset(SkippingDataset):
         img = read_image_file(img_path)
         ann = decode_mask(read_file(ann_path), ann_path)
         if ann.size != img.size:  # misaligned pairs would teach wrong labels
-            raise CorruptDataError(ann_path, f"annotation size {ann.size} differs from image size {img.size} of {img_path}")
+            raise CorruptDataError(
+                ann_path, f"annotation size {ann.size} differs from image size {img.size} of {img_path}"
+            )
         img = fit_square(img, self.image_size, Image.BICUBIC)
         mask = mask_to_tensor(fit_square(ann, self.image_size, Image.NEAREST))
         # 0 is "other/unlabelled" in ADE20K: ignore it and shift the 150 classes to 0..149

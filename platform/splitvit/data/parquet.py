@@ -19,7 +19,15 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from ..storage import exists, filesystem_for, join_uri, list_files, read_bytes
-from .common import CorruptDataError, SkippingDataset, decode_image, decode_mask, fit_square, image_to_tensor, mask_to_tensor
+from .common import (
+    CorruptDataError,
+    SkippingDataset,
+    decode_image,
+    decode_mask,
+    fit_square,
+    image_to_tensor,
+    mask_to_tensor,
+)
 from .shards import MANIFEST
 
 log = logging.getLogger(__name__)
@@ -42,9 +50,14 @@ def resolve_shard_dir(uri: str, split: str | None) -> tuple[str, dict[str, Any] 
             except ValueError as exc:
                 raise ValueError(f"{join_uri(folder, MANIFEST)}: not valid JSON: {exc}") from None
         if folder == uri and split and manifest and manifest.get("split") not in (None, split):
-            raise ValueError(f"{uri} holds the {manifest['split']!r} split, not {split!r} (and {join_uri(uri, split)} does not exist)")
+            raise ValueError(
+                f"{uri} holds the {manifest['split']!r} split, not {split!r} "
+                f"(and {join_uri(uri, split)} does not exist)"
+            )
         return folder, manifest
-    raise FileNotFoundError(f"parquet shards: {uri} does not exist" + (f" (nor {join_uri(uri, split)})" if split else ""))
+    raise FileNotFoundError(
+        f"parquet shards: {uri} does not exist" + (f" (nor {join_uri(uri, split)})" if split else "")
+    )
 
 
 class ParquetShards(SkippingDataset):
@@ -62,8 +75,15 @@ class ParquetShards(SkippingDataset):
         cache_row_groups: decoded row groups kept per process.
     """
 
-    def __init__(self, uri: str, split: str | None = None, *, image_size: int | None = None, strict: bool = False,
-                 cache_row_groups: int = 4) -> None:
+    def __init__(
+        self,
+        uri: str,
+        split: str | None = None,
+        *,
+        image_size: int | None = None,
+        strict: bool = False,
+        cache_row_groups: int = 4,
+    ) -> None:
         super().__init__(strict=strict)
         self.uri = str(uri)
         self.folder, self.manifest = resolve_shard_dir(self.uri, split)
@@ -100,7 +120,10 @@ class ParquetShards(SkippingDataset):
             self.files.append(uri_)
             units += [(k, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
         if not units:
-            raise ValueError(f"parquet shards: no readable rows in {self.folder} ({self.skipped} corrupt shards: {self.skipped_files})")
+            raise ValueError(
+                f"parquet shards: no readable rows in {self.folder} "
+                f"({self.skipped} corrupt shards: {self.skipped_files})"
+            )
         self._units = np.asarray([(f, g) for f, g, _ in units], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum([n for _, _, n in units])]).astype(np.int64)
         self.task = "segmentation" if "mask" in self.columns else "classification"

@@ -18,8 +18,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -115,8 +116,9 @@ def _items(dataset: Dataset, indices: list[int], num_workers: int) -> Iterator[t
     if num_workers <= 0:
         yield from (checked[k] for k in range(len(checked)))
         return
-    loader = DataLoader(checked, batch_size=None, shuffle=False, num_workers=num_workers,
-                        collate_fn=_identity, prefetch_factor=4)
+    loader = DataLoader(
+        checked, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_identity, prefetch_factor=4
+    )
     yield from loader
 
 
@@ -178,13 +180,25 @@ def write_shards(
     _remove_replaced_shards(stale, writer.shards)
     manifest_uri = _write_manifest(writer, dataset, skipped_files, metadata)
     result = ShardWriteResult(
-        uri=out_uri, manifest=manifest_uri, rows=writer.rows, shards=writer.shards,
-        bytes=sum(s["bytes"] for s in writer.shards), skipped=len(skipped_files), skipped_files=skipped_files,
-        task=writer.task or "", columns=list(writer.columns), seconds=time.perf_counter() - start,
+        uri=out_uri,
+        manifest=manifest_uri,
+        rows=writer.rows,
+        shards=writer.shards,
+        bytes=sum(s["bytes"] for s in writer.shards),
+        skipped=len(skipped_files),
+        skipped_files=skipped_files,
+        task=writer.task or "",
+        columns=list(writer.columns),
+        seconds=time.perf_counter() - start,
         extra=dict(metadata or {}),
     )
-    log.info("wrote %d rows in %d shards to %s (%d corrupt skipped)", writer.rows, len(writer.shards), out_uri,
-             result.skipped)
+    log.info(
+        "wrote %d rows in %d shards to %s (%d corrupt skipped)",
+        writer.rows,
+        len(writer.shards),
+        out_uri,
+        result.skipped,
+    )
     return result
 
 
@@ -207,8 +221,13 @@ class _ShardWriter:
     """Encoded items gathered into columns, written out as one parquet shard every
     ``rows_per_shard`` rows. The first item fixes the layout (task and columns)."""
 
-    COLUMN_TYPES = {"image": pa.binary(), "label": pa.int64(), "mask": pa.binary(), "object_mask": pa.binary(),
-                    "index": pa.int64()}
+    COLUMN_TYPES = {
+        "image": pa.binary(),
+        "label": pa.int64(),
+        "mask": pa.binary(),
+        "object_mask": pa.binary(),
+        "index": pa.int64(),
+    }
 
     def __init__(self, out_uri: str, rows_per_shard: int, row_group_size: int) -> None:
         self.out_uri = out_uri
@@ -247,8 +266,9 @@ class _ShardWriter:
             if has_object_mask:
                 self.columns["object_mask"] = []
         elif kind != self.task or has_object_mask != ("object_mask" in self.columns):
-            raise ValueError(f"item {i} does not match the first item's layout "
-                             f"({self.task}, {len(self.columns) - 1} fields)")
+            raise ValueError(
+                f"item {i} does not match the first item's layout ({self.task}, {len(self.columns) - 1} fields)"
+            )
 
     def flush(self) -> None:
         """Write the rows gathered so far as the next shard (nothing when there are none)."""
@@ -258,8 +278,14 @@ class _ShardWriter:
         table = pa.table({k: pa.array(v, type=self.COLUMN_TYPES[k]) for k, v in self.columns.items()})
         path = f"{self.base.rstrip('/')}/{name}"
         try:
-            pq.write_table(table, path, filesystem=self.fs, row_group_size=self.row_group_size,
-                           use_dictionary=[c for c in ("label", "index") if c in self.columns], compression="snappy")
+            pq.write_table(
+                table,
+                path,
+                filesystem=self.fs,
+                row_group_size=self.row_group_size,
+                use_dictionary=[c for c in ("label", "index") if c in self.columns],
+                compression="snappy",
+            )
             size = self.fs.get_file_info(path).size
         except OSError as exc:
             raise StorageError(f"{join_uri(self.out_uri, name)}: writing the shard failed: {exc}") from exc
@@ -268,8 +294,9 @@ class _ShardWriter:
         self.columns = {k: [] for k in self.columns}
 
 
-def _write_items(writer: _ShardWriter, dataset: Dataset, total: int, *, strict: bool, num_workers: int,
-                 progress: bool) -> list[str]:
+def _write_items(
+    writer: _ShardWriter, dataset: Dataset, total: int, *, strict: bool, num_workers: int, progress: bool
+) -> list[str]:
     """Load the first ``total`` items of ``dataset`` and write them with ``writer``;
     returns the corrupt files skipped (``strict``: the first one raises instead)."""
     skipped_files: list[str] = []
@@ -305,8 +332,9 @@ def _remove_replaced_shards(stale: list[str], shards: list[dict[str, Any]]) -> N
             delete_file(uri)
 
 
-def _write_manifest(writer: _ShardWriter, dataset: Dataset, skipped_files: list[str],
-                    metadata: dict[str, Any] | None) -> str:
+def _write_manifest(
+    writer: _ShardWriter, dataset: Dataset, skipped_files: list[str], metadata: dict[str, Any] | None
+) -> str:
     """Write ``_manifest.json`` (written last: its presence means the set is complete); returns its URI."""
     columns = writer.columns
     manifest = {
@@ -317,8 +345,13 @@ def _write_manifest(writer: _ShardWriter, dataset: Dataset, skipped_files: list[
         "num_classes": getattr(dataset, "num_classes", None),
         "classes": list(getattr(dataset, "classes", None) or []) or None,
         "columns": list(columns),
-        "schema": {"image": "binary PNG RGB", "label": "int64", "mask": "binary PNG L class ids (255 = ignore)",
-                   "object_mask": "binary PNG L 0/1", "index": "int64 index in the source dataset"},
+        "schema": {
+            "image": "binary PNG RGB",
+            "label": "int64",
+            "mask": "binary PNG L class ids (255 = ignore)",
+            "object_mask": "binary PNG L 0/1",
+            "index": "int64 index in the source dataset",
+        },
         "shards": writer.shards,
         "skipped": len(skipped_files),
         "skipped_files": skipped_files,

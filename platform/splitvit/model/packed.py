@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 import torch
@@ -206,12 +206,11 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         qb, kb, vb = scatter(q, 0), scatter(k, 1), scatter(v, 2)
         outs = []
         for start, n, longest, mask in layout:
-            end = start + n * longest
-
-            def view(t: torch.Tensor) -> torch.Tensor:
-                return t[start:end].view(n, longest, heads, head_dim).transpose(1, 2)
-
-            res = F.scaled_dot_product_attention(view(qb), view(kb), view(vb), attn_mask=mask, scale=scale)
+            # this group's n sequences of `longest` rows, as (n, heads, longest, head_dim) views
+            q_, k_, v_ = (
+                t[start : start + n * longest].view(n, longest, heads, head_dim).transpose(1, 2) for t in (qb, kb, vb)
+            )
+            res = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale)
             outs.append(res.transpose(1, 2).reshape(n * longest, heads * head_dim))  # a view for SDPA's CPU output
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.index_select(0, slot).view(-1, heads, head_dim)
@@ -233,7 +232,9 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         buf = scatter(qkv, 3)
         outs = []
         for start, n, longest, mask in layout:
-            q, k, v = buf[start : start + n * longest].view(n, longest, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = (
+                buf[start : start + n * longest].view(n, longest, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            )
             res = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             outs.append(res.transpose(1, 2).reshape(n * longest, heads * head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -53,9 +53,7 @@ class SplitPolicy(nn.Module):
     #: decisions are sampled.
     learned: bool = False
 
-    def forward(
-        self, images: torch.Tensor, geometry: QuadtreeGeometry, context: PolicyContext
-    ) -> list[torch.Tensor]:
+    def forward(self, images: torch.Tensor, geometry: QuadtreeGeometry, context: PolicyContext) -> list[torch.Tensor]:
         raise NotImplementedError
 
 
@@ -192,7 +190,9 @@ class LearnedPolicy(SplitPolicy):
         if width is not None:
             heads = max(1, width // 64)
             if width < 1 or width % heads:
-                raise ValueError(f"policy_width must be a positive multiple of its {heads} attention head(s), got {width}")
+                raise ValueError(
+                    f"policy_width must be a positive multiple of its {heads} attention head(s), got {width}"
+                )
             if depth < 0:
                 raise ValueError(f"policy_depth must be >= 0, got {depth}")
             self.proj = nn.Linear(embed_dim, width)

@@ -239,7 +239,7 @@ class SplitViT(nn.Module):
         num_classes: int | None = None,
         timm_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
-    ) -> "SplitViT":
+    ) -> SplitViT:
         """Wrap a timm ViT.
 
         Args:
@@ -280,9 +280,15 @@ class SplitViT(nn.Module):
             }
         else:
             vit = model_or_name
-            if num_classes is not None and num_classes != vit.num_classes and kwargs.get("task", "classification") == "classification":
+            if (
+                num_classes is not None
+                and num_classes != vit.num_classes
+                and kwargs.get("task", "classification") == "classification"
+            ):
                 vit.reset_classifier(num_classes)
-        return cls(vit, levels=levels, policy=policy, image_size=image_size, num_classes=num_classes, spec=spec, **kwargs)
+        return cls(
+            vit, levels=levels, policy=policy, image_size=image_size, num_classes=num_classes, spec=spec, **kwargs
+        )
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Save weights with the spec that rebuilds the model (see :meth:`load`)."""
@@ -291,7 +297,7 @@ class SplitViT(nn.Module):
         torch.save({"spec": self.spec, "state_dict": self.state_dict(), **(extra or {})}, path)
 
     @classmethod
-    def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> "SplitViT":
+    def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> SplitViT:
         """Rebuild from a payload written by :meth:`save` (``overrides`` change the spec, e.g. the policy)."""
         spec = {**payload["spec"], **overrides}
         name = spec.pop("name")
@@ -306,7 +312,7 @@ class SplitViT(nn.Module):
         return model
 
     @classmethod
-    def load(cls, path: str | Path, **overrides: Any) -> "SplitViT":
+    def load(cls, path: str | Path, **overrides: Any) -> SplitViT:
         """Load a model written by :meth:`save`."""
         return cls.from_checkpoint(torch.load(path, map_location="cpu", weights_only=False), **overrides)
 
@@ -326,8 +332,9 @@ class SplitViT(nn.Module):
     def _build_policy(self, name: str) -> SplitPolicy:
         """A policy by name; a learned one with this model's policy blocks' settings."""
         if name == "learned" and self.policy_width is not None:
-            return build_policy(name, embed_dim=self.embed_dim, levels=self.levels,
-                                width=self.policy_width, depth=self.policy_depth)
+            return build_policy(
+                name, embed_dim=self.embed_dim, levels=self.levels, width=self.policy_width, depth=self.policy_depth
+            )
         return build_policy(name, embed_dim=self.embed_dim, levels=self.levels)
 
     def geometry_for(self, size: tuple[int, int]) -> QuadtreeGeometry:
@@ -368,7 +375,9 @@ class SplitViT(nn.Module):
         pos = pos[:, num_prefix:]
         return pos.reshape(1, target[0], target[1], -1).permute(0, 3, 1, 2)
 
-    def embed_level(self, images: torch.Tensor, geometry: QuadtreeGeometry, level: int, pos_grid: torch.Tensor) -> torch.Tensor:
+    def embed_level(
+        self, images: torch.Tensor, geometry: QuadtreeGeometry, level: int, pos_grid: torch.Tensor
+    ) -> torch.Tensor:
         """Tokens of every node at ``level``: ``(B, H_l, W_l, D)``."""
         factor = 2 ** (geometry.levels - 1 - level)
         x = images if factor == 1 else F.avg_pool2d(images, factor)
@@ -390,7 +399,9 @@ class SplitViT(nn.Module):
             x = block(x)
         return x[:, self.vit.num_prefix_tokens :].reshape(b, h, w, d)
 
-    def _policy_scores(self, images: torch.Tensor, geometry: QuadtreeGeometry, embeds: "_LevelEmbeddings") -> list[torch.Tensor]:
+    def _policy_scores(
+        self, images: torch.Tensor, geometry: QuadtreeGeometry, embeds: _LevelEmbeddings
+    ) -> list[torch.Tensor]:
         context = PolicyContext()
         if self.policy.learned:
             own = getattr(self.policy, "own_blocks", False)
@@ -447,7 +458,7 @@ class SplitViT(nn.Module):
         thresholds: float | list[float] | torch.Tensor | None = None,
         decisions: list[torch.Tensor] | None = None,
         return_attention: bool = False,
-        embeddings: "_LevelEmbeddings | None" = None,
+        embeddings: _LevelEmbeddings | None = None,
     ) -> SplitOutput:
         """Run the model.
 
@@ -558,9 +569,11 @@ class SplitViT(nn.Module):
         if return_attention or self.attention != "packed" or not self.packable:
             return False
         # the packed kernels have no attention dropout: keep training with it exact
-        return not (self.training and any(getattr(getattr(b.attn, "attn_drop", None), "p", 0.0) > 0 for b in self.vit.blocks))
+        return not (
+            self.training and any(getattr(getattr(b.attn, "attn_drop", None), "p", 0.0) > 0 for b in self.vit.blocks)
+        )
 
-    def compile_encoder(self, **options: Any) -> "SplitViT":
+    def compile_encoder(self, **options: Any) -> SplitViT:
         """Run the packed encoder's per-token work under ``torch.compile`` in inference
         (``options`` go to ``torch.compile``, e.g. ``mode="reduce-overhead"`` for CUDA
         graphs). Pair it with ``token_buckets`` so that each compiled piece sees a few
@@ -569,8 +582,9 @@ class SplitViT(nn.Module):
         self._compiled_blocks = [CompiledBlock(block, **options) for block in self.vit.blocks]
         return self
 
-    def _encode(self, tokens: torch.Tensor, valid: torch.Tensor | None, return_attention: bool,
-                lengths: list[int] | None = None):
+    def _encode(
+        self, tokens: torch.Tensor, valid: torch.Tensor | None, return_attention: bool, lengths: list[int] | None = None
+    ):
         """Prefix tokens, timm's blocks, final norm.
 
         Packed (see :meth:`_packs`): one ``(T, D)`` sequence of real tokens.
@@ -624,7 +638,9 @@ class SplitViT(nn.Module):
         real = sum(lengths)
         varlen = varlen_kernel(x.device)
         # fixed shapes: one chunk, padded to its bucket
-        capacity = bucket_capacity(sum(seq_lengths), b, keep.shape[1], self.token_buckets) if self.token_buckets else None
+        capacity = (
+            bucket_capacity(sum(seq_lengths), b, keep.shape[1], self.token_buckets) if self.token_buckets else None
+        )
         chunks = token_chunks(keep.sum(1)) if varlen is None and capacity is None else []
         if len(chunks) <= 1:
             # one chunk: in batch order, nothing to scatter back
@@ -722,7 +738,9 @@ class SplitViT(nn.Module):
         per_cell = [g / 4 ** (geometry.levels - 1 - level) for level, g in enumerate(grids)]
         return self._fill_fine(per_cell, leaves, geometry)
 
-    def relevance(self, images: torch.Tensor, method: str = "attention", target: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def relevance(
+        self, images: torch.Tensor, method: str = "attention", target: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """The model's own relevance of every non-finest node, from a full-resolution
         pass, summed over the node's area. Used to teach the learned policy.
 
@@ -731,8 +749,10 @@ class SplitViT(nn.Module):
         predicted) class score with respect to each fine token's embedding.
         """
         geometry = self.geometry_for(tuple(images.shape[-2:]))
-        full = [torch.ones(images.shape[0], *geometry.grid(level), dtype=torch.bool, device=images.device)
-                for level in range(self.levels - 1)]
+        full = [
+            torch.ones(images.shape[0], *geometry.grid(level), dtype=torch.bool, device=images.device)
+            for level in range(self.levels - 1)
+        ]
         if method == "attention":
             with torch.no_grad():
                 fine = self.forward(images, decisions=full, return_attention=True).extras["fine_attention"]

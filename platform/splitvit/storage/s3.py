@@ -66,8 +66,14 @@ def s3_error_reason(exc: BaseException) -> str:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code in ("404", "NoSuchBucket"):
             return "the bucket does not exist (create it first, e.g. `aws s3 mb`)"
-        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                    "InvalidToken") or status in (401, 403):
+        if code in (
+            "403",
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+        ) or status in (401, 403):
             return f"the credentials were rejected or lack access (HTTP {status} {code})"
         return f"HTTP {status} {code} {error.get('Message', '')}".strip()
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -90,8 +96,9 @@ def check_bucket(s3_uri: str, *, client: Any = None) -> str:
     try:
         client.head_bucket(Bucket=bucket)
     except (ClientError, BotoCoreError) as exc:
-        raise StorageError(f"{s3_uri}: bucket {bucket!r} is missing or not accessible at {where}: "
-                           f"{s3_error_reason(exc)}") from exc
+        raise StorageError(
+            f"{s3_uri}: bucket {bucket!r} is missing or not accessible at {where}: {s3_error_reason(exc)}"
+        ) from exc
     return where
 
 
@@ -115,8 +122,8 @@ def upload_dir(local: str | os.PathLike, s3_uri: str, *, client: Any = None) -> 
     Raises ``FileNotFoundError`` for a missing or empty folder and ``StorageError``
     naming the destination for a missing bucket or a failed upload.
     """
-    from botocore.exceptions import BotoCoreError, ClientError
     from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     from .uri import StorageError, split_s3_uri
 
@@ -139,7 +146,8 @@ def upload_dir(local: str | os.PathLike, s3_uri: str, *, client: Any = None) -> 
             raise StorageError(f"s3://{bucket}/{key}: upload of {path} failed: {exc}") from exc
         total += path.stat().st_size
         log.debug("uploaded %s -> s3://%s/%s", path, bucket, key)
-    result = UploadResult(source=str(root), destination=s3_uri, files=len(files), bytes=total,
-                          seconds=time.perf_counter() - start)
+    result = UploadResult(
+        source=str(root), destination=s3_uri, files=len(files), bytes=total, seconds=time.perf_counter() - start
+    )
     log.info("uploaded %d files (%d bytes) from %s to %s", result.files, result.bytes, root, s3_uri)
     return result

@@ -26,7 +26,7 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> ``("bucket", "a/b")``; a ValueError naming the URI otherwise."""
     if not is_s3(uri):
         raise ValueError(f"not an s3:// URI: {uri!r}")
-    rest = uri[len("s3://"):]
+    rest = uri[len("s3://") :]
     bucket, _, key = rest.partition("/")
     if not bucket:
         raise ValueError(f"s3 URI without a bucket: {uri!r}")
@@ -43,7 +43,9 @@ def _s3_filesystem() -> pafs.S3FileSystem:
     settings = s3_settings()
     kwargs: dict = {}
     if settings.endpoint_url:
-        parsed = urlparse(settings.endpoint_url if "://" in settings.endpoint_url else f"https://{settings.endpoint_url}")
+        parsed = urlparse(
+            settings.endpoint_url if "://" in settings.endpoint_url else f"https://{settings.endpoint_url}"
+        )
         kwargs["endpoint_override"] = parsed.netloc
         kwargs["scheme"] = parsed.scheme or "https"
     if settings.region:
@@ -55,7 +57,9 @@ def _s3_filesystem() -> pafs.S3FileSystem:
         kwargs["secret_key"] = secret
         if os.environ.get("AWS_SESSION_TOKEN"):
             kwargs["session_token"] = os.environ["AWS_SESSION_TOKEN"]
-    log.debug("S3 filesystem: endpoint=%s region=%s", settings.endpoint_url or "(AWS default)", settings.region or "(default)")
+    log.debug(
+        "S3 filesystem: endpoint=%s region=%s", settings.endpoint_url or "(AWS default)", settings.region or "(default)"
+    )
     return pafs.S3FileSystem(**kwargs)
 
 
@@ -115,7 +119,7 @@ def list_files(uri: str, suffix: str | tuple[str, ...] = "", *, recursive: bool 
     for info in infos:
         if info.type != pafs.FileType.File or not info.base_name.endswith(suffixes):
             continue
-        rel = info.path[len(path.rstrip("/")) + 1:]
+        rel = info.path[len(path.rstrip("/")) + 1 :]
         out.append(join_uri(base, rel) if is_s3(base) else os.path.join(_local_path(base), rel))
     return sorted(out)
 

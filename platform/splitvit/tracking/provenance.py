@@ -25,7 +25,7 @@ VERSION_TAG = "splitvit.version"
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the package: its repository, in a checkout
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def git_state(folder: str | None = None) -> tuple[str, bool] | None:
     """``(commit, dirty)`` of the checkout at ``folder`` (default: the package's own):
     ``dirty`` when tracked files differ from the commit. ``None`` outside a git
@@ -35,8 +35,12 @@ def git_state(folder: str | None = None) -> tuple[str, bool] | None:
         head = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return None
-        status = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return head.stdout.strip(), bool(status.returncode == 0 and status.stdout.strip())

@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..config import REDACTED, is_secret_key, redact_uri
 from .provenance import provenance_tags
@@ -109,7 +110,7 @@ class RunTracker:
         run_name: str,
         params: dict[str, Any],
         tags: dict[str, str] | None = None,
-    ) -> tuple["RunTracker", bool]:
+    ) -> tuple[RunTracker, bool]:
         """Open the run of ``run_uri`` (the Ray run folder), or create it.
 
         A run already tagged with ``run_uri`` (a training run re-started under the
@@ -123,8 +124,12 @@ class RunTracker:
         experiment_id = ensure_experiment(tracking_uri, experiment)
         safe_uri = redact_uri(run_uri)
         quoted = safe_uri.replace("\\", "\\\\").replace("'", "\\'")
-        found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_URI_TAG}` = '{quoted}'",
-                                   max_results=1, order_by=["attributes.start_time DESC"])
+        found = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{RUN_URI_TAG}` = '{quoted}'",
+            max_results=1,
+            order_by=["attributes.start_time DESC"],
+        )
         all_tags = {RUN_URI_TAG: safe_uri, STATUS_TAG: "running", **safe_tags(tags or {})}
         values = safe_params(params)
         if found:
@@ -137,7 +142,9 @@ class RunTracker:
             if changed:
                 import json
 
-                all_tags["splitvit.changed_on_resume"] = json.dumps({k: c for k, c in changed.items() if c[0] is not None})
+                all_tags["splitvit.changed_on_resume"] = json.dumps(
+                    {k: c for k, c in changed.items() if c[0] is not None}
+                )
             tracker._log_params(new)
             client.log_batch(run.info.run_id, tags=[RunTag(k, v[:MAX_TAG_LENGTH]) for k, v in all_tags.items()])
             log.info("resumed MLflow run %s (%s)", run.info.run_id, safe_uri)
@@ -154,7 +161,7 @@ class RunTracker:
             client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_BATCH])
 
     @contextlib.contextmanager
-    def closed_on_error(self) -> Iterator["RunTracker"]:
+    def closed_on_error(self) -> Iterator[RunTracker]:
         """Run the ``with`` block; if it raises, end this run as ``interrupted``
         (Ctrl-C) or ``failed`` (the error as tag ``splitvit.error``) and re-raise,
         so that no run is left RUNNING in the MLflow UI."""
@@ -269,8 +276,9 @@ class RunTracker:
         client = mlflow_client(self.tracking_uri)
         # The logged model is created here, in this run's experiment: log_model alone
         # would file it under the process's active experiment.
-        logged = client.create_logged_model(self.experiment_id, name=name, source_run_id=self.run_id,
-                                            params=safe_params(params or {}))
+        logged = client.create_logged_model(
+            self.experiment_id, name=name, source_run_id=self.run_id, params=safe_params(params or {})
+        )
         # mlflow.pytorch.log_model resolves its store from the global tracking URI.
         mlflow.set_tracking_uri(self.tracking_uri)
         info = mlflow.pytorch.log_model(
@@ -282,7 +290,12 @@ class RunTracker:
             # pickle, not pt2: the quadtree forward is data-dependent and does not export
             serialization_format="pickle",
             # explicit requirements: inferring them loads the model in a subprocess
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"timm=={timm.__version__}", "pillow", "numpy"],
+            pip_requirements=[
+                f"torch=={torch.__version__.split('+')[0]}",
+                f"timm=={timm.__version__}",
+                "pillow",
+                "numpy",
+            ],
         )
         self.set_tags({MODEL_ID_TAG: logged.model_id})
         return info.model_uri
@@ -298,7 +311,9 @@ def close_stale_runs(parent: RunTracker, reason: str = "its driver stopped befor
     calls it too when a run ends otherwise than completed.
     """
     client = mlflow_client(parent.tracking_uri)
-    running = client.search_runs([parent.experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=50_000)
+    running = client.search_runs(
+        [parent.experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=50_000
+    )
     parents = {r.info.run_id: r.data.tags.get("mlflow.parentRunId") for r in running}
 
     def under(run_id: str) -> bool:
@@ -319,11 +334,17 @@ def close_stale_runs(parent: RunTracker, reason: str = "its driver stopped befor
     for run in running:
         if run.info.run_id != parent.run_id and under(run.info.run_id):
             RunTracker(parent.tracking_uri, parent.experiment_id, run.info.run_id)._end(
-                "interrupted", tags={"splitvit.message": f"ended KILLED: {reason}"})
+                "interrupted", tags={"splitvit.message": f"ended KILLED: {reason}"}
+            )
             closed.append(run.info.run_id)
     if closed:
-        log.warning("closed %d MLflow run(s) left RUNNING under %s (%s) as KILLED: %s", len(closed), parent.run_id,
-                    reason, ", ".join(closed))
+        log.warning(
+            "closed %d MLflow run(s) left RUNNING under %s (%s) as KILLED: %s",
+            len(closed),
+            parent.run_id,
+            reason,
+            ", ".join(closed),
+        )
     return closed
 
 

@@ -12,7 +12,9 @@ from ..model.quadtree import QuadtreeGeometry, leaf_masks
 LEVEL_COLOURS = [(255, 255, 255), (255, 200, 0), (255, 40, 40), (0, 200, 255), (120, 255, 120)]
 
 
-def draw_split_map(image: torch.Tensor, decisions: list[torch.Tensor], geometry: QuadtreeGeometry, scale: int = 4) -> Image.Image:
+def draw_split_map(
+    image: torch.Tensor, decisions: list[torch.Tensor], geometry: QuadtreeGeometry, scale: int = 4
+) -> Image.Image:
     """One image ``(C, H, W)`` in ``[0, 1]`` with its leaves outlined, ``scale`` times larger.
 
     ``decisions`` are the per-level split masks of this image, ``(H_l, W_l)`` each.
@@ -33,8 +35,14 @@ def draw_split_map(image: torch.Tensor, decisions: list[torch.Tensor], geometry:
     return canvas
 
 
-def split_map_grid(images: torch.Tensor, decisions: list[torch.Tensor], geometry: QuadtreeGeometry,
-                   captions: list[str] | None = None, columns: int = 8, scale: int = 4) -> Image.Image:
+def split_map_grid(
+    images: torch.Tensor,
+    decisions: list[torch.Tensor],
+    geometry: QuadtreeGeometry,
+    captions: list[str] | None = None,
+    columns: int = 8,
+    scale: int = 4,
+) -> Image.Image:
     """A grid of split maps for a batch, with an optional caption under each."""
     tiles = [draw_split_map(images[i], [d[i] for d in decisions], geometry, scale) for i in range(images.shape[0])]
     tw, th = tiles[0].size

@@ -105,7 +105,9 @@ def fetch_checkpoint(uri: str | Path, dest: str | Path | None = None) -> Path:
         if path.is_dir():
             path = path / MODEL_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"no checkpoint at {uri} (expected a checkpoint folder holding {MODEL_FILE}, or the file)")
+            raise FileNotFoundError(
+                f"no checkpoint at {uri} (expected a checkpoint folder holding {MODEL_FILE}, or the file)"
+            )
         return path
     import pyarrow.fs as pafs
 
@@ -118,7 +120,9 @@ def fetch_checkpoint(uri: str | Path, dest: str | Path | None = None) -> Path:
         fs_path = f"{fs_path}/{MODEL_FILE}"
         info = fs.get_file_info(fs_path)
     if info.type != pafs.FileType.File:
-        raise FileNotFoundError(f"no checkpoint at {uri} (expected a checkpoint folder holding {MODEL_FILE}, or the file)")
+        raise FileNotFoundError(
+            f"no checkpoint at {uri} (expected a checkpoint folder holding {MODEL_FILE}, or the file)"
+        )
     local_dir = Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="splitvit-ckpt-"))
     local_dir.mkdir(parents=True, exist_ok=True)
     local = local_dir / Path(fs_path).name
@@ -158,8 +162,9 @@ def read_payload(path: str | Path, source: str | None = None) -> dict[str, Any]:
             size = f"{Path(path).stat().st_size} bytes"
         except OSError:
             size = "size unknown"
-        raise CheckpointError(source, f"not a readable torch file ({size}; truncated, or not written by torch.save?): "
-                                      f"{describe(exc)}") from exc
+        raise CheckpointError(
+            source, f"not a readable torch file ({size}; truncated, or not written by torch.save?): {describe(exc)}"
+        ) from exc
     check_payload(payload, source)
     return payload
 
@@ -168,11 +173,15 @@ def check_payload(payload: Any, source: str) -> None:
     """A CheckpointError unless ``payload`` is what :meth:`SplitViT.save` writes."""
     expected = "a SplitViT checkpoint holds a dict with 'spec' and 'state_dict' (SplitViT.save, splitvit train)"
     if not isinstance(payload, dict):
-        raise CheckpointError(source, f"a torch file holding a {type(payload).__name__}, not a SplitViT checkpoint: {expected}")
+        raise CheckpointError(
+            source, f"a torch file holding a {type(payload).__name__}, not a SplitViT checkpoint: {expected}"
+        )
     missing = [k for k in PAYLOAD_KEYS if k not in payload]
     if missing:
-        raise CheckpointError(source, f"a torch file without {' and '.join(repr(k) for k in missing)}, not a SplitViT "
-                                      f"checkpoint: {expected}")
+        raise CheckpointError(
+            source,
+            f"a torch file without {' and '.join(repr(k) for k in missing)}, not a SplitViT checkpoint: {expected}",
+        )
     if not isinstance(payload["spec"], dict) or "name" not in payload["spec"]:
         raise CheckpointError(source, "its 'spec' names no timm model ('spec.name'): not written by SplitViT.save")
 
@@ -194,9 +203,9 @@ def latest_checkpoint(run_uri: str) -> str | None:
     """The checkpoint a re-run of the Ray Train run at ``run_uri`` resumes from: the
     latest committed one in Ray's snapshot, else the newest epoch folder holding
     ``model.pt`` and ``train_state.pt``; None when there is none (or it cannot be read)."""
-    from ..storage import filesystem_for, join_uri
-
     import pyarrow.fs as pafs
+
+    from ..storage import filesystem_for, join_uri
 
     try:
         fs, path = filesystem_for(run_uri)
@@ -212,7 +221,9 @@ def latest_checkpoint(run_uri: str) -> str | None:
         pass
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
-        names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_"))
+        names = sorted(
+            i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")
+        )
         for name in reversed(names):
             files = {i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{path}/{name}"))}
             if {MODEL_FILE, STATE_FILE} <= files:
@@ -240,7 +251,9 @@ def init_weights(model: torch.nn.Module, uri: str | Path) -> list[str]:
     backbone = [k for k in own if k.startswith("vit.") and not k.startswith("vit.head.")]
     missing = [k for k in backbone if k not in matched]
     if missing:
-        raise ValueError(f"model.init_from: checkpoint {uri} has no ViT weights of this model's shapes for "
-                         f"{len(missing)} of its {len(backbone)} backbone tensors (e.g. {missing[0]}): a different architecture?")
+        raise ValueError(
+            f"model.init_from: checkpoint {uri} has no ViT weights of this model's shapes for "
+            f"{len(missing)} of its {len(backbone)} backbone tensors (e.g. {missing[0]}): a different architecture?"
+        )
     model.load_state_dict(matched, strict=False)
     return sorted(set(own) - set(matched))

@@ -51,11 +51,17 @@ def evaluate_checkpoint(
         options[f"{split}_samples"] = samples
     from ..data import build_dataset
 
-    dataset = build_dataset(data["name"], split, image_size=model.geometry.image_size[0], seed=int(data.get("seed", 0)), **options)
-    loader = DataLoader(dataset, batch_size=batch_size or data.get("eval_batch_size") or data.get("batch_size") or 64, shuffle=False)
+    dataset = build_dataset(
+        data["name"], split, image_size=model.geometry.image_size[0], seed=int(data.get("seed", 0)), **options
+    )
+    loader = DataLoader(
+        dataset, batch_size=batch_size or data.get("eval_batch_size") or data.get("batch_size") or 64, shuffle=False
+    )
     use_amp = torch.device(device).type == "cuda"
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=use_amp):
-        result = evaluate(model, loader, thresholds=thresholds, num_classes=(config.get("model") or {}).get("num_classes"))
+        result = evaluate(
+            model, loader, thresholds=thresholds, num_classes=(config.get("model") or {}).get("num_classes")
+        )
     used = thresholds if thresholds is not None else model.thresholds.tolist()
     return {
         **result,

@@ -49,8 +49,9 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
     return config
 
 
-def experiment_from_dict(raw: dict[str, Any] | None, overrides: list[str] | None = None, *,
-                         default_name: str = "experiment") -> ExperimentConfig:
+def experiment_from_dict(
+    raw: dict[str, Any] | None, overrides: list[str] | None = None, *, default_name: str = "experiment"
+) -> ExperimentConfig:
     """A fully validated config from a plain dict plus ``key=value`` overrides
     (:meth:`~splitvit.config.ExperimentConfig.from_dict`, then :func:`validate_experiment`).
 
@@ -73,8 +74,9 @@ def validate_experiment(config: ExperimentConfig) -> None:
     """
     validate(config)
     d = config.data
-    require(d.name in DATASET_NAMES, "data.name",
-            f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}")
+    require(
+        d.name in DATASET_NAMES, "data.name", f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}"
+    )
     _validate_model(config.model)
 
 
@@ -83,8 +85,11 @@ def _validate_model(m: ModelConfig) -> None:
     and task exist, the thresholds fit the levels, the image fits the quadtree, the
     policy's depth and width fit the ViT, and SplitViT builds."""
     require(timm.is_model(m.name), "model.name", f"unknown timm model {m.name!r}")
-    require(m.policy in POLICY_NAMES, "model.policy",
-            f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
+    require(
+        m.policy in POLICY_NAMES,
+        "model.policy",
+        f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}",
+    )
     require(m.task in TASKS, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
     if m.thresholds != AUTO_THRESHOLDS:
         try:
@@ -108,13 +113,19 @@ def _validate_model(m: ModelConfig) -> None:
             raise ConfigError("model.image_size", str(exc)) from None
     depth = len(getattr(vit, "blocks", []))
     if m.policy_width is None:
-        require(0 <= m.policy_depth <= depth, "model.policy_depth",
-                f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}")
+        require(
+            0 <= m.policy_depth <= depth,
+            "model.policy_depth",
+            f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}",
+        )
     else:
         require(m.policy_depth >= 0, "model.policy_depth", f"must be >= 0, got {m.policy_depth}")
         heads = max(1, m.policy_width // 64)
-        require(m.policy_width >= 1 and m.policy_width % heads == 0, "model.policy_width",
-                f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {m.policy_width}")
+        require(
+            m.policy_width >= 1 and m.policy_width % heads == 0,
+            "model.policy_width",
+            f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {m.policy_width}",
+        )
     try:
         # whatever else SplitViT checks; weights are loaded on the workers, not here
         with torch.device("meta"):

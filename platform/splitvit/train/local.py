@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -21,7 +21,9 @@ from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_ste
 log = logging.getLogger(__name__)
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up then cosine decay to zero, stepped once per batch."""
 
     def factor(step: int) -> float:
@@ -60,9 +62,16 @@ def fit_local(
     """
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
-                        pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
-                        generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     steps = epochs * len(loader)
     warmup = min(len(loader), steps // 10) if warmup_steps is None else min(warmup_steps, steps)
@@ -100,8 +109,16 @@ def fit_local(
     return history
 
 
-def validate(model: SplitViT, val_set: Dataset, val_loader, *, num_classes: int | None,
-             calibrate_to: float | None = None, calibration_images: int = 64, amp: bool = False) -> dict[str, float]:
+def validate(
+    model: SplitViT,
+    val_set: Dataset,
+    val_loader,
+    *,
+    num_classes: int | None,
+    calibrate_to: float | None = None,
+    calibration_images: int = 64,
+    amp: bool = False,
+) -> dict[str, float]:
     """End-of-epoch validation of a single-process run: thresholds calibrated to
     ``calibrate_to`` on the first ``calibration_images`` of ``val_set`` (``None``: kept),
     then :func:`~splitvit.train.steps.evaluate` on ``val_loader``, both in the

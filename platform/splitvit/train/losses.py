@@ -7,9 +7,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..config import PENALTIES
 from ..model.quadtree import QuadtreeGeometry
 
-PENALTIES = ("squared", "hinge")
 IGNORE_INDEX = 255
 
 
@@ -61,15 +61,7 @@ def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -
     (unsafe in half precision), and the probabilities are float32 already (the policy's
     heads run in float32)."""
     with torch.autocast(device_type=split_probs[0].device.type, enabled=False):
-        losses = [F.binary_cross_entropy(p.float().clamp(1e-6, 1 - 1e-6), t.float()) for p, t in zip(split_probs, targets)]
+        losses = [
+            F.binary_cross_entropy(p.float().clamp(1e-6, 1 - 1e-6), t.float()) for p, t in zip(split_probs, targets)
+        ]
     return torch.stack(losses).mean()
-
-
-def validate_loss_settings(lambda_budget: float, target_ratio: float, penalty: str) -> None:
-    """One clear error per bad setting, named by its key."""
-    if not lambda_budget >= 0:
-        raise ValueError(f"lambda_budget must be >= 0, got {lambda_budget}")
-    if not 0.0 < target_ratio <= 1.0:
-        raise ValueError(f"target_ratio must be in (0, 1], got {target_ratio}")
-    if penalty not in PENALTIES:
-        raise ValueError(f"penalty must be one of {PENALTIES}, got {penalty!r}")

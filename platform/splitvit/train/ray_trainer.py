@@ -35,9 +35,10 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,6 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, quality_metric, redact_uri
-from .experiment import build_model, validate_experiment
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -60,6 +60,7 @@ from .checkpoints import (
     set_rng_state,
     write_metrics,
 )
+from .experiment import build_model, validate_experiment
 from .local import warmup_cosine
 from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
 
@@ -209,8 +210,13 @@ def _open_tracker(config: ExperimentConfig) -> RunTracker | None:
     return tracker
 
 
-def _torch_trainer(config: ExperimentConfig, storage_path: str, tracker: RunTracker | None,
-                   epoch_hook: EpochHook | None, callbacks: Sequence[Any] | None) -> Any:
+def _torch_trainer(
+    config: ExperimentConfig,
+    storage_path: str,
+    tracker: RunTracker | None,
+    epoch_hook: EpochHook | None,
+    callbacks: Sequence[Any] | None,
+) -> Any:
     """The ``TorchTrainer`` that runs :func:`train_loop_per_worker` on ``scaling.num_workers`` workers."""
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -233,8 +239,9 @@ def _torch_trainer(config: ExperimentConfig, storage_path: str, tracker: RunTrac
             callbacks=list(callbacks or []),
         ),
     )
-    log.info("training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers,
-             redact_uri(storage_path))
+    log.info(
+        "training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path)
+    )
     return trainer
 
 
@@ -267,8 +274,9 @@ def _rank0_outcome(result: Any) -> dict[str, Any]:
     return outcome
 
 
-def _end_run(config: ExperimentConfig, tracker: RunTracker | None, outcome: dict[str, Any],
-             checkpoint_uri: str | None) -> None:
+def _end_run(
+    config: ExperimentConfig, tracker: RunTracker | None, outcome: dict[str, Any], checkpoint_uri: str | None
+) -> None:
     """End the MLflow run with the outcome's status, checkpoint, message and error;
     raise :class:`TrainingError` when the workers stopped on an error."""
     status, error = outcome["status"], outcome.get("error")
@@ -280,11 +288,17 @@ def _end_run(config: ExperimentConfig, tracker: RunTracker | None, outcome: dict
             tags["splitvit.error"] = error_line(error)[:2000]
         tracker.close(status, tags=tags)
     if error is not None:  # every worker stopped on it: retrying would fail the same way
-        raise TrainingError(f"training {config.storage.name} failed: {error_line(error)}"
-                            + (f" (last good checkpoint {checkpoint_uri})" if checkpoint_uri else "")) from error
+        raise TrainingError(
+            f"training {config.storage.name} failed: {error_line(error)}"
+            + (f" (last good checkpoint {checkpoint_uri})" if checkpoint_uri else "")
+        ) from error
     if status != "completed":
-        log.error("training %s stopped: %s (last good checkpoint: %s)", config.storage.name, outcome.get("message"),
-                  checkpoint_uri)
+        log.error(
+            "training %s stopped: %s (last good checkpoint: %s)",
+            config.storage.name,
+            outcome.get("message"),
+            checkpoint_uri,
+        )
 
 
 def _completed_epochs(metrics: dict[str, Any]) -> int:
@@ -350,8 +364,9 @@ class _SignalStop:
         self.previous.clear()
 
 
-def _interrupted(exc: KeyboardInterrupt, stopper: _SignalStop, config: ExperimentConfig,
-                 tracker: RunTracker | None) -> Interrupted:
+def _interrupted(
+    exc: KeyboardInterrupt, stopper: _SignalStop, config: ExperimentConfig, tracker: RunTracker | None
+) -> Interrupted:
     """Stop the workers after Ctrl-C or SIGTERM, record the last checkpoint on the
     MLflow run (which ``closed_on_error`` then ends KILLED) and say what was kept."""
     signum = as_interrupted(exc).signum
@@ -359,8 +374,10 @@ def _interrupted(exc: KeyboardInterrupt, stopper: _SignalStop, config: Experimen
     checkpoint = latest_checkpoint(config.storage.run_uri())
     stopped = Interrupted(signum)
     if checkpoint:
-        kept = (f"training {config.storage.name} stopped; kept its last checkpoint {redact_uri(checkpoint)} "
-                "(run the same command again to resume from it)")
+        kept = (
+            f"training {config.storage.name} stopped; kept its last checkpoint {redact_uri(checkpoint)} "
+            "(run the same command again to resume from it)"
+        )
     else:
         kept = f"training {config.storage.name} stopped before its first checkpoint; nothing to resume from"
     if tracker is not None:
@@ -385,9 +402,12 @@ def _warn_if_storage_is_temporary(config: ExperimentConfig) -> None:
     except (ValueError, AttributeError):
         return
     if working_dir:
-        log.warning("storage.path %r is relative and this Ray job runs in a temporary copy of its working_dir: "
-                    "results go to %s, which Ray may delete; pass storage.path=s3://... or an absolute shared folder",
-                    config.storage.path, config.storage.resolved_path())
+        log.warning(
+            "storage.path %r is relative and this Ray job runs in a temporary copy of its working_dir: "
+            "results go to %s, which Ray may delete; pass storage.path=s3://... or an absolute shared folder",
+            config.storage.path,
+            config.storage.resolved_path(),
+        )
 
 
 def _checkpoint_uri(checkpoint, storage_path: str) -> str | None:
@@ -417,8 +437,14 @@ class SplitStep(nn.Module):
         self.model = model
         self.loss = loss
 
-    def forward(self, images: torch.Tensor, target: torch.Tensor, epoch: int, generator: torch.Generator | None = None,
-                step: int = 0):
+    def forward(
+        self,
+        images: torch.Tensor,
+        target: torch.Tensor,
+        epoch: int,
+        generator: torch.Generator | None = None,
+        step: int = 0,
+    ):
         return training_step(self.model, images, target, self.loss, epoch, generator, step)
 
 
@@ -428,8 +454,9 @@ def _calibrate_thresholds(model, val_shard, count: int, target_ratio: float, dev
     (and the checkpoint) holds the same values."""
     from ..data import first_images
 
-    local = (calibrate_thresholds(model, first_images(val_shard, count).to(device), target_ratio)
-             if len(val_shard) else None)
+    local = (
+        calibrate_thresholds(model, first_images(val_shard, count).to(device), target_ratio) if len(val_shard) else None
+    )
     weight = 0.0 if local is None else 1.0
     values = _all_reduce([*(local or [0.0] * (model.levels - 1)), weight], device=device)
     if values[-1] > 0:
@@ -473,8 +500,9 @@ def _combine_eval(result: dict[str, float], task: str, device: torch.device) -> 
     n = float(result["images"])
     quality = quality_metric(task)
     elapsed = n / result["images_per_s"] if result["images_per_s"] > 0 else 0.0
-    sums = _all_reduce([result[quality] * n, result["tokens_per_image"] * n, result["token_ratio"] * n, n],
-                       device=device)
+    sums = _all_reduce(
+        [result[quality] * n, result["tokens_per_image"] * n, result["token_ratio"] * n, n], device=device
+    )
     (longest,) = _all_reduce([elapsed], op="max", device=device)
     total = max(sums[3], 1.0)
     # mIoU from per-shard mIoUs weighted by images is an approximation (exact with one worker)
@@ -579,8 +607,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         _log_epoch(worker, epoch, metrics)
     status, message = (stop.status, stop.message) if stop is not None else ("completed", "")
     model_uri = _end_tracking(worker, status, message, metrics, start_epoch)
-    return {"status": status, "metrics": metrics, "start_epoch": start_epoch, "message": message,
-            "model_uri": model_uri, "error": stop.error if stop is not None else None}
+    return {
+        "status": status,
+        "metrics": metrics,
+        "start_epoch": start_epoch,
+        "message": message,
+        "model_uri": model_uri,
+        "error": stop.error if stop is not None else None,
+    }
 
 
 # ---------------------------------------------------------------------- worker: set-up and resume
@@ -601,20 +635,35 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     if state is None and config.model.init_from:
         fresh = init_weights(model, config.model.init_from)
         if rank == 0:
-            log.info("initialised from %s (%d tensors not in it: %s)", config.model.init_from, len(fresh),
-                     ", ".join(fresh[:8]))
+            log.info(
+                "initialised from %s (%d tensors not in it: %s)",
+                config.model.init_from,
+                len(fresh),
+                ", ".join(fresh[:8]),
+            )
     # find_unused_parameters: which parameters get gradients varies by phase (in the
     # random-split warm-up the policy gets none; the dense task never uses the ViT's
     # classifier); the graph walk costs little next to a SPLIT step.
-    step = ray.train.torch.prepare_model(SplitStep(model, config.train.loss_config()),
-                                         parallel_strategy_kwargs={"find_unused_parameters": True})
+    step = ray.train.torch.prepare_model(
+        SplitStep(model, config.train.loss_config()), parallel_strategy_kwargs={"find_unused_parameters": True}
+    )
     model = _unwrap(step).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
     data = _worker_data(config, rank, world, device)
     scheduler = _lr_schedule(optimizer, config, data.steps_per_epoch)
-    worker = _Worker(config=config, rank=rank, world=world, device=device,
-                     tracker=tracker if rank == 0 else None,  # one writer: SQLite dislikes concurrent ones
-                     generator=generator, model=model, step=step, optimizer=optimizer, scheduler=scheduler, data=data)
+    worker = _Worker(
+        config=config,
+        rank=rank,
+        world=world,
+        device=device,
+        tracker=tracker if rank == 0 else None,  # one writer: SQLite dislikes concurrent ones
+        generator=generator,
+        model=model,
+        step=step,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+    )
     return worker, state
 
 
@@ -650,16 +699,24 @@ def _worker_data(config: ExperimentConfig, rank: int, world: int, device: torch.
     val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
     # our own DistributedSampler: its seed is the config's; prepare_data_loader keeps it
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=dc.seed, drop_last=True)
-    loader = DataLoader(train_set, batch_size=dc.batch_size, sampler=sampler, num_workers=dc.num_workers,
-                        drop_last=True, pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        train_set,
+        batch_size=dc.batch_size,
+        sampler=sampler,
+        num_workers=dc.num_workers,
+        drop_last=True,
+        pin_memory=device.type == "cuda",
+    )
     loader = ray.train.torch.prepare_data_loader(loader)
     if len(loader) == 0:
-        raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size} "
-                         f"on each of {world} workers")
+        raise ValueError(
+            f"data: {len(train_set)} training images give no batch of {dc.batch_size} on each of {world} workers"
+        )
     # validation: each worker takes every world-th image (exact shards, no padding)
     val_shard = Subset(val_set, range(rank, len(val_set), world))
-    val_loader = DataLoader(val_shard, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False,
-                            num_workers=dc.num_workers)
+    val_loader = DataLoader(
+        val_shard, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False, num_workers=dc.num_workers
+    )
     return _WorkerData(sampler=sampler, loader=loader, val_set=val_set, val_shard=val_shard, val_loader=val_loader)
 
 
@@ -711,8 +768,9 @@ def _train_one_epoch(worker: _Worker, epoch: int) -> _EpochPass:
     return done
 
 
-def _guarded_forward(worker: _Worker, images: torch.Tensor, target: torch.Tensor, epoch: int,
-                     index: int) -> tuple[Any, dict[str, float], _Stop | None]:
+def _guarded_forward(
+    worker: _Worker, images: torch.Tensor, target: torch.Tensor, epoch: int, index: int
+) -> tuple[Any, dict[str, float], _Stop | None]:
     """The SPLIT step's forward, then agreement over every worker on whether any of
     them must stop: a worker that stopped alone would leave the others hanging in a
     collective. Returns ``(loss, stats, stop)``."""
@@ -752,8 +810,12 @@ def _training_metrics(worker: _Worker, trained: _EpochPass) -> dict[str, float]:
     """The epoch's training figures over all workers: mean step statistics
     (``train_<name>``), ``train_images_per_s`` and the learning rate."""
     keys = _agreed_keys(trained.totals, worker.world)
-    sums = _all_reduce([trained.totals.get(k, 0.0) for k in keys] + [float(trained.counts.get(k, 0)) for k in keys]
-                       + [float(trained.seen)], device=worker.device)
+    sums = _all_reduce(
+        [trained.totals.get(k, 0.0) for k in keys]
+        + [float(trained.counts.get(k, 0)) for k in keys]
+        + [float(trained.seen)],
+        device=worker.device,
+    )
     (slowest,) = _all_reduce([trained.seconds], op="max", device=worker.device)
     seen_all = sums[-1]
     per_key = zip(keys, sums[: len(keys)], sums[len(keys) : 2 * len(keys)])  # (name, total, steps)
@@ -769,8 +831,13 @@ def _evaluate_epoch(worker: _Worker) -> dict[str, float]:
     mc, dc = worker.config.model, worker.config.data
     if mc.thresholds == AUTO_THRESHOLDS and worker.model.policy.thresholded:
         with worker.autocast():  # as evaluated
-            _calibrate_thresholds(worker.model, worker.data.val_shard, dc.eval_batch_size or dc.batch_size,
-                                  worker.config.train.target_ratio, worker.device)
+            _calibrate_thresholds(
+                worker.model,
+                worker.data.val_shard,
+                dc.eval_batch_size or dc.batch_size,
+                worker.config.train.target_ratio,
+                worker.device,
+            )
     if len(worker.data.val_shard):
         with worker.autocast():
             figures = evaluate(worker.model, worker.data.val_loader, num_classes=mc.num_classes)
@@ -790,15 +857,27 @@ def _checkpoint_and_report(worker: _Worker, epoch: int, metrics: dict[str, float
         folder = Path(folder)
         torch.save(rng_state(worker.generator), folder / rng_file(worker.rank))
         if worker.rank == 0:
-            worker.model.save(folder / MODEL_FILE,
-                              extra={"epoch": epoch, "metrics": metrics, "config": worker.config.to_dict(redact=True)})
-            torch.save({"epoch": epoch, "optimizer": worker.optimizer.state_dict(),
-                        "scheduler": worker.scheduler.state_dict(), "metrics": metrics, "world_size": worker.world,
-                        "global_step": (epoch + 1) * worker.data.steps_per_epoch},
-                       folder / STATE_FILE)
+            worker.model.save(
+                folder / MODEL_FILE,
+                extra={"epoch": epoch, "metrics": metrics, "config": worker.config.to_dict(redact=True)},
+            )
+            torch.save(
+                {
+                    "epoch": epoch,
+                    "optimizer": worker.optimizer.state_dict(),
+                    "scheduler": worker.scheduler.state_dict(),
+                    "metrics": metrics,
+                    "world_size": worker.world,
+                    "global_step": (epoch + 1) * worker.data.steps_per_epoch,
+                },
+                folder / STATE_FILE,
+            )
             write_metrics(folder, metrics)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
-                         checkpoint_dir_name=checkpoint_dir_name(epoch))
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
+            checkpoint_dir_name=checkpoint_dir_name(epoch),
+        )
     # Commit barrier. The controller registers a report only when it next polls
     # every worker (every couple of seconds); a worker that dies before that poll
     # takes its queued report with it and the epoch's checkpoint, though written,
@@ -817,13 +896,15 @@ def _log_epoch(worker: _Worker, epoch: int, metrics: dict[str, float]) -> None:
     if worker.tracker is not None:
         worker.tracker.log_epoch(epoch, metrics)
         if tracking.split_map_images > 0:
-            worker.tracker.log_image(_draw_split_maps(worker.model, worker.data.val_set, tracking.split_map_images,
-                                                      worker.device),
-                                     f"split_maps/epoch_{epoch:04d}.png")
+            worker.tracker.log_image(
+                _draw_split_maps(worker.model, worker.data.val_set, tracking.split_map_images, worker.device),
+                f"split_maps/epoch_{epoch:04d}.png",
+            )
 
 
-def _end_tracking(worker: _Worker, status: str, message: str, metrics: dict[str, float],
-                  start_epoch: int) -> str | None:
+def _end_tracking(
+    worker: _Worker, status: str, message: str, metrics: dict[str, float], start_epoch: int
+) -> str | None:
     """Rank 0, tracking on: the final metrics and the model of a completed run (returns
     the model's URI), or the status and message of one that stopped."""
     tracker = worker.tracker

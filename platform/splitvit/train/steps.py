@@ -21,12 +21,12 @@ top node on the object 88% of the time, last-block class attention 59%.
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 from ..config import SplitLossConfig  # declared with the config's train section; imported from here too
-from ..model.quadtree import top_down_decisions, token_counts
+from ..model.quadtree import token_counts, top_down_decisions
 from ..model.splitvit import SplitViT
 from .losses import (
     IGNORE_INDEX,
@@ -38,7 +38,9 @@ from .losses import (
 )
 
 
-def random_decisions(model: SplitViT, images: torch.Tensor, min_rate: float, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+def random_decisions(
+    model: SplitViT, images: torch.Tensor, min_rate: float, generator: torch.Generator | None = None
+) -> list[torch.Tensor]:
     """Random hierarchical splits; each image draws its own split rate in ``[min_rate, 1]``."""
     geometry = model.geometry_for(tuple(images.shape[-2:]))
     b = images.shape[0]
@@ -68,10 +70,13 @@ def check_labels(target: torch.Tensor, num_classes: int) -> None:
     if bool(valid.all()):
         return
     bad = sorted({int(v) for v in target[~valid].unique()[:8].tolist()})
-    raise ConfigError("model.num_classes", f"the training data hold label{'s' if len(bad) > 1 else ''} "
-                                           f"{', '.join(map(str, bad))}, outside 0..{num_classes - 1} for "
-                                           f"model.num_classes = {num_classes}: set model.num_classes to the "
-                                           "dataset's number of classes, or check its labels")
+    raise ConfigError(
+        "model.num_classes",
+        f"the training data hold label{'s' if len(bad) > 1 else ''} "
+        f"{', '.join(map(str, bad))}, outside 0..{num_classes - 1} for "
+        f"model.num_classes = {num_classes}: set model.num_classes to the "
+        "dataset's number of classes, or check its labels",
+    )
 
 
 def training_step(
@@ -194,7 +199,9 @@ def evaluate(
 
 
 @torch.no_grad()
-def calibrate_thresholds(model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30) -> list[float]:
+def calibrate_thresholds(
+    model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30
+) -> list[float]:
     """One threshold for every level such that the mean token ratio on ``images`` is
     as close to ``target_ratio`` as the policy's scores allow (bisection: a higher
     threshold never adds tokens)."""

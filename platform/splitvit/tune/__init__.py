@@ -13,7 +13,22 @@ from .space import Parameter, SearchSpace, SearchSpaceError, load_space, space_f
 from .sweep import SweepError, SweepResult, TrialSummary, frontier_from_mlflow, frontier_rows, run_sweep
 
 __all__ = [
-    "Parameter", "Point", "SearchSpace", "SearchSpaceError", "SweepError", "SweepResult", "TrialSummary",
-    "annotate", "best_point", "dominates", "frontier", "frontier_from_mlflow", "frontier_rows", "hypervolume",
-    "load_space", "pareto_indices", "run_sweep", "space_from_dict",
+    "Parameter",
+    "Point",
+    "SearchSpace",
+    "SearchSpaceError",
+    "SweepError",
+    "SweepResult",
+    "TrialSummary",
+    "annotate",
+    "best_point",
+    "dominates",
+    "frontier",
+    "frontier_from_mlflow",
+    "frontier_rows",
+    "hypervolume",
+    "load_space",
+    "pareto_indices",
+    "run_sweep",
+    "space_from_dict",
 ]

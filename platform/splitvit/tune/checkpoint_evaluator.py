@@ -37,15 +37,24 @@ class CheckpointEvaluator:
         split: the data split to evaluate on (default: the experiment's validation split).
     """
 
-    def __init__(self, checkpoint: str, *, samples: int | None = None, device: str = "cpu", cache: bool = True,
-                 split: str | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: str,
+        *,
+        samples: int | None = None,
+        device: str = "cpu",
+        cache: bool = True,
+        split: str | None = None,
+    ) -> None:
         self.checkpoint = str(checkpoint)
         self.device = torch.device(device)
         self.payload = load_payload(checkpoint)
         config = self.payload.get("config") or {}
         data = config.get("data") or {}
         if not data.get("name"):
-            raise ValueError(f"checkpoint {checkpoint} holds no experiment config; it was not written by splitvit train")
+            raise ValueError(
+                f"checkpoint {checkpoint} holds no experiment config; it was not written by splitvit train"
+            )
         self.num_classes = (config.get("model") or {}).get("num_classes")
         self.model = self._build(None)
         self.levels = self.model.levels
@@ -99,8 +108,9 @@ class CheckpointEvaluator:
         if samples is not None:
             options.pop("num_samples", None)  # it would win over the split's own count
             options[f"{split}_samples"] = samples
-        return build_dataset(data["name"], split, image_size=self.model.geometry.image_size[0],
-                             seed=int(data.get("seed", 0)), **options)
+        return build_dataset(
+            data["name"], split, image_size=self.model.geometry.image_size[0], seed=int(data.get("seed", 0)), **options
+        )
 
     def first_images(self, count: int, split: str | None = None) -> torch.Tensor:
         """The first ``count`` images of the evaluation split, or of ``split`` (e.g.
@@ -121,8 +131,16 @@ class CheckpointEvaluator:
         return split_map_grid(images.cpu(), [d.cpu() for d in out.decisions], self.model.geometry, captions)
 
     # ------------------------------------------------------------------ stage two
-    def threshold_sweep(self, points: int, *, low: float = 0.0, high: float = 1.0, sampler: str = "tpe",
-                        seed: int = 0, known: list[tuple[list[float], float, float]] | None = None) -> list[dict[str, Any]]:
+    def threshold_sweep(
+        self,
+        points: int,
+        *,
+        low: float = 0.0,
+        high: float = 1.0,
+        sampler: str = "tpe",
+        seed: int = 0,
+        known: list[tuple[list[float], float, float]] | None = None,
+    ) -> list[dict[str, Any]]:
         """Optuna over the per-level thresholds, evaluation only.
 
         Each of ``points`` Optuna trials picks one threshold per non-finest level in
@@ -139,11 +157,16 @@ class CheckpointEvaluator:
         names = [f"t{level}" for level in range(self.levels - 1)]
         dist = {n: FloatDistribution(low, high) for n in names}
         with quiet_optuna():
-            study = optuna.create_study(directions=["maximize", "minimize"], sampler=_stage_two_sampler(sampler, seed, points))
+            study = optuna.create_study(
+                directions=["maximize", "minimize"], sampler=_stage_two_sampler(sampler, seed, points)
+            )
             for thresholds, quality, tokens in known or []:
                 if all(low <= t <= high for t in thresholds) and math.isfinite(quality) and math.isfinite(tokens):
-                    study.add_trial(optuna.trial.create_trial(params=dict(zip(names, thresholds)), distributions=dist,
-                                                              values=[quality, tokens]))
+                    study.add_trial(
+                        optuna.trial.create_trial(
+                            params=dict(zip(names, thresholds)), distributions=dist, values=[quality, tokens]
+                        )
+                    )
             results = []
             for i in range(points):
                 trial = study.ask(dist)
@@ -151,12 +174,20 @@ class CheckpointEvaluator:
                 result = self.evaluate(thresholds)
                 study.tell(trial, [result["quality"], result["tokens_per_image"]])
                 results.append(result)
-                log.info("threshold point %d/%d: thresholds %s -> quality %.4f, %.1f tokens/image",
-                         i + 1, points, [round(t, 3) for t in thresholds], result["quality"], result["tokens_per_image"])
+                log.info(
+                    "threshold point %d/%d: thresholds %s -> quality %.4f, %.1f tokens/image",
+                    i + 1,
+                    points,
+                    [round(t, 3) for t in thresholds],
+                    result["quality"],
+                    result["tokens_per_image"],
+                )
         return results
 
     # ------------------------------------------------------------------ baselines
-    def baselines(self, *, entropy_thresholds: list[float], random_ratios: list[float], seed: int = 0) -> list[dict[str, Any]]:
+    def baselines(
+        self, *, entropy_thresholds: list[float], random_ratios: list[float], seed: int = 0
+    ) -> list[dict[str, Any]]:
         """The same backbone and data under other split policies.
 
         * ``full``: every node splits (a plain ViT at the finest patch size);
@@ -169,7 +200,13 @@ class CheckpointEvaluator:
         rows.append({"baseline": "full", "label": "full resolution", **self.evaluate(None, model=full)})
         entropy = self._build("entropy")
         for t in entropy_thresholds:
-            rows.append({"baseline": "entropy", "label": f"entropy t={t:g}", **self.evaluate([float(t)] * (self.levels - 1), model=entropy)})
+            rows.append(
+                {
+                    "baseline": "entropy",
+                    "label": f"entropy t={t:g}",
+                    **self.evaluate([float(t)] * (self.levels - 1), model=entropy),
+                }
+            )
         if random_ratios:
             random_model = self._build("random")
             calibration = self.first_images(self.batch_size)
@@ -183,7 +220,9 @@ class CheckpointEvaluator:
                 row = self.evaluate(thresholds, model=random_model)
                 rows.append({"baseline": "random", "label": f"random @ {ratio:.2f}", "target_ratio": ratio, **row})
         for row in rows:
-            log.info("baseline %s: quality %.4f at %.1f tokens/image", row["label"], row["quality"], row["tokens_per_image"])
+            log.info(
+                "baseline %s: quality %.4f at %.1f tokens/image", row["label"], row["quality"], row["tokens_per_image"]
+            )
         return rows
 
 
@@ -205,8 +244,18 @@ def _stage_two_sampler(name: str, seed: int, points: int):
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(1, min(10, points // 2)))
 
 
-def stage_two(checkpoint: str, *, points: int, low: float, high: float, sampler: str, seed: int, samples: int | None,
-              known: list[tuple[list[float], float, float]] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
+def stage_two(
+    checkpoint: str,
+    *,
+    points: int,
+    low: float,
+    high: float,
+    sampler: str,
+    seed: int,
+    samples: int | None,
+    known: list[tuple[list[float], float, float]] | None = None,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
     """Run a threshold sweep on ``checkpoint`` (see :meth:`CheckpointEvaluator.threshold_sweep`).
 
     A plain function, so a trial can run it as a Ray task on the training resources.
@@ -215,8 +264,15 @@ def stage_two(checkpoint: str, *, points: int, low: float, high: float, sampler:
     return evaluator.threshold_sweep(points, low=low, high=high, sampler=sampler, seed=seed, known=known)
 
 
-def baselines(checkpoint: str, *, entropy_thresholds: list[float], random_ratios: list[float], samples: int | None,
-              seed: int = 0, device: str = "cpu") -> list[dict[str, Any]]:
+def baselines(
+    checkpoint: str,
+    *,
+    entropy_thresholds: list[float],
+    random_ratios: list[float],
+    samples: int | None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
     """Baselines on ``checkpoint``'s backbone (see :meth:`CheckpointEvaluator.baselines`)."""
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device)
     return evaluator.baselines(entropy_thresholds=entropy_thresholds, random_ratios=random_ratios, seed=seed)

@@ -43,15 +43,29 @@ SAMPLED_PREFIX = "sampled."
 SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
 #: Tune's bookkeeping keys, never logged as metrics.
 _TUNE_KEYS = {
-    "training_iteration", "time_total_s", "time_this_iter_s", "timestamp", "time_since_restore",
-    "iterations_since_restore", "timesteps_since_restore", "timesteps_total", "episodes_total", "pid",
-    "done", "warmup_time", "should_checkpoint", "epoch",
+    "training_iteration",
+    "time_total_s",
+    "time_this_iter_s",
+    "timestamp",
+    "time_since_restore",
+    "iterations_since_restore",
+    "timesteps_since_restore",
+    "timesteps_total",
+    "episodes_total",
+    "pid",
+    "done",
+    "warmup_time",
+    "should_checkpoint",
+    "epoch",
 }
 
 
 def _numbers(data: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in data.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _TUNE_KEYS and math.isfinite(float(v))}
+    return {
+        k: float(v)
+        for k, v in data.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _TUNE_KEYS and math.isfinite(float(v))
+    }
 
 
 def param_name(key: str) -> str:
@@ -92,11 +106,25 @@ class SweepRecorder:
 
     # ------------------------------------------------------------------ parent
     @classmethod
-    def open(cls, tracking_uri: str, experiment: str, sweep_dir: str, name: str, metric: str,
-             params: dict[str, Any], tags: dict[str, str]) -> tuple["SweepRecorder", bool]:
+    def open(
+        cls,
+        tracking_uri: str,
+        experiment: str,
+        sweep_dir: str,
+        name: str,
+        metric: str,
+        params: dict[str, Any],
+        tags: dict[str, str],
+    ) -> tuple[SweepRecorder, bool]:
         """Open the sweep's parent run (re-opened, not duplicated, on resume)."""
-        tracker, resumed = RunTracker.open(tracking_uri, experiment, sweep_dir, name, params=params,
-                                           tags={KIND_TAG: "sweep", METRIC_TAG: metric, **tags})
+        tracker, resumed = RunTracker.open(
+            tracking_uri,
+            experiment,
+            sweep_dir,
+            name,
+            params=params,
+            tags={KIND_TAG: "sweep", METRIC_TAG: metric, **tags},
+        )
         return cls(tracking_uri, experiment, tracker.experiment_id, tracker.run_id, sweep_dir, metric), resumed
 
     @property
@@ -109,20 +137,40 @@ class SweepRecorder:
         from ..config import redact_uri
 
         found = mlflow_client(self.tracking_uri).search_runs(
-            [self.experiment_id], filter_string=f"tags.`{RUN_URI_TAG}` = '{_quote(redact_uri(run_uri))}'", max_results=1)
+            [self.experiment_id], filter_string=f"tags.`{RUN_URI_TAG}` = '{_quote(redact_uri(run_uri))}'", max_results=1
+        )
         return found[0] if found else None
 
     # ------------------------------------------------------------------ trials
-    def _trial_tracker(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any]) -> RunTracker:
+    def _trial_tracker(
+        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any]
+    ) -> RunTracker:
         params = {**config_params, **_sampled_params(sampled)}
-        tracker, _ = RunTracker.open(self.tracking_uri, self.experiment, run_uri, f"trial-{trial_id}", params=params,
-                                     tags={PARENT_TAG: self.parent_run_id, KIND_TAG: "trial", SWEEP_TAG: self.parent_run_id,
-                                           TRIAL_TAG: trial_id, METRIC_TAG: self.metric,
-                                           SAMPLED_TAG: json.dumps(sampled, sort_keys=True)})
+        tracker, _ = RunTracker.open(
+            self.tracking_uri,
+            self.experiment,
+            run_uri,
+            f"trial-{trial_id}",
+            params=params,
+            tags={
+                PARENT_TAG: self.parent_run_id,
+                KIND_TAG: "trial",
+                SWEEP_TAG: self.parent_run_id,
+                TRIAL_TAG: trial_id,
+                METRIC_TAG: self.metric,
+                SAMPLED_TAG: json.dumps(sampled, sort_keys=True),
+            },
+        )
         return tracker
 
-    def trial_started(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any],
-                      live: set[str] | None = None) -> str:
+    def trial_started(
+        self,
+        trial_id: str,
+        run_uri: str,
+        sampled: dict[str, Any],
+        config_params: dict[str, Any],
+        live: set[str] | None = None,
+    ) -> str:
         """Open (or re-open) the trial's child run; returns its id.
 
         A driver killed between starting a trial and saving Tune's state leaves a run
@@ -136,7 +184,8 @@ class SweepRecorder:
             if orphan is not None:
                 old = orphan.data.tags.get(TRIAL_TAG, "")
                 RunTracker(self.tracking_uri, self.experiment_id, orphan.info.run_id).set_tags(
-                    {RUN_URI_TAG: run_uri, TRIAL_TAG: trial_id, "splitvit.adopted_from": old})
+                    {RUN_URI_TAG: run_uri, TRIAL_TAG: trial_id, "splitvit.adopted_from": old}
+                )
                 mlflow_client(self.tracking_uri).update_run(orphan.info.run_id, name=f"trial-{trial_id}")
                 log.info("trial %s takes over the run of trial %s, lost when the driver stopped", trial_id, old)
         return self._trial_tracker(trial_id, run_uri, sampled, config_params).run_id
@@ -144,10 +193,16 @@ class SweepRecorder:
     def _orphans(self, live: set[str]) -> list:
         """Trial runs of this sweep, never finished, whose trials the Tuner does not know."""
         runs = mlflow_client(self.tracking_uri).search_runs(
-            [self.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{self.parent_run_id}' and tags.`{KIND_TAG}` = 'trial'",
-            max_results=50_000)
-        return [r for r in runs if r.data.tags.get(TRIAL_TAG) not in live
-                and r.data.tags.get(STATUS_TAG) not in ("completed", "failed", "diverged")]
+            [self.experiment_id],
+            filter_string=f"tags.`{SWEEP_TAG}` = '{self.parent_run_id}' and tags.`{KIND_TAG}` = 'trial'",
+            max_results=50_000,
+        )
+        return [
+            r
+            for r in runs
+            if r.data.tags.get(TRIAL_TAG) not in live
+            and r.data.tags.get(STATUS_TAG) not in ("completed", "failed", "diverged")
+        ]
 
     def _orphan(self, sampled: dict[str, Any], live: set[str]) -> Any | None:
         key = json.dumps(sampled, sort_keys=True)
@@ -159,8 +214,12 @@ class SweepRecorder:
         closed = []
         for run in self._orphans(live):
             RunTracker(self.tracking_uri, self.experiment_id, run.info.run_id).close(
-                "interrupted", tags={STATUS_TAG: "superseded",
-                                     "splitvit.message": "started by a driver that stopped before Tune saved it; rerun as a new trial"})
+                "interrupted",
+                tags={
+                    STATUS_TAG: "superseded",
+                    "splitvit.message": "started by a driver that stopped before Tune saved it; rerun as a new trial",
+                },
+            )
             closed.append(run.info.run_id)
         return closed
 
@@ -169,10 +228,13 @@ class SweepRecorder:
         run = self.find_run(run_uri)
         if run is None or "epoch" not in result:
             return
-        RunTracker(self.tracking_uri, self.experiment_id, run.info.run_id).log_epoch(int(result["epoch"]), _numbers(result))
+        RunTracker(self.tracking_uri, self.experiment_id, run.info.run_id).log_epoch(
+            int(result["epoch"]), _numbers(result)
+        )
 
-    def trial_completed(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any],
-                        final: dict[str, Any]) -> tuple[str, list[str]]:
+    def trial_completed(
+        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any], final: dict[str, Any]
+    ) -> tuple[str, list[str]]:
         """Record a finished trial and its threshold points; returns the run ids
         ``(trial run, [threshold point runs])``. Idempotent."""
         from .trial import threshold_points
@@ -190,38 +252,62 @@ class SweepRecorder:
         keys = (self.metric, "tokens_per_image", "token_ratio", "images_per_s", "train_seconds", "trial_seconds")
         figures = {k: final[k] for k in keys if k in final}
         self._log_metrics(tracker.run_id, {**_numbers(figures), "threshold_points": float(len(rows))}, step)
-        tracker.log_dict({"thresholds": final.get("thresholds"), "checkpoint": final.get("checkpoint"),
-                          "threshold_points": rows}, "trial_result.json")
+        tracker.log_dict(
+            {"thresholds": final.get("thresholds"), "checkpoint": final.get("checkpoint"), "threshold_points": rows},
+            "trial_result.json",
+        )
         point_ids = []
         for i, point in enumerate(rows):
             point_ids.append(self._threshold_point(trial_id, run_uri, tracker.run_id, i, point, sampled))
-        tracker.close("completed", tags={"splitvit.checkpoint": final.get("checkpoint") or "",
-                                         "splitvit.thresholds": json.dumps(final.get("thresholds"))})
+        tracker.close(
+            "completed",
+            tags={
+                "splitvit.checkpoint": final.get("checkpoint") or "",
+                "splitvit.thresholds": json.dumps(final.get("thresholds")),
+            },
+        )
         return tracker.run_id, point_ids
 
     def _point_runs(self, trial_run_id: str) -> list[str]:
         runs = mlflow_client(self.tracking_uri).search_runs(
-            [self.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{trial_run_id}' and tags.`{STATUS_TAG}` = 'completed'",
-            max_results=10_000)
+            [self.experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` = '{trial_run_id}' and tags.`{STATUS_TAG}` = 'completed'",
+            max_results=10_000,
+        )
         return [r.info.run_id for r in sorted(runs, key=lambda r: r.data.tags.get(RUN_URI_TAG, ""))]
 
-    def _threshold_point(self, trial_id: str, run_uri: str, trial_run_id: str, index: int, point: dict[str, Any],
-                         sampled: dict[str, Any]) -> str:
+    def _threshold_point(
+        self, trial_id: str, run_uri: str, trial_run_id: str, index: int, point: dict[str, Any], sampled: dict[str, Any]
+    ) -> str:
         thresholds = point.get("thresholds") or []
-        params = {"thresholds": json.dumps(thresholds), "trial_id": trial_id,
-                  **{f"threshold_level_{i}": t for i, t in enumerate(thresholds)},
-                  **_sampled_params(sampled)}
-        tracker, _ = RunTracker.open(self.tracking_uri, self.experiment, f"{run_uri}#threshold{index:03d}",
-                                     f"{trial_id}-thresholds-{index}", params=params,
-                                     tags={PARENT_TAG: trial_run_id, KIND_TAG: "threshold_point", SWEEP_TAG: self.parent_run_id,
-                                           TRIAL_TAG: trial_id, METRIC_TAG: self.metric,
-                                           SAMPLED_TAG: json.dumps(sampled, sort_keys=True)})
+        params = {
+            "thresholds": json.dumps(thresholds),
+            "trial_id": trial_id,
+            **{f"threshold_level_{i}": t for i, t in enumerate(thresholds)},
+            **_sampled_params(sampled),
+        }
+        tracker, _ = RunTracker.open(
+            self.tracking_uri,
+            self.experiment,
+            f"{run_uri}#threshold{index:03d}",
+            f"{trial_id}-thresholds-{index}",
+            params=params,
+            tags={
+                PARENT_TAG: trial_run_id,
+                KIND_TAG: "threshold_point",
+                SWEEP_TAG: self.parent_run_id,
+                TRIAL_TAG: trial_id,
+                METRIC_TAG: self.metric,
+                SAMPLED_TAG: json.dumps(sampled, sort_keys=True),
+            },
+        )
         self._log_metrics(tracker.run_id, _numbers(point), 0)
         tracker.close("completed")
         return tracker.run_id
 
-    def trial_failed(self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any],
-                     message: str) -> str:
+    def trial_failed(
+        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any], message: str
+    ) -> str:
         """Record a failed trial (``diverged`` for a non-finite loss, else ``failed``)."""
         tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)
         status = "diverged" if "diverged:" in message or "TrialDiverged" in message else "failed"
@@ -300,8 +386,12 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
     if found is None:
         raise ValueError(f"no MLflow experiment {experiment!r} in {redact_uri(tracking_uri)}")
     experiment_id = found.experiment_id
-    parents = client.search_runs([experiment_id], filter_string=f"tags.`{KIND_TAG}` = 'sweep'", max_results=50_000,
-                                 order_by=["attributes.start_time DESC"])
+    parents = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{KIND_TAG}` = 'sweep'",
+        max_results=50_000,
+        order_by=["attributes.start_time DESC"],
+    )
     if sweep_run_id is not None:
         parents = [p for p in parents if p.info.run_id == sweep_run_id]
         if not parents:
@@ -326,21 +416,43 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
         else:
             thresholds = json.loads(params.get("thresholds") or "[]")
         sampled = json.loads(tags.get(SAMPLED_TAG) or "{}")
-        points.append(Point(
-            quality=metrics[metric], tokens_per_image=metrics["tokens_per_image"],
-            token_ratio=metrics.get("token_ratio", float("nan")),
-            kind="trial" if tags.get(KIND_TAG) == "trial" else "threshold", trial_id=tags.get(TRIAL_TAG, ""),
-            thresholds=thresholds, params=sampled, run_id=run.info.run_id,
-            checkpoint=tags.get("splitvit.checkpoint") or None,
-            extras={k: metrics[k] for k in SPEED_METRICS if k in metrics},
-        ))
+        points.append(
+            Point(
+                quality=metrics[metric],
+                tokens_per_image=metrics["tokens_per_image"],
+                token_ratio=metrics.get("token_ratio", float("nan")),
+                kind="trial" if tags.get(KIND_TAG) == "trial" else "threshold",
+                trial_id=tags.get(TRIAL_TAG, ""),
+                thresholds=thresholds,
+                params=sampled,
+                run_id=run.info.run_id,
+                checkpoint=tags.get("splitvit.checkpoint") or None,
+                extras={k: metrics[k] for k in SPEED_METRICS if k in metrics},
+            )
+        )
     # where and how each sweep timed its frontier (absent: a sweep that did not)
-    speed = [{"sweep": p.info.run_id, "device": p.data.tags[SPEED_DEVICE_TAG], "timing": p.data.tags.get(SPEED_TIMING_TAG, ""),
-              **{k: p.data.metrics[k] for k in ("speed_full_images_per_s", "speedup_max", "speedup_best_point",
-                                                 "speedup_within_1pt_of_full") if k in p.data.metrics}}
-             for p in parents if SPEED_DEVICE_TAG in p.data.tags]
-    return {"experiment_id": experiment_id, "sweeps": sorted(sweep_ids), "metric": metric, "reference": reference,
-            "points": points, "speed": speed}
+    speed = [
+        {
+            "sweep": p.info.run_id,
+            "device": p.data.tags[SPEED_DEVICE_TAG],
+            "timing": p.data.tags.get(SPEED_TIMING_TAG, ""),
+            **{
+                k: p.data.metrics[k]
+                for k in ("speed_full_images_per_s", "speedup_max", "speedup_best_point", "speedup_within_1pt_of_full")
+                if k in p.data.metrics
+            },
+        }
+        for p in parents
+        if SPEED_DEVICE_TAG in p.data.tags
+    ]
+    return {
+        "experiment_id": experiment_id,
+        "sweeps": sorted(sweep_ids),
+        "metric": metric,
+        "reference": reference,
+        "points": points,
+        "speed": speed,
+    }
 
 
 def flat_params(data: dict[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
-
+from typing import Any
 
 
 @dataclass
@@ -55,7 +55,10 @@ class Point:
     @property
     def finite(self) -> bool:
         """Both objectives are real numbers (a diverged evaluation is not a point)."""
-        return all(isinstance(v, (int, float)) and math.isfinite(v) for v in (self.quality, self.tokens_per_image, self.token_ratio))
+        return all(
+            isinstance(v, (int, float)) and math.isfinite(v)
+            for v in (self.quality, self.tokens_per_image, self.token_ratio)
+        )
 
     def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
         """JSON-ready dict; the quality figure is named ``metric`` (``accuracy``/``miou``)."""
@@ -90,10 +93,12 @@ def pareto_indices(values: Sequence[tuple[float, float]]) -> list[int]:
         return []
     with quiet_optuna():
         study = optuna.create_study(directions=["maximize", "minimize"])
-        study.add_trials([
-            optuna.trial.create_trial(values=[float(values[i][0]), float(values[i][1])], user_attrs={"index": i})
-            for i in keep
-        ])
+        study.add_trials(
+            [
+                optuna.trial.create_trial(values=[float(values[i][0]), float(values[i][1])], user_attrs={"index": i})
+                for i in keep
+            ]
+        )
         return sorted(int(t.user_attrs["index"]) for t in study.best_trials)
 
 
@@ -104,8 +109,11 @@ def hypervolume(values: Sequence[tuple[float, float]], reference: tuple[float, f
     reference ``(0, 1)`` the result lies in ``[0, 1]``.
     """
     worst_quality, worst_ratio = float(reference[0]), float(reference[1])
-    inside = sorted((float(q), float(r)) for q, r in values
-                    if math.isfinite(q) and math.isfinite(r) and q >= worst_quality and r <= worst_ratio)
+    inside = sorted(
+        (float(q), float(r))
+        for q, r in values
+        if math.isfinite(q) and math.isfinite(r) and q >= worst_quality and r <= worst_ratio
+    )
     # best quality first: each point adds the strip between its token ratio and the
     # lowest ratio seen so far, as wide as its quality is above the reference
     area, lowest_ratio = 0.0, worst_ratio
@@ -137,8 +145,10 @@ def annotate(points: list[Point], reference: tuple[float, float] = (0.0, 1.0)) -
 
 def frontier(points: list[Point]) -> list[Point]:
     """The frontier points of an annotated list, by tokens per image (ascending)."""
-    return sorted((p for p in points if p.on_frontier),
-                  key=lambda p: (p.tokens_per_image, -p.quality, p.trial_id, p.kind != "trial", p.thresholds))
+    return sorted(
+        (p for p in points if p.on_frontier),
+        key=lambda p: (p.tokens_per_image, -p.quality, p.trial_id, p.kind != "trial", p.thresholds),
+    )
 
 
 def best_point(points: list[Point]) -> Point | None:

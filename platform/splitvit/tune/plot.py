@@ -8,8 +8,15 @@ from typing import Any
 from .pareto import Point, frontier
 
 
-def pareto_figure(points: list[Point], baselines: list[dict[str, Any]], *, metric: str = "accuracy",
-                  hypervolume: float | None = None, title: str = "", full_tokens: float | None = None):
+def pareto_figure(
+    points: list[Point],
+    baselines: list[dict[str, Any]],
+    *,
+    metric: str = "accuracy",
+    hypervolume: float | None = None,
+    title: str = "",
+    full_tokens: float | None = None,
+):
     """A matplotlib figure: every trial and threshold point, the frontier as a step
     line, and the baselines (full resolution, entropy, random) on the same axes.
 
@@ -25,11 +32,26 @@ def pareto_figure(points: list[Point], baselines: list[dict[str, Any]], *, metri
     trials = [p for p in points if p.kind == "trial" and p.finite]
     thresholds = [p for p in points if p.kind == "threshold" and p.finite]
     if thresholds:
-        ax.scatter([p.tokens_per_image for p in thresholds], [p.quality for p in thresholds], s=18, c="#9ecae1",
-                   edgecolors="none", label="threshold points (stage two)", zorder=2)
+        ax.scatter(
+            [p.tokens_per_image for p in thresholds],
+            [p.quality for p in thresholds],
+            s=18,
+            c="#9ecae1",
+            edgecolors="none",
+            label="threshold points (stage two)",
+            zorder=2,
+        )
     if trials:
-        ax.scatter([p.tokens_per_image for p in trials], [p.quality for p in trials], s=40, c="#3182bd",
-                   edgecolors="white", linewidths=0.5, label="trials (stage one)", zorder=3)
+        ax.scatter(
+            [p.tokens_per_image for p in trials],
+            [p.quality for p in trials],
+            s=40,
+            c="#3182bd",
+            edgecolors="white",
+            linewidths=0.5,
+            label="trials (stage one)",
+            zorder=3,
+        )
     front = frontier(points)
     if front:
         xs, ys = [front[0].tokens_per_image], [front[0].quality]
@@ -38,19 +60,38 @@ def pareto_figure(points: list[Point], baselines: list[dict[str, Any]], *, metri
             ys += [ys[-1], p.quality]
         label = "SPLIT Pareto frontier" + (f" (HV {hypervolume:.3f})" if hypervolume is not None else "")
         ax.plot(xs, ys, "-", color="#d62728", lw=1.8, zorder=4)
-        ax.scatter([p.tokens_per_image for p in front], [p.quality for p in front], s=70, marker="D", c="#d62728",
-                   edgecolors="black", linewidths=0.6, label=label, zorder=5)
-    styles = {"entropy": ("s--", "#2ca02c", "entropy splitting (APT-style)"),
-              "random": ("x:", "#7f7f7f", "random splitting, matched budgets")}
+        ax.scatter(
+            [p.tokens_per_image for p in front],
+            [p.quality for p in front],
+            s=70,
+            marker="D",
+            c="#d62728",
+            edgecolors="black",
+            linewidths=0.6,
+            label=label,
+            zorder=5,
+        )
+    styles = {
+        "entropy": ("s--", "#2ca02c", "entropy splitting (APT-style)"),
+        "random": ("x:", "#7f7f7f", "random splitting, matched budgets"),
+    }
     for kind, (fmt, colour, label) in styles.items():
         rows = sorted((b for b in baselines if b.get("baseline") == kind), key=lambda b: b["tokens_per_image"])
         if rows:
-            ax.plot([b["tokens_per_image"] for b in rows], [b["quality"] for b in rows], fmt, color=colour, ms=6,
-                    label=label, zorder=3)
+            ax.plot(
+                [b["tokens_per_image"] for b in rows],
+                [b["quality"] for b in rows],
+                fmt,
+                color=colour,
+                ms=6,
+                label=label,
+                zorder=3,
+            )
     for b in baselines:
         if b.get("baseline") == "full":
-            ax.scatter([b["tokens_per_image"]], [b["quality"]], s=160, marker="*", c="black", label="full resolution",
-                       zorder=6)
+            ax.scatter(
+                [b["tokens_per_image"]], [b["quality"]], s=160, marker="*", c="black", label="full resolution", zorder=6
+            )
     ax.set_xlabel("tokens per image")
     ax.set_ylabel(metric)
     ax.grid(True, alpha=0.3)
@@ -74,13 +115,24 @@ def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
-    timed = sorted((p for p in frontier(points) if "speedup_vs_full" in p.extras), key=lambda p: p.extras["speedup_vs_full"])
+    timed = sorted(
+        (p for p in frontier(points) if "speedup_vs_full" in p.extras), key=lambda p: p.extras["speedup_vs_full"]
+    )
     if timed:
         xs = [p.extras["speedup_vs_full"] for p in timed]
         ys = [p.quality for p in timed]
         ax.plot(xs, ys, "-", color="#d62728", lw=1.2, alpha=0.6, zorder=3)
-        ax.scatter(xs, ys, s=70, marker="D", c="#d62728", edgecolors="black", linewidths=0.6,
-                   label="SPLIT frontier points (timed)", zorder=5)
+        ax.scatter(
+            xs,
+            ys,
+            s=70,
+            marker="D",
+            c="#d62728",
+            edgecolors="black",
+            linewidths=0.6,
+            label="SPLIT frontier points (timed)",
+            zorder=5,
+        )
         for p, x, y in zip(timed, xs, ys):
             ratio = p.extras.get("timed_token_ratio", p.token_ratio)
             ax.annotate(f"{ratio:.0%} tok", (x, y), textcoords="offset points", xytext=(5, -11), fontsize=7)

@@ -99,7 +99,8 @@ class Parameter:
         """Categorical choices that Optuna cannot store as they are (lists, mappings)
         travel as their JSON text."""
         return self.distribution == "categorical" and any(
-            not isinstance(c, (type(None), bool, int, float, str)) for c in self.choices)
+            not isinstance(c, (type(None), bool, int, float, str)) for c in self.choices
+        )
 
     def optuna_distribution(self):
         """This parameter as an ``optuna.distributions`` object."""
@@ -294,8 +295,9 @@ class SearchSpace:
             set_dotted(raw, key, value)
         return raw
 
-    def config(self, params: dict[str, Any] | None = None, overrides: list[str] | None = None,
-               name: str = "sweep") -> ExperimentConfig:
+    def config(
+        self, params: dict[str, Any] | None = None, overrides: list[str] | None = None, name: str = "sweep"
+    ) -> ExperimentConfig:
         """The fully validated experiment config of one point of the space
         (:func:`~splitvit.train.experiment.experiment_from_dict`).
 
@@ -323,9 +325,10 @@ class SearchSpace:
             "source": self.source,
             "base": self.base,
             "description": self.description,
-            "parameters": {k: {key: v for key, v in dataclasses.asdict(p).items()
-                               if v not in (None, (), False) or key == "low"}
-                           for k, p in self.parameters.items()},
+            "parameters": {
+                k: {key: v for key, v in dataclasses.asdict(p).items() if v not in (None, (), False) or key == "low"}
+                for k, p in self.parameters.items()
+            },
             "fixed": self.fixed,
             "search": dataclasses.asdict(self.search),
             "stage_two": dataclasses.asdict(self.stage_two),
@@ -358,14 +361,16 @@ def load_space(path: str | Path, overrides: list[str] | None = None) -> SearchSp
     return space_from_dict(raw, source=source, root=path.parent, overrides=overrides)
 
 
-def space_from_dict(raw: dict[str, Any], *, source: str = "<dict>", root: str | Path = ".",
-                    overrides: list[str] | None = None) -> SearchSpace:
+def space_from_dict(
+    raw: dict[str, Any], *, source: str = "<dict>", root: str | Path = ".", overrides: list[str] | None = None
+) -> SearchSpace:
     """Build and validate a space from a plain dict (``base`` is relative to ``root``)."""
     raw = copy.deepcopy(raw)
     raw.setdefault("parameters", {})
     if not isinstance(raw["parameters"], dict):
-        raise SearchSpaceError(source, "parameters",
-                               f"expected a mapping of dotted config keys, got {type(raw['parameters']).__name__}")
+        raise SearchSpaceError(
+            source, "parameters", f"expected a mapping of dotted config keys, got {type(raw['parameters']).__name__}"
+        )
     for item in overrides or []:
         _apply_space_override(raw, item, source)
     for key in raw:
@@ -416,9 +421,16 @@ def _normalize_points(space: SearchSpace) -> None:
     points = []
     for point in space.search.initial_points:
         if isinstance(point, dict):
-            point = {k: (float(_number(v)) if k in space.parameters
-                         and space.parameters[k].distribution in ("uniform", "loguniform")
-                         and _number(v) is not None else v) for k, v in point.items()}
+            point = {
+                k: (
+                    float(_number(v))
+                    if k in space.parameters
+                    and space.parameters[k].distribution in ("uniform", "loguniform")
+                    and _number(v) is not None
+                    else v
+                )
+                for k, v in point.items()
+            }
         points.append(point)
     space.search = dataclasses.replace(space.search, initial_points=tuple(points))
 
@@ -443,16 +455,18 @@ def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
 
 def _resolve_base(base: Any, root: Path, source: str) -> Path:
     if not base or not isinstance(base, str):
-        raise SearchSpaceError(source, "base",
-                               "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml")
+        raise SearchSpaceError(
+            source, "base", "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml"
+        )
     candidate = Path(base).expanduser()
     if not candidate.is_absolute():
         # relative to the space file; a path relative to the working directory also works
         for option in (root / candidate, candidate):
             if option.is_file():
                 return option.resolve()
-        raise SearchSpaceError(source, "base",
-                               f"experiment config {base} not found (relative to {root} or the working directory)")
+        raise SearchSpaceError(
+            source, "base", f"experiment config {base} not found (relative to {root} or the working directory)"
+        )
     if not candidate.is_file():
         raise SearchSpaceError(source, "base", f"experiment config {base} not found")
     return candidate
@@ -461,11 +475,15 @@ def _resolve_base(base: Any, root: Path, source: str) -> Path:
 def _check_key_syntax(name: str, source: str) -> None:
     parts, _ = split_key(name)  # a malformed index leaves a "[" in a part
     if not all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in parts):
-        raise SearchSpaceError(source, f"parameters.{name}",
-                               "not a dotted config key (like train.lr or model.thresholds[0])")
+        raise SearchSpaceError(
+            source, f"parameters.{name}", "not a dotted config key (like train.lr or model.thresholds[0])"
+        )
     if parts[0] not in SECTIONS:
-        raise SearchSpaceError(source, f"parameters.{name}", f"unknown config key: {parts[0]} is not a config section"
-                                                             f"{_did_you_mean(parts[0], SECTIONS)}")
+        raise SearchSpaceError(
+            source,
+            f"parameters.{name}",
+            f"unknown config key: {parts[0]} is not a config section{_did_you_mean(parts[0], SECTIONS)}",
+        )
     if len(parts) < 2:
         raise SearchSpaceError(source, f"parameters.{name}", "name a key inside the section, like train.lr")
 
@@ -495,17 +513,22 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
     key = f"parameters.{name}"
     dist = spec.get("distribution")
     if dist not in DISTRIBUTIONS:
-        raise SearchSpaceError(source, key,
-                               f"unknown distribution {dist!r}; expected one of {', '.join(DISTRIBUTIONS)}")
+        raise SearchSpaceError(
+            source, key, f"unknown distribution {dist!r}; expected one of {', '.join(DISTRIBUTIONS)}"
+        )
     unknown = sorted(set(spec) - _SPEC_KEYS[dist])
     if unknown:
-        raise SearchSpaceError(source, f"{key}.{unknown[0]}",
-                               f"not a setting of a {dist} parameter; expected {', '.join(sorted(_SPEC_KEYS[dist]))}")
+        raise SearchSpaceError(
+            source,
+            f"{key}.{unknown[0]}",
+            f"not a setting of a {dist} parameter; expected {', '.join(sorted(_SPEC_KEYS[dist]))}",
+        )
     if dist == "categorical":
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices:
-            raise SearchSpaceError(source, f"{key}.choices",
-                                   "a categorical parameter needs a non-empty list of choices")
+            raise SearchSpaceError(
+                source, f"{key}.choices", "a categorical parameter needs a non-empty list of choices"
+            )
         if len({json.dumps(c, sort_keys=True, default=str) for c in choices}) != len(choices):
             raise SearchSpaceError(source, f"{key}.choices", f"choices repeat a value: {choices}")
         return Parameter(name, dist, choices=tuple(choices))
@@ -517,8 +540,9 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
         if value is None or not math.isfinite(value):
             raise SearchSpaceError(source, f"{key}.{bound}", f"expected a finite number, got {spec[bound]!r}")
         if dist == "int" and int(value) != value:
-            raise SearchSpaceError(source, f"{key}.{bound}",
-                                   f"an int parameter needs integer bounds, got {spec[bound]!r}")
+            raise SearchSpaceError(
+                source, f"{key}.{bound}", f"an int parameter needs integer bounds, got {spec[bound]!r}"
+            )
         bounds[bound] = int(value) if dist == "int" else float(value)
     low, high = bounds["low"], bounds["high"]
     if low > high:
@@ -529,8 +553,9 @@ def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
     if step is not None:
         step_value = _number(step)
         if step_value is None or step_value <= 0 or (dist == "int" and int(step_value) != step_value):
-            raise SearchSpaceError(source, f"{key}.step",
-                                   f"expected a positive {'integer' if dist == 'int' else 'number'}, got {step!r}")
+            raise SearchSpaceError(
+                source, f"{key}.step", f"expected a positive {'integer' if dist == 'int' else 'number'}, got {step!r}"
+            )
         step = int(step_value) if dist == "int" else float(step_value)
     log = spec.get("log", False)
     if not isinstance(log, bool):
@@ -570,26 +595,34 @@ def _validate_settings(space: SearchSpace) -> None:
     if s.max_concurrent < 1:
         raise SearchSpaceError(src, "search.max_concurrent", f"must be >= 1, got {s.max_concurrent}")
     if s.sampler not in SAMPLERS:
-        raise SearchSpaceError(src, "search.sampler",
-                               f"unknown sampler {s.sampler!r}; expected one of {', '.join(SAMPLERS)}")
+        raise SearchSpaceError(
+            src, "search.sampler", f"unknown sampler {s.sampler!r}; expected one of {', '.join(SAMPLERS)}"
+        )
     if s.population_size is not None and s.population_size < 2:
         raise SearchSpaceError(src, "search.population_size", f"must be >= 2, got {s.population_size}")
     if s.scheduler is not None and s.scheduler not in SCHEDULERS:
-        raise SearchSpaceError(src, "search.scheduler",
-                               f"unknown scheduler {s.scheduler!r}; expected null or {', '.join(SCHEDULERS)}")
+        raise SearchSpaceError(
+            src, "search.scheduler", f"unknown scheduler {s.scheduler!r}; expected null or {', '.join(SCHEDULERS)}"
+        )
     if s.state_period_s < 0:
         raise SearchSpaceError(src, "search.state_period_s", f"must be >= 0, got {s.state_period_s}")
     if s.grace_period < 1 or s.reduction_factor < 2:
-        raise SearchSpaceError(src, "search.grace_period" if s.grace_period < 1 else "search.reduction_factor",
-                               "grace_period must be >= 1 and reduction_factor >= 2")
+        raise SearchSpaceError(
+            src,
+            "search.grace_period" if s.grace_period < 1 else "search.reduction_factor",
+            "grace_period must be >= 1 and reduction_factor >= 2",
+        )
     for name, amount in s.trial_resources.items():
         if _number(amount) is None or amount < 0:
             raise SearchSpaceError(src, f"search.trial_resources.{name}", f"must be a number >= 0, got {amount!r}")
     if not any(_number(a) and a > 0 for a in s.trial_resources.values()):
         # Tune cannot schedule an empty request
-        raise SearchSpaceError(src, "search.trial_resources",
-                               "ask for some resource, e.g. {CPU: 0.5}: the trial's driver function only waits "
-                               "for its training workers, so a fraction of a CPU is enough")
+        raise SearchSpaceError(
+            src,
+            "search.trial_resources",
+            "ask for some resource, e.g. {CPU: 0.5}: the trial's driver function only waits "
+            "for its training workers, so a fraction of a CPU is enough",
+        )
     for i, point in enumerate(s.initial_points):
         key = f"search.initial_points[{i}]"
         if not isinstance(point, dict):
@@ -597,23 +630,27 @@ def _validate_settings(space: SearchSpace) -> None:
         missing = sorted(set(space.parameters) - set(point))
         extra = sorted(set(point) - set(space.parameters))
         if extra:
-            raise SearchSpaceError(src, f"{key}.{extra[0]}",
-                                   f"not a searched parameter{_did_you_mean(extra[0], list(space.parameters))}")
+            raise SearchSpaceError(
+                src, f"{key}.{extra[0]}", f"not a searched parameter{_did_you_mean(extra[0], list(space.parameters))}"
+            )
         if missing:
             raise SearchSpaceError(src, key, f"give every searched parameter a value; missing {', '.join(missing)}")
         for name, value in point.items():
             if not space.parameters[name].contains(value):
-                raise SearchSpaceError(src, f"{key}.{name}",
-                                       f"{value!r} is outside {space.parameters[name].describe()}")
+                raise SearchSpaceError(
+                    src, f"{key}.{name}", f"{value!r} is outside {space.parameters[name].describe()}"
+                )
     t = space.stage_two
     if t.points < 0:
         raise SearchSpaceError(src, "stage_two.points", f"must be >= 0, got {t.points}")
     if not 0.0 <= t.low <= t.high <= 1.0:
-        raise SearchSpaceError(src, "stage_two",
-                               f"thresholds need 0 <= low <= high <= 1, got low {t.low}, high {t.high}")
+        raise SearchSpaceError(
+            src, "stage_two", f"thresholds need 0 <= low <= high <= 1, got low {t.low}, high {t.high}"
+        )
     if t.sampler not in STAGE_TWO_SAMPLERS:
-        raise SearchSpaceError(src, "stage_two.sampler",
-                               f"unknown sampler {t.sampler!r}; expected one of {', '.join(STAGE_TWO_SAMPLERS)}")
+        raise SearchSpaceError(
+            src, "stage_two.sampler", f"unknown sampler {t.sampler!r}; expected one of {', '.join(STAGE_TWO_SAMPLERS)}"
+        )
     for key, samples in (("stage_two.samples", t.samples), ("baselines.samples", space.baselines.samples)):
         if samples is not None and samples < 1:
             raise SearchSpaceError(src, key, f"must be >= 1 or null, got {samples}")
@@ -629,8 +666,12 @@ def _validate_settings(space: SearchSpace) -> None:
     if p.token_ratio <= 0:
         raise SearchSpaceError(src, "pareto.reference_point.token_ratio", f"must be > 0, got {p.token_ratio}")
     v = space.speed
-    for key, value, least in (("batch_size", v.batch_size, 1), ("rounds", v.rounds, 1), ("warmup", v.warmup, 0),
-                              ("max_points", v.max_points, 1)):
+    for key, value, least in (
+        ("batch_size", v.batch_size, 1),
+        ("rounds", v.rounds, 1),
+        ("warmup", v.warmup, 0),
+        ("max_points", v.max_points, 1),
+    ):
         if value is not None and value < least:
             null = " or null (every frontier point)" if key == "max_points" else ""
             raise SearchSpaceError(src, f"speed.{key}", f"must be >= {least}{null}, got {value}")
@@ -682,12 +723,14 @@ def _validate_against_config(space: SearchSpace) -> None:
                 where = f"parameters.{fixed_owner}" if fixed_owner else f"base ({space.base})"
                 raise SearchSpaceError(src, where, f"{exc.key}: {exc.reason}") from None
             if "unknown key" in exc.reason:
-                raise SearchSpaceError(src, f"parameters.{owner}",
-                                       exc.reason.replace("unknown key", "not a config key")) from None
+                raise SearchSpaceError(
+                    src, f"parameters.{owner}", exc.reason.replace("unknown key", "not a config key")
+                ) from None
             if "out of range" in exc.reason or "cannot index" in exc.reason:
                 raise SearchSpaceError(src, f"parameters.{owner}", exc.reason) from None
-            raise SearchSpaceError(src, f"parameters.{owner}",
-                                   f"{what} is not a valid config value: {exc.key}: {exc.reason}") from None
+            raise SearchSpaceError(
+                src, f"parameters.{owner}", f"{what} is not a valid config value: {exc.key}: {exc.reason}"
+            ) from None
 
     numeric = {n: p for n, p in space.parameters.items() if p.distribution != "categorical"}
     categorical = {n: p for n, p in space.parameters.items() if p.distribution == "categorical"}
@@ -700,5 +743,8 @@ def _validate_against_config(space: SearchSpace) -> None:
         for choice in param.choices[1:]:
             check({**lows, **first_choice, name: choice}, [name], f"choice {choice!r}")
     for i, point in enumerate(space.search.initial_points):
-        check(space.decode({k: space.parameters[k].encode(v) for k, v in point.items()}), list(point),
-              f"search.initial_points[{i}]")
+        check(
+            space.decode({k: space.parameters[k].encode(v) for k, v in point.items()}),
+            list(point),
+            f"search.initial_points[{i}]",
+        )

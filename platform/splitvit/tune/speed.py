@@ -3,7 +3,7 @@ against the full-resolution model, side by side, in one run on one device.
 
 :func:`time_operating_points` is the one timing routine of sweeps (every frontier
 point) and studies (every method's point at each evaluation ratio). It reuses
-:mod:`splitvit.bench.forward`'s timer (:func:`~splitvit.bench.forward.time_beside_others`:
+:mod:`splitvit.bench.timing`'s timer (:func:`~splitvit.bench.timing.time_beside_others`:
 interleaved rounds, forward order then reverse, ``synchronize`` around each call on
 CUDA, medians), so a figure here means what it means in ``splitvit bench``:
 
@@ -28,6 +28,7 @@ target: the figures are recorded as measured.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -52,13 +53,21 @@ def spread(items: list[Any], count: int | None) -> list[Any]:
 def _architecture(payload: dict[str, Any]) -> str:
     """What decides a forward pass's cost apart from the policy and thresholds."""
     spec = payload.get("spec") or {}
-    return json.dumps({k: v for k, v in spec.items() if not k.startswith("policy") and k != "thresholds"},
-                      sort_keys=True, default=str)
+    return json.dumps(
+        {k: v for k, v in spec.items() if not k.startswith("policy") and k != "thresholds"}, sort_keys=True, default=str
+    )
 
 
-def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str | None = None, batch_size: int = 32,
-                          rounds: int = 5, warmup: int = 1, split: str | None = None,
-                          device: str = "cpu") -> dict[str, Any]:
+def time_operating_points(
+    points: list[dict[str, Any]],
+    *,
+    full_checkpoint: str | None = None,
+    batch_size: int = 32,
+    rounds: int = 5,
+    warmup: int = 1,
+    split: str | None = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Time every operating point against the full-resolution model, interleaved.
 
     Args:
@@ -84,7 +93,14 @@ def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str 
     """
     import torch
 
-    from ..bench.timing import OTHER_LOAD_WARNING, machine_info, quartiles, synchronizer, time_beside_others, timing_summary
+    from ..bench.timing import (
+        OTHER_LOAD_WARNING,
+        machine_info,
+        quartiles,
+        synchronizer,
+        time_beside_others,
+        timing_summary,
+    )
     from ..model import SplitViT
     from ..train.checkpoints import load_payload
     from .checkpoint_evaluator import CheckpointEvaluator
@@ -146,36 +162,69 @@ def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str 
             thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
             out = model(x, thresholds=thresholds)
             tokens = float(out.tokens.float().mean())
-            out_points.append({"index": i, "label": p.get("label", f"point{i}"), "checkpoint": p["checkpoint"],
-                               "policy": model.policy.name, "thresholds": thresholds, "full": ref,
-                               "tokens_per_image": tokens, "token_ratio": tokens / out.full_tokens})
-            fns[f"point{i}"] = (lambda m, x, t: lambda: m(x, thresholds=t))(model, x, thresholds)
+            out_points.append(
+                {
+                    "index": i,
+                    "label": p.get("label", f"point{i}"),
+                    "checkpoint": p["checkpoint"],
+                    "policy": model.policy.name,
+                    "thresholds": thresholds,
+                    "full": ref,
+                    "tokens_per_image": tokens,
+                    "token_ratio": tokens / out.full_tokens,
+                }
+            )
+            fns[f"point{i}"] = functools.partial(model, x, thresholds=thresholds)
             sizes[f"point{i}"] = int(x.shape[0])
-        log.info("speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
-                 "%d warm-up + %d interleaved rounds", len(points), len(full_models), dev, batch_size, warmup, rounds)
+        log.info(
+            "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
+            "%d warm-up + %d interleaved rounds",
+            len(points),
+            len(full_models),
+            dev,
+            batch_size,
+            warmup,
+            rounds,
+        )
         samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=synchronizer(dev))
     timings = {name: timing_summary(s, cpu_samples[name], sizes[name]) for name, s in samples.items()}
     full_rows = []
     for arch, key in full_keys.items():
         t = timings[key]
-        full_rows.append({"key": key, "checkpoint": references[arch], "policy": "full", "median_s": t["median_s"],
-                          "min_s": t["min_s"], "images_per_s": t["images_per_s"], "tokens_per_image": full_tokens[key],
-                          "token_ratio": 1.0, "speedup_vs_full": 1.0})
+        full_rows.append(
+            {
+                "key": key,
+                "checkpoint": references[arch],
+                "policy": "full",
+                "median_s": t["median_s"],
+                "min_s": t["min_s"],
+                "images_per_s": t["images_per_s"],
+                "tokens_per_image": full_tokens[key],
+                "token_ratio": 1.0,
+                "speedup_vs_full": 1.0,
+            }
+        )
     for point in out_points:
         t, f = timings[f"point{point['index']}"], timings[point["full"]]
         per_round = [a / b for a, b in zip(samples[point["full"]], samples[f"point{point['index']}"])]
-        point.update({
-            "median_s": t["median_s"], "min_s": t["min_s"], "images_per_s": t["images_per_s"],
-            "full_images_per_s": f["images_per_s"],
-            "speedup_vs_full": f["median_s"] / t["median_s"],
-            "speedup_vs_full_fastest": f["min_s"] / t["min_s"],
-            "speedup_vs_full_per_round": quartiles(per_round),
-        })
+        point.update(
+            {
+                "median_s": t["median_s"],
+                "min_s": t["min_s"],
+                "images_per_s": t["images_per_s"],
+                "full_images_per_s": f["images_per_s"],
+                "speedup_vs_full": f["median_s"] / t["median_s"],
+                "speedup_vs_full_fastest": f["min_s"] / t["min_s"],
+                "speedup_vs_full_per_round": quartiles(per_round),
+            }
+        )
     machine = machine_info(dev)
     warnings = []
     if others is not None and others > OTHER_LOAD_WARNING:
-        warnings.append(f"other processes used {others:.2f} of the {machine['cpu_count']} CPUs on average while the "
-                        "models were timed: the wall-clock figures are noisy")
+        warnings.append(
+            f"other processes used {others:.2f} of the {machine['cpu_count']} CPUs on average while the "
+            "models were timed: the wall-clock figures are noisy"
+        )
     n = min(int(x.shape[0]) for x in images.values())
     result = {
         "device": str(dev) + (f" ({machine['device_name']})" if "device_name" in machine else ""),
@@ -186,7 +235,7 @@ def time_operating_points(points: list[dict[str, Any]], *, full_checkpoint: str 
         "precision": "bf16 autocast" if dev.type == "cuda" else "float32",
         "images": f"the first {n} images of the {split or 'validation'} split",
         "method": "interleaved rounds (bench.time_beside_others); speedup_vs_full = median full-resolution seconds / "
-                  "median point seconds, same run, same batch",
+        "median point seconds, same run, same batch",
         "full": full_rows,
         "points": out_points,
         "other_processes_cpus": others,

@@ -66,8 +66,21 @@ log = logging.getLogger(__name__)
 STUDY_RESULT_FILE = "study_result.json"  # a finished run's stored result, in its run folder
 THRESHOLDED = ("learned", "entropy", "random")
 EPS = 1e-9  # points: means of seeds' accuracies are not exact in binary
-_KEYS = {"base", "description", "seeds", "config", "backbone", "method", "methods", "evaluation", "run", "goals",
-         "speed", "mlflow", "scales"}
+_KEYS = {
+    "base",
+    "description",
+    "seeds",
+    "config",
+    "backbone",
+    "method",
+    "methods",
+    "evaluation",
+    "run",
+    "goals",
+    "speed",
+    "mlflow",
+    "scales",
+}
 
 
 @dataclass
@@ -75,8 +88,8 @@ class Goals:
     """What the study should show (DESIGN: report figures as measured, whether or not
     they reach these)."""
 
-    match_points: float = 0.5      # SPLIT within this many points of full resolution ...
-    match_ratio: float = 0.5       # ... at no more than this share of its tokens
+    match_points: float = 0.5  # SPLIT within this many points of full resolution ...
+    match_ratio: float = 0.5  # ... at no more than this share of its tokens
     beat_range: tuple[float, float] | None = (0.1, 0.6)  # SPLIT above entropy and random at every ratio here
     margin_at: float | None = 0.25  # and this many points above entropy at this ratio
     margin: float = 3.0
@@ -88,7 +101,7 @@ class StudySpec:
 
     source: str
     base: Path
-    base_raw: dict[str, Any]   # the base experiment config as read (read once)
+    base_raw: dict[str, Any]  # the base experiment config as read (read once)
     description: str
     seeds: list[int]
     config: dict[str, Any]
@@ -104,21 +117,26 @@ class StudySpec:
     goals: Goals = field(default_factory=Goals)
     speed_batch: int = 64
     speed_rounds: int = 10
-    speed_enabled: bool = True       # time the matched point and every method's operating points
+    speed_enabled: bool = True  # time the matched point and every method's operating points
     speed_warmup: int = 2
     speed_max_points: int | None = 24  # operating points timed side by side (spread over each method's ratios)
     experiment: str = "study"
     scale: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # command-line settings: win over every section
-    fixed: dict[str, Any] = field(default_factory=dict)      # set by the study itself (the canvas cache)
+    fixed: dict[str, Any] = field(default_factory=dict)  # set by the study itself (the canvas cache)
 
-    def run_config(self, seed: int, method: str | None, name: str, storage: str | None = None,
-                   init_from: str | None = None) -> ExperimentConfig:
+    def run_config(
+        self, seed: int, method: str | None, name: str, storage: str | None = None, init_from: str | None = None
+    ) -> ExperimentConfig:
         """The validated experiment config of the backbone (``method=None``) or a method
         run, its Ray Train run ``name`` under ``storage`` (default: the config's)."""
         raw = copy.deepcopy(self.base_raw)
-        values = {**self.config, **(self.backbone if method is None else {**self.method, **self.methods[method]}),
-                  **self.overrides, **self.fixed}
+        values = {
+            **self.config,
+            **(self.backbone if method is None else {**self.method, **self.methods[method]}),
+            **self.overrides,
+            **self.fixed,
+        }
         values.update({"data.seed": seed, "tracking.enabled": False, "storage.name": name})
         if storage is not None:
             values["storage.path"] = storage
@@ -134,7 +152,9 @@ class StudySpec:
 
     @property
     def metric(self) -> str:
-        return quality_metric(self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification")
+        return quality_metric(
+            self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification"
+        )
 
     def policy(self, method: str) -> str:
         return str(self.methods[method]["model.policy"])
@@ -159,8 +179,13 @@ def _section(raw: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     return dict(value)
 
 
-_SPEED = {"enabled": (True, bool, None), "batch_size": (64, int, 1), "rounds": (10, int, 1), "warmup": (2, int, 0),
-          "max_points": (24, int, 1)}
+_SPEED = {
+    "enabled": (True, bool, None),
+    "batch_size": (64, int, 1),
+    "rounds": (10, int, 1),
+    "warmup": (2, int, 0),
+    "max_points": (24, int, 1),
+}
 
 
 def _speed_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -179,8 +204,12 @@ def _speed_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if kind is bool and not isinstance(value, bool):
             raise SearchSpaceError(source, f"speed.{key}", f"expected true or false, got {value!r}")
         if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise SearchSpaceError(source, f"speed.{key}", f"expected an integer >= {least}"
-                                   f"{' or null (every point)' if key == 'max_points' else ''}, got {value!r}")
+            raise SearchSpaceError(
+                source,
+                f"speed.{key}",
+                f"expected an integer >= {least}"
+                f"{' or null (every point)' if key == 'max_points' else ''}, got {value!r}",
+            )
         out[key] = value
     return out
 
@@ -210,8 +239,11 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
             raise SearchSpaceError(source, "scales", f"no scale {scale!r}; the file has {', '.join(scales) or 'none'}")
         raw = _merge(raw, scales[scale])
     seeds = raw.get("seeds") or [0]
-    if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds) \
-            or len(set(seeds)) != len(seeds):
+    if (
+        not isinstance(seeds, list)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
         raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
     methods = _section(raw, "methods", source)
     if not methods:
@@ -222,7 +254,9 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
     policies = [m["model.policy"] for m in methods.values()]
     for needed in ("full", "learned"):
         if needed not in policies:
-            raise SearchSpaceError(source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)")
+            raise SearchSpaceError(
+                source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)"
+            )
     evaluation = _section(raw, "evaluation", source)
     ratios = evaluation.get("ratios") or [0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
     if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
@@ -240,18 +274,29 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
     base = _resolve_base(raw.get("base"), path.parent, source)
     try:
         spec = StudySpec(
-            source=source, base=base, base_raw=yaml.safe_load(base.read_text()) or {},
-            description=str(raw.get("description") or ""), seeds=list(seeds), config=config,
-            backbone=_section(raw, "backbone", source), method=_section(raw, "method", source),
-            methods={k: dict(v) for k, v in methods.items()}, ratios=sorted(float(r) for r in ratios),
-            split=str(evaluation.get("split", "test")), samples=evaluation.get("samples"),
+            source=source,
+            base=base,
+            base_raw=yaml.safe_load(base.read_text()) or {},
+            description=str(raw.get("description") or ""),
+            seeds=list(seeds),
+            config=config,
+            backbone=_section(raw, "backbone", source),
+            method=_section(raw, "method", source),
+            methods={k: dict(v) for k, v in methods.items()},
+            ratios=sorted(float(r) for r in ratios),
+            split=str(evaluation.get("split", "test")),
+            samples=evaluation.get("samples"),
             calibration_samples=int(evaluation.get("calibration_samples", 512)),
             max_concurrent=int(run.get("max_concurrent", 2)),
             trial_resources=dict(run.get("trial_resources") or {"CPU": 0.5}),
             goals=Goals(**{k: (tuple(v) if k == "beat_range" and v else v) for k, v in goals.items()}),
-            speed_batch=speed["batch_size"], speed_rounds=speed["rounds"], speed_enabled=speed["enabled"],
-            speed_warmup=speed["warmup"], speed_max_points=speed["max_points"],
-            experiment=str((raw.get("mlflow") or {}).get("experiment") or f"study-{path.stem}"), scale=scale,
+            speed_batch=speed["batch_size"],
+            speed_rounds=speed["rounds"],
+            speed_enabled=speed["enabled"],
+            speed_warmup=speed["warmup"],
+            speed_max_points=speed["max_points"],
+            experiment=str((raw.get("mlflow") or {}).get("experiment") or f"study-{path.stem}"),
+            scale=scale,
             overrides=settings,
         )
     except TypeError as exc:
@@ -281,8 +326,12 @@ def _stored(run_uri: str) -> dict[str, Any] | None:
 
 def _evaluation(spec: StudySpec) -> dict[str, Any]:
     """The evaluation settings a method's stored points were made with."""
-    return {"split": spec.split, "samples": spec.samples, "ratios": spec.ratios,
-            "calibration_samples": spec.calibration_samples}
+    return {
+        "split": spec.split,
+        "samples": spec.samples,
+        "ratios": spec.ratios,
+        "calibration_samples": spec.calibration_samples,
+    }
 
 
 def stale_runs(spec: StudySpec, storage: str) -> list[str]:
@@ -298,9 +347,14 @@ def stale_runs(spec: StudySpec, storage: str) -> list[str]:
                 continue
             # through JSON, as stored (tuples become lists); the backbone's path is checked as the backbone
             now = json.loads(json.dumps(spec.run_config(seed, method, name, storage).flat(), default=float))
-            keys = sorted(k for k in set(now) | set(stored["config"])
-                          if k != "model.init_from" and now.get(k) != stored["config"].get(k))
-            if method is not None and json.loads(json.dumps(_evaluation(spec))) != stored.get("evaluation", _evaluation(spec)):
+            keys = sorted(
+                k
+                for k in set(now) | set(stored["config"])
+                if k != "model.init_from" and now.get(k) != stored["config"].get(k)
+            )
+            if method is not None and json.loads(json.dumps(_evaluation(spec))) != stored.get(
+                "evaluation", _evaluation(spec)
+            ):
                 keys.append("evaluation")
             if keys:
                 stale.append(f"{name} ({', '.join(keys)})")
@@ -343,8 +397,9 @@ class RayTrainer:
 _TRAINED = ("status", "metrics", "checkpoint", "message")  # what every trainer returns; the rest is stored as is
 
 
-def study_run(spec: StudySpec, storage: str, params: dict[str, Any], trainer: RunTrainer,
-              backbones: dict[int, str] | None = None) -> dict[str, Any]:
+def study_run(
+    spec: StudySpec, storage: str, params: dict[str, Any], trainer: RunTrainer, backbones: dict[int, str] | None = None
+) -> dict[str, Any]:
     """One run of the study, the same under every executor: seed ``params['seed']``'s
     backbone, or with ``params['method']`` that method trained by ``trainer`` from the
     seed's backbone checkpoint (``backbones``) and evaluated at every matched token
@@ -373,17 +428,42 @@ def study_run(spec: StudySpec, storage: str, params: dict[str, Any], trainer: Ru
     extra = {k: v for k, v in trained.items() if k not in _TRAINED}
     train_seconds = time.time() - started
     if method is None:
-        stored = {"seed": seed, "checkpoint": trained["checkpoint"], "metrics": trained["metrics"],
-                  "train_seconds": train_seconds, "run_uri": run_uri, "config": config.flat(), **extra}
+        stored = {
+            "seed": seed,
+            "checkpoint": trained["checkpoint"],
+            "metrics": trained["metrics"],
+            "train_seconds": train_seconds,
+            "run_uri": run_uri,
+            "config": config.flat(),
+            **extra,
+        }
     else:
         policy = spec.policy(method)
-        points = trainer.evaluate(config, evaluate_points, trained["checkpoint"], policy=policy,
-                                  ratios=spec.ratios if policy in THRESHOLDED else [], split=spec.split,
-                                  samples=spec.samples, calibration_samples=spec.calibration_samples, seed=seed)
-        stored = {"seed": seed, "method": method, "policy": policy, "checkpoint": trained["checkpoint"],
-                  "train_metrics": trained["metrics"], "points": points, "train_seconds": train_seconds,
-                  "eval_seconds": time.time() - started - train_seconds, "run_uri": run_uri,
-                  "config": config.flat(), "evaluation": _evaluation(spec), **extra}
+        points = trainer.evaluate(
+            config,
+            evaluate_points,
+            trained["checkpoint"],
+            policy=policy,
+            ratios=spec.ratios if policy in THRESHOLDED else [],
+            split=spec.split,
+            samples=spec.samples,
+            calibration_samples=spec.calibration_samples,
+            seed=seed,
+        )
+        stored = {
+            "seed": seed,
+            "method": method,
+            "policy": policy,
+            "checkpoint": trained["checkpoint"],
+            "train_metrics": trained["metrics"],
+            "points": points,
+            "train_seconds": train_seconds,
+            "eval_seconds": time.time() - started - train_seconds,
+            "run_uri": run_uri,
+            "config": config.flat(),
+            "evaluation": _evaluation(spec),
+            **extra,
+        }
     write_bytes(join_uri(run_uri, STUDY_RESULT_FILE), json.dumps(stored, default=float).encode())
     return {**stored, "reused": False}
 
@@ -404,8 +484,17 @@ def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbone
     tune.report({"done": 1, "result": json.dumps(result, default=float)})
 
 
-def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split: str, samples: int | None,
-                    calibration_samples: int, seed: int, device: str = "cpu") -> list[dict[str, Any]]:
+def evaluate_points(
+    checkpoint: str,
+    *,
+    policy: str,
+    ratios: list[float],
+    split: str,
+    samples: int | None,
+    calibration_samples: int,
+    seed: int,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
     """Quality, tokens per image and images/s of ``checkpoint`` on ``split``: one point
     for ``full``/``coarse``, else one per token ratio, its thresholds calibrated on the
     first ``calibration_samples`` validation images (never on the evaluated ones)."""
@@ -423,8 +512,14 @@ def evaluate_points(checkpoint: str, *, policy: str, ratios: list[float], split:
         torch.manual_seed(seed * 1009 + round(ratio * 1000))
         thresholds = evaluator.calibrate(calibration, ratio)
         points.append({"target_ratio": ratio, **evaluator.evaluate(thresholds)})
-        log.info("%s @ %.2f: %s %.4f at %.1f tokens/image", policy, ratio, "quality", points[-1]["quality"],
-                 points[-1]["tokens_per_image"])
+        log.info(
+            "%s @ %.2f: %s %.4f at %.1f tokens/image",
+            policy,
+            ratio,
+            "quality",
+            points[-1]["quality"],
+            points[-1]["tokens_per_image"],
+        )
     return points
 
 
@@ -441,15 +536,22 @@ def aggregate(results: list[dict[str, Any]], metric: str) -> list[dict[str, Any]
     rows = []
     for (method, ratio), points in groups.items():
         q = [float(p["quality"]) for p in points]
-        rows.append({
-            "method": method, "policy": policies[method], "target_ratio": ratio, "seeds": len(points),
-            metric: statistics.fmean(q), f"{metric}_std": statistics.stdev(q) if len(q) > 1 else 0.0,
-            f"{metric}_min": min(q), f"{metric}_max": max(q),
-            "tokens_per_image": statistics.fmean(float(p["tokens_per_image"]) for p in points),
-            "token_ratio": statistics.fmean(float(p["token_ratio"]) for p in points),
-            "images_per_s": statistics.fmean(float(p["images_per_s"]) for p in points),
-            "per_seed": {str(p["seed"]): float(p["quality"]) for p in points},
-        })
+        rows.append(
+            {
+                "method": method,
+                "policy": policies[method],
+                "target_ratio": ratio,
+                "seeds": len(points),
+                metric: statistics.fmean(q),
+                f"{metric}_std": statistics.stdev(q) if len(q) > 1 else 0.0,
+                f"{metric}_min": min(q),
+                f"{metric}_max": max(q),
+                "tokens_per_image": statistics.fmean(float(p["tokens_per_image"]) for p in points),
+                "token_ratio": statistics.fmean(float(p["token_ratio"]) for p in points),
+                "images_per_s": statistics.fmean(float(p["images_per_s"]) for p in points),
+                "per_seed": {str(p["seed"]): float(p["quality"]) for p in points},
+            }
+        )
     rows.sort(key=lambda r: (r["policy"] != "full", r["policy"] != "learned", r["method"], r["target_ratio"] or 0.0))
     return rows
 
@@ -462,8 +564,11 @@ def check_goals(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[s
         return {}
 
     def best(policy: str, ratio: float) -> dict[str, Any] | None:
-        found = [r for r in rows if r["policy"] == policy and r["target_ratio"] is not None
-                 and math.isclose(r["target_ratio"], ratio)]
+        found = [
+            r
+            for r in rows
+            if r["policy"] == policy and r["target_ratio"] is not None and math.isclose(r["target_ratio"], ratio)
+        ]
         return max(found, key=lambda r: r[metric]) if found else None
 
     out: dict[str, Any] = {"full_" + metric: full[metric]}
@@ -471,9 +576,16 @@ def check_goals(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[s
     if within:
         top = max(within, key=lambda r: r[metric])
         gap = (full[metric] - top[metric]) * pts
-        out["match"] = {"method": top["method"], "target_ratio": top["target_ratio"], "token_ratio": top["token_ratio"],
-                        metric: top[metric], "gap_points": gap, "goal_points": goals.match_points,
-                        "max_token_ratio": goals.match_ratio, "met": gap <= goals.match_points + EPS}
+        out["match"] = {
+            "method": top["method"],
+            "target_ratio": top["target_ratio"],
+            "token_ratio": top["token_ratio"],
+            metric: top[metric],
+            "gap_points": gap,
+            "goal_points": goals.match_points,
+            "max_token_ratio": goals.match_ratio,
+            "met": gap <= goals.match_points + EPS,
+        }
     if goals.beat_range:
         lo, hi = goals.beat_range
         margins = []
@@ -484,16 +596,27 @@ def check_goals(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[s
             for other in ("entropy", "random"):
                 rival = best(other, ratio)
                 if split and rival:
-                    margins.append({"target_ratio": ratio, "versus": other, "margin_points": (split[metric] - rival[metric]) * pts})
+                    margins.append(
+                        {"target_ratio": ratio, "versus": other, "margin_points": (split[metric] - rival[metric]) * pts}
+                    )
         if margins:
             worst = min(margins, key=lambda m: m["margin_points"])
-            out["above_baselines"] = {"range": [lo, hi], "margins": margins, "worst": worst, "met": worst["margin_points"] > 0}
+            out["above_baselines"] = {
+                "range": [lo, hi],
+                "margins": margins,
+                "worst": worst,
+                "met": worst["margin_points"] > 0,
+            }
     if goals.margin_at is not None:
         split, rival = best("learned", goals.margin_at), best("entropy", goals.margin_at)
         if split and rival:
             margin = (split[metric] - rival[metric]) * pts
-            out["margin_over_entropy"] = {"target_ratio": goals.margin_at, "margin_points": margin,
-                                          "goal_points": goals.margin, "met": margin >= goals.margin - EPS}
+            out["margin_over_entropy"] = {
+                "target_ratio": goals.margin_at,
+                "margin_points": margin,
+                "goal_points": goals.margin,
+                "met": margin >= goals.margin - EPS,
+            }
     return out
 
 
@@ -512,8 +635,18 @@ def matched_point(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict
     return {**max(capped, key=lambda r: r[metric]), "matches_full": False}
 
 
-def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_ratio: float, split: str, batch_size: int,
-                     rounds: int, calibration_samples: int, seed: int, device: str = "cpu") -> dict[str, Any]:
+def speed_comparison(
+    split_checkpoint: str,
+    full_checkpoint: str,
+    *,
+    target_ratio: float,
+    split: str,
+    batch_size: int,
+    rounds: int,
+    calibration_samples: int,
+    seed: int,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Forward images/s of a trained SPLIT checkpoint at ``target_ratio`` against the
     trained full-resolution checkpoint, timed interleaved on the same batch."""
     import torch
@@ -530,21 +663,30 @@ def speed_comparison(split_checkpoint: str, full_checkpoint: str, *, target_rati
     sync = torch.cuda.synchronize if images.device.type == "cuda" else (lambda: None)
     with torch.no_grad(), split_eval.autocast():  # the precision the study evaluated in
         tokens = split_eval.model(images, thresholds=thresholds)
-        fns = {"split": lambda: split_eval.model(images, thresholds=thresholds), "full": lambda: full_eval.model(images)}
+        fns = {
+            "split": lambda: split_eval.model(images, thresholds=thresholds),
+            "full": lambda: full_eval.model(images),
+        }
         times = time_interleaved(fns, repeats=rounds, warmup=2, sync=sync)
     fraction = float(tokens.tokens.float().mean()) / tokens.full_tokens
     median = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "batch_size": batch_size, "rounds": rounds, "device": str(images.device), "thresholds": thresholds,
-        "token_fraction": fraction, "ideal_ratio": 1.0 / fraction,
-        "split_images_per_s": batch_size / median["split"], "full_images_per_s": batch_size / median["full"],
+        "batch_size": batch_size,
+        "rounds": rounds,
+        "device": str(images.device),
+        "thresholds": thresholds,
+        "token_fraction": fraction,
+        "ideal_ratio": 1.0 / fraction,
+        "split_images_per_s": batch_size / median["split"],
+        "full_images_per_s": batch_size / median["full"],
         "ratio": median["full"] / median["split"],
         "ratio_fastest_round": min(times["full"]) / min(times["split"]),
     }
 
 
-def matched_speed(spec: StudySpec, rows: list[dict[str, Any]], runs: list[dict[str, Any]], metric: str,
-                  run=None) -> dict[str, Any] | None:
+def matched_speed(
+    spec: StudySpec, rows: list[dict[str, Any]], runs: list[dict[str, Any]], metric: str, run=None
+) -> dict[str, Any] | None:
     """:func:`speed_comparison` of the :func:`matched_point` against full resolution,
     on the lowest seed that trained both (``None`` when there is no such pair).
     ``run(fn, *args, **kwargs)`` runs it where the checkpoints' device is (default:
@@ -558,11 +700,26 @@ def matched_speed(spec: StudySpec, rows: list[dict[str, Any]], runs: list[dict[s
     if (full, seed) not in checkpoints:
         return None
     run = run or (lambda fn, *args, **kw: fn(*args, **kw))
-    speed = run(speed_comparison, checkpoints[(point["method"], seed)], checkpoints[(full, seed)],
-                target_ratio=point["target_ratio"], split=spec.split, batch_size=spec.speed_batch,
-                rounds=spec.speed_rounds, calibration_samples=spec.calibration_samples, seed=seed)
-    speed.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed,
-                  "matches_full": point["matches_full"], metric: point[metric]})
+    speed = run(
+        speed_comparison,
+        checkpoints[(point["method"], seed)],
+        checkpoints[(full, seed)],
+        target_ratio=point["target_ratio"],
+        split=spec.split,
+        batch_size=spec.speed_batch,
+        rounds=spec.speed_rounds,
+        calibration_samples=spec.calibration_samples,
+        seed=seed,
+    )
+    speed.update(
+        {
+            "method": point["method"],
+            "target_ratio": point["target_ratio"],
+            "seed": seed,
+            "matches_full": point["matches_full"],
+            metric: point[metric],
+        }
+    )
     return speed
 
 
@@ -597,15 +754,29 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run=None) -> dict[
     share = None if spec.speed_max_points is None else max(1, spec.speed_max_points // len(others))
     chosen = []
     for method in others:
-        stored = sorted(by_method[method]["points"], key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0))
+        stored = sorted(
+            by_method[method]["points"], key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0)
+        )
         for point in spread(stored, share):
-            chosen.append({"checkpoint": by_method[method]["checkpoint"], "thresholds": point.get("thresholds"),
-                           "label": f"{method}@{point['target_ratio']}", "method": method,
-                           "target_ratio": point["target_ratio"]})
+            chosen.append(
+                {
+                    "checkpoint": by_method[method]["checkpoint"],
+                    "thresholds": point.get("thresholds"),
+                    "label": f"{method}@{point['target_ratio']}",
+                    "method": method,
+                    "target_ratio": point["target_ratio"],
+                }
+            )
     run = run or (lambda fn, *args, **kw: fn(*args, **kw))
-    record = run(time_operating_points, [{k: p[k] for k in ("checkpoint", "thresholds", "label")} for p in chosen],
-                 full_checkpoint=by_method[full]["checkpoint"], split=spec.split, batch_size=spec.speed_batch,
-                 rounds=spec.speed_rounds, warmup=spec.speed_warmup)
+    record = run(
+        time_operating_points,
+        [{k: p[k] for k in ("checkpoint", "thresholds", "label")} for p in chosen],
+        full_checkpoint=by_method[full]["checkpoint"],
+        split=spec.split,
+        batch_size=spec.speed_batch,
+        rounds=spec.speed_rounds,
+        warmup=spec.speed_warmup,
+    )
     for point, row in zip(chosen, record["points"]):
         row.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed})
     record["full"][0].update({"method": full, "seed": seed})
@@ -618,13 +789,21 @@ def point_speed_lines(record: dict[str, Any] | None) -> list[str]:
     if not record:
         return []
     full = record["full"][0]
-    lines = [f"measured speed-up vs {full.get('method', 'full')} ({full['images_per_s']:.0f} images/s; seed "
-             f"{record.get('seed')}, batch {record['batch_size']}, {record['rounds']} interleaved rounds on {record['device']}):"]
+    lines = [
+        f"measured speed-up vs {full.get('method', 'full')} ({full['images_per_s']:.0f} images/s; seed "
+        f"{record.get('seed')}, batch {record['batch_size']}, "
+        f"{record['rounds']} interleaved rounds on {record['device']}):"
+    ]
     for method in dict.fromkeys(p.get("method") for p in record["points"]):
         points = [p for p in record["points"] if p.get("method") == method]
-        lines.append(f"  {method}: " + ", ".join(
-            (f"@{p['target_ratio']:g}" if p.get("target_ratio") is not None else "") +
-            f" {p['speedup_vs_full']:.2f}x ({p['token_ratio']:.0%} tokens)" for p in points).strip())
+        lines.append(
+            f"  {method}: "
+            + ", ".join(
+                (f"@{p['target_ratio']:g}" if p.get("target_ratio") is not None else "")
+                + f" {p['speedup_vs_full']:.2f}x ({p['token_ratio']:.0%} tokens)"
+                for p in points
+            ).strip()
+        )
     return lines
 
 
@@ -632,34 +811,43 @@ def _verdict(goal: dict[str, Any]) -> str:
     return "met" if goal["met"] else "MISSED"
 
 
-def summary_lines(goals: dict[str, Any], speed: dict[str, Any] | None, failed: list[str],
-                  point_speed: dict[str, Any] | None = None) -> list[str]:
+def summary_lines(
+    goals: dict[str, Any], speed: dict[str, Any] | None, failed: list[str], point_speed: dict[str, Any] | None = None
+) -> list[str]:
     """The goals as measured, the speed comparison, the operating points' measured
     speed-ups (:func:`points_speed`) and the failed runs, one line each
     (``splitvit study`` and the single-GPU runner print these under their table)."""
     lines = []
     if "match" in goals:
         g = goals["match"]
-        lines.append(f"SPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
-                     f"{g['token_ratio']:.1%}: {abs(g['gap_points']):.2f} points {'below' if g['gap_points'] > 0 else 'above'} "
-                     f"full (goal: at most {g['goal_points']} below): "
-                     f"{_verdict(g)}")
+        lines.append(
+            f"SPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
+            f"{g['token_ratio']:.1%}: {abs(g['gap_points']):.2f} points {'below' if g['gap_points'] > 0 else 'above'} "
+            f"full (goal: at most {g['goal_points']} below): "
+            f"{_verdict(g)}"
+        )
     if "above_baselines" in goals:
         g = goals["above_baselines"]
         w = g["worst"]
-        lines.append(f"SPLIT above entropy and random at every ratio in {g['range']}: smallest margin "
-                     f"{w['margin_points']:+.2f} points (vs {w['versus']} at {w['target_ratio']:.2f}): "
-                     f"{_verdict(g)}")
+        lines.append(
+            f"SPLIT above entropy and random at every ratio in {g['range']}: smallest margin "
+            f"{w['margin_points']:+.2f} points (vs {w['versus']} at {w['target_ratio']:.2f}): "
+            f"{_verdict(g)}"
+        )
     if "margin_over_entropy" in goals:
         g = goals["margin_over_entropy"]
-        lines.append(f"SPLIT over entropy at {g['target_ratio']:.0%} tokens: {g['margin_points']:+.2f} points (goal >= "
-                     f"{g['goal_points']}): {_verdict(g)}")
+        lines.append(
+            f"SPLIT over entropy at {g['target_ratio']:.0%} tokens: {g['margin_points']:+.2f} points (goal >= "
+            f"{g['goal_points']}): {_verdict(g)}"
+        )
     if speed:
         s = speed
         which = "matches full resolution" if s["matches_full"] else "best SPLIT point (none matches full resolution)"
-        lines.append(f"speed ({which}: {s['method']} @ {s['target_ratio']}, seed {s['seed']}, batch {s['batch_size']} "
-                     f"on {s['device']}): {s['split_images_per_s']:.0f} vs {s['full_images_per_s']:.0f} images/s = "
-                     f"{s['ratio']:.2f}x (ideal {s['ideal_ratio']:.2f}x at {s['token_fraction']:.1%} tokens)")
+        lines.append(
+            f"speed ({which}: {s['method']} @ {s['target_ratio']}, seed {s['seed']}, batch {s['batch_size']} "
+            f"on {s['device']}): {s['split_images_per_s']:.0f} vs {s['full_images_per_s']:.0f} images/s = "
+            f"{s['ratio']:.2f}x (ideal {s['ideal_ratio']:.2f}x at {s['token_fraction']:.1%} tokens)"
+        )
     lines += point_speed_lines(point_speed)
     lines += [f"failed: {failure}" for failure in failed]
     return lines
@@ -702,8 +890,14 @@ class StudyExecutor(Protocol):
         """Get ready to run ``spec``'s runs (called once, with its settings final)."""
         ...
 
-    def run(self, spec: StudySpec, storage: str, grid: dict[str, list[Any]], stage: str,
-            backbones: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    def run(
+        self,
+        spec: StudySpec,
+        storage: str,
+        grid: dict[str, list[Any]],
+        stage: str,
+        backbones: dict[int, str] | None = None,
+    ) -> list[dict[str, Any]]:
         """:func:`study_run` for every combination of ``grid`` (``seed``; and ``method``
         in the ``methods`` stage, where ``backbones`` maps seeds to checkpoints); one
         result per run, ``{"config": params, "error": text}`` for a failed one."""
@@ -719,8 +913,9 @@ def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: 
         trainable,
         param_space={k: tune.grid_search(v) for k, v in grid.items()},
         tune_config=tune.TuneConfig(max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
-        run_config=tune.RunConfig(name=name, storage_path=storage, failure_config=tune.FailureConfig(max_failures=0),
-                                  verbose=1),
+        run_config=tune.RunConfig(
+            name=name, storage_path=storage, failure_config=tune.FailureConfig(max_failures=0), verbose=1
+        ),
     )
     results = []
     for result in tuner.fit():
@@ -750,8 +945,14 @@ class TuneExecutor:
         init_ray(self.ray_address)
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    def run(self, spec: StudySpec, storage: str, grid: dict[str, list[Any]], stage: str,
-            backbones: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    def run(
+        self,
+        spec: StudySpec,
+        storage: str,
+        grid: dict[str, list[Any]],
+        stage: str,
+        backbones: dict[int, str] | None = None,
+    ) -> list[dict[str, Any]]:
         """One Tune grid of :func:`backbone_trial` or (with ``backbones``) :func:`method_trial`."""
         from ray import tune
 
@@ -769,9 +970,15 @@ def study_name(study_path: str | Path, scale: str | None = None, name: str | Non
     return name or (stem if stem.startswith("study") else f"study-{stem}") + (f"-{scale}" if scale else "")
 
 
-def execute_study(spec: StudySpec, executor: StudyExecutor, *, name: str, study_dir: str,
-                  tracking_uri: str | None = None,
-                  started: float | None = None) -> tuple[StudyResult, list[dict[str, Any]]]:
+def execute_study(
+    spec: StudySpec,
+    executor: StudyExecutor,
+    *,
+    name: str,
+    study_dir: str,
+    tracking_uri: str | None = None,
+    started: float | None = None,
+) -> tuple[StudyResult, list[dict[str, Any]]]:
     """Run (or, where ``study_dir`` holds finished runs, finish) the study ``spec`` with
     ``executor``: the backbones, then every method from its seed's backbone (the
     costliest first), the aggregation over seeds, the goals and the speed comparison
@@ -786,9 +993,11 @@ def execute_study(spec: StudySpec, executor: StudyExecutor, *, name: str, study_
     metric = spec.metric
     stale = stale_runs(spec, train_storage)
     if stale:
-        raise StudyError(f"study {name} in {study_dir} holds finished runs made with other settings than "
-                         f"{spec.source} asks for now: {'; '.join(stale)}. Run it under another --name, or delete "
-                         "those runs' folders to train them again.")
+        raise StudyError(
+            f"study {name} in {study_dir} holds finished runs made with other settings than "
+            f"{spec.source} asks for now: {'; '.join(stale)}. Run it under another --name, or delete "
+            "those runs' folders to train them again."
+        )
 
     executor.start(spec)
     parent = None
@@ -797,14 +1006,35 @@ def execute_study(spec: StudySpec, executor: StudyExecutor, *, name: str, study_
         from ..tracking.runs import close_stale_runs
         from .mlflow_records import KIND_TAG, METRIC_TAG, flat_params
 
-        params = {**flat_params({"seeds": spec.seeds, "ratios": spec.ratios, "scale": spec.scale or "cpu",
-                                 "methods": spec.methods, "backbone": spec.backbone, "method": spec.method}),
-                  **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()}}
-        parent, _ = RunTracker.open(tracking_uri, spec.experiment, study_dir, name, params=params,
-                                    tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source})
+        params = {
+            **flat_params(
+                {
+                    "seeds": spec.seeds,
+                    "ratios": spec.ratios,
+                    "scale": spec.scale or "cpu",
+                    "methods": spec.methods,
+                    "backbone": spec.backbone,
+                    "method": spec.method,
+                }
+            ),
+            **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()},
+        }
+        parent, _ = RunTracker.open(
+            tracking_uri,
+            spec.experiment,
+            study_dir,
+            name,
+            params=params,
+            tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source},
+        )
         close_stale_runs(parent)  # runs a driver that died left RUNNING end KILLED
-    log.info("study %s: %d seeds x %d methods%s", name, len(spec.seeds), len(spec.methods),
-             f", MLflow run {parent.run_id}" if parent else "")
+    log.info(
+        "study %s: %d seeds x %d methods%s",
+        name,
+        len(spec.seeds),
+        len(spec.methods),
+        f", MLflow run {parent.run_id}" if parent else "",
+    )
     with parent.closed_on_error() if parent is not None else contextlib.nullcontext():
         backbones = executor.run(spec, train_storage, {"seed": spec.seeds}, "backbones")
         ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
@@ -813,10 +1043,12 @@ def execute_study(spec: StudySpec, executor: StudyExecutor, *, name: str, study_
         order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
         runs: list[dict[str, Any]] = []
         if ready:
-            runs = executor.run(spec, train_storage, {"seed": sorted(ready), "method": order}, "methods",
-                                backbones=ready)
-        failed += [f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}"
-                   for r in runs if "error" in r]
+            runs = executor.run(
+                spec, train_storage, {"seed": sorted(ready), "method": order}, "methods", backbones=ready
+            )
+        failed += [
+            f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}" for r in runs if "error" in r
+        ]
         runs = [r for r in runs if "points" in r]
         rows = aggregate(runs, metric)
         goals = check_goals(rows, spec.goals, metric)
@@ -830,10 +1062,22 @@ def execute_study(spec: StudySpec, executor: StudyExecutor, *, name: str, study_
                 point_speed = points_speed(spec, runs, run=on_device)
             except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the study
                 log.warning("could not time the operating points: %s", exc)
-        result = StudyResult(name=name, source=spec.source, study_dir=study_dir, metric=metric, seeds=spec.seeds,
-                             rows=rows, runs=[{k: v for k, v in r.items() if k != "config"} for r in runs], goals=goals,
-                             speed=speed, failed=failed, mlflow_run_id=parent.run_id if parent else None,
-                             tracking_uri=tracking_uri, seconds=time.time() - started, point_speed=point_speed)
+        result = StudyResult(
+            name=name,
+            source=spec.source,
+            study_dir=study_dir,
+            metric=metric,
+            seeds=spec.seeds,
+            rows=rows,
+            runs=[{k: v for k, v in r.items() if k != "config"} for r in runs],
+            goals=goals,
+            speed=speed,
+            failed=failed,
+            mlflow_run_id=parent.run_id if parent else None,
+            tracking_uri=tracking_uri,
+            seconds=time.time() - started,
+            point_speed=point_speed,
+        )
         if parent is not None:
             _record(result, spec, parent, runs, tracking_uri)
     if parent is not None:
@@ -841,24 +1085,42 @@ def execute_study(spec: StudySpec, executor: StudyExecutor, *, name: str, study_
     return result, [b for b in backbones if "checkpoint" in b]
 
 
-def run_study(study_path: str | Path, overrides: list[str] | None = None, *, scale: str | None = None,
-              name: str | None = None, ray_address: str | None = None) -> StudyResult:
+def run_study(
+    study_path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    scale: str | None = None,
+    name: str | None = None,
+    ray_address: str | None = None,
+) -> StudyResult:
     """Run (or, under an existing ``name``, finish) a study on the platform: Ray Tune
     trials training with Ray Train, recorded in MLflow (see the module docstring)."""
     started = time.time()
     spec = load_study(study_path, scale=scale, overrides=overrides)  # bad input stops here
     base = spec.run_config(spec.seeds[0], None, "base")
     from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
-    preflight(base, ray_address=ray_address, tracking_uri=base.tracking_uri(), trial_resources=spec.trial_resources,
-              trial_key="run.trial_resources")
+
+    preflight(
+        base,
+        ray_address=ray_address,
+        tracking_uri=base.tracking_uri(),
+        trial_resources=spec.trial_resources,
+        trial_key="run.trial_resources",
+    )
     root = base.storage.resolved_path()
     name = study_name(study_path, scale, name)
     study_dir = join_uri(root, name)
     if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
         # render every canvas once, for every run of the study (and of later studies)
         spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
-    result, _ = execute_study(spec, TuneExecutor(study_dir, ray_address), name=name, study_dir=study_dir,
-                              tracking_uri=base.tracking_uri(), started=started)
+    result, _ = execute_study(
+        spec,
+        TuneExecutor(study_dir, ray_address),
+        name=name,
+        study_dir=study_dir,
+        tracking_uri=base.tracking_uri(),
+        started=started,
+    )
     return result
 
 
@@ -868,28 +1130,44 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
 
     import matplotlib.pyplot as plt
     import mlflow
+    from mlflow.entities import Metric
 
     from ..tracking import RunTracker
     from .mlflow_records import KIND_TAG, METRIC_TAG, PARENT_TAG
-
-    from mlflow.entities import Metric
 
     metric = result.metric
     client = mlflow.MlflowClient(tracking_uri)
     timed = _timed_points(result.point_speed)
     for run in runs:
-        child, _ = RunTracker.open(tracking_uri, spec.experiment, run["run_uri"], f"{run['method']}-s{run['seed']}",
-                                   params=run.get("config") or {},
-                                   tags={PARENT_TAG: parent.run_id, KIND_TAG: "study-run", METRIC_TAG: metric,
-                                         "splitvit.method": run["method"], "splitvit.seed": str(run["seed"])})
+        child, _ = RunTracker.open(
+            tracking_uri,
+            spec.experiment,
+            run["run_uri"],
+            f"{run['method']}-s{run['seed']}",
+            params=run.get("config") or {},
+            tags={
+                PARENT_TAG: parent.run_id,
+                KIND_TAG: "study-run",
+                METRIC_TAG: metric,
+                "splitvit.method": run["method"],
+                "splitvit.seed": str(run["seed"]),
+            },
+        )
         recorded = client.get_run(child.run_id).data.metrics
         if result.point_speed and int(run["seed"]) == result.point_speed["seed"] and "speedup_vs_full" not in recorded:
             # the measured speed-up at the step of the evaluated point it timed (full resolution: 1.0)
             now = int(time.time() * 1000)
-            speed_batch = [Metric(key, float(row[src]), now, step) for step, point in enumerate(run["points"])
-                           for row in [timed.get((run["method"], point["target_ratio"]))] if row
-                           for key, src in (("speedup_vs_full", "speedup_vs_full"), ("timed_images_per_s", "images_per_s"),
-                                            ("timed_token_ratio", "token_ratio"))]
+            speed_batch = [
+                Metric(key, float(row[src]), now, step)
+                for step, point in enumerate(run["points"])
+                for row in [timed.get((run["method"], point["target_ratio"]))]
+                if row
+                for key, src in (
+                    ("speedup_vs_full", "speedup_vs_full"),
+                    ("timed_images_per_s", "images_per_s"),
+                    ("timed_token_ratio", "token_ratio"),
+                )
+            ]
             if speed_batch:
                 client.log_batch(child.run_id, metrics=speed_batch)
         if recorded:
@@ -897,9 +1175,16 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
             continue  # recorded by an earlier run of this study
         # one step per evaluated token ratio: MLflow's metric charts draw the threshold sweep
         now = int(time.time() * 1000)
-        batch = [Metric(key, float(point[src]), now, step) for step, point in enumerate(run["points"])
-                 for key, src in ((metric, "quality"), ("tokens_per_image", "tokens_per_image"),
-                                  ("token_ratio", "token_ratio"), ("images_per_s", "images_per_s"))]
+        batch = [
+            Metric(key, float(point[src]), now, step)
+            for step, point in enumerate(run["points"])
+            for key, src in (
+                (metric, "quality"),
+                ("tokens_per_image", "tokens_per_image"),
+                ("token_ratio", "token_ratio"),
+                ("images_per_s", "images_per_s"),
+            )
+        ]
         client.log_batch(child.run_id, metrics=batch)
         child.log_dict({"points": run["points"], "checkpoint": run["checkpoint"]}, "study_points.json")
         child.close("completed")
@@ -907,9 +1192,13 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
     if timed:  # measured on one seed: the columns say which
         for row in flat_rows:
             found = timed.get((row["method"], row["target_ratio"]))
-            row.update({"speedup_vs_full": found["speedup_vs_full"] if found else None,
-                        "timed_images_per_s": found["images_per_s"] if found else None,
-                        "speed_seed": result.point_speed["seed"] if found else None})
+            row.update(
+                {
+                    "speedup_vs_full": found["speedup_vs_full"] if found else None,
+                    "timed_images_per_s": found["images_per_s"] if found else None,
+                    "speed_seed": result.point_speed["seed"] if found else None,
+                }
+            )
     client.log_table(parent.run_id, data=_columns(flat_rows), artifact_file="study_table.json")
     metrics = {f"goal_{k}_met": float(v["met"]) for k, v in result.goals.items() if isinstance(v, dict) and "met" in v}
     if "match" in result.goals:
@@ -923,10 +1212,16 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
         metrics["speed_full_images_per_s"] = ps["full"][0]["images_per_s"]
         for (method, ratio), row in timed.items():
             if method != ps["full"][0]["method"]:
-                metrics[f"speedup_vs_full.{method}" + (f".r{ratio:g}" if ratio is not None else "")] = row["speedup_vs_full"]
+                metrics[f"speedup_vs_full.{method}" + (f".r{ratio:g}" if ratio is not None else "")] = row[
+                    "speedup_vs_full"
+                ]
         client.set_tag(parent.run_id, SPEED_DEVICE_TAG, ps["device"])
-        client.set_tag(parent.run_id, SPEED_TIMING_TAG, f"seed {ps['seed']}, batch {ps['batch_size']}, {ps['rounds']} "
-                                                        f"interleaved rounds after {ps['warmup']} warm-up, {ps['precision']}")
+        client.set_tag(
+            parent.run_id,
+            SPEED_TIMING_TAG,
+            f"seed {ps['seed']}, batch {ps['batch_size']}, {ps['rounds']} "
+            f"interleaved rounds after {ps['warmup']} warm-up, {ps['precision']}",
+        )
         client.log_dict(parent.run_id, json.loads(json.dumps(ps, default=str)), "point_speed.json")
     for key, value in metrics.items():
         client.log_metric(parent.run_id, key, float(value))
@@ -938,8 +1233,12 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
         client.log_artifact(parent.run_id, str(Path(folder) / "study.json"))
         client.log_artifact(parent.run_id, str(Path(folder) / "study.png"))
         if timed:
-            fig = study_speed_figure(result.rows, timed, metric,
-                                     title=f"{result.name}: {metric} vs measured speed-up ({result.point_speed['device']})")
+            fig = study_speed_figure(
+                result.rows,
+                timed,
+                metric,
+                title=f"{result.name}: {metric} vs measured speed-up ({result.point_speed['device']})",
+            )
             fig.savefig(Path(folder) / "study_speed.png")
             plt.close(fig)
             client.log_artifact(parent.run_id, str(Path(folder) / "study_speed.png"))
@@ -956,8 +1255,9 @@ def _timed_points(record: dict[str, Any] | None) -> dict[tuple[str, float | None
     return out
 
 
-def study_speed_figure(rows: list[dict[str, Any]], timed: dict[tuple[str, float | None], dict[str, Any]], metric: str,
-                       title: str = ""):
+def study_speed_figure(
+    rows: list[dict[str, Any]], timed: dict[tuple[str, float | None], dict[str, Any]], metric: str, title: str = ""
+):
     """Mean quality (over seeds) against the speed-up measured on one seed, per method;
     full resolution at 1.0x."""
     import matplotlib
@@ -967,14 +1267,22 @@ def study_speed_figure(rows: list[dict[str, Any]], timed: dict[tuple[str, float 
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
     for method in dict.fromkeys(r["method"] for r in rows):
-        points = sorted(((timed[(r["method"], r["target_ratio"])]["speedup_vs_full"], r[metric]) for r in rows
-                         if r["method"] == method and (r["method"], r["target_ratio"]) in timed))
+        points = sorted(
+            (timed[(r["method"], r["target_ratio"])]["speedup_vs_full"], r[metric])
+            for r in rows
+            if r["method"] == method and (r["method"], r["target_ratio"]) in timed
+        )
         if not points:
             continue
         policy = next(r["policy"] for r in rows if r["method"] == method)
         fmt = {"full": "*", "coarse": "v"}.get(policy, "o-")
-        ax.plot([x for x, _ in points], [y for _, y in points], fmt, ms=10 if policy in ("full", "coarse") else 5,
-                label=f"{method} ({policy})")
+        ax.plot(
+            [x for x, _ in points],
+            [y for _, y in points],
+            fmt,
+            ms=10 if policy in ("full", "coarse") else 5,
+            label=f"{method} ({policy})",
+        )
     ax.axvline(1.0, color="black", lw=0.8, ls=":")
     ax.set_xlabel("measured speed-up vs full resolution (median images/s ratio, same run)")
     ax.set_ylabel(f"{metric} (mean over seeds)")

@@ -72,8 +72,13 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     checkpoint, history_file = folder / MODEL_FILE, folder / HISTORY_FILE
     if checkpoint.is_file() and history_file.is_file():
         record = json.loads(history_file.read_text())
-        return {"status": "completed", "metrics": record["history"][-1], "checkpoint": str(checkpoint),
-                "message": "", **record}
+        return {
+            "status": "completed",
+            "metrics": record["history"][-1],
+            "checkpoint": str(checkpoint),
+            "message": "",
+            **record,
+        }
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(dc.seed * 1000)  # as rank 0 of the Ray loop
     model = build_model(mc)
@@ -93,26 +98,55 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     def after_epoch(epoch: int, stats: dict[str, float]) -> None:
         # the figures the Ray loop reports: train_* means, then validation after calibrating auto thresholds
         metrics = {f"train_{k}": v for k, v in stats.items() if k != "epoch"}
-        metrics.update(validate(model, val_set, val_loader, num_classes=mc.num_classes, amp=tc.amp,
-                                calibrate_to=tc.target_ratio if auto else None,
-                                calibration_images=dc.eval_batch_size or dc.batch_size))
+        metrics.update(
+            validate(
+                model,
+                val_set,
+                val_loader,
+                num_classes=mc.num_classes,
+                amp=tc.amp,
+                calibrate_to=tc.target_ratio if auto else None,
+                calibration_images=dc.eval_batch_size or dc.batch_size,
+            )
+        )
         metrics.update({"epoch": epoch, "epoch_time_s": time.perf_counter() - epoch_started[0]})
         epoch_started[0] = time.perf_counter()
         history.append(metrics)
-        log.info("%s epoch %d: %s", config.storage.name, epoch,
-                 {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
+        log.info(
+            "%s epoch %d: %s",
+            config.storage.name,
+            epoch,
+            {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)},
+        )
 
     started = time.time()
     warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
-    fit_local(model, train_set, tc.loss_config(), epochs=tc.epochs, batch_size=dc.batch_size, lr=tc.lr,
-              weight_decay=tc.weight_decay, grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf, seed=dc.seed,
-              on_epoch=after_epoch, amp=tc.amp, warmup_steps=warmup, num_workers=dc.num_workers)
+    fit_local(
+        model,
+        train_set,
+        tc.loss_config(),
+        epochs=tc.epochs,
+        batch_size=dc.batch_size,
+        lr=tc.lr,
+        weight_decay=tc.weight_decay,
+        grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,
+        seed=dc.seed,
+        on_epoch=after_epoch,
+        amp=tc.amp,
+        warmup_steps=warmup,
+        num_workers=dc.num_workers,
+    )
     loss = history[-1].get("train_loss", 0.0)
     if not math.isfinite(loss):  # fit_local does not stop on a non-finite loss: keep no checkpoint of it
-        return {"status": "diverged", "metrics": history[-1], "checkpoint": None,
-                "message": f"non-finite training loss {loss} in the last epoch"}
-    model.save(checkpoint, extra={"epoch": tc.epochs - 1, "metrics": history[-1],
-                                  "config": config.to_dict(redact=True)})
+        return {
+            "status": "diverged",
+            "metrics": history[-1],
+            "checkpoint": None,
+            "message": f"non-finite training loss {loss} in the last epoch",
+        }
+    model.save(
+        checkpoint, extra={"epoch": tc.epochs - 1, "metrics": history[-1], "config": config.to_dict(redact=True)}
+    )
     record = {"history": history, "train_seconds": time.time() - started, "steps": tc.epochs * steps_per_epoch}
     history_file.write_text(json.dumps(record, default=float))  # last: its presence says training finished
     return {"status": "completed", "metrics": history[-1], "checkpoint": str(checkpoint), "message": "", **record}
@@ -167,8 +201,14 @@ class LocalExecutor:
         prerender(spec)
         self.seconds["render"] = time.time() - started
 
-    def run(self, spec: StudySpec, storage: str, grid: dict[str, list[Any]], stage: str,
-            backbones: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    def run(
+        self,
+        spec: StudySpec,
+        storage: str,
+        grid: dict[str, list[Any]],
+        stage: str,
+        backbones: dict[int, str] | None = None,
+    ) -> list[dict[str, Any]]:
         """:func:`~splitvit.tune.study.study_run` for every combination of ``grid``,
         method-major (the order of ``grid['method']``: the costliest first)."""
         started = time.time()
@@ -184,8 +224,9 @@ class LocalExecutor:
                 except Exception as exc:  # noqa: BLE001 - reported as the run's failure; the others go on
                     results[index] = _failure(params, exc)
             else:
-                submitted[index] = self._pool_executor().submit(study_run, spec, storage, params, self.trainer,
-                                                                backbones)
+                submitted[index] = self._pool_executor().submit(
+                    study_run, spec, storage, params, self.trainer, backbones
+                )
         for index, job in submitted.items():
             try:
                 results[index] = job.result()
@@ -196,9 +237,12 @@ class LocalExecutor:
 
     def _pool_executor(self) -> futures.ProcessPoolExecutor:
         if self._pool is None:  # processes start as runs need them, up to ``workers``
-            self._pool = futures.ProcessPoolExecutor(max_workers=self.workers,
-                                                     mp_context=multiprocessing.get_context("spawn"),  # CUDA in each
-                                                     initializer=_pool_init, initargs=(self.threads,))
+            self._pool = futures.ProcessPoolExecutor(
+                max_workers=self.workers,
+                mp_context=multiprocessing.get_context("spawn"),  # CUDA in each
+                initializer=_pool_init,
+                initargs=(self.threads,),
+            )
         return self._pool
 
     def close(self) -> None:
@@ -227,9 +271,16 @@ def prerender(spec: StudySpec) -> None:
             log.info("seed %d %s: %d canvases ready in %.1f s", seed, split, len(data), time.time() - started)
 
 
-def load_local_study(study_path: str | Path, out: str | Path, *, scale: str | None = None,
-                     overrides: list[str] | None = None, backbone_epochs: int | None = None,
-                     method_epochs: int | None = None, eval_samples: int | None = None) -> StudySpec:
+def load_local_study(
+    study_path: str | Path,
+    out: str | Path,
+    *,
+    scale: str | None = None,
+    overrides: list[str] | None = None,
+    backbone_epochs: int | None = None,
+    method_epochs: int | None = None,
+    eval_samples: int | None = None,
+) -> StudySpec:
     """:func:`~splitvit.tune.study.load_study` with the local runner's settings:
     ``backbone_epochs`` (all warm-up curriculum), ``method_epochs``, ``eval_samples``
     held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
@@ -247,13 +298,27 @@ def load_local_study(study_path: str | Path, out: str | Path, *, scale: str | No
 
 
 #: keys of :func:`run_study_local`'s result besides those of ``splitvit study --json``
-LOCAL_KEYS = ("executor", "machine", "render_seconds", "backbone_seconds", "backbone_epochs", "method_epochs",
-              "backbones")
+LOCAL_KEYS = (
+    "executor",
+    "machine",
+    "render_seconds",
+    "backbone_seconds",
+    "backbone_epochs",
+    "method_epochs",
+    "backbones",
+)
 
 
-def run_study_local(spec: StudySpec, out: str | Path, *, device: str = "cuda", workers: int = 1,
-                    name: str | None = None, tracking_uri: str | None = None,
-                    started: float | None = None) -> dict[str, Any]:
+def run_study_local(
+    spec: StudySpec,
+    out: str | Path,
+    *,
+    device: str = "cuda",
+    workers: int = 1,
+    name: str | None = None,
+    tracking_uri: str | None = None,
+    started: float | None = None,
+) -> dict[str, Any]:
     """Run (or, where ``out`` holds finished runs, finish) the study ``spec`` on this
     machine's ``device`` (:class:`LocalExecutor`), its runs under ``out``/train, the
     figure at ``out``/study.png; MLflow records it only with ``tracking_uri``.
@@ -271,35 +336,46 @@ def run_study_local(spec: StudySpec, out: str | Path, *, device: str = "cuda", w
     executor = LocalExecutor(LocalTrainer(device), workers=workers)
     name = study_name(spec.source, spec.scale, name)
     try:
-        result, backbones = execute_study(spec, executor, name=name, study_dir=str(out), tracking_uri=tracking_uri,
-                                          started=started)
+        result, backbones = execute_study(
+            spec, executor, name=name, study_dir=str(out), tracking_uri=tracking_uri, started=started
+        )
     finally:
         executor.close()
-    machine = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-               "device": device}
+    machine = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "device": device,
+    }
     if device.startswith("cuda"):
         machine["device_name"] = torch.cuda.get_device_name(device)
     data = {
         **result.to_dict(),
         "executor": f"{'one process' if workers <= 1 else f'a pool of {workers} processes'} on one machine "
-                    f"(splitvit.tune.study_local): no Ray{'' if tracking_uri else ', no MLflow'}",
-        "machine": machine, "render_seconds": executor.seconds.get("render"),
+        f"(splitvit.tune.study_local): no Ray{'' if tracking_uri else ', no MLflow'}",
+        "machine": machine,
+        "render_seconds": executor.seconds.get("render"),
         "backbone_seconds": executor.seconds.get("backbones"),
-        "backbone_epochs": spec.backbone.get("train.epochs"), "method_epochs": spec.method.get("train.epochs"),
+        "backbone_epochs": spec.backbone.get("train.epochs"),
+        "method_epochs": spec.method.get("train.epochs"),
         "backbones": [{k: v for k, v in b.items() if k != "config"} for b in backbones],
     }
     if result.rows:
         import matplotlib.pyplot as plt
 
-        fig = study_figure(result.rows, result.metric,
-                           title=f"{name}: {result.metric} vs tokens ({len(spec.seeds)} seeds, one {device} device)")
+        fig = study_figure(
+            result.rows,
+            result.metric,
+            title=f"{name}: {result.metric} vs tokens ({len(spec.seeds)} seeds, one {device} device)",
+        )
         fig.savefig(out / "study.png")
         plt.close(fig)
     return data
 
 
-def plan_epochs(smoke: dict[str, Any], spec: StudySpec, budget_s: float, workers: int,
-                fixed_s: float = 60.0) -> dict[str, Any]:
+def plan_epochs(
+    smoke: dict[str, Any], spec: StudySpec, budget_s: float, workers: int, fixed_s: float = 60.0
+) -> dict[str, Any]:
     """Epochs for ``spec`` that fit ``budget_s`` on the machine ``smoke`` (a smaller
     :func:`run_study_local` result, same workers) ran on: training time from each run's
     measured images/s, evaluation scaled by the evaluated images, the method runs spread
@@ -311,18 +387,26 @@ def plan_epochs(smoke: dict[str, Any], spec: StudySpec, budget_s: float, workers
     test_images = len(_dataset(spec, spec.split, spec.samples))
     smoke_test = smoke["runs"][0]["points"][0]["images"]
     backbone_ips = min(statistics.fmean(h["train_images_per_s"] for h in b["history"]) for b in smoke["backbones"])
-    method_s_per_epoch = sum(train_images / statistics.fmean(h["train_images_per_s"] for h in r["history"])
-                             for r in smoke["runs"]) * len(spec.seeds) / len(smoke["seeds"])
-    eval_s = (sum(r["eval_seconds"] for r in smoke["runs"]) * test_images / smoke_test
-              * len(spec.seeds) / len(smoke["seeds"]))
+    method_s_per_epoch = (
+        sum(train_images / statistics.fmean(h["train_images_per_s"] for h in r["history"]) for r in smoke["runs"])
+        * len(spec.seeds)
+        / len(smoke["seeds"])
+    )
+    eval_s = (
+        sum(r["eval_seconds"] for r in smoke["runs"]) * test_images / smoke_test * len(spec.seeds) / len(smoke["seeds"])
+    )
     best = None
     for method_epochs in range(1, 101):
         backbone_s = 2 * method_epochs * train_images / backbone_ips
         methods_s = (method_epochs * method_s_per_epoch + eval_s) / workers * 1.15  # imperfect packing
         if fixed_s + backbone_s + methods_s > budget_s:
             break
-        best = {"backbone_epochs": 2 * method_epochs, "method_epochs": method_epochs,
-                "estimated_s": round(fixed_s + backbone_s + methods_s), "train_images": train_images}
+        best = {
+            "backbone_epochs": 2 * method_epochs,
+            "method_epochs": method_epochs,
+            "estimated_s": round(fixed_s + backbone_s + methods_s),
+            "train_images": train_images,
+        }
     if best is None:
         raise ValueError(f"not even one method epoch fits {budget_s} s")
     return best

@@ -62,11 +62,18 @@ from typing import Any
 
 from ..config import ExperimentConfig, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
-from .pareto import Point, annotate, best_point, frontier
 from .mlflow_records import REFERENCE_TAG, SPEED_DEVICE_TAG, SPEED_TIMING_TAG, SweepRecorder, flat_params
+from .pareto import Point, annotate, best_point, frontier
 from .space import SearchSpace, load_space
-from .trial import (FINAL_KEY, SweepPlan, TrialDiverged, run_evaluation, sweep_trial, threshold_points,
-                    trained_thresholds)
+from .trial import (
+    FINAL_KEY,
+    SweepPlan,
+    TrialDiverged,
+    run_evaluation,
+    sweep_trial,
+    threshold_points,
+    trained_thresholds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +208,13 @@ def _searcher(space: SearchSpace):
     else:
         sampler = optuna.samplers.TPESampler(seed=s.seed)
     points = [{k: space.parameters[k].encode(v) for k, v in p.items()} for p in s.initial_points]
-    return OptunaSearch(space=space.optuna_space(), metric=[space.quality_metric, "tokens_per_image"], mode=["max", "min"],
-                        sampler=sampler, points_to_evaluate=points or None)
+    return OptunaSearch(
+        space=space.optuna_space(),
+        metric=[space.quality_metric, "tokens_per_image"],
+        mode=["max", "min"],
+        sampler=sampler,
+        points_to_evaluate=points or None,
+    )
 
 
 def _scheduler(space: SearchSpace, epochs: int):
@@ -212,8 +224,14 @@ def _scheduler(space: SearchSpace, epochs: int):
 
     # every epoch is one report, and the final result (after stage two) one more:
     # max_t past them all, so ASHA never cuts a trial that reached its last epoch
-    return ASHAScheduler(metric=space.quality_metric, mode="max", time_attr="training_iteration", max_t=epochs + 2,
-                         grace_period=space.search.grace_period, reduction_factor=space.search.reduction_factor)
+    return ASHAScheduler(
+        metric=space.quality_metric,
+        mode="max",
+        time_attr="training_iteration",
+        max_t=epochs + 2,
+        grace_period=space.search.grace_period,
+        reduction_factor=space.search.reduction_factor,
+    )
 
 
 def _callback_class():
@@ -246,18 +264,36 @@ def _callback_class():
         def on_trial_start(self, iteration, trials, trial, **info):
             sampled = self.plan.space.decode(trial.config)
             log.info("trial %s started: %s", trial.trial_id, _short(sampled))
-            self._safe(f"trial {trial.trial_id}", self.recorder.trial_started, trial.trial_id,
-                       self.plan.run_uri(trial.trial_id), sampled, self._config_params(trial), {t.trial_id for t in trials})
+            self._safe(
+                f"trial {trial.trial_id}",
+                self.recorder.trial_started,
+                trial.trial_id,
+                self.plan.run_uri(trial.trial_id),
+                sampled,
+                self._config_params(trial),
+                {t.trial_id for t in trials},
+            )
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if result.get(FINAL_KEY):
                 return
             metric = self.plan.space.quality_metric
             if "epoch" in result:
-                log.info("trial %s epoch %d: %s %.4f, %.1f tokens/image", trial.trial_id, int(result["epoch"]),
-                         metric, float(result.get(metric, float("nan"))), float(result.get("tokens_per_image", float("nan"))))
-            self._safe(f"an epoch of trial {trial.trial_id}", self.recorder.trial_epoch, trial.trial_id,
-                       self.plan.run_uri(trial.trial_id), result)
+                log.info(
+                    "trial %s epoch %d: %s %.4f, %.1f tokens/image",
+                    trial.trial_id,
+                    int(result["epoch"]),
+                    metric,
+                    float(result.get(metric, float("nan"))),
+                    float(result.get("tokens_per_image", float("nan"))),
+                )
+            self._safe(
+                f"an epoch of trial {trial.trial_id}",
+                self.recorder.trial_epoch,
+                trial.trial_id,
+                self.plan.run_uri(trial.trial_id),
+                result,
+            )
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             final = trial.last_result or {}
@@ -267,17 +303,40 @@ def _callback_class():
                 log.info("trial %s stopped early (%d/%d)", trial.trial_id, done, total)
                 return  # recorded after the Tuner returns, from its last epoch
             metric = self.plan.space.quality_metric
-            log.info("trial %s finished (%d/%d): %s %.4f at %.1f tokens/image, %d threshold points",
-                     trial.trial_id, done, total, metric, final.get(metric, float("nan")), final.get("tokens_per_image", float("nan")),
-                     len(threshold_points(final)))
-            self._safe(f"trial {trial.trial_id}", self.recorder.trial_completed, trial.trial_id,
-                       self.plan.run_uri(trial.trial_id), self.plan.space.decode(trial.config), self._config_params(trial), final)
+            log.info(
+                "trial %s finished (%d/%d): %s %.4f at %.1f tokens/image, %d threshold points",
+                trial.trial_id,
+                done,
+                total,
+                metric,
+                final.get(metric, float("nan")),
+                final.get("tokens_per_image", float("nan")),
+                len(threshold_points(final)),
+            )
+            self._safe(
+                f"trial {trial.trial_id}",
+                self.recorder.trial_completed,
+                trial.trial_id,
+                self.plan.run_uri(trial.trial_id),
+                self.plan.space.decode(trial.config),
+                self._config_params(trial),
+                final,
+            )
 
         def on_trial_error(self, iteration, trials, trial, **info):
             message = _trial_error(trial)
-            log.warning("trial %s failed: %s", trial.trial_id, message.strip().splitlines()[-1] if message.strip() else "?")
-            self._safe(f"trial {trial.trial_id}", self.recorder.trial_failed, trial.trial_id,
-                       self.plan.run_uri(trial.trial_id), self.plan.space.decode(trial.config), self._config_params(trial), message)
+            log.warning(
+                "trial %s failed: %s", trial.trial_id, message.strip().splitlines()[-1] if message.strip() else "?"
+            )
+            self._safe(
+                f"trial {trial.trial_id}",
+                self.recorder.trial_failed,
+                trial.trial_id,
+                self.plan.run_uri(trial.trial_id),
+                self.plan.space.decode(trial.config),
+                self._config_params(trial),
+                message,
+            )
 
     return SweepCallback
 
@@ -315,8 +374,9 @@ def _sweep_location(space: SearchSpace, base: ExperimentConfig, name: str | None
     if name is None and resume:
         if is_s3(storage):
             raise SweepError(f"--resume on {storage}: name the sweep to resume (--name)")
-        candidates = sorted((p for p in Path(storage).glob(f"{stem}-*") if (p / "tuner.pkl").is_file()),
-                            key=lambda p: p.stat().st_mtime)
+        candidates = sorted(
+            (p for p in Path(storage).glob(f"{stem}-*") if (p / "tuner.pkl").is_file()), key=lambda p: p.stat().st_mtime
+        )
         if not candidates:
             raise SweepError(f"--resume: no sweep of {space.source} under {storage} to resume")
         name = candidates[-1].name
@@ -337,8 +397,15 @@ def _check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None,
     plan_uri = join_uri(sweep_dir, PLAN_FILE)
     current = {k: v for k, v in space.to_dict().items() if k != "source"}
     if not resume:
-        write_bytes(plan_uri, json.dumps({"space": current, "overrides": overrides or [], "source": space.source},
-                                         indent=2, sort_keys=True, default=str).encode())
+        write_bytes(
+            plan_uri,
+            json.dumps(
+                {"space": current, "overrides": overrides or [], "source": space.source},
+                indent=2,
+                sort_keys=True,
+                default=str,
+            ).encode(),
+        )
         return space
     if not exists(plan_uri):
         return space
@@ -353,8 +420,10 @@ def _check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None,
         normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
     if normal != stored:
         changed = sorted(k for k in set(normal) | set(stored) if normal.get(k) != stored.get(k))
-        raise SweepError(f"--resume: the space differs from the one {sweep_dir} started with (in {', '.join(changed)}); "
-                         f"resume with the same file and --set values ({saved.get('overrides') or 'none'})")
+        raise SweepError(
+            f"--resume: the space differs from the one {sweep_dir} started with (in {', '.join(changed)}); "
+            f"resume with the same file and --set values ({saved.get('overrides') or 'none'})"
+        )
     return space
 
 
@@ -380,8 +449,11 @@ def _warn_if_temporary(storage: str) -> None:
     if is_s3(storage) or not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         return
     if Path(os.getcwd()) in Path(storage).parents or Path(storage) == Path(os.getcwd()):
-        log.warning("sweep storage %s lies in this Ray job's temporary working directory, which Ray may delete; "
-                    "pass --set storage.path=s3://... or an absolute shared folder", storage)
+        log.warning(
+            "sweep storage %s lies in this Ray job's temporary working directory, which Ray may delete; "
+            "pass --set storage.path=s3://... or an absolute shared folder",
+            storage,
+        )
 
 
 # ---------------------------------------------------------------------- the sweep
@@ -484,8 +556,9 @@ def run_sweep(
         return _finish(sweep, trials, raw)
 
 
-def _settle_sweep(space_path: str | Path, overrides: list[str] | None, *, name: str | None, resume: bool,
-                  ray_address: str | None) -> _SweepSetup:
+def _settle_sweep(
+    space_path: str | Path, overrides: list[str] | None, *, name: str | None, resume: bool, ray_address: str | None
+) -> _SweepSetup:
     """Load the space, run the preflight checks, find the sweep's folder and check its
     plan: all before Ray starts, so a bad space or a taken name costs seconds."""
     space = load_space(space_path, overrides)  # a bad space stops here, before Ray
@@ -500,8 +573,15 @@ def _settle_sweep(space_path: str | Path, overrides: list[str] | None, *, name: 
         base, tracking_uri, experiment = _build_tracking(space)
     storage = base.storage.resolved_path()
     _warn_if_temporary(storage)
-    return _SweepSetup(space=space, base=base, tracking_uri=tracking_uri, experiment=experiment, name=name,
-                       sweep_dir=sweep_dir, storage=storage)
+    return _SweepSetup(
+        space=space,
+        base=base,
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        name=name,
+        sweep_dir=sweep_dir,
+        storage=storage,
+    )
 
 
 def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float, resume: bool) -> _Sweep:
@@ -515,18 +595,34 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
     init_ray(ray_address)
     reference = (space.pareto.quality, space.pareto.token_ratio)
     recorder, reopened = SweepRecorder.open(
-        setup.tracking_uri, setup.experiment, setup.sweep_dir, setup.name, space.quality_metric,
-        params={**flat_params({k: v for k, v in space.to_dict().items() if k != "fixed"}),
-                **{f"fixed.{k}": v for k, v in flat_params(space.fixed).items()}},
-        tags={"splitvit.space": space.source, "splitvit.sweep_dir": setup.sweep_dir,
-              REFERENCE_TAG: json.dumps(list(reference))},
+        setup.tracking_uri,
+        setup.experiment,
+        setup.sweep_dir,
+        setup.name,
+        space.quality_metric,
+        params={
+            **flat_params({k: v for k, v in space.to_dict().items() if k != "fixed"}),
+            **{f"fixed.{k}": v for k, v in flat_params(space.fixed).items()},
+        },
+        tags={
+            "splitvit.space": space.source,
+            "splitvit.sweep_dir": setup.sweep_dir,
+            REFERENCE_TAG: json.dumps(list(reference)),
+        },
     )
     close_stale_runs(recorder.parent)  # left RUNNING by a dead driver: KILLED (a resumed trial re-opens its own)
-    log.info("sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s", setup.name, setup.sweep_dir,
-             space.search.num_samples, space.search.max_concurrent, recorder.parent_run_id,
-             redact_uri(setup.tracking_uri))
-    return _Sweep(setup=setup, plan=plan, recorder=recorder, reference=reference, started=started,
-                  resumed=resume or reopened)
+    log.info(
+        "sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s",
+        setup.name,
+        setup.sweep_dir,
+        space.search.num_samples,
+        space.search.max_concurrent,
+        recorder.parent_run_id,
+        redact_uri(setup.tracking_uri),
+    )
+    return _Sweep(
+        setup=setup, plan=plan, recorder=recorder, reference=reference, started=started, resumed=resume or reopened
+    )
 
 
 def _trainable(sweep: _Sweep) -> Any:
@@ -545,8 +641,9 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
     space, setup = sweep.space, sweep.setup
     if resume:
         log.info("resuming sweep %s from %s", setup.name, setup.sweep_dir)
-        return tune.Tuner.restore(setup.sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False,
-                                  restart_errored=False)
+        return tune.Tuner.restore(
+            setup.sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
+        )
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
@@ -569,6 +666,7 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
         ),
     )
 
+
 def stopped_early(name: str, started: int, unfinished: int, planned: int) -> Exception:
     """What a sweep that ended before its last trial raises. Trials left unfinished
     mean Ray Tune stopped on a signal (its own Ctrl-C handler returns from ``fit``):
@@ -578,8 +676,10 @@ def stopped_early(name: str, started: int, unfinished: int, planned: int) -> Exc
 
     what = f"sweep {name} stopped with {started} of {planned} trials started and {unfinished} unfinished"
     if unfinished:
-        return Interrupted(as_interrupted(KeyboardInterrupt()).signum,
-                           f"{what}; its finished trials are kept: continue it with --resume --name {name}")
+        return Interrupted(
+            as_interrupted(KeyboardInterrupt()).signum,
+            f"{what}; its finished trials are kept: continue it with --resume --name {name}",
+        )
     return SweepError(f"{what}; continue it with --resume --name {name}")
 
 
@@ -599,7 +699,9 @@ def _collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummar
         elif metrics.get(FINAL_KEY):
             trials.append(TrialSummary(trial_id, "completed", params, checkpoint=metrics.get("checkpoint")))
         elif metric in metrics and metrics.get("checkpoint_path"):
-            trials.append(TrialSummary(trial_id, "stopped", params, checkpoint=_full_uri(metrics["checkpoint_path"], sweep_dir)))
+            trials.append(
+                TrialSummary(trial_id, "stopped", params, checkpoint=_full_uri(metrics["checkpoint_path"], sweep_dir))
+            )
         else:
             trials.append(TrialSummary(trial_id, "unfinished", params))
         raw[trial_id] = metrics
@@ -636,8 +738,15 @@ def _finish(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, 
     best = best_point(points)
     local_dir = Path(sweep.setup.base.local_runs_dir()) / sweep.name
     local_dir.mkdir(parents=True, exist_ok=True)
-    log.info("frontier: %d of %d points, hypervolume %.4f (reference %s %.2f, token ratio %.2f)",
-             len(front), len(points), hv, sweep.metric, sweep.reference[0], sweep.reference[1])
+    log.info(
+        "frontier: %d of %d points, hypervolume %.4f (reference %s %.2f, token ratio %.2f)",
+        len(front),
+        len(points),
+        hv,
+        sweep.metric,
+        sweep.reference[0],
+        sweep.reference[1],
+    )
     baselines: list[dict[str, Any]] = []
     if best is not None and space.baselines.enabled:
         baselines = _run_baselines(space, sweep.plan, best, front)
@@ -664,36 +773,78 @@ def _record_trials(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dic
     return points
 
 
-def _completed_trial_points(sweep: _Sweep, trial: TrialSummary, final: dict[str, Any],
-                            config_params: dict[str, Any]) -> list[Point]:
+def _completed_trial_points(
+    sweep: _Sweep, trial: TrialSummary, final: dict[str, Any], config_params: dict[str, Any]
+) -> list[Point]:
     """A finished trial's point and its stage-two threshold points, each with its MLflow run."""
     metric = sweep.metric
-    run_id, point_ids = sweep.recorder.trial_completed(trial.trial_id, sweep.plan.run_uri(trial.trial_id),
-                                                       trial.params, config_params, final)
+    run_id, point_ids = sweep.recorder.trial_completed(
+        trial.trial_id, sweep.plan.run_uri(trial.trial_id), trial.params, config_params, final
+    )
     trial.run_id = run_id
-    points = [Point(final[metric], final["tokens_per_image"], final["token_ratio"], "trial", trial.trial_id,
-                    list(final["thresholds"]), trial.params, final["checkpoint"], run_id,
-                    extras={"images_per_s": final.get("images_per_s", 0.0)})]
+    points = [
+        Point(
+            final[metric],
+            final["tokens_per_image"],
+            final["token_ratio"],
+            "trial",
+            trial.trial_id,
+            list(final["thresholds"]),
+            trial.params,
+            final["checkpoint"],
+            run_id,
+            extras={"images_per_s": final.get("images_per_s", 0.0)},
+        )
+    ]
     for row, point_id in zip(threshold_points(final), point_ids):
-        points.append(Point(row[metric], row["tokens_per_image"], row["token_ratio"], "threshold", trial.trial_id,
-                            list(row["thresholds"]), trial.params, final["checkpoint"], point_id,
-                            extras={"images_per_s": row.get("images_per_s", 0.0)}))
+        points.append(
+            Point(
+                row[metric],
+                row["tokens_per_image"],
+                row["token_ratio"],
+                "threshold",
+                trial.trial_id,
+                list(row["thresholds"]),
+                trial.params,
+                final["checkpoint"],
+                point_id,
+                extras={"images_per_s": row.get("images_per_s", 0.0)},
+            )
+        )
     return points
 
 
-def _stopped_trial_point(sweep: _Sweep, trial: TrialSummary, last: dict[str, Any],
-                         config_params: dict[str, Any]) -> Point:
+def _stopped_trial_point(
+    sweep: _Sweep, trial: TrialSummary, last: dict[str, Any], config_params: dict[str, Any]
+) -> Point:
     """An early-stopped trial's point: its last reported epoch, with the thresholds of
     its checkpoint (no stage two), recorded as a completed run."""
     metric, plan = sweep.metric, sweep.plan
     thresholds = trained_thresholds(plan.trial_config(trial.params, trial.trial_id), trial.checkpoint)
-    final = {metric: last[metric], "tokens_per_image": last["tokens_per_image"], "token_ratio": last.get("token_ratio"),
-             "epochs": int(last.get("epoch", 0)) + 1, "thresholds": thresholds, "checkpoint": trial.checkpoint}
-    run_id, _ = sweep.recorder.trial_completed(trial.trial_id, plan.run_uri(trial.trial_id), trial.params,
-                                               config_params, final)
+    final = {
+        metric: last[metric],
+        "tokens_per_image": last["tokens_per_image"],
+        "token_ratio": last.get("token_ratio"),
+        "epochs": int(last.get("epoch", 0)) + 1,
+        "thresholds": thresholds,
+        "checkpoint": trial.checkpoint,
+    }
+    run_id, _ = sweep.recorder.trial_completed(
+        trial.trial_id, plan.run_uri(trial.trial_id), trial.params, config_params, final
+    )
     trial.run_id = run_id
-    return Point(last[metric], last["tokens_per_image"], last.get("token_ratio", float("nan")), "trial",
-                 trial.trial_id, thresholds, trial.params, trial.checkpoint, run_id, extras={"stopped_early": 1.0})
+    return Point(
+        last[metric],
+        last["tokens_per_image"],
+        last.get("token_ratio", float("nan")),
+        "trial",
+        trial.trial_id,
+        thresholds,
+        trial.params,
+        trial.checkpoint,
+        run_id,
+        extras={"stopped_early": 1.0},
+    )
 
 
 def _record_failed_trial(sweep: _Sweep, trial: TrialSummary, config_params: dict[str, Any]) -> None:
@@ -702,30 +853,48 @@ def _record_failed_trial(sweep: _Sweep, trial: TrialSummary, config_params: dict
     run_uri = sweep.plan.run_uri(trial.trial_id)
     existing = sweep.recorder.find_run(run_uri)
     if existing is None or existing.data.tags.get("splitvit.status") not in ("failed", "diverged"):
-        trial.run_id = sweep.recorder.trial_failed(trial.trial_id, run_uri, trial.params, config_params,
-                                                   trial.error or trial.status)
+        trial.run_id = sweep.recorder.trial_failed(
+            trial.trial_id, run_uri, trial.params, config_params, trial.error or trial.status
+        )
     else:
         trial.run_id = existing.info.run_id
 
 
-def _sweep_result(sweep: _Sweep, trials: list[TrialSummary], points: list[Point], baselines: list[dict[str, Any]],
-                  hypervolume: float) -> SweepResult:
+def _sweep_result(
+    sweep: _Sweep, trials: list[TrialSummary], points: list[Point], baselines: list[dict[str, Any]], hypervolume: float
+) -> SweepResult:
     """The sweep's result, before its artifacts (plot, tables, split map) are written."""
     setup, recorder = sweep.setup, sweep.recorder
     return SweepResult(
-        name=setup.name, space=setup.space.source, sweep_dir=setup.sweep_dir, metric=sweep.metric, points=points,
-        baselines=baselines, hypervolume=hypervolume,
-        reference_point={"quality": sweep.reference[0], "token_ratio": sweep.reference[1]}, trials=trials,
-        tracking_uri=recorder.tracking_uri, experiment=recorder.experiment, experiment_id=recorder.experiment_id,
-        parent_run_id=recorder.parent_run_id, resumed=sweep.resumed,
+        name=setup.name,
+        space=setup.space.source,
+        sweep_dir=setup.sweep_dir,
+        metric=sweep.metric,
+        points=points,
+        baselines=baselines,
+        hypervolume=hypervolume,
+        reference_point={"quality": sweep.reference[0], "token_ratio": sweep.reference[1]},
+        trials=trials,
+        tracking_uri=recorder.tracking_uri,
+        experiment=recorder.experiment,
+        experiment_id=recorder.experiment_id,
+        parent_run_id=recorder.parent_run_id,
+        resumed=sweep.resumed,
         status="completed" if points else "failed",
         # a point's whole configuration is this plus its searched ``params``
         extras={"base_config": setup.base.flat(redact=True)},
     )
 
 
-def _log_sweep_artifacts(sweep: _Sweep, result: SweepResult, *, front: list[Point], best: Point | None,
-                         speed: dict[str, Any] | None, local_dir: Path) -> dict[str, float]:
+def _log_sweep_artifacts(
+    sweep: _Sweep,
+    result: SweepResult,
+    *,
+    front: list[Point],
+    best: Point | None,
+    speed: dict[str, Any] | None,
+    local_dir: Path,
+) -> dict[str, float]:
     """The frontier models, the best point's split maps, the Pareto plot, the measured
     speed-ups and the tables: on the parent run and in ``local_dir``, their paths in
     ``result``. Returns the parent's speed metrics (none without a timing)."""
@@ -743,8 +912,15 @@ def _log_sweep_artifacts(sweep: _Sweep, result: SweepResult, *, front: list[Poin
     return speed_metrics
 
 
-def _close_sweep_run(sweep: _Sweep, result: SweepResult, *, front: list[Point], best: Point | None,
-                     speed_metrics: dict[str, float], local_dir: Path) -> None:
+def _close_sweep_run(
+    sweep: _Sweep,
+    result: SweepResult,
+    *,
+    front: list[Point],
+    best: Point | None,
+    speed_metrics: dict[str, float],
+    local_dir: Path,
+) -> None:
     """The summary metrics and ``sweep.json`` on the parent run (and in ``local_dir``);
     then end the parent run: completed with the best point's run, or failed when no
     trial completed."""
@@ -752,9 +928,17 @@ def _close_sweep_run(sweep: _Sweep, result: SweepResult, *, front: list[Point], 
     completed = sum(t.status in ("completed", "stopped") for t in trials)
     failed = sum(t.status in ("failed", "diverged") for t in trials)
     result.wall_time_s = time.time() - sweep.started
-    recorder.log_parent_metrics({"hypervolume": result.hypervolume, "frontier_size": len(front),
-                                 "points": len(result.points), "trials_completed": completed, "trials_failed": failed,
-                                 "wall_time_s": result.wall_time_s, **speed_metrics})
+    recorder.log_parent_metrics(
+        {
+            "hypervolume": result.hypervolume,
+            "frontier_size": len(front),
+            "points": len(result.points),
+            "trials_completed": completed,
+            "trials_failed": failed,
+            "wall_time_s": result.wall_time_s,
+            **speed_metrics,
+        }
+    )
     payload = result.to_dict()
     (local_dir / SWEEP_RESULT_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     recorder.parent.log_dict(json.loads(json.dumps(payload, default=str)), SWEEP_RESULT_FILE)
@@ -773,18 +957,30 @@ def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list
     if len(ratios) > k:
         # spread over the frontier: its ends and evenly in between
         ratios = [ratios[round(i * (len(ratios) - 1) / max(k - 1, 1))] for i in range(k)] if k > 0 else []
-    log.info("baselines on trial %s's backbone: full, entropy at %s, random at token ratios %s",
-             best.trial_id, list(space.baselines.entropy_thresholds), ratios)
-    rows = run_evaluation(plan.trial_config({}, best.trial_id), evaluate_baselines, best.checkpoint,
-                          entropy_thresholds=list(space.baselines.entropy_thresholds), random_ratios=ratios,
-                          samples=space.baselines.samples, seed=space.search.seed)
+    log.info(
+        "baselines on trial %s's backbone: full, entropy at %s, random at token ratios %s",
+        best.trial_id,
+        list(space.baselines.entropy_thresholds),
+        ratios,
+    )
+    rows = run_evaluation(
+        plan.trial_config({}, best.trial_id),
+        evaluate_baselines,
+        best.checkpoint,
+        entropy_thresholds=list(space.baselines.entropy_thresholds),
+        random_ratios=ratios,
+        samples=space.baselines.samples,
+        seed=space.search.seed,
+    )
     for row in rows:
         row["trial_id"] = best.trial_id
         row[space.quality_metric] = row["quality"]
     return rows
 
 
-def _time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best: Point | None) -> dict[str, Any] | None:
+def _time_frontier(
+    space: SearchSpace, plan: SweepPlan, front: list[Point], best: Point | None
+) -> dict[str, Any] | None:
     """Time the frontier points (at most ``speed.max_points``, spread by tokens) against
     the full-resolution model in one interleaved run, on the device the sweep
     evaluated on (:func:`~splitvit.tune.speed.time_operating_points`). Each timed
@@ -801,24 +997,39 @@ def _time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best
     reference = best if best is not None and best.checkpoint else chosen[0]
     try:
         record = run_evaluation(
-            plan.trial_config({}, reference.trial_id), time_operating_points,
+            plan.trial_config({}, reference.trial_id),
+            time_operating_points,
             [{"checkpoint": p.checkpoint, "thresholds": p.thresholds, "label": p.run_id or p.trial_id} for p in chosen],
-            full_checkpoint=reference.checkpoint, batch_size=s.batch_size, rounds=s.rounds, warmup=s.warmup)
+            full_checkpoint=reference.checkpoint,
+            batch_size=s.batch_size,
+            rounds=s.rounds,
+            warmup=s.warmup,
+        )
     except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the frontier
         log.warning("could not time the frontier: %s", exc)
         return None
     for point, row in zip(chosen, record["points"]):
-        point.extras.update({"speedup_vs_full": row["speedup_vs_full"], "timed_images_per_s": row["images_per_s"],
-                             "timed_token_ratio": row["token_ratio"]})
+        point.extras.update(
+            {
+                "speedup_vs_full": row["speedup_vs_full"],
+                "timed_images_per_s": row["images_per_s"],
+                "timed_token_ratio": row["token_ratio"],
+            }
+        )
         row["run_id"], row["trial_id"], row["kind"] = point.run_id, point.trial_id, point.kind
-    log.info("frontier timed on %s (batch %d, %d rounds): speed-ups vs full resolution %s", record["device"],
-             record["batch_size"], record["rounds"],
-             ", ".join(f"{r['speedup_vs_full']:.2f}x@{r['token_ratio']:.2f}" for r in record["points"]))
+    log.info(
+        "frontier timed on %s (batch %d, %d rounds): speed-ups vs full resolution %s",
+        record["device"],
+        record["batch_size"],
+        record["rounds"],
+        ", ".join(f"{r['speedup_vs_full']:.2f}x@{r['token_ratio']:.2f}" for r in record["points"]),
+    )
     return record
 
 
-def _record_speed(result: SweepResult, recorder: SweepRecorder, speed: dict[str, Any], best: Point | None,
-                  local_dir: Path) -> dict[str, float]:
+def _record_speed(
+    result: SweepResult, recorder: SweepRecorder, speed: dict[str, Any], best: Point | None, local_dir: Path
+) -> dict[str, float]:
     """The measured speed-ups in MLflow: a metric on each timed point's run, the
     accuracy-vs-speed-up figure and the timing record on the parent; returns the
     parent's speed metrics."""
@@ -828,20 +1039,33 @@ def _record_speed(result: SweepResult, recorder: SweepRecorder, speed: dict[str,
     for point in timed:
         if point.run_id:
             try:
-                recorder.log_run_metrics(point.run_id, {"speedup_vs_full": point.extras["speedup_vs_full"],
-                                                        "timed_images_per_s": point.extras["timed_images_per_s"],
-                                                        "timed_token_ratio": point.extras["timed_token_ratio"]})
+                recorder.log_run_metrics(
+                    point.run_id,
+                    {
+                        "speedup_vs_full": point.extras["speedup_vs_full"],
+                        "timed_images_per_s": point.extras["timed_images_per_s"],
+                        "timed_token_ratio": point.extras["timed_token_ratio"],
+                    },
+                )
             except Exception as exc:  # noqa: BLE001 - MLflow trouble must not lose the frontier
                 log.warning("could not record the speed-up of point %s: %s", point.run_id, exc)
     full = next((b for b in result.baselines if b.get("baseline") == "full"), None)
-    fig = speed_figure(result.points, metric=result.metric, full_quality=full["quality"] if full else None,
-                       title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed['device']}, "
-                             f"batch {speed['batch_size']})")
+    fig = speed_figure(
+        result.points,
+        metric=result.metric,
+        full_quality=full["quality"] if full else None,
+        title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed['device']}, "
+        f"batch {speed['batch_size']})",
+    )
     result.extras["speed_plot"] = _save_figure(fig, local_dir / "pareto_speed.png", recorder)
     recorder.parent.log_dict(json.loads(json.dumps(speed, default=str)), "frontier_speed.json")
-    recorder.parent.set_tags({SPEED_DEVICE_TAG: speed["device"],
-                              SPEED_TIMING_TAG: f"batch {speed['batch_size']}, {speed['rounds']} interleaved rounds "
-                                                f"after {speed['warmup']} warm-up, {speed['precision']}"})
+    recorder.parent.set_tags(
+        {
+            SPEED_DEVICE_TAG: speed["device"],
+            SPEED_TIMING_TAG: f"batch {speed['batch_size']}, {speed['rounds']} interleaved rounds "
+            f"after {speed['warmup']} warm-up, {speed['precision']}",
+        }
+    )
     metrics: dict[str, float] = {}
     if timed:
         metrics["speedup_max"] = max(p.extras["speedup_vs_full"] for p in timed)
@@ -876,10 +1100,23 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point])
             model = SplitViT.from_checkpoint(payloads[point.checkpoint]).eval()
             model.set_thresholds(point.thresholds)
             tracker = RunTracker(recorder.tracking_uri, recorder.experiment_id, point.run_id)
-            point.model_uri = tracker.log_model(model, params={"thresholds": json.dumps(point.thresholds),
-                                                               "levels": model.levels, "policy": model.policy.name})
-            log.info("logged frontier model %d/%d: %s (%s %.4f at %.1f tokens/image)", i + 1, len(chosen), point.model_uri,
-                     space.quality_metric, point.quality, point.tokens_per_image)
+            point.model_uri = tracker.log_model(
+                model,
+                params={
+                    "thresholds": json.dumps(point.thresholds),
+                    "levels": model.levels,
+                    "policy": model.policy.name,
+                },
+            )
+            log.info(
+                "logged frontier model %d/%d: %s (%s %.4f at %.1f tokens/image)",
+                i + 1,
+                len(chosen),
+                point.model_uri,
+                space.quality_metric,
+                point.quality,
+                point.tokens_per_image,
+            )
         except Exception as exc:  # noqa: BLE001 - a model that will not log must not lose the frontier
             log.warning("could not log the model of point %s: %s", point.run_id, exc)
 
@@ -904,8 +1141,14 @@ def _log_best_split_map(space: SearchSpace, recorder: SweepRecorder, best: Point
 def _plot(result: SweepResult, recorder: SweepRecorder, local_dir: Path, full_tokens: float | None) -> str:
     from .plot import pareto_figure
 
-    fig = pareto_figure(result.points, result.baselines, metric=result.metric, hypervolume=result.hypervolume,
-                        title=f"sweep {result.name}: {result.metric} vs tokens per image", full_tokens=full_tokens)
+    fig = pareto_figure(
+        result.points,
+        result.baselines,
+        metric=result.metric,
+        hypervolume=result.hypervolume,
+        title=f"sweep {result.name}: {result.metric} vs tokens per image",
+        full_tokens=full_tokens,
+    )
     return _save_figure(fig, local_dir / "pareto.png", recorder)
 
 
@@ -926,14 +1169,30 @@ def frontier_rows(points: list[Point], metric: str) -> list[dict[str, Any]]:
     rows = []
     timed = any("speedup_vs_full" in p.extras for p in points)  # measured speed-up columns
     for rank, p in enumerate(frontier(points)):
-        rows.append({
-            "rank": rank, "tokens_per_image": p.tokens_per_image, metric: p.quality, "token_ratio": p.token_ratio,
-            "kind": p.kind, "trial_id": p.trial_id, "thresholds": json.dumps([round(t, 4) for t in p.thresholds]),
-            "hv_contribution": p.hv_contribution, "run_id": p.run_id, "model_uri": p.model_uri,
-            **({"speedup_vs_full": p.extras.get("speedup_vs_full"), "timed_images_per_s": p.extras.get("timed_images_per_s"),
-                "timed_token_ratio": p.extras.get("timed_token_ratio")} if timed else {}),
-            **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in p.params.items()},
-        })
+        rows.append(
+            {
+                "rank": rank,
+                "tokens_per_image": p.tokens_per_image,
+                metric: p.quality,
+                "token_ratio": p.token_ratio,
+                "kind": p.kind,
+                "trial_id": p.trial_id,
+                "thresholds": json.dumps([round(t, 4) for t in p.thresholds]),
+                "hv_contribution": p.hv_contribution,
+                "run_id": p.run_id,
+                "model_uri": p.model_uri,
+                **(
+                    {
+                        "speedup_vs_full": p.extras.get("speedup_vs_full"),
+                        "timed_images_per_s": p.extras.get("timed_images_per_s"),
+                        "timed_token_ratio": p.extras.get("timed_token_ratio"),
+                    }
+                    if timed
+                    else {}
+                ),
+                **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in p.params.items()},
+            }
+        )
     return rows
 
 
@@ -949,8 +1208,13 @@ def _csv(rows: list[dict[str, Any]]) -> str:
 
 def _tables(result: SweepResult, recorder: SweepRecorder, local_dir: Path) -> str:
     rows = frontier_rows(result.points, result.metric)
-    all_rows = [{**{k: v for k, v in p.to_dict(result.metric).items() if k not in ("params", "extras")},
-                 **{f"param:{k}": v for k, v in p.params.items()}} for p in result.points]
+    all_rows = [
+        {
+            **{k: v for k, v in p.to_dict(result.metric).items() if k not in ("params", "extras")},
+            **{f"param:{k}": v for k, v in p.params.items()},
+        }
+        for p in result.points
+    ]
     frontier_csv = local_dir / "frontier.csv"
     frontier_csv.write_text(_csv(rows) if rows else "")
     (local_dir / "points.csv").write_text(_csv(all_rows) if all_rows else "")
@@ -962,7 +1226,9 @@ def _tables(result: SweepResult, recorder: SweepRecorder, local_dir: Path) -> st
 
 
 # ---------------------------------------------------------------------- reading back
-def frontier_from_mlflow(experiment: str, tracking_uri: str | None = None, sweep_run_id: str | None = None) -> dict[str, Any]:
+def frontier_from_mlflow(
+    experiment: str, tracking_uri: str | None = None, sweep_run_id: str | None = None
+) -> dict[str, Any]:
     """The frontier of an MLflow experiment's sweeps (or of one sweep), recomputed
     from the recorded trial and threshold-point runs (failed runs excluded).
 

@@ -95,8 +95,12 @@ def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
     except TrainingError as exc:
         # Ray Train's own error, as before: the sweep records this message
         raise TrialFailed(f"training failed: {exc.__cause__ or exc}") from exc
-    return {"status": result.status, "metrics": result.metrics, "checkpoint": result.checkpoint_uri,
-            "message": result.message}
+    return {
+        "status": result.status,
+        "metrics": result.metrics,
+        "checkpoint": result.checkpoint_uri,
+        "message": result.message,
+    }
 
 
 def eval_resources(config: ExperimentConfig) -> tuple[dict[str, Any], str]:
@@ -166,10 +170,21 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     if stage.points > 0:
         # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
         # sampled values are not, for a seeded sampler)
-        seed = space.search.seed * 100_003 + (zlib.crc32(json.dumps(sampled, sort_keys=True, default=str).encode()) & 0xFFFF)
-        points = run_evaluation(config, _stage_two_task, trained["checkpoint"], points=stage.points, low=stage.low,
-                                high=stage.high, sampler=stage.sampler, seed=seed, samples=stage.samples,
-                                known=[(thresholds, float(quality), float(tokens))])
+        seed = space.search.seed * 100_003 + (
+            zlib.crc32(json.dumps(sampled, sort_keys=True, default=str).encode()) & 0xFFFF
+        )
+        points = run_evaluation(
+            config,
+            _stage_two_task,
+            trained["checkpoint"],
+            points=stage.points,
+            low=stage.low,
+            high=stage.high,
+            sampler=stage.sampler,
+            seed=seed,
+            samples=stage.samples,
+            known=[(thresholds, float(quality), float(tokens))],
+        )
 
     final = {
         metric: float(quality),

@@ -50,18 +50,26 @@ def main() -> None:
             seconds = time.perf_counter() - start
             metrics = compare_at_budget(model, held_out_batches(recipe), TARGET_RATIO)
             learned, entropy = metrics["learned"], metrics["entropy"]
-            row = {"seed": seed, "train_seconds": seconds, "accuracy": learned["accuracy"],
-                   "token_ratio": learned["token_ratio"], "fine_on_object": learned["fine_on_object"],
-                   "entropy_accuracy": entropy["accuracy"], "full_same_backbone": metrics["full"]["accuracy"]}
+            row = {
+                "seed": seed,
+                "train_seconds": seconds,
+                "accuracy": learned["accuracy"],
+                "token_ratio": learned["token_ratio"],
+                "fine_on_object": learned["fine_on_object"],
+                "entropy_accuracy": entropy["accuracy"],
+                "full_same_backbone": metrics["full"]["accuracy"],
+            }
             results.setdefault(name, []).append(row)
             print(f"seed {seed} {name}: {row}", flush=True)
     print(f"\nat {TARGET_RATIO:.0%} tokens, mean over seeds {args.seeds} (each seed's value in brackets):")
     for name, rows in results.items():
         acc = [r["accuracy"] for r in rows]
         fine = [r["fine_on_object"] for r in rows]
-        print(f"  {name}: accuracy {statistics.fmean(acc):.3f} ({', '.join(f'{a:.3f}' for a in acc)}), "
-              f"fine tokens on the object {statistics.fmean(fine):.1%}, "
-              f"train {statistics.fmean(r['train_seconds'] for r in rows):.0f} s")
+        print(
+            f"  {name}: accuracy {statistics.fmean(acc):.3f} ({', '.join(f'{a:.3f}' for a in acc)}), "
+            f"fine tokens on the object {statistics.fmean(fine):.1%}, "
+            f"train {statistics.fmean(r['train_seconds'] for r in rows):.0f} s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target_ratio": TARGET_RATIO, "seeds": args.seeds, "results": results}, f, indent=2)
