@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 from splitvit.cli import main
@@ -13,14 +14,33 @@ from splitvit.train.demo import build_demo_model
 
 
 def test_help_lists_subcommands():
-    out = subprocess.run([sys.executable, "-m", "splitvit.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "splitvit.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for command in ("demo", "viz", "bench"):
         assert command in out
 
 
 def test_viz_draws_split_maps_and_writes_json(tmp_path, capsys):
     png, report = tmp_path / "maps.png", tmp_path / "viz.json"
-    assert main(["viz", "--policy", "entropy", "--count", "4", "--thresholds", "0.5,0.5", "--out", str(png), "--json", str(report)]) == 0
+    assert (
+        main(
+            [
+                "viz",
+                "--policy",
+                "entropy",
+                "--count",
+                "4",
+                "--thresholds",
+                "0.5,0.5",
+                "--out",
+                str(png),
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     image = Image.open(png)
     assert image.size[0] == 4 * 48 * 4  # four tiles of 48 px, drawn 4x larger
     figures = json.loads(report.read_text())
@@ -43,3 +63,19 @@ def test_viz_bad_threshold_is_one_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "thresholds[1] = 1.7 is outside [0, 1]" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_demo_checkpoint_keeps_the_thresholds_it_was_compared_at(tmp_path):
+    """`splitvit viz` on the demo's split.pt draws the model at the demo's budget: the
+    checkpoint holds the calibrated thresholds, not the 0.5 it trained with."""
+    from dataclasses import replace
+
+    from splitvit.model import SplitViT
+    from splitvit.train.demo import Recipe, run_demo
+
+    recipe = replace(Recipe(), test_samples=64, depth=2, embed_dim=32, num_heads=2)
+    result = run_demo(tmp_path, epochs=1, samples=64, target_ratio=0.3, recipe=recipe)
+    learned = next(r for r in result["rows"] if r["method"].startswith("SPLIT"))
+    saved = SplitViT.load(result["checkpoints"]["split"])
+    assert saved.thresholds.tolist() == pytest.approx(learned["thresholds"])
+    assert learned["thresholds"] != [0.5] * (recipe.levels - 1)

@@ -44,7 +44,9 @@ class Recipe:
     lr: float = 2e-3
     seed: int = 0
     loss: SplitLossConfig = field(
-        default_factory=lambda: SplitLossConfig(lambda_budget=2.0, target_ratio=0.3, warmup_epochs=4, teacher_weight=1.0)
+        default_factory=lambda: SplitLossConfig(
+            lambda_budget=2.0, target_ratio=0.3, warmup_epochs=4, teacher_weight=1.0
+        )
     )
 
 
@@ -60,7 +62,9 @@ def build_demo_model(policy: str = "learned", recipe: Recipe | None = None) -> S
         num_classes=4,
         policy_depth=recipe.policy_depth,
         policy_width=recipe.policy_width,
-        timm_kwargs=dict(patch_size=recipe.patch_size, embed_dim=recipe.embed_dim, depth=recipe.depth, num_heads=recipe.num_heads),
+        timm_kwargs=dict(
+            patch_size=recipe.patch_size, embed_dim=recipe.embed_dim, depth=recipe.depth, num_heads=recipe.num_heads
+        ),
     )
 
 
@@ -68,7 +72,9 @@ def train_recipe(policy: str, recipe: Recipe) -> tuple[SplitViT, list[dict[str, 
     """Train a demo model with ``policy`` on the recipe's training set."""
     model = build_demo_model(policy, recipe)
     data = SyntheticObjects(recipe.train_samples, image_size=recipe.image_size, seed=recipe.seed * 1000)
-    history = fit_local(model, data, recipe.loss, epochs=recipe.epochs, batch_size=recipe.batch_size, lr=recipe.lr, seed=recipe.seed)
+    history = fit_local(
+        model, data, recipe.loss, epochs=recipe.epochs, batch_size=recipe.batch_size, lr=recipe.lr, seed=recipe.seed
+    )
     return model, history
 
 
@@ -103,12 +109,21 @@ def compare_at_budget(model: SplitViT, batches: list, target_ratio: float) -> di
     return results
 
 
-def run_demo(out_dir: str | Path = "runs/demo", epochs: int | None = None, samples: int | None = None,
-             target_ratio: float = 0.3, recipe: Recipe | None = None) -> dict[str, Any]:
+def run_demo(
+    out_dir: str | Path = "runs/demo",
+    epochs: int | None = None,
+    samples: int | None = None,
+    target_ratio: float = 0.3,
+    recipe: Recipe | None = None,
+) -> dict[str, Any]:
     """Train SPLIT and a full-resolution ViT, compare them; returns the figures."""
     recipe = recipe or Recipe()
-    recipe = replace(recipe, epochs=epochs or recipe.epochs, train_samples=samples or recipe.train_samples,
-                     loss=replace(recipe.loss, target_ratio=target_ratio))
+    recipe = replace(
+        recipe,
+        epochs=epochs or recipe.epochs,
+        train_samples=samples or recipe.train_samples,
+        loss=replace(recipe.loss, target_ratio=target_ratio),
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     batches = held_out_batches(recipe)
@@ -118,14 +133,21 @@ def run_demo(out_dir: str | Path = "runs/demo", epochs: int | None = None, sampl
     start = time.perf_counter()
     full_model, full_history = train_recipe("full", recipe)
     full_seconds = time.perf_counter() - start
+    comparison = compare_at_budget(split_model, batches, target_ratio)
+    # the checkpoint keeps the thresholds calibrated to the budget, so `splitvit viz`
+    # and `eval` on it see the model as compared here, not at the 0.5 it trained with
+    split_model.set_thresholds(comparison["learned"]["thresholds"])
     split_model.save(out / "split.pt")
     full_model.save(out / "full.pt")
-
-    comparison = compare_at_budget(split_model, batches, target_ratio)
     baseline = evaluate(full_model, batches, object_masks=True)
     rows = [{"method": "full-resolution ViT (own training)", **baseline}]
-    labels = {"learned": "SPLIT (learned policy)", "entropy": "entropy (APT-style), same backbone",
-              "random": "random, same backbone", "coarse": "all-coarse, same backbone", "full": "full resolution, same backbone"}
+    labels = {
+        "learned": "SPLIT (learned policy)",
+        "entropy": "entropy (APT-style), same backbone",
+        "random": "random, same backbone",
+        "coarse": "all-coarse, same backbone",
+        "full": "full resolution, same backbone",
+    }
     rows += [{"method": labels[name], **metrics} for name, metrics in comparison.items()]
 
     from ..tracking.split_maps import split_map_grid
@@ -135,7 +157,9 @@ def run_demo(out_dir: str | Path = "runs/demo", epochs: int | None = None, sampl
     with torch.no_grad():
         decided = split_model(images, thresholds=comparison["learned"]["thresholds"])
     split_map = out / "split_maps.png"
-    split_map_grid(images, decided.decisions, split_model.geometry, [f"{int(t)} tok" for t in decided.tokens]).save(split_map)
+    split_map_grid(images, decided.decisions, split_model.geometry, [f"{int(t)} tok" for t in decided.tokens]).save(
+        split_map
+    )
     return {
         "recipe": asdict(recipe),
         "rows": rows,
