@@ -1,6 +1,6 @@
 """Experiment configuration: one YAML file per experiment, ``key=value`` overrides.
 
-A config has six sections (DESIGN §5): ``model``, ``data``, ``train``, ``scaling``,
+A config has six sections (docs/design.md §3.1): ``model``, ``data``, ``train``, ``scaling``,
 ``storage`` and ``tracking``. :func:`load_config` reads the YAML, applies dotted
 overrides (``train.epochs=3``, ``model.timm_kwargs.embed_dim=64``,
 ``model.thresholds[0]=0.4``) and checks every value's type and range: all that the

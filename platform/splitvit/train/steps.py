@@ -3,7 +3,7 @@
 Ray Train's per-worker loop and the local demo both call these, so a model trains
 the same way on a laptop and on 64 GPUs.
 
-Training has two phases (DESIGN §3):
+Training has two phases (docs/design.md §3.2):
 
 * warm-up (``epoch < warmup_epochs``): splits are drawn at random, at a per-image
   split rate, so the backbone learns every scale; the rate's lower bound anneals

@@ -1,7 +1,7 @@
 """A sweep in MLflow: one parent run, a child run per trial, a grandchild per
 threshold point, and the frontier on the parent.
 
-Only the Tune driver writes here (DESIGN §5). Every run is keyed by a storage
+Only the Tune driver writes here (docs/design.md §3.4). Every run is keyed by a storage
 location (the ``splitvit.run_uri`` tag of :class:`~splitvit.tracking.RunTracker`):
 the sweep folder for the parent, the trial's Train run folder for a trial, that
 folder plus ``#threshold<i>`` for a threshold point. Re-recording after a restart

@@ -5,7 +5,7 @@ A study file (``search_spaces/study_*.yaml``) names an experiment config and:
 
 * ``seeds``: each seed is one repetition (its own canvases, initialisation, draws);
 * ``backbone``: a warm-up run per seed (full resolution first, then random splits
-  at every rate, DESIGN §3) that every method of that seed starts from, so methods
+  at every rate, docs/design.md §3.2) that every method of that seed starts from, so methods
   differ only in what they do after it;
 * ``methods``: name -> config overrides (at least ``model.policy``); every method
   trains ``method`` epochs from its seed's backbone (``model.init_from``);

@@ -10,7 +10,7 @@ trial's checkpoint (on a GPU where training had them, see :func:`run_evaluation`
 and the trial reports once more: its stage-one objectives, its checkpoint and its
 threshold points.
 
-Trials never write to MLflow (DESIGN §5: only the Tune driver writes to the local
+Trials never write to MLflow (docs/design.md §3.4: only the Tune driver writes to the local
 SQLite store); the driver logs a child run per trial from what the trial reports.
 
 A trial that Tune starts again after a driver restart (its last state may predate
@@ -86,7 +86,7 @@ def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
 
     from ..train.ray_trainer import TrainingError, run_training
 
-    # trials never write to MLflow (DESIGN §5: only the Tune driver does), whatever the
+    # trials never write to MLflow (docs/design.md §3.4: only the Tune driver does), whatever the
     # config says; Ray is up already (this runs inside Tune), so run_training joins it
     if config.tracking.enabled:
         config = replace(config, tracking=replace(config.tracking, enabled=False))
