@@ -13,6 +13,8 @@ import http.server
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -486,3 +488,12 @@ def test_a_package_ray_lost_is_submitted_again_once(monkeypatch, no_cluster_env)
     assert len(fake.submitted) == 1
     assert failed.value.result.message == "Job entrypoint command failed with exit code 2"
     assert failed.value.result.log_tail == "config error: boom"
+
+
+def test_stack_finds_psutil_in_a_fresh_process():
+    """psutil comes with Ray (its thirdparty_files): in a process that has not imported
+    Ray yet, as `splitvit stack` is, the stack still finds it."""
+    code = "from splitvit.cluster.stack import _psutil; print(_psutil().pid_exists(1))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import logging
 import os
@@ -239,9 +240,11 @@ def _psutil():
     try:
         import psutil
     except ImportError:
-        # Ray ships psutil in its thirdparty_files and puts that on sys.path on import.
-        import psutil
+        # Ray ships psutil in its thirdparty_files and puts that on sys.path on import,
+        # so ray must come first (importlib: an import sorter must not reorder the two)
         import ray  # noqa: F401
+
+        psutil = importlib.import_module("psutil")
     return psutil
 
 
