@@ -53,11 +53,18 @@ def git_env(folder: str | Path) -> dict[str, str]:
     return {GIT_COMMIT_ENV: state[0], GIT_DIRTY_ENV: str(state[1]).lower()} if state else {}
 
 
-def provenance_tags() -> dict[str, str]:
-    """``mlflow.source.*``, ``mlflow.user``, the git commit and ``splitvit.version``."""
+@functools.cache
+def _mlflow_context_tags() -> dict[str, str]:
+    """MLflow's own source and user tags of this process (resolved once: a sweep opens a
+    run per threshold point, and MLflow's git context probes the repository each time)."""
     from mlflow.tracking.context.registry import resolve_tags
 
-    tags = {k: v for k, v in resolve_tags().items() if k.startswith(("mlflow.source.", "mlflow.user"))}
+    return {k: v for k, v in resolve_tags().items() if k.startswith(("mlflow.source.", "mlflow.user"))}
+
+
+def provenance_tags() -> dict[str, str]:
+    """``mlflow.source.*``, ``mlflow.user``, the git commit and ``splitvit.version``."""
+    tags = dict(_mlflow_context_tags())
     if os.environ.get(GIT_COMMIT_ENV):
         tags[GIT_COMMIT_TAG] = os.environ[GIT_COMMIT_ENV]
         if os.environ.get(GIT_DIRTY_ENV):

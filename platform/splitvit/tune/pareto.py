@@ -109,11 +109,11 @@ def hypervolume(values: Sequence[tuple[float, float]], reference: tuple[float, f
     reference ``(0, 1)`` the result lies in ``[0, 1]``.
     """
     worst_quality, worst_ratio = float(reference[0]), float(reference[1])
-    inside = sorted(
+    inside = [
         (float(q), float(r))
         for q, r in values
         if math.isfinite(q) and math.isfinite(r) and q >= worst_quality and r <= worst_ratio
-    )
+    ]
     # best quality first: each point adds the strip between its token ratio and the
     # lowest ratio seen so far, as wide as its quality is above the reference
     area, lowest_ratio = 0.0, worst_ratio
