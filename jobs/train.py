@@ -1,6 +1,6 @@
 """Ray job: train one experiment.
 
-    ray job submit --working-dir . -- python jobs/train.py jobs/configs/smoke.yaml [key=value ...] [--json PATH]
+    ray job submit --working-dir . -- python jobs/train.py jobs/configs/smoke.yaml [--set key=value ...] [--json PATH]
 
 Inside a Ray job ``RAY_ADDRESS`` is set and training joins that cluster; run
 directly, it starts a local Ray. Everything else is ``splitvit train``.

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from splitvit.cli import main
 from splitvit.train.demo import build_demo_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_lists_subcommands():
@@ -79,3 +83,272 @@ def test_demo_checkpoint_keeps_the_thresholds_it_was_compared_at(tmp_path):
     saved = SplitViT.load(result["checkpoints"]["split"])
     assert saved.thresholds.tolist() == pytest.approx(learned["thresholds"])
     assert learned["thresholds"] != [0.5] * (recipe.levels - 1)
+
+
+# ---------------------------------------------------------------------- common flags, the JSON envelope
+ENVELOPE = {"command", "status", "error", "mlflow", "wall_time_s"}
+MLFLOW = {"tracking_uri", "experiment_id", "run_id", "url"}
+
+# every subcommand with the least it needs to parse
+EVERY_SUBCOMMAND = [
+    ["demo"],
+    ["viz"],
+    ["bench"],
+    ["bench", "train"],
+    ["data", "prepare", "synthetic", "--out", "shards"],
+    ["data", "push", "shards", "s3://b/p"],
+    ["train", "cfg.yaml"],
+    ["eval", "ckpt"],
+    ["sweep", "space.yaml"],
+    ["study", "study.yaml"],
+    ["pareto", "exp"],
+    ["submit", "train", "cfg.yaml"],
+    ["stack", "up"],
+    ["stack", "down"],
+    ["stack", "status"],
+]
+
+
+def _subcommands(parser) -> set[str]:
+    """Every leaf subcommand the parser has, as 'data prepare', 'stack up', ..."""
+    import argparse
+
+    found = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                below = _subcommands(child)
+                found |= {f"{name} {b}" for b in below} if below else {name}
+    return found
+
+
+def test_the_list_of_subcommands_is_complete():
+    from splitvit.cli import build_parser
+
+    covered = {" ".join(argv[:2]) if argv[0] in ("data", "stack") else argv[0] for argv in EVERY_SUBCOMMAND}
+    assert _subcommands(build_parser()) <= covered
+
+
+@pytest.mark.parametrize("argv", EVERY_SUBCOMMAND, ids=lambda a: "-".join(a[:2]))
+def test_every_subcommand_takes_verbose_and_tracking_uri_after_its_name(argv):
+    from splitvit.cli import build_parser
+
+    # submit's own options go before ENTRY
+    at = 1 if argv[0] == "submit" else len(argv)
+    args = build_parser().parse_args([*argv[:at], "-v", "--tracking-uri", "http://mlflow:5000", *argv[at:]])
+    assert args.verbose is True and args.tracking_uri == "http://mlflow:5000"
+    # and -v before the subcommand still works: the subcommand's parser does not reset it
+    args = build_parser().parse_args(["-v", *argv])
+    assert args.verbose is True and not hasattr(args, "tracking_uri")
+
+
+def test_commands_without_mlflow_say_the_tracking_uri_is_ignored(capsys):
+    for argv in (["viz"], ["demo"], ["eval"], ["data", "prepare"], ["stack", "up"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        assert "ignored: this command does not use MLflow" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "over $MLFLOW_TRACKING_URI" in " ".join(capsys.readouterr().out.split())
+
+
+def test_set_is_the_same_as_positional_overrides_on_train():
+    from splitvit.cli import _overrides, build_parser
+
+    positional = build_parser().parse_args(["train", "c.yaml", "train.epochs=1", "storage.name=r"])
+    flagged = build_parser().parse_args(["train", "c.yaml", "--set", "train.epochs=1", "--set", "storage.name=r"])
+    positional.tracking_uri = flagged.tracking_uri = None
+    assert _overrides(positional) == _overrides(flagged) == ["train.epochs=1", "storage.name=r"]
+    # --tracking-uri comes last, so it wins over a --set of the same key
+    flagged.tracking_uri = "http://mlflow:5000"
+    assert _overrides(flagged)[-1] == "tracking.tracking_uri=http://mlflow:5000"
+
+
+@pytest.mark.parametrize("how", ["positional", "set"])
+def test_a_config_error_writes_the_envelope_with_its_error_line(how, tmp_path, capsys):
+    out = tmp_path / "train.json"
+    bad = ["train.epochz=1"] if how == "positional" else ["--set", "train.epochz=1"]
+    assert main(["train", str(ROOT / "jobs/configs/smoke.yaml"), *bad, "--json", str(out)]) == 2
+    data = json.loads(out.read_text())
+    assert ENVELOPE <= set(data) and set(data["mlflow"]) == MLFLOW
+    assert data["command"] == "train" and data["status"] == "failed"
+    assert "train.epochz: unknown key" in data["error"]
+    assert f"splitvit train: error: {data['error']}" in capsys.readouterr().err
+    assert data["wall_time_s"] >= 0
+
+
+def test_the_envelope_on_success_keeps_the_figures_at_the_top_level(tmp_path):
+    out = tmp_path / "viz.json"
+    argv = ["viz", "--policy", "entropy", "--count", "2", "--out", str(tmp_path / "m.png"), "--json", str(out)]
+    assert main([*argv, "-v", "--tracking-uri", "http://mlflow:5000"]) == 0
+    data = json.loads(out.read_text())
+    assert data["command"] == "viz" and data["status"] == "ok" and data["error"] is None
+    assert len(data["tokens"]) == 2 and isinstance(data["wall_time_s"], float)
+    # viz uses no MLflow: the URI given is not reported as where anything went
+    assert data["mlflow"] == dict.fromkeys(MLFLOW)
+
+
+def test_an_interrupted_command_writes_status_interrupted(tmp_path, monkeypatch):
+    import splitvit.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_viz", interrupted)
+    out = tmp_path / "viz.json"
+    assert main(["viz", "--json", str(out)]) == 130
+    data = json.loads(out.read_text())
+    assert data["status"] == "interrupted" and data["error"]
+
+
+def test_a_failed_sweep_writes_its_json(tmp_path):
+    """A sweep that stops with an error (nothing to resume) still writes the envelope."""
+    out, store = tmp_path / "sweep.json", tmp_path / "store"
+    code = main(
+        [
+            "sweep",
+            str(ROOT / "search_spaces/smoke.yaml"),
+            "--resume",
+            "--name",
+            "nothing-here",
+            "--set",
+            f"storage.path={store}",
+            "--tracking-uri",
+            f"sqlite:///{store}/mlflow.db",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 1
+    data = json.loads(out.read_text())
+    assert data["command"] == "sweep" and data["status"] == "failed"
+    assert "holds no sweep to resume" in data["error"]
+    assert data["mlflow"]["tracking_uri"] == f"sqlite:///{store}/mlflow.db"
+
+
+def test_mlflow_url_only_for_a_tracking_server():
+    from splitvit.cli import mlflow_url
+
+    assert mlflow_url("http://u:secret@mlflow:5000/", "3", "abc") == "http://u:***@mlflow:5000/#/experiments/3/runs/abc"
+    assert mlflow_url("https://mlflow.example", "3", None) == "https://mlflow.example/#/experiments/3"
+    assert mlflow_url("sqlite:///runs/mlflow.db", "3", "abc") is None
+    assert mlflow_url("http://mlflow:5000", None, "abc") is None
+
+
+def test_bad_thresholds_text_is_bad_input_not_a_crash(tmp_path, capsys):
+    assert main(["viz", "--thresholds", "a,b", "--out", str(tmp_path / "x.png")]) == 2
+    assert "--thresholds: expected comma-separated numbers" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- console
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_and_nothing_elsewhere(caplog):
+    import logging
+
+    from splitvit.tune.console import Progress
+
+    screen = _Terminal()
+    bar = Progress("trials", 4, stream=screen, width=8)
+    bar.update(1)
+    assert screen.getvalue().endswith("[##------] 1/4 trials")
+    with caplog.at_level(logging.INFO, logger="splitvit.test"):
+        bar.log(logging.getLogger("splitvit.test"), logging.INFO, "trial %s started", "t1")
+    assert "trial t1 started" in caplog.text
+    # the bar was cleared for the line and drawn again after it
+    assert screen.getvalue().endswith("\r\033[K[##------] 1/4 trials")
+    bar.update(4)
+    assert screen.getvalue().endswith("[########] 4/4 trials\n")
+
+    piped = io.StringIO()
+    quiet = Progress("trials", 4, stream=piped)
+    quiet.update(2)
+    quiet.log(logging.getLogger("splitvit.test"), logging.INFO, "x")
+    assert piped.getvalue() == ""
+
+
+def test_progress_pickles_without_its_stream():
+    """Ray Tune pickles callbacks, and so their bar, into the experiment state."""
+    import pickle
+
+    from splitvit.tune.console import Progress
+
+    bar = Progress("runs", 3, stream=_Terminal())
+    bar.update(1)
+    again = pickle.loads(pickle.dumps(bar))
+    assert again.stream is sys.stderr and again.done == 1 and not again.drawn
+
+
+def test_ray_console_is_quiet_unless_asked(monkeypatch):
+    import os
+
+    from splitvit.tune import console
+
+    monkeypatch.delenv("RAY_AIR_NEW_OUTPUT", raising=False)
+    console.show_ray_output(False)
+    with console.ray_console():
+        assert os.environ["RAY_AIR_NEW_OUTPUT"] == "0"
+    assert "RAY_AIR_NEW_OUTPUT" not in os.environ and console.tune_verbosity() == 0
+    console.show_ray_output(True)
+    try:
+        with console.ray_console():
+            assert "RAY_AIR_NEW_OUTPUT" not in os.environ
+        assert console.tune_verbosity() == 1
+    finally:
+        console.show_ray_output(False)
+
+
+def test_the_envelope_finds_the_experiment_of_a_run(tmp_path):
+    """A command that knows only its run (train) gets the experiment id from the store."""
+    from mlflow import MlflowClient
+
+    from splitvit.cli import Report, envelope
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("envelope")
+    run = client.create_run(experiment)
+    report = Report("train", payload={"mlflow_run_id": run.info.run_id}, mlflow={"tracking_uri": uri})
+    report.mlflow["run_id"] = run.info.run_id
+    data = envelope(report, 0, 1.5)
+    assert data["mlflow"] == {"tracking_uri": uri, "experiment_id": experiment, "run_id": run.info.run_id, "url": None}
+    assert data["mlflow_run_id"] == run.info.run_id and data["status"] == "ok" and data["wall_time_s"] == 1.5
+
+
+def test_pareto_reads_the_latest_sweep_or_all_and_draws_them(tmp_path, capsys):
+    import time
+
+    from tests.test_frontier import _recorded_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = _recorded_sweep(uri, tmp_path, "first", [(0.9, 8.0)])
+    time.sleep(0.01)  # start times are in milliseconds: the second sweep is the later one
+    second = _recorded_sweep(uri, tmp_path, "second", [(0.7, 4.0), (0.6, 6.0)])
+    out = tmp_path / "pareto.json"
+
+    assert main(["pareto", "sweeps", "--tracking-uri", uri, "--json", str(out)]) == 0
+    latest = json.loads(out.read_text())
+    assert latest["command"] == "pareto" and latest["status"] == "ok" and latest["sweeps"] == [second]
+    assert latest["mlflow"]["run_id"] == second and latest["mlflow"]["experiment_id"] == latest["experiment_id"]
+
+    png = tmp_path / "plots" / "frontier.png"
+    assert main(["pareto", "sweeps", "--all", "--plot", str(png), "--tracking-uri", uri, "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert sorted(merged["sweeps"]) == sorted([first, second]) and merged["mlflow"]["run_id"] is None
+    assert merged["plot"] == str(png) and Image.open(png).size[0] > 100
+    assert f"plot: {png}" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit):  # one sweep or all of them, not both
+        main(["pareto", "sweeps", "--all", "--sweep", first])
+
+
+def test_pareto_on_a_missing_store_fails_in_the_envelope_and_creates_nothing(tmp_path):
+    db = tmp_path / "nowhere" / "mlflow.db"
+    out = tmp_path / "pareto.json"
+    assert main(["pareto", "sweeps", "--tracking-uri", f"sqlite:///{db}", "--json", str(out)]) == 1
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed" and "no MLflow store" in data["error"]
+    assert not db.parent.exists()

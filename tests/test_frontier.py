@@ -63,3 +63,225 @@ def test_a_trials_final_figures_sit_at_its_last_epoch(tmp_path):
     history = MlflowClient(uri).get_metric_history(run_id, "images_per_s")
     assert sorted((m.step, m.value) for m in history) == [(0, 100.0), (1, 101.0), (2, 90.0), (2, 102.0)]
     assert {m.step for m in MlflowClient(uri).get_metric_history(run_id, "train_seconds")} == {2}
+
+
+def _recorded_sweep(uri: str, root, name: str, points: list[tuple[float, float]]) -> str:
+    """A finished sweep in the store at ``uri``: one trial per ``(accuracy, tokens)``
+    pair (16 tokens at full resolution); returns the parent run id."""
+    from splitvit.tune.mlflow_records import SweepRecorder
+
+    recorder, _ = SweepRecorder.open(uri, "sweeps", str(root / name), name, "accuracy", params={}, tags={})
+    for i, (accuracy, tokens) in enumerate(points):
+        run_uri = str(root / name / f"trial{i}")
+        final = {
+            "epochs": 1,
+            "accuracy": accuracy,
+            "tokens_per_image": tokens,
+            "token_ratio": tokens / 16,
+            "thresholds": [0.5],
+            "threshold_points": [],
+        }
+        recorder.trial_started(f"{name}-t{i}", run_uri, {"train.lr": 0.1}, {})
+        recorder.trial_completed(f"{name}-t{i}", run_uri, {"train.lr": 0.1}, {}, final)
+    recorder.close("completed")
+    return recorder.parent_run_id
+
+
+def test_frontier_from_mlflow_reads_the_latest_sweep_unless_asked_for_all(tmp_path):
+    import time
+
+    from splitvit.tune import frontier_from_mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = _recorded_sweep(uri, tmp_path, "first", [(0.9, 8.0)])
+    time.sleep(0.01)  # start times are in milliseconds: the second sweep is the later one
+    second = _recorded_sweep(uri, tmp_path, "second", [(0.7, 4.0), (0.6, 6.0)])
+
+    latest = frontier_from_mlflow("sweeps", uri)
+    assert latest["sweeps"] == [second]
+    assert latest["sweep_names"] == {second: "second"}
+    assert sorted(p["accuracy"] for p in latest["points"]) == [0.6, 0.7]
+    assert [p["accuracy"] for p in latest["frontier"]] == [0.7]
+
+    merged = frontier_from_mlflow("sweeps", uri, all_sweeps=True)
+    assert sorted(merged["sweeps"]) == sorted([first, second])
+    assert sorted(p["accuracy"] for p in merged["points"]) == [0.6, 0.7, 0.9]
+    assert [p["accuracy"] for p in merged["frontier"]] == [0.7, 0.9]
+    assert merged["hypervolume"] > latest["hypervolume"]
+
+    one = frontier_from_mlflow("sweeps", uri, first)
+    assert one["sweeps"] == [first] and [p["accuracy"] for p in one["points"]] == [0.9]
+
+
+def test_frontier_from_mlflow_names_a_missing_store_and_creates_none(tmp_path):
+    from splitvit.tune import SweepError, frontier_from_mlflow
+
+    db = tmp_path / "nowhere" / "mlflow.db"
+    with pytest.raises(SweepError, match=r"no MLflow store at .*mlflow\.db"):
+        frontier_from_mlflow("sweeps", f"sqlite:///{db}")
+    assert not db.exists() and not db.parent.exists()
+    with pytest.raises(SweepError, match="no MLflow store"):
+        frontier_from_mlflow("sweeps", str(tmp_path / "mlruns"))
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_frontier_from_mlflow_names_a_missing_experiment_or_sweep(tmp_path):
+    from splitvit.tune import SweepError, frontier_from_mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    _recorded_sweep(uri, tmp_path, "only", [(0.8, 8.0)])
+    with pytest.raises(SweepError, match="no MLflow experiment 'elsewhere'"):
+        frontier_from_mlflow("elsewhere", uri)
+    with pytest.raises(SweepError, match="is not a sweep"):
+        frontier_from_mlflow("sweeps", uri, "0" * 32)
+
+
+def test_the_frontier_plot_keeps_its_legend_off_the_data(tmp_path):
+    """The legend sits outside the axes (no marker under it) and inside the image."""
+    import matplotlib.pyplot as plt
+
+    from splitvit.tune.pareto import Point, annotate
+    from splitvit.tune.plot import pareto_figure, save_frontier_plot
+
+    points = [Point(q, t, t / 16, "trial", f"t{i}") for i, (q, t) in enumerate([(0.5, 2.0), (0.8, 8.0), (0.9, 15.0)])]
+    baselines = [
+        {"baseline": "full", "tokens_per_image": 16.0, "quality": 0.91},
+        {"baseline": "random", "tokens_per_image": 8.0, "quality": 0.6},
+    ]
+    hv = annotate(points)
+    fig = pareto_figure(points, baselines, hypervolume=hv, full_tokens=16.0)
+    try:
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        legend = ax.get_legend().get_window_extent()
+        assert not legend.overlaps(ax.get_window_extent())
+        assert fig.bbox.contains(legend.x1 - 1, legend.y0 + 1)  # not cut off on the right
+    finally:
+        plt.close(fig)
+
+    data = {
+        "experiment": "sweeps",
+        "sweeps": ["abc"],
+        "sweep_names": {"abc": "first"},
+        "metric": "accuracy",
+        "hypervolume": hv,
+        "points": [p.to_dict("accuracy") for p in points],
+        "baselines": baselines,
+    }
+    out = save_frontier_plot(data, tmp_path / "plots" / "frontier.png")
+    assert out == tmp_path / "plots" / "frontier.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_sweep_description_names_the_hypervolume_best_point_baselines_and_links():
+    from splitvit.tune.mlflow_records import sweep_note
+    from splitvit.tune.pareto import Point, annotate, best_point
+
+    points = [
+        Point(0.3, 2.0, 0.125, "trial", "t0", [0.3]),
+        Point(0.812345678, 8.123456, 0.5, "threshold", "t1", [0.55555], run_id="r1"),
+        Point(0.9, 15.0, 0.9375, "trial", "t2", [0.9]),
+        Point(0.4, 9.0, 0.5625, "trial", "t3", [0.5]),  # dominated
+    ]
+    hv = annotate(points)
+    best = best_point(points)
+    best.model_uri = "models:/m-123"
+    note = sweep_note(
+        name="demo",
+        metric="accuracy",
+        hypervolume=hv,
+        reference=(0.0, 1.0),
+        points=points,
+        best=best,
+        baselines=[
+            {"baseline": "full", "label": "full resolution", "tokens_per_image": 16.0, "quality": 0.91},
+            {"baseline": "random", "label": "random @ 0.50", "tokens_per_image": 8.5, "quality": 0.6},
+        ],
+        trial_status={"completed": 3, "failed": 1},
+        experiment_id="7",
+        parent_run_id="p1",
+    )
+    assert f"Hypervolume {hv:.4g}" in note and "token ratio 1" in note
+    assert best.trial_id == "t1" and "Best point" in note and "`t1`" in note and "0.8123" in note
+    assert "0.812345678" not in note and "8.123456" not in note  # rounded
+    assert "| 8.1 | 0.8123 | 0.5 |" in note  # tokens to one decimal, the rest to four digits
+    assert "(#/experiments/7/runs/p1/artifacts/pareto.png)" in note
+    assert "(#/experiments/7/models/m-123)" in note and "(#/experiments/7/runs/r1)" in note
+    assert "Trials: 4 (3 completed, 1 failed)" in note
+    # random at 8.5 tokens meets the frontier point at 8.1 tokens (0.8123): 0.2123 better
+    assert "| random @ 0.50 | 8.5 | 0.6 | 0.8123 | 0.2123 |" in note
+    assert len(note) < 8000
+
+
+def test_logged_models_are_named_by_their_point():
+    from mlflow.utils.validation import _validate_logged_model_name
+
+    from splitvit.tune.pareto import Point
+    from splitvit.tune.sweep import model_name
+
+    best = Point(0.9, 6.7, 0.4183, "threshold", "abc_00002")
+    other = Point(0.7, 2.0, 0.125, "trial", "abc_00001")
+    assert model_name(best, best) == "best-abc_00002-tr42pct"
+    assert model_name(other, best) == "frontier-abc_00001-tr12pct"
+    for name in (model_name(best, best), model_name(other, best)):
+        _validate_logged_model_name(name)  # MLflow 3 refuses '.', '/', ':' in a logged model's name
+
+
+def test_round_figures_rounds_for_people_only():
+    from splitvit.tune.pareto import round_figures
+
+    row = {"tokens_per_image": 12.3456, "accuracy": 0.912345, "token_ratio": 0.771604, "rank": 2, "kind": "trial"}
+    assert round_figures(row) == {
+        "tokens_per_image": 12.3,
+        "accuracy": 0.9123,
+        "token_ratio": 0.7716,
+        "rank": 2,
+        "kind": "trial",
+    }
+    assert row["accuracy"] == 0.912345  # the row itself is left as it was
+
+
+def test_the_search_space_artifact_loads_back_to_the_same_space():
+    from pathlib import Path
+
+    import yaml
+
+    from splitvit.tune.mlflow_records import search_space_yaml, sweep_params
+    from splitvit.tune.space import load_space, space_from_dict
+
+    root = Path(__file__).resolve().parents[1] / "search_spaces"
+    for name in ("smoke", "classification", "dense"):
+        space = load_space(root / f"{name}.yaml", ["search.num_samples=3", "baselines.random_budgets=2"])
+        back = space_from_dict(yaml.safe_load(search_space_yaml(space)), source=space.source)
+        assert back.to_dict() == space.to_dict()
+        assert back.search.num_samples == 3 and back.baselines.random_budgets == 2
+        params = sweep_params(space)
+        assert len(params) <= 8 and params["space_file"] == f"{name}.yaml" and params["num_samples"] == 3
+
+
+def test_the_search_space_artifact_keeps_no_password():
+    from pathlib import Path
+
+    from splitvit.tune.mlflow_records import search_space_yaml
+    from splitvit.tune.space import load_space
+
+    space = load_space(
+        Path(__file__).resolve().parents[1] / "search_spaces" / "smoke.yaml",
+        ["tracking.tracking_uri=http://alice:hunter2@mlflow:5000"],
+    )
+    text = search_space_yaml(space)
+    assert "hunter2" not in text and "http://alice:***@mlflow:5000" in text
+
+
+def test_missing_store_reads_sqlite_paths_as_sqlalchemy_does(tmp_path, monkeypatch):
+    from splitvit.tune.mlflow_records import missing_store
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "mlflow.db").write_bytes(b"")
+    assert missing_store("sqlite:///runs/mlflow.db") is None  # three slashes: relative to the folder
+    assert missing_store(f"sqlite:///{tmp_path}/runs/mlflow.db") is None  # four: absolute
+    assert "other.db does not exist" in missing_store("sqlite:///runs/other.db")
+    assert missing_store("sqlite://") is None  # in memory
+    assert missing_store("http://mlflow:5000") is None  # a server: only a request can tell
+    assert missing_store(str(tmp_path / "runs")) is None  # a file store's folder

@@ -208,13 +208,17 @@ def test_team_server_requires_a_login_and_answers_its_health_check(team_server):
 
     user, password = team_server["admin"]
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    # a logged-in request hashes the password (CPU-bound): on a busy machine it takes seconds
     code, body = stack.http_get(
-        f"{url}/api/2.0/mlflow/experiments/search?max_results=1", headers={"Authorization": f"Basic {token}"}
+        f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
+        headers={"Authorization": f"Basic {token}"},
+        timeout=60,
     )
     assert code == 200 and "experiments" in body
     code, _ = stack.http_get(
         f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
         headers={"Authorization": "Basic " + base64.b64encode(b"admin:wrong").decode()},
+        timeout=60,
     )
     assert code == 401
     # the health check the compose file and the image use

@@ -332,14 +332,14 @@ def test_training_job_submitted_to_the_stack_lands_in_its_mlflow(on_stack, tmp_p
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     result = json.loads(out.read_text())
-    assert result["status"] == "SUCCEEDED" and result["job_id"] in captured.out
+    assert result["status"] == "ok" and result["job_status"] == "SUCCEEDED" and result["job_id"] in captured.out
     assert f"job {result['job_id']} SUCCEEDED" in captured.out
     assert "epoch 1" in captured.out, "the job's log was followed"
     # the job ran with the stack's MLflow and runs folder, and its own --json
     assert result["tracking_uri"] == state.mlflow_url
     assert f"storage.path={state.storage_path}" in result["entrypoint"]
     trained = json.loads(job_json.read_text())
-    assert trained["status"] == "completed"
+    assert trained["status"] == "ok" and trained["run_status"] == "completed"
     assert Path(trained["checkpoint_uri"]).parent == Path(state.storage_path) / "stack-smoke"
     # the run, read back from the MLflow server
     client = MlflowClient(tracking_uri=state.mlflow_url)
@@ -370,8 +370,11 @@ def test_failing_job_reports_its_id_and_log_tail(on_stack, tmp_path, capsys):
     code = main(["submit", "train", SMOKE, "train.epochs=0", "--json", str(out), "--log-lines", "15"])
     assert code == 1
     err = capsys.readouterr().err
-    # --json came after the job's arguments, so it went to the job, which never wrote it
-    assert not out.exists()
+    # --json came after the job's arguments, so it went to the job (on this machine),
+    # whose config error still wrote the envelope
+    written = json.loads(out.read_text())
+    assert written["command"] == "train" and written["status"] == "failed"
+    assert "train.epochs: must be >= 1, got 0" in written["error"]
     lines = err.splitlines()
     errors = [i for i, line in enumerate(lines) if line.startswith("splitvit submit: error:")]
     assert len(errors) == 1, err

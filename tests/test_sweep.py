@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,6 +186,7 @@ def sweep(ray_session, mlflow_uri, tmp_path_factory):
             os.killpg(driver.pid, signal.SIGKILL)  # the driver and anything it started, as a crash would
             driver.wait()
     assert first is not None, log_path.read_text()[-5000:]
+    console = log_path.read_text()
     wait_for_dead_driver_actors()
     killed = {
         "first": first,
@@ -205,7 +207,21 @@ def sweep(ray_session, mlflow_uri, tmp_path_factory):
         "seconds": time.time() - started,
         "uri": mlflow_uri,
         "killed": killed,
+        "console": console,
     }
+
+
+def test_sweep_console_is_one_line_per_trial_event_without_rays_boxes(sweep):
+    """The first driver's console: the project's lines per trial (started, each epoch,
+    finished with its objectives), and none of Ray Tune's own: no configuration box,
+    no status table, no TensorBoard hint."""
+    console = sweep["console"]
+    assert "tensorboard" not in console.lower()
+    assert "Configuration for experiment" not in console and "Trial status" not in console
+    assert "╭" not in console and "+-----" not in console  # Ray's boxes and tables
+    assert re.search(r"trial \S+ started: ", console)
+    assert re.search(r"trial \S+ epoch \d+: accuracy [0-9.]+, [0-9.]+ tokens/image", console)
+    assert re.search(r"trial \S+ finished \(\d+/5\): accuracy [0-9.]+ at [0-9.]+ tokens/image", console)
 
 
 def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
@@ -242,12 +258,18 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
         for p in data["points"]
     )
 
-    # the frontier table, read back from the parent, is non-dominated and dominates the rest
+    # the frontier, read back from the parent, is non-dominated and dominates the rest;
+    # its table is rounded for people (the JSON is not)
     frontier_file = client.download_artifacts(parent.info.run_id, "frontier.json", str(tmp_path))
     table = json.loads(Path(frontier_file).read_text())
     rows = [dict(zip(table["columns"], row)) for row in table["data"]]
     assert rows and len(rows) == len(data["frontier"])
-    pairs = [(r["accuracy"], r["tokens_per_image"]) for r in rows]
+    for row, point in zip(rows, data["frontier"]):
+        assert row["run_id"] == point["run_id"]
+        assert row["tokens_per_image"] == round(point["tokens_per_image"], 1)
+        assert row["accuracy"] == float(f"{point['accuracy']:.4g}")
+        assert row["token_ratio"] == float(f"{point['token_ratio']:.4g}")
+    pairs = [(p["accuracy"], p["tokens_per_image"]) for p in data["frontier"]]
     for a, b in itertools.permutations(pairs, 2):
         assert not dominates(a, b)
     point_runs = [
@@ -269,7 +291,7 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     # the hypervolume metric is the table's, against the documented reference point (0, 1)
     hv = parent.data.metrics["hypervolume"]
     assert hv == pytest.approx(data["hypervolume"])
-    assert hv == pytest.approx(hypervolume([(r["accuracy"], r["token_ratio"]) for r in rows], (0.0, 1.0)))
+    assert hv == pytest.approx(hypervolume([(p["accuracy"], p["token_ratio"]) for p in data["frontier"]], (0.0, 1.0)))
     assert hv > 0
 
     # the plot, the best point's split maps, the frontier's logged models
@@ -280,8 +302,34 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "split_maps")] == ["split_maps/best_point.png"]
     logged = [r["model_uri"] for r in rows if r.get("model_uri")]
     assert len(logged) == 1  # mlflow.log_models: 1, the largest hypervolume contribution
+    best_run = parent.data.tags["splitvit.best_run"]
     for uri in logged:
-        assert client.get_logged_model(uri.split("/", 1)[1]).source_run_id in frontier_ids
+        model = client.get_logged_model(uri.split("/", 1)[1])
+        assert model.source_run_id in frontier_ids
+        # named by its point: the best one, its trial and its token ratio in percent
+        best = next(p for p in data["frontier"] if p["run_id"] == best_run)
+        assert model.source_run_id == best_run
+        assert model.name == f"best-{best['trial_id']}-tr{best['token_ratio'] * 100:.0f}pct"
+
+    # the parent reads at a glance: a handful of params, the space as one YAML file,
+    # a markdown description with the hypervolume, the best point and the links
+    assert len(parent.data.params) <= 8, sorted(parent.data.params)
+    assert parent.data.params["space_file"] == "space.yaml" and parent.data.params["metric"] == "accuracy"
+    assert not any(k.startswith(("parameters.", "fixed.", "search.")) for k in parent.data.params)
+    assert "search_space.yaml" in artifacts
+    stored = yaml.safe_load(
+        Path(client.download_artifacts(parent.info.run_id, "search_space.yaml", str(tmp_path))).read_text()
+    )
+    assert set(stored["parameters"]) >= {"train.lambda_budget", "model.thresholds[0]", "train.lr"}
+    assert stored["search"]["num_samples"] == 5
+    note = parent.data.tags["mlflow.note.content"]
+    assert f"Hypervolume {hv:.4g}" in note and f"`{best['trial_id']}`" in note
+    assert f"runs/{parent.info.run_id}/artifacts/pareto.png" in note and logged[0] in note
+    assert "Trials: 5 (" in note and "random @" in note
+
+    # MLflow's chart view scatters points without set-up: every point run has both figures
+    for run in point_runs:
+        assert {"accuracy", "tokens_per_image"} <= set(run.data.metrics)
 
     # baselines on the same axes: full resolution, entropy, random at a frontier budget
     kinds = sorted(b["baseline"] for b in data["baselines"])
@@ -295,6 +343,15 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     again = json.loads(out.read_text())
     assert {p["run_id"] for p in again["frontier"]} == frontier_ids
     assert again["hypervolume"] == pytest.approx(hv)
+    # the one sweep read brings its baselines back, and the library draws the lot
+    from splitvit.tune import frontier_from_mlflow
+    from splitvit.tune.plot import save_frontier_plot
+
+    read = frontier_from_mlflow("sweep-e2e", sweep["uri"])
+    assert read["sweeps"] == [parent.info.run_id] and read["sweep_names"] == {parent.info.run_id: "e2e"}
+    assert sorted(b["baseline"] for b in read["baselines"]) == ["entropy", "full", "random"]
+    drawn = save_frontier_plot(read, tmp_path / "read" / "frontier.png")
+    assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_frontier_is_timed_against_full_resolution_and_read_back(sweep, tmp_path, capsys):
@@ -337,7 +394,8 @@ def test_frontier_is_timed_against_full_resolution_and_read_back(sweep, tmp_path
     table = json.loads(Path(client.download_artifacts(parent.info.run_id, "frontier.json", str(tmp_path))).read_text())
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]
     assert {r["run_id"]: r["speedup_vs_full"] for r in rows} == pytest.approx(
-        {k: r["speedup_vs_full"] for k, r in timed.items()}
+        {k: r["speedup_vs_full"] for k, r in timed.items()},
+        rel=1e-3,  # the table is rounded to 4 digits
     )
     header = (
         Path(client.download_artifacts(parent.info.run_id, "frontier.csv", str(tmp_path))).read_text().splitlines()[0]
@@ -429,7 +487,8 @@ def test_failing_trials_are_recorded_and_the_sweep_goes_on(sweep):
     bad_ids = {t["trial_id"] for t in bad}
     assert not bad_ids & {p["trial_id"] for p in data["points"]}
     assert not bad_ids & {p["trial_id"] for p in data["frontier"]}
-    assert data["mlflow"] and data["status"] == "completed"
+    assert data["status"] == "ok" and data["sweep_status"] == "completed" and data["error"] is None
+    assert data["mlflow"]["run_id"] == data["mlflow"]["parent_run_id"]
 
 
 def test_resume_after_the_driver_is_killed(sweep):
@@ -478,17 +537,21 @@ def test_resume_and_restart_guards(ray_session, mlflow_uri, tmp_path):
         run_sweep(space, name="taken")
 
 
-def test_a_trial_trains_through_run_training(monkeypatch):
+def test_a_trial_trains_through_run_training(monkeypatch, tmp_path):
     """A trial is the same fit as ``splitvit train`` (run_training), its epochs
     reported to Tune; Ray Train giving up is the trial's TrialFailed."""
     import ray.tune.integration.ray_train as tune_integration
 
     import splitvit.train.ray_trainer as ray_trainer
     from splitvit.config import ExperimentConfig
+    from splitvit.train.checkpoints import write_history
     from splitvit.train.ray_trainer import TrainingError, TrainResult
     from splitvit.tune.trial import TrialFailed, fit_trial
 
     calls: list[dict] = []
+    checkpoint = tmp_path / "t" / "checkpoint_epoch0000"
+    checkpoint.mkdir(parents=True)
+    write_history(checkpoint, [{"epoch": 0, "accuracy": 0.5}])
 
     def fake_run_training(config, **kwargs):
         calls.append({"tracking": config.tracking.enabled, **kwargs})
@@ -498,8 +561,8 @@ def test_a_trial_trains_through_run_training(monkeypatch):
             name="t",
             status="diverged",
             metrics={"accuracy": 0.5},
-            checkpoint_uri="/x/checkpoint_epoch0000",
-            run_uri="/x",
+            checkpoint_uri=str(checkpoint),
+            run_uri=str(checkpoint.parent),
             message="non-finite loss",
         )
 
@@ -512,8 +575,9 @@ def test_a_trial_trains_through_run_training(monkeypatch):
     assert fit_trial(config) == {
         "status": "diverged",
         "metrics": {"accuracy": 0.5},
-        "checkpoint": "/x/checkpoint_epoch0000",
+        "checkpoint": str(checkpoint),
         "message": "non-finite loss",
+        "history": [{"epoch": 0, "accuracy": 0.5}],  # the checkpoint's per-epoch figures
     }
     assert [type(c) for c in calls[0]["callbacks"]] == [TuneReportCallback]
     assert calls[0]["tracking"] is False and config.tracking.enabled  # the trial's copy only: MLflow is the driver's

@@ -1,29 +1,189 @@
 """The ``splitvit`` command.
 
 Each subcommand parses its arguments, calls the library, prints its figures and,
-with ``--json PATH``, writes them as JSON for scripts.
+with ``--json PATH``, writes them as JSON for scripts: one envelope for every
+command (:func:`envelope`), written on failure too. Every subcommand takes ``-v``
+and ``--tracking-uri`` (:func:`_common`); those that take config overrides take
+them as ``--set KEY=VALUE``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import signal
 import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("splitvit")
 
+#: the envelope's MLflow block; every key is there, None where the command has no such thing
+MLFLOW_KEYS = ("tracking_uri", "experiment_id", "run_id", "url")
+
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
-    """Write a command's figures to ``path`` (no-op when ``path`` is None)."""
+    """Write ``payload`` to ``path`` (no-op when ``path`` is None); commands hand their
+    figures to :func:`emit` instead, which puts them in the envelope."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+
+
+@dataclass
+class Report:
+    """What one command run reports: its figures, its MLflow ids and its error line.
+    ``main`` creates it (``args.report``) and writes it as the envelope at the end."""
+
+    command: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    mlflow: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def emit(
+    args: argparse.Namespace,
+    payload: dict[str, Any],
+    *,
+    tracking_uri: str | None = None,
+    experiment_id: str | None = None,
+    run_id: str | None = None,
+) -> None:
+    """Hand a command's figures (top-level keys of the envelope) and its MLflow ids
+    to the envelope ``main`` writes with ``--json``."""
+    report: Report = args.report
+    report.payload = dict(payload)
+    given = {"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run_id}
+    report.mlflow.update({k: v for k, v in given.items() if v is not None})
+
+
+def fail(args: argparse.Namespace, message: str, code: int = 1) -> int:
+    """Print ``splitvit COMMAND: error: MESSAGE``, keep it as the envelope's error, return ``code``."""
+    args.report.error = message
+    print(f"splitvit {args.report.command}: error: {message}", file=sys.stderr)
+    return code
+
+
+def outcome(code: int) -> str:
+    """The envelope's ``status`` for an exit status: ok, interrupted (130/143) or failed."""
+    if code == 0:
+        return "ok"
+    return "interrupted" if code in (130, 143) else "failed"
+
+
+def mlflow_url(tracking_uri: str | None, experiment_id: str | None, run_id: str | None) -> str | None:
+    """The run's (else the experiment's) page on an http(s) tracking server; None for a
+    local store (a SQLite file or a folder has no page until someone runs ``mlflow ui``)."""
+    from .config import redact_uri
+
+    if not tracking_uri or not tracking_uri.startswith(("http://", "https://")) or not experiment_id:
+        return None
+    base = f"{redact_uri(tracking_uri).rstrip('/')}/#/experiments/{experiment_id}"
+    return f"{base}/runs/{run_id}" if run_id else base
+
+
+def _mlflow_block(ids: dict[str, Any]) -> dict[str, Any]:
+    """The envelope's ``mlflow``: every key of :data:`MLFLOW_KEYS`, the URI redacted."""
+    from .config import redact_uri
+
+    block = {k: ids.get(k) for k in MLFLOW_KEYS}
+    if block["run_id"] and not block["experiment_id"] and block["tracking_uri"]:
+        # the run knows its experiment: one look-up, no retries, 5 s at most (a server that
+        # stopped answering must not hold the command's exit); the envelope is written anyway
+        quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+        with contextlib.suppress(Exception), _environment(quick):
+            import mlflow
+
+            block["experiment_id"] = (
+                mlflow.MlflowClient(block["tracking_uri"]).get_run(block["run_id"]).info.experiment_id
+            )
+    block["url"] = block["url"] or mlflow_url(block["tracking_uri"], block["experiment_id"], block["run_id"])
+    if block["tracking_uri"]:
+        block["tracking_uri"] = redact_uri(block["tracking_uri"])
+    return block
+
+
+def envelope(report: Report, code: int, wall_time_s: float) -> dict[str, Any]:
+    """The JSON every ``--json`` writes: ``command``, ``status`` (:func:`outcome`),
+    ``error`` (None, or the one line printed after ``error:``), ``mlflow`` (the keys
+    of :data:`MLFLOW_KEYS`, plus a command's own, e.g. the sweep's ``ui``),
+    ``wall_time_s`` (the whole command), and the command's figures at the top level.
+    The envelope's keys win over a figure of the same name."""
+    body = dict(report.payload)
+    own = body.pop("mlflow", None) or {}
+    status = outcome(code)
+    return {
+        **body,
+        "command": report.command,
+        "status": status,
+        "error": None if status == "ok" else (report.error or f"exit status {code}"),
+        # a command's own url (the sweep's: a local `mlflow ui` page) gives way to the rule above
+        "mlflow": {**own, **_mlflow_block({**{k: v for k, v in own.items() if k != "url"}, **report.mlflow})},
+        "wall_time_s": round(wall_time_s, 3),
+    }
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set while the block runs, restored after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _tracking_env(uri: str | None) -> contextlib.AbstractContextManager[None]:
+    """``--tracking-uri`` as ``$MLFLOW_TRACKING_URI`` while the command runs, for what
+    reads the store from the environment (``bench train --tracking``, the default
+    config); commands with a config also get it as an override, which beats the file."""
+    return _environment({"MLFLOW_TRACKING_URI": uri}) if uri else contextlib.nullcontext()
+
+
+def _common(mlflow: str | None) -> argparse.ArgumentParser:
+    """``-v`` and ``--tracking-uri``, for every subcommand (after its name).
+
+    Their defaults are suppressed so that a subcommand's parser does not overwrite
+    a ``-v`` given before the subcommand. ``mlflow`` says what the URI is for; None:
+    the command does not use MLflow, and its help says the option is ignored.
+    """
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress at INFO level"
+    )
+    common.add_argument(
+        "--tracking-uri",
+        default=argparse.SUPPRESS,
+        metavar="URI",
+        help=mlflow or "ignored: this command does not use MLflow (accepted, as on every command, for scripts)",
+    )
+    # the envelope names the store only for commands that use one
+    common.set_defaults(uses_mlflow=mlflow is not None)
+    return common
+
+
+_TRACKING = "MLflow store, over $MLFLOW_TRACKING_URI and the config's tracking.tracking_uri"
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` overrides (positional KEY=VALUE first, where a command keeps them as an
+    alias), then ``--tracking-uri`` as ``tracking.tracking_uri``, last so that it wins."""
+    found = [*getattr(args, "positional_overrides", []), *args.overrides]
+    if args.tracking_uri:
+        found.append(f"tracking.tracking_uri={args.tracking_uri}")
+    return found
 
 
 def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
@@ -42,7 +202,9 @@ def _fmt(value: Any) -> str:
 # ---------------------------------------------------------------------- demo
 def _add_demo(sub) -> None:
     p = sub.add_parser(
-        "demo", help="train a tiny SPLIT model and a full-resolution ViT on synthetic data, compare them"
+        "demo",
+        parents=[_common(None)],
+        help="train a tiny SPLIT model and a full-resolution ViT on synthetic data, compare them",
     )
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the demo's)")
     p.add_argument("--samples", type=int, default=None, help="training images (default: the demo's)")
@@ -60,13 +222,13 @@ def _run_demo(args) -> int:
     result = run_demo(out_dir=args.out, epochs=args.epochs, samples=args.samples, target_ratio=args.target_ratio)
     _print_table(result["rows"], ["method", "accuracy", "tokens_per_image", "token_ratio", "fine_on_object"])
     print(f"split maps: {result['split_map']}")
-    write_json(args.json, result)
+    emit(args, result)
     return 0
 
 
 # ---------------------------------------------------------------------- viz
 def _add_viz(sub) -> None:
-    p = sub.add_parser("viz", help="draw the quadtree a policy chooses over images into a PNG")
+    p = sub.add_parser("viz", parents=[_common(None)], help="draw the quadtree a policy chooses over images into a PNG")
     p.add_argument("--checkpoint", help="a SplitViT checkpoint (SplitViT.save); without it a fresh model is built")
     p.add_argument("--policy", help="policy to draw (default: the checkpoint's, or entropy)")
     p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
@@ -86,7 +248,8 @@ def parse_thresholds(text: str | None) -> list[float] | None:
     try:
         return [float(t) for t in text.split(",")]
     except ValueError:
-        raise SystemExit(f"--thresholds: expected comma-separated numbers in [0, 1], got {text!r}") from None
+        # bad input: exit 2 with one line, and the envelope written, as for any other bad option
+        raise ValueError(f"--thresholds: expected comma-separated numbers in [0, 1], got {text!r}") from None
 
 
 def _run_viz(args) -> int:
@@ -108,7 +271,8 @@ def _run_viz(args) -> int:
     options = {"num_samples": args.count} if args.dataset == "synthetic" else {}
     if args.root:
         options["uri" if args.dataset == "parquet" else "root"] = args.root
-    data = build_dataset(args.dataset, "val", image_size=size, seed=args.seed, **options)
+    interpolation = model.data_config["interpolation"]
+    data = build_dataset(args.dataset, "val", image_size=size, interpolation=interpolation, seed=args.seed, **options)
     count = min(args.count, len(data))
     images = torch.stack([data[i][0] for i in range(count)])
     with torch.no_grad():
@@ -119,8 +283,8 @@ def _run_viz(args) -> int:
         f"wrote {args.out}: {model.policy.name} policy, "
         f"mean {out.tokens.float().mean():.1f} of {out.full_tokens} tokens"
     )
-    write_json(
-        args.json,
+    emit(
+        args,
         {"png": args.out, "policy": model.policy.name, "tokens": out.tokens.tolist(), "full_tokens": out.full_tokens},
     )
     return 0
@@ -130,15 +294,22 @@ def _run_viz(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser(
         "bench",
+        parents=[
+            _common(
+                "MLflow store of `bench train --tracking` (default: a temporary one); "
+                "bench forward and bench data ignore it"
+            )
+        ],
         help="SPLIT vs full resolution, side by side: forward speed, overhead, memory "
-        "(bench forward), or training-step throughput and Ray Train's overhead (bench train)",
+        "(bench forward), training-step throughput and Ray Train's overhead (bench train), "
+        "or parquet on S3 against local copies: bytes read per epoch and images/s (bench data)",
     )
     p.add_argument(
         "kind",
         nargs="?",
-        choices=("forward", "train"),
+        choices=("forward", "train", "data"),
         default="forward",
-        help="forward (default): the forward benchmark; train: the training benchmark",
+        help="forward (default): the forward benchmark; train: the training benchmark; data: the data benchmark",
     )
     # shared options; defaults differ by benchmark (None: the benchmark's own)
     p.add_argument(
@@ -205,6 +376,27 @@ def _add_bench(sub) -> None:
         "--teacher", choices=("gradient", "attention"), help="the policy's relevance teacher (default gradient)"
     )
     train.add_argument("--teacher-every", type=int, help="the relevance teacher on every k-th policy step (default 1)")
+    data = p.add_argument_group("bench data only (also --samples (default 2048), --image-size (64), --batch-size (32))")
+    data.add_argument(
+        "--data-uri", help="s3://bucket/prefix to push the shards under (default: a moto S3 server started here)"
+    )
+    data.add_argument("--data-dir", help="folder for the local copies (default: a temporary folder)")
+    data.add_argument("--rows-per-shard", type=int, help="rows per parquet file (default 512)")
+    data.add_argument("--row-group-size", type=int, help="rows per row group (default 16)")
+    data.add_argument("--num-workers", type=int, help="DataLoader worker processes (default 0)")
+    data.add_argument("--cache-row-groups", type=int, help="row groups cached per process = shuffle window (default 4)")
+    data.add_argument(
+        "--global-shuffle",
+        action="store_true",
+        default=None,
+        help="also read S3 in a global shuffle (the old path: a row-group read per item)",
+    )
+    data.add_argument(
+        "--imagefolder",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also read the images as a local image folder (default: on)",
+    )
     p.set_defaults(func=_run_bench)
 
 
@@ -222,6 +414,29 @@ _TRAIN_ONLY = (
     "teacher_every",
 )
 _FORWARD_ONLY = ("ratios", "policies", "buckets", "memory", "token_buckets", "compile")
+_DATA_ONLY = (
+    "data_uri",
+    "data_dir",
+    "rows_per_shard",
+    "row_group_size",
+    "num_workers",
+    "cache_row_groups",
+    "global_shuffle",
+    "imagefolder",
+)
+# the model's options: the data benchmark has no model
+_MODEL_OPTIONS = (
+    "model",
+    "patch_size",
+    "levels",
+    "embed_dim",
+    "depth",
+    "heads",
+    "policy_depth",
+    "policy_width",
+    "repeats",
+    "bf16",
+)
 
 
 def _number_list(option: str, text: str | None, kind: type = float) -> tuple | None:
@@ -243,6 +458,11 @@ def _shrunk(args) -> dict:
 
 
 def _run_bench(args) -> int:
+    if args.kind == "data":
+        return _run_bench_data(args)
+    given = [f"--{k.replace('_', '-')}" for k in _DATA_ONLY if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of 'splitvit bench data' only")
     only, other = (_TRAIN_ONLY, "train") if args.kind == "forward" else (_FORWARD_ONLY, "forward")
     given = [f"--{k.replace('_', '-')}" for k in only if getattr(args, k) is not None]
     if given:
@@ -279,7 +499,7 @@ def _run_bench(args) -> int:
     )
     result = run_forward_benchmark(settings)
     print(format_report(result))
-    write_json(args.json, result)
+    emit(args, result)
     return 0
 
 
@@ -325,15 +545,45 @@ def _run_bench_train(args) -> int:
         autocast_bf16=_bench_bf16(args),
     )
     print(format_train_report(result))
-    write_json(args.json, result)
+    emit(args, result)
+    return 0
+
+
+def _run_bench_data(args) -> int:
+    from .bench.data import DataBenchSettings, format_data_report, run_data_benchmark
+
+    unused = (*_FORWARD_ONLY, *_MODEL_OPTIONS, *(k for k in _TRAIN_ONLY if k != "samples"))
+    given = [f"--{k.replace('_', '-')}" for k in unused if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not options of 'splitvit bench data'")
+    options = {
+        "s3_uri": args.data_uri,
+        "local_dir": args.data_dir,
+        "samples": args.samples,
+        "image_size": args.image_size,
+        "batch_size": args.batch_size,
+        "rows_per_shard": args.rows_per_shard,
+        "row_group_size": args.row_group_size,
+        "num_workers": args.num_workers,
+        "cache_row_groups": args.cache_row_groups,
+        "global_shuffle": args.global_shuffle,
+        "imagefolder": args.imagefolder,
+    }
+    result = run_data_benchmark(DataBenchSettings(**{k: v for k, v in options.items() if v is not None}))
+    print(format_data_report(result))
+    emit(args, result.as_dict())
     return 0
 
 
 # ---------------------------------------------------------------------- data
 def _add_data(sub) -> None:
-    p = sub.add_parser("data", help="convert datasets to parquet shards and push them to S3")
+    p = sub.add_parser("data", parents=[_common(None)], help="convert datasets to parquet shards and push them to S3")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    prep = dsub.add_parser("prepare", help="write a dataset split as parquet shards to a folder or s3://bucket/prefix")
+    prep = dsub.add_parser(
+        "prepare",
+        parents=[_common(None)],
+        help="write a dataset split as parquet shards to a folder or s3://bucket/prefix",
+    )
     prep.add_argument("dataset", help="dataset name (see splitvit.data.DATASET_NAMES)")
     prep.add_argument("--split", default="train", choices=["train", "val", "test"])
     prep.add_argument("--out", required=True, help="output folder or s3://bucket/prefix")
@@ -354,9 +604,20 @@ def _add_data(sub) -> None:
     prep.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
     prep.add_argument("--json", help="write the figures to this JSON file")
     prep.set_defaults(func=_run_data_prepare)
-    push = dsub.add_parser("push", help="upload a local folder (e.g. prepared shards) to s3://bucket/prefix with boto3")
+    push = dsub.add_parser(
+        "push",
+        parents=[_common(None)],
+        help="upload a local folder (e.g. prepared shards) to s3://bucket/prefix with boto3",
+    )
     push.add_argument("source", help="local folder")
     push.add_argument("destination", help="s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL)")
+    push.add_argument("--workers", type=int, default=8, help="files uploaded at once (default 8)")
+    push.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="progress on stderr: a bar on a terminal, else a line every 100 files (default: on)",
+    )
     push.add_argument("--json", help="write the figures to this JSON file")
     push.set_defaults(func=_run_data_push)
 
@@ -398,7 +659,7 @@ def _run_data_prepare(args) -> int:
     for path in result.skipped_files:
         print(f"  skipped: {path}")
     print(f"manifest: {result.manifest}")
-    write_json(args.json, payload)
+    emit(args, payload)
     return 0
 
 
@@ -407,23 +668,38 @@ def _run_data_push(args) -> int:
 
     if not is_s3(args.destination):
         raise ValueError(f"destination must be s3://bucket/prefix, got {args.destination!r}")
-    result = upload_dir(args.source, args.destination)
+    if args.progress:  # off a terminal, progress is logged: shown without -v
+        logging.getLogger("splitvit.storage").setLevel(logging.INFO)
+    result = upload_dir(args.source, args.destination, workers=args.workers, progress=args.progress)
     print(
         f"pushed {result.files} files, {result.bytes} bytes, from {result.source} to {result.destination} "
         f"in {result.seconds:.1f}s"
     )
-    write_json(args.json, result.as_dict())
+    emit(args, result.as_dict())
     return 0
 
 
 # ---------------------------------------------------------------------- train / eval
 def _add_train(sub) -> None:
     p = sub.add_parser(
-        "train", help="train an experiment with Ray Train (config YAML + key=value overrides), tracked in MLflow"
+        "train",
+        parents=[_common(_TRACKING)],
+        help="train an experiment with Ray Train (config YAML + --set KEY=VALUE overrides), tracked in MLflow",
     )
     p.add_argument("config", help="experiment YAML (e.g. jobs/configs/smoke.yaml)")
     p.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.epochs=3 storage.name=run1"
+        "positional_overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="the same as --set KEY=VALUE (kept as an alias)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="repeatable; a dotted config override, e.g. --set train.epochs=3 --set storage.name=run1",
     )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--json", help="write final metrics, checkpoint URI and MLflow run id to this JSON file")
@@ -434,7 +710,7 @@ def _run_train(args) -> int:
     from .train.experiment import load_experiment
     from .train.ray_trainer import run_training
 
-    config = load_experiment(args.config, args.overrides)  # a ConfigError stops here, before Ray
+    config = load_experiment(args.config, _overrides(args))  # a ConfigError stops here, before Ray
     print(f"run {config.storage.name}: storage {config.storage.run_uri()}")
     from .cluster.preflight import preflight
 
@@ -457,21 +733,24 @@ def _run_train(args) -> int:
         print(f"mlflow run: {result.mlflow_run_id} ({result.tracking_uri})")
     if result.mlflow_model_uri:
         print(f"mlflow model: {result.mlflow_model_uri}")
-    write_json(args.json, result.to_dict())
+    data = result.to_dict()
+    data["run_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
+    emit(args, data, tracking_uri=result.tracking_uri, run_id=result.mlflow_run_id)
     if result.status != "completed":
         kept = (
             f"last good checkpoint {result.checkpoint_uri}"
             if result.checkpoint_uri
             else "no epoch completed, so no checkpoint was kept"
         )
-        print(f"splitvit train: error: run {result.status}: {result.message}; {kept}", file=sys.stderr)
-        return 1
+        return fail(args, f"run {result.status}: {result.message}; {kept}")
     return 0
 
 
 def _add_eval(sub) -> None:
     p = sub.add_parser(
-        "eval", help="evaluate a training checkpoint (local or s3://): accuracy or mIoU, tokens, images/s"
+        "eval",
+        parents=[_common(None)],
+        help="evaluate a training checkpoint (local or s3://): accuracy or mIoU, tokens, images/s",
     )
     p.add_argument("checkpoint", help="checkpoint folder or its model.pt, local or s3://bucket/...")
     p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
@@ -504,14 +783,16 @@ def _run_eval(args) -> int:
         ["metric", "value"],
     )
     print(f"policy {result['policy']}, thresholds {result['thresholds']}, {result['images']} {args.split} images")
-    write_json(args.json, result)
+    emit(args, result)
     return 0
 
 
 # ---------------------------------------------------------------------- sweep / pareto
 def _add_sweep(sub) -> None:
     p = sub.add_parser(
-        "sweep", help="multi-objective sweep (Ray Tune + Optuna): accuracy up, tokens down; frontier in MLflow"
+        "sweep",
+        parents=[_common(_TRACKING)],
+        help="multi-objective sweep (Ray Tune + Optuna): accuracy up, tokens down; frontier in MLflow",
     )
     p.add_argument("space", help="search space YAML (e.g. search_spaces/smoke.yaml)")
     p.add_argument(
@@ -586,15 +867,17 @@ def _run_sweep(args) -> int:
     import ray
 
     from .tune import SweepError, run_sweep
+    from .tune.console import show_ray_output
 
-    # progress of the sweep (trials starting, epochs, trials finishing) is shown by default
+    # progress of the sweep (trials starting, epochs, trials finishing) is shown by
+    # default, as the project's lines; Ray Tune's own console only with -v
     logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    show_ray_output(args.verbose)
     ours = not ray.is_initialized()
     try:
-        result = run_sweep(args.space, args.overrides, name=args.name, resume=args.resume, ray_address=args.address)
+        result = run_sweep(args.space, _overrides(args), name=args.name, resume=args.resume, ray_address=args.address)
     except SweepError as exc:
-        print(f"splitvit sweep: error: {exc}", file=sys.stderr)
-        return 1
+        return fail(args, str(exc))
     finally:
         if ours and ray.is_initialized():
             # Ray forwards the workers' last log lines late; ending it here keeps them
@@ -655,16 +938,18 @@ def _run_sweep(args) -> int:
     else:
         print(f"open the UI:    {result.mlflow_url()}")
     print(f"wall time:      {result.wall_time_s:.0f} s")
-    write_json(args.json, data)
+    data["sweep_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
+    data.pop("wall_time_s", None)  # the envelope's wall_time_s: the whole command
+    emit(args, data, tracking_uri=result.tracking_uri, experiment_id=result.experiment_id, run_id=result.parent_run_id)
     if result.status != "completed":
-        print("splitvit sweep: error: no trial completed, so there is no frontier", file=sys.stderr)
-        return 1
+        return fail(args, "no trial completed, so there is no frontier")
     return 0
 
 
 def _add_study(sub) -> None:
     p = sub.add_parser(
         "study",
+        parents=[_common(_TRACKING)],
         help="the evidence study: SPLIT vs full resolution, all-coarse, entropy and random "
         "splitting, trained alike, at matched token budgets, over seeds",
     )
@@ -695,12 +980,14 @@ def _add_study(sub) -> None:
 def _run_study(args) -> int:
     import ray
 
-    from .tune.study import run_study, summary_lines
+    from .tune.console import show_ray_output
+    from .tune.study import lever_lines, run_study, summary_lines
 
     logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    show_ray_output(args.verbose)
     ours = not ray.is_initialized()
     try:
-        result = run_study(args.study, args.overrides, scale=args.scale, name=args.name, ray_address=args.address)
+        result = run_study(args.study, _overrides(args), scale=args.scale, name=args.name, ray_address=args.address)
     finally:
         if ours and ray.is_initialized():
             ray.shutdown()
@@ -727,18 +1014,30 @@ def _run_study(args) -> int:
         ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "images/s"],
     )
     print()
+    for line in lever_lines(result.levers, metric):
+        print(line)
     for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed):
         print(line)
     print(f"MLflow: experiment run {result.mlflow_run_id} in {result.tracking_uri}")
-    write_json(args.json, result.to_dict())
-    return 1 if result.failed and not result.runs else 0
+    emit(args, result.to_dict(), tracking_uri=result.tracking_uri, run_id=result.mlflow_run_id)
+    if result.failed and not result.runs:
+        return fail(args, f"no run finished: {result.failed[0]}")
+    return 0
 
 
 def _add_pareto(sub) -> None:
-    p = sub.add_parser("pareto", help="print the Pareto frontier (accuracy vs tokens) of an MLflow experiment's sweeps")
+    p = sub.add_parser(
+        "pareto",
+        parents=[_common("MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")],
+        help="print the Pareto frontier (accuracy vs tokens) of an MLflow experiment's latest sweep (or all of them)",
+    )
     p.add_argument("experiment", help="MLflow experiment name (e.g. smoke-sweep)")
-    p.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
-    p.add_argument("--sweep", help="only this sweep (its parent run id); default: every sweep of the experiment")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--sweep", help="only this sweep (its parent run id); default: the experiment's latest sweep")
+    which.add_argument(
+        "--all", dest="all_sweeps", action="store_true", help="merge every sweep of the experiment into one frontier"
+    )
+    p.add_argument("--plot", metavar="PATH", help="also draw the frontier into this image (PNG)")
     p.add_argument("--json", help="write the points, the frontier and the hypervolume to this JSON file")
     p.set_defaults(func=_run_pareto)
 
@@ -746,7 +1045,7 @@ def _add_pareto(sub) -> None:
 def _run_pareto(args) -> int:
     from .tune import frontier_from_mlflow
 
-    data = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep)
+    data = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep, all_sweeps=args.all_sweeps)
     metric = data["metric"]
     print(
         f"experiment {data['experiment']!r} (id {data['experiment_id']}, {data['tracking_uri']}): "
@@ -765,8 +1064,28 @@ def _run_pareto(args) -> int:
                 "speed-up: not recorded: the sweep(s) did not time their frontier (sweeps before frontier timing, "
                 "or speed.enabled: false)"
             )
-    write_json(args.json, data)
+    if args.plot:
+        from .tune.plot import save_frontier_plot
+
+        data["plot"] = str(save_frontier_plot(data, args.plot))
+        print(f"plot: {data['plot']}")
+    sweeps = data.get("sweeps") or []
+    emit(
+        args,
+        data,
+        tracking_uri=data.get("tracking_uri"),
+        experiment_id=data.get("experiment_id"),
+        # one sweep read: its parent run; several merged: no single run
+        run_id=_sweep_run_id(sweeps[0]) if len(sweeps) == 1 else None,
+    )
     return 0
+
+
+def _sweep_run_id(sweep: Any) -> str | None:
+    """A sweep entry of :func:`frontier_from_mlflow`: its parent run id (an id, or a dict holding one)."""
+    if isinstance(sweep, dict):
+        return sweep.get("run_id") or sweep.get("parent_run_id")
+    return sweep if isinstance(sweep, str) else None
 
 
 # ---------------------------------------------------------------------- submit / stack
@@ -775,6 +1094,12 @@ def _add_submit(sub) -> None:
 
     p = sub.add_parser(
         "submit",
+        parents=[
+            _common(
+                "MLflow server the job logs to (default: $MLFLOW_TRACKING_URI, else the local stack's when submitting "
+                "there)"
+            )
+        ],
         help="run train/sweep/eval as a Ray job (JobSubmissionClient): upload this checkout, follow the log, "
         "exit with the job's status",
         description="Options before ENTRY belong to submit; after it, the job's arguments, except submit's own "
@@ -798,11 +1123,6 @@ def _add_submit(sub) -> None:
     p.add_argument(
         "--pip", action="append", default=[], metavar="REQ", help="extra pip requirement for the job, repeatable"
     )
-    p.add_argument(
-        "--tracking-uri",
-        help="MLflow server the job logs to (default: $MLFLOW_TRACKING_URI, else the "
-        "local stack's when submitting there)",
-    )
     p.add_argument("--submission-id", help="job id to use (default: Ray picks one)")
     p.add_argument("--log-lines", type=int, default=40, help="lines of the job's log shown when it fails")
     p.add_argument("--no-wait", action="store_true", help="submit, print the job id and return")
@@ -812,7 +1132,7 @@ def _add_submit(sub) -> None:
         "job_args",
         nargs=argparse.REMAINDER,
         metavar="ARGS",
-        help="the job's arguments, as for `splitvit ENTRY` (e.g. jobs/configs/smoke.yaml train.epochs=1)",
+        help="the job's arguments, as for `splitvit ENTRY` (e.g. jobs/configs/smoke.yaml --set train.epochs=1)",
     )
     p.set_defaults(func=_run_submit)
 
@@ -863,14 +1183,15 @@ def _run_submit(args) -> int:
             on_submitted=submitted,
         )
     except JobFailed as exc:
-        print(f"splitvit submit: error: {exc}", file=sys.stderr)
-        write_json(args.json, exc.result.to_dict())
-        return 1
+        _emit_job(args, exc.result)
+        return fail(args, str(exc))
     except SubmitError as exc:
         where = f" (job {exc.job_id})" if exc.job_id else ""
+        args.report.error = str(exc)
         print(f"splitvit submit: error{where}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        args.report.error = "stopped following; the job keeps running"
         print(
             "\nstopped following; the job keeps running (`ray job status`, `ray job stop` with its id)", file=sys.stderr
         )
@@ -882,16 +1203,25 @@ def _run_submit(args) -> int:
         print(f"job {result.job_id} {result.status} in {result.duration_s:.0f}s")
     if result.tracking_uri:
         print(f"MLflow: {result.to_dict()['tracking_uri']}")
-    write_json(args.json, result.to_dict())
+    _emit_job(args, result)
     return 0
+
+
+def _emit_job(args: argparse.Namespace, result: Any) -> None:
+    """A job's outcome into the envelope: Ray's job status as ``job_status``."""
+    data = result.to_dict()
+    data["job_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
+    emit(args, data, tracking_uri=result.tracking_uri)
 
 
 def _add_stack(sub) -> None:
     p = sub.add_parser(
-        "stack", help="the local stack: a Ray head (dashboard, job server) and an MLflow server on 127.0.0.1"
+        "stack",
+        parents=[_common(None)],
+        help="the local stack: a Ray head (dashboard, job server) and an MLflow server on 127.0.0.1",
     )
     ssub = p.add_subparsers(dest="stack_command", required=True, metavar="ACTION")
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, parents=[_common(None)])
     common.add_argument("--state-dir", help="the stack's folder (default: $SPLITVIT_STACK_DIR, else ~/.splitvit/stack)")
     common.add_argument("--json", help="write the stack's status to this JSON file")
     upp = ssub.add_parser("up", parents=[common], help="start the stack, wait until it is healthy, write its addresses")
@@ -955,14 +1285,15 @@ def _run_stack_up(args) -> int:
     try:
         status = up(settings)
     except StackError as exc:
-        print(f"splitvit stack up: error: {exc}", file=sys.stderr)
-        return 1
+        return fail(args, str(exc))
     print(
         f"stack {'already running' if status.already_running else 'up'} in {status.state_dir}: "
         f"{'healthy' if status.healthy else 'NOT healthy'}"
     )
     _print_stack(status)
-    write_json(args.json, status.to_dict())
+    emit(args, status.to_dict())
+    if not status.healthy:
+        args.report.error = "the stack is not healthy"
     return 0 if status.healthy else 1
 
 
@@ -972,15 +1303,16 @@ def _run_stack_down(args) -> int:
     try:
         report = down(args.state_dir, grace_s=args.grace)
     except StackError as exc:
-        print(f"splitvit stack down: error: {exc}", file=sys.stderr)
-        return 1
+        return fail(args, str(exc))
     if not report.was_running:
         print(f"no stack runs in {report.state_dir}")
     else:
         print(f"stack in {report.state_dir} stopped: {report.stopped} processes ended, {report.killed} killed")
         if report.ports_open:
-            print(f"splitvit stack down: error: ports still open: {report.ports_open}", file=sys.stderr)
-    write_json(args.json, report.to_dict())
+            fail(args, f"ports still open: {report.ports_open}")
+    emit(args, report.to_dict())
+    if not report.clean and not args.report.error:
+        args.report.error = "the stack did not stop cleanly"
     return 0 if report.clean else 1
 
 
@@ -996,7 +1328,9 @@ def _run_stack_status(args) -> int:
             f"{status.processes} processes"
         )
         _print_stack(status)
-    write_json(args.json, status.to_dict())
+    emit(args, status.to_dict())
+    if not status.healthy:
+        args.report.error = "no stack runs" if status.state is None else "the stack is not healthy"
     return 0 if status.healthy else 1
 
 
@@ -1019,7 +1353,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitvit", description="SPLIT: learned hierarchical patch splitting for ViTs"
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress at INFO level (also accepted after the subcommand)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
@@ -1068,31 +1404,61 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import as_interrupted, error_line, worker_traceback
 
     args = build_parser().parse_args(argv)
+    # the subcommands' -v/--tracking-uri leave no default (one before the subcommand stays)
+    args.verbose = getattr(args, "verbose", False)
+    args.tracking_uri = getattr(args, "tracking_uri", None)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
     )
-    name = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
+    name = " ".join(
+        filter(None, [args.command, getattr(args, "data_command", None), getattr(args, "stack_command", None)])
+    )
+    args.report = Report(
+        name, mlflow={"tracking_uri": args.tracking_uri} if getattr(args, "uses_mlflow", False) else {}
+    )
+    started = time.monotonic()
+    code = 1
     previous = _handle_signals()
     try:
-        return int(args.func(args) or 0)
+        with _tracking_env(args.tracking_uri if getattr(args, "uses_mlflow", False) else None):
+            code = int(args.func(args) or 0)
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM
         stopped = as_interrupted(exc)
         sys.stdout.flush()
         print(f"\nsplitvit {name}: {stopped}", file=sys.stderr)
-        return stopped.exit_code
+        args.report.error = str(stopped)
+        code = stopped.exit_code
     except Exception as exc:  # noqa: BLE001 - bad input, storage, errors from Ray's workers
         status = _exit_status(exc)
-        if status is None:
+        if status is None:  # a bug: the envelope says so, then the traceback in full
+            args.report.error = f"{type(exc).__name__}: {exc}"
+            _write_envelope(args, 1, time.monotonic() - started)
             raise
         sys.stdout.flush()
         # bad input says what it has to say (as before); errors through Ray: their root, one line
-        print(f"splitvit {name}: error: {exc if status == 2 else error_line(exc)}", file=sys.stderr)
+        args.report.error = str(exc) if status == 2 else error_line(exc)
+        print(f"splitvit {name}: error: {args.report.error}", file=sys.stderr)
         if args.verbose:
             print(worker_traceback(exc) or "".join(traceback.format_exception(exc)), file=sys.stderr, end="")
-        return status
+        code = status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    return _write_envelope(args, code, time.monotonic() - started)
+
+
+def _write_envelope(args: argparse.Namespace, code: int, wall_time_s: float) -> int:
+    """Write the envelope to ``--json`` (when given); returns the exit status, 2 when
+    a command that succeeded cannot write its JSON (a bad path: bad input)."""
+    path = getattr(args, "json", None)
+    if not path:
+        return code
+    try:
+        write_json(path, envelope(args.report, code, wall_time_s))
+    except OSError as exc:
+        print(f"splitvit {args.report.command}: error: --json {path}: {exc}", file=sys.stderr)
+        return code or 2
+    return code
 
 
 if __name__ == "__main__":

@@ -109,7 +109,12 @@ class CheckpointEvaluator:
             options.pop("num_samples", None)  # it would win over the split's own count
             options[f"{split}_samples"] = samples
         return build_dataset(
-            data["name"], split, image_size=self.model.geometry.image_size[0], seed=int(data.get("seed", 0)), **options
+            data["name"],
+            split,
+            image_size=self.model.geometry.image_size[0],
+            interpolation=self.model.data_config["interpolation"],
+            seed=int(data.get("seed", 0)),
+            **options,
         )
 
     def first_images(self, count: int, split: str | None = None) -> torch.Tensor:

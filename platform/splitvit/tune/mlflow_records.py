@@ -8,6 +8,10 @@ folder plus ``#threshold<i>`` for a threshold point. Re-recording after a restar
 finds the run that is there instead of making another, so a resumed sweep never
 duplicates runs.
 
+The parent reads at a glance: a handful of params (:func:`sweep_params`), the whole
+space as ``search_space.yaml`` (:func:`search_space_yaml`), and when the sweep ends a
+markdown description (:func:`sweep_note`, MLflow's ``mlflow.note.content`` tag).
+
 Tags: ``splitvit.kind`` (``sweep``, ``trial``, ``threshold_point``),
 ``splitvit.sweep`` (the parent run id), ``splitvit.trial_id``, ``splitvit.metric``
 and MLflow's ``mlflow.parentRunId`` (the UI nests children under it).
@@ -21,11 +25,16 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..config import flatten
 from ..tracking import RunTracker
 from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, mlflow_client
+
+if TYPE_CHECKING:
+    from .pareto import Point
+    from .space import SearchSpace
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +50,12 @@ SPEED_METRICS = ("speedup_vs_full", "timed_images_per_s", "timed_token_ratio")
 PARENT_TAG = "mlflow.parentRunId"
 SAMPLED_PREFIX = "sampled."
 SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
+#: MLflow shows this tag as the run's markdown description (the run page's "Description").
+NOTE_TAG = "mlflow.note.content"
+#: The longest tag value MLflow's SQL stores keep (``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``).
+_MAX_TAG_VALUE = 8000
+SPACE_ARTIFACT = "search_space.yaml"
+PLOT_ARTIFACT = "pareto.png"
 #: Tune's bookkeeping keys, never logged as metrics.
 _TUNE_KEYS = {
     "training_iteration",
@@ -350,6 +365,17 @@ class SweepRecorder:
         """A local file as a parent artifact."""
         mlflow_client(self.tracking_uri).log_artifact(self.parent_run_id, local_path, artifact_path)
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Text as a parent artifact (written again on resume: same content, one file)."""
+        mlflow_client(self.tracking_uri).log_text(self.parent_run_id, text, artifact_file)
+
+    def describe(self, markdown: str) -> None:
+        """The parent run's description (tag ``mlflow.note.content``), cut to what the
+        store keeps."""
+        if len(markdown) > _MAX_TAG_VALUE:
+            markdown = markdown[: _MAX_TAG_VALUE - 40].rsplit("\n", 1)[0] + "\n\n*(cut to fit the store)*"
+        self.parent.set_tags({NOTE_TAG: markdown})
+
     def log_figure(self, figure, artifact_file: str) -> None:
         """A matplotlib figure on the parent."""
         mlflow_client(self.tracking_uri).log_figure(self.parent_run_id, figure, artifact_file)
@@ -371,16 +397,50 @@ def _cell(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- reading back
-def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | None = None) -> dict[str, Any]:
-    """Every finished point of an experiment's sweeps (or of one sweep), from MLflow.
+def missing_store(tracking_uri: str) -> str | None:
+    """Why ``tracking_uri`` names no store on this machine, or ``None`` when it may.
 
-    Returns ``{"experiment_id", "sweeps": [parent run ids], "metric", "reference",
-    "points": [Point, ...]}``. Raises ``ValueError`` when the experiment or sweep is
-    not in the store.
+    A local store is checked before any client touches it: MLflow creates a SQLite
+    database (or a file store's folder) it is pointed at, so a mistyped path would
+    read back as an empty store instead of an error. A server is not checked here
+    (only a request can tell); its errors surface from the first call.
+    """
+    from urllib.parse import unquote, urlparse
+
+    from ..config import redact_uri
+
+    if tracking_uri.startswith("sqlite://"):
+        # sqlite:///relative.db, sqlite:////absolute.db; sqlite:// alone is in memory
+        path = unquote(tracking_uri[len("sqlite://") :].split("?", 1)[0])
+        if path in ("", "/", "/:memory:"):
+            return None
+        db = Path(path[1:] if path.startswith("/") else path)
+        return None if db.is_file() else f"no MLflow store at {redact_uri(tracking_uri)}: {db} does not exist"
+    scheme = urlparse(tracking_uri).scheme
+    if scheme in ("", "file"):
+        folder = Path(unquote(urlparse(tracking_uri).path) if scheme == "file" else tracking_uri)
+        return None if folder.is_dir() else f"no MLflow store at {tracking_uri}: {folder} is not a folder"
+    return None
+
+
+def points_from_mlflow(
+    tracking_uri: str, experiment: str, sweep_run_id: str | None = None, *, all_sweeps: bool = False
+) -> dict[str, Any]:
+    """The finished points of one sweep of an experiment, or of all of them, from MLflow.
+
+    Which sweep: ``sweep_run_id`` when given, else every sweep with ``all_sweeps``,
+    else the latest started (its reference point and metric apply to the merge too).
+
+    Returns ``{"experiment_id", "sweeps": [parent run ids], "sweep_names": {id: name},
+    "metric", "reference", "points": [Point, ...], "speed"}``. Raises ``ValueError``
+    when the store, the experiment or the sweep is not there (nothing is created).
     """
     from ..config import redact_uri
     from .pareto import Point
 
+    missing = missing_store(tracking_uri)
+    if missing:
+        raise ValueError(missing)
     client = mlflow_client(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
@@ -398,6 +458,8 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
             raise ValueError(f"run {sweep_run_id} is not a sweep of experiment {experiment!r}")
     if not parents:
         raise ValueError(f"experiment {experiment!r} holds no sweep (no run tagged {KIND_TAG}=sweep)")
+    if sweep_run_id is None and not all_sweeps:
+        parents = parents[:1]  # the latest: sweeps of other spaces or settings do not mix unasked
     metric = parents[0].data.tags.get(METRIC_TAG, "accuracy")
     # a tag, not the pareto.* params: stores written before the redaction spared token
     # counts hold pareto.token_ratio as "***" (taken for a secret)
@@ -448,6 +510,7 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
     return {
         "experiment_id": experiment_id,
         "sweeps": sorted(sweep_ids),
+        "sweep_names": {p.info.run_id: p.info.run_name for p in parents},
         "metric": metric,
         "reference": reference,
         "points": points,
@@ -458,3 +521,178 @@ def points_from_mlflow(tracking_uri: str, experiment: str, sweep_run_id: str | N
 def flat_params(data: dict[str, Any]) -> dict[str, Any]:
     """A nested settings dict as MLflow params (``search.num_samples``...)."""
     return {param_name(k): json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in flatten(data).items()}
+
+
+# ---------------------------------------------------------------------- readable records
+def sweep_params(space: SearchSpace) -> dict[str, Any]:
+    """The parent run's params: what a reader compares sweeps by, at a glance. The whole
+    space, defaults and overrides included, is the ``search_space.yaml`` artifact."""
+    return {
+        "space_file": Path(space.source).name,
+        "base_config": Path(space.base).name,
+        "num_samples": space.search.num_samples,
+        "sampler": space.search.sampler,
+        "metric": space.quality_metric,
+        "reference_point": f"{space.quality_metric} {space.pareto.quality:g}, token ratio {space.pareto.token_ratio:g}",
+        "searched": ", ".join(space.parameters),
+    }
+
+
+def search_space_document(space: SearchSpace) -> dict[str, Any]:
+    """The space as its YAML file writes it, with every default and ``--set`` override
+    filled in: :func:`~splitvit.tune.space.space_from_dict` loads it back to the same
+    space (``base`` is the resolved path of the base config)."""
+    data = json.loads(json.dumps(space.to_dict(), default=str))  # tuples -> lists: plain YAML
+    # to_dict keeps ``low`` even when None (a bound of 0 would read as unset): not a setting here
+    parameters = {
+        name: {k: v for k, v in spec.items() if k != "name" and v is not None}
+        for name, spec in data.pop("parameters").items()
+    }
+    # fixed values live under ``parameters`` in a space file, as plain values
+    document = {"description": data.pop("description"), "base": data.pop("base")}
+    data.pop("source")
+    document["parameters"] = {**parameters, **data.pop("fixed")}
+    data["pareto"] = {"reference_point": data["pareto"]}  # the file nests the point one level down
+    return {**document, **data}
+
+
+def _redacted(value: Any, key: str = "") -> Any:
+    """``value`` with secret-named entries masked and passwords cut from URIs, at any
+    depth (the rule of :func:`~splitvit.tracking.runs.safe_params`, for a document
+    that a run's readers can download)."""
+    from ..config import REDACTED, is_secret_key, redact_uri
+
+    if key and is_secret_key(key) and value is not None and not isinstance(value, dict):
+        return REDACTED
+    if isinstance(value, dict):
+        return {k: _redacted(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v, key) for v in value]
+    return redact_uri(value) if isinstance(value, str) else value
+
+
+def search_space_yaml(space: SearchSpace) -> str:
+    """:func:`search_space_document` as YAML (secrets masked), headed by where it came from."""
+    import yaml
+
+    header = f"# search space of this sweep: {space.source}, with defaults and --set overrides applied\n"
+    document = _redacted(search_space_document(space))
+    return header + yaml.safe_dump(document, sort_keys=False, allow_unicode=True)
+
+
+def _md(value: Any) -> str:
+    """A markdown table cell: rounded floats, pipes escaped."""
+    if isinstance(value, float):
+        value = "-" if not math.isfinite(value) else value
+    return str(value).replace("|", "\\|")
+
+
+def _md_table(rows: list[dict[str, Any]]) -> list[str]:
+    from .pareto import round_figures
+
+    if not rows:
+        return []
+    rows = [round_figures(r) for r in rows]
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_md(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return lines
+
+
+def sweep_note(
+    *,
+    name: str,
+    metric: str,
+    hypervolume: float,
+    reference: tuple[float, float],
+    points: list[Point],
+    best: Point | None,
+    baselines: list[dict[str, Any]],
+    trial_status: dict[str, int],
+    experiment_id: str,
+    parent_run_id: str,
+    plot: str | None = PLOT_ARTIFACT,
+    top: int = 5,
+) -> str:
+    """The parent run's markdown description: the hypervolume, the best points, the
+    baselines at matched budgets, links to the plot and the best model, the trials by
+    status. Links are relative to the MLflow UI (``#/experiments/...``), so they work
+    on any host that serves the store."""
+    from .pareto import frontier
+
+    front = frontier(points)
+    lines = [f"## Sweep `{name}`: {metric} vs tokens per image", ""]
+    lines.append(
+        f"**Hypervolume {hypervolume:.4g}** (reference point: {metric} {reference[0]:g}, token ratio "
+        f"{reference[1]:g}); {len(front)} of {len(points)} points on the frontier."
+    )
+    trials = ", ".join(f"{n} {status}" for status, n in sorted(trial_status.items()))
+    lines += ["", f"Trials: {sum(trial_status.values())} ({trials or 'none'})."]
+    run_page = f"#/experiments/{experiment_id}/runs"
+    links = []
+    if plot:
+        links.append(f"[the frontier plot]({run_page}/{parent_run_id}/artifacts/{plot}) (`{plot}`)")
+    if best is not None and best.model_uri and best.model_uri.startswith("models:/"):
+        model_id = best.model_uri.split("/", 1)[1].strip("/")
+        links.append(f"[the best point's model](#/experiments/{experiment_id}/models/{model_id}) (`{best.model_uri}`)")
+    if best is not None and best.run_id:
+        links.append(f"[the best point's run]({run_page}/{best.run_id})")
+    links.append(f"[the frontier table]({run_page}/{parent_run_id}/artifacts/frontier.json)")
+    lines += ["", "See " + ", ".join(links) + "."]
+    # MLflow keeps chart layouts in the browser, not in the store: say how, in three clicks
+    lines += [
+        "",
+        f"Every trial and threshold-point run carries `{metric}` and `tokens_per_image`: in the experiment's "
+        f"chart view, *Add chart → Scatter*, X `tokens_per_image`, Y `{metric}` draws every point.",
+    ]
+    if best is not None:
+        lines += [
+            "",
+            f"**Best point** (largest hypervolume contribution): {metric} {best.quality:.4g} at "
+            f"{best.tokens_per_image:.1f} tokens per image (token ratio {best.token_ratio:.3g}), trial "
+            f"`{best.trial_id}`, thresholds {[float(f'{t:.3g}') for t in best.thresholds]}.",
+        ]
+    chosen = sorted(front, key=lambda p: -p.hv_contribution)[:top]
+    if chosen:
+        lines += ["", f"### Frontier points with the largest hypervolume contributions (top {len(chosen)})", ""]
+        lines += _md_table(
+            [
+                {
+                    "tokens/image": p.tokens_per_image,
+                    metric: p.quality,
+                    "token ratio": p.token_ratio,
+                    "HV contribution": p.hv_contribution,
+                    "trial": p.trial_id,
+                    "kind": p.kind,
+                    "best": "best" if p is best else "",
+                    "model logged": "yes" if p.model_uri else "",
+                }
+                for p in sorted(chosen, key=lambda p: p.tokens_per_image)
+            ]
+        )
+    matched = _matched_baselines(baselines, front, metric)
+    if matched:
+        lines += ["", "### Baselines at matched budgets (same backbone as the best point)", ""]
+        lines += _md_table(matched)
+    return "\n".join(lines) + "\n"
+
+
+def _matched_baselines(baselines: list[dict[str, Any]], front: list[Point], metric: str) -> list[dict[str, Any]]:
+    """Each baseline beside the best frontier quality at no more tokens per image (the
+    SPLIT point one would pick at that budget); ``-`` where the frontier has none."""
+    rows = []
+    for b in sorted(baselines, key=lambda b: b.get("tokens_per_image", 0.0)):
+        if "quality" not in b or "tokens_per_image" not in b:
+            continue
+        within = [p.quality for p in front if p.tokens_per_image <= b["tokens_per_image"] + 1e-9]
+        split = max(within) if within else float("nan")
+        rows.append(
+            {
+                "baseline": b.get("label") or b.get("baseline", ""),
+                "tokens/image": float(b["tokens_per_image"]),
+                metric: float(b["quality"]),
+                "SPLIT within budget": split,
+                "SPLIT − baseline": split - float(b["quality"]),
+            }
+        )
+    return rows

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -65,6 +65,12 @@ class Point:
         data = asdict(self)
         data[metric] = data.pop("quality")
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], metric: str = "accuracy") -> Point:
+        """The inverse of :meth:`to_dict` (keys it does not know are ignored)."""
+        known = {f.name for f in fields(cls)} - {"quality"}
+        return cls(quality=data[metric], **{k: v for k, v in data.items() if k in known})
 
 
 @contextlib.contextmanager
@@ -163,3 +169,20 @@ def best_point(points: list[Point]) -> Point | None:
 def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """``a`` dominates ``b`` in (quality up, tokens down): no worse in both, better in one."""
     return a[0] >= b[0] and a[1] <= b[1] and (a[0] > b[0] or a[1] < b[1])
+
+
+#: Columns whose figures are counts of tokens or images: shown with one decimal.
+ONE_DECIMAL = frozenset({"tokens_per_image", "tokens/image", "images_per_s", "timed_images_per_s"})
+
+
+def round_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """A table row for people: token counts and throughputs to one decimal, every
+    other float (quality, ratios, hypervolume shares, speed-ups, searched values) to
+    four significant digits; everything else as it is. For display only: the JSON
+    keeps full precision, so nothing computed downstream starts from rounded values."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if isinstance(value, float) and math.isfinite(value):
+            value = round(value, 1) if key in ONE_DECIMAL else float(f"{value:.4g}")
+        out[key] = value
+    return out

@@ -1,11 +1,22 @@
 """The sweep's plots: quality versus tokens per image (frontier and baselines on one set
-of axes) and quality versus measured speed-up over full resolution."""
+of axes) and quality versus measured speed-up over full resolution.
+
+Legends sit to the right of the axes, never on them: a frontier reaches every corner
+of the plot (the knee top left, full resolution top right), so any legend placed
+inside covers some of its points.
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
+from pathlib import Path
 from typing import Any
 
 from .pareto import Point, frontier
+
+#: A legend to the right of the axes, its top at the axes' top.
+_LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0, "fontsize": 8}
 
 
 def pareto_figure(
@@ -28,7 +39,7 @@ def pareto_figure(
     matplotlib.use("Agg", force=False)  # no display on a cluster driver
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=110)  # wide: the legend sits on the right
     trials = [p for p in points if p.kind == "trial" and p.finite]
     thresholds = [p for p in points if p.kind == "threshold" and p.finite]
     if thresholds:
@@ -99,8 +110,8 @@ def pareto_figure(
         top = ax.secondary_xaxis("top", functions=(lambda x: x / full_tokens, lambda r: r * full_tokens))
         top.set_xlabel("token ratio (of full resolution)")
     ax.set_title(title or f"{metric} vs tokens per image")
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
-    fig.tight_layout()
+    ax.legend(**_LEGEND_OUTSIDE)
+    fig.tight_layout()  # makes room on the right for the legend
     return fig
 
 
@@ -114,7 +125,7 @@ def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=110)  # wide: the legend sits on the right
     timed = sorted(
         (p for p in frontier(points) if "speedup_vs_full" in p.extras), key=lambda p: p.extras["speedup_vs_full"]
     )
@@ -143,6 +154,45 @@ def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality:
     ax.set_ylabel(metric)
     ax.grid(True, alpha=0.3)
     ax.set_title(title or f"{metric} vs measured speed-up")
-    ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
+    ax.legend(**_LEGEND_OUTSIDE)
     fig.tight_layout()
     return fig
+
+
+def save_frontier_plot(frontier: dict[str, Any], path: str | Path) -> Path:
+    """Draw a frontier read back from MLflow (the dict
+    :func:`~splitvit.tune.sweep.frontier_from_mlflow` returns) to the PNG ``path``:
+    every point, the frontier, its hypervolume and the sweep's baselines when it
+    carries them. Returns the path written (its folder is made)."""
+    import matplotlib.pyplot as plt
+
+    metric = frontier["metric"]
+    points = [Point.from_dict(p, metric) for p in frontier["points"]]
+    baselines = list(frontier.get("baselines") or [])
+    full = next((b["tokens_per_image"] for b in baselines if b.get("baseline") == "full"), None)
+    sweeps = frontier.get("sweeps") or []
+    names = frontier.get("sweep_names") or {}
+    which = (names.get(sweeps[0]) or sweeps[0]) if len(sweeps) == 1 else f"{len(sweeps)} sweeps"
+    fig = pareto_figure(
+        points,
+        baselines,
+        metric=metric,
+        hypervolume=frontier.get("hypervolume"),
+        title=f"{frontier.get('experiment', '')} ({which}): {metric} vs tokens per image",
+        full_tokens=full or _full_tokens(points),
+    )
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(out, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _full_tokens(points: list[Point]) -> float | None:
+    """Full-resolution tokens per image as the points imply it (tokens over token
+    ratio, the median over points: each is the same number up to rounding)."""
+    implied = [p.tokens_per_image / p.token_ratio for p in points if p.finite and p.token_ratio > 0]
+    implied = [v for v in implied if math.isfinite(v)]
+    return statistics.median(implied) if implied else None

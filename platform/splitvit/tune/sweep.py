@@ -54,16 +54,29 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
-from .mlflow_records import REFERENCE_TAG, SPEED_DEVICE_TAG, SPEED_TIMING_TAG, SweepRecorder, flat_params
-from .pareto import Point, annotate, best_point, frontier
+from .console import Progress, ray_console, tune_verbosity
+from .mlflow_records import (
+    PLOT_ARTIFACT,
+    REFERENCE_TAG,
+    SPACE_ARTIFACT,
+    SPEED_DEVICE_TAG,
+    SPEED_TIMING_TAG,
+    SweepRecorder,
+    search_space_yaml,
+    sweep_note,
+    sweep_params,
+)
+from .pareto import Point, annotate, best_point, frontier, round_figures
 from .space import SearchSpace, load_space
 from .trial import (
     FINAL_KEY,
@@ -248,6 +261,8 @@ def _callback_class():
             self.recorder = recorder
             self.plan = plan
             self._params: dict[str, dict[str, Any]] = {}
+            # a bar over the trials on a terminal; the lines below are the record elsewhere
+            self.progress = Progress("trials", plan.space.search.num_samples)
 
         def _config_params(self, trial) -> dict[str, Any]:
             if trial.trial_id not in self._params:
@@ -263,7 +278,7 @@ def _callback_class():
 
         def on_trial_start(self, iteration, trials, trial, **info):
             sampled = self.plan.space.decode(trial.config)
-            log.info("trial %s started: %s", trial.trial_id, _short(sampled))
+            self.progress.log(log, logging.INFO, "trial %s started: %s", trial.trial_id, _short(sampled))
             self._safe(
                 f"trial {trial.trial_id}",
                 self.recorder.trial_started,
@@ -279,7 +294,9 @@ def _callback_class():
                 return
             metric = self.plan.space.quality_metric
             if "epoch" in result:
-                log.info(
+                self.progress.log(
+                    log,
+                    logging.INFO,
                     "trial %s epoch %d: %s %.4f, %.1f tokens/image",
                     trial.trial_id,
                     int(result["epoch"]),
@@ -300,10 +317,13 @@ def _callback_class():
             done = sum(t.status in ("TERMINATED", "ERROR") for t in trials) + 1
             total = self.plan.space.search.num_samples
             if not final.get(FINAL_KEY):
-                log.info("trial %s stopped early (%d/%d)", trial.trial_id, done, total)
+                self.progress.log(log, logging.INFO, "trial %s stopped early (%d/%d)", trial.trial_id, done, total)
+                self.progress.update(done)
                 return  # recorded after the Tuner returns, from its last epoch
             metric = self.plan.space.quality_metric
-            log.info(
+            self.progress.log(
+                log,
+                logging.INFO,
                 "trial %s finished (%d/%d): %s %.4f at %.1f tokens/image, %d threshold points",
                 trial.trial_id,
                 done,
@@ -313,6 +333,7 @@ def _callback_class():
                 final.get("tokens_per_image", float("nan")),
                 len(threshold_points(final)),
             )
+            self.progress.update(done)
             self._safe(
                 f"trial {trial.trial_id}",
                 self.recorder.trial_completed,
@@ -325,9 +346,14 @@ def _callback_class():
 
         def on_trial_error(self, iteration, trials, trial, **info):
             message = _trial_error(trial)
-            log.warning(
-                "trial %s failed: %s", trial.trial_id, message.strip().splitlines()[-1] if message.strip() else "?"
+            self.progress.log(
+                log,
+                logging.WARNING,
+                "trial %s failed: %s",
+                trial.trial_id,
+                message.strip().splitlines()[-1] if message.strip() else "?",
             )
+            self.progress.update(sum(t.status in ("TERMINATED", "ERROR") for t in trials) + 1)
             self._safe(
                 f"trial {trial.trial_id}",
                 self.recorder.trial_failed,
@@ -545,7 +571,7 @@ def run_sweep(
     trainable = _trainable(sweep)
     with sweep.recorder.parent.closed_on_error():
         tuner = _tuner(sweep, trainable, resume=resume)
-        with _experiment_state_period(sweep.space.search.state_period_s):
+        with _experiment_state_period(sweep.space.search.state_period_s), ray_console():
             grid = tuner.fit()
     trials, raw = _collect(grid, sweep.space, setup.sweep_dir)
     unfinished = [t for t in trials if t.status == "unfinished"]
@@ -600,10 +626,8 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
         setup.sweep_dir,
         setup.name,
         space.quality_metric,
-        params={
-            **flat_params({k: v for k, v in space.to_dict().items() if k != "fixed"}),
-            **{f"fixed.{k}": v for k, v in flat_params(space.fixed).items()},
-        },
+        # a handful of readable params; the whole space is the search_space.yaml artifact
+        params=sweep_params(space),
         tags={
             "splitvit.space": space.source,
             "splitvit.sweep_dir": setup.sweep_dir,
@@ -611,6 +635,7 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
         },
     )
     close_stale_runs(recorder.parent)  # left RUNNING by a dead driver: KILLED (a resumed trial re-opens its own)
+    recorder.log_text(search_space_yaml(space), SPACE_ARTIFACT)
     log.info(
         "sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s",
         setup.name,
@@ -662,7 +687,9 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
             callbacks=[_callback_class()(sweep.recorder, sweep.plan)],
             # a failed trial stays failed: Ray Train already retried its workers
             failure_config=tune.FailureConfig(max_failures=0),
-            verbose=1,
+            # Ray's per-trial boxes and status tables off (the callback prints a line per
+            # trial event instead); back with -v
+            verbose=tune_verbosity(),
         ),
     )
 
@@ -901,7 +928,7 @@ def _log_sweep_artifacts(
     space, recorder = sweep.space, sweep.recorder
     full_tokens = next((b["tokens_per_image"] for b in result.baselines if b.get("baseline") == "full"), None)
     if best is not None:
-        _log_models(space, recorder, front)
+        _log_models(space, recorder, front, best)
         result.split_map = _log_best_split_map(space, recorder, best, local_dir)
     result.plot = _plot(result, recorder, local_dir, full_tokens)
     speed_metrics: dict[str, float] = {}
@@ -939,6 +966,24 @@ def _close_sweep_run(
             **speed_metrics,
         }
     )
+    try:
+        recorder.describe(
+            sweep_note(
+                name=result.name,
+                metric=result.metric,
+                hypervolume=result.hypervolume,
+                reference=sweep.reference,
+                points=result.points,
+                best=best,
+                baselines=result.baselines,
+                trial_status=dict(Counter(t.status for t in trials)),
+                experiment_id=recorder.experiment_id,
+                parent_run_id=recorder.parent_run_id,
+                plot=PLOT_ARTIFACT if result.plot else None,
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - a description that will not save must not lose the sweep
+        log.warning("could not write the sweep's description: %s", exc)
     payload = result.to_dict()
     (local_dir / SWEEP_RESULT_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     recorder.parent.log_dict(json.loads(json.dumps(payload, default=str)), SWEEP_RESULT_FILE)
@@ -1080,15 +1125,27 @@ def _record_speed(
     return metrics
 
 
-def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point]) -> None:
+def model_name(point: Point, best: Point | None = None) -> str:
+    """A logged model's name, read as its point: ``best-<trial>-tr42pct`` or
+    ``frontier-<trial>-tr42pct`` (token ratio in percent: MLflow 3 allows no ``.`` in
+    a logged model's name)."""
+    role = "best" if point is best else "frontier"
+    ratio = f"tr{point.token_ratio * 100:.0f}pct" if math.isfinite(point.token_ratio) else "tr-unknown"
+    return f"{role}-{point.trial_id}-{ratio}"
+
+
+def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point], best: Point | None = None) -> None:
     """Log the models of the frontier points (largest hypervolume contribution first),
-    each on its own point run, with the point's thresholds set."""
+    each on its own point run, with the point's thresholds set, named by its point
+    (:func:`model_name`)."""
     from ..model import SplitViT
     from ..tracking import RunTracker
     from ..train.checkpoints import load_payload
 
     limit = space.mlflow.log_models
-    chosen = sorted(front, key=lambda p: -p.hv_contribution)
+    # the best point first, so its model is logged whatever the limit (ties in
+    # contribution would otherwise pick by list order)
+    chosen = sorted(front, key=lambda p: (p is not best, -p.hv_contribution))
     chosen = chosen if limit is None else chosen[:limit]
     payloads: dict[str, dict[str, Any]] = {}
     for i, point in enumerate(chosen):
@@ -1102,6 +1159,7 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point])
             tracker = RunTracker(recorder.tracking_uri, recorder.experiment_id, point.run_id)
             point.model_uri = tracker.log_model(
                 model,
+                name=model_name(point, best),
                 params={
                     "thresholds": json.dumps(point.thresholds),
                     "levels": model.levels,
@@ -1149,7 +1207,7 @@ def _plot(result: SweepResult, recorder: SweepRecorder, local_dir: Path, full_to
         title=f"sweep {result.name}: {result.metric} vs tokens per image",
         full_tokens=full_tokens,
     )
-    return _save_figure(fig, local_dir / "pareto.png", recorder)
+    return _save_figure(fig, local_dir / PLOT_ARTIFACT, recorder)
 
 
 def _save_figure(fig, path: Path, recorder: SweepRecorder) -> str:
@@ -1215,6 +1273,8 @@ def _tables(result: SweepResult, recorder: SweepRecorder, local_dir: Path) -> st
         }
         for p in result.points
     ]
+    # the frontier tables are read by people: rounded (sweep.json and points.csv keep full precision)
+    rows = [round_figures(r) for r in rows]
     frontier_csv = local_dir / "frontier.csv"
     frontier_csv.write_text(_csv(rows) if rows else "")
     (local_dir / "points.csv").write_text(_csv(all_rows) if all_rows else "")
@@ -1227,32 +1287,74 @@ def _tables(result: SweepResult, recorder: SweepRecorder, local_dir: Path) -> st
 
 # ---------------------------------------------------------------------- reading back
 def frontier_from_mlflow(
-    experiment: str, tracking_uri: str | None = None, sweep_run_id: str | None = None
+    experiment: str, tracking_uri: str | None = None, sweep_run_id: str | None = None, *, all_sweeps: bool = False
 ) -> dict[str, Any]:
-    """The frontier of an MLflow experiment's sweeps (or of one sweep), recomputed
-    from the recorded trial and threshold-point runs (failed runs excluded).
+    """The frontier of an MLflow experiment's latest sweep (or of one sweep, or of all
+    of them), recomputed from the recorded trial and threshold-point runs (failed runs
+    excluded).
 
-    Returns ``{"experiment", "experiment_id", "sweeps", "metric", "hypervolume",
-    "reference_point", "points", "frontier", "speed"}`` (points as dicts; a timed
-    point's ``extras`` hold ``speedup_vs_full``; ``speed`` lists, per sweep that timed
-    its frontier, the device and timing settings: empty for older sweeps).
+    Args:
+        experiment: the MLflow experiment.
+        tracking_uri: the store (default: the default config's, ``$MLFLOW_TRACKING_URI``
+            or the local SQLite store).
+        sweep_run_id: one sweep, by its parent run id.
+        all_sweeps: merge every sweep of the experiment (the latest one's reference
+            point and metric apply); default: the latest started sweep only.
+
+    Returns ``{"experiment", "experiment_id", "tracking_uri", "sweeps", "sweep_names",
+    "metric", "hypervolume", "reference_point", "points", "frontier", "baselines",
+    "speed"}`` (points as dicts; a timed point's ``extras`` hold ``speedup_vs_full``;
+    ``baselines`` are the sweep's ``baselines.json`` when one sweep is read, else
+    empty: baselines of different backbones do not share axes; ``speed`` lists, per
+    sweep that timed its frontier, the device and timing settings).
+
+    Raises:
+        SweepError: the store is missing (a local store is never created), or the
+            experiment or the sweep is not in it.
     """
+    from mlflow.exceptions import MlflowException
+
     from .mlflow_records import points_from_mlflow
 
     uri = tracking_uri or ExperimentConfig().tracking_uri()
-    data = points_from_mlflow(uri, experiment, sweep_run_id)
+    try:
+        data = points_from_mlflow(uri, experiment, sweep_run_id, all_sweeps=all_sweeps)
+    except ValueError as exc:  # missing store, experiment or sweep: one line for the command line
+        raise SweepError(str(exc)) from None
+    except (MlflowException, OSError) as exc:  # a server that does not answer (requests' errors are OSErrors)
+        raise SweepError(f"could not read MLflow store {redact_uri(uri)}: {type(exc).__name__}: {exc}") from None
     points: list[Point] = data["points"]
     hv = annotate(points, data["reference"])
     metric = data["metric"]
+    baselines = _read_baselines(uri, data["sweeps"][0]) if len(data["sweeps"]) == 1 else []
     return {
         "experiment": experiment,
         "experiment_id": data["experiment_id"],
         "tracking_uri": redact_uri(uri),
         "sweeps": data["sweeps"],
+        "sweep_names": data["sweep_names"],
         "metric": metric,
         "hypervolume": hv,
         "reference_point": {"quality": data["reference"][0], "token_ratio": data["reference"][1]},
         "points": [p.to_dict(metric) for p in points],
         "frontier": [p.to_dict(metric) for p in frontier(points)],
+        "baselines": baselines,
         "speed": data["speed"],
     }
+
+
+def _read_baselines(tracking_uri: str, sweep_run_id: str) -> list[dict[str, Any]]:
+    """A sweep's ``baselines.json`` (empty when it has none: baselines off, or a sweep
+    that did not finish)."""
+    import tempfile
+
+    from ..tracking.runs import mlflow_client
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = mlflow_client(tracking_uri).download_artifacts(sweep_run_id, "baselines.json", tmp)
+            rows = json.loads(Path(path).read_text())
+    except Exception as exc:  # noqa: BLE001 - the frontier stands without its baselines
+        log.debug("no baselines for sweep %s: %s", sweep_run_id, exc)
+        return []
+    return rows if isinstance(rows, list) else []

@@ -79,11 +79,13 @@ def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
     """Train ``config`` with :func:`~splitvit.train.ray_trainer.run_training`, its
     epochs reported to Tune (``TuneReportCallback``).
 
-    Returns ``{"status", "metrics", "checkpoint", "message"}``. Raises
-    :class:`TrialFailed` when Ray Train gives up.
+    Returns ``{"status", "metrics", "checkpoint", "message", "history"}`` (``history``:
+    every epoch's figures, from the last checkpoint). Raises :class:`TrialFailed` when
+    Ray Train gives up.
     """
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from ..train.checkpoints import read_history
     from ..train.ray_trainer import TrainingError, run_training
 
     # trials never write to MLflow (docs/design.md §3.4: only the Tune driver does), whatever the
@@ -100,6 +102,7 @@ def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
         "metrics": result.metrics,
         "checkpoint": result.checkpoint_uri,
         "message": result.message,
+        "history": read_history(result.checkpoint_uri) if result.checkpoint_uri else [],
     }
 
 
