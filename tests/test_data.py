@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils.data import DataLoader
 
 from splitvit.cli import main
@@ -331,6 +331,21 @@ def test_imagefolder(tmp_path, caplog):
         strict[1]
     with pytest.raises(FileNotFoundError, match="test"):
         build_dataset("imagefolder", "test", image_size=32, root=str(tmp_path))
+
+
+def test_file_backed_datasets_resize_with_the_models_interpolation(tmp_path):
+    """``interpolation`` (the model's timm data config) picks the resize filter, as
+    PIL's own resize would with that filter; an unknown name is one error."""
+    rng = np.random.default_rng(0)
+    array = rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    _jpeg(tmp_path / "train" / "cat" / "0.png", array)
+    source = Image.fromarray(array)
+    for name, method in (("bicubic", Image.BICUBIC), ("nearest", Image.NEAREST)):
+        image, _ = build_dataset("imagefolder", "train", image_size=32, interpolation=name, root=str(tmp_path))[0]
+        expected = ImageOps.fit(source, (32, 32), method=method)
+        assert torch.equal(image, torch.from_numpy(np.asarray(expected).copy()).permute(2, 0, 1).float() / 255)
+    with pytest.raises(ValueError, match="interpolation must be one of nearest, .*got 'cubic'"):
+        build_dataset("synthetic", "train", image_size=32, interpolation="cubic")
 
 
 def test_ade20k_layout(tmp_path):

@@ -33,7 +33,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .cluttered import Canvas, ClutteredFashionMNIST, ClutteredFashionMNISTSeg, fashion_mnist_split
-from .common import CorruptDataError, SkippingDataset, first_images
+from .common import CorruptDataError, SkippingDataset, first_images, pil_resample
 from .fashion_mnist import FashionMNISTNotFound, find_fashion_mnist, load_fashion_mnist
 from .folders import ADE20KDataset, ImageFolderDataset
 from .parquet import ParquetShards
@@ -101,8 +101,14 @@ def _file_backed(ds: SkippingDataset, samples: int | None, verify: bool) -> Skip
     return ds
 
 
-def build_dataset(name: str, split: str, *, image_size: int, seed: int = 0, **options: Any) -> Dataset:
+def build_dataset(
+    name: str, split: str, *, image_size: int, seed: int = 0, interpolation: str = "bicubic", **options: Any
+) -> Dataset:
     """Build dataset ``name`` for ``split`` (``train``/``val``/``test``).
+
+    ``interpolation`` (timm's name, the model's ``data_config["interpolation"]``)
+    resizes the images of file-backed datasets (imagefolder, ade20k, parquet);
+    procedural ones draw at ``image_size`` and need none.
 
     Splits of a procedural dataset differ by seed, so they never share images;
     Fashion-MNIST's val split is a fixed held-out slice of its train files. Raises
@@ -111,6 +117,7 @@ def build_dataset(name: str, split: str, *, image_size: int, seed: int = 0, **op
     """
     if split not in ("train", "val", "test"):
         raise ValueError(f"data split must be train, val or test, got {split!r}")
+    pil_resample(interpolation)  # an unknown name fails here, for every dataset
     opts = dict(options)
     samples = _take_samples(opts, split)
     split_seed = seed * 1000 + _SPLIT_SEED[split]
@@ -130,7 +137,13 @@ def build_dataset(name: str, split: str, *, image_size: int, seed: int = 0, **op
         if not opts.get("root"):
             raise ValueError(f"dataset {name!r} needs option root=FOLDER")
         cls = ImageFolderDataset if name == "imagefolder" else ADE20KDataset
-        ds = cls(opts["root"], split, image_size=image_size, strict=bool(opts.get("strict", False)))
+        ds = cls(
+            opts["root"],
+            split,
+            image_size=image_size,
+            strict=bool(opts.get("strict", False)),
+            interpolation=interpolation,
+        )
         return _file_backed(ds, samples, bool(opts.get("verify", False)))
     if name == "parquet":
         _check_options(name, opts, {"uri", "root", "strict", "verify", "cache_row_groups"})
@@ -143,6 +156,7 @@ def build_dataset(name: str, split: str, *, image_size: int, seed: int = 0, **op
             image_size=image_size,
             strict=bool(opts.get("strict", False)),
             cache_row_groups=int(opts.get("cache_row_groups", 4)),
+            interpolation=interpolation,
         )
         return _file_backed(ds, samples, bool(opts.get("verify", False)))
     raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASET_NAMES)}")

@@ -81,6 +81,24 @@ def decode_mask(data: bytes, source: str) -> Image.Image:
     raise CorruptDataError(source, f"mask has mode {img.mode}; expected a single-channel class-index PNG")
 
 
+#: Image resizing filters by the names timm's data configs use (``interpolation``).
+RESAMPLING = {
+    "nearest": Image.NEAREST,
+    "bilinear": Image.BILINEAR,
+    "bicubic": Image.BICUBIC,
+    "lanczos": Image.LANCZOS,
+    "box": Image.BOX,
+    "hamming": Image.HAMMING,
+}
+
+
+def pil_resample(interpolation: str) -> int:
+    """PIL's filter for a timm ``interpolation`` name (``bicubic``, ``bilinear``...)."""
+    if interpolation not in RESAMPLING:
+        raise ValueError(f"interpolation must be one of {', '.join(RESAMPLING)}, got {interpolation!r}")
+    return RESAMPLING[interpolation]
+
+
 def fit_square(img: Image.Image, size: int, resample: int) -> Image.Image:
     """Centre-crop to a square and resize to ``size`` (no aspect distortion)."""
     if img.size == (size, size):
@@ -89,7 +107,11 @@ def fit_square(img: Image.Image, size: int, resample: int) -> Image.Image:
 
 
 def image_to_tensor(img: Image.Image) -> torch.Tensor:
-    """RGB PIL image -> float tensor ``(3, H, W)`` in ``[0, 1]``."""
+    """RGB PIL image -> float tensor ``(3, H, W)`` in ``[0, 1]``.
+
+    ``[0, 1]`` is the data contract of every dataset: the model normalises its own
+    inputs with its timm data config (``SplitViT.normalize``), so datasets, split maps
+    and the entropy policy all work on plain pixels."""
     arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(255.0)
 

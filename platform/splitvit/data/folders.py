@@ -22,6 +22,7 @@ from .common import (
     fit_square,
     image_to_tensor,
     mask_to_tensor,
+    pil_resample,
     read_file,
     read_image_file,
 )
@@ -40,8 +41,17 @@ class ImageFolderDataset(SkippingDataset):
     every split maps a class name to the same index.
     """
 
-    def __init__(self, root: str | os.PathLike, split: str, *, image_size: int, strict: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        split: str,
+        *,
+        image_size: int,
+        strict: bool = False,
+        interpolation: str = "bicubic",
+    ) -> None:
         super().__init__(strict=strict)
+        self.resample = pil_resample(interpolation)
         self.root = Path(root).expanduser()
         folder = self.root / split
         if not folder.is_dir():
@@ -66,7 +76,7 @@ class ImageFolderDataset(SkippingDataset):
 
     def load_raw(self, raw_index: int):
         path, label = self.samples[raw_index]
-        img = fit_square(read_image_file(path, min_size=self.image_size), self.image_size, Image.BICUBIC)
+        img = fit_square(read_image_file(path, min_size=self.image_size), self.image_size, self.resample)
         return image_to_tensor(img), label
 
 
@@ -84,8 +94,17 @@ class ADE20KDataset(SkippingDataset):
     num_classes = 150
     ignore_index = 255
 
-    def __init__(self, root: str | os.PathLike, split: str, *, image_size: int, strict: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        split: str,
+        *,
+        image_size: int,
+        strict: bool = False,
+        interpolation: str = "bicubic",
+    ) -> None:
         super().__init__(strict=strict)
+        self.resample = pil_resample(interpolation)
         root = Path(root).expanduser()
         if (root / "ADEChallengeData2016").is_dir():
             root = root / "ADEChallengeData2016"
@@ -126,7 +145,7 @@ class ADE20KDataset(SkippingDataset):
             raise CorruptDataError(
                 ann_path, f"annotation size {ann.size} differs from image size {img.size} of {img_path}"
             )
-        img = fit_square(img, self.image_size, Image.BICUBIC)
+        img = fit_square(img, self.image_size, self.resample)
         mask = mask_to_tensor(fit_square(ann, self.image_size, Image.NEAREST))
         # 0 is "other/unlabelled" in ADE20K: ignore it and shift the 150 classes to 0..149
         mask = mask - 1

@@ -39,7 +39,9 @@ def _local_path(uri: str) -> str:
     return os.path.abspath(os.path.expanduser(uri))
 
 
-def _s3_filesystem() -> pafs.S3FileSystem:
+def s3_filesystem() -> pafs.S3FileSystem:
+    """A pyarrow ``S3FileSystem`` with the project's S3 settings: the endpoint and region
+    of :func:`s3_settings`, credentials from the environment (else the SDK's own chain)."""
     settings = s3_settings()
     kwargs: dict = {}
     if settings.endpoint_url:
@@ -73,10 +75,26 @@ def filesystem_for(uri: str) -> tuple[pafs.FileSystem, str]:
     uri = str(uri)
     if is_s3(uri):
         bucket, key = split_s3_uri(uri)
-        return _s3_filesystem(), f"{bucket}/{key}" if key else bucket
+        return s3_filesystem(), f"{bucket}/{key}" if key else bucket
     if "://" in uri and not uri.startswith("file://"):
         raise ValueError(f"unsupported storage URI {uri!r}: expected a local path or s3://bucket/prefix")
     return pafs.LocalFileSystem(), _local_path(uri)
+
+
+def ray_storage(uri: str) -> tuple[str, pafs.FileSystem | None]:
+    """``storage_path`` and ``storage_filesystem`` for a Ray ``RunConfig`` storing at ``uri``.
+
+    For ``s3://bucket/prefix``: ``("bucket/prefix", S3FileSystem)`` with the project's
+    S3 settings, so Ray writes checkpoints with the same endpoint, region and credentials
+    as everything else here, not with a filesystem pyarrow infers from the URI on its
+    own. Ray expects the path without its scheme when it is given a filesystem.
+    A local path is returned as it is, with no filesystem (Ray's default is right there).
+    """
+    uri = str(uri)
+    if is_s3(uri):
+        bucket, key = split_s3_uri(uri)
+        return (f"{bucket}/{key}" if key else bucket), s3_filesystem()
+    return uri, None
 
 
 def join_uri(base: str, *parts: str) -> str:
