@@ -121,6 +121,27 @@ def test_speedups_ideal_and_breakdown_from_measured_values(result):
     assert result["checks"]["split_full_vs_timm_max_abs_logit_diff"] < 1e-4  # the full policy is timm's own forward
 
 
+def test_timm_is_given_the_images_the_split_model_normalises():
+    """SplitViT normalises its [0, 1] inputs itself; the benchmark's timm ViT is given
+    the same images normalised with timm's own data config, so both see one input
+    (with the raw images timm's logits would differ)."""
+    import timm
+
+    from splitvit.bench.forward import _build_workload
+
+    settings = ForwardSettings(
+        "vit_tiny_patch16_224", image_size=32, patch_size=8, batch_size=2, timm_kwargs=TINY, memory=()
+    )
+    work = _build_workload(settings, torch.device("cpu"))
+    config = timm.data.resolve_model_data_config(work.vit)
+    mean, std = torch.tensor(config["mean"]).view(1, -1, 1, 1), torch.tensor(config["std"]).view(1, -1, 1, 1)
+    assert torch.equal(work.timm_images, (work.images - mean) / std)
+    with torch.no_grad():
+        split = work.models["split_full"](work.images).logits
+        assert (work.vit(work.timm_images) - split).abs().max() < 1e-4
+        assert (work.vit(work.images) - split).abs().max() > 1e-3
+
+
 def test_learned_variants_differ_only_in_the_policys_blocks():
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=48, patch_size=8, timm_kwargs=TINY)
     models = build_benchmark_models(vit, levels=levels, policy_width=16, policy_depth=1)

@@ -260,7 +260,9 @@ def test_divergence_in_the_first_epoch_prints_what_happened(monkeypatch, tmp_pat
         "splitvit train: error: run diverged: non-finite loss nan at epoch 0; no epoch "
         "completed, so no checkpoint was kept"
     ]
-    assert json.loads(out_json.read_text())["status"] == "diverged"
+    written = json.loads(out_json.read_text())  # the envelope: the command failed, the run diverged
+    assert written["status"] == "failed" and written["run_status"] == "diverged"
+    assert written["error"] == err.strip().removeprefix("splitvit train: error: ")
 
 
 def test_ctrl_c_and_sigterm_outside_ray_exit_130_and_143(monkeypatch, tmp_path, capsys):

@@ -27,10 +27,13 @@ MODEL = {
 }
 
 
-def checkpoint(folder: Path, embed_dim: int = 16) -> str:
-    """A checkpoint folder as training writes it: the model and its experiment config."""
+def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = False) -> str:
+    """A checkpoint folder as training writes it: the model and its experiment config.
+    A budget-conditioned policy gets random weights in its budget embedding's
+    zero-initialised last layer, as training would give it, so the budget matters."""
     model_cfg = json.loads(json.dumps(MODEL))
     model_cfg["timm_kwargs"]["embed_dim"] = embed_dim
+    model_cfg["budget_conditioned"] = budget_conditioned
     config = ExperimentConfig.from_dict(
         {
             "model": model_cfg,
@@ -49,7 +52,16 @@ def checkpoint(folder: Path, embed_dim: int = 16) -> str:
         policy="learned",
         policy_depth=1,
         timm_kwargs=model_cfg["timm_kwargs"],
+        budget_conditioned=budget_conditioned,
     )
+    if budget_conditioned:
+        import torch
+
+        last = model.policy.budget_embed[-1]
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            last.weight.copy_(4 * torch.randn(last.weight.shape, generator=gen))
+            last.bias.copy_(4 * torch.randn(last.bias.shape, generator=gen))
     folder.mkdir(parents=True)
     model.save(folder / "model.pt", extra={"config": config.to_dict(redact=True)})
     return str(folder)
@@ -150,3 +162,29 @@ def test_resuming_a_sweep_saved_before_speed_settings_existed(tmp_path):
     )
     with pytest.raises(SweepError, match="speed"):
         _check_plan(space, str(tmp_path), None, resume=True)
+
+
+def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(tmp_path):
+    """The thresholds of a budget-conditioned model were calibrated with the policy told
+    the target ratio; timing the point with the checkpoint's own budget instead would
+    time another operating point (a study once timed '@0.1' at 93% of the tokens)."""
+    import torch
+
+    from splitvit.tune.checkpoint_evaluator import CheckpointEvaluator
+
+    torch.manual_seed(0)
+    folder = Path(checkpoint(tmp_path / "any", budget_conditioned=True))
+    model = SplitViT.load(folder / "model.pt").eval()
+    assert model.uses_budget
+    images = CheckpointEvaluator(str(folder), samples=8, cache=False).first_images(8)  # the batch timed
+    budgets = (0.05, 1.0)
+    with torch.no_grad():
+        # a threshold between the split scores the two budgets give, so the budget decides
+        means = [float(model(images, budget=b).split_probs[0].mean()) for b in budgets]
+        threshold = sum(means) / 2
+        expected = [float(model(images, thresholds=[threshold], budget=b).tokens.float().mean()) for b in budgets]
+    assert expected[0] != expected[1]
+    points = [{"checkpoint": str(folder), "thresholds": [threshold], "budget": b, "label": f"b{b}"} for b in budgets]
+    rows = time_operating_points(points, batch_size=8, rounds=1, warmup=0)["points"]
+    assert [r["budget"] for r in rows] == list(budgets)
+    assert [r["tokens_per_image"] for r in rows] == pytest.approx(expected)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import copy
 import platform as stdlib_platform
+from dataclasses import replace
 
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 
 from splitvit.model import GeometryError, QuadtreeGeometry, SplitViT, expected_tokens, token_counts, top_down_decisions
 from splitvit.model.policies import EntropyPolicy, PolicyContext
-from splitvit.train.losses import budget_penalty
+from splitvit.train.losses import budget_penalty, distillation_loss
 from splitvit.train.steps import SplitLossConfig, calibrate_thresholds
 
 POLICIES = ["learned", "entropy", "random", "full", "coarse"]
@@ -28,6 +30,15 @@ def tiny_model(policy: str = "learned", image_size: int = 32, levels: int = 3, *
     return SplitViT.from_timm(
         tiny_vit(image_size), levels=levels, policy=policy, image_size=image_size, policy_depth=1, **kwargs
     )
+
+
+def timm_inputs(vit: timm.models.VisionTransformer, images: torch.Tensor) -> torch.Tensor:
+    """``[0, 1]`` images as timm's ViT expects them: normalised with timm's own data
+    config of ``vit`` (resolved here, independently of SplitViT)."""
+    config = timm.data.resolve_model_data_config(vit)
+    mean = torch.tensor(config["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(config["std"]).view(1, -1, 1, 1)
+    return (images - mean) / std
 
 
 def test_platform_folder_does_not_shadow_stdlib():
@@ -48,9 +59,9 @@ def test_full_policy_reproduces_timm_logits(name, timm_kwargs, resolution):
     torch.manual_seed(0)
     vit = timm.create_model(name, img_size=resolution, num_classes=7, **timm_kwargs).eval()
     model = SplitViT.from_timm(vit, levels=3 if resolution == 64 else 2, policy="full", image_size=resolution).eval()
-    images = torch.randn(2, 3, resolution, resolution)
+    images = torch.rand(2, 3, resolution, resolution)
     with torch.no_grad():
-        expected = vit(images)
+        expected = vit(timm_inputs(vit, images))
         out = model(images)
     assert out.logits.shape == expected.shape
     assert (out.logits - expected).abs().max().item() <= 1e-4
@@ -60,9 +71,9 @@ def test_full_policy_reproduces_timm_logits(name, timm_kwargs, resolution):
 def test_full_policy_matches_timm_at_other_resolution_with_resampled_pos_embed():
     vit = tiny_vit(32, dynamic_img_size=True).eval()
     model = SplitViT.from_timm(vit, levels=2, policy="full", image_size=48).eval()
-    images = torch.randn(2, 3, 48, 48)
+    images = torch.rand(2, 3, 48, 48)
     with torch.no_grad():
-        assert (model(images).logits - vit(images)).abs().max().item() <= 1e-4
+        assert (model(images).logits - vit(timm_inputs(vit, images))).abs().max().item() <= 1e-4
 
 
 # 2. token bounds ----------------------------------------------------------------------------------
@@ -333,6 +344,109 @@ def test_save_and_load_round_trip(tmp_path):
     assert entropy.policy.name == "entropy"
 
 
+TINY_TIMM = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
+
+
+@pytest.mark.parametrize(
+    "vit",
+    [
+        lambda: tiny_vit(),  # timm's pretrained config: mean = std = 0.5
+        lambda: timm.models.VisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2),
+    ],
+    ids=["named", "bare"],
+)
+def test_model_normalises_its_inputs_with_timms_data_config(vit):
+    """The model carries timm's data config; its mean and std are buffers in the state
+    dict, and the entropy policy still sees the raw [0, 1] pixels."""
+    vit = vit().eval()
+    config = timm.data.resolve_model_data_config(vit)
+    model = SplitViT.from_timm(vit, levels=2, policy="entropy", image_size=32, policy_depth=1).eval()
+    assert model.data_config["mean"] == pytest.approx(config["mean"])
+    assert model.data_config["std"] == pytest.approx(config["std"])
+    assert model.data_config["interpolation"] == config["interpolation"] == "bicubic"
+    assert model.data_config["crop_pct"] == config["crop_pct"]
+    assert model.data_config["input_size"] == (3, 32, 32)  # the model's, not timm's pretrained 224
+    state = model.state_dict()
+    assert state["input_mean"].flatten().tolist() == pytest.approx(config["mean"])
+    assert state["input_std"].flatten().tolist() == pytest.approx(config["std"])
+    images = torch.rand(2, 3, 32, 32)
+    assert torch.equal(model.normalize(images), timm_inputs(vit, images))
+    geometry = model.geometry
+    raw = EntropyPolicy()(images, geometry, PolicyContext())
+    normalised = EntropyPolicy()(timm_inputs(vit, images), geometry, PolicyContext())
+    scores = model.split_scores(images)
+    assert all(torch.equal(a, b) for a, b in zip(scores, raw))
+    if len(set(config["std"])) > 1:  # unequal channel scales change the grey level: the policy would differ
+        assert not all(torch.equal(a, b) for a, b in zip(scores, normalised))
+
+
+def test_saved_model_keeps_its_data_config(tmp_path):
+    """The data config is saved with the model and comes back with it, even where it
+    differs from what timm resolves for the same name."""
+    custom = {"mean": (0.1, 0.2, 0.3), "std": (0.4, 0.5, 0.6), "interpolation": "bilinear", "crop_pct": 1.0}
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224", levels=2, image_size=32, num_classes=5, timm_kwargs=TINY_TIMM, data_config=custom
+    ).eval()
+    path = tmp_path / "m.pt"
+    model.save(path)
+    payload = torch.load(path, weights_only=False)
+    assert payload["data_config"]["interpolation"] == "bilinear"
+    loaded = SplitViT.load(path).eval()
+    assert loaded.data_config == model.data_config
+    assert loaded.data_config["mean"] == pytest.approx(custom["mean"])
+    images = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(images).logits, loaded(images).logits)
+
+
+def test_checkpoint_without_normalisation_loads_as_unnormalised(tmp_path):
+    """A checkpoint from before inputs were normalised (no buffers, no data config)
+    still loads, as the model it was: mean 0, std 1, timm's ViT on the raw pixels;
+    ``init_from`` carries the same normalisation with its weights."""
+    from splitvit.train.checkpoints import init_weights
+
+    args = dict(levels=2, policy="full", image_size=32, num_classes=5, timm_kwargs=TINY_TIMM, normalize="timm")
+    model = SplitViT.from_timm("vit_tiny_patch16_224", **args).eval()
+    assert model.data_config["mean"] == pytest.approx((0.5, 0.5, 0.5))  # timm's
+    model.save(tmp_path / "model.pt")
+    payload = torch.load(tmp_path / "model.pt", weights_only=False)
+    del payload["data_config"], payload["state_dict"]["input_mean"], payload["state_dict"]["input_std"]
+    torch.save(payload, tmp_path / "model.pt")
+    old = SplitViT.load(tmp_path / "model.pt").eval()
+    assert old.data_config["mean"] == (0.0, 0.0, 0.0) and old.data_config["std"] == (1.0, 1.0, 1.0)
+    images = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (old(images).logits - model.vit(images)).abs().max() <= 1e-5
+    fresh = SplitViT.from_timm("vit_tiny_patch16_224", **args)
+    assert init_weights(fresh, tmp_path) == ["budget", "thresholds"]
+    assert fresh.data_config["mean"] == (0.0, 0.0, 0.0) and fresh.data_config["std"] == (1.0, 1.0, 1.0)
+
+
+def test_normalisation_follows_where_the_weights_come_from(tmp_path):
+    """``auto``: timm's mean and std for weights from timm (a local checkpoint here,
+    as ``pretrained`` would be), the raw pixels for a model trained from scratch;
+    ``timm`` and ``none`` force either; anything else is an error naming the key."""
+    args = dict(levels=2, image_size=32, num_classes=5, timm_kwargs=TINY_TIMM)
+    source = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=5, **TINY_TIMM)
+    torch.save(source.state_dict(), tmp_path / "weights.pth")
+    timms = timm.data.resolve_model_data_config(source)
+    scratch = SplitViT.from_timm("vit_tiny_patch16_224", **args)
+    assert scratch.data_config["mean"] == (0.0, 0.0, 0.0) and scratch.data_config["std"] == (1.0, 1.0, 1.0)
+    images = torch.rand(2, 3, 32, 32)
+    assert torch.equal(scratch.normalize(images), images)
+    weighted = SplitViT.from_timm("vit_tiny_patch16_224", checkpoint_path=tmp_path / "weights.pth", **args)
+    assert weighted.data_config["mean"] == pytest.approx(timms["mean"])
+    assert SplitViT.from_timm("vit_tiny_patch16_224", normalize="timm", **args).data_config["std"] == pytest.approx(
+        timms["std"]
+    )
+    forced = SplitViT.from_timm(
+        "vit_tiny_patch16_224", checkpoint_path=tmp_path / "weights.pth", normalize="none", **args
+    )
+    assert forced.data_config["std"] == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="normalize must be one of auto, timm, none, got 'imagenet'"):
+        SplitViT.from_timm("vit_tiny_patch16_224", normalize="imagenet", **args)
+
+
 def test_from_timm_loads_a_local_checkpoint_file(tmp_path):
     args = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2, img_size=32, num_classes=5)
     source = timm.create_model("vit_tiny_patch16_224", **args).eval()
@@ -349,7 +463,7 @@ def test_from_timm_loads_a_local_checkpoint_file(tmp_path):
     ).eval()
     images = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
-        assert (model(images).logits - source(images)).abs().max() <= 1e-5
+        assert (model(images).logits - source(timm_inputs(source, images))).abs().max() <= 1e-5
     with pytest.raises(FileNotFoundError, match="missing.pth"):
         SplitViT.from_timm("vit_tiny_patch16_224", levels=2, checkpoint_path=tmp_path / "missing.pth")
 
@@ -689,8 +803,8 @@ def test_teacher_runs_on_every_kth_policy_step_only(monkeypatch):
     model = tiny_model("learned").train()
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     calls = []
-    relevance = model.relevance
-    monkeypatch.setattr(model, "relevance", lambda *a, **k: calls.append(1) or relevance(*a, **k))
+    relevance = model.relevance_and_logits
+    monkeypatch.setattr(model, "relevance_and_logits", lambda *a, **k: calls.append(1) or relevance(*a, **k))
     cfg = SplitLossConfig(warmup_epochs=0, teacher_every=3)
     taught = []
     for step in range(6):
@@ -702,6 +816,75 @@ def test_teacher_runs_on_every_kth_policy_step_only(monkeypatch):
     assert taught == [True, False, False, True, False, False] and len(calls) == 2
     with pytest.raises(ValueError, match="teacher_every must be >= 1"):
         SplitLossConfig(teacher_every=0)
+
+
+def test_distillation_loss_is_the_kl_divergence_from_the_teacher():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(4, 5, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    expected = F.kl_div(
+        F.log_softmax(student / 2, 1), F.log_softmax(teacher / 2, 1), log_target=True, reduction="batchmean"
+    )
+    loss = distillation_loss(student, teacher, temperature=2.0)
+    assert loss.item() == pytest.approx(4 * expected.item(), rel=1e-5)  # scaled by T**2
+    loss.backward()
+    assert student.grad.abs().sum() > 0 and teacher.grad is None  # the teacher is detached
+    assert distillation_loss(teacher.detach(), teacher.detach()).item() == pytest.approx(0.0, abs=1e-6)
+    # per pixel for dense logits: the mean of the per-pixel divergences
+    dense_s, dense_t = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    flat = distillation_loss(dense_s.permute(0, 2, 3, 1).reshape(-1, 3), dense_t.permute(0, 2, 3, 1).reshape(-1, 3))
+    assert distillation_loss(dense_s, dense_t).item() == pytest.approx(flat.item(), rel=1e-5)
+
+
+def test_self_distillation_teaches_the_split_path_the_full_resolution_logits(monkeypatch):
+    """``distill_weight``: the split path learns the same model's full-resolution
+    logits. On a relevance-teacher step the teacher's pass gives them (no extra
+    forward); on other steps one gradient-free full-resolution pass runs; a
+    full-resolution model (nothing to distil) and the warm-up get no such loss."""
+    from splitvit.train.steps import training_step
+
+    torch.manual_seed(0)
+    model = tiny_model("learned").train()
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    passes = []
+    forward = model.forward
+    monkeypatch.setattr(
+        model, "forward", lambda *a, **k: passes.append(k.get("decisions") is not None) or forward(*a, **k)
+    )
+    cfg = SplitLossConfig(warmup_epochs=0, teacher_every=2, distill_weight=1.0, distill_temperature=2.0)
+    _, taught = training_step(model, images, labels, cfg, epoch=0, step=0)
+    assert "teacher_loss" in taught and taught["distill_loss"] > 0
+    assert passes.count(False) == 1 and passes.count(True) == 1  # the policy's pass and the teacher's
+    passes.clear()
+    _, untaught = training_step(model, images, labels, cfg, epoch=0, step=1)
+    assert "teacher_loss" not in untaught and untaught["distill_loss"] > 0 and passes == [False, True]
+    _, warm = training_step(model, images, labels, replace(cfg, warmup_epochs=1), epoch=0)
+    assert "distill_loss" not in warm
+    full = tiny_model("full").train()
+    assert "distill_loss" not in training_step(full, images, labels, cfg, epoch=0)[1]
+    # a fixed policy's split path is distilled too
+    coarse = tiny_model("coarse").train()
+    loss, stats = training_step(coarse, images, labels, replace(cfg, teacher_weight=0.0), epoch=0)
+    assert stats["distill_loss"] > 0 and loss.item() == pytest.approx(
+        stats["task_loss"] + stats["distill_loss"], rel=1e-5
+    )
+    # gradient steps on the distillation alone bring the coarse logits toward the full ones
+    optimizer = torch.optim.SGD(coarse.parameters(), lr=0.5)
+
+    def gap() -> float:
+        with torch.no_grad():
+            return distillation_loss(
+                coarse(images).logits, coarse(images, decisions=coarse.full_decisions(images)).logits
+            ).item()
+
+    before = gap()
+    for _ in range(5):
+        optimizer.zero_grad()
+        out = coarse(images)
+        with torch.no_grad():
+            target = coarse(images, decisions=coarse.full_decisions(images)).logits
+        distillation_loss(out.logits, target).backward()
+        optimizer.step()
+    assert gap() < before
 
 
 class _HostReads(torch.overrides.TorchFunctionMode):

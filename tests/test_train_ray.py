@@ -112,7 +112,7 @@ def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
     one forward, the way DDP calls it; figures combine unchanged on one worker."""
     from splitvit.data import build_dataset
     from splitvit.train.ray_trainer import SplitStep, _combine_eval
-    from splitvit.train.steps import evaluate
+    from splitvit.train.steps import evaluate_totals
 
     cfg = ExperimentConfig.from_dict(dict(json.loads(json.dumps(TINY)), model=dict(TINY["model"], task=task)))
     model = build_model(cfg.model)
@@ -135,12 +135,85 @@ def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
         data = torch.utils.data.TensorDataset(torch.rand(8, 3, 16, 16), torch.randint(0, 4, (8, 16, 16)))
     else:
         data = build_dataset("synthetic", "val", image_size=16, num_samples=8, object_size=4)
-    figures = evaluate(model, torch.utils.data.DataLoader(data, batch_size=4), num_classes=4)
-    combined = _combine_eval(figures, task, torch.device("cpu"))
+    totals = evaluate_totals(model, torch.utils.data.DataLoader(data, batch_size=4), num_classes=4)
+    figures = totals.figures()
+    combined = _combine_eval(totals, torch.device("cpu"))
     quality = "miou" if task == "dense" else "accuracy"
-    assert combined[quality] == pytest.approx(figures[quality])
-    assert combined["tokens_per_image"] == pytest.approx(figures["tokens_per_image"])
+    assert combined[quality] == figures[quality]
+    assert combined["tokens_per_image"] == figures["tokens_per_image"]
     assert combined["val_images"] == 8
+
+
+def _evaluate_shard(rank: int, world: int, folder: str) -> None:
+    """One process of :func:`test_distributed_eval_figures_equal_one_process`: join a
+    gloo group, evaluate this rank's batches of every model, combine with the others."""
+    import torch.distributed as dist
+
+    from splitvit.train.ray_trainer import _combine_eval
+    from splitvit.train.steps import evaluate_totals
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        work = torch.load(Path(folder, "work.pt"), weights_only=False)
+        combined = {}
+        for task, shards in work.items():
+            model = SplitViT.load(Path(folder, f"{task}.pt")).eval()
+            combined[task] = _combine_eval(evaluate_totals(model, shards[rank], num_classes=4), torch.device("cpu"))
+        torch.save(combined, Path(folder, f"combined{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_eval_figures_equal_one_process(tmp_path):
+    """The same models and batches evaluated by one process and split unevenly across a
+    real two-process gloo group give identical figures: mIoU from the all-reduced
+    confusion matrix (not a mean of the shards' mIoUs, which differs here), accuracy,
+    tokens, token ratio and the image count."""
+    import torch.multiprocessing as mp
+
+    from splitvit.train.steps import evaluate
+
+    gen = torch.Generator().manual_seed(0)
+    work: dict[str, list] = {}
+    reference: dict[str, dict] = {}
+    shard_means: dict[str, float] = {}
+    for task in ("dense", "classification"):
+        torch.manual_seed(1)
+        cfg = ExperimentConfig.from_dict(dict(json.loads(json.dumps(TINY)), model=dict(TINY["model"], task=task)))
+        model = build_model(cfg.model).eval()
+        model.save(tmp_path / f"{task}.pt")
+        batches = []
+        for n in (4, 3, 1):  # 7 images on rank 0, 1 on rank 1
+            images = torch.rand(n, 3, 16, 16, generator=gen)
+            if task == "dense":
+                target = torch.randint(0, 3, (n, 16, 16), generator=gen)  # class 3 only in the last batch
+                target[:, :2] = 255  # ignored pixels
+                if n == 1:
+                    target[0, 8:] = 3
+            else:
+                target = torch.randint(0, 4, (n,), generator=gen)
+            batches.append((images, target))
+        shards = [batches[:2], batches[2:]]
+        work[task] = shards
+        reference[task] = evaluate(model, batches, num_classes=4)
+        quality = "miou" if task == "dense" else "accuracy"
+        per_shard = [evaluate(model, shard, num_classes=4) for shard in shards]
+        shard_means[task] = sum(f[quality] * f["images"] for f in per_shard) / 8
+    # the old image-weighted mean of shard mIoUs is not the whole set's mIoU on these data
+    assert abs(shard_means["dense"] - reference["dense"]["miou"]) > 1e-3
+    torch.save(work, tmp_path / "work.pt")
+    mp.spawn(_evaluate_shard, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        combined = torch.load(tmp_path / f"combined{rank}.pt", weights_only=False)
+        for task, one in reference.items():
+            quality = "miou" if task == "dense" else "accuracy"
+            both = combined[task]
+            assert both[quality] == one[quality], (task, rank)
+            assert both["tokens_per_image"] == one["tokens_per_image"]
+            assert both["token_ratio"] == one["token_ratio"]
+            assert both["val_images"] == one["images"] == 8
+            assert both["images_per_s"] > 0
 
 
 @pytest.mark.parametrize("teacher_weight", [1.0, 0.0])
@@ -250,7 +323,8 @@ def trained(ray_session, mlflow_uri, tmp_path_factory):
 
 def test_two_worker_fit_is_tracked_in_mlflow(trained):
     result, client = trained["result"], MlflowClient(trained["uri"])
-    assert result["status"] == "completed" and result["start_epoch"] == 0
+    assert result["status"] == "ok" and result["run_status"] == "completed" and result["start_epoch"] == 0
+    assert result["mlflow"]["run_id"] == result["mlflow_run_id"] and result["mlflow"]["experiment_id"]
     assert result["checkpoint_uri"].endswith("cli-fit/checkpoint_epoch0001")
     for key in ("accuracy", "tokens_per_image", "token_ratio", "images_per_s", "train_loss"):
         assert key in result["metrics"]
@@ -288,6 +362,11 @@ def test_checkpoint_holds_model_optimizer_and_rng(trained):
     payload = torch.load(folder / "model.pt", weights_only=False)
     assert payload["epoch"] == 1 and model.levels == 2
     assert payload["metrics"]["accuracy"] == pytest.approx(trained["result"]["metrics"]["accuracy"])
+    # the inputs' normalisation travels with the weights: a model trained from scratch
+    # sees the raw pixels (model.normalize: auto); timm's interpolation resizes its data
+    assert payload["data_config"] == model.data_config and payload["data_config"]["interpolation"] == "bicubic"
+    assert payload["state_dict"]["input_mean"].flatten().tolist() == [0.0, 0.0, 0.0]
+    assert payload["state_dict"]["input_std"].flatten().tolist() == [1.0, 1.0, 1.0]
     state = torch.load(folder / "train_state.pt", weights_only=False)
     assert (
         state["epoch"] == 1 and state["optimizer"]["state"] and state["scheduler"]["last_epoch"] == state["global_step"]
@@ -310,6 +389,10 @@ def test_eval_command_on_the_checkpoint(trained, capsys):
     for key in ("accuracy", "tokens_per_image", "token_ratio", "images_per_s"):
         assert key in printed and key in figures
     assert figures["images"] == 32 and figures["policy"] == "learned"
+    # the two workers' combined figures are the whole validation set's, as one process finds them
+    trained_metrics = torch.load(Path(ckpt) / "model.pt", weights_only=False)["metrics"]
+    assert figures["accuracy"] == trained_metrics["accuracy"]
+    assert figures["tokens_per_image"] == pytest.approx(trained_metrics["tokens_per_image"])
     # thresholds 0: every node splits (16 tokens); 1: none does (4 tokens)
     assert main(["eval", ckpt, "--thresholds", "0", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["tokens_per_image"] == 16

@@ -68,6 +68,8 @@ AUTO_THRESHOLD_START = 0.5
 PENALTIES = ("squared", "hinge")
 #: The model's relevance signals that can teach the policy (``SplitViT.relevance``).
 TEACHERS = ("gradient", "attention")
+#: ``model.normalize`` values (:func:`splitvit.model.splitvit.input_data_config`).
+INPUT_NORMALIZATIONS = ("auto", "timm", "none")
 
 
 def quality_metric(task: str) -> str:
@@ -99,6 +101,15 @@ class ModelConfig:
         image_size: input side in pixels; a multiple of the coarsest patch.
         pretrained: load timm's pretrained weights (needs the hub).
         checkpoint_path: local pretrained weights for ``name`` (no hub needed).
+        normalize: how the model normalises its ``[0, 1]`` inputs: ``timm`` (timm's
+            data config's mean and std, what pretrained weights saw), ``none`` (the
+            pixels as they are), or ``auto``: ``timm`` for weights from timm
+            (``pretrained`` or ``checkpoint_path``), ``none`` for a model trained from
+            scratch. Saved with the checkpoint; ``init_from`` weights bring their own.
+        budget_conditioned: the learned policy is told the target token ratio (an
+            embedding of it joins its features), so one model serves every budget;
+            trained with ``train.target_ratio_range``, evaluated at the ratio its
+            thresholds are calibrated to.
         length_buckets: the padded attention path only (``attention='padded'`` or
             ``return_attention``): encode variable-length batches in this many length groups.
         init_from: start training from the weights of this splitvit checkpoint (a
@@ -120,6 +131,8 @@ class ModelConfig:
     image_size: int = 64
     pretrained: bool = False
     checkpoint_path: str | None = None
+    normalize: str = "auto"
+    budget_conditioned: bool = False
     length_buckets: int = 1
     init_from: str | None = None
 
@@ -169,6 +182,19 @@ class SplitLossConfig:
         teacher_every: compute the relevance teacher (a full-resolution forward and
             backward pass, about half of a policy-phase step) on every k-th step only;
             the other steps train the policy through the task loss and budget penalty.
+        distill_weight: self-distillation (>= 0; 0: off): the split path's logits
+            learn from the same model's full-resolution logits (KL divergence,
+            teacher detached). The gradient teacher's full-resolution pass gives them
+            where it runs; other steps make a gradient-free full-resolution pass.
+            Applies wherever the model does not run at full resolution (the learned
+            policy after warm-up, and the fixed policies other than ``full``).
+        distill_temperature: softmax temperature of the self-distillation (> 0); the
+            loss is scaled by its square, as in Hinton et al.
+        target_ratio_range: budget-conditioned training: ``[low, high]`` in (0, 1]; each
+            batch draws its target ratio uniformly from it (the budget penalty and the
+            teacher's targets use it), and a budget-conditioned policy
+            (``model.budget_conditioned``) is told it, so that one model serves every
+            budget. ``null``: every batch trains at ``target_ratio``.
 
     Raises ``ValueError`` for a value out of range; its message starts with the
     field's name, which :func:`field_error` turns into the key (``train.penalty``).
@@ -182,6 +208,9 @@ class SplitLossConfig:
     warmup_epochs: int = 1
     warmup_min_split: float = 0.3
     teacher_every: int = 1
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
+    target_ratio_range: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.lambda_budget >= 0:  # "not >=": NaN fails too
@@ -200,6 +229,15 @@ class SplitLossConfig:
             raise ValueError(f"warmup_min_split must be in [0, 1], got {self.warmup_min_split}")
         if self.teacher_every < 1:
             raise ValueError(f"teacher_every must be >= 1, got {self.teacher_every}")
+        if not self.distill_weight >= 0:
+            raise ValueError(f"distill_weight must be >= 0, got {self.distill_weight}")
+        if not self.distill_temperature > 0:
+            raise ValueError(f"distill_temperature must be > 0, got {self.distill_temperature}")
+        if self.target_ratio_range is not None:
+            bounds = list(self.target_ratio_range)
+            if len(bounds) != 2 or not 0.0 < bounds[0] <= bounds[1] <= 1.0:
+                raise ValueError(f"target_ratio_range must be [low, high] with 0 < low <= high <= 1, got {bounds}")
+            self.target_ratio_range = [float(bounds[0]), float(bounds[1])]
 
 
 @dataclass
@@ -682,6 +720,11 @@ def validate(config: ExperimentConfig) -> None:
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
+    require(
+        m.normalize in INPUT_NORMALIZATIONS,
+        "model.normalize",
+        f"must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {m.normalize!r}",
+    )
     if m.checkpoint_path is not None:
         require(
             Path(m.checkpoint_path).expanduser().is_file(),

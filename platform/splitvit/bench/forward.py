@@ -303,6 +303,9 @@ class _Workload:
     runners: dict[str, Callable]
     images: torch.Tensor
     device: torch.device
+    #: ``images`` normalised with the model's timm data config: what the timm ViT is given,
+    #: since a SplitViT normalises its [0, 1] inputs itself (``SplitViT.normalize``)
+    timm_images: torch.Tensor
 
     @property
     def geometry(self) -> QuadtreeGeometry:
@@ -337,7 +340,11 @@ def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
     runners = _compiled_runners(vit, models, s.policies, dev) if s.compile else eager
     size = models["split_full"].geometry.image_size[0]
     images = benchmark_images(s.batch_size, size, seed=s.seed).to(dev)
-    return _Workload(vit=vit, levels=levels, models=models, runners=runners, images=images, device=dev)
+    with torch.no_grad():
+        timm_images = models["split_full"].normalize(images)
+    return _Workload(
+        vit=vit, levels=levels, models=models, runners=runners, images=images, device=dev, timm_images=timm_images
+    )
 
 
 def _compiled_runners(vit, models, policies, device) -> dict[str, Callable]:
@@ -405,7 +412,7 @@ def _operating_points(work: _Workload, s: ForwardSettings) -> tuple[dict[str, di
             }
             inputs[key] = model.encoder_inputs(images, thresholds=tau)
             log.info("bench: %s thresholds %s, %.1f tokens per image", key, tau, stats["mean"])
-    diff = float((work.vit(images).float() - models["split_full"](images).logits.float()).abs().max())
+    diff = float((work.vit(work.timm_images).float() - models["split_full"](images).logits.float()).abs().max())
     return points, inputs, diff
 
 
@@ -429,7 +436,7 @@ def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings
     """Everything timed in one interleaved run: timm, SplitViT(full), per point the
     forward pass and the encoder alone, per policy its scores alone, and the timm
     encoder on fixed-length sequences of every point's mean length (the ideal)."""
-    vit, models, images = work.vit, work.models, work.images
+    vit, models, images, timm_images = work.vit, work.models, work.images, work.timm_images
     num_prefix, dim, batch = vit.num_prefix_tokens, vit.embed_dim, images.shape[0]
     gen = torch.Generator().manual_seed(s.seed + 1)
     lengths = sorted(
@@ -438,7 +445,7 @@ def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings
     sequences = {n: torch.randn(batch, num_prefix + n, dim, generator=gen).to(images.device) for n in lengths}
     timm_vit, encode = work.runners["timm"], work.runners["sequence"]
     fns: dict[str, Callable[[], Any]] = {
-        "timm": lambda: timm_vit(images),
+        "timm": lambda: timm_vit(timm_images),
         "split_full": lambda: models["split_full"](images),
     }
     # the factories bind each loop variable now, not at call time
@@ -514,6 +521,8 @@ def _point_memory(work: _Workload, points, s: ForwardSettings) -> dict[str, Any]
             model.set_thresholds(point["thresholds"])  # the probe runs the model with its own thresholds
             probes[point["key"]] = (model, "split")
     log.info("bench: measuring memory of %d models by %s", len(probes), ", ".join(methods))
+    # every probe, timm's included, gets the [0, 1] images: peak memory depends on the
+    # shapes alone, not on whether the values were normalised
     return measure_memory(
         probes, work.images, methods=methods, bf16=s.autocast_bf16, parallel=s.memory_parallel or os.cpu_count() or 1
     )

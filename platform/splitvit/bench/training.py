@@ -616,8 +616,9 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
     start, wall = _busy(), time.perf_counter()
     torch.manual_seed(dc.seed * 1000)  # the Ray worker's seed for rank 0
     model = build_model(mc).to(device)
-    train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
+    sizing = dict(image_size=mc.image_size, interpolation=model.data_config["interpolation"])
+    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
+    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
     val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False)
     per_batch = (len(train_set) // dc.batch_size) * dc.batch_size
     extras: list[dict[str, float]] = []

@@ -10,7 +10,9 @@ coarse tokens after a few of the ViT's own blocks (``context.coarse_features``),
 and each node's own embedding at its scale (``context.node_embeddings``). With a
 ``width`` it runs a few narrow blocks of its own on the coarse embeddings instead
 of the ViT's: at ViT-B size one shared block on the coarse tokens costs about 4%
-of a forward pass at half the tokens, a width-192 block about 0.3%.
+of a forward pass at half the tokens, a width-192 block about 0.3%. A
+``budget_conditioned`` policy is also told the batch's target token ratio
+(``context.budget``), so that one model serves every budget.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ class PolicyContext:
             ``policy_depth`` blocks, or ``None`` for policies that do not use them.
         node_embeddings: per non-finest level ``(B, H_l, W_l, D)`` token embeddings
             (patch + position + level) of every node at that level.
+        budget: ``(B,)`` target token ratio per image, for a budget-conditioned
+            policy; ``None`` when the model tells none.
     """
 
     coarse_features: torch.Tensor | None = None  # the coarse embeddings for a policy with its own blocks
     node_embeddings: list[torch.Tensor] | None = None
+    budget: torch.Tensor | None = None
 
 
 class SplitPolicy(nn.Module):
@@ -170,6 +175,12 @@ class LearnedPolicy(SplitPolicy):
     pass through ``depth`` timm ``Block`` modules of that width (``width // 64`` heads,
     at least one) before the heads; the model then runs none of its own blocks for
     the policy.
+
+    With ``budget_conditioned``, an embedding of the target token ratio
+    (``context.budget``, :attr:`budget_embed`) is added to the coarse features that
+    enter every level's head (after the policy's own blocks): the policy learns to
+    split more when told a larger budget. Its last layer starts at zero, so at
+    initialisation the policy scores exactly as an unconditioned one.
     """
 
     name = "learned"
@@ -183,6 +194,7 @@ class LearnedPolicy(SplitPolicy):
         detach_features: bool = True,
         width: int | None = None,
         depth: int = 0,
+        budget_conditioned: bool = False,
     ):
         super().__init__()
         self.detach_features = detach_features
@@ -203,6 +215,12 @@ class LearnedPolicy(SplitPolicy):
             nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
             for _ in range(levels - 1)
         )
+        self.budget_conditioned = budget_conditioned
+        if budget_conditioned:
+            self.budget_embed = nn.Sequential(nn.Linear(1, dim), nn.GELU(), nn.Linear(dim, dim))
+            # zero output at init: conditioning starts as a no-op and is learned
+            nn.init.zeros_(self.budget_embed[-1].weight)
+            nn.init.zeros_(self.budget_embed[-1].bias)
 
     def _encode_coarse(self, feats: torch.Tensor) -> torch.Tensor:
         """The policy's own blocks on the projected coarse embeddings ``(B, H, W, width)``."""
@@ -210,12 +228,26 @@ class LearnedPolicy(SplitPolicy):
         x = self.proj(feats).reshape(b, h * w, -1)
         return self.blocks(x).reshape(b, h, w, -1)
 
+    def _embed_budget(self, budget: torch.Tensor | None, feats: torch.Tensor) -> torch.Tensor:
+        """The budget embedding ``(B, 1, 1, dim)``, broadcast over the coarse grid."""
+        if budget is None:
+            raise ValueError("a budget-conditioned policy needs the target token ratio (PolicyContext.budget)")
+        if budget.shape != (feats.shape[0],):
+            raise ValueError(
+                f"PolicyContext.budget must hold one target ratio per image, shape ({feats.shape[0]},), "
+                f"got {tuple(budget.shape)}"
+            )
+        weight = self.budget_embed[0].weight
+        return self.budget_embed(budget.to(weight.device, weight.dtype).unsqueeze(-1))[:, None, None, :]
+
     def logits(self, images, geometry, context: PolicyContext) -> list[torch.Tensor]:
         if context.coarse_features is None or context.node_embeddings is None:
             raise ValueError("the learned policy needs the model's coarse features and node embeddings")
         feats = context.coarse_features.detach() if self.detach_features else context.coarse_features
         if self.own_blocks:
             feats = self._encode_coarse(feats)
+        if self.budget_conditioned:
+            feats = feats + self._embed_budget(context.budget, feats)
         out = []
         for level, head in enumerate(self.heads):
             node = context.node_embeddings[level]

@@ -2,13 +2,18 @@
 
 A checkpoint folder (one per epoch, ``checkpoint_epoch0003``) holds:
 
-* ``model.pt`` — :meth:`SplitViT.save`'s payload (``spec`` + ``state_dict``) plus
+* ``model.pt`` — :meth:`SplitViT.save`'s payload (``spec`` + ``state_dict``, whose
+  ``input_mean`` / ``input_std`` buffers normalise the inputs, + ``data_config``: timm's
+  mean, std, interpolation and crop settings) plus
   ``epoch``, ``metrics`` and the (redacted) experiment ``config``; so
   ``SplitViT.load(".../model.pt")`` rebuilds the model;
 * ``train_state.pt`` — optimizer, LR scheduler, epoch, global step, metrics;
 * ``rng_rank<r>.pt`` — each worker's RNG states (torch, CUDA, numpy, Python and the
   warm-up split generator), so a resumed run draws what the uninterrupted one would;
-* ``metrics.json`` — the epoch's figures, for people.
+* ``metrics.json`` — the epoch's figures, for people;
+* ``history.json`` — ``{"history": [...]}``, every epoch's figures so far, earlier
+  attempts' included (a resumed run carries them on): the run's curves, e.g. whether
+  a study's reference model converged.
 
 Checkpoints may live in a local folder or under ``s3://``; :func:`fetch_checkpoint`
 copies one (a folder or a ``model.pt``) to a local temporary folder with pyarrow.fs.
@@ -29,6 +34,7 @@ import torch
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.json"
+HISTORY_FILE = "history.json"
 #: Ray Train's record of a run's reported checkpoints (the one a re-run resumes from)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 PAYLOAD_KEYS = ("spec", "state_dict")
@@ -84,6 +90,22 @@ def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = Non
 def write_metrics(folder: Path, metrics: dict[str, Any]) -> None:
     """``metrics.json`` in ``folder``."""
     (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True, default=float) + "\n")
+
+
+def write_history(folder: Path, history: list[dict[str, Any]]) -> None:
+    """``history.json`` in ``folder``: every epoch's figures so far."""
+    (folder / HISTORY_FILE).write_text(json.dumps({"history": history}, default=float) + "\n")
+
+
+def read_history(checkpoint_uri: str) -> list[dict[str, Any]]:
+    """The per-epoch figures in checkpoint folder ``checkpoint_uri`` (local or
+    ``s3://``); ``[]`` for a checkpoint written before they were kept."""
+    from ..storage import exists, join_uri, read_bytes
+
+    uri = join_uri(checkpoint_uri, HISTORY_FILE)
+    if not exists(uri):
+        return []
+    return list(json.loads(read_bytes(uri))["history"])
 
 
 def is_uri(path: str) -> bool:
@@ -238,16 +260,24 @@ def init_weights(model: torch.nn.Module, uri: str | Path) -> list[str]:
 
     Used to start a run from another run's weights (``model.init_from``), e.g. every
     method of a study from one warmed-up backbone: the policy's own parameters are
-    carried over only where both models have them; the split thresholds never are.
+    carried over only where both models have them; the split thresholds and the
+    budget a conditioned policy is told never are.
     Returns the names of ``model``'s
     tensors left as initialised; raises ``ValueError`` when any of the model's ViT
     backbone tensors is missing from the checkpoint or shaped differently (a
     different architecture), the classifier head excepted.
     """
-    state = load_payload(uri)["state_dict"]
+    from ..model.splitvit import fill_legacy_normalisation
+
+    state = dict(load_payload(uri)["state_dict"])
+    # an older checkpoint's backbone was trained on un-normalised inputs: its
+    # normalisation (mean 0, std 1) comes with its weights, like the newer ones'
+    fill_legacy_normalisation(state)
     own = model.state_dict()
-    # the split thresholds are the run's own setting (or its calibration), not weights
-    matched = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape and k != "thresholds"}
+    # the split thresholds and the budget the policy is told are the run's own settings
+    # (or its calibration), not weights
+    settings = ("thresholds", "budget")
+    matched = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape and k not in settings}
     backbone = [k for k in own if k.startswith("vit.") and not k.startswith("vit.head.")]
     missing = [k for k in backbone if k not in matched]
     if missing:

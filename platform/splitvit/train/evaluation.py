@@ -52,7 +52,12 @@ def evaluate_checkpoint(
     from ..data import build_dataset
 
     dataset = build_dataset(
-        data["name"], split, image_size=model.geometry.image_size[0], seed=int(data.get("seed", 0)), **options
+        data["name"],
+        split,
+        image_size=model.geometry.image_size[0],
+        interpolation=model.data_config["interpolation"],
+        seed=int(data.get("seed", 0)),
+        **options,
     )
     loader = DataLoader(
         dataset, batch_size=batch_size or data.get("eval_batch_size") or data.get("batch_size") or 64, shuffle=False

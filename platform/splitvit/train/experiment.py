@@ -150,9 +150,11 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT:
         image_size=model.image_size,
         num_classes=model.num_classes,
         timm_kwargs=dict(model.timm_kwargs),
+        normalize=model.normalize,
         thresholds=AUTO_THRESHOLD_START if model.thresholds == AUTO_THRESHOLDS else model.thresholds,
         policy_depth=model.policy_depth,
         policy_width=model.policy_width,
+        budget_conditioned=model.budget_conditioned,
         task=model.task,
         length_buckets=model.length_buckets,
     )

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..data.parquet import ParquetShards, RowGroupSampler
 from ..model.splitvit import SplitViT
 from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
 
@@ -62,10 +63,18 @@ def fit_local(
     """
     torch.manual_seed(seed)
     device = next(model.parameters()).device
+    # parquet shards shuffle by row group (each group read once per epoch, not once per
+    # item); other datasets read any item cheaply and keep the plain shuffle
+    sampler = (
+        RowGroupSampler(dataset, 1, 0, seed=seed, drop_last=True, batch_size=batch_size, loader_workers=num_workers)
+        if isinstance(dataset, ParquetShards)
+        else None
+    )
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=True,
+        shuffle=sampler is None,
+        sampler=sampler,
         drop_last=True,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
@@ -81,6 +90,8 @@ def fit_local(
     history = []
     model.train()
     for epoch in range(epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         start = time.perf_counter()
         totals: dict[str, float] = {}
         counts: dict[str, int] = {}

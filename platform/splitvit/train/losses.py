@@ -18,6 +18,18 @@ def task_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
 
 
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL divergence of the student's class distribution from the teacher's, at
+    ``temperature`` and scaled by its square (gradients keep their size as it
+    changes); over dim 1, so per image ``(B, C)`` or per pixel ``(B, C, H, W)``,
+    averaged over images and pixels. The teacher is detached."""
+    with torch.autocast(device_type=student.device.type, enabled=False):
+        log_student = F.log_softmax(student.float() / temperature, dim=1)
+        log_teacher = F.log_softmax(teacher.detach().float() / temperature, dim=1)
+        per_item = (log_teacher.exp() * (log_teacher - log_student)).sum(1)
+    return per_item.mean() * temperature**2
+
+
 def budget_penalty(expected_ratio: torch.Tensor, target_ratio: float, kind: str = "squared") -> torch.Tensor:
     """Penalty on the batch's mean expected token ratio (``E[n] / N_full``).
 

@@ -5,7 +5,7 @@ Ray, and runs a ``TorchTrainer`` whose workers execute :func:`train_loop_per_wor
 
 * the model is built from the config on every worker and wrapped by
   ``ray.train.torch.prepare_model`` (DDP); data are sharded per worker with a
-  ``DistributedSampler`` and moved to the device by ``prepare_data_loader``;
+  ``DistributedSampler`` (by row group for parquet shards) and moved to the device by ``prepare_data_loader``;
 * each step is the shared SPLIT step (:func:`splitvit.train.steps.training_step`),
   run *inside* the DDP module's forward (:class:`SplitStep`), so DDP sees every
   gradient-carrying computation, the policy's teacher loss included;
@@ -45,7 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, quality_metric, redact_uri
+from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, redact_uri
+from ..data.parquet import training_sampler
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -58,11 +59,12 @@ from .checkpoints import (
     rng_file,
     rng_state,
     set_rng_state,
+    write_history,
     write_metrics,
 )
 from .experiment import build_model, validate_experiment
 from .local import warmup_cosine
-from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
+from .steps import EvalTotals, SplitLossConfig, calibrate_thresholds, evaluate_totals, training_step
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -221,7 +223,11 @@ def _torch_trainer(
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from ..storage import ray_storage
+
     scaling = config.scaling
+    # s3:// storage goes through a filesystem with the project's S3 settings, not one Ray builds
+    ray_path, ray_filesystem = ray_storage(storage_path)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config, "tracker": tracker, "epoch_hook": epoch_hook},
@@ -233,7 +239,8 @@ def _torch_trainer(
         ),
         run_config=ray.train.RunConfig(
             name=config.storage.name,
-            storage_path=storage_path,
+            storage_path=ray_path,
+            storage_filesystem=ray_filesystem,
             failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.storage.num_to_keep),
             callbacks=list(callbacks or []),
@@ -495,25 +502,45 @@ def _agreed_keys(totals: dict[str, float], world: int) -> list[str]:
     return sorted(set().union(*gathered))
 
 
-def _combine_eval(result: dict[str, float], task: str, device: torch.device) -> dict[str, float]:
-    """Per-worker ``evaluate`` figures -> figures over the whole validation set."""
-    n = float(result["images"])
-    quality = quality_metric(task)
-    elapsed = n / result["images_per_s"] if result["images_per_s"] > 0 else 0.0
-    sums = _all_reduce(
-        [result[quality] * n, result["tokens_per_image"] * n, result["token_ratio"] * n, n], device=device
-    )
-    (longest,) = _all_reduce([elapsed], op="max", device=device)
-    total = max(sums[3], 1.0)
-    # mIoU from per-shard mIoUs weighted by images is an approximation (exact with one worker)
-    return {
-        quality: sums[0] / total,
-        "tokens_per_image": sums[1] / total,
-        "token_ratio": sums[2] / total,
+def _combine_eval(totals: EvalTotals, device: torch.device) -> dict[str, float]:
+    """A worker's :class:`~.steps.EvalTotals` -> the figures over the whole validation
+    set, exactly as one process evaluating every shard would give them: the counts
+    (images, correct, tokens, and the dense task's confusion matrix) are summed over the
+    workers and the figures computed once from the sums (``EvalTotals.figures``)."""
+    counts = _all_reduce(
+        [totals.images, totals.correct, totals.tokens, totals.full_tokens, totals.fine_total, totals.fine_on_object],
+        device=device,
+    )  # float64: integer counts stay exact below 2**53
+    (longest,) = _all_reduce([totals.elapsed], op="max", device=device)
+    images, correct, tokens, full_tokens = (int(round(v)) for v in counts[:4])
+    whole = EvalTotals(
+        task=totals.task,
+        images=images,
+        correct=correct,
+        tokens=tokens,
+        full_tokens=full_tokens,
         # workers evaluate in parallel: the set's throughput is its size over the slowest shard
-        "images_per_s": sums[3] / longest if longest > 0 else 0.0,
-        "val_images": sums[3],
-    }
+        elapsed=longest,
+        confusion=None if totals.confusion is None else _all_reduce_tensor(totals.confusion, device),
+        object_masks=totals.object_masks,
+        fine_total=counts[4],
+        fine_on_object=counts[5],
+    )
+    figures = whole.figures()
+    figures["val_images"] = float(figures.pop("images"))
+    return figures
+
+
+def _all_reduce_tensor(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Sum a tensor (e.g. an int64 confusion matrix, exactly) over all workers; the
+    identity on one worker. Returned on the CPU."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor.cpu()
+    # gloo reduces CPU tensors, NCCL CUDA ones
+    on = device if (device is not None and dist.get_backend() == "nccl") else torch.device("cpu")
+    summed = tensor.to(on).clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed.cpu()
 
 
 @dataclass
@@ -549,6 +576,7 @@ class _Worker:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     data: _WorkerData
+    history: list[dict[str, float]] = field(default_factory=list)  # every epoch's figures, resumed ones too
 
     def autocast(self) -> torch.autocast:
         """bf16 autocast on CUDA with ``train.amp``; a no-op otherwise."""
@@ -603,6 +631,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         metrics.update(_evaluate_epoch(worker))
         metrics["epoch"] = epoch
         metrics["epoch_time_s"] = time.perf_counter() - started
+        worker.history.append(metrics)
         _checkpoint_and_report(worker, epoch, metrics)
         _log_epoch(worker, epoch, metrics)
     status, message = (stop.status, stop.message) if stop is not None else ("completed", "")
@@ -649,7 +678,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     )
     model = _unwrap(step).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
-    data = _worker_data(config, rank, world, device)
+    data = _worker_data(config, rank, world, device, model.data_config["interpolation"])
     scheduler = _lr_schedule(optimizer, config, data.steps_per_epoch)
     worker = _Worker(
         config=config,
@@ -688,17 +717,30 @@ def _load_checkpoint(model: nn.Module, rank: int, generator: torch.Generator) ->
     return state
 
 
-def _worker_data(config: ExperimentConfig, rank: int, world: int, device: torch.device) -> _WorkerData:
-    """This worker's training loader (a ``DistributedSampler`` shard) and validation shard."""
+def _worker_data(
+    config: ExperimentConfig, rank: int, world: int, device: torch.device, interpolation: str
+) -> _WorkerData:
+    """This worker's training loader (a ``DistributedSampler`` shard) and validation
+    shard, resized with the model's ``interpolation``."""
     import ray.train.torch
 
     from ..data import build_dataset
 
     mc, dc = config.model, config.data
-    train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
-    # our own DistributedSampler: its seed is the config's; prepare_data_loader keeps it
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=dc.seed, drop_last=True)
+    sizing = dict(image_size=mc.image_size, interpolation=interpolation)
+    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
+    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
+    # our own DistributedSampler (for parquet shards one by row group, each group read once
+    # per epoch): its seed is the config's; prepare_data_loader keeps it
+    sampler = training_sampler(
+        train_set,
+        num_replicas=world,
+        rank=rank,
+        seed=dc.seed,
+        drop_last=True,
+        batch_size=dc.batch_size,
+        loader_workers=dc.num_workers,
+    )
     loader = DataLoader(
         train_set,
         batch_size=dc.batch_size,
@@ -736,6 +778,8 @@ def _resume(worker: _Worker, state: dict[str, Any] | None) -> tuple[int, dict[st
     worker.optimizer.load_state_dict(state["optimizer"])
     worker.scheduler.load_state_dict(state["scheduler"])
     metrics = dict(state.get("metrics") or {})
+    # a checkpoint from before histories were kept starts the curve at its last epoch
+    worker.history = list(state.get("history") or ([metrics] if metrics else []))
     if worker.tracker is not None and metrics:
         # the previous attempt may have stopped between its report and its MLflow write
         worker.tracker.log_epoch(state["epoch"], metrics)
@@ -838,12 +882,12 @@ def _evaluate_epoch(worker: _Worker) -> dict[str, float]:
                 worker.config.train.target_ratio,
                 worker.device,
             )
-    if len(worker.data.val_shard):
-        with worker.autocast():
-            figures = evaluate(worker.model, worker.data.val_loader, num_classes=mc.num_classes)
-    else:  # more workers than validation images: this one adds nothing
-        figures = {mc.metric: 0.0, "tokens_per_image": 0.0, "token_ratio": 0.0, "images_per_s": 0.0, "images": 0}
-    return _combine_eval(figures, mc.task, worker.device)
+    with worker.autocast():
+        # a worker with no validation images (more workers than images) counts nothing,
+        # yet takes part in the all-reduce with a zero confusion matrix of the same shape
+        batches = worker.data.val_loader if len(worker.data.val_shard) else ()  # no loader workers for nothing
+        totals = evaluate_totals(worker.model, batches, num_classes=mc.num_classes)
+    return _combine_eval(totals, worker.device)
 
 
 # ---------------------------------------------------------------------- worker: checkpoint, report, MLflow
@@ -867,12 +911,14 @@ def _checkpoint_and_report(worker: _Worker, epoch: int, metrics: dict[str, float
                     "optimizer": worker.optimizer.state_dict(),
                     "scheduler": worker.scheduler.state_dict(),
                     "metrics": metrics,
+                    "history": worker.history,
                     "world_size": worker.world,
                     "global_step": (epoch + 1) * worker.data.steps_per_epoch,
                 },
                 folder / STATE_FILE,
             )
             write_metrics(folder, metrics)
+            write_history(folder, worker.history)
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(str(folder)),

@@ -11,6 +11,9 @@ Training has two phases (docs/design.md §3.2):
 * policy: the learned policy decides (sampled hard decisions, straight-through
   gradients to its probabilities), under the budget penalty.
 
+With ``target_ratio_range``, every policy-phase batch draws its target ratio from
+that range (budget-conditioned training); a budget-conditioned policy is told it.
+
 After warm-up the learned policy is also taught by the model's own relevance at
 full resolution, pooled per node (gradient x input saliency of the true class by
 default; see ``SplitViT.relevance``): the policy learns to rank nodes as the model
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +35,7 @@ from ..model.splitvit import SplitViT
 from .losses import (
     IGNORE_INDEX,
     budget_penalty,
+    distillation_loss,
     relevance_targets,
     split_fraction_for_ratio,
     task_loss,
@@ -93,6 +98,11 @@ def training_step(
     ``step`` (the batch's index in its epoch) picks the steps that compute the
     relevance teacher: those with ``step % cfg.teacher_every == 0``.
 
+    With ``cfg.target_ratio_range``, a learned policy past warm-up trains at a target
+    ratio drawn uniformly from the range for this batch (from ``generator`` when
+    given): the budget penalty and the teacher's targets use it, a budget-conditioned
+    policy is told it, and ``stats["target_ratio"]`` reports it.
+
     Raises ``ConfigError`` (key ``model.num_classes``) for a label the model cannot predict.
     """
     check_labels(target, model_classes(model))
@@ -100,6 +110,11 @@ def training_step(
     warmup = learned and epoch < cfg.warmup_epochs
     stats: dict[str, float] = {}
     loss = images.new_zeros(())
+    target_ratio = cfg.target_ratio
+    if learned and not warmup and cfg.target_ratio_range is not None:
+        low, high = cfg.target_ratio_range
+        target_ratio = low + (high - low) * float(torch.rand((), generator=generator))
+        stats["target_ratio"] = target_ratio
     if warmup:
         # curriculum: the first warm-up epoch is full resolution (the backbone learns the
         # task), later ones draw lower split rates down to ``warmup_min_split``
@@ -107,21 +122,29 @@ def training_step(
         min_rate = 1.0 - (1.0 - cfg.warmup_min_split) * progress
         out = model(images, decisions=random_decisions(model, images, min_rate, generator))
     else:
-        out = model(images)
+        out = model(images, budget=target_ratio)
     main = task_loss(out.logits, target)
     loss = loss + main
     stats["task_loss"] = float(main.detach())
+    full_logits = None  # the full-resolution pass's, where one ran
     if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
         # the teacher grades the split probabilities the forward pass just computed
         label = target if model.task == "classification" else None
-        relevance = model.relevance(images, cfg.teacher, target=label)
-        fraction = split_fraction_for_ratio(cfg.target_ratio, model.geometry_for(tuple(images.shape[-2:])))
+        relevance, full_logits = model.relevance_and_logits(images, cfg.teacher, target=label)
+        fraction = split_fraction_for_ratio(target_ratio, model.geometry_for(tuple(images.shape[-2:])))
         # (decide() has checked the probabilities are finite: NaN is a divergence, not a BCE error)
-        distill = teacher_loss(out.split_probs, relevance_targets(relevance, fraction))
-        loss = loss + cfg.teacher_weight * distill
-        stats["teacher_loss"] = float(distill.detach())
+        taught = teacher_loss(out.split_probs, relevance_targets(relevance, fraction))
+        loss = loss + cfg.teacher_weight * taught
+        stats["teacher_loss"] = float(taught.detach())
+    if cfg.distill_weight > 0 and not warmup and model.policy.name != "full":
+        if full_logits is None:
+            with torch.no_grad():
+                full_logits = model(images, decisions=model.full_decisions(images)).logits
+        distill = distillation_loss(out.logits, full_logits, cfg.distill_temperature)
+        loss = loss + cfg.distill_weight * distill
+        stats["distill_loss"] = float(distill.detach())
     if learned and not warmup:
-        penalty = budget_penalty(out.expected_tokens / out.full_tokens, cfg.target_ratio, cfg.penalty)
+        penalty = budget_penalty(out.expected_tokens / out.full_tokens, target_ratio, cfg.penalty)
         loss = loss + cfg.lambda_budget * penalty
         stats["budget_penalty"] = float(penalty.detach())
     stats["loss"] = float(loss.detach())
@@ -131,7 +154,126 @@ def training_step(
     return loss, stats
 
 
+@dataclass
+class EvalTotals:
+    """What an evaluation counts, before any figure is computed from it.
+
+    Every field is a sum over images (``elapsed`` excepted), so the totals of disjoint
+    shards summed (``elapsed``: their maximum, the shards run in parallel) are the
+    totals of one evaluation of all of them, and :meth:`figures` gives exactly what one
+    process evaluating everything would: what ``train.ray_trainer._combine_eval``
+    all-reduces.
+
+    Attributes:
+        task: the model's task (``dense`` reports mIoU, others accuracy).
+        images: images evaluated.
+        correct: correctly classified images (classification).
+        tokens: tokens attended to, over all images.
+        full_tokens: full-resolution tokens, over all images (``N_full`` per image).
+        elapsed: seconds spent in forward passes.
+        confusion: dense task: ``(C, C)`` int64 pixel counts, row = true class,
+            column = predicted; pixels labelled ``IGNORE_INDEX`` are not counted.
+        object_masks: whether ``fine_total`` / ``fine_on_object`` were counted.
+        fine_total: finest-level cells chosen.
+        fine_on_object: those of them on the object.
+    """
+
+    task: str
+    images: int = 0
+    correct: int = 0
+    tokens: int = 0
+    full_tokens: int = 0
+    elapsed: float = 0.0
+    confusion: torch.Tensor | None = None
+    object_masks: bool = False
+    fine_total: float = 0.0
+    fine_on_object: float = 0.0
+
+    def figures(self) -> dict[str, float]:
+        """Accuracy or mIoU, tokens per image, token ratio, images/s (and
+        ``fine_on_object``, when counted) of these totals."""
+        result = {
+            "tokens_per_image": self.tokens / max(self.images, 1),
+            "token_ratio": self.tokens / max(self.full_tokens, 1),
+            "images_per_s": self.images / max(self.elapsed, 1e-9) if self.images else 0.0,
+            "images": self.images,
+        }
+        if self.task == "dense":
+            result["miou"] = mean_iou(self.confusion)
+        else:
+            result["accuracy"] = self.correct / max(self.images, 1)
+        if self.object_masks:
+            result["fine_on_object"] = self.fine_on_object / max(self.fine_total, 1.0)
+        return result
+
+
+def mean_iou(confusion: torch.Tensor | None) -> float:
+    """Mean intersection over union of a ``(C, C)`` confusion matrix (row = true class,
+    column = predicted) over the classes present, in the labels or the predictions;
+    0.0 when no pixel was counted. Float64: float32 counts are inexact above 2**24 pixels."""
+    if confusion is None:
+        return 0.0
+    counts = confusion.double()
+    inter = counts.diag()
+    union = counts.sum(0) + counts.sum(1) - inter
+    present = union > 0
+    return float((inter[present] / union[present]).mean()) if bool(present.any()) else 0.0
+
+
 @torch.no_grad()
+def evaluate_totals(
+    model: SplitViT,
+    batches: Iterable,
+    thresholds: list[float] | None = None,
+    num_classes: int | None = None,
+    object_masks: bool = False,
+) -> EvalTotals:
+    """Evaluate ``model`` on ``batches`` and return the counts (:class:`EvalTotals`);
+    :func:`evaluate` returns their figures.
+
+    ``batches`` yields ``(images, target)`` or ``(images, target, object_mask)``;
+    with ``object_masks`` the fine tokens on the object are counted too. The dense
+    task's confusion matrix has ``num_classes`` rows (default: the logits' channels).
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    totals = EvalTotals(task=model.task, object_masks=object_masks)
+    if model.task == "dense" and num_classes is not None:
+        # sized up front, so that a shard with no batches sums with the others
+        totals.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+    for batch in batches:
+        images, target = batch[0].to(device), batch[1].to(device)
+        start = time.perf_counter()
+        out = model(images, thresholds=thresholds)
+        if images.is_cuda:
+            torch.cuda.synchronize(device)  # CUDA runs asynchronously: time the work, not its launch
+        totals.elapsed += time.perf_counter() - start
+        totals.full_tokens += out.full_tokens * images.shape[0]
+        totals.tokens += int(out.tokens.sum())
+        totals.images += images.shape[0]
+        if model.task == "dense":
+            classes = num_classes or out.logits.shape[1]
+            pred = out.logits.argmax(1)
+            keep = target != IGNORE_INDEX
+            idx = target[keep] * classes + pred[keep]
+            counts = torch.bincount(idx, minlength=classes * classes).reshape(classes, classes)
+            totals.confusion = counts if totals.confusion is None else totals.confusion + counts
+        else:
+            totals.correct += int((out.logits.argmax(1) == target).sum())
+        if object_masks and len(batch) > 2:
+            level = out.fine_cell_level()
+            fine = (level == model.levels - 1).float()
+            p = model.patch_size
+            on_obj = torch.nn.functional.avg_pool2d(batch[2].to(device).float().unsqueeze(1), p).squeeze(1) > 0
+            totals.fine_total += float(fine.sum())
+            totals.fine_on_object += float((fine * on_obj).sum())
+    model.train(was_training)
+    if totals.confusion is not None:
+        totals.confusion = totals.confusion.cpu()
+    return totals
+
+
 def evaluate(
     model: SplitViT,
     batches: Iterable,
@@ -143,59 +285,9 @@ def evaluate(
 
     ``batches`` yields ``(images, target)`` or ``(images, target, object_mask)``;
     with ``object_masks`` the share of fine tokens that fall on the object is
-    reported too (``fine_on_object``).
+    reported too (``fine_on_object``). See :func:`evaluate_totals`.
     """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    correct = seen = tokens = 0
-    fine_total = fine_on_object = 0.0
-    confusion = None
-    full_tokens = 0
-    elapsed = 0.0
-    for batch in batches:
-        images, target = batch[0].to(device), batch[1].to(device)
-        start = time.perf_counter()
-        out = model(images, thresholds=thresholds)
-        if images.is_cuda:
-            torch.cuda.synchronize(device)  # CUDA runs asynchronously: time the work, not its launch
-        elapsed += time.perf_counter() - start
-        full_tokens = out.full_tokens
-        tokens += int(out.tokens.sum())
-        seen += images.shape[0]
-        if model.task == "dense":
-            classes = num_classes or out.logits.shape[1]
-            pred = out.logits.argmax(1)
-            keep = target != 255
-            idx = target[keep] * classes + pred[keep]
-            counts = torch.bincount(idx, minlength=classes * classes).reshape(classes, classes)
-            confusion = counts if confusion is None else confusion + counts
-        else:
-            correct += int((out.logits.argmax(1) == target).sum())
-        if object_masks and len(batch) > 2:
-            level = out.fine_cell_level()
-            fine = (level == model.levels - 1).float()
-            p = model.patch_size
-            on_obj = torch.nn.functional.avg_pool2d(batch[2].to(device).float().unsqueeze(1), p).squeeze(1) > 0
-            fine_total += float(fine.sum())
-            fine_on_object += float((fine * on_obj).sum())
-    model.train(was_training)
-    result = {
-        "tokens_per_image": tokens / max(seen, 1),
-        "token_ratio": tokens / max(seen * full_tokens, 1),
-        "images_per_s": seen / max(elapsed, 1e-9),
-        "images": seen,
-    }
-    if model.task == "dense":
-        inter = confusion.diag().float()
-        union = confusion.sum(0).float() + confusion.sum(1).float() - inter
-        present = union > 0
-        result["miou"] = float((inter[present] / union[present]).mean()) if bool(present.any()) else 0.0
-    else:
-        result["accuracy"] = correct / max(seen, 1)
-    if object_masks:
-        result["fine_on_object"] = fine_on_object / max(fine_total, 1.0)
-    return result
+    return evaluate_totals(model, batches, thresholds, num_classes, object_masks).figures()
 
 
 @torch.no_grad()
@@ -204,9 +296,17 @@ def calibrate_thresholds(
 ) -> list[float]:
     """One threshold for every level such that the mean token ratio on ``images`` is
     as close to ``target_ratio`` as the policy's scores allow (bisection: a higher
-    threshold never adds tokens)."""
+    threshold never adds tokens).
+
+    Side effect: a budget-conditioned model is first told this budget
+    (``model.set_budget(target_ratio)``), so that its scores, and so its evaluation
+    at the returned thresholds, are those of the budget it is calibrated to. Other
+    models are left unchanged.
+    """
     if not 0.0 < target_ratio <= 1.0:
         raise ValueError(f"target_ratio must be in (0, 1], got {target_ratio}")
+    if model.uses_budget:
+        model.set_budget(target_ratio)
     was_training = model.training
     model.eval()
     geometry = model.geometry_for(tuple(images.shape[-2:]))

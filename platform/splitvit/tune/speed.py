@@ -73,7 +73,9 @@ def time_operating_points(
     Args:
         points: one dict per point: ``checkpoint`` (a checkpoint folder or ``model.pt``),
             ``thresholds`` (per level; ``None``: the checkpoint's own), optionally
-            ``policy`` (default: the checkpoint's) and ``label``.
+            ``policy`` (default: the checkpoint's), ``budget`` (the target token
+            ratio a budget-conditioned policy is told, as when the thresholds were
+            calibrated; default: the checkpoint's) and ``label``.
         full_checkpoint: the full-resolution model's checkpoint (run with the ``full``
             policy) for the points of its architecture. Points of another
             architecture (or all, by default) are compared with the first of their
@@ -160,7 +162,8 @@ def time_operating_points(
             ref = full_keys[arch_of[p["checkpoint"]]]
             x = images[ref]
             thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
-            out = model(x, thresholds=thresholds)
+            budget = float(p["budget"]) if model.uses_budget and p.get("budget") is not None else None
+            out = model(x, thresholds=thresholds, budget=budget)
             tokens = float(out.tokens.float().mean())
             out_points.append(
                 {
@@ -169,12 +172,13 @@ def time_operating_points(
                     "checkpoint": p["checkpoint"],
                     "policy": model.policy.name,
                     "thresholds": thresholds,
+                    "budget": budget,
                     "full": ref,
                     "tokens_per_image": tokens,
                     "token_ratio": tokens / out.full_tokens,
                 }
             )
-            fns[f"point{i}"] = functools.partial(model, x, thresholds=thresholds)
+            fns[f"point{i}"] = functools.partial(model, x, thresholds=thresholds, budget=budget)
             sizes[f"point{i}"] = int(x.shape[0])
         log.info(
             "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
