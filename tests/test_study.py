@@ -17,7 +17,17 @@ from splitvit.config import ConfigError
 from splitvit.model import SplitViT
 from splitvit.train.checkpoints import init_weights
 from splitvit.tune.space import SearchSpaceError
-from splitvit.tune.study import Goals, aggregate, check_goals, load_study, matched_point, summary_lines
+from splitvit.tune.study import (
+    Goals,
+    aggregate,
+    check_goals,
+    lever_lines,
+    lever_table,
+    load_study,
+    matched_point,
+    reference_convergence,
+    summary_lines,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -37,6 +47,7 @@ RESULT_KEYS = {
     "tracking_uri",
     "seconds",
     "point_speed",
+    "levers",
 }
 ROW_KEYS = {
     "method",
@@ -64,6 +75,7 @@ RUN_KEYS = {
     "run_uri",
     "evaluation",
     "reused",
+    "history",
 }
 
 
@@ -79,7 +91,8 @@ def write_study(folder: Path, **changes) -> Path:
             "storage.path": str(folder / "runs"),
             "tracking.split_map_images": 0,
         },
-        "backbone": {"train.epochs": 1, "train.warmup_epochs": 1},
+        # the reference protocol: a full-resolution backbone, its convergence checked
+        "backbone": {"model.policy": "full", "train.epochs": 2},
         "method": {"train.epochs": 1},
         "methods": {
             "full": {"model.policy": "full"},
@@ -89,6 +102,7 @@ def write_study(folder: Path, **changes) -> Path:
         "evaluation": {"split": "test", "samples": 64, "ratios": [0.25, 0.5], "calibration_samples": 32},
         "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
         "speed": {"batch_size": 8, "rounds": 2},
+        "goals": {"converge_points": 0.3, "converge_epochs": 1, "also_match_at": [0.25]},
         "mlflow": {"experiment": "study-e2e"},
     }
     spec.update(changes)
@@ -111,6 +125,13 @@ def write_study(folder: Path, **changes) -> Path:
         ({"speed": {"rounds": 0}}, "speed.rounds", "integer >= 1"),
         ({"speed": {"enabled": "yes"}}, "speed.enabled", "true or false"),
         ({"speed": {"colour": 1}}, "speed.colour", "unknown setting"),
+        ({"goals": {"colour": 1}}, "goals.colour", "unknown goal"),
+        ({"goals": {"match_ratio": 1.5}}, "goals.match_ratio", "token ratio in (0, 1]"),
+        ({"goals": {"also_match_at": [0.5, 0]}}, "goals.also_match_at", "list of token ratios"),
+        ({"goals": {"beat_range": [0.7, 0.1]}}, "goals.beat_range", "[low, high]"),
+        ({"goals": {"converge_epochs": 0}}, "goals.converge_epochs", "integer >= 1"),
+        ({"goals": {"converge_points": -1}}, "goals.converge_points", "points >= 0"),
+        ({"goals": {"match_points": "half"}}, "goals.match_points", "points >= 0"),
     ],
 )
 def test_bad_study_files_are_named(tmp_path, change, key, message):
@@ -136,8 +157,10 @@ def test_shipped_studies_validate_at_every_scale():
                 spec.policy(m) for m in spec.methods
             }
             config = spec.run_config(1, next(iter(spec.methods)), "x")
-            assert config.data.seed == 1 and config.train.warmup_epochs == 0
-            assert spec.run_config(0, None, "b").model.policy == "learned"
+            assert config.data.seed == 1
+            # the reference protocol: a full-resolution backbone whose convergence is checked
+            assert spec.run_config(0, None, "b").model.policy == "full" and spec.goals.converge_points == 0.3
+            assert spec.goals.match_ratio == 0.7 and 0.8 in spec.ratios and 0.7 in spec.ratios
             assert spec.run_config(0, "full", "x").scaling.use_gpu == (scale is not None)  # GPU scales use GPUs
 
 
@@ -198,7 +221,7 @@ def test_init_weights_carries_the_backbone_across_policies(tmp_path):
     learned.save(tmp_path / "model.pt")
     entropy = SplitViT.from_timm("vit_tiny_patch16_224", policy="entropy", thresholds=0.7, **kwargs)
     fresh = init_weights(entropy, tmp_path)
-    assert fresh == ["thresholds"]  # everything else is the backbone's; thresholds stay the run's own
+    assert fresh == ["budget", "thresholds"]  # everything else is the backbone's; these stay the run's own
     assert torch.equal(entropy.vit.blocks[1].mlp.fc1.weight, learned.vit.blocks[1].mlp.fc1.weight)
     assert torch.allclose(entropy.thresholds, torch.tensor([0.7, 0.7]))
     other = SplitViT.from_timm(
@@ -225,7 +248,10 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert cli(["study", str(spec), "--name", "e2e", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert not data["failed"] and len(data["runs"]) == 3
-    assert set(data) == RESULT_KEYS and all(set(r) == ROW_KEYS for r in data["rows"])
+    # the study's figures at the top level of the command's envelope
+    assert set(data) == RESULT_KEYS | {"command", "status", "error", "mlflow", "wall_time_s"}
+    assert data["status"] == "ok" and data["mlflow"]["run_id"] == data["mlflow_run_id"]
+    assert all(set(r) == ROW_KEYS for r in data["rows"])
     assert all(set(r) == RUN_KEYS for r in data["runs"])
     methods = {(r["method"], r["target_ratio"]) for r in data["rows"]}
     assert methods == {("full", None), ("entropy", 0.25), ("entropy", 0.5), ("split", 0.25), ("split", 0.5)}
@@ -236,6 +262,12 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     full = next(r for r in data["rows"] if r["method"] == "full")
     assert full["token_ratio"] == 1.0
     assert {"match", "above_baselines", "margin_over_entropy"} <= set(data["goals"])
+    assert [g["max_token_ratio"] for g in data["goals"]["match_also"]] == [0.25]
+    # the reference's validation curve (2 epochs), and whether it had stopped gaining
+    reference = data["goals"]["reference_converged"]["seeds"]["0"]
+    assert len(reference["curve"]) == 2 and reference["gain_points"] == pytest.approx(
+        (reference["curve"][1] - reference["curve"][0]) * 100
+    )
     assert data["speed"]["ratio"] > 0 and data["speed"]["ideal_ratio"] >= 1.0
     # every method started from the seed's backbone, and says so in its config
     train = Path(data["study_dir"]) / "train"
@@ -248,6 +280,10 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"study_table.json", "study.json", "study.png"} <= artifacts
     assert "speed_ratio" in parent.data.metrics
+    curve = client.get_metric_history(parent.info.run_id, "reference_accuracy.s0")
+    assert [m.value for m in sorted(curve, key=lambda m: m.step)] == pytest.approx(reference["curve"])
+    assert parent.data.metrics["goal_reference_converged_met"] == float(data["goals"]["reference_converged"]["met"])
+    assert "match_gap_points.r0.25" in parent.data.metrics
 
     # every method's evaluated points timed against the full method, side by side (seed 0)
     ps = data["point_speed"]
@@ -327,6 +363,68 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert len(client.search_runs([exp.experiment_id])) == runs_before
 
 
+def test_backbone_policy_and_method_warm_up_follow_the_study_file(tmp_path):
+    """The backbone is the learned policy's warm-up unless the study names its policy;
+    methods skip the warm-up unless the study gives them one."""
+    legacy = load_study(write_study(tmp_path, backbone={"train.epochs": 1, "train.warmup_epochs": 1}))
+    assert legacy.run_config(0, None, "b").model.policy == "learned"
+    assert legacy.run_config(0, None, "b").train.warmup_epochs == 1
+    assert legacy.run_config(0, "split", "m").train.warmup_epochs == 0
+    methods = {
+        "full": {"model.policy": "full"},
+        "split": {"model.policy": "learned", "train.warmup_epochs": 1},
+    }
+    spec = load_study(write_study(tmp_path, methods=methods))
+    assert spec.run_config(0, None, "b").model.policy == "full"
+    assert spec.run_config(0, "split", "m").train.warmup_epochs == 1
+    assert spec.run_config(0, "full", "m").train.warmup_epochs == 0
+
+
+def test_reference_convergence_is_read_from_each_backbones_curve():
+    goals = Goals(converge_points=0.3, converge_epochs=3)
+    flat = [{"accuracy": a} for a in (0.50, 0.70, 0.801, 0.803, 0.802, 0.803)]
+    rising = [{"accuracy": a} for a in (0.50, 0.60, 0.70, 0.75, 0.78, 0.80)]
+    result = reference_convergence(
+        [{"seed": 0, "history": flat}, {"seed": 1, "history": rising}, {"seed": 2, "history": flat[:3]}],
+        goals,
+        "accuracy",
+    )
+    s0, s1, s2 = (result["seeds"][k] for k in ("0", "1", "2"))
+    assert s0["gain_points"] == pytest.approx(0.2) and s0["met"]  # 0.803 - 0.801 over the last 3 epochs
+    assert s1["gain_points"] == pytest.approx(10.0) and not s1["met"]
+    assert s2["gain_points"] is None and not s2["met"] and s2["epochs"] == 3  # too short to tell
+    assert s0["curve"] == [h["accuracy"] for h in flat] and not result["met"]
+    assert reference_convergence([{"seed": 0, "history": flat}], goals, "accuracy")["met"]
+    assert reference_convergence([{"seed": 0, "history": flat}], Goals(), "accuracy") is None  # no such goal
+    line = next(line for line in summary_lines({"reference_converged": result}, None, []) if "reference" in line)
+    assert "seed 0 +0.20" in line and "seed 1 +10.00" in line and "seed 2 n/a (3 epochs)" in line
+    assert line.endswith("MISSED")
+
+
+def test_parity_is_checked_at_every_token_share_the_study_names():
+    results = [
+        run("full", "full", 0, [(None, 0.90, 1.0)]),
+        run("split", "learned", 0, [(0.5, 0.85, None), (0.7, 0.897, None)]),
+    ]
+    goals = check_goals(aggregate(results, "accuracy"), Goals(match_ratio=0.7, also_match_at=(0.5,)), "accuracy")
+    assert goals["match"]["gap_points"] == pytest.approx(0.3) and goals["match"]["met"]
+    (half,) = goals["match_also"]
+    assert half["max_token_ratio"] == 0.5 and half["gap_points"] == pytest.approx(5.0) and not half["met"]
+    lines = summary_lines(goals, None, [])
+    assert any("<= 70% tokens" in line and line.endswith("met") for line in lines)
+    # the recipe ablation: each SPLIT method at each parity ratio, mean ± std and gap to the control
+    rows = aggregate(results + [run("split", "learned", 1, [(0.5, 0.83, None), (0.7, 0.893, None)])], "accuracy")
+    (entry,) = lever_table(rows, "accuracy", [0.5, 0.7])
+    assert entry["method"] == "split" and entry["r0.5"]["accuracy"] == pytest.approx(0.84)
+    assert entry["r0.5"]["std"] == pytest.approx(0.0141421, rel=1e-4) and entry["r0.5"]["seeds"] == 2
+    assert entry["r0.7"]["gap_points"] == pytest.approx(0.5)  # full: 0.90 (seed 0 only)
+    head, line = lever_lines([entry], "accuracy")
+    assert "accuracy @ 50% tokens" in head and "accuracy @ 70% tokens" in head
+    assert "0.8400 ± 0.0141 (-6.00 vs full)" in line and "0.8950 ± 0.0028 (-0.50 vs full)" in line
+    assert lever_table(rows, "accuracy", [0.3])[0]["r0.3"] is None
+    assert any("<= 50% tokens" in line and line.endswith("MISSED") for line in lines)
+
+
 @pytest.mark.parametrize(
     "gap, words, verdict", [(7.55, "7.55 points below full", "MISSED"), (-0.3, "0.30 points above full", "met")]
 )
@@ -341,3 +439,26 @@ def test_summary_line_states_the_gap_to_full_resolution_in_words(gap: float, wor
     }
     (line,) = summary_lines({"match": match}, None, [])
     assert words in line and line.endswith(verdict) and "49.6%" in line
+
+
+def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_session, tmp_path):
+    """Ray Tune's own Ctrl-C handler returns from ``fit`` with runs unfinished (neither
+    a result nor an error): the study stops with exit code 130 and says the finished
+    runs are kept, instead of reporting the runs as failed and carrying on."""
+    import os
+    import signal
+    import time
+
+    from splitvit.errors import Interrupted
+    from splitvit.tune.study import _tune_grid
+
+    spec = load_study(write_study(tmp_path))
+    driver = os.getpid()
+
+    def trainable(config):
+        os.kill(driver, signal.SIGINT)  # Ctrl-C at the driver while this run trains
+        time.sleep(60)
+
+    with pytest.raises(Interrupted, match="1 of 1 methods runs unfinished; the finished ones are kept") as info:
+        _tune_grid(trainable, {"seed": [0]}, spec, str(tmp_path / "tune"), "methods-now")
+    assert info.value.exit_code == 130

@@ -79,9 +79,11 @@ def test_local_study_runs_the_study_path_end_to_end(local_study):
     # every run as on Ray, plus its training curves (one epoch each)
     assert len(data["runs"]) == 3
     (backbone,) = data["backbones"]
-    assert backbone["seed"] == 0 and len(backbone["history"]) == 1 and "config" not in backbone
+    assert backbone["seed"] == 0 and len(backbone["history"]) == 2 and "config" not in backbone
+    reference = data["goals"]["reference_converged"]["seeds"]["0"]
+    assert reference["curve"] == [h["accuracy"] for h in backbone["history"]]
     for run in data["runs"]:
-        assert set(run) == RUN_KEYS | {"history", "steps"} and not run["reused"]
+        assert set(run) == RUN_KEYS | {"steps"} and not run["reused"]
         assert run["steps"] == TRAIN_IMAGES // 32 and [h["epoch"] for h in run["history"]] == [0]
         assert {"train_loss", "train_images_per_s", "accuracy", "tokens_per_image"} <= set(run["history"][0])
         assert run["train_metrics"] == run["history"][-1]

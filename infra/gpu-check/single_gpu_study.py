@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_table(result: dict[str, Any]) -> None:
-    from splitvit.tune.study import summary_lines
+    from splitvit.tune.study import lever_lines, summary_lines
 
     metric = result["metric"]
     reused = sum(bool(r.get("reused")) for r in result["runs"])
@@ -124,6 +124,8 @@ def _print_table(result: dict[str, Any]) -> None:
             f"{r['method']:<12}{ratio:>7}{r['tokens_per_image']:>8.1f}{100 * r[metric]:>10.1f}"
             f"{100 * r[metric + '_std']:>7.1f}{100 * r[metric + '_min']:>7.1f}{100 * r[metric + '_max']:>7.1f}"
         )
+    for line in lever_lines(result.get("levers") or [], metric):
+        print(line)
     for line in summary_lines(result["goals"], result["speed"], result["failed"], result["point_speed"]):
         print(line)
     if result["mlflow_run_id"]:

@@ -50,7 +50,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,6 +59,7 @@ import yaml
 from ..config import ConfigError, ExperimentConfig, quality_metric, set_dotted
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from ..train.experiment import experiment_from_dict
+from .console import Progress, ray_console, tune_verbosity
 from .space import SearchSpaceError, _resolve_base
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,12 @@ class Goals:
 
     match_points: float = 0.5  # SPLIT within this many points of full resolution ...
     match_ratio: float = 0.5  # ... at no more than this share of its tokens
+    also_match_at: tuple[float, ...] = ()  # the same test at these shares too (reported beside it)
     beat_range: tuple[float, float] | None = (0.1, 0.6)  # SPLIT above entropy and random at every ratio here
     margin_at: float | None = 0.25  # and this many points above entropy at this ratio
     margin: float = 3.0
+    converge_epochs: int = 3  # the reference (backbone) has converged when its validation quality ...
+    converge_points: float | None = None  # ... gained less than this over its last converge_epochs epochs
 
 
 @dataclass
@@ -141,14 +145,24 @@ class StudySpec:
         if storage is not None:
             values["storage.path"] = storage
         if method is None:
-            values["model.policy"] = "learned"  # the warm-up is the learned policy's curriculum
+            # by default the backbone is the learned policy's warm-up curriculum (random
+            # splits at every rate); a study may make it a full-resolution reference instead
+            values.setdefault("model.policy", "learned")
         else:
-            values["train.warmup_epochs"] = 0
+            # methods start from a trained backbone: no warm-up unless the study asks for one
+            if "train.warmup_epochs" not in {**self.method, **self.methods[method]}:
+                values["train.warmup_epochs"] = 0
             if init_from is not None:
                 values["model.init_from"] = init_from
         for key, value in values.items():
             set_dotted(raw, key, value)
         return experiment_from_dict(raw, default_name=name)
+
+    @property
+    def parity_ratios(self) -> list[float]:
+        """The token shares parity with full resolution is tested at (the goals'
+        ``match_ratio`` and ``also_match_at``), ascending: the ablation's columns."""
+        return sorted({self.goals.match_ratio, *self.goals.also_match_at})
 
     @property
     def metric(self) -> str:
@@ -214,6 +228,41 @@ def _speed_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+def _goals(raw: dict[str, Any], source: str) -> Goals:
+    """The ``goals`` section, checked: ratios in ``(0, 1]``, points and epochs in range;
+    an unknown key or a bad value is one error naming ``goals.<key>``."""
+    section = _section(raw, "goals", source)
+    known = [f.name for f in fields(Goals)]
+    for key in section:
+        if key not in known:
+            raise SearchSpaceError(source, f"goals.{key}", f"unknown goal; known: {', '.join(known)}")
+
+    def ratio(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+    def number(value: Any, least: float = 0.0) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= least
+
+    checks = {
+        "match_points": (number, "a number of points >= 0"),
+        "match_ratio": (ratio, "a token ratio in (0, 1]"),
+        "also_match_at": (lambda v: isinstance(v, list) and all(map(ratio, v)), "a list of token ratios in (0, 1]"),
+        "beat_range": (
+            lambda v: v is None or (isinstance(v, list) and len(v) == 2 and all(map(ratio, v)) and v[0] <= v[1]),
+            "[low, high] token ratios in (0, 1], or null",
+        ),
+        "margin_at": (lambda v: v is None or ratio(v), "a token ratio in (0, 1], or null"),
+        "margin": (number, "a number of points >= 0"),
+        "converge_epochs": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+        "converge_points": (lambda v: v is None or number(v), "a number of points >= 0, or null (not checked)"),
+    }
+    for key, value in section.items():
+        valid, expected = checks[key]
+        if not valid(value):
+            raise SearchSpaceError(source, f"goals.{key}", f"expected {expected}, got {value!r}")
+    return Goals(**{k: (tuple(v) if k in ("beat_range", "also_match_at") and v else v) for k, v in section.items()})
+
+
 def load_study(path: str | Path, *, scale: str | None = None, overrides: list[str] | None = None) -> StudySpec:
     """Read and validate a study file; every run's config is built (and so validated)
     before anything starts. ``scale`` merges the file's ``scales.<scale>`` section over
@@ -262,7 +311,7 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
     if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
         raise SearchSpaceError(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
     run = _section(raw, "run", source)
-    goals = _section(raw, "goals", source)
+    goals = _goals(raw, source)
     speed = _speed_section(raw, source)
     config = _section(raw, "config", source)
     settings: dict[str, Any] = {}
@@ -272,35 +321,32 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
             raise ConfigError(item, "expected key=value")
         settings[key.strip()] = yaml.safe_load(value)
     base = _resolve_base(raw.get("base"), path.parent, source)
-    try:
-        spec = StudySpec(
-            source=source,
-            base=base,
-            base_raw=yaml.safe_load(base.read_text()) or {},
-            description=str(raw.get("description") or ""),
-            seeds=list(seeds),
-            config=config,
-            backbone=_section(raw, "backbone", source),
-            method=_section(raw, "method", source),
-            methods={k: dict(v) for k, v in methods.items()},
-            ratios=sorted(float(r) for r in ratios),
-            split=str(evaluation.get("split", "test")),
-            samples=evaluation.get("samples"),
-            calibration_samples=int(evaluation.get("calibration_samples", 512)),
-            max_concurrent=int(run.get("max_concurrent", 2)),
-            trial_resources=dict(run.get("trial_resources") or {"CPU": 0.5}),
-            goals=Goals(**{k: (tuple(v) if k == "beat_range" and v else v) for k, v in goals.items()}),
-            speed_batch=speed["batch_size"],
-            speed_rounds=speed["rounds"],
-            speed_enabled=speed["enabled"],
-            speed_warmup=speed["warmup"],
-            speed_max_points=speed["max_points"],
-            experiment=str((raw.get("mlflow") or {}).get("experiment") or f"study-{path.stem}"),
-            scale=scale,
-            overrides=settings,
-        )
-    except TypeError as exc:
-        raise SearchSpaceError(source, "goals", str(exc)) from None
+    spec = StudySpec(
+        source=source,
+        base=base,
+        base_raw=yaml.safe_load(base.read_text()) or {},
+        description=str(raw.get("description") or ""),
+        seeds=list(seeds),
+        config=config,
+        backbone=_section(raw, "backbone", source),
+        method=_section(raw, "method", source),
+        methods={k: dict(v) for k, v in methods.items()},
+        ratios=sorted(float(r) for r in ratios),
+        split=str(evaluation.get("split", "test")),
+        samples=evaluation.get("samples"),
+        calibration_samples=int(evaluation.get("calibration_samples", 512)),
+        max_concurrent=int(run.get("max_concurrent", 2)),
+        trial_resources=dict(run.get("trial_resources") or {"CPU": 0.5}),
+        goals=goals,
+        speed_batch=speed["batch_size"],
+        speed_rounds=speed["rounds"],
+        speed_enabled=speed["enabled"],
+        speed_warmup=speed["warmup"],
+        speed_max_points=speed["max_points"],
+        experiment=str((raw.get("mlflow") or {}).get("experiment") or f"study-{path.stem}"),
+        scale=scale,
+        overrides=settings,
+    )
     # every run's config, validated now: a bad key stops here, before Ray starts
     for seed in spec.seeds:
         spec.run_config(seed, None, "check")
@@ -572,20 +618,12 @@ def check_goals(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[s
         return max(found, key=lambda r: r[metric]) if found else None
 
     out: dict[str, Any] = {"full_" + metric: full[metric]}
-    within = [r for r in rows if r["policy"] == "learned" and r["token_ratio"] <= goals.match_ratio]
-    if within:
-        top = max(within, key=lambda r: r[metric])
-        gap = (full[metric] - top[metric]) * pts
-        out["match"] = {
-            "method": top["method"],
-            "target_ratio": top["target_ratio"],
-            "token_ratio": top["token_ratio"],
-            metric: top[metric],
-            "gap_points": gap,
-            "goal_points": goals.match_points,
-            "max_token_ratio": goals.match_ratio,
-            "met": gap <= goals.match_points + EPS,
-        }
+    match = _match(rows, full, goals.match_ratio, goals.match_points, metric)
+    if match:
+        out["match"] = match
+    also = [_match(rows, full, ratio, goals.match_points, metric) for ratio in goals.also_match_at]
+    if any(also):
+        out["match_also"] = [m for m in also if m]
     if goals.beat_range:
         lo, hi = goals.beat_range
         margins = []
@@ -618,6 +656,57 @@ def check_goals(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[s
                 "met": margin >= goals.margin - EPS,
             }
     return out
+
+
+def _match(
+    rows: list[dict[str, Any]], full: dict[str, Any], max_ratio: float, goal_points: float, metric: str
+) -> dict[str, Any] | None:
+    """The most accurate SPLIT row at no more than ``max_ratio`` of the tokens, and its
+    gap to full resolution in points (``met``: at most ``goal_points``)."""
+    within = [r for r in rows if r["policy"] == "learned" and r["token_ratio"] <= max_ratio + 1e-9]
+    if not within:
+        return None
+    top = max(within, key=lambda r: r[metric])
+    gap = (full[metric] - top[metric]) * 100.0
+    return {
+        "method": top["method"],
+        "target_ratio": top["target_ratio"],
+        "token_ratio": top["token_ratio"],
+        metric: top[metric],
+        "gap_points": gap,
+        "goal_points": goal_points,
+        "max_token_ratio": max_ratio,
+        "met": gap <= goal_points + EPS,
+    }
+
+
+def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric: str) -> dict[str, Any] | None:
+    """Whether each seed's backbone (the reference every method starts from) had
+    converged: its validation ``metric`` gained less than ``goals.converge_points``
+    over its last ``goals.converge_epochs`` epochs. Each seed's curve comes along
+    (``curve``: the metric per epoch). None when the study sets no such goal."""
+    if goals.converge_points is None:
+        return None
+    k = goals.converge_epochs
+    seeds: dict[str, dict[str, Any]] = {}
+    for backbone in backbones:
+        curve = [float(h[metric]) for h in backbone.get("history") or [] if metric in h]
+        record: dict[str, Any] = {"curve": curve, "epochs": len(curve)}
+        if len(curve) > k:
+            record["gain_points"] = (curve[-1] - curve[-1 - k]) * 100.0
+            record["met"] = record["gain_points"] < goals.converge_points
+        else:  # too short a curve to tell (or one stored before curves were kept)
+            record["gain_points"] = None
+            record["met"] = False
+        seeds[str(backbone["seed"])] = record
+    if not seeds:
+        return None
+    return {
+        "over_epochs": k,
+        "goal_points": goals.converge_points,
+        "seeds": seeds,
+        "met": all(s["met"] for s in seeds.values()),
+    }
 
 
 def matched_point(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[str, Any] | None:
@@ -762,6 +851,7 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run=None) -> dict[
                 {
                     "checkpoint": by_method[method]["checkpoint"],
                     "thresholds": point.get("thresholds"),
+                    "budget": point["target_ratio"],  # what a budget-conditioned policy was told
                     "label": f"{method}@{point['target_ratio']}",
                     "method": method,
                     "target_ratio": point["target_ratio"],
@@ -770,7 +860,7 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run=None) -> dict[
     run = run or (lambda fn, *args, **kw: fn(*args, **kw))
     record = run(
         time_operating_points,
-        [{k: p[k] for k in ("checkpoint", "thresholds", "label")} for p in chosen],
+        [{k: p[k] for k in ("checkpoint", "thresholds", "budget", "label")} for p in chosen],
         full_checkpoint=by_method[full]["checkpoint"],
         split=spec.split,
         batch_size=spec.speed_batch,
@@ -807,6 +897,62 @@ def point_speed_lines(record: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def lever_table(rows: list[dict[str, Any]], metric: str, ratios: list[float]) -> list[dict[str, Any]]:
+    """The recipe ablation: every SPLIT method's quality at each of ``ratios`` (mean and
+    standard deviation over seeds) and its gap to the full-resolution control in
+    points; one row per method, ``None`` where the method was not evaluated there."""
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    table = []
+    for method in dict.fromkeys(r["method"] for r in rows if r["policy"] == "learned"):
+        entry: dict[str, Any] = {"method": method}
+        for ratio in ratios:
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r["method"] == method
+                    and r["target_ratio"] is not None
+                    and math.isclose(r["target_ratio"], ratio)
+                ),
+                None,
+            )
+            entry[f"r{ratio:g}"] = (
+                None
+                if row is None
+                else {
+                    metric: row[metric],
+                    "std": row[f"{metric}_std"],
+                    "seeds": row["seeds"],
+                    "token_ratio": row["token_ratio"],
+                    "gap_points": None if full is None else (full[metric] - row[metric]) * 100.0,
+                }
+            )
+        table.append(entry)
+    return table
+
+
+def lever_lines(table: list[dict[str, Any]], metric: str) -> list[str]:
+    """:func:`lever_table` as text: a column per ratio, ``mean ± std (points vs full)``."""
+    if not table:
+        return []
+    ratios = [float(key[1:]) for key in table[0] if key != "method"]
+    width = max(len("method"), *(len(row["method"]) for row in table))
+    head = "  ".join(f"{metric} @ {ratio:.0%} tokens".ljust(34) for ratio in ratios)
+    lines = [f"{'method'.ljust(width)}  {head}"]
+    for row in table:
+        cells = []
+        for ratio in ratios:
+            cell = row.get(f"r{ratio:g}")
+            if cell is None:
+                text = "-"
+            else:
+                versus = "" if cell["gap_points"] is None else f" ({-cell['gap_points']:+.2f} vs full)"
+                text = f"{cell[metric]:.4f} ± {cell['std']:.4f}{versus}"
+            cells.append(text.ljust(34))
+        lines.append(f"{row['method'].ljust(width)}  {'  '.join(cells)}")
+    return lines
+
+
 def _verdict(goal: dict[str, Any]) -> str:
     return "met" if goal["met"] else "MISSED"
 
@@ -818,8 +964,18 @@ def summary_lines(
     speed-ups (:func:`points_speed`) and the failed runs, one line each
     (``splitvit study`` and the single-GPU runner print these under their table)."""
     lines = []
-    if "match" in goals:
-        g = goals["match"]
+    if "reference_converged" in goals:
+        g = goals["reference_converged"]
+        seeds = ", ".join(
+            f"seed {seed} "
+            + (f"{s['gain_points']:+.2f}" if s["gain_points"] is not None else f"n/a ({s['epochs']} epochs)")
+            for seed, s in g["seeds"].items()
+        )
+        lines.append(
+            f"reference converged (gain over its last {g['over_epochs']} epochs < {g['goal_points']} points): "
+            f"{seeds}: {_verdict(g)}"
+        )
+    for g in ([goals["match"]] if "match" in goals else []) + goals.get("match_also", []):
         lines.append(
             f"SPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
             f"{g['token_ratio']:.1%}: {abs(g['gap_points']):.2f} points {'below' if g['gap_points'] > 0 else 'above'} "
@@ -872,6 +1028,7 @@ class StudyResult:
     tracking_uri: str | None
     seconds: float
     point_speed: dict[str, Any] | None = None  # :func:`points_speed`: every method's points timed vs full
+    levers: list[dict[str, Any]] = field(default_factory=list)  # :func:`lever_table` at the parity ratios
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready data (every field)."""
@@ -904,22 +1061,103 @@ class StudyExecutor(Protocol):
         ...
 
 
+def _run_label(config: dict[str, Any]) -> str:
+    """A grid run by its parameters: ``seed=1 method=split``."""
+    return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
+
+
+def _run_outcome(result: dict[str, Any], metric: str) -> str:
+    """A finished run's objectives in a few words: quality and tokens per point."""
+    points = result.get("points")
+    if points:
+        nan = float("nan")
+        return "; ".join(
+            f"{p.get('target_ratio') if p.get('target_ratio') is not None else 'full'}: "
+            f"{metric} {float(p.get('quality', nan)):.4f} at {float(p.get('tokens_per_image', nan)):.1f} tokens/image"
+            for p in points
+        )
+    metrics = result.get("metrics") or {}
+    return f"{metric} {float(metrics.get(metric, float('nan'))):.4f}" if metric in metrics else "trained"
+
+
+def _grid_callback(total: int, stage: str, metric: str) -> Any:
+    """The study's console for one Tune grid: a line when a run starts and when it
+    ends (with its objectives), and a bar over the runs on a terminal."""
+    from ray import tune
+
+    class GridProgress(tune.Callback):
+        def __init__(self) -> None:
+            self.progress = Progress(f"{stage} runs", total)
+            self.ended = 0
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            self.progress.log(log, logging.INFO, "%s run %s started", stage, _run_label(trial.config))
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self.ended += 1
+            raw = (trial.last_result or {}).get("result")
+            try:
+                outcome = _run_outcome(json.loads(raw), metric) if raw else "no result"
+            except (TypeError, ValueError):
+                outcome = "no result"
+            self.progress.log(
+                log,
+                logging.INFO,
+                "%s run %s finished (%d/%d): %s",
+                stage,
+                _run_label(trial.config),
+                self.ended,
+                total,
+                outcome,
+            )
+            self.progress.update(self.ended)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self.ended += 1
+            self.progress.log(
+                log, logging.WARNING, "%s run %s failed (%d/%d)", stage, _run_label(trial.config), self.ended, total
+            )
+            self.progress.update(self.ended)
+
+    return GridProgress()
+
+
 def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
     """Run one Tune grid; returns each trial's stored result (``{"config", "error"}`` for a failed one)."""
     from ray import tune
 
     trainable = tune.with_resources(trainable, dict(spec.trial_resources))
+    total = math.prod(len(v) for v in grid.values())
+    stage = name.split("-")[0]  # "backbones" or "methods"
     tuner = tune.Tuner(
         trainable,
         param_space={k: tune.grid_search(v) for k, v in grid.items()},
         tune_config=tune.TuneConfig(max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
         run_config=tune.RunConfig(
-            name=name, storage_path=storage, failure_config=tune.FailureConfig(max_failures=0), verbose=1
+            name=name,
+            storage_path=storage,
+            failure_config=tune.FailureConfig(max_failures=0),
+            callbacks=[_grid_callback(total, stage, spec.metric)],
+            # Ray's per-trial boxes and status tables off (the callback prints a line per
+            # run instead); back with -v
+            verbose=tune_verbosity(),
         ),
     )
     results = []
-    for result in tuner.fit():
-        if result.error is not None or not result.metrics or "result" not in result.metrics:
+    with ray_console():
+        fitted = tuner.fit()
+    unfinished = [r for r in fitted if r.error is None and "result" not in (r.metrics or {})]
+    if unfinished:
+        # neither a result nor an error: Tune's own Ctrl-C/SIGTERM handler returned from fit
+        from ..errors import Interrupted, as_interrupted
+
+        raise Interrupted(
+            as_interrupted(KeyboardInterrupt()).signum,
+            f"{len(unfinished)} of {total} {stage} runs unfinished; the finished ones are kept "
+            "and the same study command continues the study",
+        )
+    for result in fitted:
+        if result.error is not None:
             log.error("trial %s failed: %s", result.config, result.error)
             results.append({"config": result.config, "error": str(result.error)})
         else:
@@ -1052,6 +1290,9 @@ def execute_study(
         runs = [r for r in runs if "points" in r]
         rows = aggregate(runs, metric)
         goals = check_goals(rows, spec.goals, metric)
+        converged = reference_convergence([b for b in backbones if "checkpoint" in b], spec.goals, metric)
+        if converged is not None:
+            goals["reference_converged"] = converged
         base = spec.run_config(spec.seeds[0], None, "base")
         # the speed comparison runs where training ran
         on_device = lambda fn, *args, **kw: executor.trainer.evaluate(base, fn, *args, **kw)  # noqa: E731
@@ -1077,6 +1318,7 @@ def execute_study(
             tracking_uri=tracking_uri,
             seconds=time.time() - started,
             point_speed=point_speed,
+            levers=lever_table(rows, metric, spec.parity_ratios),
         )
         if parent is not None:
             _record(result, spec, parent, runs, tracking_uri)
@@ -1203,6 +1445,23 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
     metrics = {f"goal_{k}_met": float(v["met"]) for k, v in result.goals.items() if isinstance(v, dict) and "met" in v}
     if "match" in result.goals:
         metrics["match_gap_points"] = result.goals["match"]["gap_points"]
+    for g in result.goals.get("match_also", []):
+        metrics[f"match_gap_points.r{g['max_token_ratio']:g}"] = g["gap_points"]
+    reference = result.goals.get("reference_converged")
+    if reference:
+        # the reference's validation curve per seed, one step per epoch (MLflow's chart view draws it)
+        now = int(time.time() * 1000)
+        curves = [
+            Metric(f"reference_{metric}.s{seed}", value, now, epoch)
+            for seed, record in reference["seeds"].items()
+            for epoch, value in enumerate(record["curve"])
+        ]
+        if (
+            curves
+            and f"reference_{metric}.s{next(iter(reference['seeds']))}"
+            not in client.get_run(parent.run_id).data.metrics
+        ):
+            client.log_batch(parent.run_id, metrics=curves)
     if result.speed:
         metrics.update({"speed_ratio": result.speed["ratio"], "speed_ideal_ratio": result.speed["ideal_ratio"]})
     if result.point_speed:

@@ -46,13 +46,11 @@ from .study import (
 
 log = logging.getLogger(__name__)
 
-HISTORY_FILE = "history.json"  # a local run's per-epoch curves, beside its model.pt: its training is finished
-
 
 def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     """Train ``config`` in this process on ``device`` (:func:`~splitvit.train.local.fit_local`
     with the config's schedule) into its run folder (``storage.path``/``storage.name``):
-    ``model.pt`` and :data:`HISTORY_FILE`. A run whose training finished (both files
+    ``model.pt`` and :data:`~splitvit.train.checkpoints.HISTORY_FILE`. A run whose training finished (both files
     there) is not trained again.
 
     Returns what a :class:`~splitvit.tune.study.RunTrainer` returns, plus ``history``
@@ -63,7 +61,7 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
 
     from ..config import AUTO_THRESHOLDS
     from ..data import build_dataset
-    from ..train.checkpoints import MODEL_FILE, init_weights
+    from ..train.checkpoints import HISTORY_FILE, MODEL_FILE, init_weights
     from ..train.experiment import build_model
     from ..train.local import fit_local, validate
 
@@ -85,8 +83,9 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     if mc.init_from:
         init_weights(model, mc.init_from)
     model.to(device)
-    train_set = build_dataset(dc.name, "train", image_size=mc.image_size, seed=dc.seed, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, image_size=mc.image_size, seed=dc.seed, **dc.options)
+    sizing = dict(image_size=mc.image_size, interpolation=model.data_config["interpolation"])
+    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
+    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
     val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, num_workers=dc.num_workers)
     steps_per_epoch = len(train_set) // dc.batch_size
     if steps_per_epoch == 0:
