@@ -149,6 +149,29 @@ def test_bad_config_in_a_method_names_the_key_before_ray_starts(tmp_path):
     assert cli(["study", str(write_study(tmp_path)), "--set", "train.epochs=-2"]) == 2
 
 
+def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
+    path = write_study(tmp_path)
+    spec = load_study(path, methods=["split", "full"])
+    assert sorted(spec.methods) == ["full", "split"]  # the rest dropped
+    with pytest.raises(SearchSpaceError, match="no method 'splt'") as err:
+        load_study(path, methods=["full", "splt"])
+    assert all(name in str(err.value).split("the file has")[1] for name in ("full", "entropy", "split"))
+    with pytest.raises(SearchSpaceError, match="model.policy: full"):
+        load_study(path, methods=["entropy", "split"])  # nothing left to compare against
+    assert cli(["study", str(path), "--methods", "full,splt"]) == 2
+
+
+def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():
+    short = load_study(ROOT / "search_spaces" / "study_fashion.yaml", methods=["full", "split-0.7"])
+    long = load_study(
+        ROOT / "search_spaces" / "study_fashion.yaml", scale="long-finetune", methods=["full", "split-0.7"]
+    )
+    for method in ("full", "split-0.7"):
+        assert short.run_config(0, method, "x").train.epochs == 2
+        assert long.run_config(0, method, "x").train.epochs == 4
+    assert long.run_config(0, None, "x").train.epochs == short.run_config(0, None, "x").train.epochs
+
+
 def test_shipped_studies_validate_at_every_scale():
     for name in ("study_fashion", "study_fashion_seg"):
         for scale in (None, "one-gpu", "gpu"):

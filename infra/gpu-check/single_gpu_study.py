@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("study")
     parser.add_argument("--scale")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--methods", type=lambda v: v.split(","), help="only these of the file's methods (comma-separated)"
+    )
     parser.add_argument("--out", required=True, help="folder for the runs, the canvas cache and the figure")
     parser.add_argument("--json", help="write the result (the table, goals, speed, runs with their curves) here")
     parser.add_argument("--device", default="cuda")
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             scale=args.scale,
             overrides=args.set,
+            methods=args.methods,
             backbone_epochs=args.backbone_epochs,
             method_epochs=args.method_epochs,
             eval_samples=args.eval_samples,

@@ -964,6 +964,13 @@ def _add_study(sub) -> None:
     )
     p.add_argument("--scale", help="apply the study file's scales.<SCALE> section (e.g. gpu: more data, epochs, GPUs)")
     p.add_argument(
+        "--methods",
+        type=lambda value: [m.strip() for m in value.split(",") if m.strip()],
+        metavar="NAME,NAME",
+        help="run only these of the file's methods (one lever, or a study cut to fit a machine); "
+        "it still needs a full-resolution and a learned one",
+    )
+    p.add_argument(
         "--name",
         help="the study's folder under the storage path (default: study-<file>); an existing "
         "study of this name is finished, not repeated",
@@ -987,7 +994,14 @@ def _run_study(args) -> int:
     show_ray_output(args.verbose)
     ours = not ray.is_initialized()
     try:
-        result = run_study(args.study, _overrides(args), scale=args.scale, name=args.name, ray_address=args.address)
+        result = run_study(
+            args.study,
+            _overrides(args),
+            scale=args.scale,
+            name=args.name,
+            ray_address=args.address,
+            methods=args.methods,
+        )
     finally:
         if ours and ray.is_initialized():
             ray.shutdown()

@@ -263,10 +263,18 @@ def _goals(raw: dict[str, Any], source: str) -> Goals:
     return Goals(**{k: (tuple(v) if k in ("beat_range", "also_match_at") and v else v) for k, v in section.items()})
 
 
-def load_study(path: str | Path, *, scale: str | None = None, overrides: list[str] | None = None) -> StudySpec:
+def load_study(
+    path: str | Path,
+    *,
+    scale: str | None = None,
+    overrides: list[str] | None = None,
+    methods: list[str] | None = None,
+) -> StudySpec:
     """Read and validate a study file; every run's config is built (and so validated)
     before anything starts. ``scale`` merges the file's ``scales.<scale>`` section over
-    it (e.g. ``gpu``); ``overrides`` are ``key=value`` config settings for every run.
+    it (e.g. ``gpu``); ``overrides`` are ``key=value`` config settings for every run;
+    ``methods`` keeps only these of the file's methods (one lever, or a study cut to
+    fit a machine; the rest of the file applies as it is).
 
     Raises :class:`SearchSpaceError` (study keys) or :class:`ConfigError` (config keys).
     """
@@ -294,9 +302,17 @@ def load_study(path: str | Path, *, scale: str | None = None, overrides: list[st
         or len(set(seeds)) != len(seeds)
     ):
         raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
-    methods = _section(raw, "methods", source)
-    if not methods:
+    all_methods = _section(raw, "methods", source)
+    if not all_methods:
         raise SearchSpaceError(source, "methods", "name at least one method")
+    unknown = [m for m in methods or [] if m not in all_methods]
+    if unknown:
+        raise SearchSpaceError(
+            source,
+            "methods",
+            f"no method {unknown[0]!r} (asked for by --methods); the file has {', '.join(all_methods)}",
+        )
+    methods = {k: v for k, v in all_methods.items() if not methods or k in methods}
     for name, settings in methods.items():
         if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
             raise SearchSpaceError(source, f"methods.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
@@ -1334,11 +1350,12 @@ def run_study(
     scale: str | None = None,
     name: str | None = None,
     ray_address: str | None = None,
+    methods: list[str] | None = None,
 ) -> StudyResult:
     """Run (or, under an existing ``name``, finish) a study on the platform: Ray Tune
     trials training with Ray Train, recorded in MLflow (see the module docstring)."""
     started = time.time()
-    spec = load_study(study_path, scale=scale, overrides=overrides)  # bad input stops here
+    spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)  # bad input stops here
     base = spec.run_config(spec.seeds[0], None, "base")
     from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
 

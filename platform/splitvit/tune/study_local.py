@@ -276,6 +276,7 @@ def load_local_study(
     *,
     scale: str | None = None,
     overrides: list[str] | None = None,
+    methods: list[str] | None = None,
     backbone_epochs: int | None = None,
     method_epochs: int | None = None,
     eval_samples: int | None = None,
@@ -283,7 +284,7 @@ def load_local_study(
     """:func:`~splitvit.tune.study.load_study` with the local runner's settings:
     ``backbone_epochs`` (all warm-up curriculum), ``method_epochs``, ``eval_samples``
     held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
-    spec = load_study(study_path, scale=scale, overrides=overrides)
+    spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)
     if backbone_epochs is not None:
         spec.backbone.update({"train.epochs": backbone_epochs, "train.warmup_epochs": backbone_epochs})
     if method_epochs is not None:
