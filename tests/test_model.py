@@ -833,6 +833,14 @@ def test_distillation_loss_is_the_kl_divergence_from_the_teacher():
     dense_s, dense_t = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
     flat = distillation_loss(dense_s.permute(0, 2, 3, 1).reshape(-1, 3), dense_t.permute(0, 2, 3, 1).reshape(-1, 3))
     assert distillation_loss(dense_s, dense_t).item() == pytest.approx(flat.item(), rel=1e-5)
+    # unlabelled pixels (255) count no more in the divergence than in the task loss
+    mask = torch.zeros(2, 4, 4, dtype=torch.long)
+    mask[:, :2] = 255
+    top = distillation_loss(dense_s[:, :, 2:], dense_t[:, :, 2:])
+    assert distillation_loss(dense_s, dense_t, target=mask).item() == pytest.approx(top.item(), rel=1e-5)
+    assert distillation_loss(dense_s, dense_t, target=torch.full_like(mask, 255)).item() == 0.0
+    labels = torch.tensor([0, 1, 2, 3])  # a classification target changes nothing
+    assert distillation_loss(student, teacher, 2.0, labels).item() == pytest.approx(loss.item(), rel=1e-6)
 
 
 def test_self_distillation_teaches_the_split_path_the_full_resolution_logits(monkeypatch):

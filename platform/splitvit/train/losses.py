@@ -18,15 +18,22 @@ def task_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
 
 
-def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def distillation_loss(
+    student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0, target: torch.Tensor | None = None
+) -> torch.Tensor:
     """KL divergence of the student's class distribution from the teacher's, at
     ``temperature`` and scaled by its square (gradients keep their size as it
     changes); over dim 1, so per image ``(B, C)`` or per pixel ``(B, C, H, W)``,
-    averaged over images and pixels. The teacher is detached."""
+    averaged over images and pixels. With a dense ``target`` mask ``(B, H, W)`` the
+    mean is over the pixels the task loss counts (255 is unlabelled: no class for the
+    teacher to know either). The teacher is detached."""
     with torch.autocast(device_type=student.device.type, enabled=False):
         log_student = F.log_softmax(student.float() / temperature, dim=1)
         log_teacher = F.log_softmax(teacher.detach().float() / temperature, dim=1)
         per_item = (log_teacher.exp() * (log_teacher - log_student)).sum(1)
+    if target is not None and target.shape == per_item.shape and per_item.dim() > 1:
+        labelled = (target != IGNORE_INDEX).to(per_item.dtype)
+        return (per_item * labelled).sum() / labelled.sum().clamp_min(1.0) * temperature**2
     return per_item.mean() * temperature**2
 
 

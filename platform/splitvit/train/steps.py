@@ -140,7 +140,7 @@ def training_step(
         if full_logits is None:
             with torch.no_grad():
                 full_logits = model(images, decisions=model.full_decisions(images)).logits
-        distill = distillation_loss(out.logits, full_logits, cfg.distill_temperature)
+        distill = distillation_loss(out.logits, full_logits, cfg.distill_temperature, target)
         loss = loss + cfg.distill_weight * distill
         stats["distill_loss"] = float(distill.detach())
     if learned and not warmup:
