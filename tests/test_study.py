@@ -26,6 +26,8 @@ from splitvit.tune.study import (
     load_study,
     matched_point,
     reference_convergence,
+    stale_runs,
+    study_run,
     summary_lines,
 )
 
@@ -170,6 +172,31 @@ def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():
         assert short.run_config(0, method, "x").train.epochs == 2
         assert long.run_config(0, method, "x").train.epochs == 4
     assert long.run_config(0, None, "x").train.epochs == short.run_config(0, None, "x").train.epochs
+
+
+def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
+    """A run interrupted mid-training resumes from its checkpoint when the study runs
+    again: if the study file changed meanwhile, that would train on with the old
+    settings, so the stale check names it like a finished one."""
+    from splitvit.tune.trial import TrialFailed
+
+    class Interrupted:  # a trainer stopped before its run finished
+        def train(self, config):
+            return {"status": "interrupted", "metrics": {}, "checkpoint": None, "message": "stopped"}
+
+        def evaluate(self, config, fn, *args, **kwargs):
+            raise AssertionError("an unfinished run is not evaluated")
+
+    spec = load_study(write_study(tmp_path))
+    storage = str(tmp_path / "study" / "train")
+    backbone = tmp_path / "study" / "train" / "backbone-s0" / "model.pt"
+    backbone.parent.mkdir(parents=True)
+    backbone.touch()  # the trainer never reads it
+    with pytest.raises(TrialFailed, match="split-s0 interrupted"):
+        study_run(spec, storage, {"seed": 0, "method": "split"}, Interrupted(), backbones={0: str(backbone.parent)})
+    assert stale_runs(spec, storage) == []  # the same settings: it resumes
+    changed = load_study(write_study(tmp_path, method={"train.epochs": 3}))
+    assert stale_runs(changed, storage) == ["split-s0 (unfinished; train.epochs)"]
 
 
 def test_shipped_studies_validate_at_every_scale():

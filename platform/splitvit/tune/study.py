@@ -65,6 +65,7 @@ from .space import SearchSpaceError, _resolve_base
 log = logging.getLogger(__name__)
 
 STUDY_RESULT_FILE = "study_result.json"  # a finished run's stored result, in its run folder
+STUDY_STARTED_FILE = "study_started.json"  # the config a run started training with (an unfinished run's settings)
 THRESHOLDED = ("learned", "entropy", "random")
 EPS = 1e-9  # points: means of seeds' accuracies are not exact in binary
 _KEYS = {
@@ -381,8 +382,8 @@ def run_name(seed: int, method: str | None) -> str:
     return f"backbone-s{seed}" if method is None else f"{method}-s{seed}"
 
 
-def _stored(run_uri: str) -> dict[str, Any] | None:
-    uri = join_uri(run_uri, STUDY_RESULT_FILE)
+def _stored(run_uri: str, file: str = STUDY_RESULT_FILE) -> dict[str, Any] | None:
+    uri = join_uri(run_uri, file)
     return json.loads(read_bytes(uri)) if exists(uri) else None
 
 
@@ -397,14 +398,19 @@ def _evaluation(spec: StudySpec) -> dict[str, Any]:
 
 
 def stale_runs(spec: StudySpec, storage: str) -> list[str]:
-    """The finished runs under ``storage`` whose settings differ from what ``spec``
-    asks for now (e.g. the study file changed but kept its name): reusing them would
-    mix settings in one table. Each entry names the run and the differing keys."""
+    """The runs under ``storage`` whose settings differ from what ``spec`` asks for now
+    (e.g. the study file changed but kept its name): finished ones, whose reuse would
+    mix settings in one table, and unfinished ones, which would resume training from a
+    checkpoint made with the old settings. Each entry names the run and the differing
+    keys."""
     stale = []
     for seed in spec.seeds:
         for method in (None, *spec.methods):
             name = run_name(seed, method)
             stored = _stored(join_uri(storage, name))
+            finished = stored is not None
+            if not finished:
+                stored = _stored(join_uri(storage, name), STUDY_STARTED_FILE)
             if stored is None or "config" not in stored:
                 continue
             # through JSON, as stored (tuples become lists); the backbone's path is checked as the backbone
@@ -414,12 +420,14 @@ def stale_runs(spec: StudySpec, storage: str) -> list[str]:
                 for k in set(now) | set(stored["config"])
                 if k != "model.init_from" and now.get(k) != stored["config"].get(k)
             )
-            if method is not None and json.loads(json.dumps(_evaluation(spec))) != stored.get(
-                "evaluation", _evaluation(spec)
+            if (
+                finished
+                and method is not None
+                and json.loads(json.dumps(_evaluation(spec))) != stored.get("evaluation", _evaluation(spec))
             ):
                 keys.append("evaluation")
             if keys:
-                stale.append(f"{name} ({', '.join(keys)})")
+                stale.append(f"{name} ({'' if finished else 'unfinished; '}{', '.join(keys)})")
     return stale
 
 
@@ -484,6 +492,8 @@ def study_run(
         return {**stored, "reused": True}
     started = time.time()
     config = spec.run_config(seed, method, name, storage, init_from=None if method is None else backbones[seed])
+    # what an interrupted run would resume with, for the next invocation's stale check
+    write_bytes(join_uri(run_uri, STUDY_STARTED_FILE), json.dumps({"config": config.flat()}, default=float).encode())
     trained = trainer.train(config)
     if trained["status"] != "completed" or trained["checkpoint"] is None:
         raise TrialFailed(f"{'backbone ' if method is None else ''}{name} {trained['status']}: {trained['message']}")
@@ -1240,7 +1250,7 @@ def execute_study(
     parent run and a child run per method and seed (:func:`_record`).
 
     Returns the result and the backbones' stored results. Raises :class:`StudyError`
-    when ``study_dir`` holds finished runs made with other settings.
+    when ``study_dir`` holds runs (finished, or started and unfinished) made with other settings.
     """
     started = time.time() if started is None else started
     train_storage = join_uri(study_dir, "train")
@@ -1248,7 +1258,7 @@ def execute_study(
     stale = stale_runs(spec, train_storage)
     if stale:
         raise StudyError(
-            f"study {name} in {study_dir} holds finished runs made with other settings than "
+            f"study {name} in {study_dir} holds runs made with other settings than "
             f"{spec.source} asks for now: {'; '.join(stale)}. Run it under another --name, or delete "
             "those runs' folders to train them again."
         )
