@@ -472,6 +472,19 @@ def test_parity_is_checked_at_every_token_share_the_study_names():
     assert "accuracy @ 50% tokens" in head and "accuracy @ 70% tokens" in head
     assert "0.8400 ± 0.0141 (-6.00 vs full)" in line and "0.8950 ± 0.0028 (-0.50 vs full)" in line
     assert lever_table(rows, "accuracy", [0.3])[0]["r0.3"] is None
+    assert entry["r0.7"]["gap_std_points"] is None  # one seed of the control: no seed-by-seed spread
+    # with the control on both seeds, the gap's spread is taken seed by seed: the reference's
+    # seed-to-seed difference (0.90 vs 0.80) lifts both, so the gap varies far less than either
+    results.append(run("full", "full", 1, [(None, 0.80, 1.0)]))
+    rows = aggregate(results + [run("split", "learned", 1, [(0.5, 0.73, None), (0.7, 0.79, None)])], "accuracy")
+    (entry,) = lever_table(rows, "accuracy", [0.7])
+    assert entry["r0.7"]["gap_points"] == pytest.approx(0.65)  # 0.85 - 0.8435
+    assert entry["r0.7"]["std"] == pytest.approx(0.0756, abs=1e-4)  # 7.6 points between seeds ...
+    assert entry["r0.7"]["gap_std_points"] == pytest.approx(0.4950, abs=1e-4)  # ... the gaps 0.3 and 1.0: 0.5
+    assert "(-0.65 ± 0.49 vs full)" in lever_lines([entry], "accuracy")[1]
+    goals = check_goals(rows, Goals(match_ratio=0.7), "accuracy")
+    assert goals["match"]["gap_std_points"] == pytest.approx(0.4950, abs=1e-4)
+    assert "0.65 points below full (± 0.49 over seeds)" in " ".join(summary_lines(goals, None, []))
     assert any("<= 50% tokens" in line and line.endswith("MISSED") for line in lines)
 
 

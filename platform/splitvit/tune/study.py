@@ -684,6 +684,21 @@ def check_goals(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[s
     return out
 
 
+def gap_spread(full: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """The standard deviation over seeds, in points, of ``row``'s gap to ``full`` taken
+    seed by seed (each method starts from its seed's reference, so a seed's reference
+    lifts or lowers both): how much of a mean gap is more than noise. ``None`` with
+    fewer than two seeds in common."""
+    seeds = sorted(set(full.get("per_seed", {})) & set(row.get("per_seed", {})))
+    if len(seeds) < 2:
+        return None
+    return statistics.stdev((full["per_seed"][s] - row["per_seed"][s]) * 100.0 for s in seeds)
+
+
+def _gap_text(gap: float, spread: float | None) -> str:
+    return f"{-gap:+.2f}" + ("" if spread is None else f" ± {spread:.2f}")
+
+
 def _match(
     rows: list[dict[str, Any]], full: dict[str, Any], max_ratio: float, goal_points: float, metric: str
 ) -> dict[str, Any] | None:
@@ -700,6 +715,7 @@ def _match(
         "token_ratio": top["token_ratio"],
         metric: top[metric],
         "gap_points": gap,
+        "gap_std_points": gap_spread(full, top),
         "goal_points": goal_points,
         "max_token_ratio": max_ratio,
         "met": gap <= goal_points + EPS,
@@ -951,6 +967,7 @@ def lever_table(rows: list[dict[str, Any]], metric: str, ratios: list[float]) ->
                     "seeds": row["seeds"],
                     "token_ratio": row["token_ratio"],
                     "gap_points": None if full is None else (full[metric] - row[metric]) * 100.0,
+                    "gap_std_points": None if full is None else gap_spread(full, row),
                 }
             )
         table.append(entry)
@@ -972,7 +989,8 @@ def lever_lines(table: list[dict[str, Any]], metric: str) -> list[str]:
             if cell is None:
                 text = "-"
             else:
-                versus = "" if cell["gap_points"] is None else f" ({-cell['gap_points']:+.2f} vs full)"
+                gap = cell["gap_points"]
+                versus = "" if gap is None else f" ({_gap_text(gap, cell.get('gap_std_points'))} vs full)"
                 text = f"{cell[metric]:.4f} ± {cell['std']:.4f}{versus}"
             cells.append(text.ljust(34))
         lines.append(f"{row['method'].ljust(width)}  {'  '.join(cells)}")
@@ -1002,10 +1020,11 @@ def summary_lines(
             f"{seeds}: {_verdict(g)}"
         )
     for g in ([goals["match"]] if "match" in goals else []) + goals.get("match_also", []):
+        spread = "" if g.get("gap_std_points") is None else f" (± {g['gap_std_points']:.2f} over seeds)"
         lines.append(
             f"SPLIT vs full resolution: best SPLIT at <= {g['max_token_ratio']:.0%} tokens is {g['method']} @ "
             f"{g['token_ratio']:.1%}: {abs(g['gap_points']):.2f} points {'below' if g['gap_points'] > 0 else 'above'} "
-            f"full (goal: at most {g['goal_points']} below): "
+            f"full{spread} (goal: at most {g['goal_points']} below): "
             f"{_verdict(g)}"
         )
     if "above_baselines" in goals:
@@ -1470,10 +1489,12 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
             )
     client.log_table(parent.run_id, data=_columns(flat_rows), artifact_file="study_table.json")
     metrics = {f"goal_{k}_met": float(v["met"]) for k, v in result.goals.items() if isinstance(v, dict) and "met" in v}
-    if "match" in result.goals:
-        metrics["match_gap_points"] = result.goals["match"]["gap_points"]
-    for g in result.goals.get("match_also", []):
-        metrics[f"match_gap_points.r{g['max_token_ratio']:g}"] = g["gap_points"]
+    matches = [("", result.goals["match"])] if "match" in result.goals else []
+    matches += [(f".r{g['max_token_ratio']:g}", g) for g in result.goals.get("match_also", [])]
+    for suffix, g in matches:
+        metrics[f"match_gap_points{suffix}"] = g["gap_points"]
+        if g.get("gap_std_points") is not None:  # the gap's spread over seeds, seed by seed
+            metrics[f"match_gap_std_points{suffix}"] = g["gap_std_points"]
     reference = result.goals.get("reference_converged")
     if reference:
         # the reference's validation curve per seed, one step per epoch (MLflow's chart view draws it)
