@@ -6,6 +6,7 @@ python docs/measurements/cpu-2026-12-01/tables.py docs/measurements/cpu-2026-12-
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 
@@ -47,6 +48,17 @@ def main(path: str) -> None:
                 gap = f"({-c['gap_points']:+.1f}) at {c['token_ratio']:.1%}"
                 cells.append(f"{c[metric] * 100:.1f} ± {c['std'] * 100:.1f} {gap}")
             print(f"| {lever['method']} | " + " | ".join(cells) + " |")
+        print()
+    # each lever's gap to the control seed by seed (a seed's reference lifts or lowers
+    # every method of that seed): the spread that says whether a gap is real
+    full = next((r for r in rows if r["target_ratio"] is None and r["method"] == "full"), None)
+    if full is not None:
+        for r in rows:
+            if r["method"] in thresholded and r["target_ratio"] in (0.5, 0.7) and r["method"].startswith("split"):
+                seeds = sorted(set(full["per_seed"]) & set(r["per_seed"]))
+                gaps = [(full["per_seed"][s] - r["per_seed"][s]) * 100 for s in seeds]
+                spread = f" ({statistics.fmean(gaps):.1f} ± {statistics.stdev(gaps):.1f})" if len(gaps) > 1 else ""
+                print(f"gap of {r['method']} at {r['target_ratio']:.0%}: {', '.join(f'{g:.1f}' for g in gaps)}{spread}")
         print()
     for name, goal in data["goals"].items():
         print(f"goal {name}: {json.dumps(goal, default=str)[:400]}")
