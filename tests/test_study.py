@@ -161,6 +161,9 @@ def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
     with pytest.raises(SearchSpaceError, match="model.policy: full"):
         load_study(path, methods=["entropy", "split"])  # nothing left to compare against
     assert cli(["study", str(path), "--methods", "full,splt"]) == 2
+    with pytest.raises(SearchSpaceError, match="--methods names no method"):
+        load_study(path, methods=[])  # not "every method": an empty list is a slip
+    assert cli(["study", str(path), "--methods", " , "]) == 2
 
 
 def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():

@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
-        "--methods", type=lambda v: v.split(","), help="only these of the file's methods (comma-separated)"
+        "--methods",
+        type=lambda v: [m.strip() for m in v.split(",") if m.strip()],
+        help="only these of the file's methods (comma-separated)",
     )
     parser.add_argument("--out", required=True, help="folder for the runs, the canvas cache and the figure")
     parser.add_argument("--json", help="write the result (the table, goals, speed, runs with their curves) here")

@@ -306,6 +306,8 @@ def load_study(
     all_methods = _section(raw, "methods", source)
     if not all_methods:
         raise SearchSpaceError(source, "methods", "name at least one method")
+    if methods is not None and not methods:
+        raise SearchSpaceError(source, "methods", "--methods names no method; name at least one of the file's")
     unknown = [m for m in methods or [] if m not in all_methods]
     if unknown:
         raise SearchSpaceError(
@@ -313,7 +315,7 @@ def load_study(
             "methods",
             f"no method {unknown[0]!r} (asked for by --methods); the file has {', '.join(all_methods)}",
         )
-    methods = {k: v for k, v in all_methods.items() if not methods or k in methods}
+    methods = {k: v for k, v in all_methods.items() if methods is None or k in methods}
     for name, settings in methods.items():
         if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
             raise SearchSpaceError(source, f"methods.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
