@@ -202,6 +202,22 @@ def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
     assert stale_runs(changed, storage) == ["split-s0 (unfinished; train.epochs)"]
 
 
+def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
+    """Runs made before the code gained a setting (their stored config lacks the key)
+    stay reusable while the study leaves it at its default, and are stale once the
+    study sets it otherwise."""
+    spec = load_study(write_study(tmp_path))
+    storage = tmp_path / "study" / "train"
+    config = spec.run_config(0, "split", "split-s0", str(storage)).flat()
+    assert config.pop("model.fine_aggregation") is False  # as an older run stored it
+    run = storage / "split-s0"
+    run.mkdir(parents=True)
+    (run / "study_started.json").write_text(json.dumps({"config": config}, default=float))
+    assert stale_runs(spec, str(storage)) == []
+    changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.fine_aggregation": True}))
+    assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.fine_aggregation)"]
+
+
 def test_shipped_studies_validate_at_every_scale():
     for name in ("study_fashion", "study_fashion_seg"):
         for scale in (None, "one-gpu", "gpu"):

@@ -110,6 +110,10 @@ class ModelConfig:
             embedding of it joins its features), so one model serves every budget;
             trained with ``train.target_ratio_range``, evaluated at the ratio its
             thresholds are calibrated to.
+        fine_aggregation: every coarse token also gets a zero-initialised aggregation
+            of the finest patch embeddings it covers (APT's; see
+            :class:`splitvit.model.aggregation.FineAggregation`): a model fine-tuned
+            from a full-resolution reference keeps the reference's view of fine detail.
         length_buckets: the padded attention path only (``attention='padded'`` or
             ``return_attention``): encode variable-length batches in this many length groups.
         init_from: start training from the weights of this splitvit checkpoint (a
@@ -133,6 +137,7 @@ class ModelConfig:
     checkpoint_path: str | None = None
     normalize: str = "auto"
     budget_conditioned: bool = False
+    fine_aggregation: bool = False
     length_buckets: int = 1
     init_from: str | None = None
 

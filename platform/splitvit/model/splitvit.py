@@ -6,6 +6,9 @@ The forward pass:
    ``p x p`` (an average pool of the whole image by ``s / p``) and goes through the
    model's own patch embedding; its position embedding is the base grid's, pooled
    over the area it covers; a zero-initialised level embedding marks its scale;
+   with ``fine_aggregation``, a zero-initialised term adds what the model's patch
+   embedding says of the fine patches under it (APT's aggregation, see
+   :mod:`~splitvit.model.aggregation`);
 2. asks the policy for split scores and turns them into top-down decisions;
 3. gathers each image's leaves into one sequence;
 4. runs timm's own blocks, then a classification or dense head. By default
@@ -46,6 +49,7 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
 from ..config import INPUT_NORMALIZATIONS
+from .aggregation import FineAggregation
 from .heads import DenseHead, masked_pool
 from .packed import (
     CompiledBlock,
@@ -188,6 +192,10 @@ class SplitViT(nn.Module):
             (:class:`~splitvit.model.policies.LearnedPolicy`): it is told the target
             token ratio, the ``budget`` buffer or ``forward``'s ``budget``. Other
             policies ignore it.
+        fine_aggregation: add to every coarse token a zero-initialised aggregation
+            of the finest patch embeddings it covers (:class:`FineAggregation`):
+            coarse tokens carry fine detail the area resize averages away, and a
+            model fine-tuned from a full-resolution reference starts exactly there.
     """
 
     def __init__(
@@ -208,6 +216,7 @@ class SplitViT(nn.Module):
         spec: dict[str, Any] | None = None,
         data_config: dict[str, Any] | None = None,
         budget_conditioned: bool = False,
+        fine_aggregation: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(vit, VisionTransformer):
@@ -265,6 +274,7 @@ class SplitViT(nn.Module):
         self._register_load_state_dict_pre_hook(_keep_budget_if_missing, with_module=True)
         # Zero-initialised level embedding: at init a token means what the timm model's does.
         self.level_embed = nn.Parameter(torch.zeros(levels, vit.embed_dim))
+        self.fine_aggregation = FineAggregation(vit.embed_dim, levels) if fine_aggregation else None
         self.policy = self._build_policy(policy) if isinstance(policy, str) else policy
         if task == "dense":
             classes = num_classes if num_classes is not None else vit.num_classes
@@ -465,18 +475,30 @@ class SplitViT(nn.Module):
         pos = pos[:, num_prefix:]
         return pos.reshape(1, target[0], target[1], -1).permute(0, 3, 1, 2)
 
-    def embed_level(
-        self, images: torch.Tensor, geometry: QuadtreeGeometry, level: int, pos_grid: torch.Tensor
-    ) -> torch.Tensor:
-        """Tokens of every node at ``level``: ``(B, H_l, W_l, D)``."""
-        factor = 2 ** (geometry.levels - 1 - level)
+    def patch_tokens(self, images: torch.Tensor, factor: int = 1) -> torch.Tensor:
+        """The ViT's patch embedding of ``images`` area-resized by ``1 / factor``,
+        without position or level: ``(B, H_l, W_l, D)``."""
         # normalising after the pool is exact (a per-channel affine map commutes with an
-        # average) and touches 4**(L-1-l) times fewer pixels; at the finest level it is
-        # timm's own (images - mean) / std, so the ``full`` policy keeps timm's logits
+        # average) and touches factor**2 times fewer pixels; at factor 1 it is timm's
+        # own (images - mean) / std, so the ``full`` policy keeps timm's logits
         x = self.normalize(images if factor == 1 else F.avg_pool2d(images, factor))
-        pos = pos_grid if factor == 1 else F.avg_pool2d(pos_grid, factor)
         patch_embed = self.vit.patch_embed
-        tokens = patch_embed.norm(patch_embed.proj(x).permute(0, 2, 3, 1))
+        return patch_embed.norm(patch_embed.proj(x).permute(0, 2, 3, 1))
+
+    def embed_level(
+        self,
+        images: torch.Tensor,
+        geometry: QuadtreeGeometry,
+        level: int,
+        pos_grid: torch.Tensor,
+        patches: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tokens of every node at ``level``: ``(B, H_l, W_l, D)``; ``patches``: the
+        level's :meth:`patch_tokens` when already computed (with fine aggregation, a
+        coarse level's aggregation term already added)."""
+        factor = 2 ** (geometry.levels - 1 - level)
+        tokens = patches if patches is not None else self.patch_tokens(images, factor)
+        pos = pos_grid if factor == 1 else F.avg_pool2d(pos_grid, factor)
         return tokens + pos.permute(0, 2, 3, 1) + self.level_embed[level]
 
     # ------------------------------------------------------------------ policy
@@ -919,12 +941,26 @@ class _LevelEmbeddings:
         self.model, self.images, self.geometry = model, images, geometry
         self._pos = None
         self._cache: dict[int, torch.Tensor] = {}
+        self._fine_patches: torch.Tensor | None = None  # with fine aggregation: shared by every level
+        self._aggregated: list[torch.Tensor] | None = None
 
     def __getitem__(self, level: int) -> torch.Tensor:
         if level not in self._cache:
+            model, finest = self.model, self.geometry.levels - 1
             if self._pos is None:
-                self._pos = self.model._pos_grid(self.geometry)
-            self._cache[level] = self.model.embed_level(self.images, self.geometry, level, self._pos)
+                self._pos = model._pos_grid(self.geometry)
+            patches = None
+            if model.fine_aggregation is not None:
+                if self._fine_patches is None:
+                    self._fine_patches = model.patch_tokens(self.images)
+                if level == finest:
+                    patches = self._fine_patches
+                else:
+                    if self._aggregated is None:
+                        self._aggregated = model.fine_aggregation(self._fine_patches)
+                    factor = 2 ** (finest - level)
+                    patches = model.patch_tokens(self.images, factor) + self._aggregated[level]
+            self._cache[level] = model.embed_level(self.images, self.geometry, level, self._pos, patches)
         return self._cache[level]
 
 

@@ -155,6 +155,7 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT:
         policy_depth=model.policy_depth,
         policy_width=model.policy_width,
         budget_conditioned=model.budget_conditioned,
+        fine_aggregation=model.fine_aggregation,
         task=model.task,
         length_buckets=model.length_buckets,
     )

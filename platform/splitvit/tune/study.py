@@ -404,7 +404,9 @@ def stale_runs(spec: StudySpec, storage: str) -> list[str]:
     (e.g. the study file changed but kept its name): finished ones, whose reuse would
     mix settings in one table, and unfinished ones, which would resume training from a
     checkpoint made with the old settings. Each entry names the run and the differing
-    keys."""
+    keys. A setting the code gained after a run was made counts as its default there:
+    new settings default to the behaviour the run had."""
+    defaults = json.loads(json.dumps(ExperimentConfig().flat(), default=float))
     stale = []
     for seed in spec.seeds:
         for method in (None, *spec.methods):
@@ -420,7 +422,7 @@ def stale_runs(spec: StudySpec, storage: str) -> list[str]:
             keys = sorted(
                 k
                 for k in set(now) | set(stored["config"])
-                if k != "model.init_from" and now.get(k) != stored["config"].get(k)
+                if k != "model.init_from" and now.get(k) != stored["config"].get(k, defaults.get(k))
             )
             if (
                 finished
