@@ -122,12 +122,14 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------- driver
-def init_ray(address: str | None = None) -> None:
+def init_ray(address: str | None = None, *, worker_logs: bool = True) -> None:
     """Join the Ray cluster the process belongs to, or start a local one.
 
     Inside a Ray job (``RAY_ADDRESS`` set) or with ``address``, connect to that
     cluster; otherwise start a new Ray instance on this machine. An
-    already-initialised Ray is reused.
+    already-initialised Ray is reused. ``worker_logs=False`` keeps Ray's processes'
+    output (Train workers and controllers) off this console (``log_to_driver``); it
+    stays in the Ray dashboard and the session's log files.
     """
     import ray
 
@@ -138,13 +140,13 @@ def init_ray(address: str | None = None) -> None:
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or "auto")
+        ray.init(address=address or "auto", log_to_driver=worker_logs)
     else:
         # the embedded default: Ray on this machine, dashboard on 127.0.0.1 (Ray Train
         # V2 also watches its controller through the dashboard's state API). "local",
         # not ray.init()'s default: that joins the last `ray start` cluster on the
         # machine (/tmp/ray/ray_current_cluster), someone else's maybe.
-        ray.init(address="local")
+        ray.init(address="local", log_to_driver=worker_logs)
     if callable(sigterm) and getattr(sigterm, "__module__", "").startswith("splitvit"):
         signal.signal(signal.SIGTERM, sigterm)
 

@@ -2,9 +2,9 @@
 
 Ray Tune's own console (a configuration box per trial, a status table every few
 seconds, a TensorBoard hint although this project has no TensorBoard) is off
-unless the command runs with ``-v``; the project's callbacks print one line per
-trial event instead, and :class:`Progress` draws a bar over the trials on a
-terminal.
+unless the command runs with ``-v``, and so is the output Ray forwards from its
+workers; the project's callbacks print one line per trial event instead, and
+:class:`Progress` draws a bar over the trials on a terminal.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ def show_ray_output(on: bool) -> None:
     """Let Ray Tune print its own console output (``-v``), or keep it quiet (default)."""
     global _ray_output
     _ray_output = bool(on)
+
+
+def ray_worker_logs() -> bool:
+    """Whether Ray's processes (Train workers, controllers) print to this console:
+    with ``-v`` only; the project's lines already say what each run does."""
+    return _ray_output
 
 
 def tune_verbosity() -> int:

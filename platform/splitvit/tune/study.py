@@ -59,7 +59,7 @@ import yaml
 from ..config import ConfigError, ExperimentConfig, quality_metric, set_dotted
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from ..train.experiment import experiment_from_dict
-from .console import Progress, ray_console, tune_verbosity
+from .console import Progress, ray_console, ray_worker_logs, tune_verbosity
 from .space import SearchSpaceError, _resolve_base
 
 log = logging.getLogger(__name__)
@@ -1229,7 +1229,7 @@ class TuneExecutor:
         """Start (or join) Ray; the Tune experiments' names get this invocation's time."""
         from ..train.ray_trainer import init_ray
 
-        init_ray(self.ray_address)
+        init_ray(self.ray_address, worker_logs=ray_worker_logs())
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
 
     def run(
