@@ -5,6 +5,7 @@ Tune trials running Ray Train fits, an MLflow store read back, the JSON table)."
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -532,6 +533,7 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
     import time
 
     from splitvit.errors import Interrupted
+    from splitvit.tune.console import RAY_TUNE_LOGGER
     from splitvit.tune.study import _tune_grid
 
     spec = load_study(write_study(tmp_path))
@@ -541,6 +543,22 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
         os.kill(driver, signal.SIGINT)  # Ctrl-C at the driver while this run trains
         time.sleep(60)
 
-    with pytest.raises(Interrupted, match="1 of 1 methods runs unfinished; the finished ones are kept") as info:
-        _tune_grid(trainable, {"seed": [0]}, spec, str(tmp_path / "tune"), "methods-now")
+    class Records(logging.Handler):  # Ray's loggers may not propagate to caplog
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    tune_logger = logging.getLogger(RAY_TUNE_LOGGER)
+    tune_logger.addHandler(records)
+    try:
+        with pytest.raises(Interrupted, match="1 of 1 methods runs unfinished; the finished ones are kept") as info:
+            _tune_grid(trainable, {"seed": [0]}, spec, str(tmp_path / "tune"), "methods-now")
+    finally:
+        tune_logger.removeHandler(records)
     assert info.value.exit_code == 130
+    # Ray Tune's "Resume experiment with: Tuner.restore(...)" is not what a CLI user runs
+    assert not [m for m in records.messages if "Tuner.restore(" in m]

@@ -45,19 +45,36 @@ def ray_console() -> Iterator[None]:
     experiment's configuration box, its folder and the TensorBoard hint whatever the
     verbosity. The legacy engine (``RAY_AIR_NEW_OUTPUT=0``) at verbosity 0 prints
     nothing; the variable is read when ``fit`` starts, so it is set only around it.
+    Ray Tune's resume hint after a Ctrl-C (``Tuner.restore(...)``) is dropped too.
     """
     if _ray_output:
         yield
         return
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_logger = logging.getLogger(RAY_TUNE_LOGGER)
+    hint = _NoRestoreHint()
+    tune_logger.addFilter(hint)
     try:
         yield
     finally:
+        tune_logger.removeFilter(hint)
         if before is None:
             os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
         else:
             os.environ["RAY_AIR_NEW_OUTPUT"] = before
+
+
+#: The logger of ``ray.tune.tune.run``, which ends an interrupted experiment with a hint.
+RAY_TUNE_LOGGER = "ray.tune.tune"
+
+
+class _NoRestoreHint(logging.Filter):
+    """Drops Ray Tune's "Resume experiment with: Tuner.restore(...)" warning after a
+    Ctrl-C: a Python call, where the project's own line says which command continues."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tuner.restore(" not in record.getMessage()
 
 
 class Progress:
