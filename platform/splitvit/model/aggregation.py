@@ -40,8 +40,8 @@ class FineAggregation(nn.Module):
         """``(B, H, W, D)`` finest patch embeddings -> one ``(B, H_l, W_l, D)`` term per
         coarse level ``l = 0 .. L-2``, to add to that level's tokens."""
         x = fine_patches.permute(0, 3, 1, 2)
-        terms: list[torch.Tensor] = [fine_patches] * len(self.down)  # placeholders, all replaced below
+        terms = []  # from the level above the finest up to the coarsest
         for level in reversed(range(len(self.down))):
             x = self.down[level](x)
-            terms[level] = self.proj[level](self.norm[level](x.permute(0, 2, 3, 1)))
-        return terms
+            terms.append(self.proj[level](self.norm[level](x.permute(0, 2, 3, 1))))
+        return terms[::-1]
