@@ -5,6 +5,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+#: timm arguments of the tests' tiny ViT: 4-px patches, width 32, 2 blocks.
+TINY_TIMM = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
+
+
+def tiny_model(policy: str = "learned", **kwargs: Any):
+    """A 32-pixel, 3-level SplitViT (coarse 16 px, 8 px, fine 4 px) on a 2-block ViT
+    of width 32, built from timm's name (so that it saves with its spec); seeded."""
+    import torch
+
+    from splitvit.model import SplitViT
+
+    torch.manual_seed(0)
+    kwargs.setdefault("policy_depth", 1)
+    return SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=3,
+        policy=policy,
+        image_size=32,
+        num_classes=5,
+        timm_kwargs=TINY_TIMM,
+        **kwargs,
+    )
+
 
 def walk_numbers(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
     """Every number in a JSON-like structure, with its path (``.a.b[2]``); booleans skipped."""

@@ -16,23 +16,12 @@ from splitvit.model.splitvit import _LevelEmbeddings
 from splitvit.train.checkpoints import init_weights
 from splitvit.train.experiment import build_model
 
-TINY_TIMM = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
+from .helpers import TINY_TIMM, tiny_model
 
 
 def tiny(policy: str = "learned", **kwargs) -> SplitViT:
-    """A 32-pixel, 3-level SplitViT (coarse 16 px, 8 px, fine 4 px) built from timm's name."""
-    torch.manual_seed(0)
-    return SplitViT.from_timm(
-        "vit_tiny_patch16_224",
-        levels=3,
-        policy=policy,
-        image_size=32,
-        num_classes=5,
-        timm_kwargs=TINY_TIMM,
-        policy_depth=1,
-        thresholds=[0.4, 0.6],
-        **kwargs,
-    )
+    """The tests' tiny SplitViT with fixed thresholds (coarse 16 px, 8 px, fine 4 px)."""
+    return tiny_model(policy, thresholds=[0.4, 0.6], **kwargs)
 
 
 def randomise(aggregation: FineAggregation, seed: int = 1) -> None:

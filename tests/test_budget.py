@@ -18,23 +18,7 @@ from splitvit.train.experiment import build_model
 from splitvit.train.losses import budget_penalty
 from splitvit.train.steps import SplitLossConfig, calibrate_thresholds, training_step
 
-TINY_TIMM = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
-
-
-def tiny_model(policy: str = "learned", **kwargs) -> SplitViT:
-    """A 32-pixel, 3-level SplitViT on a 2-block ViT of width 32, built from timm's name
-    (so that it saves with its spec)."""
-    torch.manual_seed(0)
-    kwargs.setdefault("policy_depth", 1)
-    return SplitViT.from_timm(
-        "vit_tiny_patch16_224",
-        levels=3,
-        policy=policy,
-        image_size=32,
-        num_classes=5,
-        timm_kwargs=TINY_TIMM,
-        **kwargs,
-    )
+from .helpers import TINY_TIMM, tiny_model
 
 
 @contextmanager
