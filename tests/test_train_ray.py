@@ -296,10 +296,10 @@ def test_init_ray_starts_a_local_instance_unless_told_where(fake_ray_init, monke
 
 
 @pytest.mark.parametrize("env", [None, "10.0.0.1:6379"])
-def test_sweeps_and_studies_keep_ray_worker_output_off_the_console_unless_verbose(fake_ray_init, monkeypatch, env):
+def test_a_sweep_keeps_ray_worker_output_off_the_console_unless_verbose(fake_ray_init, monkeypatch, env):
     """Ray forwards its workers' and controllers' log lines to the driver by default:
-    dozens of ``(RayTrainWorker pid=...)`` lines around the project's own. A sweep or
-    study keeps them off unless ``-v``; a plain ``init_ray`` keeps Ray's default."""
+    dozens of ``(RayTrainWorker pid=...)`` lines around a sweep's own. A sweep keeps
+    them off unless ``-v``; a plain ``init_ray`` keeps Ray's default."""
     from splitvit.train.ray_trainer import init_ray
     from splitvit.tune.console import ray_worker_logs, show_ray_output
 
@@ -315,7 +315,9 @@ def test_sweeps_and_studies_keep_ray_worker_output_off_the_console_unless_verbos
     assert [call["log_to_driver"] for call in fake_ray_init] == [True, False, True]
 
 
-def test_a_study_starts_ray_with_worker_output_as_the_console_says(fake_ray_init):
+def test_a_study_keeps_ray_worker_output_its_epoch_lines_come_from(fake_ray_init):
+    """A study's runs train inside its Tune trials: their per-epoch lines reach the
+    console only as Ray's forwarded worker output, so a study keeps it, -v or not."""
     from splitvit.tune.console import show_ray_output
     from splitvit.tune.study import TuneExecutor
 
@@ -323,7 +325,7 @@ def test_a_study_starts_ray_with_worker_output_as_the_console_says(fake_ray_init
         show_ray_output(verbose)
         TuneExecutor(study_dir="unused").start(None)
     show_ray_output(False)
-    assert [call["log_to_driver"] for call in fake_ray_init] == [False, True]
+    assert [call["log_to_driver"] for call in fake_ray_init] == [True, True]
 
 
 def test_test_session_ray_is_a_one_node_instance_of_its_own(ray_session):

@@ -2,8 +2,8 @@
 
 Ray Tune's own console (a configuration box per trial, a status table every few
 seconds, a TensorBoard hint although this project has no TensorBoard) is off
-unless the command runs with ``-v``, and so is the output Ray forwards from its
-workers; the project's callbacks print one line per trial event instead, and
+unless the command runs with ``-v``, and so is the output Ray forwards from a
+sweep's workers; the project's callbacks print one line per trial event instead, and
 :class:`Progress` draws a bar over the trials on a terminal.
 """
 
@@ -27,8 +27,8 @@ def show_ray_output(on: bool) -> None:
 
 
 def ray_worker_logs() -> bool:
-    """Whether Ray's processes (Train workers, controllers) print to this console:
-    with ``-v`` only; the project's lines already say what each run does."""
+    """Whether a sweep's Ray processes (Train workers, controllers) print to this
+    console: with ``-v`` only; the sweep's own lines say what each trial does."""
     return _ray_output
 
 

@@ -59,7 +59,7 @@ import yaml
 from ..config import ConfigError, ExperimentConfig, quality_metric, set_dotted
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from ..train.experiment import experiment_from_dict
-from .console import Progress, ray_console, ray_worker_logs, tune_verbosity
+from .console import Progress, ray_console, tune_verbosity
 from .space import SearchSpaceError, _resolve_base
 
 log = logging.getLogger(__name__)
@@ -1229,7 +1229,9 @@ class TuneExecutor:
         """Start (or join) Ray; the Tune experiments' names get this invocation's time."""
         from ..train.ray_trainer import init_ray
 
-        init_ray(self.ray_address, worker_logs=ray_worker_logs())
+        # Ray's forwarded worker output stays on: a study's runs train inside its Tune
+        # trials, and their per-epoch lines come only from there (a sweep prints its own)
+        init_ray(self.ray_address)
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
 
     def run(
