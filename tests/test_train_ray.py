@@ -301,7 +301,7 @@ def test_a_sweep_keeps_ray_worker_output_off_the_console_unless_verbose(fake_ray
     dozens of ``(RayTrainWorker pid=...)`` lines around a sweep's own. A sweep keeps
     them off unless ``-v``; a plain ``init_ray`` keeps Ray's default."""
     from splitvit.train.ray_trainer import init_ray
-    from splitvit.tune.console import ray_worker_logs, show_ray_output
+    from splitvit.tune.console import ray_output_shown, show_ray_output
 
     if env:
         monkeypatch.setenv("RAY_ADDRESS", env)
@@ -309,7 +309,7 @@ def test_a_sweep_keeps_ray_worker_output_off_the_console_unless_verbose(fake_ray
     try:
         for verbose in (False, True):
             show_ray_output(verbose)
-            init_ray(worker_logs=ray_worker_logs())
+            init_ray(worker_logs=ray_output_shown())
     finally:
         show_ray_output(False)
     assert [call["log_to_driver"] for call in fake_ray_init] == [True, False, True]

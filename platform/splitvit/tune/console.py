@@ -16,6 +16,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+#: The logger of ``ray.tune.tune.run``, which ends an interrupted experiment with a hint.
+RAY_TUNE_LOGGER = "ray.tune.tune"
+
 # Ray Tune's console output: off by default, on with `splitvit -v` (the CLI calls show_ray_output)
 _ray_output = False
 
@@ -26,15 +29,16 @@ def show_ray_output(on: bool) -> None:
     _ray_output = bool(on)
 
 
-def ray_worker_logs() -> bool:
-    """Whether a sweep's Ray processes (Train workers, controllers) print to this
-    console: with ``-v`` only; the sweep's own lines say what each trial does."""
+def ray_output_shown() -> bool:
+    """Whether Ray prints its own output here (``-v``): Tune's console, and the lines
+    Ray forwards from a sweep's workers and controllers (the sweep's own lines say
+    what each trial does)."""
     return _ray_output
 
 
 def tune_verbosity() -> int:
     """``RunConfig(verbose=...)``: 1 (Ray's default output) with ``-v``, else 0."""
-    return 1 if _ray_output else 0
+    return 1 if ray_output_shown() else 0
 
 
 @contextlib.contextmanager
@@ -47,7 +51,7 @@ def ray_console() -> Iterator[None]:
     nothing; the variable is read when ``fit`` starts, so it is set only around it.
     Ray Tune's resume hint after a Ctrl-C (``Tuner.restore(...)``) is dropped too.
     """
-    if _ray_output:
+    if ray_output_shown():
         yield
         return
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
@@ -63,10 +67,6 @@ def ray_console() -> Iterator[None]:
             os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
         else:
             os.environ["RAY_AIR_NEW_OUTPUT"] = before
-
-
-#: The logger of ``ray.tune.tune.run``, which ends an interrupted experiment with a hint.
-RAY_TUNE_LOGGER = "ray.tune.tune"
 
 
 class _NoRestoreHint(logging.Filter):

@@ -64,7 +64,7 @@ from typing import Any
 
 from ..config import ExperimentConfig, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
-from .console import Progress, ray_console, ray_worker_logs, tune_verbosity
+from .console import Progress, ray_console, ray_output_shown, tune_verbosity
 from .mlflow_records import (
     PLOT_ARTIFACT,
     REFERENCE_TAG,
@@ -618,7 +618,7 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
 
     space = setup.space
     plan = SweepPlan(space=space, train_storage=join_uri(setup.sweep_dir, "train"), name=setup.name)
-    init_ray(ray_address, worker_logs=ray_worker_logs())
+    init_ray(ray_address, worker_logs=ray_output_shown())
     reference = (space.pareto.quality, space.pareto.token_ratio)
     recorder, reopened = SweepRecorder.open(
         setup.tracking_uri,
