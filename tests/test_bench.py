@@ -270,3 +270,27 @@ def test_fixed_shape_and_compiled_benchmark_runs_every_side_compiled(monkeypatch
     (point,) = result["points"]
     assert abs(point["token_ratio"] - 0.5) < 0.1 and point["speedup_vs_timm"] > 0
     assert "packed sizes in 2 fixed buckets" in format_report(result)
+
+
+def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys):
+    """``splitvit bench --fine-aggregation`` builds every split policy's model with the
+    coarse tokens' fine-patch aggregation (its cost is what is timed), leaves the
+    ``full`` wrapper as timm's own work, and says so in the report and the JSON; the
+    option belongs to ``bench forward`` alone."""
+    from splitvit.cli import _run_bench, build_parser, main
+
+    vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
+    models = build_benchmark_models(vit, levels=levels, policy_width=16, fine_aggregation=True, buckets=(1,))
+    assert models["split_full"].fine_aggregation is None
+    assert all(m.fine_aggregation is not None for k, m in models.items() if k != "split_full")
+    assert build_benchmark_models(vit, levels=levels, policy_width=16)["learned"].fine_aggregation is None
+
+    out = tmp_path / "forward.json"
+    argv = ["bench", "--model", "vit_tiny_patch16_224", "--image-size", "64", "--patch-size", "8"]
+    argv += ["--embed-dim", "32", "--depth", "2", "--heads", "2", "--batch-size", "2", "--repeats", "1"]
+    argv += ["--policies", "learned", "--ratios", "0.5", "--no-memory", "--fine-aggregation", "--json", str(out)]
+    assert main(argv) == 0
+    assert "split policies with fine-patch aggregation" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["fine_aggregation"] is True
+    with pytest.raises(ValueError, match="--fine-aggregation: options of 'splitvit bench forward' only"):
+        _run_bench(build_parser().parse_args(["bench", "train", "--fine-aggregation"]))

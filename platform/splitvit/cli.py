@@ -351,6 +351,13 @@ def _add_bench(sub) -> None:
         "--memory", action=argparse.BooleanOptionalAction, default=None, help="peak memory per model (default: on)"
     )
     forward.add_argument(
+        "--fine-aggregation",
+        action="store_true",
+        default=None,
+        help="the split policies' models add their fine patches' aggregation to coarse tokens "
+        "(model.fine_aggregation), to time its cost",
+    )
+    forward.add_argument(
         "--token-buckets",
         type=int,
         help="round the split policies' packed token counts up to this many fixed sizes (default 0: exact)",
@@ -413,7 +420,7 @@ _TRAIN_ONLY = (
     "teacher",
     "teacher_every",
 )
-_FORWARD_ONLY = ("ratios", "policies", "buckets", "memory", "token_buckets", "compile")
+_FORWARD_ONLY = ("ratios", "policies", "buckets", "memory", "token_buckets", "compile", "fine_aggregation")
 _DATA_ONLY = (
     "data_uri",
     "data_dir",
@@ -491,6 +498,7 @@ def _run_bench(args) -> int:
         patch_size=args.patch_size,
         levels=args.levels,
         compile=bool(args.compile),
+        fine_aggregation=bool(args.fine_aggregation),
         device=args.device,
         autocast_bf16=_bench_bf16(args),
         memory=None if args.memory in (None, True) else (),

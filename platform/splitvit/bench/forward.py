@@ -129,6 +129,8 @@ class ForwardSettings:
         policy_width, policy_depth: the learned policy's blocks (``learned``: its own
             blocks of ``policy_width``; ``learned_shared``: the ViT's first
             ``policy_depth`` blocks).
+        fine_aggregation: the policies' models aggregate fine patches into coarse
+            tokens (``model.fine_aggregation``); ``split_full`` never does.
         buckets: ``length_buckets`` of padded-path variants timed beside each point
             (the default packed path is what the targets judge); ``()``: none.
         token_buckets: the split policies' packed sizes rounded up to this many fixed
@@ -160,6 +162,7 @@ class ForwardSettings:
     policies: tuple[str, ...] = BENCH_POLICIES
     policy_width: int | None = DEFAULT_POLICY_WIDTH
     policy_depth: int = 2
+    fine_aggregation: bool = False
     buckets: tuple[int, ...] = ()
     token_buckets: int = 0
     compile: bool = False
@@ -249,6 +252,7 @@ def build_benchmark_models(
     policies: tuple[str, ...] = BENCH_POLICIES,
     policy_width: int | None = DEFAULT_POLICY_WIDTH,
     policy_depth: int = 2,
+    fine_aggregation: bool = False,
     buckets: tuple[int, ...] = (),
     token_buckets: int = 0,
 ) -> dict[str, SplitViT]:
@@ -257,19 +261,33 @@ def build_benchmark_models(
     Keys: ``split_full`` (the ``full`` policy: timm's own work), each of ``policies``
     (the default packed path; see :data:`BENCH_POLICIES`), and ``{policy}_padded_b{b}``
     (``attention='padded'``, ``length_buckets=b``) for each of ``buckets``, sharing
-    the policy module of the packed model (identical decisions).
+    the policy module of the packed model (identical decisions). ``fine_aggregation``
+    gives the policies' models (not ``split_full``) the coarse tokens' aggregation of
+    their fine patches (``model.fine_aggregation``), to time what it costs.
     """
     models: dict[str, SplitViT] = {"split_full": SplitViT(vit, levels=levels, policy="full").eval()}
     for key in policies:
         name = "learned" if key.startswith("learned") else key
         width = policy_width if key == "learned" else None
         first = SplitViT(
-            vit, levels=levels, policy=name, policy_depth=policy_depth, policy_width=width, token_buckets=token_buckets
+            vit,
+            levels=levels,
+            policy=name,
+            policy_depth=policy_depth,
+            policy_width=width,
+            token_buckets=token_buckets,
+            fine_aggregation=fine_aggregation,
         ).eval()
         models[key] = first
         for b in buckets:
             models[f"{key}_padded_b{b}"] = SplitViT(
-                vit, levels=levels, policy=first.policy, policy_depth=policy_depth, length_buckets=b, attention="padded"
+                vit,
+                levels=levels,
+                policy=first.policy,
+                policy_depth=policy_depth,
+                length_buckets=b,
+                attention="padded",
+                fine_aggregation=fine_aggregation,
             ).eval()
     return models
 
@@ -330,6 +348,7 @@ def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
         policies=s.policies,
         policy_width=s.policy_width,
         policy_depth=s.policy_depth,
+        fine_aggregation=s.fine_aggregation,
         buckets=s.buckets,
         token_buckets=s.token_buckets,
     )
@@ -620,6 +639,7 @@ def _config_record(s: ForwardSettings, work: _Workload) -> dict[str, Any]:
         "policies": list(s.policies),
         "policy_width": s.policy_width,
         "policy_depth": s.policy_depth,
+        "fine_aggregation": s.fine_aggregation,
         "buckets": list(s.buckets),
         "token_buckets": s.token_buckets,
         "compile": s.compile,
@@ -713,6 +733,7 @@ def _report_header(cfg: dict[str, Any], mach: dict[str, Any]) -> list[str]:
         f"the ViT's first {cfg['policy_depth']} blocks; median of {cfg['repeats']} interleaved rounds after "
         f"{cfg['warmup']} warm-up; inference_mode; thresholds calibrated on the batch"
         + (f"; packed sizes in {cfg['token_buckets']} fixed buckets" if cfg.get("token_buckets") else "")
+        + ("; split policies with fine-patch aggregation" if cfg.get("fine_aggregation") else "")
         + ("; torch.compile (timm, ideal encoder, packed encoders; SplitViT full eager)" if cfg.get("compile") else ""),
         "",
     ]
