@@ -983,6 +983,13 @@ def _add_study(sub) -> None:
         help="the study's folder under the storage path (default: study-<file>); an existing "
         "study of this name is finished, not repeated",
     )
+    p.add_argument(
+        "--references-from",
+        metavar="NAME",
+        help="fine-tune from the finished references (backbones) of the study NAME under the same "
+        "storage path instead of training them (e.g. --scale long-finetune's, for a scale that only "
+        "changes the fine-tune); their settings must match this study's",
+    )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument(
         "--json",
@@ -1009,6 +1016,7 @@ def _run_study(args) -> int:
             name=args.name,
             ray_address=args.address,
             methods=args.methods,
+            references_from=args.references_from,
         )
     finally:
         if ours and ray.is_initialized():
@@ -1018,6 +1026,7 @@ def _run_study(args) -> int:
     print(
         f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs"
         f"{f' ({reused} finished earlier, reused)' if reused else ''}, {result.seconds / 60:.1f} min"
+        + (f"; references from {result.references_dir}" if result.references_dir else "")
     )
     _print_table(
         [

@@ -49,7 +49,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -399,17 +399,18 @@ def _evaluation(spec: StudySpec) -> dict[str, Any]:
     }
 
 
-def stale_runs(spec: StudySpec, storage: str) -> list[str]:
+def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | None = None) -> list[str]:
     """The runs under ``storage`` whose settings differ from what ``spec`` asks for now
     (e.g. the study file changed but kept its name): finished ones, whose reuse would
     mix settings in one table, and unfinished ones, which would resume training from a
     checkpoint made with the old settings. Each entry names the run and the differing
     keys. A setting the code gained after a run was made counts as its default there:
-    new settings default to the behaviour the run had."""
+    new settings default to the behaviour the run had. ``methods``: the runs to check
+    (``None`` for the references); default the references and every method."""
     defaults = json.loads(json.dumps(ExperimentConfig().flat(), default=float))
     stale = []
     for seed in spec.seeds:
-        for method in (None, *spec.methods):
+        for method in (None, *spec.methods) if methods is None else methods:
             name = run_name(seed, method)
             stored = _stored(join_uri(storage, name))
             finished = stored is not None
@@ -1078,6 +1079,7 @@ class StudyResult:
     seconds: float
     point_speed: dict[str, Any] | None = None  # :func:`points_speed`: every method's points timed vs full
     levers: list[dict[str, Any]] = field(default_factory=list)  # :func:`lever_table` at the parity ratios
+    references_dir: str | None = None  # the study whose backbones the methods fine-tuned from (None: its own)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready data (every field)."""
@@ -1267,20 +1269,44 @@ def execute_study(
     study_dir: str,
     tracking_uri: str | None = None,
     started: float | None = None,
+    references_dir: str | None = None,
 ) -> tuple[StudyResult, list[dict[str, Any]]]:
     """Run (or, where ``study_dir`` holds finished runs, finish) the study ``spec`` with
     ``executor``: the backbones, then every method from its seed's backbone (the
     costliest first), the aggregation over seeds, the goals and the speed comparison
     (where ``executor.trainer`` evaluates). With ``tracking_uri``, MLflow records a
-    parent run and a child run per method and seed (:func:`_record`).
+    parent run and a child run per method and seed (:func:`_record`). With
+    ``references_dir`` (another study's folder), the methods fine-tune from that
+    study's finished backbones instead of training their own (e.g. a scale that only
+    lengthens the fine-tune); their settings must be what ``spec`` asks for.
 
     Returns the result and the backbones' stored results. Raises :class:`StudyError`
-    when ``study_dir`` holds runs (finished, or started and unfinished) made with other settings.
+    when ``study_dir`` holds runs (finished, or started and unfinished) made with other
+    settings, or ``references_dir`` lacks a finished backbone or holds other settings.
     """
     started = time.time() if started is None else started
     train_storage = join_uri(study_dir, "train")
     metric = spec.metric
-    stale = stale_runs(spec, train_storage)
+    if references_dir is None:
+        reference_storage = train_storage
+        stale = stale_runs(spec, train_storage)
+    else:
+        reference_storage = join_uri(references_dir, "train")
+        missing = [s for s in spec.seeds if _stored(join_uri(reference_storage, run_name(s, None))) is None]
+        if missing:
+            raise StudyError(
+                f"the references in {references_dir} are not finished for seed(s) "
+                f"{', '.join(map(str, missing))}: finish that study's backbones first, or train this "
+                "study's own (without --references-from)"
+            )
+        stale_references = stale_runs(spec, reference_storage, [None])
+        if stale_references:
+            raise StudyError(
+                f"the references in {references_dir} were made with other settings than {spec.source} "
+                f"asks for now: {'; '.join(stale_references)}. Only studies with the same reference "
+                "(backbone) settings can share references."
+            )
+        stale = stale_runs(spec, train_storage, list(spec.methods))
     if stale:
         raise StudyError(
             f"study {name} in {study_dir} holds runs made with other settings than "
@@ -1304,6 +1330,7 @@ def execute_study(
                     "methods": spec.methods,
                     "backbone": spec.backbone,
                     "method": spec.method,
+                    **({"references": references_dir} if references_dir is not None else {}),
                 }
             ),
             **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()},
@@ -1325,7 +1352,7 @@ def execute_study(
         f", MLflow run {parent.run_id}" if parent else "",
     )
     with parent.closed_on_error() if parent is not None else contextlib.nullcontext():
-        backbones = executor.run(spec, train_storage, {"seed": spec.seeds}, "backbones")
+        backbones = executor.run(spec, reference_storage, {"seed": spec.seeds}, "backbones")
         ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
         failed = [f"backbone seed {b['config'].get('seed')}: {b['error']}" for b in backbones if "error" in b]
         # the costliest methods first, so the last runs to finish are short ones
@@ -1370,6 +1397,7 @@ def execute_study(
             seconds=time.time() - started,
             point_speed=point_speed,
             levers=lever_table(rows, metric, spec.parity_ratios),
+            references_dir=references_dir,
         )
         if parent is not None:
             _record(result, spec, parent, runs, tracking_uri)
@@ -1386,9 +1414,12 @@ def run_study(
     name: str | None = None,
     ray_address: str | None = None,
     methods: list[str] | None = None,
+    references_from: str | None = None,
 ) -> StudyResult:
     """Run (or, under an existing ``name``, finish) a study on the platform: Ray Tune
-    trials training with Ray Train, recorded in MLflow (see the module docstring)."""
+    trials training with Ray Train, recorded in MLflow (see the module docstring).
+    ``references_from``: another study's name under the same storage path, whose
+    finished references (backbones) the methods fine-tune from."""
     started = time.time()
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)  # bad input stops here
     base = spec.run_config(spec.seeds[0], None, "base")
@@ -1404,6 +1435,9 @@ def run_study(
     root = base.storage.resolved_path()
     name = study_name(study_path, scale, name)
     study_dir = join_uri(root, name)
+    if references_from == name:
+        raise StudyError(f"--references-from {references_from} names this study itself; leave it out")
+    references_dir = None if references_from is None else join_uri(root, references_from)
     if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
         # render every canvas once, for every run of the study (and of later studies)
         spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
@@ -1414,6 +1448,7 @@ def run_study(
         study_dir=study_dir,
         tracking_uri=base.tracking_uri(),
         started=started,
+        references_dir=references_dir,
     )
     return result
 
