@@ -19,6 +19,7 @@ from splitvit.model import SplitViT
 from splitvit.train.checkpoints import init_weights
 from splitvit.tune.space import SearchSpaceError
 from splitvit.tune.study import (
+    STUDY_RESULT_FILE,
     Goals,
     aggregate,
     check_goals,
@@ -51,6 +52,7 @@ RESULT_KEYS = {
     "seconds",
     "point_speed",
     "levers",
+    "references_dir",
 }
 ROW_KEYS = {
     "method",
@@ -431,6 +433,43 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert "backbone-s0 (train.weight_decay)" in err and "split-s0 (train.weight_decay)" in err and "--name" in err
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
     assert len(client.search_runs([exp.experiment_id])) == runs_before
+
+    # a longer fine-tune from the same references: the methods train from e2e's backbone,
+    # which is neither retrained nor copied, and the result and MLflow say where it came from
+    (tmp_path / "longer").mkdir()
+    longer = write_study(tmp_path / "longer", method={"train.epochs": 2})
+    raw = yaml.safe_load(longer.read_text())
+    raw["config"]["storage.path"] = str(tmp_path / "runs")  # the same storage path as e2e
+    raw["speed"] = {"enabled": False}  # timed above; the runs' origin is what is checked here
+    longer.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    args = ["study", str(longer), "--methods", "full,split", "--references-from", "e2e"]
+    assert cli([*args, "--name", "e2e-longer", "--json", str(again)]) == 0
+    assert f"references from {tmp_path / 'runs' / 'e2e'}" in capsys.readouterr().out
+    longer_data = json.loads(again.read_text())
+    assert longer_data["references_dir"] == str(tmp_path / "runs" / "e2e")
+    assert {r["method"]: r["reused"] for r in longer_data["runs"]} == {"full": False, "split": False}
+    for run in longer_data["runs"]:
+        stored = json.loads((Path(run["run_uri"]) / STUDY_RESULT_FILE).read_text())
+        assert stored["config"]["model.init_from"].startswith(str(train / "backbone-s0"))
+        assert stored["config"]["train.epochs"] == 2 and len(run["history"]) == 2
+    assert not (tmp_path / "runs" / "e2e-longer" / "train" / "backbone-s0").exists()
+    assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints  # e2e's runs untouched
+    assert json.loads(again.read_text())["goals"]["reference_converged"] == data["goals"]["reference_converged"]
+    longer_parent = client.get_run(longer_data["mlflow_run_id"])
+    assert longer_parent.data.params["references"] == str(tmp_path / "runs" / "e2e")
+
+    # references that do not exist, or were made with other settings: one error each, before Ray starts
+    runs_before = len(client.search_runs([exp.experiment_id]))
+    assert cli([*args[:-1], "nowhere", "--name", "e2e-none"]) == 2
+    assert "not finished for seed(s) 0" in capsys.readouterr().err
+    assert cli([*args, "--name", "e2e-wd", "--set", "train.weight_decay=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "backbone-s0 (train.weight_decay)" in err and "same reference" in err
+    assert cli([*args, "--name", "e2e"]) == 2
+    assert "names this study itself" in capsys.readouterr().err
+    assert len(client.search_runs([exp.experiment_id])) == runs_before
+    assert not (tmp_path / "runs" / "e2e-none").exists() and not (tmp_path / "runs" / "e2e-wd").exists()
 
 
 def test_backbone_policy_and_method_warm_up_follow_the_study_file(tmp_path):
