@@ -78,3 +78,25 @@ def test_fit_local_reports_each_epoch_once(caplog):
         "epoch 0",
         "epoch 1",
     ]
+
+
+def test_object_figures_count_where_the_budget_went_and_what_of_the_object_is_fine():
+    """``fine_on_object`` is the share of fine tokens on the object, ``object_coverage``
+    the share of the object's fine cells kept fine: exact on a hand-made mask (one
+    8x8-px object on a 32-px image with 4-px fine patches: 4 of 64 fine cells), with
+    every cell fine (``full``) and none (``coarse``); without masks neither is reported."""
+    import torch
+
+    from splitvit.train.steps import evaluate
+    from tests.helpers import tiny_model
+
+    images = torch.rand(2, 3, 32, 32)
+    masks = torch.zeros(2, 32, 32, dtype=torch.bool)
+    masks[:, 8:16, 12:20] = True  # rows: cells 2-3; columns: 3-4 -> 2 x 2 fine cells
+    batches = [(images, torch.tensor([0, 1]), masks)]
+    full = evaluate(tiny_model("full"), batches, object_masks=True)
+    assert full["object_coverage"] == 1.0 and full["fine_on_object"] == pytest.approx(4 / 64)
+    coarse = evaluate(tiny_model("coarse"), batches, object_masks=True)
+    assert coarse["object_coverage"] == 0.0 and coarse["fine_on_object"] == 0.0
+    plain = evaluate(tiny_model("full"), [(images, torch.tensor([0, 1]))], object_masks=True)
+    assert "object_coverage" not in plain and "fine_on_object" not in plain

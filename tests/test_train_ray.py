@@ -135,11 +135,14 @@ def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
         data = torch.utils.data.TensorDataset(torch.rand(8, 3, 16, 16), torch.randint(0, 4, (8, 16, 16)))
     else:
         data = build_dataset("synthetic", "val", image_size=16, num_samples=8, object_size=4)
-    totals = evaluate_totals(model, torch.utils.data.DataLoader(data, batch_size=4), num_classes=4)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    totals = evaluate_totals(model, loader, num_classes=4, object_masks=task != "dense")
     figures = totals.figures()
     combined = _combine_eval(totals, torch.device("cpu"))
     quality = "miou" if task == "dense" else "accuracy"
     assert combined[quality] == figures[quality]
+    for key in ("fine_on_object", "object_coverage"):  # the synthetic data carry object masks
+        assert (key in combined) == (task != "dense") and combined.get(key) == figures.get(key)
     assert combined["tokens_per_image"] == figures["tokens_per_image"]
     assert combined["val_images"] == 8
 

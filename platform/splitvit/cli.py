@@ -787,7 +787,11 @@ def _run_eval(args) -> int:
     )
     quality = "miou" if "miou" in result else "accuracy"
     _print_table(
-        [{"metric": k, "value": result[k]} for k in (quality, "tokens_per_image", "token_ratio", "images_per_s")],
+        [
+            {"metric": k, "value": result[k]}
+            for k in (quality, "tokens_per_image", "token_ratio", "images_per_s", "fine_on_object", "object_coverage")
+            if k in result  # the object figures: on data with object masks
+        ],
         ["metric", "value"],
     )
     print(f"policy {result['policy']}, thresholds {result['thresholds']}, {result['images']} {args.split} images")

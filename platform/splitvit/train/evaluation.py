@@ -25,7 +25,8 @@ def evaluate_checkpoint(
     samples: int | None = None,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Accuracy (or mIoU), tokens per image, token ratio and images/s of a checkpoint.
+    """Accuracy (or mIoU), tokens per image, token ratio and images/s of a checkpoint;
+    on data with object masks also ``fine_on_object`` and ``object_coverage``.
 
     Args:
         checkpoint: a checkpoint folder or its ``model.pt``, local or ``s3://``.
@@ -65,7 +66,11 @@ def evaluate_checkpoint(
     use_amp = torch.device(device).type == "cuda"
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=use_amp):
         result = evaluate(
-            model, loader, thresholds=thresholds, num_classes=(config.get("model") or {}).get("num_classes")
+            model,
+            loader,
+            thresholds=thresholds,
+            num_classes=(config.get("model") or {}).get("num_classes"),
+            object_masks=True,  # counted where the data carry object masks
         )
     used = thresholds if thresholds is not None else model.thresholds.tolist()
     return {

@@ -510,7 +510,15 @@ def _combine_eval(totals: EvalTotals, device: torch.device) -> dict[str, float]:
     (images, correct, tokens, and the dense task's confusion matrix) are summed over the
     workers and the figures computed once from the sums (``EvalTotals.figures``)."""
     counts = _all_reduce(
-        [totals.images, totals.correct, totals.tokens, totals.full_tokens, totals.fine_total, totals.fine_on_object],
+        [
+            totals.images,
+            totals.correct,
+            totals.tokens,
+            totals.full_tokens,
+            totals.fine_total,
+            totals.fine_on_object,
+            totals.object_cells,
+        ],
         device=device,
     )  # float64: integer counts stay exact below 2**53
     (longest,) = _all_reduce([totals.elapsed], op="max", device=device)
@@ -527,6 +535,7 @@ def _combine_eval(totals: EvalTotals, device: torch.device) -> dict[str, float]:
         object_masks=totals.object_masks,
         fine_total=counts[4],
         fine_on_object=counts[5],
+        object_cells=counts[6],
     )
     figures = whole.figures()
     figures["val_images"] = float(figures.pop("images"))

@@ -173,9 +173,11 @@ class EvalTotals:
         elapsed: seconds spent in forward passes.
         confusion: dense task: ``(C, C)`` int64 pixel counts, row = true class,
             column = predicted; pixels labelled ``IGNORE_INDEX`` are not counted.
-        object_masks: whether ``fine_total`` / ``fine_on_object`` were counted.
+        object_masks: whether the object counts below were kept (where batches carry masks).
         fine_total: finest-level cells chosen.
         fine_on_object: those of them on the object.
+        object_cells: finest-level cells the object touches (what full resolution sees of
+            it), chosen or not.
     """
 
     task: str
@@ -188,10 +190,13 @@ class EvalTotals:
     object_masks: bool = False
     fine_total: float = 0.0
     fine_on_object: float = 0.0
+    object_cells: float = 0.0
 
     def figures(self) -> dict[str, float]:
-        """Accuracy or mIoU, tokens per image, token ratio, images/s (and
-        ``fine_on_object``, when counted) of these totals."""
+        """Accuracy or mIoU, tokens per image, token ratio, images/s, and where objects
+        were counted ``fine_on_object`` (the share of fine tokens on the object: where
+        the budget went) and ``object_coverage`` (the share of the object's fine cells
+        kept fine: how much of it the model sees at full resolution) of these totals."""
         result = {
             "tokens_per_image": self.tokens / max(self.images, 1),
             "token_ratio": self.tokens / max(self.full_tokens, 1),
@@ -202,8 +207,9 @@ class EvalTotals:
             result["miou"] = mean_iou(self.confusion)
         else:
             result["accuracy"] = self.correct / max(self.images, 1)
-        if self.object_masks:
+        if self.object_masks and self.object_cells > 0:
             result["fine_on_object"] = self.fine_on_object / max(self.fine_total, 1.0)
+            result["object_coverage"] = self.fine_on_object / self.object_cells
         return result
 
 
@@ -268,6 +274,7 @@ def evaluate_totals(
             on_obj = torch.nn.functional.avg_pool2d(batch[2].to(device).float().unsqueeze(1), p).squeeze(1) > 0
             totals.fine_total += float(fine.sum())
             totals.fine_on_object += float((fine * on_obj).sum())
+            totals.object_cells += float(on_obj.sum())
     model.train(was_training)
     if totals.confusion is not None:
         totals.confusion = totals.confusion.cpu()

@@ -88,12 +88,15 @@ class CheckpointEvaluator:
             return calibrate_thresholds(model or self.model, images, target_ratio)
 
     def evaluate(self, thresholds: list[float] | None = None, model: SplitViT | None = None) -> dict[str, Any]:
-        """Quality, tokens per image, token ratio and images/s at ``thresholds``."""
+        """Quality, tokens per image, token ratio and images/s at ``thresholds`` (and,
+        on data with object masks, ``fine_on_object`` and ``object_coverage``)."""
         model = model or self.model
         if thresholds is not None:
             validate_thresholds(thresholds, model.levels)
         with self.autocast():
-            result = evaluate(model, self.batches(), thresholds=thresholds, num_classes=self.num_classes)
+            result = evaluate(
+                model, self.batches(), thresholds=thresholds, num_classes=self.num_classes, object_masks=True
+            )
         used = thresholds if thresholds is not None else model.thresholds.tolist()
         result["thresholds"] = [float(t) for t in used]
         result["quality"] = result.get("miou", result.get("accuracy"))
