@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import platform as stdlib_platform
 from dataclasses import replace
 
@@ -816,6 +817,48 @@ def test_teacher_runs_on_every_kth_policy_step_only(monkeypatch):
     assert taught == [True, False, False, True, False, False] and len(calls) == 2
     with pytest.raises(ValueError, match="teacher_every must be >= 1"):
         SplitLossConfig(teacher_every=0)
+
+
+@pytest.mark.parametrize("method", ["attention", "gradient"])
+def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
+    """``train.teacher_targets: nested``: the nodes of all levels ranked together by
+    relevance mass are a tree (nothing marked under an unmarked node) whose tokens are
+    the target ratio's (``N_min + f (N_full - N_min)``) on every image. (Per-level marks
+    rank each level alone; on these images their tree had 22-31 tokens where 34 were
+    the target at ratio 0.5.)"""
+    from splitvit.train.losses import relevance_targets, split_fraction_for_ratio
+
+    model = tiny_model("learned")
+    torch.manual_seed(1)
+    images = torch.rand(6, 3, 32, 32)
+    relevance = model.relevance(images, method, target=torch.arange(6) % 5)
+    geometry = model.geometry_for((32, 32))
+    for ratio in (0.3, 0.5, 0.7):
+        fraction = split_fraction_for_ratio(ratio, geometry)
+        nested = [t.bool() for t in relevance_targets(relevance, fraction, nested=True)]
+        assert [t.shape for t in nested] == [r.shape for r in relevance]
+        assert all(torch.equal(a, b) for a, b in zip(top_down_decisions(nested), nested))  # a tree
+        nodes = sum(r[0].numel() for r in relevance)
+        splits = math.ceil(fraction * nodes)
+        assert all(int(sum(t[i].sum() for t in nested)) == splits for i in range(6))
+        expected = geometry.min_tokens + 3 * splits  # every split of a 4-way node adds 3 tokens
+        assert token_counts(nested).tolist() == [expected] * 6
+    with pytest.raises(ValueError, match="teacher_targets must be 'per_level' or 'nested'"):
+        SplitLossConfig(teacher_targets="joint")
+
+
+@pytest.mark.parametrize("targets", ["per_level", "nested"])
+def test_the_training_step_teaches_with_the_configured_targets(monkeypatch, targets):
+    from splitvit.train import steps
+
+    marked = []
+    original = steps.relevance_targets
+    monkeypatch.setattr(
+        steps, "relevance_targets", lambda r, f, nested: marked.append(nested) or original(r, f, nested)
+    )
+    cfg = SplitLossConfig(warmup_epochs=0, teacher="attention", teacher_targets=targets)
+    _, stats = steps.training_step(tiny_model("learned").train(), torch.rand(4, 3, 32, 32), torch.arange(4), cfg, 0)
+    assert marked == [targets == "nested"] and stats["teacher_loss"] > 0
 
 
 def test_distillation_loss_is_the_kl_divergence_from_the_teacher():

@@ -68,6 +68,7 @@ AUTO_THRESHOLD_START = 0.5
 PENALTIES = ("squared", "hinge")
 #: The model's relevance signals that can teach the policy (``SplitViT.relevance``).
 TEACHERS = ("gradient", "attention")
+TEACHER_TARGETS = ("per_level", "nested")
 #: ``model.normalize`` values (:func:`splitvit.model.splitvit.input_data_config`).
 INPUT_NORMALIZATIONS = ("auto", "timm", "none")
 
@@ -182,6 +183,12 @@ class SplitLossConfig:
         teacher: the model's relevance signal, ``gradient`` (gradient x input
             saliency of the true class) or ``attention`` (last block's class-token
             attention); see ``SplitViT.relevance``.
+        teacher_targets: which nodes the teacher marks to split at the target ratio.
+            ``per_level``: the same share of every level's nodes, each level ranked on
+            its own, so a finer node may be marked under a coarse node that is not,
+            and the marked tree misses the target ratio (by a varying amount).
+            ``nested``: the nodes of all levels ranked together by relevance mass,
+            which gives a tree (a node's mass is its children's sum) that meets it.
         warmup_epochs: epochs of random splits before the policy decides.
         warmup_min_split: lowest per-image random split rate in warm-up.
         teacher_every: compute the relevance teacher (a full-resolution forward and
@@ -210,6 +217,7 @@ class SplitLossConfig:
     penalty: str = "squared"
     teacher_weight: float = 1.0
     teacher: str = "gradient"
+    teacher_targets: str = "per_level"
     warmup_epochs: int = 1
     warmup_min_split: float = 0.3
     teacher_every: int = 1
@@ -226,6 +234,8 @@ class SplitLossConfig:
             raise ValueError(f"penalty must be one of {PENALTIES}, got {self.penalty!r}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"teacher must be 'gradient' or 'attention', got {self.teacher!r}")
+        if self.teacher_targets not in TEACHER_TARGETS:
+            raise ValueError(f"teacher_targets must be 'per_level' or 'nested', got {self.teacher_targets!r}")
         if self.teacher_weight < 0:
             raise ValueError(f"teacher_weight must be >= 0, got {self.teacher_weight}")
         if self.warmup_epochs < 0:
@@ -261,8 +271,8 @@ class TrainConfig(SplitLossConfig):
         amp: bf16 autocast on CUDA (ignored on CPU).
         max_failures: worker-group failures Ray Train recovers from (resuming from
             the latest checkpoint); -1 for no limit.
-        lambda_budget, target_ratio, penalty, teacher_weight, teacher, warmup_epochs,
-        warmup_min_split, teacher_every: the SPLIT objective (:class:`SplitLossConfig`).
+        lambda_budget, target_ratio, penalty, teacher_weight, teacher, teacher_targets,
+        warmup_epochs, warmup_min_split, teacher_every: the SPLIT objective (:class:`SplitLossConfig`).
     """
 
     epochs: int = 10

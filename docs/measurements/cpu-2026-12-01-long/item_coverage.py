@@ -8,8 +8,10 @@ splittable into 4 cells of 16 px, each into 4 fine patches of 8 px (64 fine toke
 full resolution). For each canvas this counts the fewest tokens of a quadtree in which
 every fine patch the item touches is a leaf (every other cell as coarse as the tree
 allows): what a policy that knew exactly where the item is would need for the model
-to see all of it as full resolution does. Printed: the mean, quartiles and range of
-that share of 64, and the share of canvases that fit within each token budget.
+to see all of it as full resolution does (``object_coverage`` 1.0). Printed: the
+mean, quartiles and range of that share of 64, the share of the oracle's fine tokens
+on the item (what ``fine_on_object`` would be), and the share of canvases that fit
+within each token budget.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from splitvit.data import build_dataset  # noqa: E402
 FINE, MID, COARSE = 8, 16, 32
 
 
-def oracle_tokens(mask: np.ndarray) -> int:
-    """Tokens of the coarsest quadtree whose fine level covers every ``True`` pixel of ``mask``."""
+def oracle_tokens(mask: np.ndarray) -> tuple[int, int]:
+    """Tokens, and fine tokens, of the coarsest quadtree whose fine level covers every
+    ``True`` pixel of ``mask``."""
     size = mask.shape[0]
-    tokens = 0
+    tokens = fine = 0
     for cy in range(0, size, COARSE):
         for cx in range(0, size, COARSE):
             if not mask[cy : cy + COARSE, cx : cx + COARSE].any():
@@ -39,8 +42,16 @@ def oracle_tokens(mask: np.ndarray) -> int:
                 continue
             for my in range(cy, cy + COARSE, MID):
                 for mx in range(cx, cx + COARSE, MID):
-                    tokens += 4 if mask[my : my + MID, mx : mx + MID].any() else 1
-    return tokens
+                    split = bool(mask[my : my + MID, mx : mx + MID].any())
+                    tokens += 4 if split else 1
+                    fine += 4 if split else 0
+    return tokens, fine
+
+
+def object_cells(mask: np.ndarray) -> int:
+    """Fine cells (8 px) that ``mask`` touches: the oracle's fine tokens on the object."""
+    size = mask.shape[0]
+    return int(mask.reshape(size // FINE, FINE, size // FINE, FINE).any(axis=(1, 3)).sum())
 
 
 def main() -> None:
@@ -52,7 +63,7 @@ def main() -> None:
     )
     full = (64 // FINE) ** 2
     for what in ("item pixels", "item box"):
-        shares = []
+        shares, on_object = [], []
         for i in range(len(data)):
             canvas = data.render(i)
             if what == "item pixels":
@@ -61,11 +72,15 @@ def main() -> None:
                 mask = np.zeros(canvas.clutter_mask.shape, dtype=bool)
                 for y, x, h, w in canvas.boxes:
                     mask[y : y + h, x : x + w] = True
-            shares.append(oracle_tokens(mask) / full)
+            tokens, fine = oracle_tokens(mask)
+            shares.append(tokens / full)
+            on_object.append((object_cells(canvas.item_masks.any(axis=0)), fine))
         q1, median, q3 = statistics.quantiles(shares, n=4)
         print(
             f"{what}: {len(shares)} canvases, oracle token share mean {statistics.mean(shares):.3f}, "
-            f"quartiles {q1:.3f} / {median:.3f} / {q3:.3f}, range {min(shares):.3f}-{max(shares):.3f}"
+            f"quartiles {q1:.3f} / {median:.3f} / {q3:.3f}, range {min(shares):.3f}-{max(shares):.3f}; "
+            f"its fine tokens on the item (fine_on_object) "
+            f"{sum(c for c, _ in on_object) / sum(f for _, f in on_object):.3f}"
         )
         for budget in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
             fits = float(np.mean(np.array(shares) <= budget))

@@ -60,17 +60,31 @@ def split_fraction_for_ratio(target_ratio: float, geometry: QuadtreeGeometry) ->
     return min(max((target_ratio - r_min) / (1 - r_min), 0.0), 1.0)
 
 
-def relevance_targets(relevance: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
-    """Per level, mark the ``fraction`` of each image's nodes with the most relevance."""
-    targets = []
-    for rel in relevance:
-        flat = rel.flatten(1)
-        k = min(max(int(math.ceil(fraction * flat.shape[1])), 0), flat.shape[1])
-        t = torch.zeros_like(flat)
-        if k > 0:
-            t.scatter_(1, flat.topk(k, dim=1).indices, 1.0)
-        targets.append(t.view_as(rel))
-    return targets
+def _mark_top(flat: torch.Tensor, fraction: float) -> torch.Tensor:
+    """1.0 at the ``fraction`` of each row's entries with the largest values, else 0.0."""
+    k = min(max(int(math.ceil(fraction * flat.shape[1])), 0), flat.shape[1])
+    marks = torch.zeros_like(flat)
+    if k > 0:
+        marks.scatter_(1, flat.topk(k, dim=1).indices, 1.0)
+    return marks
+
+
+def relevance_targets(relevance: list[torch.Tensor], fraction: float, nested: bool = False) -> list[torch.Tensor]:
+    """Mark the ``fraction`` of each image's nodes with the most relevance: per level
+    (every level ranked on its own), or with ``nested`` all levels ranked together.
+
+    Nested marks form a tree, because a node's relevance is the mass summed over its
+    area, so never less than a child's (ties aside); then splitting the marked nodes
+    gives ``N_min + fraction * (N_full - N_min)`` tokens, the target ratio of
+    :func:`split_fraction_for_ratio`, on every image. Per-level marks may put a finer
+    node under a coarse one that is not marked, so the tree they describe misses the
+    target ratio, by an amount that varies from image to image.
+    """
+    if not nested:
+        return [_mark_top(rel.flatten(1), fraction).view_as(rel) for rel in relevance]
+    flats = [rel.flatten(1) for rel in relevance]
+    marks = _mark_top(torch.cat(flats, dim=1), fraction)
+    return [m.view_as(rel) for m, rel in zip(marks.split([f.shape[1] for f in flats], dim=1), relevance)]
 
 
 def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:

@@ -133,7 +133,8 @@ def training_step(
         relevance, full_logits = model.relevance_and_logits(images, cfg.teacher, target=label)
         fraction = split_fraction_for_ratio(target_ratio, model.geometry_for(tuple(images.shape[-2:])))
         # (decide() has checked the probabilities are finite: NaN is a divergence, not a BCE error)
-        taught = teacher_loss(out.split_probs, relevance_targets(relevance, fraction))
+        targets = relevance_targets(relevance, fraction, nested=cfg.teacher_targets == "nested")
+        taught = teacher_loss(out.split_probs, targets)
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
     if cfg.distill_weight > 0 and not warmup and model.policy.name != "full":
