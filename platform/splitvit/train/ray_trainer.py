@@ -532,7 +532,6 @@ def _combine_eval(totals: EvalTotals, device: torch.device) -> dict[str, float]:
         # workers evaluate in parallel: the set's throughput is its size over the slowest shard
         elapsed=longest,
         confusion=None if totals.confusion is None else _all_reduce_tensor(totals.confusion, device),
-        object_masks=totals.object_masks,
         fine_total=counts[4],
         fine_on_object=counts[5],
         object_cells=counts[6],

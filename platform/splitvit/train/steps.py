@@ -174,11 +174,11 @@ class EvalTotals:
         elapsed: seconds spent in forward passes.
         confusion: dense task: ``(C, C)`` int64 pixel counts, row = true class,
             column = predicted; pixels labelled ``IGNORE_INDEX`` are not counted.
-        object_masks: whether the object counts below were kept (where batches carry masks).
         fine_total: finest-level cells chosen.
         fine_on_object: those of them on the object.
         object_cells: finest-level cells the object touches (what full resolution sees of
-            it), chosen or not.
+            it), chosen or not. The object counts are kept by ``evaluate_totals(...,
+            object_masks=True)`` on batches that carry masks; none counted: no object figures.
     """
 
     task: str
@@ -188,7 +188,6 @@ class EvalTotals:
     full_tokens: int = 0
     elapsed: float = 0.0
     confusion: torch.Tensor | None = None
-    object_masks: bool = False
     fine_total: float = 0.0
     fine_on_object: float = 0.0
     object_cells: float = 0.0
@@ -208,7 +207,7 @@ class EvalTotals:
             result["miou"] = mean_iou(self.confusion)
         else:
             result["accuracy"] = self.correct / max(self.images, 1)
-        if self.object_masks and self.object_cells > 0:
+        if self.object_cells > 0:
             result["fine_on_object"] = self.fine_on_object / max(self.fine_total, 1.0)
             result["object_coverage"] = self.fine_on_object / self.object_cells
         return result
@@ -245,7 +244,7 @@ def evaluate_totals(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    totals = EvalTotals(task=model.task, object_masks=object_masks)
+    totals = EvalTotals(task=model.task)
     if model.task == "dense" and num_classes is not None:
         # sized up front, so that a shard with no batches sums with the others
         totals.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)

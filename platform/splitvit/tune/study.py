@@ -1422,6 +1422,9 @@ def run_study(
     finished references (backbones) the methods fine-tune from."""
     started = time.time()
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)  # bad input stops here
+    name = study_name(study_path, scale, name)
+    if references_from == name:
+        raise StudyError(f"--references-from {references_from} names this study itself; leave it out")
     base = spec.run_config(spec.seeds[0], None, "base")
     from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
 
@@ -1433,10 +1436,7 @@ def run_study(
         trial_key="run.trial_resources",
     )
     root = base.storage.resolved_path()
-    name = study_name(study_path, scale, name)
     study_dir = join_uri(root, name)
-    if references_from == name:
-        raise StudyError(f"--references-from {references_from} names this study itself; leave it out")
     references_dir = None if references_from is None else join_uri(root, references_from)
     if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
         # render every canvas once, for every run of the study (and of later studies)
