@@ -170,7 +170,7 @@ def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(t
     time another operating point (a study once timed '@0.1' at 93% of the tokens)."""
     import torch
 
-    from splitvit.tune.checkpoint_evaluator import CheckpointEvaluator
+    from splitvit.train.evaluation import CheckpointEvaluator
 
     torch.manual_seed(0)
     folder = Path(checkpoint(tmp_path / "any", budget_conditioned=True))

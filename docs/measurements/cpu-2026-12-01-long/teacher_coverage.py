@@ -25,8 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "platform"))
 
 from splitvit.model import token_counts, top_down_decisions  # noqa: E402
+from splitvit.train.evaluation import CheckpointEvaluator  # noqa: E402
 from splitvit.train.losses import relevance_targets, split_fraction_for_ratio  # noqa: E402
-from splitvit.tune.checkpoint_evaluator import CheckpointEvaluator  # noqa: E402
 
 
 def main() -> None:

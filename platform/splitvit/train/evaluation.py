@@ -1,18 +1,157 @@
-"""Evaluate a training checkpoint (local or ``s3://``) on its experiment's data."""
+"""Evaluate a training checkpoint (local or ``s3://``) on its experiment's data.
+
+One evaluator serves every evaluation-only caller: ``splitvit eval``, a study's
+operating points and speed timing, and a sweep's stage two and baselines
+(``tune/stage_two.py``). It loads the checkpoint once and its data when first asked.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from ..model import validate_thresholds
+from ..model import SplitViT, validate_thresholds
 from .checkpoints import load_payload, model_from_payload
-from .steps import evaluate
+from .steps import calibrate_thresholds, evaluate
 
 log = logging.getLogger(__name__)
+
+#: Evaluation sets up to this many images are kept in memory between evaluations.
+CACHE_LIMIT = 4096
+
+
+class CheckpointEvaluator:
+    """A checkpoint's model and its experiment's evaluation data.
+
+    The model loads on construction (a checkpoint that does not fit its spec fails
+    here, naming the checkpoint); the data load when first used, so bad thresholds
+    fail before any image is read.
+
+    Args:
+        checkpoint: a checkpoint folder or its ``model.pt`` (local or ``s3://``).
+        split: the data split to evaluate on (default: the experiment's validation split).
+        samples: evaluate on this many images (default: the experiment's split size).
+        batch_size: evaluation batch size (default: the experiment's).
+        policy: evaluate with another split policy (``entropy``, ``full``...) on the
+            checkpoint's backbone.
+        device: torch device.
+        cache: keep the evaluation batches in memory (sets up to ``CACHE_LIMIT`` images).
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        *,
+        split: str | None = None,
+        samples: int | None = None,
+        batch_size: int | None = None,
+        policy: str | None = None,
+        device: str = "cpu",
+        cache: bool = True,
+    ) -> None:
+        self.checkpoint = str(checkpoint)
+        self.device = torch.device(device)
+        self.payload = load_payload(self.checkpoint)
+        self.model = self.build(policy)
+        config = self.payload.get("config") or {}
+        self.data = config.get("data") or {}
+        if not self.data.get("name"):
+            raise ValueError(
+                f"checkpoint {checkpoint} holds no experiment config; it was not written by splitvit train"
+            )
+        self.num_classes = (config.get("model") or {}).get("num_classes")
+        self.levels = self.model.levels
+        self.split = split or self.data.get("val_split") or "val"
+        self.samples = samples
+        self.batch_size = int(batch_size or self.data.get("eval_batch_size") or self.data.get("batch_size") or 64)
+        self.num_workers = int(self.data.get("num_workers") or 0)
+        self._cache: list | None = None
+        self._use_cache = cache
+
+    def build(self, policy: str | None) -> SplitViT:
+        """The checkpoint's model, under ``policy`` instead of its own when given."""
+        overrides = {"policy": policy} if policy else {}
+        return model_from_payload(self.payload, self.checkpoint, **overrides).to(self.device).eval()
+
+    @functools.cached_property
+    def dataset(self) -> Dataset:
+        """The evaluation split (``samples`` images), built on first use."""
+        return self._dataset(self.split, self.samples)
+
+    def batches(self):
+        """The evaluation batches (kept in memory after the first pass for small sets)."""
+        if self._cache is not None:
+            return self._cache
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        if self._use_cache and len(self.dataset) <= CACHE_LIMIT:
+            self._cache = list(loader)
+            return self._cache
+        return loader
+
+    def autocast(self):
+        """The precision every evaluation runs in: bf16 autocast on CUDA, float32 elsewhere."""
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+    def calibrate(self, images: torch.Tensor, target_ratio: float, model: SplitViT | None = None) -> list[float]:
+        """Thresholds that meet ``target_ratio`` on ``images``, scored in the precision
+        :meth:`evaluate` runs in (so the evaluated budget is the calibrated one)."""
+        with self.autocast():
+            return calibrate_thresholds(model or self.model, images, target_ratio)
+
+    def evaluate(self, thresholds: list[float] | None = None, model: SplitViT | None = None) -> dict[str, Any]:
+        """Quality (accuracy or mIoU), tokens per image, token ratio and images/s at
+        ``thresholds`` (validated before any data are read); on data with object masks
+        also ``fine_on_object`` and ``object_coverage``."""
+        model = model or self.model
+        if thresholds is not None:
+            validate_thresholds(thresholds, model.levels)
+        with self.autocast():
+            result = evaluate(
+                model, self.batches(), thresholds=thresholds, num_classes=self.num_classes, object_masks=True
+            )
+        used = thresholds if thresholds is not None else model.thresholds.tolist()
+        result["thresholds"] = [float(t) for t in used]
+        result["quality"] = result.get("miou", result.get("accuracy"))
+        return result
+
+    def _dataset(self, split: str, samples: int | None) -> Dataset:
+        """The checkpoint's experiment data, split ``split`` (``samples`` images)."""
+        from ..data import build_dataset
+
+        options = dict(self.data.get("options") or {})
+        if samples is not None:
+            options.pop("num_samples", None)  # it would win over the split's own count
+            options[f"{split}_samples"] = samples
+        return build_dataset(
+            self.data["name"],
+            split,
+            image_size=self.model.geometry.image_size[0],
+            interpolation=self.model.data_config["interpolation"],
+            seed=int(self.data.get("seed", 0)),
+            **options,
+        )
+
+    def first_images(self, count: int, split: str | None = None) -> torch.Tensor:
+        """The first ``count`` images of the evaluation split, or of ``split`` (e.g.
+        validation images to calibrate thresholds on, never the evaluated ones)."""
+        from ..data import first_images
+
+        dataset = self.dataset if split in (None, self.split) else self._dataset(split, count)
+        return first_images(dataset, count).to(self.device)
+
+    @torch.no_grad()
+    def split_map(self, thresholds: list[float] | None, count: int = 8):
+        """A PIL grid of the quadtree the model chooses on the first ``count`` images."""
+        from ..tracking.split_maps import split_map_grid
+
+        images = self.first_images(count)
+        out = self.model(images, thresholds=thresholds)
+        captions = [f"{int(t)}/{out.full_tokens} tok" for t in out.tokens]
+        return split_map_grid(images.cpu(), [d.cpu() for d in out.decisions], self.model.geometry, captions)
 
 
 def evaluate_checkpoint(
@@ -25,59 +164,17 @@ def evaluate_checkpoint(
     samples: int | None = None,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Accuracy (or mIoU), tokens per image, token ratio and images/s of a checkpoint;
-    on data with object masks also ``fine_on_object`` and ``object_coverage``.
-
-    Args:
-        checkpoint: a checkpoint folder or its ``model.pt``, local or ``s3://``.
-        thresholds: per-level split thresholds for this evaluation (validated).
-        policy: evaluate with another split policy (``entropy``, ``full``...) on the
-            checkpoint's backbone.
-        split: the data split (``val`` or ``test``) of the experiment's dataset.
-        batch_size: evaluation batch size (default: the experiment's).
-        samples: evaluate on this many images (default: the experiment's split size).
-        device: torch device.
-    """
-    payload = load_payload(checkpoint)
-    overrides = {"policy": policy} if policy else {}
-    model = model_from_payload(payload, str(checkpoint), **overrides).to(device)
-    if thresholds is not None:
-        validate_thresholds(thresholds, model.levels)  # a clear error before any data are read
-    config = payload.get("config") or {}
-    data = config.get("data") or {}
-    if not data.get("name"):
-        raise ValueError(f"checkpoint {checkpoint} holds no experiment config; it was not written by splitvit train")
-    options = dict(data.get("options") or {})
-    if samples is not None:
-        options[f"{split}_samples"] = samples
-    from ..data import build_dataset
-
-    dataset = build_dataset(
-        data["name"],
-        split,
-        image_size=model.geometry.image_size[0],
-        interpolation=model.data_config["interpolation"],
-        seed=int(data.get("seed", 0)),
-        **options,
+    """One evaluation of a checkpoint (``splitvit eval``): :meth:`CheckpointEvaluator.evaluate`
+    plus the checkpoint, its epoch, the policy and the split. The arguments are
+    :class:`CheckpointEvaluator`'s; ``thresholds`` are per-level split thresholds."""
+    evaluator = CheckpointEvaluator(
+        checkpoint, split=split, samples=samples, batch_size=batch_size, policy=policy, device=device, cache=False
     )
-    loader = DataLoader(
-        dataset, batch_size=batch_size or data.get("eval_batch_size") or data.get("batch_size") or 64, shuffle=False
-    )
-    use_amp = torch.device(device).type == "cuda"
-    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=use_amp):
-        result = evaluate(
-            model,
-            loader,
-            thresholds=thresholds,
-            num_classes=(config.get("model") or {}).get("num_classes"),
-            object_masks=True,  # counted where the data carry object masks
-        )
-    used = thresholds if thresholds is not None else model.thresholds.tolist()
+    result = evaluator.evaluate(thresholds)
     return {
         **result,
         "checkpoint": str(checkpoint),
-        "epoch": payload.get("epoch"),
-        "policy": model.policy.name,
-        "thresholds": [float(t) for t in used],
+        "epoch": evaluator.payload.get("epoch"),
+        "policy": evaluator.model.policy.name,
         "split": split,
     }

@@ -105,7 +105,7 @@ def time_operating_points(
     )
     from ..model import SplitViT
     from ..train.checkpoints import load_payload
-    from .checkpoint_evaluator import CheckpointEvaluator
+    from ..train.evaluation import CheckpointEvaluator
 
     if not points:
         raise ValueError("no operating points to time")

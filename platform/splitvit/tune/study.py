@@ -577,7 +577,7 @@ def evaluate_points(
     first ``calibration_samples`` validation images (never on the evaluated ones)."""
     import torch
 
-    from .checkpoint_evaluator import CheckpointEvaluator
+    from ..train.evaluation import CheckpointEvaluator
 
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
     if not ratios:
@@ -788,7 +788,7 @@ def speed_comparison(
     import torch
 
     from ..bench.timing import time_interleaved
-    from .checkpoint_evaluator import CheckpointEvaluator
+    from ..train.evaluation import CheckpointEvaluator
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
     full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)

@@ -995,7 +995,7 @@ def _close_sweep_run(
 
 def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[dict[str, Any]]:
     """Baselines on the best point's backbone (on a GPU where training had them)."""
-    from .checkpoint_evaluator import baselines as evaluate_baselines
+    from .stage_two import baselines as evaluate_baselines
 
     ratios = sorted({round(p.token_ratio, 4) for p in front if 0 < p.token_ratio < 0.999})
     k = space.baselines.random_budgets
@@ -1183,7 +1183,7 @@ def _log_best_split_map(space: SearchSpace, recorder: SweepRecorder, best: Point
     """Draw the best point's split maps over ``mlflow.split_map_images`` images: saved in
     ``local_dir`` and logged on the parent run; returns the file (``None`` when off or
     the point has no checkpoint)."""
-    from .checkpoint_evaluator import CheckpointEvaluator
+    from ..train.evaluation import CheckpointEvaluator
 
     count = space.mlflow.split_map_images
     if count <= 0 or not best.checkpoint:

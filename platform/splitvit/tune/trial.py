@@ -217,7 +217,7 @@ def threshold_points(final: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
-    from .checkpoint_evaluator import stage_two
+    from .stage_two import stage_two
 
     return stage_two(checkpoint, **kwargs)
 
