@@ -188,3 +188,19 @@ def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(t
     rows = time_operating_points(points, batch_size=8, rounds=1, warmup=0)["points"]
     assert [r["budget"] for r in rows] == list(budgets)
     assert [r["tokens_per_image"] for r in rows] == pytest.approx(expected)
+
+
+def test_an_evaluation_reads_the_samples_asked_for_even_where_the_config_sets_num_samples(tmp_path):
+    """``splitvit eval --samples`` once lost to a checkpoint's ``data.options.num_samples``
+    (which wins over the split's own count), while the sweeps' evaluator honoured it."""
+    import torch
+
+    from splitvit.train.evaluation import CheckpointEvaluator, evaluate_checkpoint
+
+    folder = Path(checkpoint(tmp_path / "n"))
+    payload = torch.load(folder / "model.pt", weights_only=False)
+    payload["config"]["data"]["options"]["num_samples"] = 24
+    torch.save(payload, folder / "model.pt")
+    assert evaluate_checkpoint(str(folder), samples=8)["images"] == 8
+    assert len(CheckpointEvaluator(str(folder), samples=5).dataset) == 5
+    assert evaluate_checkpoint(str(folder))["images"] == 24  # without --samples, the config's count
