@@ -28,6 +28,7 @@ from splitvit.tune.study import (
     load_study,
     matched_point,
     reference_convergence,
+    reuse_phrase,
     stale_runs,
     study_run,
     summary_lines,
@@ -80,6 +81,7 @@ RUN_KEYS = {
     "run_uri",
     "evaluation",
     "reused",
+    "reevaluated",
     "history",
 }
 
@@ -137,6 +139,7 @@ def write_study(folder: Path, **changes) -> Path:
         ({"goals": {"converge_epochs": 0}}, "goals.converge_epochs", "integer >= 1"),
         ({"goals": {"converge_points": -1}}, "goals.converge_points", "points >= 0"),
         ({"goals": {"match_points": "half"}}, "goals.match_points", "points >= 0"),
+        ({"goals": {"ratio_tolerance": 0.1}}, "goals.ratio_tolerance", "token share in [0, 0.05]"),
     ],
 )
 def test_bad_study_files_are_named(tmp_path, change, key, message):
@@ -203,6 +206,60 @@ def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
     assert stale_runs(spec, storage) == []  # the same settings: it resumes
     changed = load_study(write_study(tmp_path, method={"train.epochs": 3}))
     assert stale_runs(changed, storage) == ["split-s0 (unfinished; train.epochs)"]
+
+
+def test_other_evaluation_settings_evaluate_a_finished_run_again_without_training(tmp_path):
+    """Changing only how methods are evaluated (ratios, samples, calibration images)
+    is not a stale run: the finished checkpoint is evaluated again and its stored
+    points replaced; its training (curve, times, checkpoint) is kept."""
+
+    class Recorded:  # a trainer whose evaluations are recorded; training is done
+        def __init__(self):
+            self.evaluated = []
+
+        def train(self, config):
+            return {
+                "status": "completed",
+                "metrics": {"accuracy": 0.5},
+                "checkpoint": "ckpt",
+                "message": "",
+                "history": [{"accuracy": 0.5}],
+            }
+
+        def evaluate(self, config, fn, *args, **kwargs):
+            self.evaluated.append(kwargs["ratios"])
+            return [{"target_ratio": r, "quality": r} for r in kwargs["ratios"]]
+
+    spec = load_study(write_study(tmp_path))
+    storage = str(tmp_path / "study" / "train")
+    backbone = tmp_path / "study" / "train" / "backbone-s0" / "model.pt"
+    backbone.parent.mkdir(parents=True)
+    backbone.touch()  # the trainer never reads it
+    trainer = Recorded()
+    params = {"seed": 0, "method": "split"}
+    first = study_run(spec, storage, params, trainer, backbones={0: str(backbone.parent)})
+    assert not first["reused"] and not first["reevaluated"] and trainer.evaluated == [[0.25, 0.5]]
+    assert study_run(spec, storage, params, trainer, backbones={0: str(backbone.parent)})["reevaluated"] is False
+    assert trainer.evaluated == [[0.25, 0.5]]  # the same settings: the stored points
+
+    evaluation = {"split": "test", "samples": 64, "ratios": [0.5, 0.7], "calibration_samples": 48}
+    changed = load_study(write_study(tmp_path, evaluation=evaluation))
+    assert stale_runs(changed, storage) == []
+    again = study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)})
+    assert again["reused"] and again["reevaluated"] and trainer.evaluated[-1] == [0.5, 0.7]
+    assert [p["target_ratio"] for p in again["points"]] == [0.5, 0.7]
+    assert again["history"] == first["history"] and again["train_seconds"] == first["train_seconds"]
+    stored = json.loads((Path(storage) / "split-s0" / STUDY_RESULT_FILE).read_text())
+    assert stored["evaluation"]["ratios"] == [0.5, 0.7] and stored["points"] == again["points"]
+    assert "reevaluated" not in stored and "reused" not in stored
+    assert study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)})["reevaluated"] is False
+    assert (
+        reuse_phrase([again, {"reused": True}, {"reused": False}]) == " (2 finished earlier, reused; 1 evaluated again)"
+    )
+    # a training setting still makes the run stale (it would mix settings in one table)
+    assert stale_runs(load_study(write_study(tmp_path, method={"train.epochs": 3})), storage) == [
+        "split-s0 (train.epochs)"
+    ]
 
 
 def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
@@ -547,6 +604,28 @@ def test_parity_is_checked_at_every_token_share_the_study_names():
     assert any("<= 50% tokens" in line and line.endswith("MISSED") for line in lines)
 
 
+def test_a_point_counts_at_a_share_it_exceeds_only_within_the_tolerance():
+    """A point calibrated to 50% of the tokens on validation images measured 50.03% on
+    the test images, and the <= 50% goal read the 40% point instead: measured shares
+    count within ``goals.ratio_tolerance`` (half a point by default), and say so."""
+    results = [
+        run("full", "full", 0, [(None, 0.90, 1.0)]),
+        run("split", "learned", 0, [(0.4, 0.80, None), (0.5, 0.88, None), (0.7, 0.899, None)]),
+    ]
+    results[1]["points"][1]["token_ratio"] = 0.5003
+    results[1]["points"][2]["token_ratio"] = 0.711
+    rows = aggregate(results, "accuracy")
+    goals = check_goals(rows, Goals(match_ratio=0.5, also_match_at=(0.7,)), "accuracy")
+    assert goals["match"]["target_ratio"] == 0.5 and goals["match"]["ratio_tolerance"] == 0.005
+    # 71.1% is more than half a point over 70%: the 70% goal reads the 50% point
+    assert goals["match_also"][0]["target_ratio"] == 0.5
+    line = summary_lines(goals, None, [])[0]
+    assert "@ 50.03% (within the 0.5% tolerance): 2.00 points below" in line
+    strict = check_goals(rows, Goals(match_ratio=0.5, ratio_tolerance=0.0), "accuracy")
+    assert strict["match"]["target_ratio"] == 0.4 and "tolerance" not in summary_lines(strict, None, [])[0]
+    assert matched_point(rows, Goals(match_points=0.0, match_ratio=0.5), "accuracy")["target_ratio"] == 0.5
+
+
 @pytest.mark.parametrize(
     "gap, words, verdict", [(7.55, "7.55 points below full", "MISSED"), (-0.3, "0.30 points above full", "met")]
 )
@@ -560,7 +639,7 @@ def test_summary_line_states_the_gap_to_full_resolution_in_words(gap: float, wor
         "met": gap <= 0.5,
     }
     (line,) = summary_lines({"match": match}, None, [])
-    assert words in line and line.endswith(verdict) and "49.6%" in line
+    assert words in line and line.endswith(verdict) and "49.56%" in line
 
 
 def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_session, tmp_path):

@@ -158,6 +158,24 @@ def test_second_invocation_through_the_command_line_reuses_every_finished_run(
     assert "split-s0 (train.epochs)" in err and "backbone-s0" not in err
     assert {p: p.stat().st_mtime_ns for p in (out / "train").rglob("model.pt")} == checkpoints
 
+    # other evaluation settings only: every finished run is evaluated again, none retrained,
+    # and MLflow's child runs get the new points
+    evaluation = {**yaml.safe_load(more.read_text())["evaluation"], "ratios": [0.25, 0.5, 0.75]}
+    remeasured = tiny_study(tmp_path, methods=methods, mlflow={"experiment": "study-local"}, evaluation=evaluation)
+    argv = [str(remeasured), "--out", str(out), "--device", "cpu", "--workers", "1", "--json", str(result)]
+    assert runner.main([*argv, "--tracking-uri", mlflow_uri]) == 0
+    third = json.loads(result.read_text())
+    assert all(r["reused"] and r["reevaluated"] for r in third["runs"])
+    assert {r["target_ratio"] for r in third["rows"] if r["method"] == "split"} == {0.25, 0.5, 0.75}
+    assert "4 runs (4 finished earlier, reused; 4 evaluated again)" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in (out / "train").rglob("model.pt")} == checkpoints
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{third['mlflow_run_id']}'"
+    )
+    split_child = next(c for c in children if c.info.run_name == "split-s0")
+    latest = {m.step for m in client.get_metric_history(split_child.info.run_id, "accuracy")}
+    assert latest == {0, 1, 2}  # three evaluated ratios now
+
     # --plan: the largest epochs whose training fits a budget, from this run's measured speeds
     assert runner.main([str(path), "--out", str(out), "--plan", str(result), "--budget-s", "600"]) == 0
     plan = json.loads(capsys.readouterr().out)

@@ -113,14 +113,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_table(result: dict[str, Any]) -> None:
-    from splitvit.tune.study import lever_lines, summary_lines
+    from splitvit.tune.study import lever_lines, reuse_phrase, summary_lines
 
     metric = result["metric"]
-    reused = sum(bool(r.get("reused")) for r in result["runs"])
     print(
         f"\n{result['name']} on {result['machine'].get('device_name', result['machine']['device'])}: "
         f"{len(result['seeds'])} seeds, {len(result['runs'])} runs"
-        f"{f' ({reused} finished earlier, reused)' if reused else ''}, backbone {result['backbone_epochs']} + "
+        f"{reuse_phrase(result['runs'])}, backbone {result['backbone_epochs']} + "
         f"method {result['method_epochs']} epochs, {result['seconds']:.0f} s"
     )
     print(f"{'method':<12}{'ratio':>7}{'tokens':>8}{metric:>10}{'std':>7}{'min':>7}{'max':>7}")

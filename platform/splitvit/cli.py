@@ -1007,7 +1007,7 @@ def _run_study(args) -> int:
     import ray
 
     from .tune.console import show_ray_output
-    from .tune.study import lever_lines, run_study, summary_lines
+    from .tune.study import lever_lines, reuse_phrase, run_study, summary_lines
 
     logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
@@ -1026,10 +1026,9 @@ def _run_study(args) -> int:
         if ours and ray.is_initialized():
             ray.shutdown()
     metric = result.metric
-    reused = sum(bool(r.get("reused")) for r in result.runs)
     print(
         f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs"
-        f"{f' ({reused} finished earlier, reused)' if reused else ''}, {result.seconds / 60:.1f} min"
+        f"{reuse_phrase(result.runs)}, {result.seconds / 60:.1f} min"
         + (f"; references from {result.references_dir}" if result.references_dir else "")
     )
     _print_table(
