@@ -109,7 +109,9 @@ def write_study(folder: Path, **changes) -> Path:
         "evaluation": {"split": "test", "samples": 64, "ratios": [0.25, 0.5], "calibration_samples": 32},
         "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
         "speed": {"batch_size": 8, "rounds": 2},
-        "goals": {"converge_points": 0.3, "converge_epochs": 1, "also_match_at": [0.25]},
+        # parity at 75% too: a share every SPLIT point of this tiny model is under (its 25%
+        # point, calibrated on 32 images, may measure more than 25% on the test images)
+        "goals": {"converge_points": 0.3, "converge_epochs": 1, "also_match_at": [0.75]},
         "mlflow": {"experiment": "study-e2e"},
     }
     spec.update(changes)
@@ -399,7 +401,7 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     full = next(r for r in data["rows"] if r["method"] == "full")
     assert full["token_ratio"] == 1.0
     assert {"match", "above_baselines", "margin_over_entropy"} <= set(data["goals"])
-    assert [g["max_token_ratio"] for g in data["goals"]["match_also"]] == [0.25]
+    assert [g["max_token_ratio"] for g in data["goals"]["match_also"]] == [0.75]
     # the reference's validation curve (2 epochs), and whether it had stopped gaining
     reference = data["goals"]["reference_converged"]["seeds"]["0"]
     assert len(reference["curve"]) == 2 and reference["gain_points"] == pytest.approx(
@@ -420,7 +422,7 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     curve = client.get_metric_history(parent.info.run_id, "reference_accuracy.s0")
     assert [m.value for m in sorted(curve, key=lambda m: m.step)] == pytest.approx(reference["curve"])
     assert parent.data.metrics["goal_reference_converged_met"] == float(data["goals"]["reference_converged"]["met"])
-    assert "match_gap_points.r0.25" in parent.data.metrics
+    assert "match_gap_points.r0.75" in parent.data.metrics
 
     # every method's evaluated points timed against the full method, side by side (seed 0)
     ps = data["point_speed"]
