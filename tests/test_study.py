@@ -279,14 +279,6 @@ def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
     changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.fine_aggregation": True}))
     assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.fine_aggregation)"]
 
-    # a setting whose default changed since: an older run had the old behaviour, not today's default
-    assert spec.run_config(0, "split", "x").train.teacher_targets == "nested"
-    assert config.pop("train.teacher_targets") == "nested"
-    (run / "study_started.json").write_text(json.dumps({"config": config}, default=float))
-    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; train.teacher_targets)"]
-    pinned = load_study(write_study(tmp_path, method={"train.epochs": 1, "train.teacher_targets": "per_level"}))
-    assert stale_runs(pinned, str(storage)) == []
-
 
 def test_shipped_studies_validate_at_every_scale():
     for name in ("study_fashion", "study_fashion_seg"):

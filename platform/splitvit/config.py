@@ -184,14 +184,15 @@ class SplitLossConfig:
             saliency of the true class) or ``attention`` (last block's class-token
             attention); see ``SplitViT.relevance``.
         teacher_targets: which nodes the teacher marks to split at the target ratio.
-            ``nested`` (default): the nodes of all levels ranked together by relevance
+            ``per_level`` (default): the same share of every level's nodes, each level
+            ranked on its own, so a finer node may be marked under a coarse node that
+            is not, and the marked tree misses the target ratio (39.5% of the tokens
+            at a 50% target on the study's canvases); every level's scores learn a
+            ranking. ``nested``: the nodes of all levels ranked together by relevance
             mass, which gives a tree (a node's mass is its children's sum) that meets
-            it. ``per_level`` (the default before 2026-12-02): the same share of every
-            level's nodes, each level ranked on its own, so a finer node may be marked
-            under a coarse node that is not, and the marked tree misses the target
-            ratio (by a varying amount: 39.5% of the tokens at a 50% target on the
-            study's canvases). In the dense study nested gained 3.0 mIoU at 50% of the
-            tokens and 1.3 at 70% (docs/results.md).
+            it. In the dense study nested gained 3.0 mIoU at 50% of the tokens and 1.3
+            at 70%, but lost 3.3 at 10%, and the smoke sweep's hypervolume fell from
+            0.82 to 0.71 with it (docs/results.md): a lever for mid budgets.
         warmup_epochs: epochs of random splits before the policy decides.
         warmup_min_split: lowest per-image random split rate in warm-up.
         teacher_every: compute the relevance teacher (a full-resolution forward and
@@ -220,7 +221,7 @@ class SplitLossConfig:
     penalty: str = "squared"
     teacher_weight: float = 1.0
     teacher: str = "gradient"
-    teacher_targets: str = "nested"
+    teacher_targets: str = "per_level"
     warmup_epochs: int = 1
     warmup_min_split: float = 0.3
     teacher_every: int = 1

@@ -404,11 +404,6 @@ def _evaluation(spec: StudySpec) -> dict[str, Any]:
     }
 
 
-#: Settings whose default changed after they were added: a run stored without the key
-#: predates it and trained with this behaviour, not with today's default.
-BEHAVIOUR_BEFORE_KEY: dict[str, Any] = {"train.teacher_targets": "per_level"}
-
-
 def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | None = None) -> list[str]:
     """The runs under ``storage`` whose settings differ from what ``spec`` asks for now
     (e.g. the study file changed but kept its name): finished ones, whose reuse would
@@ -418,7 +413,7 @@ def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | No
     new settings default to the behaviour the run had. Other evaluation settings are
     not stale: :func:`study_run` evaluates the finished checkpoint again. ``methods``: the runs to check
     (``None`` for the references); default the references and every method."""
-    defaults = {**json.loads(json.dumps(ExperimentConfig().flat(), default=float)), **BEHAVIOUR_BEFORE_KEY}
+    defaults = json.loads(json.dumps(ExperimentConfig().flat(), default=float))
     stale = []
     for seed in spec.seeds:
         for method in (None, *spec.methods) if methods is None else methods:
