@@ -137,7 +137,7 @@ def time_operating_points(
         full_keys[arch] = key
         evaluator = CheckpointEvaluator(checkpoint, samples=batch_size, device=device, cache=False, split=split)
         images[key] = evaluator.first_images(batch_size)
-        full_models[key] = SplitViT.from_checkpoint(payload(checkpoint), policy="full").to(dev).eval()
+        full_models[key] = evaluator.build("full")
         autocast = autocast or evaluator.autocast
     models: dict[tuple[str, str | None], SplitViT] = {}
     for p in points:

@@ -496,10 +496,11 @@ def study_run(
     name = run_name(seed, method)
     run_uri = join_uri(storage, name)
     stored = _stored(run_uri)
+    if stored is not None and (method is None or _same_evaluation(spec, stored)):
+        return {**stored, "reused": True, "reevaluated": False}
+    # validated (the backbone checkpoint included) only for a run that trains or evaluates
     config = spec.run_config(seed, method, name, storage, init_from=None if method is None else backbones[seed])
     if stored is not None:
-        if method is None or _same_evaluation(spec, stored):
-            return {**stored, "reused": True, "reevaluated": False}
         # finished under other evaluation settings (ratios, samples...): evaluation only
         started = time.time()
         stored = {
