@@ -255,6 +255,16 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
     assert stored["evaluation"]["ratios"] == [0.5, 0.7] and stored["points"] == again["points"]
     assert "reevaluated" not in stored and "reused" not in stored
     assert study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)})["reevaluated"] is False
+
+    class Gone(Recorded):  # the checkpoint was deleted since: the evaluation fails
+        def evaluate(self, config, fn, *args, **kwargs):
+            raise FileNotFoundError("no checkpoint at ckpt")
+
+    stored_before = (Path(storage) / "split-s0" / STUDY_RESULT_FILE).read_text()
+    other = load_study(write_study(tmp_path, evaluation={**evaluation, "ratios": [0.3]}))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        study_run(other, storage, params, Gone(), backbones={0: str(backbone.parent)})
+    assert (Path(storage) / "split-s0" / STUDY_RESULT_FILE).read_text() == stored_before  # nothing lost
     assert (
         reuse_phrase([again, {"reused": True}, {"reused": False}]) == " (2 finished earlier, reused; 1 evaluated again)"
     )
