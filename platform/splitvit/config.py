@@ -190,9 +190,8 @@ class SplitLossConfig:
             at a 50% target on the study's canvases); every level's scores learn a
             ranking. ``nested``: the nodes of all levels ranked together by relevance
             mass, which gives a tree (a node's mass is its children's sum) that meets
-            it. In the dense study nested gained 3.0 mIoU at 50% of the tokens and 1.3
-            at 70%, but lost 3.3 at 10%, and the smoke sweep's hypervolume fell from
-            0.82 to 0.71 with it (docs/results.md): a lever for mid budgets.
+            it: better near the budget trained for, worse far below it (measured in
+            docs/results.md, dense study).
         warmup_epochs: epochs of random splits before the policy decides.
         warmup_min_split: lowest per-image random split rate in warm-up.
         teacher_every: compute the relevance teacher (a full-resolution forward and
