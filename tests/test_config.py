@@ -84,7 +84,11 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("train.target_ratio=1.5", "train.target_ratio", "must be in (0, 1], got 1.5"),
         ("train.penalty=linear", "train.penalty", "must be one of"),
         ("train.teacher=oracle", "train.teacher", "must be 'gradient' or 'attention'"),
-        ("train.teacher_targets=joint", "train.teacher_targets", "must be 'per_level' or 'nested', got 'joint'"),
+        (
+            "train.teacher_targets=joint",
+            "train.teacher_targets",
+            "must be one of ('per_level', 'nested', 'mixed'), got 'joint'",
+        ),
         ("train.warmup_min_split=2", "train.warmup_min_split", "must be in [0, 1]"),
         ("train.epoch=3", "train.epoch", "unknown key; did you mean train.epochs?"),
         ("trian.epochs=3", "trian", "unknown key; did you mean train?"),

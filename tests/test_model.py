@@ -835,7 +835,7 @@ def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
     geometry = model.geometry_for((32, 32))
     for ratio in (0.3, 0.5, 0.7):
         fraction = split_fraction_for_ratio(ratio, geometry)
-        nested = [t.bool() for t in relevance_targets(relevance, fraction, nested=True)]
+        nested = [t.bool() for t in relevance_targets(relevance, fraction, "nested")]
         assert [t.shape for t in nested] == [r.shape for r in relevance]
         assert all(torch.equal(a, b) for a, b in zip(top_down_decisions(nested), nested))  # a tree
         nodes = sum(r[0].numel() for r in relevance)
@@ -843,22 +843,28 @@ def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
         assert all(int(sum(t[i].sum() for t in nested)) == splits for i in range(6))
         expected = geometry.min_tokens + 3 * splits  # every split of a 4-way node adds 3 tokens
         assert token_counts(nested).tolist() == [expected] * 6
-    with pytest.raises(ValueError, match="teacher_targets must be 'per_level' or 'nested'"):
+        # mixed: the mean of the two marks, so a node either marks gets half a target
+        per_level = relevance_targets(relevance, fraction, "per_level")
+        mixed = relevance_targets(relevance, fraction, "mixed")
+        for m, n, p in zip(mixed, nested, per_level):
+            assert torch.equal(m, (n.float() + p) / 2) and set(m.unique().tolist()) <= {0.0, 0.5, 1.0}
+        assert any(not torch.equal(n.float(), p) for n, p in zip(nested, per_level))  # they differ here
+    with pytest.raises(ValueError, match="teacher_targets must be one of .*'mixed'.*, got 'joint'"):
         SplitLossConfig(teacher_targets="joint")
+    with pytest.raises(ValueError, match="teacher_targets must be one of"):
+        relevance_targets(relevance, 0.5, "joint")
 
 
-@pytest.mark.parametrize("targets", ["per_level", "nested"])
+@pytest.mark.parametrize("targets", ["per_level", "nested", "mixed"])
 def test_the_training_step_teaches_with_the_configured_targets(monkeypatch, targets):
     from splitvit.train import steps
 
     marked = []
     original = steps.relevance_targets
-    monkeypatch.setattr(
-        steps, "relevance_targets", lambda r, f, nested: marked.append(nested) or original(r, f, nested)
-    )
+    monkeypatch.setattr(steps, "relevance_targets", lambda r, f, kind: marked.append(kind) or original(r, f, kind))
     cfg = SplitLossConfig(warmup_epochs=0, teacher="attention", teacher_targets=targets)
     _, stats = steps.training_step(tiny_model("learned").train(), torch.rand(4, 3, 32, 32), torch.arange(4), cfg, 0)
-    assert marked == [targets == "nested"] and stats["teacher_loss"] > 0
+    assert marked == [targets] and stats["teacher_loss"] > 0
 
 
 def test_distillation_loss_is_the_kl_divergence_from_the_teacher():

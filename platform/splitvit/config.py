@@ -68,7 +68,8 @@ AUTO_THRESHOLD_START = 0.5
 PENALTIES = ("squared", "hinge")
 #: The model's relevance signals that can teach the policy (``SplitViT.relevance``).
 TEACHERS = ("gradient", "attention")
-TEACHER_TARGETS = ("per_level", "nested")
+#: Which nodes the relevance teacher marks (:func:`splitvit.train.losses.relevance_targets`).
+TEACHER_TARGETS = ("per_level", "nested", "mixed")
 #: ``model.normalize`` values (:func:`splitvit.model.splitvit.input_data_config`).
 INPUT_NORMALIZATIONS = ("auto", "timm", "none")
 
@@ -191,7 +192,8 @@ class SplitLossConfig:
             ranking. ``nested``: the nodes of all levels ranked together by relevance
             mass, which gives a tree (a node's mass is its children's sum) that meets
             it: better near the budget trained for, worse far below it (measured in
-            docs/results.md, dense study).
+            docs/results.md, dense study). ``mixed``: the mean of the two marks (the
+            mean of both losses).
         warmup_epochs: epochs of random splits before the policy decides.
         warmup_min_split: lowest per-image random split rate in warm-up.
         teacher_every: compute the relevance teacher (a full-resolution forward and
@@ -238,7 +240,7 @@ class SplitLossConfig:
         if self.teacher not in TEACHERS:
             raise ValueError(f"teacher must be 'gradient' or 'attention', got {self.teacher!r}")
         if self.teacher_targets not in TEACHER_TARGETS:
-            raise ValueError(f"teacher_targets must be 'per_level' or 'nested', got {self.teacher_targets!r}")
+            raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {self.teacher_targets!r}")
         if self.teacher_weight < 0:
             raise ValueError(f"teacher_weight must be >= 0, got {self.teacher_weight}")
         if self.warmup_epochs < 0:

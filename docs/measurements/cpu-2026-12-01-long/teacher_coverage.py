@@ -39,12 +39,12 @@ def main() -> None:
     model = evaluator.model
     for teacher in ("attention", "gradient"):
         for ratio in (0.5, 0.7):
-            for nested in (False, True):
+            for kind in ("per_level", "nested"):
                 tokens = full = covered = on_item = fine_total = 0.0
                 for images, labels, masks in evaluator.batches():
                     geometry = model.geometry_for(tuple(images.shape[-2:]))
                     relevance = model.relevance(images, teacher, target=labels)
-                    marks = relevance_targets(relevance, split_fraction_for_ratio(ratio, geometry), nested=nested)
+                    marks = relevance_targets(relevance, split_fraction_for_ratio(ratio, geometry), kind)
                     tree = top_down_decisions([m.bool() for m in marks])
                     tokens += float(token_counts(tree).sum())
                     full += geometry.full_tokens * images.shape[0]
@@ -56,7 +56,7 @@ def main() -> None:
                     on_item += float(item.sum())
                     fine_total += float(fine.sum())
                 print(
-                    f"{teacher:9s} {'nested' if nested else 'per_level':9s} @{ratio}: token ratio {tokens / full:.3f}, "
+                    f"{teacher:9s} {kind:9s} @{ratio}: token ratio {tokens / full:.3f}, "
                     f"object_coverage {covered / on_item:.3f}, fine_on_object {covered / max(fine_total, 1):.3f}"
                 )
 

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..config import PENALTIES
+from ..config import PENALTIES, TEACHER_TARGETS
 from ..model.quadtree import QuadtreeGeometry
 
 IGNORE_INDEX = 255
@@ -69,22 +69,34 @@ def _mark_top(flat: torch.Tensor, fraction: float) -> torch.Tensor:
     return marks
 
 
-def relevance_targets(relevance: list[torch.Tensor], fraction: float, nested: bool = False) -> list[torch.Tensor]:
-    """Mark the ``fraction`` of each image's nodes with the most relevance: per level
-    (every level ranked on its own), or with ``nested`` all levels ranked together.
+def relevance_targets(relevance: list[torch.Tensor], fraction: float, kind: str = "per_level") -> list[torch.Tensor]:
+    """The teacher's split targets at a split ``fraction``, one tensor per level, shaped
+    like ``relevance``; ``kind`` is ``train.teacher_targets``:
 
-    Nested marks form a tree, because a node's relevance is the mass summed over its
-    area, so never less than a child's (ties aside); then splitting the marked nodes
-    gives ``N_min + fraction * (N_full - N_min)`` tokens, the target ratio of
-    :func:`split_fraction_for_ratio`, on every image. Per-level marks may put a finer
-    node under a coarse one that is not marked, so the tree they describe misses the
-    target ratio, by an amount that varies from image to image.
+    * ``per_level``: 1.0 at the ``fraction`` of each level's nodes with the most
+      relevance, each level ranked on its own. Every level's scores learn a ranking, but
+      a finer node may be marked under a coarse one that is not, so the tree the marks
+      describe misses the target ratio, by an amount that varies from image to image.
+    * ``nested``: 1.0 at the ``fraction`` of all levels' nodes together with the most
+      relevance. The marks form a tree, because a node's relevance is the mass summed
+      over its area, so never less than a child's (ties aside); splitting them gives
+      ``N_min + fraction * (N_full - N_min)`` tokens, the target ratio of
+      :func:`split_fraction_for_ratio`, on every image. At a high target every node of
+      the coarsest level is marked, so that level's scores learn no ranking.
+    * ``mixed``: the mean of the two (0, 0.5 or 1.0), so the binary cross-entropy is the
+      mean of both losses: nested's budget and tree, per-level's ranking of every level.
     """
-    if not nested:
-        return [_mark_top(rel.flatten(1), fraction).view_as(rel) for rel in relevance]
+    if kind not in TEACHER_TARGETS:
+        raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {kind!r}")
+    per_level = [_mark_top(rel.flatten(1), fraction).view_as(rel) for rel in relevance]
+    if kind == "per_level":
+        return per_level
     flats = [rel.flatten(1) for rel in relevance]
     marks = _mark_top(torch.cat(flats, dim=1), fraction)
-    return [m.view_as(rel) for m, rel in zip(marks.split([f.shape[1] for f in flats], dim=1), relevance)]
+    nested = [m.view_as(rel) for m, rel in zip(marks.split([f.shape[1] for f in flats], dim=1), relevance)]
+    if kind == "nested":
+        return nested
+    return [(a + b) / 2 for a, b in zip(nested, per_level)]
 
 
 def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:

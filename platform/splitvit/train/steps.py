@@ -133,7 +133,7 @@ def training_step(
         relevance, full_logits = model.relevance_and_logits(images, cfg.teacher, target=label)
         fraction = split_fraction_for_ratio(target_ratio, model.geometry_for(tuple(images.shape[-2:])))
         # (decide() has checked the probabilities are finite: NaN is a divergence, not a BCE error)
-        targets = relevance_targets(relevance, fraction, nested=cfg.teacher_targets == "nested")
+        targets = relevance_targets(relevance, fraction, cfg.teacher_targets)
         taught = teacher_loss(out.split_probs, targets)
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
