@@ -191,9 +191,12 @@ class SplitLossConfig:
             at a 50% target on the study's canvases); every level's scores learn a
             ranking. ``nested``: the nodes of all levels ranked together by relevance
             mass, which gives a tree (a node's mass is its children's sum) that meets
-            it: better near the budget trained for, worse far below it (measured in
-            docs/results.md, dense study). ``mixed``: the mean of the two marks (the
-            mean of both losses).
+            it, but marks every coarsest node at a high target, so that level learns
+            no ranking: better near the budget trained for, worse far below it.
+            ``mixed``: the mean of the two marks (the mean of both losses), nested's
+            tree with every level ranked. Measured in docs/results.md (dense study,
+            mixed targets): both beat per-level at 70% of the tokens there and lose
+            the smoke sweep's low budgets.
         warmup_epochs: epochs of random splits before the policy decides.
         warmup_min_split: lowest per-image random split rate in warm-up.
         teacher_every: compute the relevance teacher (a full-resolution forward and
