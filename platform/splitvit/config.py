@@ -195,8 +195,9 @@ class SplitLossConfig:
             no ranking: better near the budget trained for, worse far below it.
             ``mixed``: the mean of the two marks (the mean of both losses), nested's
             tree with every level ranked. Measured in docs/results.md (dense study,
-            mixed targets): both beat per-level at 70% of the tokens there and lose
-            the smoke sweep's low budgets.
+            mixed targets): both beat per-level at 70% of the tokens there (trained
+            at a 50% target, full resolution too) and lose the smoke sweep's low
+            budgets.
         warmup_epochs: epochs of random splits before the policy decides.
         warmup_min_split: lowest per-image random split rate in warm-up.
         teacher_every: compute the relevance teacher (a full-resolution forward and
