@@ -88,15 +88,19 @@ def relevance_targets(relevance: list[torch.Tensor], fraction: float, kind: str 
     """
     if kind not in TEACHER_TARGETS:
         raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {kind!r}")
-    per_level = [_mark_top(rel.flatten(1), fraction).view_as(rel) for rel in relevance]
     if kind == "per_level":
-        return per_level
+        return _per_level_marks(relevance, fraction)
     flats = [rel.flatten(1) for rel in relevance]
     marks = _mark_top(torch.cat(flats, dim=1), fraction)
     nested = [m.view_as(rel) for m, rel in zip(marks.split([f.shape[1] for f in flats], dim=1), relevance)]
     if kind == "nested":
         return nested
-    return [(a + b) / 2 for a, b in zip(nested, per_level)]
+    return [(a + b) / 2 for a, b in zip(nested, _per_level_marks(relevance, fraction))]
+
+
+def _per_level_marks(relevance: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
+    """1.0 at the ``fraction`` of each level's nodes with the most relevance."""
+    return [_mark_top(rel.flatten(1), fraction).view_as(rel) for rel in relevance]
 
 
 def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
