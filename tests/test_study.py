@@ -129,6 +129,9 @@ def write_study(folder: Path, **changes) -> Path:
         ({"seeds": "zero"}, "seeds", "non-negative integers"),
         ({"methods": {"full": {"model.policy": "full"}, "x": {"train.lr": 1.0}}}, "methods.x", "needs model.policy"),
         ({"methods": {"split": {"model.policy": "learned"}}}, "methods", "model.policy: full"),
+        ({"levers": {"split-x": {"train.lr": 1.0}}}, "levers.split-x", "needs model.policy"),
+        ({"levers": {"split": {"model.policy": "learned"}}}, "levers.split", "also under methods"),
+        ({"levers": ["split-x"]}, "levers", "must be a mapping"),
         ({"evaluation": {"ratios": [0.5, 1.5]}}, "evaluation.ratios", "(0, 1]"),
         ({"base": "missing.yaml"}, "base", "not found"),
         ({"speed": {"rounds": 0}}, "speed.rounds", "integer >= 1"),
@@ -174,15 +177,42 @@ def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
     assert cli(["study", str(path), "--methods", " , "]) == 2
 
 
+def test_levers_run_only_when_named(tmp_path):
+    """A plain study runs the headline (``methods``); a lever joins only when --methods
+    names it, and a wrong name lists the levers too."""
+    path = write_study(tmp_path, levers={"split-kd": {"model.policy": "learned", "train.distill_weight": 1.0}})
+    assert sorted(load_study(path).methods) == ["entropy", "full", "split"]
+    spec = load_study(path, methods=["split-kd", "full"])
+    assert list(spec.methods) == ["full", "split-kd"]  # the file's order, headline first
+    assert spec.run_config(0, "split-kd", "x").train.distill_weight == 1.0
+    with pytest.raises(SearchSpaceError, match="no method 'split-k'") as err:
+        load_study(path, methods=["full", "split-k"])
+    assert "split-kd" in str(err.value)
+    with pytest.raises(SearchSpaceError, match="model.policy: full"):
+        load_study(path, methods=["split-kd"])  # a lever still needs its control
+
+
+def test_the_shipped_studies_headline_is_the_recipe_at_8_epochs():
+    """Both shipped studies run, by default, the controls and the winning recipe
+    (aggregation, mixed targets, trained at 50%) with 8 fine-tune epochs; the other
+    SPLIT variants are levers."""
+    for name in ("study_fashion.yaml", "study_fashion_seg.yaml"):
+        spec = load_study(ROOT / "search_spaces" / name)
+        assert list(spec.methods) == ["full", "coarse", "entropy", "random", "split-0.5-agg-mixed"]
+        recipe = spec.run_config(0, "split-0.5-agg-mixed", "x")
+        assert recipe.model.fine_aggregation and recipe.train.teacher_targets == "mixed"
+        assert recipe.train.target_ratio == 0.5
+        assert {spec.run_config(0, m, "x").train.epochs for m in spec.methods} == {8}
+        assert "split-0.7" in load_study(ROOT / "search_spaces" / name, methods=["full", "split-0.7"]).methods
+
+
 def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():
-    short = load_study(ROOT / "search_spaces" / "study_fashion.yaml", methods=["full", "split-0.7"])
-    long = load_study(
-        ROOT / "search_spaces" / "study_fashion.yaml", scale="long-finetune", methods=["full", "split-0.7"]
-    )
+    path = ROOT / "search_spaces" / "study_fashion.yaml"
+    scales = ("short-finetune", "long-finetune", None)
+    lengths = {scale: load_study(path, scale=scale, methods=["full", "split-0.7"]) for scale in scales}
     for method in ("full", "split-0.7"):
-        assert short.run_config(0, method, "x").train.epochs == 2
-        assert long.run_config(0, method, "x").train.epochs == 4
-    assert long.run_config(0, None, "x").train.epochs == short.run_config(0, None, "x").train.epochs
+        assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == [2, 4, 8]
+    assert len({spec.run_config(0, None, "x").train.epochs for spec in lengths.values()}) == 1  # one reference
 
 
 def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):

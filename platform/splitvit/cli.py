@@ -979,8 +979,8 @@ def _add_study(sub) -> None:
         "--methods",
         type=lambda value: [m.strip() for m in value.split(",") if m.strip()],
         metavar="NAME,NAME",
-        help="run only these of the file's methods (one lever, or a study cut to fit a machine); "
-        "it still needs a full-resolution and a learned one",
+        help="run these of the file's methods and levers instead of its headline (a lever beside the "
+        "control, or a study cut to fit a machine); it still needs a full-resolution and a learned one",
     )
     p.add_argument(
         "--name",
@@ -991,8 +991,8 @@ def _add_study(sub) -> None:
         "--references-from",
         metavar="NAME",
         help="fine-tune from the finished references (backbones) of the study NAME under the same "
-        "storage path instead of training them (e.g. --scale long-finetune's, for a scale that only "
-        "changes the fine-tune); their settings must match this study's",
+        "storage path instead of training them (e.g. the default study's, for --scale long-finetune, "
+        "which only changes the fine-tune); their settings must match this study's",
     )
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument(

@@ -8,7 +8,10 @@ A study file (``search_spaces/study_*.yaml``) names an experiment config and:
   at every rate, docs/design.md §3.2) that every method of that seed starts from, so methods
   differ only in what they do after it;
 * ``methods``: name -> config overrides (at least ``model.policy``); every method
-  trains ``method`` epochs from its seed's backbone (``model.init_from``);
+  trains ``method`` epochs from its seed's backbone (``model.init_from``). These are
+  the headline, what a plain invocation runs;
+* ``levers`` (optional): more methods in the same form, the recipe's ablation: each
+  runs only when ``--methods`` names it (beside ``full``, the control);
 * ``evaluation``: the held-out split and the token ratios at which every thresholded
   method (learned, entropy, random) is evaluated: per ratio, thresholds are
   calibrated on validation images (:func:`~splitvit.train.steps.calibrate_thresholds`),
@@ -76,6 +79,7 @@ _KEYS = {
     "backbone",
     "method",
     "methods",
+    "levers",
     "evaluation",
     "run",
     "goals",
@@ -279,8 +283,9 @@ def load_study(
     """Read and validate a study file; every run's config is built (and so validated)
     before anything starts. ``scale`` merges the file's ``scales.<scale>`` section over
     it (e.g. ``gpu``); ``overrides`` are ``key=value`` config settings for every run;
-    ``methods`` keeps only these of the file's methods (one lever, or a study cut to
-    fit a machine; the rest of the file applies as it is).
+    ``methods`` runs these of the file's methods and levers instead of its headline
+    (``methods``): a lever beside the control, or a study cut to fit a machine; the
+    rest of the file applies as it is.
 
     Raises :class:`SearchSpaceError` (study keys) or :class:`ConfigError` (config keys).
     """
@@ -308,9 +313,18 @@ def load_study(
         or len(set(seeds)) != len(seeds)
     ):
         raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
-    all_methods = _section(raw, "methods", source)
-    if not all_methods:
+    headline = _section(raw, "methods", source)
+    if not headline:
         raise SearchSpaceError(source, "methods", "name at least one method")
+    levers = _section(raw, "levers", source)
+    both = [name for name in levers if name in headline]
+    if both:
+        raise SearchSpaceError(source, f"levers.{both[0]}", "also under methods; a method is one or the other")
+    all_methods = {**headline, **levers}
+    for name, settings in all_methods.items():
+        if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
+            section = "methods" if name in headline else "levers"
+            raise SearchSpaceError(source, f"{section}.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
     if methods is not None and not methods:
         raise SearchSpaceError(source, "methods", "--methods names no method; name at least one of the file's")
     unknown = [m for m in methods or [] if m not in all_methods]
@@ -320,10 +334,8 @@ def load_study(
             "methods",
             f"no method {unknown[0]!r} (asked for by --methods); the file has {', '.join(all_methods)}",
         )
-    methods = {k: v for k, v in all_methods.items() if methods is None or k in methods}
-    for name, settings in methods.items():
-        if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
-            raise SearchSpaceError(source, f"methods.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
+    # the headline by default; --methods picks from both sections, in the file's order
+    methods = headline if methods is None else {k: v for k, v in all_methods.items() if k in methods}
     policies = [m["model.policy"] for m in methods.values()]
     for needed in ("full", "learned"):
         if needed not in policies:
