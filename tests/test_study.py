@@ -31,6 +31,7 @@ from splitvit.tune.study import (
     reuse_phrase,
     stale_runs,
     study_run,
+    study_time,
     summary_lines,
 )
 
@@ -111,7 +112,7 @@ def write_study(folder: Path, **changes) -> Path:
         "speed": {"batch_size": 8, "rounds": 2},
         # parity at 75% too: a share every SPLIT point of this tiny model is under (its 25%
         # point, calibrated on 32 images, may measure more than 25% on the test images)
-        "goals": {"converge_points": 0.3, "converge_epochs": 1, "also_match_at": [0.75]},
+        "goals": {"converge_points": 0.3, "converge_epochs": 1, "also_match_at": [0.75], "max_minutes": 60},
         "mlflow": {"experiment": "study-e2e"},
     }
     spec.update(changes)
@@ -145,6 +146,7 @@ def write_study(folder: Path, **changes) -> Path:
         ({"goals": {"converge_points": -1}}, "goals.converge_points", "points >= 0"),
         ({"goals": {"match_points": "half"}}, "goals.match_points", "points >= 0"),
         ({"goals": {"ratio_tolerance": 0.1}}, "goals.ratio_tolerance", "token share in [0, 0.05]"),
+        ({"goals": {"max_minutes": 0}}, "goals.max_minutes", "minutes > 0"),
     ],
 )
 def test_bad_study_files_are_named(tmp_path, change, key, message):
@@ -213,6 +215,10 @@ def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():
     for method in ("full", "split-0.7"):
         assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == [2, 4, 8]
     assert len({spec.run_config(0, None, "x").train.epochs for spec in lengths.values()}) == 1  # one reference
+    # the learning-rate lever: the same fine-tune, twice the rate, the control's too
+    faster = load_study(path, scale="finetune-lr", methods=["full", "split-0.7"])
+    assert {faster.run_config(0, m, "x").train.lr for m in faster.methods} == {6.0e-4}
+    assert faster.run_config(0, None, "x").flat() == lengths[None].run_config(0, None, "x").flat()
 
 
 def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
@@ -333,6 +339,7 @@ def test_shipped_studies_validate_at_every_scale():
             assert spec.run_config(0, None, "b").model.policy == "full" and spec.goals.converge_points == 0.3
             assert spec.goals.match_ratio == 0.7 and 0.8 in spec.ratios and 0.7 in spec.ratios
             assert spec.run_config(0, "full", "x").scaling.use_gpu == (scale is not None)  # GPU scales use GPUs
+            assert spec.goals.max_minutes == (150 if scale is None else None)  # the 2-core machine's limit
 
 
 # ----------------------------------------------------------------- aggregation and goals
@@ -455,6 +462,13 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert [m.value for m in sorted(curve, key=lambda m: m.step)] == pytest.approx(reference["curve"])
     assert parent.data.metrics["goal_reference_converged_met"] == float(data["goals"]["reference_converged"]["met"])
     assert "match_gap_points.r0.75" in parent.data.metrics
+    # the whole invocation, timed: every run trained by it, so it has a verdict
+    timed = data["goals"]["study_time"]
+    assert timed["runs"] == 4 and timed["begun_earlier"] == [] and timed["cpus"] >= 1
+    assert 0 < timed["minutes"] * 60 <= data["wall_time_s"] and timed["met"] is (timed["minutes"] <= 60)
+    assert timed["reference_images_per_s"] > 0 and not timed["borrowed_references"]
+    assert parent.data.metrics["goal_study_time_met"] == float(timed["met"])
+    assert parent.data.metrics["study_minutes"] == pytest.approx(timed["minutes"])
 
     # every method's evaluated points timed against the full method, side by side (seed 0)
     ps = data["point_speed"]
@@ -518,7 +532,11 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert [r["reused"] for r in data["runs"]] == [False] * 3 and [
         r["reused"] for r in json.loads(again.read_text())["runs"]
     ] == [True] * 3
-    assert "3 runs (3 finished earlier, reused)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "3 runs (3 finished earlier, reused)" in printed
+    # ... and its time is not the study's: no verdict, and the line says why
+    assert "met" not in json.loads(again.read_text())["goals"]["study_time"]
+    assert "not timed (4 of its 4 runs begun by an earlier invocation)" in printed
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert len(children) == 3
@@ -544,7 +562,9 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     capsys.readouterr()
     args = ["study", str(longer), "--methods", "full,split", "--references-from", "e2e"]
     assert cli([*args, "--name", "e2e-longer", "--json", str(again)]) == 0
-    assert f"references from {tmp_path / 'runs' / 'e2e'}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"references from {tmp_path / 'runs' / 'e2e'}" in printed
+    assert "not timed (references from another study)" in printed
     longer_data = json.loads(again.read_text())
     assert longer_data["references_dir"] == str(tmp_path / "runs" / "e2e")
     assert {r["method"]: r["reused"] for r in longer_data["runs"]} == {"full": False, "split": False}
@@ -607,6 +627,28 @@ def test_reference_convergence_is_read_from_each_backbones_curve():
     line = next(line for line in summary_lines({"reference_converged": result}, None, []) if "reference" in line)
     assert "seed 0 +0.20" in line and "seed 1 +10.00" in line and "seed 2 n/a (3 epochs)" in line
     assert line.endswith("MISSED")
+
+
+def test_study_time_has_a_verdict_only_for_a_study_run_from_the_start():
+    backbones = [{"metrics": {"train_images_per_s": 300.0}}, {"metrics": {"train_images_per_s": 340.0}}]
+    goals = Goals(max_minutes=150)
+    fast = study_time(104.5 * 60, backbones, 12, goals)
+    assert fast["met"] and fast["minutes"] == pytest.approx(104.5) and fast["reference_images_per_s"] == 320.0
+    line = summary_lines({"study_time": fast}, None, [])[0]
+    assert line.startswith("study time: 104.5 minutes for 12 runs on ") and "at 320 images/s" in line
+    assert line.endswith("(goal: at most 150): met")
+    slow = study_time(166 * 60, backbones, 12, goals)
+    assert not slow["met"] and summary_lines({"study_time": slow}, None, [])[0].endswith("MISSED")
+    # a part of a study: runs begun earlier, borrowed references or failed runs leave it untimed
+    part = study_time(20 * 60, backbones, 12, goals, begun=["backbone-s0", "full-s0"], failed=1)
+    assert "met" not in part and part["begun_earlier"] == ["backbone-s0", "full-s0"]
+    assert summary_lines({"study_time": part}, None, [])[0].endswith(
+        "not timed (2 of its 12 runs begun by an earlier invocation; 1 failed)"
+    )
+    borrowed = study_time(60 * 60, [], 4, goals, borrowed_references=True)
+    assert "met" not in borrowed and borrowed["reference_images_per_s"] is None
+    assert summary_lines({"study_time": borrowed}, None, [])[0].endswith("not timed (references from another study)")
+    assert study_time(60.0, backbones, 12, Goals()) is None  # no such goal
 
 
 def test_parity_is_checked_at_every_token_share_the_study_names():

@@ -50,6 +50,7 @@ import copy
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -106,6 +107,7 @@ class Goals:
     margin: float = 3.0
     converge_epochs: int = 3  # the reference (backbone) has converged when its validation quality ...
     converge_points: float | None = None  # ... gained less than this over its last converge_epochs epochs
+    max_minutes: float | None = None  # the whole study, timed when one invocation trained every run
 
 
 @dataclass
@@ -265,6 +267,7 @@ def _goals(raw: dict[str, Any], source: str) -> Goals:
         "margin": (number, "a number of points >= 0"),
         "converge_epochs": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
         "converge_points": (lambda v: v is None or number(v), "a number of points >= 0, or null (not checked)"),
+        "max_minutes": (lambda v: v is None or (number(v) and v > 0), "a number of minutes > 0, or null (not checked)"),
     }
     for key, value in section.items():
         valid, expected = checks[key]
@@ -446,6 +449,19 @@ def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | No
             if keys:
                 stale.append(f"{name} ({'' if finished else 'unfinished; '}{', '.join(keys)})")
     return stale
+
+
+def begun_runs(spec: StudySpec, storage: str, methods: Sequence[str | None]) -> list[str]:
+    """The runs under ``storage`` that an invocation has started or finished (a
+    later one resumes or reuses them), by name: for :func:`study_time`, which
+    times only a study that this invocation ran from the start."""
+    return [
+        name
+        for seed in spec.seeds
+        for method in methods
+        for name in [run_name(seed, method)]
+        if exists(join_uri(storage, name, STUDY_STARTED_FILE)) or exists(join_uri(storage, name, STUDY_RESULT_FILE))
+    ]
 
 
 # ---------------------------------------------------------------------- one run
@@ -802,6 +818,44 @@ def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric:
     }
 
 
+def study_time(
+    seconds: float,
+    backbones: list[dict[str, Any]],
+    runs: int,
+    goals: Goals,
+    *,
+    begun: Sequence[str] = (),
+    failed: int = 0,
+    borrowed_references: bool = False,
+) -> dict[str, Any] | None:
+    """How long this invocation of a study of ``runs`` runs took, against
+    ``goals.max_minutes``; None when the study sets no such goal.
+
+    The verdict (``met``) is given only for an invocation that ran the whole study
+    from the start, every run finishing: runs an earlier invocation had started or
+    finished (``begun``, by name: :func:`begun_runs`), references borrowed from another
+    study, or failed runs would make the time a part of the study's. The machine comes
+    along, as the time is as much its as the study's: its CPU count and the references'
+    training throughput (``backbones``' last epoch, images/s per run, the mean over seeds).
+    """
+    if goals.max_minutes is None:
+        return None
+    speeds = [b["metrics"]["train_images_per_s"] for b in backbones if "train_images_per_s" in b.get("metrics", {})]
+    record: dict[str, Any] = {
+        "minutes": seconds / 60.0,
+        "goal_minutes": goals.max_minutes,
+        "runs": runs,
+        "begun_earlier": list(begun),
+        "failed_runs": failed,
+        "borrowed_references": borrowed_references,
+        "cpus": os.cpu_count(),
+        "reference_images_per_s": sum(map(float, speeds)) / len(speeds) if speeds else None,
+    }
+    if not begun and not failed and not borrowed_references:
+        record["met"] = record["minutes"] <= goals.max_minutes
+    return record
+
+
 def matched_point(rows: list[dict[str, Any]], goals: Goals, metric: str) -> dict[str, Any] | None:
     """The SPLIT point for the speed comparison: the fewest tokens among those within
     ``goals.match_points`` of full resolution; failing that, the most accurate one at
@@ -1062,6 +1116,27 @@ def reuse_phrase(runs: list[dict[str, Any]]) -> str:
     return f" ({reused} finished earlier, reused{f'; {again} evaluated again' if again else ''})"
 
 
+def _study_time_line(g: dict[str, Any]) -> str:
+    machine = f"{g['cpus']} CPUs"
+    if g["reference_images_per_s"]:
+        machine += f", references training at {g['reference_images_per_s']:.0f} images/s each"
+    if "met" in g:
+        verdict = _verdict(g)
+    else:
+        why = []
+        if g["begun_earlier"]:
+            why.append(f"{len(g['begun_earlier'])} of its {g['runs']} runs begun by an earlier invocation")
+        if g["borrowed_references"]:
+            why.append("references from another study")
+        if g["failed_runs"]:
+            why.append(f"{g['failed_runs']} failed")
+        verdict = f"not timed ({'; '.join(why)})"
+    return (
+        f"study time: {g['minutes']:.1f} minutes for {g['runs']} runs on {machine} "
+        f"(goal: at most {g['goal_minutes']:g}): {verdict}"
+    )
+
+
 def summary_lines(
     goals: dict[str, Any], speed: dict[str, Any] | None, failed: list[str], point_speed: dict[str, Any] | None = None
 ) -> list[str]:
@@ -1106,6 +1181,8 @@ def summary_lines(
             f"SPLIT over entropy at {g['target_ratio']:.0%} tokens: {g['margin_points']:+.2f} points (goal >= "
             f"{g['goal_points']}): {_verdict(g)}"
         )
+    if "study_time" in goals:
+        lines.append(_study_time_line(goals["study_time"]))
     if speed:
         s = speed
         which = "matches full resolution" if s["matches_full"] else "best SPLIT point (none matches full resolution)"
@@ -1347,6 +1424,7 @@ def execute_study(
     started = time.time() if started is None else started
     train_storage = join_uri(study_dir, "train")
     metric = spec.metric
+    begun = begun_runs(spec, train_storage, [None, *spec.methods])  # before this invocation
     if references_dir is None:
         reference_storage = train_storage
         stale = stale_runs(spec, train_storage)
@@ -1441,6 +1519,18 @@ def execute_study(
                 point_speed = points_speed(spec, runs, run=on_device)
             except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the study
                 log.warning("could not time the operating points: %s", exc)
+        seconds = time.time() - started
+        timed = study_time(
+            seconds,
+            [b for b in backbones if "checkpoint" in b],
+            len(spec.seeds) * (1 + len(spec.methods)),
+            spec.goals,
+            begun=begun,
+            failed=len(failed),
+            borrowed_references=references_dir is not None,
+        )
+        if timed is not None:
+            goals["study_time"] = timed
         result = StudyResult(
             name=name,
             source=spec.source,
@@ -1454,7 +1544,7 @@ def execute_study(
             failed=failed,
             mlflow_run_id=parent.run_id if parent else None,
             tracking_uri=tracking_uri,
-            seconds=time.time() - started,
+            seconds=seconds,
             point_speed=point_speed,
             levers=lever_table(rows, metric, spec.parity_ratios),
             references_dir=references_dir,
@@ -1598,6 +1688,8 @@ def _record(result: StudyResult, spec: StudySpec, parent, runs: list[dict[str, A
         metrics[f"match_gap_points{suffix}"] = g["gap_points"]
         if g.get("gap_std_points") is not None:  # the gap's spread over seeds, seed by seed
             metrics[f"match_gap_std_points{suffix}"] = g["gap_std_points"]
+    if "study_time" in result.goals:
+        metrics["study_minutes"] = result.goals["study_time"]["minutes"]
     reference = result.goals.get("reference_converged")
     if reference:
         # the reference's validation curve per seed, one step per epoch (MLflow's chart view draws it)
