@@ -1523,7 +1523,8 @@ def execute_study(
         timed = study_time(
             seconds,
             [b for b in backbones if "checkpoint" in b],
-            len(spec.seeds) * (1 + len(spec.methods)),
+            # this study's runs: borrowed references are another study's
+            len(spec.seeds) * (len(spec.methods) + (references_dir is None)),
             spec.goals,
             begun=begun,
             failed=len(failed),
