@@ -210,10 +210,10 @@ def test_the_shipped_studies_headline_is_the_recipe_at_8_epochs():
 
 def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():
     path = ROOT / "search_spaces" / "study_fashion.yaml"
-    scales = ("short-finetune", "long-finetune", None)
+    scales = ("short-finetune", "long-finetune", None, "finetune-12")
     lengths = {scale: load_study(path, scale=scale, methods=["full", "split-0.7"]) for scale in scales}
     for method in ("full", "split-0.7"):
-        assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == [2, 4, 8]
+        assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == [2, 4, 8, 12]
     assert len({spec.run_config(0, None, "x").train.epochs for spec in lengths.values()}) == 1  # one reference
     # the learning-rate lever: the same fine-tune, twice the rate, the control's too
     faster = load_study(path, scale="finetune-lr", methods=["full", "split-0.7"])
