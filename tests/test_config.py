@@ -107,6 +107,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("train.target_ratio_range=0.5", "train.target_ratio_range", "expected list[float] or null"),
         ("model.budget_conditioned=maybe", "model.budget_conditioned", "expected bool"),
         ("model.fine_aggregation=maybe", "model.fine_aggregation", "expected bool"),
+        ("model.policy_level_context=maybe", "model.policy_level_context", "expected bool"),
         ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none, got 'imagenet'"),
         ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
         ("model.task=detection", "model.task", "must be one of classification, dense"),

@@ -116,6 +116,9 @@ class ModelConfig:
             of the finest patch embeddings it covers (APT's; see
             :class:`splitvit.model.aggregation.FineAggregation`): a model fine-tuned
             from a full-resolution reference keeps the reference's view of fine detail.
+        policy_level_context: the learned policy judges each finer level's nodes
+            after its blocks (``policy_depth``) ran on all of that level's nodes
+            together, not from their patch embeddings alone (needs ``levels`` >= 3).
         length_buckets: the padded attention path only (``attention='padded'`` or
             ``return_attention``): encode variable-length batches in this many length groups.
         init_from: start training from the weights of this splitvit checkpoint (a
@@ -140,6 +143,7 @@ class ModelConfig:
     normalize: str = "auto"
     budget_conditioned: bool = False
     fine_aggregation: bool = False
+    policy_level_context: bool = False
     length_buckets: int = 1
     init_from: str | None = None
 

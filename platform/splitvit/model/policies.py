@@ -12,7 +12,9 @@ and each node's own embedding at its scale (``context.node_embeddings``). With a
 of the ViT's: at ViT-B size one shared block on the coarse tokens costs about 4%
 of a forward pass at half the tokens, a width-192 block about 0.3%. A
 ``budget_conditioned`` policy is also told the batch's target token ratio
-(``context.budget``), so that one model serves every budget.
+(``context.budget``), so that one model serves every budget. With ``level_context``
+a finer level's node is scored from what the same blocks make of that level's
+nodes seen together (``context.level_features``), not from its embedding alone.
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ class PolicyContext:
             (patch + position + level) of every node at that level.
         budget: ``(B,)`` target token ratio per image, for a budget-conditioned
             policy; ``None`` when the model tells none.
+        level_features: per non-finest level ``(B, H_l, W_l, D)``, every node after
+            the ViT's first ``policy_depth`` blocks on the sequence of all that
+            level's nodes (level 0: ``coarse_features``), for a ``level_context``
+            policy without blocks of its own; ``None`` otherwise.
     """
 
     coarse_features: torch.Tensor | None = None  # the coarse embeddings for a policy with its own blocks
     node_embeddings: list[torch.Tensor] | None = None
     budget: torch.Tensor | None = None
+    level_features: list[torch.Tensor] | None = None
 
 
 class SplitPolicy(nn.Module):
@@ -176,6 +183,14 @@ class LearnedPolicy(SplitPolicy):
     at least one) before the heads; the model then runs none of its own blocks for
     the policy.
 
+    With ``level_context``, (b) becomes a contextual feature at every level ``l > 0``:
+    the blocks that make the coarse features (the ViT's first ones, whose output the
+    model passes as ``context.level_features``, or the policy's own) run on all
+    level-``l`` nodes together, so whether a mid-sized node holds the object or clutter
+    is judged beside its neighbours, not from its linear embedding alone. It costs
+    those blocks once more per finer level: on a quarter of the finest level's tokens
+    for the level above it.
+
     With ``budget_conditioned``, an embedding of the target token ratio
     (``context.budget``, :attr:`budget_embed`) is added to the coarse features that
     enter every level's head (after the policy's own blocks): the policy learns to
@@ -195,8 +210,12 @@ class LearnedPolicy(SplitPolicy):
         width: int | None = None,
         depth: int = 0,
         budget_conditioned: bool = False,
+        level_context: bool = False,
     ):
         super().__init__()
+        if level_context and levels < 3:
+            raise ValueError(f"level_context needs levels >= 3 (only the coarsest level is scored), got {levels}")
+        self.level_context = level_context
         self.detach_features = detach_features
         self.own_blocks = width is not None
         if width is not None:
@@ -222,8 +241,9 @@ class LearnedPolicy(SplitPolicy):
             nn.init.zeros_(self.budget_embed[-1].weight)
             nn.init.zeros_(self.budget_embed[-1].bias)
 
-    def _encode_coarse(self, feats: torch.Tensor) -> torch.Tensor:
-        """The policy's own blocks on the projected coarse embeddings ``(B, H, W, width)``."""
+    def _encode(self, feats: torch.Tensor) -> torch.Tensor:
+        """The policy's own blocks on projected embeddings ``(B, H, W, width)``: the
+        coarse level's, and with ``level_context`` every scored level's."""
         b, h, w, _ = feats.shape
         x = self.proj(feats).reshape(b, h * w, -1)
         return self.blocks(x).reshape(b, h, w, -1)
@@ -245,16 +265,20 @@ class LearnedPolicy(SplitPolicy):
             raise ValueError("the learned policy needs the model's coarse features and node embeddings")
         feats = context.coarse_features.detach() if self.detach_features else context.coarse_features
         if self.own_blocks:
-            feats = self._encode_coarse(feats)
+            feats = self._encode(feats)
         if self.budget_conditioned:
             feats = feats + self._embed_budget(context.budget, feats)
         out = []
+        if self.level_context and not self.own_blocks and context.level_features is None:
+            raise ValueError("a level_context policy needs every level's features (PolicyContext.level_features)")
         for level, head in enumerate(self.heads):
-            node = context.node_embeddings[level]
+            contextual = self.level_context and level > 0
+            shared_context = contextual and not self.own_blocks  # the model ran its blocks on this level
+            node = context.level_features[level] if shared_context else context.node_embeddings[level]
             if self.detach_features:
                 node = node.detach()
             if self.own_blocks:
-                node = self.proj(node)
+                node = self._encode(node) if contextual else self.proj(node)
             # float32 heads, autocast or not: bf16 probabilities near 0.5 are 1/256 apart,
             # so thresholds calibrated to a token budget would land between tied scores
             with torch.autocast(device_type=feats.device.type, enabled=False):

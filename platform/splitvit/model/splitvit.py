@@ -196,6 +196,10 @@ class SplitViT(nn.Module):
             of the finest patch embeddings it covers (:class:`FineAggregation`):
             coarse tokens carry fine detail the area resize averages away, and a
             model fine-tuned from a full-resolution reference starts exactly there.
+        policy_level_context: the learned policy scores every finer level's nodes
+            from the policy blocks run on that level's nodes together, not from their
+            embeddings alone (:class:`~splitvit.model.policies.LearnedPolicy`'s
+            ``level_context``). Other policies ignore it.
     """
 
     def __init__(
@@ -217,6 +221,7 @@ class SplitViT(nn.Module):
         data_config: dict[str, Any] | None = None,
         budget_conditioned: bool = False,
         fine_aggregation: bool = False,
+        policy_level_context: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(vit, VisionTransformer):
@@ -270,6 +275,7 @@ class SplitViT(nn.Module):
         self._register_load_state_dict_pre_hook(_fill_legacy_normalisation)
         # the ratio a conditioned policy is told at evaluation: travels with the calibrated thresholds
         self.budget_conditioned = budget_conditioned
+        self.policy_level_context = policy_level_context
         self.register_buffer("budget", torch.tensor(DEFAULT_BUDGET), persistent=True)
         self._register_load_state_dict_pre_hook(_keep_budget_if_missing, with_module=True)
         # Zero-initialised level embedding: at init a token means what the timm model's does.
@@ -433,6 +439,8 @@ class SplitViT(nn.Module):
         if name != "learned":
             return build_policy(name, embed_dim=self.embed_dim, levels=self.levels)
         options: dict[str, Any] = {"budget_conditioned": True} if self.budget_conditioned else {}
+        if self.policy_level_context:
+            options["level_context"] = True
         if self.policy_width is not None:
             options.update(width=self.policy_width, depth=self.policy_depth)
         return build_policy(name, embed_dim=self.embed_dim, levels=self.levels, **options)
@@ -502,10 +510,11 @@ class SplitViT(nn.Module):
         return tokens + pos.permute(0, 2, 3, 1) + self.level_embed[level]
 
     # ------------------------------------------------------------------ policy
-    def _coarse_features(self, coarse_tokens: torch.Tensor) -> torch.Tensor:
-        """The ViT's first ``policy_depth`` blocks on the all-coarse sequence."""
-        b, h, w, d = coarse_tokens.shape
-        x = coarse_tokens.reshape(b, h * w, d)
+    def _context_features(self, level_tokens: torch.Tensor) -> torch.Tensor:
+        """The ViT's first ``policy_depth`` blocks on the sequence of every node at
+        one level (the all-coarse sequence for level 0): ``(B, H_l, W_l, D)``."""
+        b, h, w, d = level_tokens.shape
+        x = level_tokens.reshape(b, h * w, d)
         prefix = self._prefix_tokens(b)
         if prefix is not None:
             x = torch.cat([prefix, x], dim=1)
@@ -546,8 +555,11 @@ class SplitViT(nn.Module):
         # (normalised) embeddings through the context.
         if self.policy.learned:
             own = getattr(self.policy, "own_blocks", False)
-            context.coarse_features = embeds[0] if own else self._coarse_features(embeds[0])
+            context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
             context.node_embeddings = [embeds[level] for level in range(geometry.levels - 1)]
+            if getattr(self.policy, "level_context", False) and not own:
+                finer = [self._context_features(embeds[level]) for level in range(1, geometry.levels - 1)]
+                context.level_features = [context.coarse_features, *finer]
         if self.uses_budget:
             context.budget = self._budget_per_image(budget, images)
         return self.policy(images, geometry, context)

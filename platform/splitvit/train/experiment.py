@@ -126,6 +126,11 @@ def _validate_model(m: ModelConfig) -> None:
             "model.policy_width",
             f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {m.policy_width}",
         )
+    require(
+        not m.policy_level_context or m.levels >= 3,
+        "model.policy_level_context",
+        f"needs model.levels >= 3 (with {m.levels} levels only the coarsest is scored)",
+    )
     try:
         # whatever else SplitViT checks; weights are loaded on the workers, not here
         with torch.device("meta"):
@@ -156,6 +161,7 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT:
         policy_width=model.policy_width,
         budget_conditioned=model.budget_conditioned,
         fine_aggregation=model.fine_aggregation,
+        policy_level_context=model.policy_level_context,
         task=model.task,
         length_buckets=model.length_buckets,
     )

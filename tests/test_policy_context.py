@@ -1,0 +1,126 @@
+"""The learned policy's inputs (issue #12): with ``policy_level_context`` a finer
+level's node is judged beside every node of its level, after the policy's blocks,
+not from its own patch embedding and its coarse ancestor alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitvit.config import ConfigError
+from splitvit.model import SplitViT
+from splitvit.model.policies import LearnedPolicy, PolicyContext
+from splitvit.train.experiment import load_experiment
+from splitvit.train.steps import SplitLossConfig, training_step
+
+from .helpers import tiny_model
+
+SMOKE = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "smoke.yaml"
+
+
+def scores(model: SplitViT, images: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return model.eval().split_scores(images)
+
+
+def shuffle_within_coarse_pixels(images: torch.Tensor, rows: slice, cols: slice, block: int) -> torch.Tensor:
+    """``images`` with the pixels of every ``block x block`` square inside the region
+    ``rows, cols`` shuffled: the area-resized image at ``1 / block`` (what the coarse
+    tokens embed) is unchanged, the finer levels' patches are not."""
+    out = images.clone()
+    gen = torch.Generator().manual_seed(0)
+    region = out[:, :, rows, cols]
+    b, c, h, w = region.shape
+    squares = region.reshape(b, c, h // block, block, w // block, block).permute(0, 1, 2, 4, 3, 5)
+    squares = squares.reshape(b, c, h // block, w // block, block * block)
+    squares = squares[..., torch.randperm(block * block, generator=gen)]
+    squares = squares.reshape(b, c, h // block, w // block, block, block).permute(0, 1, 2, 4, 3, 5)
+    out[:, :, rows, cols] = squares.reshape(b, c, h, w)
+    return out
+
+
+@pytest.mark.parametrize("width", [None, 16])
+def test_a_finer_node_is_judged_beside_its_neighbours(width):
+    """The tiny model: 32-px images, coarse 16-px nodes (2 x 2), 8-px nodes (4 x 4).
+    Shuffling pixels inside the 4-px squares of the right half leaves every coarse
+    token as it was (the coarse level embeds the image area-resized by 4) and changes
+    the 8-px nodes there. A plain policy scores the left half's 8-px nodes from their
+    own embedding and their coarse ancestor, so their scores stay; a level-context
+    policy sees the right half's 8-px nodes beside them, so theirs move."""
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    shuffled = shuffle_within_coarse_pixels(images, slice(0, 32), slice(16, 32), block=4)
+    for level_context in (False, True):
+        model = tiny_model(policy_width=width, policy_level_context=level_context)
+        before, after = scores(model, images), scores(model, shuffled)
+        # the coarse level saw the same tokens (up to the pooling's summation order)
+        assert torch.allclose(before[0], after[0], rtol=0, atol=1e-6)
+        left = (before[1][:, :, :2] - after[1][:, :, :2]).abs().max()
+        right = (before[1][:, :, 2:] - after[1][:, :, 2:]).abs().max()
+        assert right > 1e-4  # the shuffled nodes' own embeddings changed
+        # measured: plain 0 / 6e-8 (float noise), level context 1.1e-4 / 2.4e-3
+        if level_context:
+            assert left > 1e-5
+        else:
+            assert left < 1e-6
+
+
+def test_level_context_uses_the_blocks_that_make_the_coarse_features():
+    """Without blocks of its own, the policy's level-1 input is the ViT's first
+    ``policy_depth`` blocks run on all level-1 nodes, what the coarse level gets from
+    them on all coarse nodes (the same function, :meth:`SplitViT._context_features`)."""
+    model = tiny_model(policy_level_context=True).eval()
+    images = torch.rand(2, 3, 32, 32)
+    seen: list[PolicyContext] = []
+    policy_forward = model.policy.forward
+    model.policy.forward = lambda images, geometry, context: (
+        seen.append(context) or policy_forward(images, geometry, context)
+    )
+    scores(model, images)
+    (context,) = seen
+    assert context.level_features is not None and len(context.level_features) == 2
+    assert context.level_features[0] is context.coarse_features
+    with torch.no_grad():
+        expected = model._context_features(context.node_embeddings[1])
+    assert context.level_features[1].shape == (2, 4, 4, model.embed_dim)
+    assert torch.allclose(context.level_features[1], expected)
+    assert not torch.allclose(context.level_features[1], context.node_embeddings[1])
+
+
+def test_level_context_survives_a_checkpoint(tmp_path):
+    model = tiny_model(policy_level_context=True)
+    model.save(tmp_path / "model.pt")
+    loaded = SplitViT.load(tmp_path / "model.pt")
+    assert loaded.policy.level_context and loaded.spec["policy_level_context"] is True
+    images = torch.rand(2, 3, 32, 32)
+    assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
+    # other policies ignore it: the control fine-tuned from the same spec builds as ever
+    assert not hasattr(SplitViT.load(tmp_path / "model.pt", policy="entropy").policy, "level_context")
+
+
+def test_a_training_step_teaches_the_finer_level_through_its_context():
+    """The policy's loss reaches the level-1 head; with detached features (the
+    default) it does not reach the ViT's blocks through the level features."""
+    model = tiny_model(policy_level_context=True).train()
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    cfg = SplitLossConfig(warmup_epochs=0, teacher_weight=1.0, target_ratio=0.5)
+    loss, _ = training_step(model, images, labels, cfg, epoch=0)
+    loss.backward()
+    head = model.policy.heads[1][1].weight.grad
+    assert head is not None and head.abs().sum() > 0
+
+
+def test_bad_level_context_settings_name_the_problem():
+    with pytest.raises(ValueError, match="level_context needs levels >= 3"):
+        LearnedPolicy(8, 2, level_context=True)
+    policy = LearnedPolicy(8, 3, level_context=True)
+    context = PolicyContext(
+        coarse_features=torch.zeros(1, 2, 2, 8), node_embeddings=[torch.zeros(1, 2, 2, 8), torch.zeros(1, 4, 4, 8)]
+    )
+    with pytest.raises(ValueError, match="level_features"):
+        policy(torch.zeros(1, 3, 32, 32), None, context)
+    with pytest.raises(ConfigError) as err:
+        load_experiment(SMOKE, ["model.levels=2", "model.image_size=32", "model.policy_level_context=true"])
+    assert err.value.key == "model.policy_level_context"
+    assert "needs model.levels >= 3" in str(err.value)
