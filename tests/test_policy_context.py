@@ -99,9 +99,9 @@ def test_level_context_survives_a_checkpoint(tmp_path):
     assert not hasattr(SplitViT.load(tmp_path / "model.pt", policy="entropy").policy, "level_context")
 
 
-def test_a_training_step_teaches_the_finer_level_through_its_context():
-    """The policy's loss reaches the level-1 head; with detached features (the
-    default) it does not reach the ViT's blocks through the level features."""
+def test_a_training_step_with_level_context_trains_the_finer_level():
+    """A SPLIT training step runs with the setting and its loss reaches the level-1
+    head that now reads the contextual features."""
     model = tiny_model(policy_level_context=True).train()
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     cfg = SplitLossConfig(warmup_epochs=0, teacher_weight=1.0, target_ratio=0.5)

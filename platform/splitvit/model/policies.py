@@ -263,14 +263,14 @@ class LearnedPolicy(SplitPolicy):
     def logits(self, images, geometry, context: PolicyContext) -> list[torch.Tensor]:
         if context.coarse_features is None or context.node_embeddings is None:
             raise ValueError("the learned policy needs the model's coarse features and node embeddings")
+        if self.level_context and not self.own_blocks and context.level_features is None:
+            raise ValueError("a level_context policy needs every level's features (PolicyContext.level_features)")
         feats = context.coarse_features.detach() if self.detach_features else context.coarse_features
         if self.own_blocks:
             feats = self._encode(feats)
         if self.budget_conditioned:
             feats = feats + self._embed_budget(context.budget, feats)
         out = []
-        if self.level_context and not self.own_blocks and context.level_features is None:
-            raise ValueError("a level_context policy needs every level's features (PolicyContext.level_features)")
         for level, head in enumerate(self.heads):
             contextual = self.level_context and level > 0
             shared_context = contextual and not self.own_blocks  # the model ran its blocks on this level
