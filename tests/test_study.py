@@ -194,26 +194,31 @@ def test_levers_run_only_when_named(tmp_path):
         load_study(path, methods=["split-kd"])  # a lever still needs its control
 
 
-def test_the_shipped_studies_headline_is_the_recipe_at_8_epochs():
+def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
     """Both shipped studies run, by default, the controls and the winning recipe
-    (aggregation, mixed targets, trained at 50%) with 8 fine-tune epochs; the other
-    SPLIT variants are levers."""
-    for name in ("study_fashion.yaml", "study_fashion_seg.yaml"):
+    (aggregation, mixed targets, trained at 50%; with level context in classification,
+    at 10 fine-tune epochs there, 8 in the dense study); the other SPLIT variants are levers."""
+    headlines = {
+        "study_fashion.yaml": ("split-0.5-agg-mixed-ctx", 10),
+        "study_fashion_seg.yaml": ("split-0.5-agg-mixed", 8),
+    }
+    for name, (recipe_name, epochs) in headlines.items():
         spec = load_study(ROOT / "search_spaces" / name)
-        assert list(spec.methods) == ["full", "coarse", "entropy", "random", "split-0.5-agg-mixed"]
-        recipe = spec.run_config(0, "split-0.5-agg-mixed", "x")
+        assert list(spec.methods) == ["full", "coarse", "entropy", "random", recipe_name]
+        recipe = spec.run_config(0, recipe_name, "x")
         assert recipe.model.fine_aggregation and recipe.train.teacher_targets == "mixed"
         assert recipe.train.target_ratio == 0.5
-        assert {spec.run_config(0, m, "x").train.epochs for m in spec.methods} == {8}
+        assert recipe.model.policy_level_context == recipe_name.endswith("-ctx")
+        assert {spec.run_config(0, m, "x").train.epochs for m in spec.methods} == {epochs}
         assert "split-0.7" in load_study(ROOT / "search_spaces" / name, methods=["full", "split-0.7"]).methods
 
 
 def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():
     path = ROOT / "search_spaces" / "study_fashion.yaml"
-    scales = ("short-finetune", "long-finetune", None, "finetune-12")
+    scales = ("short-finetune", "long-finetune", "finetune-8", None, "finetune-12")
     lengths = {scale: load_study(path, scale=scale, methods=["full", "split-0.7"]) for scale in scales}
     for method in ("full", "split-0.7"):
-        assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == [2, 4, 8, 12]
+        assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == [2, 4, 8, 10, 12]
     assert len({spec.run_config(0, None, "x").train.epochs for spec in lengths.values()}) == 1  # one reference
     # the learning-rate lever: the same fine-tune, twice the rate, the control's too
     faster = load_study(path, scale="finetune-lr", methods=["full", "split-0.7"])
