@@ -294,3 +294,29 @@ def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys)
     assert json.loads(out.read_text())["config"]["fine_aggregation"] is True
     with pytest.raises(ValueError, match="--fine-aggregation: options of 'splitvit bench forward' only"):
         _run_bench(build_parser().parse_args(["bench", "train", "--fine-aggregation"]))
+
+
+def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, capsys):
+    """``splitvit bench --level-context`` gives the learned policies (own blocks and
+    shared) level context, not the entropy policy or the ``full`` wrapper, says so in the
+    report and the JSON, and on a 2-level quadtree is one error naming the option."""
+    from splitvit.cli import main
+
+    vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
+    models = build_benchmark_models(vit, levels=levels, policy_width=16, level_context=True)
+    assert {k for k, m in models.items() if m.policy_level_context} == {"learned", "learned_shared"}
+    assert models["learned"].policy.level_context and models["learned_shared"].policy.level_context
+
+    out = tmp_path / "forward.json"
+    argv = ["bench", "--model", "vit_tiny_patch16_224", "--image-size", "64", "--patch-size", "8"]
+    argv += ["--embed-dim", "32", "--depth", "2", "--heads", "2", "--batch-size", "2", "--repeats", "1"]
+    argv += ["--policies", "learned", "--ratios", "0.5", "--no-memory", "--level-context", "--json", str(out)]
+    assert main(argv) == 0
+    assert "learned policies score every finer level in context" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["level_context"] is True
+    with pytest.raises(ValueError, match="--level-context needs a 3-level quadtree: 48-px images with 8-px"):
+        run_forward_benchmark(
+            ForwardSettings(
+                "vit_tiny_patch16_224", image_size=48, patch_size=8, timm_kwargs=TINY, level_context=True, memory=()
+            )
+        )

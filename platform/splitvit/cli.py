@@ -358,6 +358,13 @@ def _add_bench(sub) -> None:
         "(model.fine_aggregation), to time its cost",
     )
     forward.add_argument(
+        "--level-context",
+        action="store_true",
+        default=None,
+        help="the learned policies score every finer level in context (model.policy_level_context: "
+        "their blocks also run on all of a finer level's nodes), to time its cost; needs 3 levels",
+    )
+    forward.add_argument(
         "--token-buckets",
         type=int,
         help="round the split policies' packed token counts up to this many fixed sizes (default 0: exact)",
@@ -420,7 +427,16 @@ _TRAIN_ONLY = (
     "teacher",
     "teacher_every",
 )
-_FORWARD_ONLY = ("ratios", "policies", "buckets", "memory", "token_buckets", "compile", "fine_aggregation")
+_FORWARD_ONLY = (
+    "ratios",
+    "policies",
+    "buckets",
+    "memory",
+    "token_buckets",
+    "compile",
+    "fine_aggregation",
+    "level_context",
+)
 _DATA_ONLY = (
     "data_uri",
     "data_dir",
@@ -499,6 +515,7 @@ def _run_bench(args) -> int:
         levels=args.levels,
         compile=bool(args.compile),
         fine_aggregation=bool(args.fine_aggregation),
+        level_context=bool(args.level_context),
         device=args.device,
         autocast_bf16=_bench_bf16(args),
         memory=None if args.memory in (None, True) else (),

@@ -131,6 +131,9 @@ class ForwardSettings:
             ``policy_depth`` blocks).
         fine_aggregation: the policies' models aggregate fine patches into coarse
             tokens (``model.fine_aggregation``); ``split_full`` never does.
+        level_context: the learned policies score every finer level in context
+            (``model.policy_level_context``: their blocks also run on all of a finer
+            level's nodes), to time its cost; needs ``levels >= 3``.
         buckets: ``length_buckets`` of padded-path variants timed beside each point
             (the default packed path is what the targets judge); ``()``: none.
         token_buckets: the split policies' packed sizes rounded up to this many fixed
@@ -163,6 +166,7 @@ class ForwardSettings:
     policy_width: int | None = DEFAULT_POLICY_WIDTH
     policy_depth: int = 2
     fine_aggregation: bool = False
+    level_context: bool = False
     buckets: tuple[int, ...] = ()
     token_buckets: int = 0
     compile: bool = False
@@ -253,6 +257,7 @@ def build_benchmark_models(
     policy_width: int | None = DEFAULT_POLICY_WIDTH,
     policy_depth: int = 2,
     fine_aggregation: bool = False,
+    level_context: bool = False,
     buckets: tuple[int, ...] = (),
     token_buckets: int = 0,
 ) -> dict[str, SplitViT]:
@@ -263,7 +268,9 @@ def build_benchmark_models(
     (``attention='padded'``, ``length_buckets=b``) for each of ``buckets``, sharing
     the policy module of the packed model (identical decisions). ``fine_aggregation``
     gives the policies' models (not ``split_full``) the coarse tokens' aggregation of
-    their fine patches (``model.fine_aggregation``), to time what it costs.
+    their fine patches (``model.fine_aggregation``), and ``level_context`` the learned
+    policies' scoring of every finer level in context (``model.policy_level_context``),
+    to time what each costs.
     """
     models: dict[str, SplitViT] = {"split_full": SplitViT(vit, levels=levels, policy="full").eval()}
     for key in policies:
@@ -277,6 +284,7 @@ def build_benchmark_models(
             policy_width=width,
             token_buckets=token_buckets,
             fine_aggregation=fine_aggregation,
+            policy_level_context=level_context and name == "learned",
         ).eval()
         models[key] = first
         for b in buckets:
@@ -342,6 +350,12 @@ def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
         num_classes=s.num_classes,
         seed=s.seed,
     )
+    if s.level_context and levels < 3:  # before the models: LearnedPolicy's own error names no option
+        size, patch = vit.patch_embed.img_size[0], vit.patch_embed.patch_size[0]
+        raise ValueError(
+            f"--level-context needs a 3-level quadtree: {size}-px images with {patch}-px patches give "
+            f"{levels} levels (e.g. --image-size 256 for a /16 model, --levels 3)"
+        )
     models = build_benchmark_models(
         vit,
         levels=levels,
@@ -349,6 +363,7 @@ def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
         policy_width=s.policy_width,
         policy_depth=s.policy_depth,
         fine_aggregation=s.fine_aggregation,
+        level_context=s.level_context,
         buckets=s.buckets,
         token_buckets=s.token_buckets,
     )
@@ -640,6 +655,7 @@ def _config_record(s: ForwardSettings, work: _Workload) -> dict[str, Any]:
         "policy_width": s.policy_width,
         "policy_depth": s.policy_depth,
         "fine_aggregation": s.fine_aggregation,
+        "level_context": s.level_context,
         "buckets": list(s.buckets),
         "token_buckets": s.token_buckets,
         "compile": s.compile,
@@ -734,6 +750,7 @@ def _report_header(cfg: dict[str, Any], mach: dict[str, Any]) -> list[str]:
         f"{cfg['warmup']} warm-up; inference_mode; thresholds calibrated on the batch"
         + (f"; packed sizes in {cfg['token_buckets']} fixed buckets" if cfg.get("token_buckets") else "")
         + ("; split policies with fine-patch aggregation" if cfg.get("fine_aggregation") else "")
+        + ("; learned policies score every finer level in context" if cfg.get("level_context") else "")
         + ("; torch.compile (timm, ideal encoder, packed encoders; SplitViT full eager)" if cfg.get("compile") else ""),
         "",
     ]
