@@ -354,7 +354,7 @@ def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
         size, patch = vit.patch_embed.img_size[0], vit.patch_embed.patch_size[0]
         raise ValueError(
             f"--level-context needs a 3-level quadtree: {size}-px images with {patch}-px patches give "
-            f"{levels} levels (e.g. --image-size 256 for a /16 model, --levels 3)"
+            f"{levels} levels (e.g. --image-size 256 for a /16 model)"
         )
     models = build_benchmark_models(
         vit,
