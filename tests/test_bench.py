@@ -272,6 +272,14 @@ def test_fixed_shape_and_compiled_benchmark_runs_every_side_compiled(monkeypatch
     assert "packed sizes in 2 fixed buckets" in format_report(result)
 
 
+def _tiny_forward_argv(out, option: str) -> list[str]:
+    """``splitvit bench`` on a tiny 3-level ViT, the learned policy at 50%, with
+    ``option``, writing its JSON to ``out``: seconds on the CPU."""
+    argv = ["bench", "--model", "vit_tiny_patch16_224", "--image-size", "64", "--patch-size", "8"]
+    argv += ["--embed-dim", "32", "--depth", "2", "--heads", "2", "--batch-size", "2", "--repeats", "1"]
+    return argv + ["--policies", "learned", "--ratios", "0.5", "--no-memory", option, "--json", str(out)]
+
+
 def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys):
     """``splitvit bench --fine-aggregation`` builds every split policy's model with the
     coarse tokens' fine-patch aggregation (its cost is what is timed), leaves the
@@ -286,10 +294,7 @@ def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys)
     assert build_benchmark_models(vit, levels=levels, policy_width=16)["learned"].fine_aggregation is None
 
     out = tmp_path / "forward.json"
-    argv = ["bench", "--model", "vit_tiny_patch16_224", "--image-size", "64", "--patch-size", "8"]
-    argv += ["--embed-dim", "32", "--depth", "2", "--heads", "2", "--batch-size", "2", "--repeats", "1"]
-    argv += ["--policies", "learned", "--ratios", "0.5", "--no-memory", "--fine-aggregation", "--json", str(out)]
-    assert main(argv) == 0
+    assert main(_tiny_forward_argv(out, "--fine-aggregation")) == 0
     assert "split policies with fine-patch aggregation" in capsys.readouterr().out
     assert json.loads(out.read_text())["config"]["fine_aggregation"] is True
     with pytest.raises(ValueError, match="--fine-aggregation: options of 'splitvit bench forward' only"):
@@ -308,10 +313,7 @@ def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, ca
     assert models["learned"].policy.level_context and models["learned_shared"].policy.level_context
 
     out = tmp_path / "forward.json"
-    argv = ["bench", "--model", "vit_tiny_patch16_224", "--image-size", "64", "--patch-size", "8"]
-    argv += ["--embed-dim", "32", "--depth", "2", "--heads", "2", "--batch-size", "2", "--repeats", "1"]
-    argv += ["--policies", "learned", "--ratios", "0.5", "--no-memory", "--level-context", "--json", str(out)]
-    assert main(argv) == 0
+    assert main(_tiny_forward_argv(out, "--level-context")) == 0
     assert "learned policies score every finer level in context" in capsys.readouterr().out
     assert json.loads(out.read_text())["config"]["level_context"] is True
     with pytest.raises(ValueError, match="--level-context needs a 3-level quadtree: 48-px images with 8-px"):
