@@ -648,10 +648,12 @@ def test_study_time_has_a_verdict_only_for_a_study_run_from_the_start():
     # a part of a study: runs begun earlier, borrowed references or failed runs leave it untimed
     part = study_time(20 * 60, backbones, 12, goals, begun=["backbone-s0", "full-s0"], failed=1)
     assert "met" not in part and part["begun_earlier"] == ["backbone-s0", "full-s0"]
+    assert part["reference_images_per_s"] is None  # a reference of an earlier invocation: not this one's pace
+    assert study_time(20 * 60, backbones, 12, goals, begun=["full-s0"])["reference_images_per_s"] == 320.0
     assert summary_lines({"study_time": part}, None, [])[0].endswith(
         "not timed (2 of its 12 runs begun by an earlier invocation; 1 failed)"
     )
-    borrowed = study_time(60 * 60, [], 4, goals, borrowed_references=True)
+    borrowed = study_time(60 * 60, backbones, 4, goals, borrowed_references=True)
     assert "met" not in borrowed and borrowed["reference_images_per_s"] is None
     assert summary_lines({"study_time": borrowed}, None, [])[0].endswith("not timed (references from another study)")
     assert study_time(60.0, backbones, 12, Goals()) is None  # no such goal
