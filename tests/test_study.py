@@ -572,6 +572,7 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert "not timed (references from another study)" in printed
     longer_data = json.loads(again.read_text())
     assert longer_data["goals"]["study_time"]["runs"] == 2  # its own: the borrowed one is not
+    assert longer_data["goals"]["study_time"]["reference_images_per_s"] is None  # nor its pace
     assert longer_data["references_dir"] == str(tmp_path / "runs" / "e2e")
     assert {r["method"]: r["reused"] for r in longer_data["runs"]} == {"full": False, "split": False}
     for run in longer_data["runs"]:
@@ -646,14 +647,15 @@ def test_study_time_has_a_verdict_only_for_a_study_run_from_the_start():
     slow = study_time(166 * 60, backbones, 12, goals)
     assert not slow["met"] and summary_lines({"study_time": slow}, None, [])[0].endswith("MISSED")
     # a part of a study: runs begun earlier, borrowed references or failed runs leave it untimed
-    part = study_time(20 * 60, backbones, 12, goals, begun=["backbone-s0", "full-s0"], failed=1)
+    reused = [{**b, "reused": True} for b in backbones]  # finished earlier, or borrowed
+    part = study_time(20 * 60, reused, 12, goals, begun=["backbone-s0", "full-s0"], failed=1)
     assert "met" not in part and part["begun_earlier"] == ["backbone-s0", "full-s0"]
     assert part["reference_images_per_s"] is None  # a reference of an earlier invocation: not this one's pace
     assert study_time(20 * 60, backbones, 12, goals, begun=["full-s0"])["reference_images_per_s"] == 320.0
     assert summary_lines({"study_time": part}, None, [])[0].endswith(
         "not timed (2 of its 12 runs begun by an earlier invocation; 1 failed)"
     )
-    borrowed = study_time(60 * 60, backbones, 4, goals, borrowed_references=True)
+    borrowed = study_time(60 * 60, reused, 4, goals, borrowed_references=True)
     assert "met" not in borrowed and borrowed["reference_images_per_s"] is None
     assert summary_lines({"study_time": borrowed}, None, [])[0].endswith("not timed (references from another study)")
     assert study_time(60.0, backbones, 12, Goals()) is None  # no such goal

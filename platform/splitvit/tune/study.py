@@ -837,15 +837,16 @@ def study_time(
     study, or failed runs would make the time a part of the study's. The machine comes
     along, as the time is as much its as the study's: its CPU count and the references'
     training throughput (``backbones``' last epoch, images/s per run, the mean over seeds),
-    given only when this invocation trained them all: a borrowed or reused reference's
-    throughput is another invocation's, maybe another machine's.
+    of the references this invocation trained: a ``reused`` one's (borrowed, or finished
+    earlier) is another invocation's, maybe another machine's.
     """
     if goals.max_minutes is None:
         return None
-    references_begun = [name for name in begun if name.startswith("backbone-s")]  # run_name's reference folders
-    trained_here = not borrowed_references and not references_begun
-    speeds = [b["metrics"]["train_images_per_s"] for b in backbones if "train_images_per_s" in b.get("metrics", {})]
-    speeds = speeds if trained_here else []
+    speeds = [
+        b["metrics"]["train_images_per_s"]
+        for b in backbones
+        if not b.get("reused") and "train_images_per_s" in b.get("metrics", {})
+    ]
     record: dict[str, Any] = {
         "minutes": seconds / 60.0,
         "goal_minutes": goals.max_minutes,
