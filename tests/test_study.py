@@ -214,17 +214,29 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
         assert "split-0.7" in load_study(ROOT / "search_spaces" / name, methods=["full", "split-0.7"]).methods
 
 
-def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too():
-    path = ROOT / "search_spaces" / "study_fashion.yaml"
-    scales = ("short-finetune", "long-finetune", "finetune-8", None, "finetune-12")
-    lengths = {scale: load_study(path, scale=scale, methods=["full", "split-0.7"]) for scale in scales}
+@pytest.mark.parametrize(
+    ("name", "epochs_by_scale"),
+    [
+        ("study_fashion.yaml", {"short-finetune": 2, "long-finetune": 4, "finetune-8": 8, None: 10, "finetune-12": 12}),
+        ("study_fashion_seg.yaml", {"short-finetune": 2, "finetune-8": 8, None: 12}),
+    ],
+)
+def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name, epochs_by_scale):
+    path = ROOT / "search_spaces" / name
+    lengths = {scale: load_study(path, scale=scale, methods=["full", "split-0.7"]) for scale in epochs_by_scale}
     for method in ("full", "split-0.7"):
-        assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == [2, 4, 8, 10, 12]
+        assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == list(
+            epochs_by_scale.values()
+        )
     assert len({spec.run_config(0, None, "x").train.epochs for spec in lengths.values()}) == 1  # one reference
-    # the learning-rate lever: the same fine-tune, twice the rate, the control's too
+
+
+def test_the_learning_rate_lever_doubles_every_methods_rate_the_control_too():
+    path = ROOT / "search_spaces" / "study_fashion.yaml"
+    default = load_study(path, methods=["full", "split-0.7"])
     faster = load_study(path, scale="finetune-lr", methods=["full", "split-0.7"])
     assert {faster.run_config(0, m, "x").train.lr for m in faster.methods} == {6.0e-4}
-    assert faster.run_config(0, None, "x").flat() == lengths[None].run_config(0, None, "x").flat()
+    assert faster.run_config(0, None, "x").flat() == default.run_config(0, None, "x").flat()  # the same reference
 
 
 def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
