@@ -285,7 +285,9 @@ def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys)
     coarse tokens' fine-patch aggregation (its cost is what is timed), leaves the
     ``full`` wrapper as timm's own work, and says so in the report and the JSON; the
     option belongs to ``bench forward`` alone."""
-    from splitvit.cli import _run_bench, build_parser, main
+    from splitvit.cli import main
+    from splitvit.cli.app import build_parser
+    from splitvit.cli.bench import run as run_bench
 
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
     models = build_benchmark_models(vit, levels=levels, policy_width=16, fine_aggregation=True, buckets=(1,))
@@ -298,7 +300,7 @@ def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys)
     assert "split policies with fine-patch aggregation" in capsys.readouterr().out
     assert json.loads(out.read_text())["config"]["fine_aggregation"] is True
     with pytest.raises(ValueError, match="--fine-aggregation: options of 'splitvit bench forward' only"):
-        _run_bench(build_parser().parse_args(["bench", "train", "--fine-aggregation"]))
+        run_bench(build_parser().parse_args(["bench", "train", "--fine-aggregation"]))
 
 
 def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, capsys):

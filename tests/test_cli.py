@@ -123,7 +123,7 @@ def _subcommands(parser) -> set[str]:
 
 
 def test_the_list_of_subcommands_is_complete():
-    from splitvit.cli import build_parser
+    from splitvit.cli.app import build_parser
 
     covered = {" ".join(argv[:2]) if argv[0] in ("data", "stack") else argv[0] for argv in EVERY_SUBCOMMAND}
     assert _subcommands(build_parser()) <= covered
@@ -131,7 +131,7 @@ def test_the_list_of_subcommands_is_complete():
 
 @pytest.mark.parametrize("argv", EVERY_SUBCOMMAND, ids=lambda a: "-".join(a[:2]))
 def test_every_subcommand_takes_verbose_and_tracking_uri_after_its_name(argv):
-    from splitvit.cli import build_parser
+    from splitvit.cli.app import build_parser
 
     # submit's own options go before ENTRY
     at = 1 if argv[0] == "submit" else len(argv)
@@ -153,15 +153,16 @@ def test_commands_without_mlflow_say_the_tracking_uri_is_ignored(capsys):
 
 
 def test_set_is_the_same_as_positional_overrides_on_train():
-    from splitvit.cli import _overrides, build_parser
+    from splitvit.cli.app import build_parser
+    from splitvit.cli.options import overrides
 
     positional = build_parser().parse_args(["train", "c.yaml", "train.epochs=1", "storage.name=r"])
     flagged = build_parser().parse_args(["train", "c.yaml", "--set", "train.epochs=1", "--set", "storage.name=r"])
     positional.tracking_uri = flagged.tracking_uri = None
-    assert _overrides(positional) == _overrides(flagged) == ["train.epochs=1", "storage.name=r"]
+    assert overrides(positional) == overrides(flagged) == ["train.epochs=1", "storage.name=r"]
     # --tracking-uri comes last, so it wins over a --set of the same key
     flagged.tracking_uri = "http://mlflow:5000"
-    assert _overrides(flagged)[-1] == "tracking.tracking_uri=http://mlflow:5000"
+    assert overrides(flagged)[-1] == "tracking.tracking_uri=http://mlflow:5000"
 
 
 @pytest.mark.parametrize("how", ["positional", "set"])
@@ -189,12 +190,12 @@ def test_the_envelope_on_success_keeps_the_figures_at_the_top_level(tmp_path):
 
 
 def test_an_interrupted_command_writes_status_interrupted(tmp_path, monkeypatch):
-    import splitvit.cli as cli
+    from splitvit.cli import viz
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_run_viz", interrupted)
+    monkeypatch.setattr(viz, "run", interrupted)
     out = tmp_path / "viz.json"
     assert main(["viz", "--json", str(out)]) == 130
     data = json.loads(out.read_text())
@@ -227,7 +228,7 @@ def test_a_failed_sweep_writes_its_json(tmp_path):
 
 
 def test_mlflow_url_only_for_a_tracking_server():
-    from splitvit.cli import mlflow_url
+    from splitvit.cli.output import mlflow_url
 
     assert mlflow_url("http://u:secret@mlflow:5000/", "3", "abc") == "http://u:***@mlflow:5000/#/experiments/3/runs/abc"
     assert mlflow_url("https://mlflow.example", "3", None) == "https://mlflow.example/#/experiments/3"
@@ -305,7 +306,7 @@ def test_the_envelope_finds_the_experiment_of_a_run(tmp_path):
     """A command that knows only its run (train) gets the experiment id from the store."""
     from mlflow import MlflowClient
 
-    from splitvit.cli import Report, envelope
+    from splitvit.cli.output import Report, envelope
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)

@@ -16,7 +16,9 @@ from splitvit.bench.training import (
     format_train_report,
     run_train_benchmark,
 )
-from splitvit.cli import _run_bench, build_parser, main
+from splitvit.cli import main
+from splitvit.cli.app import build_parser
+from splitvit.cli.bench import run as run_bench
 
 from .helpers import walk_numbers
 
@@ -126,10 +128,10 @@ def test_validation_and_forward_options():
     with pytest.raises(ValueError, match="parts"):
         run_train_benchmark(benchmark_config(), parts=("nope",))
     with pytest.raises(ValueError, match="options of 'splitvit bench train' only"):
-        _run_bench(build_parser().parse_args(["bench", "--epochs", "2"]))
+        run_bench(build_parser().parse_args(["bench", "--epochs", "2"]))
     with pytest.raises(ValueError, match="--ratios, --buckets: options of 'splitvit bench forward' only"):
-        _run_bench(build_parser().parse_args(["bench", "train", "--ratios", "0.5", "--buckets", "1"]))
+        run_bench(build_parser().parse_args(["bench", "train", "--ratios", "0.5", "--buckets", "1"]))
     with pytest.raises(ValueError, match="--ratios: expected comma-separated floats, got 'half'"):
-        _run_bench(build_parser().parse_args(["bench", "--ratios", "half"]))
+        run_bench(build_parser().parse_args(["bench", "--ratios", "half"]))
     args = build_parser().parse_args(["bench"])
     assert args.kind == "forward"

@@ -1,0 +1,55 @@
+"""``splitvit eval``: a training checkpoint's quality, tokens and speed."""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import common_options, parse_thresholds
+from .output import emit, print_table
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``splitvit eval`` and its options to the subcommands ``sub``."""
+    p = sub.add_parser(
+        "eval",
+        parents=[common_options(None)],
+        help="evaluate a training checkpoint (local or s3://): accuracy or mIoU, tokens, images/s",
+    )
+    p.add_argument("checkpoint", help="checkpoint folder or its model.pt, local or s3://bucket/...")
+    p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
+    p.add_argument("--policy", help="evaluate with this split policy instead of the checkpoint's")
+    p.add_argument("--split", default="val", choices=["val", "test"], help="data split of the experiment's dataset")
+    p.add_argument("--batch-size", type=int, help="evaluation batch size (default: the experiment's)")
+    p.add_argument("--samples", type=int, help="number of images (default: the experiment's split size)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate the checkpoint on the experiment's data and print the figures."""
+    from ..cluster.preflight import preflight_eval
+    from ..train.evaluation import evaluate_checkpoint
+
+    preflight_eval(args.checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
+    result = evaluate_checkpoint(
+        args.checkpoint,
+        thresholds=parse_thresholds(args.thresholds),
+        policy=args.policy,
+        split=args.split,
+        batch_size=args.batch_size,
+        samples=args.samples,
+        device=args.device,
+    )
+    quality = "miou" if "miou" in result else "accuracy"
+    print_table(
+        [
+            {"metric": k, "value": result[k]}
+            for k in (quality, "tokens_per_image", "token_ratio", "images_per_s", "fine_on_object", "object_coverage")
+            if k in result  # the object figures: on data with object masks
+        ],
+        ["metric", "value"],
+    )
+    print(f"policy {result['policy']}, thresholds {result['thresholds']}, {result['images']} {args.split} images")
+    emit(args, result)
+    return 0

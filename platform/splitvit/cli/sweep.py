@@ -1,0 +1,128 @@
+"""``splitvit sweep``: the multi-objective sweep (Ray Tune + Optuna): quality up, tokens down."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from .options import TRACKING_HELP, common_options, overrides
+from .output import emit, fail, frontier_table, print_table
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``splitvit sweep`` and its options to the subcommands ``sub``."""
+    p = sub.add_parser(
+        "sweep",
+        parents=[common_options(TRACKING_HELP)],
+        help="multi-objective sweep (Ray Tune + Optuna): accuracy up, tokens down; frontier in MLflow",
+    )
+    p.add_argument("space", help="search space YAML (e.g. search_spaces/smoke.yaml)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="repeatable; a config key fixes that value (train.epochs=1), any other key sets the space's "
+        "settings (search.num_samples=3, stage_two.points=2)",
+    )
+    p.add_argument(
+        "--name",
+        help="the sweep's folder under the storage path (default: the space's name and a timestamp; "
+        "with --resume, the latest sweep of this space)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted sweep (Tuner.restore): finished trials "
+        "are not run again, MLflow runs are not duplicated",
+    )
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    p.add_argument(
+        "--json", help="write every point, the frontier, the hypervolume and the MLflow ids to this JSON file"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run (or resume) the sweep, print its frontier, baselines and where MLflow has it."""
+    import ray
+
+    from ..tune import SweepError, run_sweep
+    from ..tune.console import show_ray_output
+
+    # progress of the sweep (trials starting, epochs, trials finishing) is shown by
+    # default, as the project's lines; Ray Tune's own console only with -v
+    logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    show_ray_output(args.verbose)
+    ours = not ray.is_initialized()
+    try:
+        result = run_sweep(args.space, overrides(args), name=args.name, resume=args.resume, ray_address=args.address)
+    except SweepError as exc:
+        return fail(args, str(exc))
+    finally:
+        if ours and ray.is_initialized():
+            # Ray forwards the workers' last log lines late; ending it here keeps them
+            # above the summary, which is the last thing the command prints
+            ray.shutdown()
+    data = result.to_dict()
+    metric = result.metric
+    counts: dict[str, int] = {}
+    for trial in result.trials:
+        counts[trial.status] = counts.get(trial.status, 0) + 1
+    print()
+    print(
+        f"sweep {result.name}: {len(result.trials)} trials "
+        f"({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
+        f"{len(result.points)} points, {len(data['frontier'])} on the Pareto frontier"
+    )
+    print(
+        f"hypervolume {result.hypervolume:.4f} (reference point: {metric} {result.reference_point['quality']:g}, "
+        f"token ratio {result.reference_point['token_ratio']:g})"
+    )
+    print(f"\nPareto frontier ({metric} vs tokens per image; searched parameters as columns):")
+    if data["frontier"]:
+        frontier_table(data["frontier"], metric)
+    else:
+        print("  (empty: no trial completed)")
+    if result.baselines:
+        trial = result.baselines[0].get("trial_id", "?")
+        print(f"\nbaselines on trial {trial}'s backbone, same data:")
+        print_table(
+            [
+                {
+                    "baseline": b["label"],
+                    "tokens/image": b["tokens_per_image"],
+                    metric: b["quality"],
+                    "token ratio": b["token_ratio"],
+                }
+                for b in result.baselines
+            ],
+            ["baseline", "tokens/image", metric, "token ratio"],
+        )
+    for trial in result.trials:
+        if trial.status in ("failed", "diverged"):
+            last = trial.error.strip().splitlines()[-1] if trial.error.strip() else ""
+            print(f"trial {trial.trial_id} {trial.status}: {last[:200]}")
+    print()
+    print(f"plot:           {result.plot}")
+    if result.split_map:
+        print(f"split maps:     {result.split_map}")
+    print(f"frontier table: {result.frontier_csv}")
+    print(
+        f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), "
+        f"parent run {result.parent_run_id}"
+    )
+    command = result.mlflow_ui_command()
+    if command.startswith("mlflow ui"):
+        print(f"open the UI:    {command}")
+        print(f"                then {result.mlflow_url()}")
+    else:
+        print(f"open the UI:    {result.mlflow_url()}")
+    print(f"wall time:      {result.wall_time_s:.0f} s")
+    data["sweep_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
+    data.pop("wall_time_s", None)  # the envelope's wall_time_s: the whole command
+    emit(args, data, tracking_uri=result.tracking_uri, experiment_id=result.experiment_id, run_id=result.parent_run_id)
+    if result.status != "completed":
+        return fail(args, "no trial completed, so there is no frontier")
+    return 0
