@@ -39,7 +39,7 @@ format: setup
 	$(BIN)/ruff format .
 
 bench: setup
-	$(BIN)/splitvit bench --json runs/bench/forward.json
+	$(BIN)/splitvit bench forward --json runs/bench/forward.json
 
 # The local stack (infra/local): a Ray head with its dashboard/job server on
 # 127.0.0.1:8265 and an MLflow server on 127.0.0.1:5000. STACK_ARGS passes options.

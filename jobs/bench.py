@@ -1,9 +1,9 @@
 """Ray job: the forward or the training benchmark.
 
-    ray job submit --working-dir . -- python jobs/bench.py [forward] [--json PATH] [options]
+    ray job submit --working-dir . -- python jobs/bench.py forward [--json PATH] [options]
     ray job submit --working-dir . -- python jobs/bench.py train --json /abs/path/train.json [--storage s3://bucket/bench]
 
-Everything is ``splitvit bench`` (forward is the default). Inside a Ray job
+Everything is ``splitvit bench KIND`` (forward, train or data). Inside a Ray job
 ``RAY_ADDRESS`` is set, so the training benchmark's Ray run joins that cluster and
 its plain loop shares the machine with Ray's idle processes (the report says so);
 part A and the plain loop run in the job's driver process. On a multi-node cluster

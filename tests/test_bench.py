@@ -273,21 +273,20 @@ def test_fixed_shape_and_compiled_benchmark_runs_every_side_compiled(monkeypatch
 
 
 def _tiny_forward_argv(out, option: str) -> list[str]:
-    """``splitvit bench`` on a tiny 3-level ViT, the learned policy at 50%, with
+    """``splitvit bench forward`` on a tiny 3-level ViT, the learned policy at 50%, with
     ``option``, writing its JSON to ``out``: seconds on the CPU."""
-    argv = ["bench", "--model", "vit_tiny_patch16_224", "--image-size", "64", "--patch-size", "8"]
+    argv = ["bench", "forward", "--model", "vit_tiny_patch16_224", "--image-size", "64", "--patch-size", "8"]
     argv += ["--embed-dim", "32", "--depth", "2", "--heads", "2", "--batch-size", "2", "--repeats", "1"]
     return argv + ["--policies", "learned", "--ratios", "0.5", "--no-memory", option, "--json", str(out)]
 
 
 def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys):
-    """``splitvit bench --fine-aggregation`` builds every split policy's model with the
+    """``splitvit bench forward --fine-aggregation`` builds every split policy's model with the
     coarse tokens' fine-patch aggregation (its cost is what is timed), leaves the
     ``full`` wrapper as timm's own work, and says so in the report and the JSON; the
     option belongs to ``bench forward`` alone."""
     from splitvit.cli import main
     from splitvit.cli.app import build_parser
-    from splitvit.cli.bench import run as run_bench
 
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
     models = build_benchmark_models(vit, levels=levels, policy_width=16, fine_aggregation=True, buckets=(1,))
@@ -299,12 +298,13 @@ def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys)
     assert main(_tiny_forward_argv(out, "--fine-aggregation")) == 0
     assert "split policies with fine-patch aggregation" in capsys.readouterr().out
     assert json.loads(out.read_text())["config"]["fine_aggregation"] is True
-    with pytest.raises(ValueError, match="--fine-aggregation: options of 'splitvit bench forward' only"):
-        run_bench(build_parser().parse_args(["bench", "train", "--fine-aggregation"]))
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["bench", "train", "--fine-aggregation"])
+    assert stopped.value.code == 2 and "unrecognized arguments: --fine-aggregation" in capsys.readouterr().err
 
 
 def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, capsys):
-    """``splitvit bench --level-context`` gives the learned policies (own blocks and
+    """``splitvit bench forward --level-context`` gives the learned policies (own blocks and
     shared) level context, not the entropy policy or the ``full`` wrapper, says so in the
     report and the JSON, and on a 2-level quadtree is one error naming the option."""
     from splitvit.cli import main
@@ -324,3 +324,51 @@ def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, ca
                 "vit_tiny_patch16_224", image_size=48, patch_size=8, timm_kwargs=TINY, level_context=True, memory=()
             )
         )
+
+
+def test_each_benchmarks_defaults_are_its_librarys():
+    """``splitvit bench KIND`` states its defaults in its parser (its help shows them
+    without importing torch): they are the library's, so a plain command runs what the
+    library would."""
+    import dataclasses
+    import inspect
+
+    from splitvit.bench.data import DataBenchSettings
+    from splitvit.bench.training import benchmark_config, run_train_benchmark
+    from splitvit.cli.app import build_parser
+
+    parser = build_parser()
+    forward = vars(parser.parse_args(["bench", "forward"]))
+    settings = {f.name: f.default for f in dataclasses.fields(ForwardSettings)}
+    named = {"model": "model_name"}  # option -> setting, where the names differ
+    for option in "model image_size patch_size levels policy_depth policy_width batch_size".split():
+        assert forward[option] == settings[named.get(option, option)], option
+    for option in ("repeats", "token_buckets", "device"):
+        assert forward[option] == settings[named.get(option, option)], option
+    assert tuple(float(r) for r in forward["ratios"].split(",")) == settings["ratios"]
+    assert forward["policies"] is None and settings["policies"] == BENCH_POLICIES  # None: all of them
+    assert forward["memory"] is True and settings["memory"] is None  # on: the device's own probes
+    assert not any(forward[flag] or settings[flag] for flag in ("compile", "fine_aggregation", "level_context"))
+
+    train = vars(parser.parse_args(["bench", "train"]))
+    config = {k: p.default for k, p in inspect.signature(benchmark_config).parameters.items()}
+    named = {"model": "model_name", "samples": "train_samples"}
+    for (
+        option
+    ) in "model image_size patch_size levels policy_depth policy_width batch_size teacher teacher_every".split():
+        assert train[option] == config[named.get(option, option)], option
+    for option in ("epochs", "samples", "val_samples"):
+        assert train[option] == config[named.get(option, option)], option
+    run = {k: p.default for k, p in inspect.signature(run_train_benchmark).parameters.items()}
+    named = {"repeats": "rounds"}
+    for option in ("repeats", "ray_rounds", "threads", "skip_epochs", "tracking", "storage", "device"):
+        assert train[option] == run[named.get(option, option)], option
+    assert tuple(train["parts"].split(",")) == run["parts"]
+
+    data = vars(parser.parse_args(["bench", "data"]))
+    settings = {f.name: f.default for f in dataclasses.fields(DataBenchSettings)}
+    named = {"data_uri": "s3_uri", "data_dir": "local_dir"}
+    for option in "samples image_size batch_size rows_per_shard row_group_size num_workers cache_row_groups".split():
+        assert data[option] == settings[named.get(option, option)], option
+    for option in ("global_shuffle", "imagefolder", "data_uri", "data_dir"):
+        assert data[option] == settings[named.get(option, option)], option

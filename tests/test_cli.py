@@ -93,8 +93,9 @@ MLFLOW = {"tracking_uri", "experiment_id", "run_id", "url"}
 EVERY_SUBCOMMAND = [
     ["demo"],
     ["viz"],
-    ["bench"],
+    ["bench", "forward"],
     ["bench", "train"],
+    ["bench", "data"],
     ["data", "prepare", "synthetic", "--out", "shards"],
     ["data", "push", "shards", "s3://b/p"],
     ["train", "cfg.yaml"],
@@ -125,7 +126,7 @@ def _subcommands(parser) -> set[str]:
 def test_the_list_of_subcommands_is_complete():
     from splitvit.cli.app import build_parser
 
-    covered = {" ".join(argv[:2]) if argv[0] in ("data", "stack") else argv[0] for argv in EVERY_SUBCOMMAND}
+    covered = {" ".join(argv[:2]) if argv[0] in ("bench", "data", "stack") else argv[0] for argv in EVERY_SUBCOMMAND}
     assert _subcommands(build_parser()) <= covered
 
 
@@ -143,7 +144,15 @@ def test_every_subcommand_takes_verbose_and_tracking_uri_after_its_name(argv):
 
 
 def test_commands_without_mlflow_say_the_tracking_uri_is_ignored(capsys):
-    for argv in (["viz"], ["demo"], ["eval"], ["data", "prepare"], ["stack", "up"]):
+    for argv in (
+        ["viz"],
+        ["demo"],
+        ["eval"],
+        ["data", "prepare"],
+        ["stack", "up"],
+        ["bench", "forward"],
+        ["bench", "data"],
+    ):
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
         assert "ignored: this command does not use MLflow" in " ".join(capsys.readouterr().out.split())

@@ -156,7 +156,9 @@ def test_bench_data_command_prints_ratios_and_writes_json(tmp_path, capsys):
     assert "s3 parquet / local parquet images/s" in text
     figures = json.loads(out.read_text())
     assert figures["passed"] is True and [p["name"] for p in figures["paths"]] == ["s3 parquet", "local parquet"]
-    assert main(["bench", "data", "--depth", "2"]) == 2  # a model option is an error, not ignored
+    with pytest.raises(SystemExit) as stopped:  # a model option is an error, not ignored
+        main(["bench", "data", "--depth", "2"])
+    assert stopped.value.code == 2 and "unrecognized arguments: --depth 2" in capsys.readouterr().err
 
 
 def test_ray_run_config_gets_the_projects_s3_filesystem(s3_bucket, s3_endpoint, tmp_path):

@@ -18,7 +18,7 @@ from splitvit.bench.training import (
 )
 from splitvit.cli import main
 from splitvit.cli.app import build_parser
-from splitvit.cli.bench import run as run_bench
+from splitvit.cli.bench import run_forward
 
 from .helpers import walk_numbers
 
@@ -124,14 +124,19 @@ def test_report_labels(cli_result):
         assert label in report
 
 
-def test_validation_and_forward_options():
+def test_validation_and_each_benchmarks_own_options(capsys):
+    """Each benchmark parses only its own options, and `splitvit bench` alone names the three."""
     with pytest.raises(ValueError, match="parts"):
         run_train_benchmark(benchmark_config(), parts=("nope",))
-    with pytest.raises(ValueError, match="options of 'splitvit bench train' only"):
-        run_bench(build_parser().parse_args(["bench", "--epochs", "2"]))
-    with pytest.raises(ValueError, match="--ratios, --buckets: options of 'splitvit bench forward' only"):
-        run_bench(build_parser().parse_args(["bench", "train", "--ratios", "0.5", "--buckets", "1"]))
+    for argv, unknown in (
+        (["bench", "forward", "--epochs", "2"], "--epochs 2"),
+        (["bench", "train", "--ratios", "0.5", "--buckets", "1"], "--ratios 0.5 --buckets 1"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            build_parser().parse_args(argv)
+        assert stopped.value.code == 2 and f"unrecognized arguments: {unknown}" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--ratios: expected comma-separated floats, got 'half'"):
-        run_bench(build_parser().parse_args(["bench", "--ratios", "half"]))
-    args = build_parser().parse_args(["bench"])
-    assert args.kind == "forward"
+        run_forward(build_parser().parse_args(["bench", "forward", "--ratios", "half"]))
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["bench"])
+    assert stopped.value.code == 2 and "required: {forward,train,data}" in capsys.readouterr().err

@@ -36,10 +36,10 @@ case "$stage" in
     python3 -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
     python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || status=1
     # ViT-B/16 at 224 px (the default workload), bf16, batch 256: eager, then fixed shapes under torch.compile
-    python3 -m splitvit.cli bench --device cuda --batch-size 256 --repeats 20 --json "$out/bench_forward.json" \
+    python3 -m splitvit.cli bench forward --device cuda --batch-size 256 --repeats 20 --json "$out/bench_forward.json" \
       2>&1 | grep -v "USDT\|gpuGetDeviceCount" | tee "$out/bench_forward.log" || status=1
-    python3 -m splitvit.cli bench --device cuda --batch-size 256 --repeats 20 --token-buckets 4 --compile --no-memory \
-      --json "$out/bench_forward_compiled.json" 2>&1 | grep -v "USDT\|gpuGetDeviceCount" \
+    python3 -m splitvit.cli bench forward --device cuda --batch-size 256 --repeats 20 --token-buckets 4 --compile \
+      --no-memory --json "$out/bench_forward_compiled.json" 2>&1 | grep -v "USDT\|gpuGetDeviceCount" \
       | tee "$out/bench_forward_compiled.log" || status=1
     python3 -m splitvit.cli bench train --parts steps --device cuda --batch-size 128 --repeats 10 \
       --json "$out/bench_train.json" 2>&1 | tee "$out/bench_train.log" || status=1

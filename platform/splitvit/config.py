@@ -94,7 +94,7 @@ class ModelConfig:
             ``policy_width``: blocks of its own).
         policy_width: give the learned policy its own blocks of this width instead of
             the ViT's first ones (``null``: share the ViT's): a policy that costs
-            little beside a wide ViT (see ``splitvit bench``).
+            little beside a wide ViT (see ``splitvit bench forward``).
         thresholds: per-level split thresholds in ``[0, 1]`` (one number: every level),
             or ``auto``: after every epoch the thresholds are calibrated on validation
             images so the model meets ``train.target_ratio`` (the checkpoint keeps them).

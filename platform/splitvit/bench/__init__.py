@@ -1,6 +1,6 @@
 """Benchmarks that print ratios measured side by side in one run.
 
-* :mod:`.forward`: ``splitvit bench``: SPLIT against the full-resolution ViT
+* :mod:`.forward`: ``splitvit bench forward``: SPLIT against the full-resolution ViT
   (speed, where the time goes, memory);
 * :mod:`.training`: ``splitvit bench train``: SPLIT's training step and Ray Train's
   overhead;

@@ -1,4 +1,4 @@
-"""Peak working memory of one batch forward pass, per model (``splitvit bench``'s part d).
+"""Peak working memory of one batch forward pass, per model (``splitvit bench forward``'s part d).
 
 Methods (:func:`measure_memory`; :data:`MEMORY_METHODS` words them for the report):
 

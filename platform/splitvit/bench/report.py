@@ -1,4 +1,4 @@
-"""Targets and the text of the benchmarks' reports: what both ``splitvit bench`` reports share.
+"""Targets and the text of the benchmarks' reports: what the ``bench forward`` and ``bench train`` reports share.
 
 A target (:func:`make_target`) is judged on one ratio of medians and carries the same
 ratio per interleaved round, whose quartiles show how well one run resolves it; the

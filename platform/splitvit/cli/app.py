@@ -94,9 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
     )
-    name = " ".join(
-        filter(None, [args.command, getattr(args, "data_command", None), getattr(args, "stack_command", None)])
-    )
+    # a command with actions or kinds (bench, data, stack) names the one run: "bench train"
+    name = " ".join(filter(None, [args.command, getattr(args, f"{args.command}_command", None)]))
     args.report = Report(
         name, mlflow={"tracking_uri": args.tracking_uri} if getattr(args, "uses_mlflow", False) else {}
     )

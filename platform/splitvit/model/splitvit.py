@@ -573,7 +573,7 @@ class SplitViT(nn.Module):
     def encoder_inputs(self, images: torch.Tensor, thresholds: float | list[float] | None = None):
         """The leaf token sequences :meth:`forward` hands its encoder, as ``(tokens
         (B, S, D), valid (B, S) or None)``: with :meth:`encode` this times the encoder
-        alone (``splitvit bench`` splits a forward pass into policy, gather and encoder)."""
+        alone (``splitvit bench forward`` splits a forward pass into policy, gather and encoder)."""
         geometry = self.geometry_for(tuple(images.shape[-2:]))
         tau = self.thresholds if thresholds is None else validate_thresholds(thresholds, self.levels).to(images.device)
         embeds = _LevelEmbeddings(self, images, geometry)

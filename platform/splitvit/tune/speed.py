@@ -5,7 +5,7 @@ against the full-resolution model, side by side, in one run on one device.
 point) and studies (every method's point at each evaluation ratio). It reuses
 :mod:`splitvit.bench.timing`'s timer (:func:`~splitvit.bench.timing.time_beside_others`:
 interleaved rounds, forward order then reverse, ``synchronize`` around each call on
-CUDA, medians), so a figure here means what it means in ``splitvit bench``:
+CUDA, medians), so a figure here means what it means in ``splitvit bench forward``:
 
 * every point's model (its checkpoint, its own policy, its thresholds) and the
   full-resolution model (the same checkpoint format with the ``full`` policy: every
