@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup data demo test lint format bench clean stack-up stack-down
+.PHONY: setup data demo test lint format bench tables clean stack-up stack-down
 
 setup: $(STAMP) data
 
@@ -40,6 +40,14 @@ format: setup
 
 bench: setup
 	$(BIN)/splitvit bench forward --json runs/bench/forward.json
+
+# The tables of docs/results.md, printed again from the committed JSON in docs/measurements/
+# (scripts/; tests/test_scripts.py checks their figures against that JSON)
+tables: setup
+	$(BIN)/python scripts/study_tables.py
+	$(BIN)/python scripts/ablation_table.py --study classification
+	$(BIN)/python scripts/ablation_table.py --study dense
+	$(BIN)/python scripts/policy_cost_ablation.py table
 
 # The local stack (infra/local): a Ray head with its dashboard/job server on
 # 127.0.0.1:8265 and an MLflow server on 127.0.0.1:5000. STACK_ARGS passes options.

@@ -1,6 +1,6 @@
 """What the relevance teacher's targets show of the item, per-level against nested.
 
-    .venv/bin/python docs/measurements/cpu-2026-12-01-long/teacher_coverage.py CHECKPOINT [--samples 1000]
+    .venv/bin/python scripts/teacher_target_coverage.py CHECKPOINT [--samples 1000]
 
 For a study checkpoint (cluttered Fashion-MNIST: its test canvases carry item masks),
 the teacher's split targets at token ratios 0.5 and 0.7 are built from the model's
@@ -10,7 +10,7 @@ own relevance (``train.teacher``: attention, and gradient) both ways
 scored like a policy by ``splitvit eval``: the token ratio that tree has, the share of
 the item's fine cells it keeps fine (``object_coverage``) and the share of its fine
 tokens on the item (``fine_on_object``). Compare with the policy's own figures
-(``splitvit eval CHECKPOINT --thresholds ...``) and the oracle's (item_coverage.py).
+(``splitvit eval CHECKPOINT --thresholds ...``) and the oracle's (scripts/oracle_item_coverage.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
 from splitvit.model import token_counts, top_down_decisions  # noqa: E402
 from splitvit.train.evaluation import CheckpointEvaluator  # noqa: E402

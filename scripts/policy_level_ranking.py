@@ -1,6 +1,6 @@
 """Does each level of a learned policy rank its nodes? Per-level, nested and mixed targets.
 
-    .venv/bin/python docs/measurements/cpu-2026-12-02-seg/level_ranking.py CHECKPOINT [CHECKPOINT ...] [--samples 500]
+    .venv/bin/python scripts/policy_level_ranking.py CHECKPOINT [CHECKPOINT ...] [--samples 500]
 
 For each study checkpoint and each non-finest level of the quadtree, on the test
 canvases: the policy's mean split score, the share of scores above 0.9 (saturated),
@@ -9,7 +9,7 @@ correlation between the scores and the model's own attention relevance (the teac
 the study trains with). A level whose scores are all near 1 with no correlation has
 learned no ranking: calibrated to a low budget, its thresholds then pick nodes at
 random. This tests why nested targets lose at 10% of the tokens (docs/results.md,
-dense study).
+the dense study's teacher targets).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
 from splitvit.train.evaluation import CheckpointEvaluator  # noqa: E402
 

@@ -1,6 +1,6 @@
 """How many tokens an oracle needs to see the item at full resolution, on the study's canvases.
 
-    .venv/bin/python docs/measurements/cpu-2026-12-01-long/item_coverage.py [--samples 5000]
+    .venv/bin/python scripts/oracle_item_coverage.py [--samples 5000]
 
 The study's canvases (64 px, one 28-px Fashion-MNIST item among clutter; the test
 split, seed 0) are tokenised by a 3-level quadtree: 4 coarse cells of 32 px, each
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
 from splitvit.data import build_dataset  # noqa: E402
 

@@ -1,6 +1,6 @@
 """One threshold per level against the study's shared threshold, evaluation only.
 
-    .venv/bin/python docs/measurements/cpu-2026-12-01-seg/per_level_thresholds.py CHECKPOINT \
+    .venv/bin/python scripts/per_level_thresholds.py CHECKPOINT \
         [--ratios 0.5,0.7] [--offsets -0.3,-0.2,-0.1,0,0.1,0.2,0.3] [--val-samples 1000] [--test-samples 2000]
 
 A study calibrates one threshold for every level (``calibrate_thresholds``: the token
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
 from splitvit.model import token_counts, top_down_decisions  # noqa: E402
 from splitvit.train.evaluation import CheckpointEvaluator  # noqa: E402

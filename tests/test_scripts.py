@@ -1,0 +1,163 @@
+"""The scripts under scripts/: each table script run on the committed JSON, its figures
+checked against what the JSON holds; the measurement scripts' pure parts on inputs whose
+answer is known; every script importable; every relative link in the docs resolving."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+MEASUREMENTS = ROOT / "docs" / "measurements"
+CLASSIFICATION = MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json"
+DENSE = MEASUREMENTS / "cpu-2026-12-03-seg" / "study_fashion_seg_scratch12.json"
+RECIPE = "split-0.5-agg-mixed-ctx"
+
+
+def run_script(name: str, *args: str) -> str:
+    """A script's stdout, run from the repository root as the docs say to run it."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+def load_script(name: str) -> ModuleType:
+    """A script as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{Path(name).stem}", SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def study(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def gap_line(output: str, name: str, method: str, ratio: str) -> str:
+    """The seed-by-seed gap line of ``method`` at ``ratio`` in the section of study ``name``."""
+    section = output.split(f"## {name} ")[1].split("\n## ")[0]
+    return next(line for line in section.splitlines() if line.startswith(f"* {method} at {ratio}:"))
+
+
+def test_study_tables_print_the_default_studies_figures_from_their_json():
+    output = run_script("study_tables.py")  # default: the two default studies' committed JSON
+    for path in (CLASSIFICATION, DENSE):
+        data = study(path)
+        metric = data["metric"]
+        rows = {(r["method"], r["target_ratio"]): r for r in data["rows"]}
+        recipe = rows[(RECIPE, 0.5)]
+        assert f"| 0.50 | {recipe[metric] * 100:.1f} ± {recipe[metric + '_std'] * 100:.1f} |" in output
+        # the seed-by-seed gap, as calibrated, is the study's own goal line (its sign: SPLIT minus control)
+        goal = data["goals"]["match_also"][0]
+        line = gap_line(output, data["name"], RECIPE, "50%")
+        assert f"({-goal['gap_points']:+.2f} ± {goal['gap_std_points']:.2f}) as calibrated" in line
+
+
+def test_study_tables_read_each_seed_at_exactly_the_ratio_asked_for():
+    """The 'at exactly 50%' gaps: each seed's points interpolated at 50% of the tokens,
+    here recomputed with numpy from the JSON's runs."""
+    data = study(DENSE)
+    control = next(r for r in data["rows"] if r["method"] == "full")["per_seed"]
+    expected = []
+    for seed in ("0", "1"):
+        run = next(r for r in data["runs"] if r["method"] == RECIPE and str(r["seed"]) == seed)
+        points = sorted((p["token_ratio"], p["quality"]) for p in run["points"])
+        shares, qualities = zip(*points)
+        expected.append((np.interp(0.5, shares, qualities) - control[seed]) * 100)
+    line = gap_line(run_script("study_tables.py", str(DENSE)), data["name"], RECIPE, "50%")
+    exact = re.search(r"at exactly 50%: ([-+.\d]+), ([-+.\d]+) ", line)
+    assert [float(g) for g in exact.groups()] == pytest.approx(expected, abs=0.006)
+    assert "(-0.34 ± 0.79)" in line  # the figure docs/results.md quotes
+
+
+def test_ablation_table_gaps_match_the_studies_own_lever_tables():
+    output = run_script("ablation_table.py")
+    rows = [line.split(" | ") for line in output.splitlines()[2:]]
+    recipe_at_10 = next(r for r in rows if r[0] == "| 10 epochs" and r[1] == RECIPE)
+    lever = next(lever for lever in study(CLASSIFICATION)["levers"] if lever["method"] == RECIPE)
+    for column, key in ((4, "r0.5"), (5, "r0.7")):
+        cell = lever[key]
+        assert recipe_at_10[column] == f"{-cell['gap_points']:+.2f} ± {cell['gap_std_points']:.2f}"
+    # one control row per fine-tune, however many JSON hold it
+    lengths = [r[0] for r in rows if r[1] == "full (the control)"]
+    assert len(lengths) == len(set(lengths))
+    assert {"| 2 epochs", "| 4 epochs", "| 8 epochs", "| 8 epochs, lr 6e-4", "| 10 epochs", "| 12 epochs"} == set(
+        lengths
+    )
+
+
+def test_ablation_table_dense_rows_are_the_studies_rows():
+    output = run_script("ablation_table.py", "--study", "dense")
+    data = study(DENSE)
+    entropy = {r["target_ratio"]: r for r in data["rows"] if r["method"] == "entropy"}
+    row = next(line for line in output.splitlines() if line.startswith("| 12 epochs | entropy |"))
+    cells = row.split(" | ")[2:7]
+    assert cells == [
+        f"{entropy[t]['miou'] * 100:.1f} ± {entropy[t]['miou_std'] * 100:.1f}" for t in (0.1, 0.3, 0.5, 0.7, 0.8)
+    ]
+
+
+def test_policy_cost_table_is_the_mean_of_each_variants_seeds():
+    output = run_script("policy_cost_ablation.py", "table")
+    data = study(MEASUREMENTS / "cpu-2026-11-30" / "policy-cost-ablation" / "ablation.json")
+    seeds = data["results"]["teacher every 4th step"]
+    mean = sum(r["accuracy"] for r in seeds) / len(seeds) * 100
+    row = next(line for line in output.splitlines() if line.startswith("| teacher every 4th step |"))
+    assert f"| {mean:.1f}% ({seeds[0]['accuracy'] * 100:.1f}, {seeds[1]['accuracy'] * 100:.1f}) |" in row
+    assert "| attention teacher | 93.5% (96.3, 90.6) | 41.3% |" in output  # the second JSON's variant
+
+
+def test_the_oracle_counts_the_coarsest_tree_that_shows_every_masked_pixel_fine():
+    oracle = load_script("oracle_item_coverage.py")
+    mask = np.zeros((64, 64), dtype=bool)
+    assert oracle.oracle_tokens(mask) == (4, 0)  # nothing to see: 4 coarse tokens
+    mask[40, 3] = True  # one pixel: its 32-px cell splits, then its 16-px cell
+    assert oracle.oracle_tokens(mask) == (3 + 3 + 4, 4)
+    assert oracle.object_cells(mask) == 1
+    assert oracle.oracle_tokens(np.ones((64, 64), dtype=bool)) == (64, 64)  # full resolution
+
+
+def test_level_ranking_spearman_is_plus_one_for_the_same_order_and_minus_one_reversed():
+    import torch
+
+    ranking = load_script("policy_level_ranking.py")
+    scores = torch.tensor([[0.1, 0.5, 0.9, 0.3], [0.2, 0.8, 0.4, 0.6]])
+    assert ranking._spearman(scores, scores * 10).tolist() == pytest.approx([1.0, 1.0])
+    assert ranking._spearman(scores, -scores).tolist() == pytest.approx([-1.0, -1.0])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SCRIPTS.glob("*.py")))
+def test_every_script_imports(name):
+    """The measurement scripts need checkpoints or data to run; importing them at least
+    checks that the library names they use still exist."""
+    assert callable(load_script(name).main)
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "check_links.py")], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_outside(tmp_path):
+    (tmp_path / "other.md").write_text("# A heading, with `code`\n")
+    (tmp_path / "doc.md").write_text(
+        "# Doc\n[ok](other.md#a-heading-with-code) [self](#doc) `[code](gone.md)`\n"
+        "[missing](gone.md) [anchor](other.md#nope) [web](https://example.org)\n"
+    )
+    checker = load_script("check_links.py")
+    problems = checker.broken_links(tmp_path / "doc.md", tmp_path)
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "gone.md: no such file",
+        "other.md#nope: no heading with anchor #nope",
+        "https://example.org: points outside the repository",
+    ]
