@@ -421,3 +421,13 @@ def test_equal_points_are_one_place_on_the_frontier():
     # annotating again resets the ties (no duplicates after a second pass)
     annotate(points)
     assert own.ties == [again.label()]
+
+
+def test_point_names_and_registry_aliases_read_as_budgets():
+    from splitvit.tune.mlflow_records import budget_aliases, point_run_name
+
+    assert point_run_name("ab_00003", 0.4213, [0.52, 0.611]) == "42% tokens · ab_00003 · τ 0.52/0.61"
+    assert point_run_name("ab_00003", None, []) == "ab_00003"  # a point without figures yet
+    points = [Point(0.8, 4.0, 0.25), Point(0.81, 4.02, 0.2512), Point(0.9, 8.0, 0.5), Point(0.9, 16.0, float("nan"))]
+    # two points that round to one share stay two aliases
+    assert budget_aliases(points) == ["tokens-25pct", "tokens-25pct-2", "tokens-50pct", "tokens-unknown"]
