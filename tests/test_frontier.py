@@ -256,7 +256,7 @@ def test_the_search_space_artifact_loads_back_to_the_same_space():
         assert back.to_dict() == space.to_dict()
         assert back.search.num_samples == 3 and back.baselines.random_budgets == 2
         params = sweep_params(space)
-        assert len(params) <= 8 and params["space_file"] == f"{name}.yaml" and params["num_samples"] == 3
+        assert len(params) <= 8 and params["space_file"] == f"search_spaces/{name}.yaml" and params["num_samples"] == 3
 
 
 def test_the_search_space_artifact_keeps_no_password():

@@ -14,7 +14,7 @@ import yaml
 
 from splitvit.cli import main
 from splitvit.tune import SearchSpaceError, annotate, dominates, hypervolume, load_space, pareto_indices
-from splitvit.tune.pareto import Point
+from splitvit.tune.pareto import Point, frontier
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = ROOT / "search_spaces"
@@ -400,3 +400,34 @@ def test_hypervolume_and_contributions():
     assert points[1].hv_contribution == pytest.approx(0.65 - 0.9 * 0.5)
     for a, b in itertools.combinations([p for p in points if p.on_frontier], 2):
         assert not dominates((a.quality, a.tokens_per_image), (b.quality, b.tokens_per_image))
+
+
+def test_equal_points_are_one_place_on_the_frontier():
+    # two threshold settings of one trial land on the same (quality, tokens): the
+    # frontier keeps the first in frontier order (the trial's own evaluation), lists
+    # the other as its tie, and the hypervolume contribution is the place's own
+    own = Point(0.2578, 4.0, 0.25, kind="trial", trial_id="t1", thresholds=[0.5, 0.5])
+    again = Point(0.2578, 4.0, 0.25, kind="threshold", trial_id="t1", thresholds=[0.7, 0.6])
+    finer = Point(0.9, 16.0, 1.0, kind="trial", trial_id="t2")
+    points = [again, finer, own]
+    total = annotate(points)
+    assert [p.on_frontier for p in points] == [False, True, True]
+    assert frontier(points) == [own, finer]
+    assert own.ties == [again.label()] and again.tie_of == own.label()
+    assert "0.7" in again.label() and "t1" in again.label()
+    # counted twice, each copy's contribution was 0; counted once, the place holds up its strip
+    assert total == pytest.approx(0.2578 * 0.75)
+    assert own.hv_contribution == pytest.approx(0.2578 * 0.75)
+    # annotating again resets the ties (no duplicates after a second pass)
+    annotate(points)
+    assert own.ties == [again.label()]
+
+
+def test_point_names_and_registry_aliases_read_as_budgets():
+    from splitvit.tune.mlflow_records import budget_aliases, point_run_name
+
+    assert point_run_name("ab_00003", 0.4213, [0.52, 0.611]) == "42% tokens · ab_00003 · τ 0.52/0.61"
+    assert point_run_name("ab_00003", None, []) == "ab_00003"  # a point without figures yet
+    points = [Point(0.8, 4.0, 0.25), Point(0.81, 4.02, 0.2512), Point(0.9, 8.0, 0.5), Point(0.9, 16.0, float("nan"))]
+    # two points that round to one share stay two aliases
+    assert budget_aliases(points) == ["tokens-25pct", "tokens-25pct-2", "tokens-50pct", "tokens-unknown"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -311,10 +312,45 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
         assert model.source_run_id == best_run
         assert model.name == f"best-{best['trial_id']}-tr{best['token_ratio'] * 100:.0f}pct"
 
+    # the frontier the MLflow way: point runs say whether they are on it (a search the
+    # UI runs), are named by their budget, and the logged models are registered with
+    # an alias per budget, `best` on the best point
+    on_front = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.splitvit.sweep = '{parent.info.run_id}' and tags.splitvit.frontier = 'true'",
+    )
+    assert {r.info.run_id for r in on_front} == frontier_ids
+    assert all(r.data.tags["splitvit.frontier"] == "false" for r in point_runs if r.info.run_id not in frontier_ids)
+    for run in on_front:
+        assert run.info.run_name.startswith(f"{run.data.metrics['token_ratio'] * 100:.0f}% tokens · "), (
+            run.info.run_name
+        )
+    registered = data["registered_models"]
+    assert registered["name"] == f"splitvit-{data['name']}"
+    assert set(registered["aliases"]) == {"best", f"tokens-{best['token_ratio'] * 100:.0f}pct"}
+    version = client.get_model_version_by_alias(registered["name"], "best")
+    # the version is the best point's logged model (a SQL store reads it back by its source, not model_id)
+    assert version.run_id == best_run and logged[0].split("/", 1)[1] in (version.model_id or version.source)
+    assert registered["aliases"]["best"] == f"models:/{registered['name']}@best"
+    # the experiment explains itself: opened on its runs (not MLflow 3's traces), its
+    # description names the latest sweep and how to filter to the frontier
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert experiment.tags["splitvit.latest_sweep_run"] == parent.info.run_id
+    assert experiment.tags["splitvit.registered_model"] == registered["name"]
+    description = experiment.tags["mlflow.note.content"]
+    assert data["name"] in description and "tags.splitvit.frontier = 'true'" in description
+    assert f"models:/{registered['name']}@" in description
+    # the interactive chart: one hover title per point, the best point's alias in its title
+    chart = Path(client.download_artifacts(parent.info.run_id, "pareto.html", str(tmp_path))).read_text()
+    assert chart.count("<circle") == len([p for p in data["points"] if math.isfinite(p["accuracy"])])
+    assert f"load: models:/{registered['name']}@tokens-" in chart
+
     # the parent reads at a glance: a handful of params, the space as one YAML file,
     # a markdown description with the hypervolume, the best point and the links
     assert len(parent.data.params) <= 8, sorted(parent.data.params)
-    assert parent.data.params["space_file"] == "space.yaml" and parent.data.params["metric"] == "accuracy"
+    assert parent.data.params["space_file"].endswith("/space.yaml") and parent.data.params["metric"] == "accuracy"
+    assert parent.data.params["base_config"].endswith("/base.yaml"), parent.data.params  # not both one file name
     assert not any(k.startswith(("parameters.", "fixed.", "search.")) for k in parent.data.params)
     assert "search_space.yaml" in artifacts
     stored = yaml.safe_load(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -234,9 +235,15 @@ def test_runs_carry_their_provenance(mlflow_uri, monkeypatch, tmp_path):
     from splitvit.tracking.provenance import GIT_COMMIT_ENV, GIT_DIRTY_ENV, git_env, git_state
 
     monkeypatch.delenv(GIT_COMMIT_ENV, raising=False)
+    # the command line that made the run, as typed (the console script by its name), its secrets masked
+    argv = ["/x/.venv/bin/splitvit", "train", "c.yaml", "storage.s3.secret_key=hunter2", "data.uri=s3://u:pw@h/b"]
+    monkeypatch.setattr(sys, "argv", argv)
     tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
     tags = MlflowClient(mlflow_uri).get_run(tracker.run_id).data.tags
     assert tags["splitvit.version"] == __version__ and tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["splitvit.command"] == "splitvit train c.yaml 'storage.s3.secret_key=***' 'data.uri=s3://u:***@h/b'"
+    assert "hunter2" not in tags["splitvit.command"] and "pw@" not in tags["splitvit.command"]
+    assert tags["mlflow.source.name"] == tags["splitvit.command"]
     head = subprocess.run(
         ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True
     )

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 from .. import __version__
@@ -22,6 +24,8 @@ GIT_DIRTY_ENV = "SPLITVIT_GIT_DIRTY"
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
 GIT_DIRTY_TAG = "splitvit.git_dirty"  # "true": the run's code differs from the commit
 VERSION_TAG = "splitvit.version"
+COMMAND_TAG = "splitvit.command"  # the command line that made the run (secrets masked)
+SOURCE_NAME_TAG = "mlflow.source.name"  # the UI's "Source" column
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the package: its repository, in a checkout
 
 
@@ -62,9 +66,31 @@ def _mlflow_context_tags() -> dict[str, str]:
     return {k: v for k, v in resolve_tags().items() if k.startswith(("mlflow.source.", "mlflow.user"))}
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """This process's command line as a person typed it: ``splitvit sweep space.yaml
+    --set train.lr=0.01`` (the console script's path shortened to its name), with
+    secret-named ``key=value`` settings masked and passwords taken out of URIs."""
+    from ..config import REDACTED, is_secret_key, redact_uri
+
+    args = list(sys.argv if argv is None else argv)
+    if args and Path(args[0]).name == "splitvit":
+        args[0] = "splitvit"
+    safe = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq:
+            safe.append(redact_uri(arg))
+        else:  # a key=value setting (or --option=value)
+            safe.append(f"{key}={REDACTED if is_secret_key(key.lstrip('-')) else redact_uri(value)}")
+    return shlex.join(safe)
+
+
 def provenance_tags() -> dict[str, str]:
-    """``mlflow.source.*``, ``mlflow.user``, the git commit and ``splitvit.version``."""
+    """``mlflow.source.*`` (the source named by the command line), ``mlflow.user``, the
+    command line, the git commit and ``splitvit.version``."""
     tags = dict(_mlflow_context_tags())
+    tags[COMMAND_TAG] = command_line()
+    tags[SOURCE_NAME_TAG] = tags[COMMAND_TAG][:500]
     if os.environ.get(GIT_COMMIT_ENV):
         tags[GIT_COMMIT_TAG] = os.environ[GIT_COMMIT_ENV]
         if os.environ.get(GIT_DIRTY_ENV):

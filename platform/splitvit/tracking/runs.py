@@ -52,8 +52,22 @@ def prepare_store(tracking_uri: str) -> str | None:
     return None
 
 
+#: MLflow 3 opens an experiment on its traces page unless it is marked as model training.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+#: The experiment page's markdown description (as on runs).
+EXPERIMENT_NOTE_TAG = "mlflow.note.content"
+EXPERIMENT_DESCRIPTION = (
+    "**SPLIT** (learned hierarchical patch splitting for faster ViTs): runs made by `splitvit`. "
+    "Training runs log accuracy (or mIoU) and tokens per image per epoch; a sweep's parent run "
+    "(`tags.splitvit.kind = 'sweep'`) holds its Pareto frontier of quality against tokens."
+)
+
+
 def ensure_experiment(tracking_uri: str, name: str) -> str:
-    """The id of experiment ``name``, created (with local artifacts for a local store) if missing."""
+    """The id of experiment ``name``, created (with local artifacts for a local store)
+    if missing, and marked as model training (MLflow 3's UI then opens on its runs)
+    with a first description; a description someone wrote stays."""
     from mlflow.exceptions import MlflowException
 
     artifact_root = prepare_store(tracking_uri)
@@ -62,16 +76,36 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     if experiment is not None:
         if experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
+        _mark_experiment(client, experiment.experiment_id, experiment.tags)
         return experiment.experiment_id
     location = f"{artifact_root}/{name}" if artifact_root else None
     try:
-        return client.create_experiment(name, artifact_location=location)
+        experiment_id = client.create_experiment(name, artifact_location=location)
     except MlflowException:
         # created meanwhile by another driver
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             raise
         return experiment.experiment_id
+    _mark_experiment(client, experiment_id, {})
+    return experiment_id
+
+
+def _mark_experiment(client, experiment_id: str, tags: dict[str, str]) -> None:
+    if tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    if not tags.get(EXPERIMENT_NOTE_TAG):
+        client.set_experiment_tag(experiment_id, EXPERIMENT_NOTE_TAG, EXPERIMENT_DESCRIPTION)
+
+
+def describe_experiment(tracking_uri: str, experiment_id: str, markdown: str, tags: dict[str, str]) -> None:
+    """Set the experiment's description (markdown, cut to what the store keeps) and tags."""
+    client = mlflow_client(tracking_uri)
+    if len(markdown) > MAX_TAG_LENGTH:
+        markdown = markdown[: MAX_TAG_LENGTH - 40].rsplit("\n", 1)[0] + "\n\n*(cut to fit the store)*"
+    client.set_experiment_tag(experiment_id, EXPERIMENT_NOTE_TAG, markdown)
+    for key, value in safe_tags(tags).items():
+        client.set_experiment_tag(experiment_id, key, value)
 
 
 def safe_params(params: dict[str, Any]) -> dict[str, str]:

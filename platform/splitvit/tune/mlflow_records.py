@@ -14,7 +14,13 @@ markdown description (:func:`sweep_note`, MLflow's ``mlflow.note.content`` tag).
 
 Tags: ``splitvit.kind`` (``sweep``, ``trial``, ``threshold_point``),
 ``splitvit.sweep`` (the parent run id), ``splitvit.trial_id``, ``splitvit.metric``
-and MLflow's ``mlflow.parentRunId`` (the UI nests children under it).
+and MLflow's ``mlflow.parentRunId`` (the UI nests children under it). When the sweep
+ends every point run gets ``splitvit.frontier`` (``true``/``false``, so the runs table
+filters to the frontier with ``tags.splitvit.frontier = 'true'``; a point tied with a
+frontier point names it in ``splitvit.frontier_tie_of``), and the frontier's models are
+registered in the Model Registry under one name per sweep (:func:`registered_model_name`)
+with an alias per point (``best``, ``tokens-42pct``): a budget is picked and loaded by
+alias, ``models:/<name>@tokens-42pct``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import flatten
 from ..tracking import RunTracker
-from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, mlflow_client
+from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, describe_experiment, mlflow_client
 
 if TYPE_CHECKING:
     from .pareto import Point
@@ -47,6 +53,9 @@ SPEED_DEVICE_TAG = "splitvit.speed_device"  # where the frontier was timed (e.g.
 SPEED_TIMING_TAG = "splitvit.speed_timing"  # how: batch, rounds, precision
 #: Metrics of a timed frontier point's run (see :mod:`splitvit.tune.speed`).
 SPEED_METRICS = ("speedup_vs_full", "timed_images_per_s", "timed_token_ratio")
+FRONTIER_TAG = "splitvit.frontier"  # "true" on a frontier point's run, "false" on the other points
+TIE_TAG = "splitvit.frontier_tie_of"  # on a point tied with a frontier point: that point's run id
+ALIAS_TAG = "splitvit.model_alias"  # the registry alias of a frontier point's model
 PARENT_TAG = "mlflow.parentRunId"
 SAMPLED_PREFIX = "sampled."
 SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
@@ -56,6 +65,7 @@ NOTE_TAG = "mlflow.note.content"
 _MAX_TAG_VALUE = 8000
 SPACE_ARTIFACT = "search_space.yaml"
 PLOT_ARTIFACT = "pareto.png"
+CHART_ARTIFACT = "pareto.html"  # the interactive frontier chart (plot.pareto_html)
 #: Tune's bookkeeping keys, never logged as metrics.
 _TUNE_KEYS = {
     "training_iteration",
@@ -92,8 +102,54 @@ def _sampled_params(sampled: dict[str, Any]) -> dict[str, Any]:
     return {f"{SAMPLED_PREFIX}{param_name(k)}": v for k, v in sampled.items()}
 
 
+def point_run_name(trial_id: str, token_ratio: float | None, thresholds: list[float] | None) -> str:
+    """A point run's name, read first by its budget: ``42% tokens · 3f2a1_00003 · τ 0.52/0.61``
+    (the runs table cuts long names, so the token share leads)."""
+    parts = []
+    if token_ratio is not None and math.isfinite(token_ratio):
+        parts.append(f"{token_ratio * 100:.0f}% tokens")
+    parts.append(trial_id)
+    if thresholds:
+        parts.append("τ " + "/".join(f"{t:.2f}" for t in thresholds))
+    return " · ".join(parts)
+
+
+def registered_model_name(sweep_name: str) -> str:
+    """The Model Registry name of a sweep's frontier models: ``splitvit-<sweep>``."""
+    return f"splitvit-{sweep_name}"
+
+
+def budget_aliases(points: list[Point]) -> list[str]:
+    """One registry alias per frontier point, by its token share: ``tokens-42pct``
+    (``-2``, ``-3``... where two points round to the same share)."""
+    aliases: list[str] = []
+    for p in points:
+        base = f"tokens-{p.token_ratio * 100:.0f}pct" if math.isfinite(p.token_ratio) else "tokens-unknown"
+        alias, n = base, 1
+        while alias in aliases:
+            n += 1
+            alias = f"{base}-{n}"
+        aliases.append(alias)
+    return aliases
+
+
 def _quote(text: str) -> str:
     return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
+@dataclass
+class RegisteredFrontier:
+    """A sweep's frontier in the Model Registry.
+
+    Attributes:
+        name: the registered model (:func:`registered_model_name`).
+        aliases: alias (``best``, ``tokens-42pct``) -> ``models:/<name>@<alias>``.
+        by_run: a frontier point's run id -> the URI of its budget alias.
+    """
+
+    name: str
+    aliases: dict[str, str] = field(default_factory=dict)
+    by_run: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -274,6 +330,8 @@ class SweepRecorder:
         point_ids = []
         for i, point in enumerate(rows):
             point_ids.append(self._threshold_point(trial_id, run_uri, tracker.run_id, i, point, sampled))
+        name = point_run_name(trial_id, final.get("token_ratio"), final.get("thresholds"))
+        mlflow_client(self.tracking_uri).update_run(tracker.run_id, name=name)
         tracker.close(
             "completed",
             tags={
@@ -305,7 +363,7 @@ class SweepRecorder:
             self.tracking_uri,
             self.experiment,
             f"{run_uri}#threshold{index:03d}",
-            f"{trial_id}-thresholds-{index}",
+            point_run_name(trial_id, point.get("token_ratio"), thresholds),
             params=params,
             tags={
                 PARENT_TAG: trial_run_id,
@@ -336,6 +394,106 @@ class SweepRecorder:
             return
         now = int(time.time() * 1000)
         mlflow_client(self.tracking_uri).log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+    # ------------------------------------------------------------------ the frontier
+    def mark_frontier(self, points: list[Point]) -> None:
+        """Tag every point run ``splitvit.frontier`` true or false (ties name the
+        frontier point they tie with), so the UI filters to the frontier. Runs the
+        points of a resumed sweep again: the tags follow the frontier as it is now."""
+        run_of = {p.label(): p.run_id for p in points}
+        for p in points:
+            if not p.run_id:
+                continue
+            tags = {FRONTIER_TAG: "true" if p.on_frontier else "false", TIE_TAG: ""}
+            if p.tie_of:
+                tags[TIE_TAG] = run_of.get(p.tie_of) or p.tie_of
+            RunTracker(self.tracking_uri, self.experiment_id, p.run_id).set_tags(tags)
+
+    def register_frontier(self, sweep_name: str, front: list[Point], best: Point | None) -> RegisteredFrontier | None:
+        """Register the frontier points' logged models as versions of one registered
+        model per sweep, aliased ``tokens-<pct>pct`` and ``best``. A point already
+        registered (a resumed sweep) keeps its version. ``None`` when no point has a
+        logged model."""
+        client = mlflow_client(self.tracking_uri)
+        name = registered_model_name(sweep_name)
+        logged = [p for p in front if p.model_uri and p.run_id]
+        if not logged:
+            return None
+        if not client.search_registered_models(filter_string=f"name = '{_quote(name)}'"):
+            client.create_registered_model(
+                name,
+                tags={SWEEP_TAG: self.parent_run_id, METRIC_TAG: self.metric},
+                description=f"The Pareto frontier of sweep {sweep_name} ({self.metric} against tokens): one "
+                "version per frontier point; aliases `best` and `tokens-<pct>pct` pick a budget.",
+            )
+        versions = {v.run_id: v for v in client.search_model_versions(f"name = '{_quote(name)}'")}
+        registered = RegisteredFrontier(name)
+        for p, alias in zip(logged, budget_aliases(logged)):
+            version = versions.get(p.run_id)
+            if version is None:
+                version = client.create_model_version(
+                    name,
+                    source=p.model_uri,
+                    run_id=p.run_id,
+                    model_id=p.model_uri.removeprefix("models:/"),
+                    tags={"token_ratio": f"{p.token_ratio:.4f}", self.metric: f"{p.quality:.4f}"},
+                    description=point_run_name(p.trial_id, p.token_ratio, p.thresholds),
+                )
+            for a in [alias] + (["best"] if p is best else []):
+                client.set_registered_model_alias(name, a, version.version)
+                registered.aliases[a] = f"models:/{name}@{a}"
+            registered.by_run[p.run_id] = registered.aliases[alias]
+            RunTracker(self.tracking_uri, self.experiment_id, p.run_id).set_tags({ALIAS_TAG: registered.aliases[alias]})
+        return registered
+
+    def describe_experiment(
+        self,
+        sweep_name: str,
+        hypervolume: float,
+        frontier_size: int,
+        points: int,
+        best: Point | None,
+        registered: RegisteredFrontier | None,
+    ) -> None:
+        """The experiment's description and tags: what it holds, its latest sweep, and
+        how to read it in the UI (filter to the frontier, the chart, loading a budget)."""
+        run_link = f"#/experiments/{self.experiment_id}/runs/{self.parent_run_id}"
+        lines = [
+            "**SPLIT sweeps**: multi-objective searches (Ray Tune + Optuna) of split thresholds and "
+            f"token-budget penalties, {self.metric} up and tokens down, recorded by `splitvit sweep`.",
+            "",
+            f"**Latest sweep:** [{sweep_name}]({run_link}): {frontier_size} frontier points of {points}, "
+            f"hypervolume {hypervolume:.4f}.",
+        ]
+        if best is not None:
+            lines.append(
+                f"Best point (largest hypervolume share): {self.metric} {best.quality:.4f} at "
+                f"{best.tokens_per_image:.1f} tokens per image ({best.token_ratio:.0%} of full resolution)."
+            )
+        lines += [
+            "",
+            "**How to read it**",
+            f"- The frontier: filter the runs with `tags.{FRONTIER_TAG} = 'true'` "
+            f"(and ``tags.{SWEEP_TAG} = '{self.parent_run_id}'`` for this sweep alone); "
+            f"columns `metrics.{self.metric}`, `metrics.token_ratio`, `metrics.tokens_per_image`.",
+            f"- The chart: the sweep run's artifacts `{CHART_ARTIFACT}` (hover a point) and `{PLOT_ARTIFACT}`; "
+            "the table is `frontier.json`.",
+        ]
+        if registered is not None:
+            some = next(a for a in registered.aliases if a != "best")
+            lines.append(
+                f"- Models: registered model `{registered.name}`, one version per frontier point; "
+                f"load a budget by alias: `mlflow.pytorch.load_model('models:/{registered.name}@{some}')`, "
+                f"or `splitvit eval models:/{registered.name}@best`."
+            )
+        tags = {
+            "splitvit.latest_sweep": sweep_name,
+            "splitvit.latest_sweep_run": self.parent_run_id,
+            METRIC_TAG: self.metric,
+        }
+        if registered is not None:
+            tags["splitvit.registered_model"] = registered.name
+        describe_experiment(self.tracking_uri, self.experiment_id, "\n".join(lines), tags)
 
     # ------------------------------------------------------------------ parent artifacts
     def has_artifact(self, path: str, run_id: str | None = None) -> bool:
@@ -528,14 +686,22 @@ def sweep_params(space: SearchSpace) -> dict[str, Any]:
     """The parent run's params: what a reader compares sweeps by, at a glance. The whole
     space, defaults and overrides included, is the ``search_space.yaml`` artifact."""
     return {
-        "space_file": Path(space.source).name,
-        "base_config": Path(space.base).name,
+        # with their folders: search_spaces/smoke.yaml and jobs/configs/smoke.yaml share a name
+        "space_file": _short_path(space.source),
+        "base_config": _short_path(space.base),
         "num_samples": space.search.num_samples,
         "sampler": space.search.sampler,
         "metric": space.quality_metric,
         "reference_point": f"{space.quality_metric} {space.pareto.quality:g}, token ratio {space.pareto.token_ratio:g}",
         "searched": ", ".join(space.parameters),
     }
+
+
+def _short_path(path: str) -> str:
+    """A file as ``folder/name``: enough to tell files of one name apart, stable
+    wherever the sweep is resumed from."""
+    p = Path(path)
+    return f"{p.parent.name}/{p.name}" if p.parent.name else p.name
 
 
 def search_space_document(space: SearchSpace) -> dict[str, Any]:

@@ -33,8 +33,12 @@ class Point:
         params: the trial's searched parameters.
         checkpoint: the trial's checkpoint (local path or ``s3://``).
         run_id: the MLflow run that records this point.
-        on_frontier: non-dominated among the sweep's points.
+        on_frontier: non-dominated among the sweep's points; of several points with
+            equal objectives only one (the first in frontier order) is on it.
         hv_contribution: hypervolume lost without this point (frontier points only).
+        ties: on a frontier point, the other points with exactly its objectives
+            (``label()`` of each): equally good, counted once.
+        tie_of: on such a tied point, the ``label()`` of the frontier point kept for it.
         extras: other figures (``images_per_s``, ...).
     """
 
@@ -50,7 +54,14 @@ class Point:
     on_frontier: bool = False
     hv_contribution: float = 0.0
     model_uri: str | None = None
+    ties: list[str] = field(default_factory=list)
+    tie_of: str | None = None
     extras: dict[str, float] = field(default_factory=dict)
+
+    def label(self) -> str:
+        """Which evaluation this is, for people: the trial and its thresholds."""
+        taus = ",".join(f"{t:.3g}" for t in self.thresholds)
+        return f"{self.trial_id or '?'} [{taus}]" if taus else self.trial_id or "?"
 
     @property
     def finite(self) -> bool:
@@ -133,15 +144,26 @@ def hypervolume(values: Sequence[tuple[float, float]], reference: tuple[float, f
 def annotate(points: list[Point], reference: tuple[float, float] = (0.0, 1.0)) -> float:
     """Mark each point's ``on_frontier`` and ``hv_contribution``; return the hypervolume.
 
-    Only finite points count. The contribution of a frontier point is the
-    hypervolume lost without it (how much of the frontier it alone holds up).
+    Only finite points count. Points with equal objectives are one place on the
+    plane: the first of them in frontier order stays on the frontier and lists the
+    others in ``ties`` (each marks ``tie_of``), so counts and contributions see the
+    place once. The contribution of a frontier point is the hypervolume lost without
+    it (how much of the frontier it alone holds up).
     """
     for p in points:
-        p.on_frontier, p.hv_contribution = False, 0.0
+        p.on_frontier, p.hv_contribution, p.ties, p.tie_of = False, 0.0, [], None
     usable = [p for p in points if p.finite]
-    front = [usable[i] for i in pareto_indices([(p.quality, p.tokens_per_image) for p in usable])]
-    for p in front:
-        p.on_frontier = True
+    non_dominated = [usable[i] for i in pareto_indices([(p.quality, p.tokens_per_image) for p in usable])]
+    front: list[Point] = []
+    kept: dict[tuple[float, float], Point] = {}
+    for p in sorted(non_dominated, key=_frontier_order):
+        first = kept.setdefault((p.quality, p.tokens_per_image), p)
+        if first is p:
+            p.on_frontier = True
+            front.append(p)
+        else:
+            first.ties.append(p.label())
+            p.tie_of = first.label()
     pairs = [(p.quality, p.token_ratio) for p in front]
     total = hypervolume(pairs, reference)
     for i, p in enumerate(front):
@@ -149,12 +171,14 @@ def annotate(points: list[Point], reference: tuple[float, float] = (0.0, 1.0)) -
     return total
 
 
+def _frontier_order(p: Point) -> tuple:
+    """Fewest tokens first; among equals a trial's own evaluation before stage two's."""
+    return (p.tokens_per_image, -p.quality, p.trial_id, p.kind != "trial", p.thresholds)
+
+
 def frontier(points: list[Point]) -> list[Point]:
     """The frontier points of an annotated list, by tokens per image (ascending)."""
-    return sorted(
-        (p for p in points if p.on_frontier),
-        key=lambda p: (p.tokens_per_image, -p.quality, p.trial_id, p.kind != "trial", p.thresholds),
-    )
+    return sorted((p for p in points if p.on_frontier), key=_frontier_order)
 
 
 def best_point(points: list[Point]) -> Point | None:

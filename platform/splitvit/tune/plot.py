@@ -196,3 +196,109 @@ def _full_tokens(points: list[Point]) -> float | None:
     implied = [p.tokens_per_image / p.token_ratio for p in points if p.finite and p.token_ratio > 0]
     implied = [v for v in implied if math.isfinite(v)]
     return statistics.median(implied) if implied else None
+
+
+def pareto_html(
+    points: list[Point],
+    baselines: list[dict[str, Any]],
+    *,
+    metric: str = "accuracy",
+    title: str = "",
+    model_uris: dict[str, str] | None = None,
+) -> str:
+    """The frontier as a self-contained HTML page (inline SVG, no scripts or network):
+    MLflow's artifact viewer shows it as it is, and hovering a point shows its trial,
+    thresholds, token share, run and, from ``model_uris`` (run id -> ``models:/`` URI),
+    the registry alias that loads its model.
+
+    Axes: tokens per image (x) against ``metric`` (y); every point grey or blue, the
+    frontier red with its step line, baselines as labelled crosses.
+    """
+    from html import escape
+
+    usable = [p for p in points if p.finite]
+    rows = [b for b in baselines if _finite(b.get("tokens_per_image")) and _finite(b.get(metric))]
+    xs = [p.tokens_per_image for p in usable] + [float(b["tokens_per_image"]) for b in rows]
+    ys = [p.quality for p in usable] + [float(b[metric]) for b in rows]
+    width, height, pad = 760, 440, 60
+    if not xs:
+        return f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title><p>No finished point to draw.</p>"
+    x0, x1 = _span(xs)
+    y0, y1 = _span(ys)
+
+    def sx(x: float) -> float:
+        return pad + (x - x0) / (x1 - x0) * (width - 2 * pad)
+
+    def sy(y: float) -> float:
+        return height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)
+
+    model_uris = model_uris or {}
+
+    def tip(p: Point) -> str:
+        lines = [
+            f"{metric} {p.quality:.4f} at {p.tokens_per_image:.1f} tokens/image ({p.token_ratio:.0%} of full)",
+            f"trial {p.trial_id} ({p.kind}), thresholds {', '.join(f'{t:.3f}' for t in p.thresholds) or '-'}",
+            f"run {p.run_id or '-'}",
+        ]
+        if p.ties:
+            lines.append(f"ties: {', '.join(p.ties)}")
+        if p.run_id in model_uris:
+            lines.append(f"load: {model_uris[p.run_id]}")
+        return escape("\n".join(lines))
+
+    front = frontier(points)
+    svg = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-family='sans-serif'>"]
+    svg.append(
+        f"<rect x='{pad}' y='{pad}' width='{width - 2 * pad}' height='{height - 2 * pad}' fill='none' stroke='#888'/>"
+    )
+    for i in range(5):
+        gx, gy = x0 + (x1 - x0) * i / 4, y0 + (y1 - y0) * i / 4
+        svg.append(
+            f"<text x='{sx(gx):.1f}' y='{height - pad + 16}' font-size='11' text-anchor='middle'>{gx:.1f}</text>"
+        )
+        svg.append(f"<text x='{pad - 6}' y='{sy(gy) + 4:.1f}' font-size='11' text-anchor='end'>{gy:.3f}</text>")
+    svg.append(f"<text x='{width / 2}' y='{height - 18}' font-size='12' text-anchor='middle'>tokens per image</text>")
+    svg.append(f"<text x='16' y='{height / 2}' font-size='12' transform='rotate(-90 16 {height / 2})' ")
+    svg.append(f"text-anchor='middle'>{escape(metric)}</text>")
+    if len(front) > 1:
+        path = [f"M{sx(front[0].tokens_per_image):.1f},{sy(front[0].quality):.1f}"]
+        for p in front[1:]:
+            path.append(f"H{sx(p.tokens_per_image):.1f}V{sy(p.quality):.1f}")
+        svg.append(f"<path d='{''.join(path)}' fill='none' stroke='#d62728' stroke-width='1.5'/>")
+    for p in sorted(usable, key=lambda p: p.on_frontier):
+        colour = "#d62728" if p.on_frontier else ("#3182bd" if p.kind == "trial" else "#9ecae1")
+        radius = 6 if p.on_frontier else 4
+        svg.append(
+            f"<circle cx='{sx(p.tokens_per_image):.1f}' cy='{sy(p.quality):.1f}' r='{radius}' fill='{colour}' "
+            f"stroke='white'><title>{tip(p)}</title></circle>"
+        )
+    for b in rows:
+        bx, by, name = sx(float(b["tokens_per_image"])), sy(float(b[metric])), escape(str(b.get("baseline", "")))
+        svg.append(
+            f"<g stroke='#333'><line x1='{bx - 5:.1f}' y1='{by - 5:.1f}' x2='{bx + 5:.1f}' y2='{by + 5:.1f}'/>"
+            f"<line x1='{bx - 5:.1f}' y1='{by + 5:.1f}' x2='{bx + 5:.1f}' y2='{by - 5:.1f}'/>"
+            f"<title>{name}: {metric} {float(b[metric]):.4f} at {float(b['tokens_per_image']):.1f} tokens</title></g>"
+            f"<text x='{bx + 7:.1f}' y='{by - 6:.1f}' font-size='10'>{name}</text>"
+        )
+    svg.append("</svg>")
+    legend = (
+        "<p style='font:13px sans-serif'>Red: the Pareto frontier (the step line joins it); blue: trials; light blue: "
+        "other thresholds on a trial's checkpoint; crosses: baselines. Hover a point for its trial, thresholds, run"
+        + (" and the registry alias that loads its model." if model_uris else ".")
+        + "</p>"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head><body>"
+        f"<h3 style='font-family:sans-serif'>{escape(title)}</h3>{''.join(svg)}{legend}</body></html>"
+    )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _span(values: list[float]) -> tuple[float, float]:
+    """An axis range around ``values`` with a 5% margin (never empty)."""
+    low, high = min(values), max(values)
+    margin = (high - low) * 0.05 or max(abs(high) * 0.05, 1e-3)
+    return low - margin, high + margin

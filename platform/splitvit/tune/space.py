@@ -266,7 +266,7 @@ class MlflowSettings:
     """
 
     experiment: str | None = None
-    log_models: int | None = 3
+    log_models: int | None = None
     split_map_images: int = 8
 
 

@@ -66,11 +66,13 @@ from ..config import ExperimentConfig, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
 from .console import Progress, ray_console, ray_output_shown, tune_verbosity
 from .mlflow_records import (
+    CHART_ARTIFACT,
     PLOT_ARTIFACT,
     REFERENCE_TAG,
     SPACE_ARTIFACT,
     SPEED_DEVICE_TAG,
     SPEED_TIMING_TAG,
+    RegisteredFrontier,
     SweepRecorder,
     search_space_yaml,
     sweep_note,
@@ -517,6 +519,7 @@ class _Sweep:
         reference: the hypervolume's reference point, ``(quality, token_ratio)``.
         started: ``time.time()`` when :func:`run_sweep` began (for ``wall_time_s``).
         resumed: continued with ``resume``, or its MLflow parent run was re-opened.
+        registered: the frontier's models in the Model Registry, once registered.
     """
 
     setup: _SweepSetup
@@ -525,6 +528,7 @@ class _Sweep:
     reference: tuple[float, float]
     started: float
     resumed: bool
+    registered: RegisteredFrontier | None = None
 
     @property
     def space(self) -> SearchSpace:
@@ -927,10 +931,13 @@ def _log_sweep_artifacts(
     ``result``. Returns the parent's speed metrics (none without a timing)."""
     space, recorder = sweep.space, sweep.recorder
     full_tokens = next((b["tokens_per_image"] for b in result.baselines if b.get("baseline") == "full"), None)
+    recorder.mark_frontier(result.points)
     if best is not None:
         _log_models(space, recorder, front, best)
+        _register_frontier(sweep, result, front, best)
         result.split_map = _log_best_split_map(space, recorder, best, local_dir)
     result.plot = _plot(result, recorder, local_dir, full_tokens)
+    result.extras["chart"] = _interactive_chart(sweep, result, local_dir)
     speed_metrics: dict[str, float] = {}
     if speed is not None:
         result.extras["frontier_speed"] = speed
@@ -981,6 +988,9 @@ def _close_sweep_run(
                 parent_run_id=recorder.parent_run_id,
                 plot=PLOT_ARTIFACT if result.plot else None,
             )
+        )
+        recorder.describe_experiment(
+            result.name, result.hypervolume, len(front), len(result.points), best, sweep.registered
         )
     except Exception as exc:  # noqa: BLE001 - a description that will not save must not lose the sweep
         log.warning("could not write the sweep's description: %s", exc)
@@ -1179,6 +1189,20 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point],
             log.warning("could not log the model of point %s: %s", point.run_id, exc)
 
 
+def _register_frontier(sweep: _Sweep, result: SweepResult, front: list[Point], best: Point) -> None:
+    """The frontier's models in the Model Registry (one name per sweep, an alias per
+    budget); the name and the aliases' ``models:/`` URIs in ``result.extras``."""
+    try:
+        registered = sweep.recorder.register_frontier(result.name, front, best)
+    except Exception as exc:  # noqa: BLE001 - a registry that refuses must not lose the frontier
+        log.warning("could not register the frontier's models: %s", exc)
+        return
+    if registered is not None:
+        result.extras["registered_models"] = {"name": registered.name, "aliases": registered.aliases}
+        sweep.registered = registered
+        log.info("frontier models registered as %s (aliases: %s)", registered.name, ", ".join(registered.aliases))
+
+
 def _log_best_split_map(space: SearchSpace, recorder: SweepRecorder, best: Point, local_dir: Path) -> str | None:
     """Draw the best point's split maps over ``mlflow.split_map_images`` images: saved in
     ``local_dir`` and logged on the parent run; returns the file (``None`` when off or
@@ -1208,6 +1232,26 @@ def _plot(result: SweepResult, recorder: SweepRecorder, local_dir: Path, full_to
         full_tokens=full_tokens,
     )
     return _save_figure(fig, local_dir / PLOT_ARTIFACT, recorder)
+
+
+def _interactive_chart(sweep: _Sweep, result: SweepResult, local_dir: Path) -> str:
+    """``pareto.html``: the frontier as a page MLflow's artifact view shows with no
+    set-up (hover a point: its trial, thresholds, run, registry alias); beside the
+    sweep's JSON and on the parent run."""
+    from .plot import pareto_html
+
+    path = local_dir / CHART_ARTIFACT
+    path.write_text(
+        pareto_html(
+            result.points,
+            result.baselines,
+            metric=result.metric,
+            title=f"sweep {result.name}: {result.metric} vs tokens per image",
+            model_uris=sweep.registered.by_run if sweep.registered else None,
+        )
+    )
+    sweep.recorder.log_artifact(str(path))
+    return str(path)
 
 
 def _save_figure(fig, path: Path, recorder: SweepRecorder) -> str:
