@@ -274,7 +274,7 @@ def test_the_search_space_artifact_keeps_no_password():
 
 
 def test_missing_store_reads_sqlite_paths_as_sqlalchemy_does(tmp_path, monkeypatch):
-    from splitvit.tune.mlflow_records import missing_store
+    from splitvit.tracking.runs import missing_store
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()

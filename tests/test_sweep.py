@@ -332,6 +332,16 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     # the version is the best point's logged model (a SQL store reads it back by its source, not model_id)
     assert version.run_id == best_run and logged[0].split("/", 1)[1] in (version.model_id or version.source)
     assert registered["aliases"]["best"] == f"models:/{registered['name']}@best"
+    # a budget is loaded by its alias: `splitvit eval models:/...@best` evaluates the best
+    # point's checkpoint at the thresholds its model was registered with
+    out = tmp_path / "eval.json"
+    argv = ["eval", registered["aliases"]["best"], "--tracking-uri", client.tracking_uri, "--samples", "64"]
+    assert main([*argv, "--json", str(out)]) == 0
+    evaluated = json.loads(out.read_text())
+    assert evaluated["thresholds"] == pytest.approx(best["thresholds"])
+    assert evaluated["checkpoint"] == best["checkpoint"]
+    missing = main(["eval", f"models:/{registered['name']}@tokens-0pct", "--tracking-uri", client.tracking_uri])
+    assert missing == 2
     # the experiment explains itself: opened on its runs (not MLflow 3's traces), its
     # description names the latest sweep and how to filter to the frontier
     experiment = client.get_experiment(parent.info.experiment_id)
@@ -463,7 +473,8 @@ def test_frontier_is_timed_against_full_resolution_and_read_back(sweep, tmp_path
     assert (
         lines[head].split()[:4] == ["tokens/image", "accuracy", "token", "ratio"] and "speed-up" in lines[head].split()
     )
-    shown = len({(p["tokens_per_image"], p["accuracy"]) for p in again["frontier"]})  # exact ties are shown once
+    shown = len(again["frontier"])  # exact ties are one frontier point (its `ties` name the others)
+    assert shown == len({(p["tokens_per_image"], p["accuracy"]) for p in again["frontier"]})
     printed_speedups = [line.split()[3] for line in lines[head + 1 : head + 1 + shown]]
     assert set(printed_speedups) <= {f"{r['speedup_vs_full']:.2f}x" for r in speed["points"]}
     assert len(printed_speedups) == shown

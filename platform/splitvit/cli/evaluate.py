@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import common_options, parse_thresholds
+from .options import TRACKING_HELP, common_options, model_source, parse_thresholds
 from .output import emit, print_table
 
 
@@ -12,11 +12,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``splitvit eval`` and its options to the subcommands ``sub``."""
     p = sub.add_parser(
         "eval",
-        parents=[common_options(None)],
-        help="evaluate a training checkpoint (local or s3://): accuracy or mIoU, tokens, images/s",
+        parents=[common_options(f"for models:/ and runs:/ URIs: the {TRACKING_HELP}")],
+        help="evaluate a training checkpoint (local or s3://) or an MLflow model (models:/, runs:/): "
+        "accuracy or mIoU, tokens, images/s",
     )
-    p.add_argument("checkpoint", help="checkpoint folder or its model.pt, local or s3://bucket/...")
-    p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
+    p.add_argument(
+        "checkpoint",
+        help="checkpoint folder or its model.pt, local or s3://bucket/...; or an MLflow model: "
+        "models:/<name>@<alias> (a sweep's frontier: @best, @tokens-42pct), models:/<name>/<version>, "
+        "models:/<model id>, runs:/<run id> (its checkpoint, at the thresholds the model was recorded with)",
+    )
+    p.add_argument(
+        "--thresholds", help="per-level thresholds t0,t1,... in [0, 1] (default: the checkpoint's or the model's)"
+    )
     p.add_argument("--policy", help="evaluate with this split policy instead of the checkpoint's")
     p.add_argument("--split", default="val", choices=["val", "test"], help="data split of the experiment's dataset")
     p.add_argument("--batch-size", type=int, help="evaluation batch size (default: the experiment's)")
@@ -31,10 +39,13 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster.preflight import preflight_eval
     from ..train.evaluation import evaluate_checkpoint
 
-    preflight_eval(args.checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
+    checkpoint, thresholds = model_source(
+        args.checkpoint, parse_thresholds(args.thresholds), getattr(args, "tracking_uri", None)
+    )
+    preflight_eval(checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
     result = evaluate_checkpoint(
-        args.checkpoint,
-        thresholds=parse_thresholds(args.thresholds),
+        checkpoint,
+        thresholds=thresholds,
         policy=args.policy,
         split=args.split,
         batch_size=args.batch_size,

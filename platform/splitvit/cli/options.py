@@ -59,3 +59,21 @@ def number_list(option: str, text: str | None, kind: type = float) -> tuple | No
         return tuple(kind(item) for item in text.split(",") if item.strip())
     except ValueError:
         raise ValueError(f"{option}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+
+def model_source(
+    source: str, thresholds: list[float] | None, tracking_uri: str | None
+) -> tuple[str, list[float] | None]:
+    """``(checkpoint, thresholds)`` for a command that takes a checkpoint: a path or
+    ``s3://`` URI as it is; an MLflow ``models:/`` or ``runs:/`` URI resolved to its
+    run's checkpoint and the thresholds its model was recorded with (``thresholds``
+    given on the command line win)."""
+    from ..tracking.model_uris import is_model_uri, resolve_model_uri
+
+    if not is_model_uri(source):
+        return source, thresholds
+    from ..config import ExperimentConfig
+
+    resolved = resolve_model_uri(source, tracking_uri or ExperimentConfig().tracking_uri())
+    print(f"{source}: run {resolved.run_id}, checkpoint {resolved.checkpoint}")
+    return resolved.checkpoint, thresholds if thresholds is not None else resolved.thresholds

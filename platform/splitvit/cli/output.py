@@ -152,19 +152,11 @@ def _fmt(value: Any) -> str:
 
 
 def frontier_table(points: list[dict[str, Any]], metric: str) -> None:
-    """Frontier points as a table; points that tie exactly (same tokens, same quality)
-    are shown once, with how many others share them (the JSON lists them all)."""
+    """Frontier points as a table; a point with exact ties (same tokens, same quality,
+    other thresholds) says how many, in ``ties`` (the JSON names them)."""
     params = list(dict.fromkeys(k for p in points for k in (p.get("params") or {})))
-    shown: dict[tuple[float, float], dict[str, Any]] = {}
-    ties: dict[tuple[float, float], int] = {}
-    for p in points:
-        key = (p["tokens_per_image"], p[metric])
-        if key in shown:
-            ties[key] += 1
-            continue
-        shown[key], ties[key] = p, 0
     rows = []
-    for key, p in shown.items():
+    for p in points:
         row = {
             "tokens/image": p["tokens_per_image"],
             metric: p[metric],
@@ -174,7 +166,7 @@ def frontier_table(points: list[dict[str, Any]], metric: str) -> None:
             "eval thresholds": ",".join(f"{t:.3f}" for t in p.get("thresholds") or []),
         }
         row.update({k: v for k, v in (p.get("params") or {}).items()})
-        row["ties"] = f"+{ties[key]}" if ties[key] else ""
+        row["ties"] = f"+{len(p['ties'])}" if p.get("ties") else ""
         speedup = (p.get("extras") or {}).get("speedup_vs_full")
         row["speed-up"] = f"{speedup:.2f}x" if speedup is not None else "-"
         rows.append(row)
@@ -189,4 +181,4 @@ def frontier_table(points: list[dict[str, Any]], metric: str) -> None:
         "eval thresholds",
         *params,
     ]
-    print_table(rows, columns + (["ties"] if any(ties.values()) else []))
+    print_table(rows, columns + (["ties"] if any(p.get("ties") for p in points) else []))

@@ -109,10 +109,18 @@ def run(args: argparse.Namespace) -> int:
     if result.split_map:
         print(f"split maps:     {result.split_map}")
     print(f"frontier table: {result.frontier_csv}")
+    if result.extras.get("chart"):
+        print(f"chart:          {result.extras['chart']} (also the run's pareto.html in the UI: hover a point)")
+    registered = result.extras.get("registered_models")
+    if registered:
+        budgets = ", ".join(a for a in registered["aliases"] if a != "best")
+        print(f"models:         registered as {registered['name']}, aliases best, {budgets}")
+        print(f"                e.g. splitvit eval {registered['aliases']['best']}")
     print(
         f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), "
         f"parent run {result.parent_run_id}"
     )
+    print("                the frontier's runs: filter with tags.splitvit.frontier = 'true'")
     command = result.mlflow_ui_command()
     if command.startswith("mlflow ui"):
         print(f"open the UI:    {command}")

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from .options import common_options, parse_thresholds
+from .options import TRACKING_HELP, common_options, model_source, parse_thresholds
 from .output import emit
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``splitvit viz`` and its options to the subcommands ``sub``."""
     p = sub.add_parser(
-        "viz", parents=[common_options(None)], help="draw the quadtree a policy chooses over images into a PNG"
+        "viz",
+        parents=[common_options(f"for models:/ and runs:/ URIs: the {TRACKING_HELP}")],
+        help="draw the quadtree a policy chooses over images into a PNG",
     )
-    p.add_argument("--checkpoint", help="a SplitViT checkpoint (SplitViT.save); without it a fresh model is built")
+    p.add_argument(
+        "--checkpoint",
+        help="a SplitViT checkpoint (SplitViT.save), or an MLflow model (models:/<name>@<alias>, runs:/<run id>); "
+        "without it a fresh model is built",
+    )
     p.add_argument("--policy", help="policy to draw (default: the checkpoint's, or entropy)")
     p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
     p.add_argument("--dataset", default="synthetic", help="dataset the images come from (its val split)")
@@ -34,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
     from ..train.checkpoints import load_payload, model_from_payload
     from ..train.demo import build_demo_model
 
+    thresholds = parse_thresholds(args.thresholds)
     if args.checkpoint:
+        checkpoint, thresholds = model_source(args.checkpoint, thresholds, getattr(args, "tracking_uri", None))
         overrides = {"policy": args.policy} if args.policy else {}
         # a missing, truncated or foreign file is one error line naming it
-        model = model_from_payload(load_payload(args.checkpoint), args.checkpoint, **overrides)
+        model = model_from_payload(load_payload(checkpoint), checkpoint, **overrides)
     else:
         model = build_demo_model(args.policy or "entropy")
     model.eval()
@@ -50,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     count = min(args.count, len(data))
     images = torch.stack([data[i][0] for i in range(count)])
     with torch.no_grad():
-        out = model(images, thresholds=parse_thresholds(args.thresholds))
+        out = model(images, thresholds=thresholds)
     captions = [f"{int(t)} tok" for t in out.tokens]
     split_map_grid(images, out.decisions, model.geometry, captions).save(args.out)
     print(

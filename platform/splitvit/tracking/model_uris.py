@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .runs import CHECKPOINT_TAG, mlflow_client
+from .runs import CHECKPOINT_TAG, missing_store, mlflow_client
 
 URI_SCHEMES = ("models:/", "runs:/")
 THRESHOLDS_TAG = "splitvit.thresholds"
@@ -55,6 +55,9 @@ def resolve_model_uri(uri: str, tracking_uri: str) -> ResolvedModel:
     """
     from mlflow.exceptions import MlflowException
 
+    missing = missing_store(tracking_uri)  # a mistyped local store is not created
+    if missing:
+        raise ValueError(f"{uri}: {missing}")
     client = mlflow_client(tracking_uri)
     try:
         run_id, thresholds = _run_of(client, uri)

@@ -108,6 +108,30 @@ def describe_experiment(tracking_uri: str, experiment_id: str, markdown: str, ta
         client.set_experiment_tag(experiment_id, key, value)
 
 
+def missing_store(tracking_uri: str) -> str | None:
+    """Why ``tracking_uri`` names no store on this machine, or ``None`` when it may.
+
+    A local store is checked before any client touches it: MLflow creates a SQLite
+    database (or a file store's folder) it is pointed at, so a mistyped path would
+    read back as an empty store instead of an error. A server is not checked here
+    (only a request can tell); its errors surface from the first call.
+    """
+    from urllib.parse import unquote, urlparse
+
+    if tracking_uri.startswith("sqlite://"):
+        # sqlite:///relative.db, sqlite:////absolute.db; sqlite:// alone is in memory
+        path = unquote(tracking_uri[len("sqlite://") :].split("?", 1)[0])
+        if path in ("", "/", "/:memory:"):
+            return None
+        db = Path(path[1:] if path.startswith("/") else path)
+        return None if db.is_file() else f"no MLflow store at {redact_uri(tracking_uri)}: {db} does not exist"
+    scheme = urlparse(tracking_uri).scheme
+    if scheme in ("", "file"):
+        folder = Path(unquote(urlparse(tracking_uri).path) if scheme == "file" else tracking_uri)
+        return None if folder.is_dir() else f"no MLflow store at {tracking_uri}: {folder} is not a folder"
+    return None
+
+
 def safe_params(params: dict[str, Any]) -> dict[str, str]:
     """Param values as MLflow strings: secrets masked, URIs without passwords, long values cut."""
     out = {}

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import flatten
 from ..tracking import RunTracker
-from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, describe_experiment, mlflow_client
+from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, describe_experiment, missing_store, mlflow_client
 
 if TYPE_CHECKING:
     from .pareto import Point
@@ -555,32 +555,6 @@ def _cell(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- reading back
-def missing_store(tracking_uri: str) -> str | None:
-    """Why ``tracking_uri`` names no store on this machine, or ``None`` when it may.
-
-    A local store is checked before any client touches it: MLflow creates a SQLite
-    database (or a file store's folder) it is pointed at, so a mistyped path would
-    read back as an empty store instead of an error. A server is not checked here
-    (only a request can tell); its errors surface from the first call.
-    """
-    from urllib.parse import unquote, urlparse
-
-    from ..config import redact_uri
-
-    if tracking_uri.startswith("sqlite://"):
-        # sqlite:///relative.db, sqlite:////absolute.db; sqlite:// alone is in memory
-        path = unquote(tracking_uri[len("sqlite://") :].split("?", 1)[0])
-        if path in ("", "/", "/:memory:"):
-            return None
-        db = Path(path[1:] if path.startswith("/") else path)
-        return None if db.is_file() else f"no MLflow store at {redact_uri(tracking_uri)}: {db} does not exist"
-    scheme = urlparse(tracking_uri).scheme
-    if scheme in ("", "file"):
-        folder = Path(unquote(urlparse(tracking_uri).path) if scheme == "file" else tracking_uri)
-        return None if folder.is_dir() else f"no MLflow store at {tracking_uri}: {folder} is not a folder"
-    return None
-
-
 def points_from_mlflow(
     tracking_uri: str, experiment: str, sweep_run_id: str | None = None, *, all_sweeps: bool = False
 ) -> dict[str, Any]:
