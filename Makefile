@@ -29,10 +29,12 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# ruff, configured in pyproject.toml: `make lint` checks (CI runs it), `make format` rewrites
+# ruff and import-linter, configured in pyproject.toml: `make lint` checks (CI runs it),
+# `make format` rewrites. lint-imports: the dependency rules of docs/design.md §2.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 format: setup
 	$(BIN)/ruff check --fix .
