@@ -10,10 +10,11 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) data
 
-$(STAMP): pyproject.toml
+# constraints.txt: the exact torch and torchvision builds (pyproject.toml states ranges)
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 # Fashion-MNIST from Debian's package, where apt is available and we are root.
