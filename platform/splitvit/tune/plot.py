@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .pareto import Point, frontier
+from .pareto import Baseline, Point, frontier
 
 #: A legend to the right of the axes, its top at the axes' top.
 _LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0, "fontsize": 8}
@@ -21,7 +21,7 @@ _LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderax
 
 def pareto_figure(
     points: list[Point],
-    baselines: list[dict[str, Any]],
+    baselines: list[Baseline],
     *,
     metric: str = "accuracy",
     hypervolume: float | None = None,
@@ -87,11 +87,11 @@ def pareto_figure(
         "random": ("x:", "#7f7f7f", "random splitting, matched budgets"),
     }
     for kind, (fmt, colour, label) in styles.items():
-        rows = sorted((b for b in baselines if b.get("baseline") == kind), key=lambda b: b["tokens_per_image"])
+        rows = sorted((b for b in baselines if b.baseline == kind), key=lambda b: b.tokens_per_image)
         if rows:
             ax.plot(
-                [b["tokens_per_image"] for b in rows],
-                [b["quality"] for b in rows],
+                [b.tokens_per_image for b in rows],
+                [b.quality for b in rows],
                 fmt,
                 color=colour,
                 ms=6,
@@ -99,9 +99,9 @@ def pareto_figure(
                 zorder=3,
             )
     for b in baselines:
-        if b.get("baseline") == "full":
+        if b.baseline == "full":
             ax.scatter(
-                [b["tokens_per_image"]], [b["quality"]], s=160, marker="*", c="black", label="full resolution", zorder=6
+                [b.tokens_per_image], [b.quality], s=160, marker="*", c="black", label="full resolution", zorder=6
             )
     ax.set_xlabel("tokens per image")
     ax.set_ylabel(metric)
@@ -168,8 +168,8 @@ def save_frontier_plot(frontier: dict[str, Any], path: str | Path) -> Path:
 
     metric = frontier["metric"]
     points = [Point.from_dict(p, metric) for p in frontier["points"]]
-    baselines = list(frontier.get("baselines") or [])
-    full = next((b["tokens_per_image"] for b in baselines if b.get("baseline") == "full"), None)
+    baselines = [Baseline.from_dict(b) for b in frontier.get("baselines") or []]
+    full = next((b.tokens_per_image for b in baselines if b.baseline == "full"), None)
     sweeps = frontier.get("sweeps") or []
     names = frontier.get("sweep_names") or {}
     which = (names.get(sweeps[0]) or sweeps[0]) if len(sweeps) == 1 else f"{len(sweeps)} sweeps"
