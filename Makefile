@@ -10,10 +10,11 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) data
 
-$(STAMP): pyproject.toml
+# constraints.txt: the exact torch and torchvision builds (pyproject.toml states ranges)
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 # Fashion-MNIST from Debian's package, where apt is available and we are root.
@@ -29,10 +30,12 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# ruff, configured in pyproject.toml: `make lint` checks (CI runs it), `make format` rewrites
+# ruff and import-linter, configured in pyproject.toml: `make lint` checks (CI runs it),
+# `make format` rewrites. lint-imports: the dependency rules of docs/design.md §2.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 format: setup
 	$(BIN)/ruff check --fix .

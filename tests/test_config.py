@@ -233,6 +233,7 @@ def test_config_module_needs_no_model_data_or_torch():
     [
         ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
         ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
+        ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none"),  # the model's values
         ("model.image_size=40", "model.image_size", "not a multiple of the coarsest patch 16"),
         ("model.thresholds=[0.5]", "model.thresholds", "expected 2 values"),
         ("data.name=imagenet21k", "data.name", "unknown dataset 'imagenet21k'"),

@@ -140,13 +140,13 @@ def test_the_frontier_plot_keeps_its_legend_off_the_data(tmp_path):
     """The legend sits outside the axes (no marker under it) and inside the image."""
     import matplotlib.pyplot as plt
 
-    from splitvit.tune.pareto import Point, annotate
+    from splitvit.tune.pareto import Baseline, Point, annotate
     from splitvit.tune.plot import pareto_figure, save_frontier_plot
 
     points = [Point(q, t, t / 16, "trial", f"t{i}") for i, (q, t) in enumerate([(0.5, 2.0), (0.8, 8.0), (0.9, 15.0)])]
     baselines = [
-        {"baseline": "full", "tokens_per_image": 16.0, "quality": 0.91},
-        {"baseline": "random", "tokens_per_image": 8.0, "quality": 0.6},
+        Baseline("full", "full resolution", 0.91, 16.0, 1.0, [0.0], "t2"),
+        Baseline("random", "random @ 0.50", 0.6, 8.0, 0.5, [0.4], "t2", target_ratio=0.5),
     ]
     hv = annotate(points)
     fig = pareto_figure(points, baselines, hypervolume=hv, full_tokens=16.0)
@@ -166,7 +166,7 @@ def test_the_frontier_plot_keeps_its_legend_off_the_data(tmp_path):
         "metric": "accuracy",
         "hypervolume": hv,
         "points": [p.to_dict("accuracy") for p in points],
-        "baselines": baselines,
+        "baselines": [b.to_dict("accuracy") for b in baselines],
     }
     out = save_frontier_plot(data, tmp_path / "plots" / "frontier.png")
     assert out == tmp_path / "plots" / "frontier.png"
@@ -175,7 +175,7 @@ def test_the_frontier_plot_keeps_its_legend_off_the_data(tmp_path):
 
 def test_the_sweep_description_names_the_hypervolume_best_point_baselines_and_links():
     from splitvit.tune.mlflow_records import sweep_note
-    from splitvit.tune.pareto import Point, annotate, best_point
+    from splitvit.tune.pareto import Baseline, Point, annotate, best_point
 
     points = [
         Point(0.3, 2.0, 0.125, "trial", "t0", [0.3]),
@@ -194,8 +194,8 @@ def test_the_sweep_description_names_the_hypervolume_best_point_baselines_and_li
         points=points,
         best=best,
         baselines=[
-            {"baseline": "full", "label": "full resolution", "tokens_per_image": 16.0, "quality": 0.91},
-            {"baseline": "random", "label": "random @ 0.50", "tokens_per_image": 8.5, "quality": 0.6},
+            Baseline("full", "full resolution", 0.91, 16.0, 1.0, [0.0], "t1"),
+            Baseline("random", "random @ 0.50", 0.6, 8.5, 0.53125, [0.4], "t1", target_ratio=0.5),
         ],
         trial_status={"completed": 3, "failed": 1},
         experiment_id="7",
@@ -211,6 +211,76 @@ def test_the_sweep_description_names_the_hypervolume_best_point_baselines_and_li
     # random at 8.5 tokens meets the frontier point at 8.1 tokens (0.8123): 0.2123 better
     assert "| random @ 0.50 | 8.5 | 0.6 | 0.8123 | 0.2123 |" in note
     assert len(note) < 8000
+
+
+# Rows as stage_two.baselines returns them plus the trial (what sweep.json held as
+# plain dicts): a classification row; a random one with its target; a dense one with
+# object figures; one written before evaluations counted their images.
+BASELINE_ROWS = [
+    (
+        "accuracy",
+        {"baseline": "full", "label": "full resolution", "tokens_per_image": 16.0, "token_ratio": 1.0,
+         "images_per_s": 812.5, "images": 64, "accuracy": 0.90625, "thresholds": [0.0, 0.0],
+         "quality": 0.90625, "trial_id": "abc_00001"},
+    ),
+    (
+        "accuracy",
+        {"baseline": "random", "label": "random @ 0.42", "target_ratio": 0.42, "tokens_per_image": 6.75,
+         "token_ratio": 0.421875, "images_per_s": 1200.0, "images": 64, "accuracy": 0.5,
+         "thresholds": [0.61, 0.58], "quality": 0.5, "trial_id": "abc_00001"},
+    ),
+    (
+        "miou",
+        {"baseline": "entropy", "label": "entropy t=0.5", "tokens_per_image": 9.5, "token_ratio": 0.59375,
+         "images_per_s": 300.0, "images": 32, "miou": 0.41, "fine_on_object": 0.7, "object_coverage": 0.95,
+         "thresholds": [0.5, 0.5], "quality": 0.41, "trial_id": "seg_00000"},
+    ),
+    (
+        "accuracy",
+        {"baseline": "full", "label": "full resolution", "tokens_per_image": 16.0, "token_ratio": 1.0,
+         "images_per_s": 99.0, "accuracy": 0.75, "thresholds": [0.0], "quality": 0.75, "trial_id": "old_00000"},
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("metric, row", BASELINE_ROWS)
+def test_a_baseline_writes_the_json_it_was_read_from(metric, row):
+    """sweep.json's and baselines.json's baseline rows: the same keys, in the same order,
+    with the same values, as the plain dicts they were before they were typed."""
+    from splitvit.tune.pareto import Baseline
+
+    baseline = Baseline.from_dict(row)
+    assert baseline.quality == row["quality"] and baseline.baseline == row["baseline"]
+    assert list(baseline.to_dict(metric).items()) == list(row.items())
+
+
+def test_frontier_rows_are_the_table_of_the_frontier():
+    """The frontier table's rows by tokens per image: the quality under the metric's name,
+    thresholds and list parameters as JSON, the speed columns only when a point was timed."""
+    from splitvit.tune import frontier_rows
+    from splitvit.tune.pareto import Point, annotate
+
+    points = [
+        Point(0.5, 2.0, 0.125, "trial", "t0", [0.71234567], {"train.lr": 0.01, "model.levels": [2]}, run_id="r0"),
+        Point(0.9, 15.0, 0.9375, "threshold", "t1", [0.2], {"train.lr": 0.02, "model.levels": [3]}, run_id="r1"),
+        Point(0.4, 9.0, 0.5625, "trial", "t2", [0.5], {"train.lr": 0.03, "model.levels": [2]}),  # dominated
+    ]
+    annotate(points)
+    rows = [row.to_dict("miou") for row in frontier_rows(points)]
+    assert rows == [
+        {"rank": 0, "tokens_per_image": 2.0, "miou": 0.5, "token_ratio": 0.125, "kind": "trial", "trial_id": "t0",
+         "thresholds": "[0.7123]", "hv_contribution": points[0].hv_contribution, "run_id": "r0", "model_uri": None,
+         "train.lr": 0.01, "model.levels": "[2]"},
+        {"rank": 1, "tokens_per_image": 15.0, "miou": 0.9, "token_ratio": 0.9375, "kind": "threshold",
+         "trial_id": "t1", "thresholds": "[0.2]", "hv_contribution": points[1].hv_contribution, "run_id": "r1",
+         "model_uri": None, "train.lr": 0.02, "model.levels": "[3]"},
+    ]  # fmt: skip
+    points[1].extras.update(speedup_vs_full=1.5, timed_images_per_s=300.0, timed_token_ratio=0.94)
+    first, second = (row.to_dict("miou") for row in frontier_rows(points))
+    speed = ["speedup_vs_full", "timed_images_per_s", "timed_token_ratio"]
+    assert list(second)[10:] == [*speed, "train.lr", "model.levels"]
+    assert (second["speedup_vs_full"], second["timed_images_per_s"], second["timed_token_ratio"]) == (1.5, 300.0, 0.94)
+    assert (first["speedup_vs_full"], first["timed_images_per_s"], first["timed_token_ratio"]) == (None, None, None)
 
 
 def test_logged_models_are_named_by_their_point():

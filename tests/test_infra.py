@@ -101,7 +101,8 @@ def test_aws_cluster_has_a_cpu_head_and_autoscaling_gpu_workers():
     # the official Ray GPU image of this Ray version and Python 3.11, plus this project
     assert config["docker"]["image"] == RAY_IMAGE
     assert config["file_mounts"]["/home/ray/splitvit"] == "."
-    assert any("pip install" in c and "/home/ray/splitvit" in c for c in config["setup_commands"])
+    installs = [c for c in config["setup_commands"] if "pip install" in c]
+    assert any(c.endswith("-c /home/ray/splitvit/constraints.txt /home/ray/splitvit") for c in installs)
     # the dashboard stays on the head's loopback (reached through `ray dashboard`)
     start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in start and "--dashboard-port=8265" in start
@@ -381,9 +382,31 @@ def test_dockerfile_installs_the_project_on_the_official_ray_image():
     import sys
 
     deps = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "torch==" in deps and "timm" in deps
+    assert "torch" in deps and "timm" in deps
+    # at the builds `make` installs: constraints.txt, copied in with pyproject.toml
+    assert any(i == "COPY" and "constraints.txt" in a for i, a in steps)
+    assert "pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt" in runs
     ignored = (INFRA / "docker" / "Dockerfile.dockerignore").read_text().split()
     assert {".venv", ".git", "runs"} <= set(ignored)
+
+
+def _constraints() -> dict[str, Requirement]:
+    """constraints.txt: the exact builds `make`, the image and the cluster's nodes install."""
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    requirements = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    return {r.name: r for r in requirements}
+
+
+def test_constraints_pin_releases_the_project_accepts():
+    pins = _constraints()
+    assert {"torch", "torchvision"} <= set(pins)
+    for name, pin in pins.items():
+        (spec,) = pin.specifier
+        assert spec.operator == "==", f"{name}: a constraint pins one build"
+        assert spec.version in _project_requirement(name).specifier, f"{name}: outside the project's range"
+    # the library asks for ranges, so it installs beside another project's torch
+    assert all(s.operator != "==" for s in _project_requirement("torch").specifier)
+    assert "-c constraints.txt -e '.[test]'" in (ROOT / "Makefile").read_text()
 
 
 def test_mlflow_image_and_compose_run_serve_sh_with_a_health_check():

@@ -70,8 +70,6 @@ PENALTIES = ("squared", "hinge")
 TEACHERS = ("gradient", "attention")
 #: Which nodes the relevance teacher marks (:func:`splitvit.train.losses.relevance_targets`).
 TEACHER_TARGETS = ("per_level", "nested", "mixed")
-#: ``model.normalize`` values (:func:`splitvit.model.splitvit.input_data_config`).
-INPUT_NORMALIZATIONS = ("auto", "timm", "none")
 
 
 def quality_metric(task: str) -> str:
@@ -748,11 +746,6 @@ def validate(config: ExperimentConfig) -> None:
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
-    require(
-        m.normalize in INPUT_NORMALIZATIONS,
-        "model.normalize",
-        f"must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {m.normalize!r}",
-    )
     if m.checkpoint_path is not None:
         require(
             Path(m.checkpoint_path).expanduser().is_file(),

@@ -86,15 +86,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("  (empty: no trial completed)")
     if result.baselines:
-        trial = result.baselines[0].get("trial_id", "?")
-        print(f"\nbaselines on trial {trial}'s backbone, same data:")
+        print(f"\nbaselines on trial {result.baselines[0].trial_id}'s backbone, same data:")
         print_table(
             [
                 {
-                    "baseline": b["label"],
-                    "tokens/image": b["tokens_per_image"],
-                    metric: b["quality"],
-                    "token ratio": b["token_ratio"],
+                    "baseline": b.label,
+                    "tokens/image": b.tokens_per_image,
+                    metric: b.quality,
+                    "token ratio": b.token_ratio,
                 }
                 for b in result.baselines
             ],

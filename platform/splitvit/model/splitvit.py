@@ -48,7 +48,6 @@ from timm.data import resolve_model_data_config
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
-from ..config import INPUT_NORMALIZATIONS
 from .aggregation import FineAggregation
 from .heads import DenseHead, masked_pool
 from .packed import (
@@ -74,6 +73,8 @@ from .quadtree import (
 )
 
 TASKS = ("classification", "dense")
+#: ``normalize`` values of :func:`input_data_config` (``model.normalize`` in a config).
+INPUT_NORMALIZATIONS = ("auto", "timm", "none")
 ATTENTION_MODES = ("packed", "padded")
 #: Input sizes whose geometry a model keeps besides its own (a few sizes are typical).
 GEOMETRY_CACHE_SIZE = 8

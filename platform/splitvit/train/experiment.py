@@ -34,7 +34,7 @@ from ..config import (
 )
 from ..data import DATASET_NAMES
 from ..model import POLICY_NAMES, QuadtreeGeometry, SplitViT, validate_thresholds
-from ..model.splitvit import TASKS
+from ..model.splitvit import INPUT_NORMALIZATIONS, TASKS
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -81,9 +81,9 @@ def validate_experiment(config: ExperimentConfig) -> None:
 
 
 def _validate_model(m: ModelConfig) -> None:
-    """The model's checks: timm knows the name and takes ``timm_kwargs``, the policy
-    and task exist, the thresholds fit the levels, the image fits the quadtree, the
-    policy's depth and width fit the ViT, and SplitViT builds."""
+    """The model's checks: timm knows the name and takes ``timm_kwargs``, the policy,
+    task and input normalisation exist, the thresholds fit the levels, the image fits
+    the quadtree, the policy's depth and width fit the ViT, and SplitViT builds."""
     require(timm.is_model(m.name), "model.name", f"unknown timm model {m.name!r}")
     require(
         m.policy in POLICY_NAMES,
@@ -91,6 +91,11 @@ def _validate_model(m: ModelConfig) -> None:
         f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}",
     )
     require(m.task in TASKS, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
+    require(
+        m.normalize in INPUT_NORMALIZATIONS,
+        "model.normalize",
+        f"must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {m.normalize!r}",
+    )
     if m.thresholds != AUTO_THRESHOLDS:
         try:
             validate_thresholds(m.thresholds, m.levels)

@@ -8,11 +8,21 @@
   (on Optuna's own multi-objective code).
 """
 
-from .pareto import Point, annotate, best_point, dominates, frontier, hypervolume, pareto_indices
+from .pareto import Baseline, Point, annotate, best_point, dominates, frontier, hypervolume, pareto_indices
 from .space import Parameter, SearchSpace, SearchSpaceError, load_space, space_from_dict
-from .sweep import SweepError, SweepResult, TrialSummary, frontier_from_mlflow, frontier_rows, run_sweep
+from .sweep import (
+    FrontierRow,
+    SweepError,
+    SweepResult,
+    TrialSummary,
+    frontier_from_mlflow,
+    frontier_rows,
+    run_sweep,
+)
 
 __all__ = [
+    "Baseline",
+    "FrontierRow",
     "Parameter",
     "Point",
     "SearchSpace",

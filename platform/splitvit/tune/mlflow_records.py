@@ -39,7 +39,7 @@ from ..tracking import RunTracker
 from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, describe_experiment, missing_store, mlflow_client
 
 if TYPE_CHECKING:
-    from .pareto import Point
+    from .pareto import Baseline, Point
     from .space import SearchSpace
 
 log = logging.getLogger(__name__)
@@ -747,7 +747,7 @@ def sweep_note(
     reference: tuple[float, float],
     points: list[Point],
     best: Point | None,
-    baselines: list[dict[str, Any]],
+    baselines: list[Baseline],
     trial_status: dict[str, int],
     experiment_id: str,
     parent_run_id: str,
@@ -817,22 +817,20 @@ def sweep_note(
     return "\n".join(lines) + "\n"
 
 
-def _matched_baselines(baselines: list[dict[str, Any]], front: list[Point], metric: str) -> list[dict[str, Any]]:
+def _matched_baselines(baselines: list[Baseline], front: list[Point], metric: str) -> list[dict[str, Any]]:
     """Each baseline beside the best frontier quality at no more tokens per image (the
     SPLIT point one would pick at that budget); ``-`` where the frontier has none."""
     rows = []
-    for b in sorted(baselines, key=lambda b: b.get("tokens_per_image", 0.0)):
-        if "quality" not in b or "tokens_per_image" not in b:
-            continue
-        within = [p.quality for p in front if p.tokens_per_image <= b["tokens_per_image"] + 1e-9]
+    for b in sorted(baselines, key=lambda b: b.tokens_per_image):
+        within = [p.quality for p in front if p.tokens_per_image <= b.tokens_per_image + 1e-9]
         split = max(within) if within else float("nan")
         rows.append(
             {
-                "baseline": b.get("label") or b.get("baseline", ""),
-                "tokens/image": float(b["tokens_per_image"]),
-                metric: float(b["quality"]),
+                "baseline": b.label or b.baseline,
+                "tokens/image": float(b.tokens_per_image),
+                metric: float(b.quality),
                 "SPLIT within budget": split,
-                "SPLIT − baseline": split - float(b["quality"]),
+                "SPLIT − baseline": split - float(b.quality),
             }
         )
     return rows

@@ -6,7 +6,8 @@ study and ``study.best_trials`` returns the non-dominated ones. The hypervolume 
 the exact area in (quality, token ratio) space, by a sweep over the points (two
 objectives need no more; Optuna's own routine is private API), against
 :class:`~splitvit.tune.space.ParetoSettings`' reference point (default ``quality 0,
-token ratio 1``: the worst value of each objective).
+token ratio 1``: the worst value of each objective). :class:`Point` is a place on
+that plane; :class:`Baseline` a sweep's baseline on the same axes.
 """
 
 from __future__ import annotations
@@ -82,6 +83,75 @@ class Point:
         """The inverse of :meth:`to_dict` (keys it does not know are ignored)."""
         known = {f.name for f in fields(cls)} - {"quality"}
         return cls(quality=data[metric], **{k: v for k, v in data.items() if k in known})
+
+
+#: :class:`Baseline` figures a sweep may not have recorded (``None``: not in its JSON).
+_OPTIONAL_BASELINE_FIGURES = ("target_ratio", "images_per_s", "images", "fine_on_object", "object_coverage")
+
+
+@dataclass
+class Baseline:
+    """A sweep's baseline: the best point's backbone and data under another split policy
+    (:func:`splitvit.tune.stage_two.baselines`), on the same axes as the points.
+
+    Attributes:
+        baseline: the policy: ``full`` (every node splits: full resolution),
+            ``entropy`` (APT-style) or ``random`` (thresholds calibrated to a budget).
+        label: its name in tables and plots (``full resolution``, ``entropy t=0.5``,
+            ``random @ 0.42``).
+        quality: accuracy (classification) or mIoU (dense).
+        tokens_per_image: mean image tokens the encoder attended to.
+        token_ratio: tokens per image over full-resolution tokens.
+        thresholds: the per-level split thresholds it was evaluated at.
+        trial_id: the trial whose checkpoint (backbone) it ran on.
+        images_per_s: evaluation throughput (``None``: not recorded).
+        images: images evaluated (``None``: not recorded, older sweeps).
+        target_ratio: ``random`` only: the token ratio its thresholds were calibrated to.
+        fine_on_object: on data with object masks, the share of fine tokens on the object.
+        object_coverage: on data with object masks, the share of the object kept fine.
+    """
+
+    baseline: str
+    label: str
+    quality: float
+    tokens_per_image: float
+    token_ratio: float
+    thresholds: list[float]
+    trial_id: str
+    images_per_s: float | None = None
+    images: int | None = None
+    target_ratio: float | None = None
+    fine_on_object: float | None = None
+    object_coverage: float | None = None
+
+    def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
+        """JSON-ready dict (``baselines`` of ``sweep.json``, ``baselines.json``), keys in
+        the evaluation's order: the quality under both ``metric`` (``accuracy``/``miou``)
+        and ``quality``; the optional figures only where recorded."""
+        data = {
+            "baseline": self.baseline,
+            "label": self.label,
+            "target_ratio": self.target_ratio,
+            "tokens_per_image": self.tokens_per_image,
+            "token_ratio": self.token_ratio,
+            "images_per_s": self.images_per_s,
+            "images": self.images,
+            metric: self.quality,
+            "fine_on_object": self.fine_on_object,
+            "object_coverage": self.object_coverage,
+            "thresholds": self.thresholds,
+            "quality": self.quality,
+            "trial_id": self.trial_id,
+        }
+        return {k: v for k, v in data.items() if v is not None or k not in _OPTIONAL_BASELINE_FIGURES}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Baseline:
+        """The inverse of :meth:`to_dict`, also what :func:`~splitvit.tune.stage_two.baselines`
+        returns plus ``trial_id`` (keys it does not know, the metric's name among them,
+        are ignored: ``quality`` holds that figure)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @contextlib.contextmanager

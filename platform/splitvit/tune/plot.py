@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .pareto import Point, frontier
+from .pareto import Baseline, Point, frontier
 
 #: A legend to the right of the axes, its top at the axes' top.
 _LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0, "fontsize": 8}
@@ -21,7 +21,7 @@ _LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderax
 
 def pareto_figure(
     points: list[Point],
-    baselines: list[dict[str, Any]],
+    baselines: list[Baseline],
     *,
     metric: str = "accuracy",
     hypervolume: float | None = None,
@@ -87,11 +87,11 @@ def pareto_figure(
         "random": ("x:", "#7f7f7f", "random splitting, matched budgets"),
     }
     for kind, (fmt, colour, label) in styles.items():
-        rows = sorted((b for b in baselines if b.get("baseline") == kind), key=lambda b: b["tokens_per_image"])
+        rows = sorted((b for b in baselines if b.baseline == kind), key=lambda b: b.tokens_per_image)
         if rows:
             ax.plot(
-                [b["tokens_per_image"] for b in rows],
-                [b["quality"] for b in rows],
+                [b.tokens_per_image for b in rows],
+                [b.quality for b in rows],
                 fmt,
                 color=colour,
                 ms=6,
@@ -99,9 +99,9 @@ def pareto_figure(
                 zorder=3,
             )
     for b in baselines:
-        if b.get("baseline") == "full":
+        if b.baseline == "full":
             ax.scatter(
-                [b["tokens_per_image"]], [b["quality"]], s=160, marker="*", c="black", label="full resolution", zorder=6
+                [b.tokens_per_image], [b.quality], s=160, marker="*", c="black", label="full resolution", zorder=6
             )
     ax.set_xlabel("tokens per image")
     ax.set_ylabel(metric)
@@ -168,8 +168,8 @@ def save_frontier_plot(frontier: dict[str, Any], path: str | Path) -> Path:
 
     metric = frontier["metric"]
     points = [Point.from_dict(p, metric) for p in frontier["points"]]
-    baselines = list(frontier.get("baselines") or [])
-    full = next((b["tokens_per_image"] for b in baselines if b.get("baseline") == "full"), None)
+    baselines = [Baseline.from_dict(b) for b in frontier.get("baselines") or []]
+    full = next((b.tokens_per_image for b in baselines if b.baseline == "full"), None)
     sweeps = frontier.get("sweeps") or []
     names = frontier.get("sweep_names") or {}
     which = (names.get(sweeps[0]) or sweeps[0]) if len(sweeps) == 1 else f"{len(sweeps)} sweeps"
@@ -200,7 +200,7 @@ def _full_tokens(points: list[Point]) -> float | None:
 
 def pareto_html(
     points: list[Point],
-    baselines: list[dict[str, Any]],
+    baselines: list[Baseline],
     *,
     metric: str = "accuracy",
     title: str = "",
@@ -217,9 +217,9 @@ def pareto_html(
     from html import escape
 
     usable = [p for p in points if p.finite]
-    rows = [b for b in baselines if _finite(b.get("tokens_per_image")) and _finite(b.get(metric))]
-    xs = [p.tokens_per_image for p in usable] + [float(b["tokens_per_image"]) for b in rows]
-    ys = [p.quality for p in usable] + [float(b[metric]) for b in rows]
+    rows = [b for b in baselines if _finite(b.tokens_per_image) and _finite(b.quality)]
+    xs = [p.tokens_per_image for p in usable] + [b.tokens_per_image for b in rows]
+    ys = [p.quality for p in usable] + [b.quality for b in rows]
     width, height, pad = 760, 440, 60
     if not xs:
         return f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title><p>No finished point to draw.</p>"
@@ -273,11 +273,11 @@ def pareto_html(
             f"stroke='white'><title>{tip(p)}</title></circle>"
         )
     for b in rows:
-        bx, by, name = sx(float(b["tokens_per_image"])), sy(float(b[metric])), escape(str(b.get("baseline", "")))
+        bx, by, name = sx(b.tokens_per_image), sy(b.quality), escape(b.label)
         svg.append(
             f"<g stroke='#333'><line x1='{bx - 5:.1f}' y1='{by - 5:.1f}' x2='{bx + 5:.1f}' y2='{by + 5:.1f}'/>"
             f"<line x1='{bx - 5:.1f}' y1='{by + 5:.1f}' x2='{bx + 5:.1f}' y2='{by - 5:.1f}'/>"
-            f"<title>{name}: {metric} {float(b[metric]):.4f} at {float(b['tokens_per_image']):.1f} tokens</title></g>"
+            f"<title>{name}: {metric} {b.quality:.4f} at {b.tokens_per_image:.1f} tokens</title></g>"
             f"<text x='{bx + 7:.1f}' y='{by - 6:.1f}' font-size='10'>{name}</text>"
         )
     svg.append("</svg>")

@@ -78,7 +78,7 @@ from .mlflow_records import (
     sweep_note,
     sweep_params,
 )
-from .pareto import Point, annotate, best_point, frontier, round_figures
+from .pareto import Baseline, Point, annotate, best_point, frontier, round_figures
 from .space import SearchSpace, load_space
 from .trial import (
     FINAL_KEY,
@@ -126,7 +126,7 @@ class SweepResult:
     sweep_dir: str
     metric: str
     points: list[Point]
-    baselines: list[dict[str, Any]]
+    baselines: list[Baseline]
     hypervolume: float
     reference_point: dict[str, float]
     trials: list[TrialSummary]
@@ -176,7 +176,7 @@ class SweepResult:
             "reference_point": self.reference_point,
             "points": [p.to_dict(self.metric) for p in self.points],
             "frontier": [p.to_dict(self.metric) for p in self.frontier()],
-            "baselines": self.baselines,
+            "baselines": [b.to_dict(self.metric) for b in self.baselines],
             "trials": [asdict(t) for t in self.trials],
             "mlflow": {
                 "tracking_uri": redact_uri(self.tracking_uri),
@@ -778,7 +778,7 @@ def _finish(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, 
         sweep.reference[0],
         sweep.reference[1],
     )
-    baselines: list[dict[str, Any]] = []
+    baselines: list[Baseline] = []
     if best is not None and space.baselines.enabled:
         baselines = _run_baselines(space, sweep.plan, best, front)
     speed = _time_frontier(space, sweep.plan, front, best) if front and space.speed.enabled else None
@@ -892,7 +892,7 @@ def _record_failed_trial(sweep: _Sweep, trial: TrialSummary, config_params: dict
 
 
 def _sweep_result(
-    sweep: _Sweep, trials: list[TrialSummary], points: list[Point], baselines: list[dict[str, Any]], hypervolume: float
+    sweep: _Sweep, trials: list[TrialSummary], points: list[Point], baselines: list[Baseline], hypervolume: float
 ) -> SweepResult:
     """The sweep's result, before its artifacts (plot, tables, split map) are written."""
     setup, recorder = sweep.setup, sweep.recorder
@@ -930,7 +930,7 @@ def _log_sweep_artifacts(
     speed-ups and the tables: on the parent run and in ``local_dir``, their paths in
     ``result``. Returns the parent's speed metrics (none without a timing)."""
     space, recorder = sweep.space, sweep.recorder
-    full_tokens = next((b["tokens_per_image"] for b in result.baselines if b.get("baseline") == "full"), None)
+    full_tokens = next((b.tokens_per_image for b in result.baselines if b.baseline == "full"), None)
     recorder.mark_frontier(result.points)
     if best is not None:
         _log_models(space, recorder, front, best)
@@ -1003,7 +1003,7 @@ def _close_sweep_run(
         recorder.close("failed", tags={"splitvit.error": "no trial completed"})
 
 
-def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[dict[str, Any]]:
+def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[Baseline]:
     """Baselines on the best point's backbone (on a GPU where training had them)."""
     from .stage_two import baselines as evaluate_baselines
 
@@ -1027,10 +1027,7 @@ def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list
         samples=space.baselines.samples,
         seed=space.search.seed,
     )
-    for row in rows:
-        row["trial_id"] = best.trial_id
-        row[space.quality_metric] = row["quality"]
-    return rows
+    return [Baseline.from_dict({**row, "trial_id": best.trial_id}) for row in rows]
 
 
 def _time_frontier(
@@ -1104,11 +1101,11 @@ def _record_speed(
                 )
             except Exception as exc:  # noqa: BLE001 - MLflow trouble must not lose the frontier
                 log.warning("could not record the speed-up of point %s: %s", point.run_id, exc)
-    full = next((b for b in result.baselines if b.get("baseline") == "full"), None)
+    full = next((b for b in result.baselines if b.baseline == "full"), None)
     fig = speed_figure(
         result.points,
         metric=result.metric,
-        full_quality=full["quality"] if full else None,
+        full_quality=full.quality if full else None,
         title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed['device']}, "
         f"batch {speed['batch_size']})",
     )
@@ -1129,7 +1126,7 @@ def _record_speed(
         metrics["speedup_best_point"] = best.extras["speedup_vs_full"]
     if full is not None:
         # the fastest frontier point within one point of full resolution's quality
-        close = [p for p in timed if p.quality >= full["quality"] - 0.01]
+        close = [p for p in timed if p.quality >= full.quality - 0.01]
         if close:
             metrics["speedup_within_1pt_of_full"] = max(p.extras["speedup_vs_full"] for p in close)
     return metrics
@@ -1266,36 +1263,87 @@ def _save_figure(fig, path: Path, recorder: SweepRecorder) -> str:
     return str(path)
 
 
-def frontier_rows(points: list[Point], metric: str) -> list[dict[str, Any]]:
-    """The frontier as table rows (by tokens per image), searched parameters as columns."""
-    rows = []
+@dataclass
+class FrontierRow:
+    """A row of the frontier table (``frontier.csv``, the parent run's ``frontier.json``):
+    a frontier point with its rank by tokens per image.
+
+    Attributes:
+        rank: 0 for the fewest tokens per image.
+        tokens_per_image, quality, token_ratio, kind, trial_id, thresholds,
+            hv_contribution, run_id, model_uri: the point's (:class:`~splitvit.tune.pareto.Point`).
+        params: the trial's searched parameters, one column each.
+        timed: the sweep timed its frontier, so the table has the measured columns
+            (``speedup_vs_full``, ``timed_images_per_s``, ``timed_token_ratio``: a
+            timed point's ``extras``; ``None`` for a point left untimed).
+    """
+
+    rank: int
+    tokens_per_image: float
+    quality: float
+    token_ratio: float
+    kind: str
+    trial_id: str
+    thresholds: list[float]
+    hv_contribution: float
+    run_id: str | None
+    model_uri: str | None
+    params: dict[str, Any]
+    timed: bool = False
+    speedup_vs_full: float | None = None
+    timed_images_per_s: float | None = None
+    timed_token_ratio: float | None = None
+
+    def to_dict(self, metric: str) -> dict[str, Any]:
+        """The table row: the quality named ``metric``, the thresholds and list or dict
+        parameters as JSON text (one cell each), the parameters last."""
+        return {
+            "rank": self.rank,
+            "tokens_per_image": self.tokens_per_image,
+            metric: self.quality,
+            "token_ratio": self.token_ratio,
+            "kind": self.kind,
+            "trial_id": self.trial_id,
+            "thresholds": json.dumps([round(t, 4) for t in self.thresholds]),
+            "hv_contribution": self.hv_contribution,
+            "run_id": self.run_id,
+            "model_uri": self.model_uri,
+            **(
+                {
+                    "speedup_vs_full": self.speedup_vs_full,
+                    "timed_images_per_s": self.timed_images_per_s,
+                    "timed_token_ratio": self.timed_token_ratio,
+                }
+                if self.timed
+                else {}
+            ),
+            **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in self.params.items()},
+        }
+
+
+def frontier_rows(points: list[Point]) -> list[FrontierRow]:
+    """The frontier as table rows, by tokens per image."""
     timed = any("speedup_vs_full" in p.extras for p in points)  # measured speed-up columns
-    for rank, p in enumerate(frontier(points)):
-        rows.append(
-            {
-                "rank": rank,
-                "tokens_per_image": p.tokens_per_image,
-                metric: p.quality,
-                "token_ratio": p.token_ratio,
-                "kind": p.kind,
-                "trial_id": p.trial_id,
-                "thresholds": json.dumps([round(t, 4) for t in p.thresholds]),
-                "hv_contribution": p.hv_contribution,
-                "run_id": p.run_id,
-                "model_uri": p.model_uri,
-                **(
-                    {
-                        "speedup_vs_full": p.extras.get("speedup_vs_full"),
-                        "timed_images_per_s": p.extras.get("timed_images_per_s"),
-                        "timed_token_ratio": p.extras.get("timed_token_ratio"),
-                    }
-                    if timed
-                    else {}
-                ),
-                **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in p.params.items()},
-            }
+    return [
+        FrontierRow(
+            rank=rank,
+            tokens_per_image=p.tokens_per_image,
+            quality=p.quality,
+            token_ratio=p.token_ratio,
+            kind=p.kind,
+            trial_id=p.trial_id,
+            thresholds=p.thresholds,
+            hv_contribution=p.hv_contribution,
+            run_id=p.run_id,
+            model_uri=p.model_uri,
+            params=p.params,
+            timed=timed,
+            speedup_vs_full=p.extras.get("speedup_vs_full"),
+            timed_images_per_s=p.extras.get("timed_images_per_s"),
+            timed_token_ratio=p.extras.get("timed_token_ratio"),
         )
-    return rows
+        for rank, p in enumerate(frontier(points))
+    ]
 
 
 def _csv(rows: list[dict[str, Any]]) -> str:
@@ -1309,7 +1357,7 @@ def _csv(rows: list[dict[str, Any]]) -> str:
 
 
 def _tables(result: SweepResult, recorder: SweepRecorder, local_dir: Path) -> str:
-    rows = frontier_rows(result.points, result.metric)
+    rows = [row.to_dict(result.metric) for row in frontier_rows(result.points)]
     all_rows = [
         {
             **{k: v for k, v in p.to_dict(result.metric).items() if k not in ("params", "extras")},
@@ -1322,7 +1370,8 @@ def _tables(result: SweepResult, recorder: SweepRecorder, local_dir: Path) -> st
     frontier_csv = local_dir / "frontier.csv"
     frontier_csv.write_text(_csv(rows) if rows else "")
     (local_dir / "points.csv").write_text(_csv(all_rows) if all_rows else "")
-    (local_dir / "baselines.json").write_text(json.dumps(result.baselines, indent=2, default=str) + "\n")
+    baselines = [b.to_dict(result.metric) for b in result.baselines]
+    (local_dir / "baselines.json").write_text(json.dumps(baselines, indent=2, default=str) + "\n")
     recorder.log_table(rows, "frontier.json")
     for file in ("frontier.csv", "points.csv", "baselines.json"):
         recorder.log_artifact(str(local_dir / file))
@@ -1382,14 +1431,14 @@ def frontier_from_mlflow(
         "reference_point": {"quality": data["reference"][0], "token_ratio": data["reference"][1]},
         "points": [p.to_dict(metric) for p in points],
         "frontier": [p.to_dict(metric) for p in frontier(points)],
-        "baselines": baselines,
+        "baselines": [b.to_dict(metric) for b in baselines],
         "speed": data["speed"],
     }
 
 
-def _read_baselines(tracking_uri: str, sweep_run_id: str) -> list[dict[str, Any]]:
+def _read_baselines(tracking_uri: str, sweep_run_id: str) -> list[Baseline]:
     """A sweep's ``baselines.json`` (empty when it has none: baselines off, or a sweep
-    that did not finish)."""
+    that did not finish, or when it cannot be read)."""
     import tempfile
 
     from ..tracking.runs import mlflow_client
@@ -1398,7 +1447,7 @@ def _read_baselines(tracking_uri: str, sweep_run_id: str) -> list[dict[str, Any]
         with tempfile.TemporaryDirectory() as tmp:
             path = mlflow_client(tracking_uri).download_artifacts(sweep_run_id, "baselines.json", tmp)
             rows = json.loads(Path(path).read_text())
+        return [Baseline.from_dict(row) for row in rows] if isinstance(rows, list) else []
     except Exception as exc:  # noqa: BLE001 - the frontier stands without its baselines
         log.debug("no baselines for sweep %s: %s", sweep_run_id, exc)
         return []
-    return rows if isinstance(rows, list) else []
