@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import TRACKING_HELP, common_options, model_source, parse_thresholds
+from .options import TRACKING_HELP, common_options, model_source
 from .output import emit, print_table
 
 
@@ -39,9 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster.preflight import preflight_eval
     from ..train.evaluation import evaluate_checkpoint
 
-    checkpoint, thresholds = model_source(
-        args.checkpoint, parse_thresholds(args.thresholds), getattr(args, "tracking_uri", None)
-    )
+    checkpoint, thresholds = model_source(args, args.checkpoint)
     preflight_eval(checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
     result = evaluate_checkpoint(
         checkpoint,

@@ -61,19 +61,20 @@ def number_list(option: str, text: str | None, kind: type = float) -> tuple | No
         raise ValueError(f"{option}: expected comma-separated {kind.__name__}s, got {text!r}") from None
 
 
-def model_source(
-    source: str, thresholds: list[float] | None, tracking_uri: str | None
-) -> tuple[str, list[float] | None]:
+def model_source(args: argparse.Namespace, source: str | None) -> tuple[str | None, list[float] | None]:
     """``(checkpoint, thresholds)`` for a command that takes a checkpoint: a path or
     ``s3://`` URI as it is; an MLflow ``models:/`` or ``runs:/`` URI resolved to its
-    run's checkpoint and the thresholds its model was recorded with (``thresholds``
-    given on the command line win)."""
+    run's checkpoint and the thresholds its model was recorded with (``--thresholds``
+    given on the command line win). Only a URI makes the command use MLflow: otherwise
+    its envelope names no store."""
     from ..tracking.model_uris import is_model_uri, resolve_model_uri
 
-    if not is_model_uri(source):
+    thresholds = parse_thresholds(args.thresholds)
+    if source is None or not is_model_uri(source):
+        args.report.mlflow = {}
         return source, thresholds
     from ..config import ExperimentConfig
 
-    resolved = resolve_model_uri(source, tracking_uri or ExperimentConfig().tracking_uri())
+    resolved = resolve_model_uri(source, args.tracking_uri or ExperimentConfig().tracking_uri())
     print(f"{source}: run {resolved.run_id}, checkpoint {resolved.checkpoint}")
     return resolved.checkpoint, thresholds if thresholds is not None else resolved.thresholds

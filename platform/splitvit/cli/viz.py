@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import TRACKING_HELP, common_options, model_source, parse_thresholds
+from .options import TRACKING_HELP, common_options, model_source
 from .output import emit
 
 
@@ -40,9 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from ..train.checkpoints import load_payload, model_from_payload
     from ..train.demo import build_demo_model
 
-    thresholds = parse_thresholds(args.thresholds)
-    if args.checkpoint:
-        checkpoint, thresholds = model_source(args.checkpoint, thresholds, getattr(args, "tracking_uri", None))
+    checkpoint, thresholds = model_source(args, args.checkpoint)
+    if checkpoint:
         overrides = {"policy": args.policy} if args.policy else {}
         # a missing, truncated or foreign file is one error line naming it
         model = model_from_payload(load_payload(checkpoint), checkpoint, **overrides)
