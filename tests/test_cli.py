@@ -357,7 +357,8 @@ def test_pareto_reads_the_latest_sweep_or_all_and_draws_them(tmp_path, capsys):
 def test_pareto_on_a_missing_store_fails_in_the_envelope_and_creates_nothing(tmp_path):
     db = tmp_path / "nowhere" / "mlflow.db"
     out = tmp_path / "pareto.json"
-    assert main(["pareto", "sweeps", "--tracking-uri", f"sqlite:///{db}", "--json", str(out)]) == 1
+    # bad input, as the README says: exit 2
+    assert main(["pareto", "sweeps", "--tracking-uri", f"sqlite:///{db}", "--json", str(out)]) == 2
     data = json.loads(out.read_text())
     assert data["status"] == "failed" and "no MLflow store" in data["error"]
     assert not db.parent.exists()

@@ -36,10 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate the checkpoint on the experiment's data and print the figures."""
+    checkpoint, thresholds = model_source(args, args.checkpoint)  # a mistyped path: before torch loads
     from ..cluster.preflight import preflight_eval
     from ..train.evaluation import evaluate_checkpoint
 
-    checkpoint, thresholds = model_source(args, args.checkpoint)
     preflight_eval(checkpoint, args.device)  # the device, an s3:// checkpoint's endpoint: seconds
     result = evaluate_checkpoint(
         checkpoint,

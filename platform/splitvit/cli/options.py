@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def common_options(mlflow: str | None) -> argparse.ArgumentParser:
@@ -72,9 +73,24 @@ def model_source(args: argparse.Namespace, source: str | None) -> tuple[str | No
     thresholds = parse_thresholds(args.thresholds)
     if source is None or not is_model_uri(source):
         args.report.mlflow = {}
+        local = source[len("file://") :] if source and source.startswith("file://") else source
+        if local and "://" not in local and not Path(local).expanduser().exists():
+            # before torch loads: a mistyped path is one line in a second
+            raise FileNotFoundError(f"no checkpoint at {source} (a checkpoint folder holding model.pt, or the file)")
         return source, thresholds
     from ..config import ExperimentConfig
 
     resolved = resolve_model_uri(source, args.tracking_uri or ExperimentConfig().tracking_uri())
     print(f"{source}: run {resolved.run_id}, checkpoint {resolved.checkpoint}")
     return resolved.checkpoint, thresholds if thresholds is not None else resolved.thresholds
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (``--count 0`` is bad input, said at once)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

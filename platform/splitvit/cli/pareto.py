@@ -29,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the frontier of the latest sweep (or all of them), optionally draw it."""
+    from ..tracking.runs import missing_store
+
+    if args.tracking_uri and (missing := missing_store(args.tracking_uri)):
+        raise FileNotFoundError(missing)  # before Ray and MLflow load; nothing is created
     from ..tune import frontier_from_mlflow
 
     data = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep, all_sweeps=args.all_sweeps)

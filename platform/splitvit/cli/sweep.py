@@ -46,6 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or resume) the sweep, print its frontier, baselines and where MLflow has it."""
+    from ..tune.space import load_space
+
+    # the space file's and the settings' mistakes, before Ray, torch and MLflow load
+    load_space(args.space, overrides(args))
     import ray
 
     from ..tune import SweepError, run_sweep

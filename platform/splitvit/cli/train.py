@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the config and the cluster, train, print the final metrics; exit 1 unless completed."""
+    from ..config import load_config
+
+    load_config(args.config, overrides(args))  # the file's and the settings' mistakes, before torch loads
     from ..train.experiment import load_experiment
     from ..train.ray_trainer import run_training
 

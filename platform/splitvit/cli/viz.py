@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import TRACKING_HELP, common_options, model_source
+from .options import TRACKING_HELP, common_options, model_source, positive_int
 from .output import emit
 
 
@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--thresholds", help="per-level thresholds t0,t1,... in [0, 1]")
     p.add_argument("--dataset", default="synthetic", help="dataset the images come from (its val split)")
     p.add_argument("--root", help="dataset folder or shard URI, for datasets read from files")
-    p.add_argument("--count", type=int, default=8, help="number of images")
+    p.add_argument("--count", type=positive_int, default=8, help="number of images (>= 1)")
     p.add_argument("--seed", type=int, default=1, help="dataset seed of the images drawn")
     p.add_argument("--out", default="split_maps.png", help="PNG to write")
     p.add_argument("--json", help="write tokens per image to this JSON file")
@@ -33,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Draw the split maps of ``--count`` images and report their token counts."""
+    checkpoint, thresholds = model_source(args, args.checkpoint)  # a mistyped path: before torch loads
     import torch
 
     from ..data import build_dataset
@@ -40,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
     from ..train.checkpoints import load_payload, model_from_payload
     from ..train.demo import build_demo_model
 
-    checkpoint, thresholds = model_source(args, args.checkpoint)
     if checkpoint:
         overrides = {"policy": args.policy} if args.policy else {}
         # a missing, truncated or foreign file is one error line naming it

@@ -10,15 +10,20 @@
 
 from .pareto import Baseline, Point, annotate, best_point, dominates, frontier, hypervolume, pareto_indices
 from .space import Parameter, SearchSpace, SearchSpaceError, load_space, space_from_dict
-from .sweep import (
-    FrontierRow,
-    SweepError,
-    SweepResult,
-    TrialSummary,
-    frontier_from_mlflow,
-    frontier_rows,
-    run_sweep,
-)
+
+# The sweep driver imports Ray, torch and MLflow; the space and the frontier math do
+# not. It loads on first use, so a search space's mistakes are reported in a second.
+_SWEEP = ("FrontierRow", "SweepError", "SweepNotFound", "SweepResult", "TrialSummary")
+_SWEEP += ("frontier_from_mlflow", "frontier_rows", "run_sweep")
+
+
+def __getattr__(name: str):
+    if name in _SWEEP:
+        from . import sweep
+
+        return getattr(sweep, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Baseline",
@@ -28,6 +33,7 @@ __all__ = [
     "SearchSpace",
     "SearchSpaceError",
     "SweepError",
+    "SweepNotFound",
     "SweepResult",
     "TrialSummary",
     "annotate",

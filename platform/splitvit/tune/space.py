@@ -50,7 +50,6 @@ from ..config import (
     set_dotted,
     split_key,
 )
-from ..train.experiment import experiment_from_dict
 
 DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
 SAMPLERS = ("tpe", "nsga2", "random")
@@ -296,14 +295,26 @@ class SearchSpace:
         return raw
 
     def config(
-        self, params: dict[str, Any] | None = None, overrides: list[str] | None = None, name: str = "sweep"
+        self,
+        params: dict[str, Any] | None = None,
+        overrides: list[str] | None = None,
+        name: str = "sweep",
+        *,
+        settings_only: bool = False,
     ) -> ExperimentConfig:
         """The fully validated experiment config of one point of the space
         (:func:`~splitvit.train.experiment.experiment_from_dict`).
 
         ``params`` holds sampled values by parameter name (decoded: what the config
-        takes); the fixed values always apply. Raises :class:`ConfigError`.
+        takes); the fixed values always apply. ``settings_only``: the checks of the
+        settings alone (types, ranges: :meth:`ExperimentConfig.from_dict`), without
+        those that need timm and the model. Raises :class:`ConfigError`.
         """
+        if settings_only:
+            return ExperimentConfig.from_dict(self.raw_config(params), overrides, default_name=name)
+        # imported here: it loads torch and timm, which the settings' own checks do not need
+        from ..train.experiment import experiment_from_dict
+
         return experiment_from_dict(self.raw_config(params), overrides, default_name=name)
 
     def decode(self, sampled: dict[str, Any]) -> dict[str, Any]:
@@ -712,9 +723,9 @@ def _validate_against_config(space: SearchSpace) -> None:
     """
     src = space.source
 
-    def check(params: dict[str, Any], suspects: list[str], what: str) -> None:
+    def check(params: dict[str, Any], suspects: list[str], what: str, settings_only: bool) -> None:
         try:
-            space.config(params)
+            space.config(params, settings_only=settings_only)
         except ConfigError as exc:
             owner = _owner(space, exc.key, suspects, exc.reason)
             if owner is None:
@@ -735,16 +746,20 @@ def _validate_against_config(space: SearchSpace) -> None:
     numeric = {n: p for n, p in space.parameters.items() if p.distribution != "categorical"}
     categorical = {n: p for n, p in space.parameters.items() if p.distribution == "categorical"}
     first_choice = {n: p.choices[0] for n, p in categorical.items()}
-    for bound in ("low", "high"):
-        params = {n: p.decode(getattr(p, bound)) for n, p in numeric.items()}
-        check({**params, **first_choice}, list(numeric) + list(categorical), f"its {bound} bound")
     lows = {n: p.decode(p.low) for n, p in numeric.items()}
-    for name, param in categorical.items():
-        for choice in param.choices[1:]:
-            check({**lows, **first_choice, name: choice}, [name], f"choice {choice!r}")
-    for i, point in enumerate(space.search.initial_points):
-        check(
-            space.decode({k: space.parameters[k].encode(v) for k, v in point.items()}),
-            list(point),
-            f"search.initial_points[{i}]",
-        )
+    # the settings' own checks first, at every point (a mistake there is reported in a
+    # second); then the checks that need timm and the model
+    for settings_only in (True, False):
+        for bound in ("low", "high"):
+            params = {n: p.decode(getattr(p, bound)) for n, p in numeric.items()}
+            check({**params, **first_choice}, list(numeric) + list(categorical), f"its {bound} bound", settings_only)
+        for name, param in categorical.items():
+            for choice in param.choices[1:]:
+                check({**lows, **first_choice, name: choice}, [name], f"choice {choice!r}", settings_only)
+        for i, point in enumerate(space.search.initial_points):
+            check(
+                space.decode({k: space.parameters[k].encode(v) for k, v in point.items()}),
+                list(point),
+                f"search.initial_points[{i}]",
+                settings_only,
+            )

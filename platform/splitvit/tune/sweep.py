@@ -199,6 +199,10 @@ class SweepError(RuntimeError):
     """A sweep could not run or finish (nothing to resume, no trial completed...)."""
 
 
+class SweepNotFound(SweepError, ValueError):
+    """Bad input: the MLflow store, experiment or sweep named is not there (exit 2)."""
+
+
 # ---------------------------------------------------------------------- Tune pieces
 def trial_dirname(trial) -> str:
     """Trial folders are named by trial id (the Train run and MLflow keys use it too)."""
@@ -1413,7 +1417,7 @@ def frontier_from_mlflow(
     try:
         data = points_from_mlflow(uri, experiment, sweep_run_id, all_sweeps=all_sweeps)
     except ValueError as exc:  # missing store, experiment or sweep: one line for the command line
-        raise SweepError(str(exc)) from None
+        raise SweepNotFound(str(exc)) from None
     except (MlflowException, OSError) as exc:  # a server that does not answer (requests' errors are OSErrors)
         raise SweepError(f"could not read MLflow store {redact_uri(uri)}: {type(exc).__name__}: {exc}") from None
     points: list[Point] = data["points"]
