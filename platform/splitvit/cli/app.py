@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -100,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         name, mlflow={"tracking_uri": args.tracking_uri} if getattr(args, "uses_mlflow", False) else {}
     )
     started = time.monotonic()
+    json_path = getattr(args, "json", None)
+    if json_path and not Path(json_path).expanduser().resolve().parent.is_dir():
+        # found before anything starts, not after an hour of training
+        print(
+            f"splitvit {name}: error: --json {json_path}: folder {Path(json_path).parent} does not exist",
+            file=sys.stderr,
+        )
+        return 2
     code = 1
     previous = _handle_signals()
     try:
