@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -348,6 +349,12 @@ def _writable_folder(folder: Path) -> str | None:
         return f"{probe} is not a folder"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable" + ("" if probe == folder else f" (so {folder} cannot be created)")
+    # permissions can say yes where the file system says no (/proc, a read-only mount):
+    # a folder made and removed again is the real test
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".splitvit-preflight-", dir=probe))
+    except OSError as exc:
+        return f"{probe} cannot hold new folders ({exc.strerror or exc})"
     return None
 
 

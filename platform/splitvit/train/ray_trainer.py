@@ -139,14 +139,17 @@ def init_ray(address: str | None = None, *, worker_logs: bool = True) -> None:
     # (splitvit's: SIGTERM ends runs KILLED and says what was kept, as Ctrl-C does)
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+    # Ray's own driver log lines (its start, its token-auth notice) follow the process's
+    # level: shown with -v (INFO), else only Ray's errors
+    level = logging.INFO if logging.getLogger().isEnabledFor(logging.INFO) else logging.ERROR
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or "auto", log_to_driver=worker_logs)
+        ray.init(address=address or "auto", log_to_driver=worker_logs, logging_level=level)
     else:
         # the embedded default: Ray on this machine, dashboard on 127.0.0.1 (Ray Train
         # V2 also watches its controller through the dashboard's state API). "local",
         # not ray.init()'s default: that joins the last `ray start` cluster on the
         # machine (/tmp/ray/ray_current_cluster), someone else's maybe.
-        ray.init(address="local", log_to_driver=worker_logs)
+        ray.init(address="local", log_to_driver=worker_logs, logging_level=level)
     if callable(sigterm) and getattr(sigterm, "__module__", "").startswith("splitvit"):
         signal.signal(signal.SIGTERM, sigterm)
 
