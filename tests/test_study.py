@@ -16,24 +16,12 @@ from mlflow import MlflowClient
 from splitvit.cli import main as cli
 from splitvit.config import ConfigError
 from splitvit.model import SplitViT
+from splitvit.study.goals import aggregate, check_goals, lever_table, matched_point, reference_convergence, study_time
+from splitvit.study.report import lever_lines, reuse_phrase, summary_lines
+from splitvit.study.runs import STUDY_RESULT_FILE, stale_runs, study_run
+from splitvit.study.spec import Goals, load_study
 from splitvit.train.checkpoints import init_weights
 from splitvit.tune.space import SearchSpaceError
-from splitvit.tune.study import (
-    STUDY_RESULT_FILE,
-    Goals,
-    aggregate,
-    check_goals,
-    lever_lines,
-    lever_table,
-    load_study,
-    matched_point,
-    reference_convergence,
-    reuse_phrase,
-    stale_runs,
-    study_run,
-    study_time,
-    summary_lines,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -758,8 +746,8 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
     import time
 
     from splitvit.errors import Interrupted
+    from splitvit.study.ray_executor import _tune_grid
     from splitvit.tune.console import RAY_TUNE_LOGGER
-    from splitvit.tune.study import _tune_grid
 
     spec = load_study(write_study(tmp_path))
     driver = os.getpid()

@@ -3,9 +3,9 @@ for a lent GPU machine that has PyTorch and timm but not the platform's cluster 
 (see ``infra/gpu-check/run.sh``).
 
 The study is the one ``splitvit study`` runs, on the same code path
-(:func:`splitvit.tune.study.execute_study`: the same file, scale and overrides, runs,
+(:func:`splitvit.study.execute.execute_study`: the same file, scale and overrides, runs,
 stored-result reuse, evaluation at matched token ratios, aggregation, goals and speed
-comparison); only the executor differs (:mod:`splitvit.tune.study_local`): each run is
+comparison); only the executor differs (:mod:`splitvit.study.local`): each run is
 trained by ``fit_local`` with the config's schedule (bf16 autocast, AdamW, warm-up +
 cosine, gradient clipping, auto thresholds calibrated each epoch), in a pool of
 processes that share the GPU. MLflow only with ``--tracking-uri``. Its JSON has the
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan and args.budget_s is None:
         parser.error("--plan needs --budget-s (the seconds the study may take)")
     from splitvit.config import ConfigError
+    from splitvit.study.local import load_local_study, plan_epochs, run_study_local
+    from splitvit.study.spec import StudyError
     from splitvit.tune.space import SearchSpaceError
-    from splitvit.tune.study import StudyError
-    from splitvit.tune.study_local import load_local_study, plan_epochs, run_study_local
 
     started = time.time()
     try:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_table(result: dict[str, Any]) -> None:
-    from splitvit.tune.study import lever_lines, reuse_phrase, summary_lines
+    from splitvit.study.report import lever_lines, reuse_phrase, summary_lines
 
     metric = result["metric"]
     print(

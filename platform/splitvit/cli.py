@@ -1023,10 +1023,12 @@ def _add_study(sub) -> None:
 def _run_study(args) -> int:
     import ray
 
+    from .study.ray_executor import run_study
+    from .study.report import lever_lines, reuse_phrase, summary_lines
     from .tune.console import show_ray_output
-    from .tune.study import lever_lines, reuse_phrase, run_study, summary_lines
 
-    logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for logger in ("splitvit.study", "splitvit.tune"):
+        logging.getLogger(logger).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
     ours = not ray.is_initialized()
     try:

@@ -8,7 +8,7 @@ runs of both studies under runs/):
 import glob
 import sys
 
-from splitvit.tune.study import speed_comparison
+from splitvit.study.speed import speed_comparison
 
 PAIRS = {"main (2 epochs)": "runs/study_fashion/train", "e4 (4 epochs)": "runs/study_e4/train"}
 

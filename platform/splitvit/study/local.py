@@ -1,5 +1,5 @@
 """The study on one machine, without Ray: the same code path as ``splitvit study``
-(:func:`~splitvit.tune.study.execute_study`: the same runs, stored-result reuse,
+(:func:`~splitvit.study.execute.execute_study`: the same runs, stored-result reuse,
 evaluation at matched token ratios, aggregation, goals, speed comparison and result)
 with a local executor.
 
@@ -32,17 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig
-from .study import (
-    STUDY_RESULT_FILE,
-    RunTrainer,
-    StudySpec,
-    execute_study,
-    load_study,
-    run_name,
-    study_figure,
-    study_name,
-    study_run,
-)
+from .execute import execute_study, study_name
+from .report import study_figure
+from .runs import STUDY_RESULT_FILE, RunTrainer, run_name, study_run
+from .spec import StudySpec, load_study
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +46,7 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     ``model.pt`` and :data:`~splitvit.train.checkpoints.HISTORY_FILE`. A run whose training finished (both files
     there) is not trained again.
 
-    Returns what a :class:`~splitvit.tune.study.RunTrainer` returns, plus ``history``
+    Returns what a :class:`~splitvit.study.runs.RunTrainer` returns, plus ``history``
     (the per-epoch training and validation figures), ``steps`` and ``train_seconds``.
     """
     import torch
@@ -208,7 +201,7 @@ class LocalExecutor:
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """:func:`~splitvit.tune.study.study_run` for every combination of ``grid``,
+        """:func:`~splitvit.study.runs.study_run` for every combination of ``grid``,
         method-major (the order of ``grid['method']``: the costliest first)."""
         started = time.time()
         keys = sorted(grid, key=lambda k: k != "method")
@@ -281,7 +274,7 @@ def load_local_study(
     method_epochs: int | None = None,
     eval_samples: int | None = None,
 ) -> StudySpec:
-    """:func:`~splitvit.tune.study.load_study` with the local runner's settings:
+    """:func:`~splitvit.study.spec.load_study` with the local runner's settings:
     ``backbone_epochs`` (all warm-up curriculum), ``method_epochs``, ``eval_samples``
     held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)
@@ -325,7 +318,7 @@ def run_study_local(
 
     Returns the result of ``splitvit study --json`` plus :data:`LOCAL_KEYS` (the
     machine, stage times, epochs and the backbones' results); every run carries its
-    training curves (``history``). Raises :class:`~splitvit.tune.study.StudyError` when
+    training curves (``history``). Raises :class:`~splitvit.study.spec.StudyError` when
     ``out`` holds runs made with other settings.
     """
     import torch
@@ -352,7 +345,7 @@ def run_study_local(
     data = {
         **result.to_dict(),
         "executor": f"{'one process' if workers <= 1 else f'a pool of {workers} processes'} on one machine "
-        f"(splitvit.tune.study_local): no Ray{'' if tracking_uri else ', no MLflow'}",
+        f"(splitvit.study.local): no Ray{'' if tracking_uri else ', no MLflow'}",
         "machine": machine,
         "render_seconds": executor.seconds.get("render"),
         "backbone_seconds": executor.seconds.get("backbones"),
