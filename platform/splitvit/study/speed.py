@@ -155,7 +155,7 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run=None) -> dict[
         batch_size=spec.speed_batch,
         rounds=spec.speed_rounds,
         warmup=spec.speed_warmup,
-    )
+    ).to_dict()
     for point, row in zip(chosen, record["points"]):
         row.update({"method": point["method"], "target_ratio": point["target_ratio"], "seed": seed})
     record["full"][0].update({"method": full, "seed": seed})
