@@ -258,85 +258,30 @@ def load_study(
 
     Raises :class:`SearchSpaceError` (study keys) or :class:`ConfigError` (config keys).
     """
-    from ..model import POLICY_NAMES
-
     path = Path(path)
     source = str(path)
-    if not path.is_file():
-        raise SearchSpaceError(source, "<file>", "study file not found")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise SearchSpaceError(source, "<root>", "a study file is a mapping")
-    unknown = sorted(set(raw) - _KEYS)
-    if unknown:
-        raise SearchSpaceError(source, unknown[0], f"unknown key; known: {', '.join(sorted(_KEYS))}")
-    scales = _section(raw, "scales", source)
-    if scale is not None:
-        if scale not in scales:
-            raise SearchSpaceError(source, "scales", f"no scale {scale!r}; the file has {', '.join(scales) or 'none'}")
-        raw = _merge(raw, scales[scale])
-    seeds = raw.get("seeds") or [0]
-    if (
-        not isinstance(seeds, list)
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
-        or len(set(seeds)) != len(seeds)
-    ):
-        raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
-    headline = _section(raw, "methods", source)
-    if not headline:
-        raise SearchSpaceError(source, "methods", "name at least one method")
-    levers = _section(raw, "levers", source)
-    both = [name for name in levers if name in headline]
-    if both:
-        raise SearchSpaceError(source, f"levers.{both[0]}", "also under methods; a method is one or the other")
-    all_methods = {**headline, **levers}
-    for name, settings in all_methods.items():
-        if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
-            section = "methods" if name in headline else "levers"
-            raise SearchSpaceError(source, f"{section}.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
-    if methods is not None and not methods:
-        raise SearchSpaceError(source, "methods", "--methods names no method; name at least one of the file's")
-    unknown = [m for m in methods or [] if m not in all_methods]
-    if unknown:
-        raise SearchSpaceError(
-            source,
-            "methods",
-            f"no method {unknown[0]!r} (asked for by --methods); the file has {', '.join(all_methods)}",
-        )
-    # the headline by default; --methods picks from both sections, in the file's order
-    methods = headline if methods is None else {k: v for k, v in all_methods.items() if k in methods}
-    policies = [m["model.policy"] for m in methods.values()]
-    for needed in ("full", "learned"):
-        if needed not in policies:
-            raise SearchSpaceError(
-                source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)"
-            )
+    raw = _read_file(path, scale)
+    seeds = _seeds(raw, source)
+    selected = _methods(raw, source, methods)
     evaluation = _section(raw, "evaluation", source)
-    ratios = evaluation.get("ratios") or [0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
-    if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
-        raise SearchSpaceError(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
+    ratios = _ratios(evaluation, source)
     run = _section(raw, "run", source)
     goals = _goals(raw, source)
     speed = _speed_section(raw, source)
     config = _section(raw, "config", source)
-    settings: dict[str, Any] = {}
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(item, "expected key=value")
-        settings[key.strip()] = yaml.safe_load(value)
+    settings = _settings(overrides)
     base = _resolve_base(raw.get("base"), path.parent, source)
     spec = StudySpec(
         source=source,
         base=base,
         base_raw=yaml.safe_load(base.read_text()) or {},
         description=str(raw.get("description") or ""),
-        seeds=list(seeds),
+        seeds=seeds,
         config=config,
         backbone=_section(raw, "backbone", source),
         method=_section(raw, "method", source),
-        methods={k: dict(v) for k, v in methods.items()},
-        ratios=sorted(float(r) for r in ratios),
+        methods=selected,
+        ratios=ratios,
         split=str(evaluation.get("split", "test")),
         samples=evaluation.get("samples"),
         calibration_samples=int(evaluation.get("calibration_samples", 512)),
@@ -358,6 +303,94 @@ def load_study(
         for method in spec.methods:
             spec.run_config(seed, method, "check")
     return spec
+
+
+def _read_file(path: Path, scale: str | None) -> dict[str, Any]:
+    """The study file as a mapping of known keys, its ``scales.<scale>`` merged over it."""
+    source = str(path)
+    if not path.is_file():
+        raise SearchSpaceError(source, "<file>", "study file not found")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise SearchSpaceError(source, "<root>", "a study file is a mapping")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise SearchSpaceError(source, unknown[0], f"unknown key; known: {', '.join(sorted(_KEYS))}")
+    scales = _section(raw, "scales", source)
+    if scale is not None:
+        if scale not in scales:
+            raise SearchSpaceError(source, "scales", f"no scale {scale!r}; the file has {', '.join(scales) or 'none'}")
+        raw = _merge(raw, scales[scale])
+    return raw
+
+
+def _seeds(raw: dict[str, Any], source: str) -> list[int]:
+    """The ``seeds``: distinct non-negative integers (default ``[0]``)."""
+    seeds = raw.get("seeds") or [0]
+    if (
+        not isinstance(seeds, list)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
+        raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
+    return list(seeds)
+
+
+def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
+    """The methods to run: the headline (``methods``), or those of ``methods`` and
+    ``levers`` that ``names`` (``--methods``) picks, in the file's order; each needs a
+    policy, and among them a ``full`` and a ``learned`` one."""
+    from ..model import POLICY_NAMES
+
+    headline = _section(raw, "methods", source)
+    if not headline:
+        raise SearchSpaceError(source, "methods", "name at least one method")
+    levers = _section(raw, "levers", source)
+    both = [name for name in levers if name in headline]
+    if both:
+        raise SearchSpaceError(source, f"levers.{both[0]}", "also under methods; a method is one or the other")
+    all_methods = {**headline, **levers}
+    for name, settings in all_methods.items():
+        if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
+            section = "methods" if name in headline else "levers"
+            raise SearchSpaceError(source, f"{section}.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
+    if names is not None and not names:
+        raise SearchSpaceError(source, "methods", "--methods names no method; name at least one of the file's")
+    unknown = [m for m in names or [] if m not in all_methods]
+    if unknown:
+        raise SearchSpaceError(
+            source,
+            "methods",
+            f"no method {unknown[0]!r} (asked for by --methods); the file has {', '.join(all_methods)}",
+        )
+    # the headline by default; --methods picks from both sections, in the file's order
+    selected = headline if names is None else {k: v for k, v in all_methods.items() if k in names}
+    policies = [m["model.policy"] for m in selected.values()]
+    for needed in ("full", "learned"):
+        if needed not in policies:
+            raise SearchSpaceError(
+                source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)"
+            )
+    return {k: dict(v) for k, v in selected.items()}
+
+
+def _ratios(evaluation: dict[str, Any], source: str) -> list[float]:
+    """The evaluation's token ratios, ascending: each in ``(0, 1]``."""
+    ratios = evaluation.get("ratios") or [0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
+    if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
+        raise SearchSpaceError(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
+    return sorted(float(r) for r in ratios)
+
+
+def _settings(overrides: list[str] | None) -> dict[str, Any]:
+    """Command-line ``key=value`` settings, each value read as YAML."""
+    settings: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(item, "expected key=value")
+        settings[key.strip()] = yaml.safe_load(value)
+    return settings
 
 
 class StudyError(ValueError):
