@@ -215,7 +215,7 @@ def time_operating_points(
     """
     import torch
 
-    from ..bench.timing import machine_info, synchronizer, time_beside_others, timing_summary
+    from ..bench.timing import machine_info
     from ..train.checkpoints import load_payload
 
     if not points:
@@ -233,22 +233,7 @@ def time_operating_points(
         stack.enter_context(autocast())
         full_tokens = {key: float(ref.model(ref.images).tokens.float().mean()) for key, ref in references.items()}
         prepared = _prepare_points(points, models, references, arch_of)
-        fns: dict[str, Callable[[], Any]] = {key: _call(ref.model, ref.images) for key, ref in references.items()}
-        fns.update({f"point{p.index}": p.call for p in prepared})
-        sizes = {key: int(ref.images.shape[0]) for key, ref in references.items()}  # images per call
-        sizes.update({f"point{p.index}": p.batch for p in prepared})
-        log.info(
-            "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
-            "%d warm-up + %d interleaved rounds",
-            len(points),
-            len(references),
-            dev,
-            batch_size,
-            warmup,
-            rounds,
-        )
-        samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=synchronizer(dev))
-    timings = {name: timing_summary(s, cpu_samples[name], sizes[name]) for name, s in samples.items()}
+        samples, timings, others = _time_calls(references, prepared, batch_size, rounds=rounds, warmup=warmup, dev=dev)
     machine = machine_info(dev)
     n = min(int(ref.images.shape[0]) for ref in references.values())
     record = SpeedRecord(
@@ -352,6 +337,39 @@ def _prepare_points(
             )
         )
     return prepared
+
+
+def _time_calls(
+    references: dict[str, _Reference],
+    prepared: list[_Prepared],
+    batch_size: int,
+    *,
+    rounds: int,
+    warmup: int,
+    dev: torch.device,
+) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]], float | None]:
+    """Every full-resolution model and point timed in the same interleaved rounds: the
+    seconds per round and the figures (:func:`~splitvit.bench.timing.timing_summary`)
+    by name (``full<i>``, ``point<i>``), and the CPUs other processes used meanwhile."""
+    from ..bench.timing import synchronizer, time_beside_others, timing_summary
+
+    log.info(
+        "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
+        "%d warm-up + %d interleaved rounds",
+        len(prepared),
+        len(references),
+        dev,
+        batch_size,
+        warmup,
+        rounds,
+    )
+    fns: dict[str, Callable[[], Any]] = {key: _call(ref.model, ref.images) for key, ref in references.items()}
+    fns.update({f"point{p.index}": p.call for p in prepared})
+    sizes = {key: int(ref.images.shape[0]) for key, ref in references.items()}  # images per call
+    sizes.update({f"point{p.index}": p.batch for p in prepared})
+    samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=synchronizer(dev))
+    timings = {name: timing_summary(s, cpu_samples[name], sizes[name]) for name, s in samples.items()}
+    return samples, timings, others
 
 
 def _full_timing(ref: _Reference, timing: dict[str, Any], tokens: float) -> FullTiming:
