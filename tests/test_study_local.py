@@ -56,7 +56,7 @@ def local_study(tmp_path_factory):
     folder = tmp_path_factory.mktemp("local-study")
     path = tiny_study(folder)
     out = folder / "out"
-    return path, out, run_study_local(load_local_study(path, out), out, device="cpu", workers=1)
+    return path, out, run_study_local(load_local_study(path, out), out, device="cpu", workers=1).to_dict()
 
 
 def test_local_study_runs_the_study_path_end_to_end(local_study):

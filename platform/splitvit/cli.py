@@ -1053,14 +1053,14 @@ def _run_study(args) -> int:
     _print_table(
         [
             {
-                "method": r["method"],
-                "target ratio": r["target_ratio"] if r["target_ratio"] is not None else "-",
-                "token ratio": r["token_ratio"],
-                "tokens/image": r["tokens_per_image"],
-                metric: f"{r[metric]:.4f} ± {r[f'{metric}_std']:.4f}",
-                "min": r[f"{metric}_min"],
-                "max": r[f"{metric}_max"],
-                "images/s": r["images_per_s"],
+                "method": r.method,
+                "target ratio": r.target_ratio if r.target_ratio is not None else "-",
+                "token ratio": r.token_ratio,
+                "tokens/image": r.tokens_per_image,
+                metric: f"{r.quality:.4f} ± {r.quality_std:.4f}",
+                "min": r.quality_min,
+                "max": r.quality_max,
+                "images/s": r.images_per_s,
             }
             for r in result.rows
         ],

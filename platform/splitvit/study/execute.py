@@ -3,24 +3,35 @@ backbones, one per seed, then the methods, one per seed and method), reuses the 
 an earlier invocation finished, evaluates every method at the matched token ratios,
 aggregates over seeds, checks the goals, times the speed comparison and records MLflow.
 Only where runs execute (a :class:`StudyExecutor`) and how one run is trained (its
-:class:`~splitvit.study.runs.RunTrainer`) differ.
+:class:`~splitvit.study.runs.RunTrainer`) differ. Its result, :class:`StudyResult`, is
+the ``--json`` output of ``splitvit study`` (docs/usage.md, "The study JSON").
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from ..storage import join_uri
-from .goals import aggregate, check_goals, lever_table, reference_convergence, study_time
-from .records import record_study
-from .runs import RunTrainer, _stored, begun_runs, run_name, stale_runs
+from .goals import (
+    GoalVerdicts,
+    LeverRow,
+    StudyRow,
+    aggregate,
+    check_goals,
+    lever_table,
+    reference_convergence,
+    study_time,
+)
+from .records import open_study_run, record_study
+from .runs import RunTrainer, begun_runs, run_name, stale_runs, stored_result
 from .spec import StudyError, StudySpec
-from .speed import matched_speed, points_speed
+from .speed import MatchedSpeed, PointSpeed, matched_speed, points_speed
 
 log = logging.getLogger(__name__)
 
@@ -30,27 +41,66 @@ class StudyResult:
     """What :func:`execute_study` produced (also the ``--json`` output of ``splitvit study``)."""
 
     name: str
-    source: str
-    study_dir: str
-    metric: str
+    source: str  # the study file
+    study_dir: str  # its runs (train/) and Tune experiments
+    metric: str  # the quality metric ("accuracy", "miou")
     seeds: list[int]
-    rows: list[dict[str, Any]]
-    runs: list[dict[str, Any]]
-    goals: dict[str, Any]
-    speed: dict[str, Any] | None
-    failed: list[str]
+    rows: list[StudyRow]  # the table: one per method and target ratio, over seeds
+    runs: list[dict[str, Any]]  # every finished method run's stored result (its config left out)
+    goals: GoalVerdicts
+    speed: MatchedSpeed | None  # the matched point against full resolution (None: not timed)
+    failed: list[str]  # one line per failed run
     mlflow_run_id: str | None  # None: recorded nowhere (a local study without MLflow)
     tracking_uri: str | None
     seconds: float
-    point_speed: dict[str, Any] | None = None  # points_speed: every method's points timed vs full
-    levers: list[dict[str, Any]] = field(default_factory=list)  # lever_table at the parity ratios
+    point_speed: PointSpeed | None = None  # every method's points timed against full resolution
+    levers: list[LeverRow] = field(default_factory=list)  # the recipe ablation at the parity ratios
     references_dir: str | None = None  # the study whose backbones the methods fine-tuned from (None: its own)
 
     def to_dict(self) -> dict[str, Any]:
-        """The result as JSON-ready data (every field)."""
-        from dataclasses import asdict
+        """The result as JSON-ready data (every field, in field order)."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "study_dir": self.study_dir,
+            "metric": self.metric,
+            "seeds": list(self.seeds),
+            "rows": [row.to_dict() for row in self.rows],
+            "runs": copy.deepcopy(self.runs),
+            "goals": self.goals.to_dict(),
+            "speed": None if self.speed is None else self.speed.to_dict(),
+            "failed": list(self.failed),
+            "mlflow_run_id": self.mlflow_run_id,
+            "tracking_uri": self.tracking_uri,
+            "seconds": self.seconds,
+            "point_speed": None if self.point_speed is None else self.point_speed.to_dict(),
+            "levers": [row.to_dict() for row in self.levers],
+            "references_dir": self.references_dir,
+        }
 
-        return asdict(self)
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StudyResult:
+        """The inverse of :meth:`to_dict`, e.g. a study's JSON read back (keys besides
+        the result's, like the command's envelope, are left out)."""
+        metric = data["metric"]
+        return cls(
+            name=data["name"],
+            source=data["source"],
+            study_dir=data["study_dir"],
+            metric=metric,
+            seeds=list(data["seeds"]),
+            rows=[StudyRow.from_dict(row, metric) for row in data["rows"]],
+            runs=copy.deepcopy(data["runs"]),
+            goals=GoalVerdicts.from_dict(data["goals"], metric),
+            speed=None if data["speed"] is None else MatchedSpeed.from_dict(data["speed"], metric),
+            failed=list(data["failed"]),
+            mlflow_run_id=data["mlflow_run_id"],
+            tracking_uri=data["tracking_uri"],
+            seconds=data["seconds"],
+            point_speed=None if data["point_speed"] is None else PointSpeed.from_dict(data["point_speed"]),
+            levers=[LeverRow.from_dict(row, metric) for row in data["levers"]],
+            references_dir=data["references_dir"],
+        )
 
 
 class StudyExecutor(Protocol):
@@ -109,14 +159,59 @@ def execute_study(
     """
     started = time.time() if started is None else started
     train_storage = join_uri(study_dir, "train")
-    metric = spec.metric
     begun = begun_runs(spec, train_storage, [None, *spec.methods])  # before this invocation
+    reference_storage = _check_stored_runs(spec, name, study_dir, references_dir)
+    executor.start(spec)
+    parent = None if tracking_uri is None else open_study_run(spec, tracking_uri, study_dir, name, references_dir)
+    log.info(
+        "study %s: %d seeds x %d methods%s",
+        name,
+        len(spec.seeds),
+        len(spec.methods),
+        f", MLflow run {parent.run_id}" if parent else "",
+    )
+    with parent.closed_on_error() if parent is not None else contextlib.nullcontext():
+        backbones, runs, failed = _run_stages(spec, executor, reference_storage, train_storage)
+        rows = aggregate(runs, spec.metric)
+        speed, point_speed = _speed_step(spec, executor, rows, runs)
+        seconds = time.time() - started
+        result = StudyResult(
+            name=name,
+            source=spec.source,
+            study_dir=study_dir,
+            metric=spec.metric,
+            seeds=spec.seeds,
+            rows=rows,
+            runs=[{k: v for k, v in r.items() if k != "config"} for r in runs],
+            goals=_goal_verdicts(spec, rows, backbones, seconds, begun, len(failed), references_dir),
+            speed=speed,
+            failed=failed,
+            mlflow_run_id=parent.run_id if parent else None,
+            tracking_uri=tracking_uri,
+            seconds=seconds,
+            point_speed=point_speed,
+            levers=lever_table(rows, spec.parity_ratios),
+            references_dir=references_dir,
+        )
+        if parent is not None and tracking_uri is not None:
+            record_study(result, spec, parent, runs, tracking_uri)
+    if parent is not None:
+        parent.close("completed" if not failed else "partial")
+    return result, backbones
+
+
+def _check_stored_runs(spec: StudySpec, name: str, study_dir: str, references_dir: str | None) -> str:
+    """Where the references (backbones) are, once the runs already there are checked:
+    every one made with the settings ``spec`` asks for now, and, with ``references_dir``,
+    that study's references finished. Raises :class:`~splitvit.study.spec.StudyError`
+    naming the runs and keys otherwise, before anything starts."""
+    train_storage = join_uri(study_dir, "train")
     if references_dir is None:
         reference_storage = train_storage
         stale = stale_runs(spec, train_storage)
     else:
         reference_storage = join_uri(references_dir, "train")
-        missing = [s for s in spec.seeds if _stored(join_uri(reference_storage, run_name(s, None))) is None]
+        missing = [s for s in spec.seeds if stored_result(join_uri(reference_storage, run_name(s, None))) is None]
         if missing:
             raise StudyError(
                 f"the references in {references_dir} are not finished for seed(s) "
@@ -137,107 +232,73 @@ def execute_study(
             f"{spec.source} asks for now: {'; '.join(stale)}. Run it under another --name, or delete "
             "those runs' folders to train them again."
         )
+    return reference_storage
 
-    executor.start(spec)
-    parent = None
-    if tracking_uri is not None:
-        from ..tracking import RunTracker
-        from ..tracking.runs import close_stale_runs
-        from ..tune.mlflow_records import KIND_TAG, METRIC_TAG, flat_params
 
-        params = {
-            **flat_params(
-                {
-                    "seeds": spec.seeds,
-                    "ratios": spec.ratios,
-                    "scale": spec.scale or "cpu",
-                    "methods": spec.methods,
-                    "backbone": spec.backbone,
-                    "method": spec.method,
-                    **({"references": references_dir} if references_dir is not None else {}),
-                }
-            ),
-            **{f"config.{k}": v for k, v in flat_params({**spec.config, **spec.overrides}).items()},
-        }
-        parent, _ = RunTracker.open(
-            tracking_uri,
-            spec.experiment,
-            study_dir,
-            name,
-            params=params,
-            tags={KIND_TAG: "study", METRIC_TAG: metric, "splitvit.study": spec.source},
-        )
-        close_stale_runs(parent)  # runs a driver that died left RUNNING end KILLED
-    log.info(
-        "study %s: %d seeds x %d methods%s",
-        name,
-        len(spec.seeds),
-        len(spec.methods),
-        f", MLflow run {parent.run_id}" if parent else "",
+def _run_stages(
+    spec: StudySpec, executor: StudyExecutor, reference_storage: str, train_storage: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """The backbones, then every method of every seed with a finished backbone (the
+    costliest methods first, so the last runs to finish are short ones). Returns the
+    finished backbones' and method runs' stored results, and a line per failed run."""
+    backbones = executor.run(spec, reference_storage, {"seed": spec.seeds}, "backbones")
+    ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
+    failed = [f"backbone seed {b['config'].get('seed')}: {b['error']}" for b in backbones if "error" in b]
+    order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
+    runs: list[dict[str, Any]] = []
+    if ready:
+        runs = executor.run(spec, train_storage, {"seed": sorted(ready), "method": order}, "methods", backbones=ready)
+    failed += [
+        f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}" for r in runs if "error" in r
+    ]
+    return [b for b in backbones if "checkpoint" in b], [r for r in runs if "points" in r], failed
+
+
+def _speed_step(
+    spec: StudySpec, executor: StudyExecutor, rows: list[StudyRow], runs: list[dict[str, Any]]
+) -> tuple[MatchedSpeed | None, PointSpeed | None]:
+    """The matched point and every method's points timed against full resolution, where
+    training ran (``executor.trainer``); nothing with ``speed.enabled: false``. A timing
+    of the points that fails is logged, not raised: it must not lose the study."""
+    if not spec.speed_enabled:
+        return None, None
+    base = spec.run_config(spec.seeds[0], None, "base")
+
+    def on_device(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return executor.trainer.evaluate(base, fn, *args, **kwargs)
+
+    speed = matched_speed(spec, rows, runs, run=on_device)
+    point_speed = None
+    if runs:
+        try:
+            point_speed = points_speed(spec, runs, run=on_device)
+        except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the study
+            log.warning("could not time the operating points: %s", exc)
+    return speed, point_speed
+
+
+def _goal_verdicts(
+    spec: StudySpec,
+    rows: list[StudyRow],
+    backbones: list[dict[str, Any]],
+    seconds: float,
+    begun: list[str],
+    failed: int,
+    references_dir: str | None,
+) -> GoalVerdicts:
+    """The goals measured on the rows, the references' convergence and the study's time."""
+    timed = study_time(
+        seconds,
+        backbones,
+        # this study's runs: borrowed references are another study's
+        len(spec.seeds) * (len(spec.methods) + (references_dir is None)),
+        spec.goals,
+        begun=begun,
+        failed=failed,
+        borrowed_references=references_dir is not None,
     )
-    with parent.closed_on_error() if parent is not None else contextlib.nullcontext():
-        backbones = executor.run(spec, reference_storage, {"seed": spec.seeds}, "backbones")
-        ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
-        failed = [f"backbone seed {b['config'].get('seed')}: {b['error']}" for b in backbones if "error" in b]
-        # the costliest methods first, so the last runs to finish are short ones
-        order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
-        runs: list[dict[str, Any]] = []
-        if ready:
-            runs = executor.run(
-                spec, train_storage, {"seed": sorted(ready), "method": order}, "methods", backbones=ready
-            )
-        failed += [
-            f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}" for r in runs if "error" in r
-        ]
-        runs = [r for r in runs if "points" in r]
-        rows = aggregate(runs, metric)
-        goals = check_goals(rows, spec.goals, metric)
-        converged = reference_convergence([b for b in backbones if "checkpoint" in b], spec.goals, metric)
-        if converged is not None:
-            goals["reference_converged"] = converged
-        base = spec.run_config(spec.seeds[0], None, "base")
-        # the speed comparison runs where training ran
-        on_device = lambda fn, *args, **kw: executor.trainer.evaluate(base, fn, *args, **kw)  # noqa: E731
-        speed = matched_speed(spec, rows, runs, metric, run=on_device) if spec.speed_enabled else None
-        point_speed = None
-        if spec.speed_enabled and runs:
-            try:
-                point_speed = points_speed(spec, runs, run=on_device)
-            except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the study
-                log.warning("could not time the operating points: %s", exc)
-        seconds = time.time() - started
-        timed = study_time(
-            seconds,
-            [b for b in backbones if "checkpoint" in b],
-            # this study's runs: borrowed references are another study's
-            len(spec.seeds) * (len(spec.methods) + (references_dir is None)),
-            spec.goals,
-            begun=begun,
-            failed=len(failed),
-            borrowed_references=references_dir is not None,
-        )
-        if timed is not None:
-            goals["study_time"] = timed
-        result = StudyResult(
-            name=name,
-            source=spec.source,
-            study_dir=study_dir,
-            metric=metric,
-            seeds=spec.seeds,
-            rows=rows,
-            runs=[{k: v for k, v in r.items() if k != "config"} for r in runs],
-            goals=goals,
-            speed=speed,
-            failed=failed,
-            mlflow_run_id=parent.run_id if parent else None,
-            tracking_uri=tracking_uri,
-            seconds=seconds,
-            point_speed=point_speed,
-            levers=lever_table(rows, metric, spec.parity_ratios),
-            references_dir=references_dir,
-        )
-        if parent is not None:
-            record_study(result, spec, parent, runs, tracking_uri)
-    if parent is not None:
-        parent.close("completed" if not failed else "partial")
-    return result, [b for b in backbones if "checkpoint" in b]
+    return replace(
+        check_goals(rows, spec.goals, spec.metric),
+        reference_converged=reference_convergence(backbones, spec.goals, spec.metric),
+        study_time=timed,
+    )

@@ -33,7 +33,8 @@ def run_name(seed: int, method: str | None) -> str:
     return f"backbone-s{seed}" if method is None else f"{method}-s{seed}"
 
 
-def _stored(run_uri: str, file: str = STUDY_RESULT_FILE) -> dict[str, Any] | None:
+def stored_result(run_uri: str, file: str = STUDY_RESULT_FILE) -> dict[str, Any] | None:
+    """What the run at ``run_uri`` stored in ``file`` (its result, by default), or ``None``."""
     uri = join_uri(run_uri, file)
     return json.loads(read_bytes(uri)) if exists(uri) else None
 
@@ -62,10 +63,10 @@ def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | No
     for seed in spec.seeds:
         for method in (None, *spec.methods) if methods is None else methods:
             name = run_name(seed, method)
-            stored = _stored(join_uri(storage, name))
+            stored = stored_result(join_uri(storage, name))
             finished = stored is not None
             if not finished:
-                stored = _stored(join_uri(storage, name), STUDY_STARTED_FILE)
+                stored = stored_result(join_uri(storage, name), STUDY_STARTED_FILE)
             if stored is None or "config" not in stored:
                 continue
             # through JSON, as stored (tuples become lists); the backbone's path is checked as the backbone
@@ -152,7 +153,7 @@ def study_run(
     method = None if params.get("method") is None else str(params["method"])
     name = run_name(seed, method)
     run_uri = join_uri(storage, name)
-    stored = _stored(run_uri)
+    stored = stored_result(run_uri)
     if stored is not None and (method is None or _same_evaluation(spec, stored)):
         return {**stored, "reused": True, "reevaluated": False}
     # validated (the backbone checkpoint included) only for a run that trains or evaluates

@@ -33,7 +33,7 @@ for go in range(2):
         print(
             go,
             name,
-            f"split {r['split_images_per_s']:.0f} full {r['full_images_per_s']:.0f} ratio {r['ratio']:.2f} "
-            f"fastest {r['ratio_fastest_round']:.2f} ideal {r['ideal_ratio']:.2f} tokens {r['token_fraction']:.3f}",
+            f"split {r.split_images_per_s:.0f} full {r.full_images_per_s:.0f} ratio {r.ratio:.2f} "
+            f"fastest {r.ratio_fastest_round:.2f} ideal {r.ideal_ratio:.2f} tokens {r.token_fraction:.3f}",
             flush=True,
         )
