@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
-from splitvit.tune.study import speed_comparison  # noqa: E402
+from splitvit.study.speed import speed_comparison  # noqa: E402
 
 
 def latest_checkpoint(run: Path) -> Path:
@@ -53,8 +53,8 @@ def main() -> None:
             print(
                 repeat,
                 split_run.name,
-                f"split {r['split_images_per_s']:.0f} full {r['full_images_per_s']:.0f} ratio {r['ratio']:.2f} "
-                f"fastest {r['ratio_fastest_round']:.2f} ideal {r['ideal_ratio']:.2f} tokens {r['token_fraction']:.3f}",
+                f"split {r.split_images_per_s:.0f} full {r.full_images_per_s:.0f} ratio {r.ratio:.2f} "
+                f"fastest {r.ratio_fastest_round:.2f} ideal {r.ideal_ratio:.2f} tokens {r.token_fraction:.3f}",
                 flush=True,
             )
 

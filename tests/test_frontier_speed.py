@@ -12,7 +12,7 @@ from splitvit.config import ExperimentConfig
 from splitvit.model import SplitViT
 from splitvit.tune.pareto import Point
 from splitvit.tune.space import SearchSpaceError, load_space
-from splitvit.tune.speed import spread, time_operating_points
+from splitvit.tune.speed import SpeedRecord, spread, time_operating_points
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,29 +76,29 @@ def test_points_are_timed_against_full_resolution_in_one_interleaved_run(tmp_pat
         {"checkpoint": wide, "thresholds": [1.0], "label": "wide"},  # another architecture
     ]
     result = time_operating_points(points, full_checkpoint=small, batch_size=8, rounds=3, warmup=1)
-    assert result["device"] == "cpu" and result["batch_size"] == 8 and result["rounds"] == 3 and result["warmup"] == 1
-    assert result["precision"] == "float32" and result["machine"]["torch_threads"] >= 1
+    assert result.device == "cpu" and result.batch_size == 8 and result.rounds == 3 and result.warmup == 1
+    assert result.precision == "float32" and result.machine["torch_threads"] >= 1
     # one full-resolution model per architecture: the given checkpoint first
-    full = {f["key"]: f for f in result["full"]}
-    assert [f["checkpoint"] for f in result["full"]] == [small, wide]
-    assert all(
-        f["speedup_vs_full"] == 1.0 and f["tokens_per_image"] == 16.0 and f["images_per_s"] > 0 for f in full.values()
-    )
-    rows = result["points"]
-    assert [r["label"] for r in rows] == ["coarse", "fine", "point2", "wide"]
-    assert [r["full"] for r in rows] == ["full0", "full0", "full0", "full1"]
-    assert [r["policy"] for r in rows] == ["learned", "learned", "entropy", "learned"]
-    assert rows[0]["token_ratio"] == 0.25 and rows[0]["tokens_per_image"] == 4.0 and rows[1]["token_ratio"] == 1.0
-    assert rows[3]["token_ratio"] == 0.25
+    full = {f.key: f for f in result.full}
+    assert [f.checkpoint for f in result.full] == [small, wide]
+    assert all(f.speedup_vs_full == 1.0 and f.tokens_per_image == 16.0 and f.images_per_s > 0 for f in full.values())
+    rows = result.points
+    assert [r.label for r in rows] == ["coarse", "fine", "point2", "wide"]
+    assert [r.full for r in rows] == ["full0", "full0", "full0", "full1"]
+    assert [r.policy for r in rows] == ["learned", "learned", "entropy", "learned"]
+    assert rows[0].token_ratio == 0.25 and rows[0].tokens_per_image == 4.0 and rows[1].token_ratio == 1.0
+    assert rows[3].token_ratio == 0.25
     for row in rows:
-        ref = full[row["full"]]
-        assert row["speedup_vs_full"] > 0 and row["images_per_s"] == pytest.approx(8 / row["median_s"])
-        assert row["speedup_vs_full"] == pytest.approx(ref["median_s"] / row["median_s"])  # same run's medians
-        assert row["speedup_vs_full_fastest"] == pytest.approx(ref["min_s"] / row["min_s"])
-        assert row["full_images_per_s"] == pytest.approx(ref["images_per_s"])
-        q = row["speedup_vs_full_per_round"]
+        ref = full[row.full]
+        assert row.speedup_vs_full > 0 and row.images_per_s == pytest.approx(8 / row.median_s)
+        assert row.speedup_vs_full == pytest.approx(ref.median_s / row.median_s)  # same run's medians
+        assert row.speedup_vs_full_fastest == pytest.approx(ref.min_s / row.min_s)
+        assert row.full_images_per_s == pytest.approx(ref.images_per_s)
+        q = row.speedup_vs_full_per_round
         assert q["q1"] <= q["median"] <= q["q3"]
-    assert result["seconds"] > 0 and isinstance(result["warnings"], list)
+    assert result.seconds > 0 and isinstance(result.warnings, list)
+    # the JSON form reads back as the same record
+    assert SpeedRecord.from_dict(json.loads(json.dumps(result.to_dict()))) == result
 
 
 def test_timing_settings_are_checked(tmp_path):
@@ -185,9 +185,9 @@ def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(t
         expected = [float(model(images, thresholds=[threshold], budget=b).tokens.float().mean()) for b in budgets]
     assert expected[0] != expected[1]
     points = [{"checkpoint": str(folder), "thresholds": [threshold], "budget": b, "label": f"b{b}"} for b in budgets]
-    rows = time_operating_points(points, batch_size=8, rounds=1, warmup=0)["points"]
-    assert [r["budget"] for r in rows] == list(budgets)
-    assert [r["tokens_per_image"] for r in rows] == pytest.approx(expected)
+    rows = time_operating_points(points, batch_size=8, rounds=1, warmup=0).points
+    assert [r.budget for r in rows] == list(budgets)
+    assert [r.tokens_per_image for r in rows] == pytest.approx(expected)
 
 
 def test_an_evaluation_reads_the_samples_asked_for_even_where_the_config_sets_num_samples(tmp_path):

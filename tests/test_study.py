@@ -16,24 +16,22 @@ from mlflow import MlflowClient
 from splitvit.cli import main as cli
 from splitvit.config import ConfigError
 from splitvit.model import SplitViT
-from splitvit.train.checkpoints import init_weights
-from splitvit.tune.space import SearchSpaceError
-from splitvit.tune.study import (
-    STUDY_RESULT_FILE,
-    Goals,
+from splitvit.study.execute import StudyResult
+from splitvit.study.goals import (
+    GoalVerdicts,
+    ParityVerdict,
     aggregate,
     check_goals,
-    lever_lines,
     lever_table,
-    load_study,
     matched_point,
     reference_convergence,
-    reuse_phrase,
-    stale_runs,
-    study_run,
     study_time,
-    summary_lines,
 )
+from splitvit.study.report import lever_lines, reuse_phrase, summary_lines
+from splitvit.study.runs import STUDY_RESULT_FILE, stale_runs, study_run
+from splitvit.study.spec import Goals, load_study
+from splitvit.train.checkpoints import init_weights
+from splitvit.tune.space import SearchSpaceError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -389,23 +387,23 @@ def test_aggregate_and_goals_are_computed_from_the_points():
         run("entropy", "entropy", 1, [(0.25, 0.80, None), (0.5, 0.86, None)]),
     ]
     rows = aggregate(results, "accuracy")
-    by = {(r["method"], r["target_ratio"]): r for r in rows}
+    by = {(r.method, r.target_ratio): r.to_dict() for r in rows}  # as in the JSON
     assert by[("full", None)]["accuracy"] == pytest.approx(0.85) and by[("full", None)]["seeds"] == 2
     assert by[("split", 0.25)]["accuracy"] == pytest.approx(0.84)
     assert by[("split", 0.25)]["accuracy_std"] == pytest.approx(0.0282843, rel=1e-4)
     assert (by[("split", 0.5)]["accuracy_min"], by[("split", 0.5)]["accuracy_max"]) == (0.79, 0.90)
     goals = check_goals(
         rows, Goals(match_points=0.5, match_ratio=0.5, beat_range=(0.25, 0.5), margin_at=0.25), "accuracy"
-    )
+    ).to_dict()
     # best SPLIT at <= 50% tokens: 0.845 at 0.5 -> 0.5 points under full: met (<= 0.5)
     assert goals["match"]["gap_points"] == pytest.approx(0.5) and goals["match"]["met"]
     # at 0.5 SPLIT (0.845) is under entropy (0.87): not above everywhere
     assert not goals["above_baselines"]["met"]
     assert goals["above_baselines"]["worst"]["margin_points"] == pytest.approx(-2.5)
     assert goals["margin_over_entropy"]["margin_points"] == pytest.approx(4.0) and goals["margin_over_entropy"]["met"]
-    point = matched_point(rows, Goals(match_points=1.0), "accuracy")
-    assert point["method"] == "split" and point["target_ratio"] == 0.25 and point["matches_full"]
-    assert not matched_point(rows, Goals(match_points=0.0, match_ratio=0.3), "accuracy")["matches_full"]
+    point = matched_point(rows, Goals(match_points=1.0))
+    assert point.row.method == "split" and point.row.target_ratio == 0.25 and point.matches_full
+    assert not matched_point(rows, Goals(match_points=0.0, match_ratio=0.3)).matches_full
 
 
 # ----------------------------------------------------------------- init_from
@@ -523,7 +521,10 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     assert all(
         speed_rows[(p["method"], p["target_ratio"])] == pytest.approx(p["speedup_vs_full"]) for p in ps["points"]
     )
-    lines = summary_lines(data["goals"], data["speed"], [], ps)
+    # the JSON reads back into the result's types, and they write the same JSON
+    result = StudyResult.from_dict(data)
+    assert result.to_dict() == {key: data[key] for key in RESULT_KEYS}
+    lines = summary_lines(result.goals, result.speed, [], result.point_speed)
     assert any(line.startswith("  split: @0.25 ") and "x (" in line for line in lines)
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == ["entropy-s0", "full-s0", "split-s0"]
@@ -637,40 +638,44 @@ def test_reference_convergence_is_read_from_each_backbones_curve():
         goals,
         "accuracy",
     )
-    s0, s1, s2 = (result["seeds"][k] for k in ("0", "1", "2"))
-    assert s0["gain_points"] == pytest.approx(0.2) and s0["met"]  # 0.803 - 0.801 over the last 3 epochs
-    assert s1["gain_points"] == pytest.approx(10.0) and not s1["met"]
-    assert s2["gain_points"] is None and not s2["met"] and s2["epochs"] == 3  # too short to tell
-    assert s0["curve"] == [h["accuracy"] for h in flat] and not result["met"]
-    assert reference_convergence([{"seed": 0, "history": flat}], goals, "accuracy")["met"]
+    s0, s1, s2 = (result.seeds[k] for k in ("0", "1", "2"))
+    assert s0.gain_points == pytest.approx(0.2) and s0.met  # 0.803 - 0.801 over the last 3 epochs
+    assert s1.gain_points == pytest.approx(10.0) and not s1.met
+    assert s2.gain_points is None and not s2.met and s2.epochs == 3  # too short to tell
+    assert s0.curve == [h["accuracy"] for h in flat] and not result.met
+    assert reference_convergence([{"seed": 0, "history": flat}], goals, "accuracy").met
     assert reference_convergence([{"seed": 0, "history": flat}], Goals(), "accuracy") is None  # no such goal
-    line = next(line for line in summary_lines({"reference_converged": result}, None, []) if "reference" in line)
+    lines = summary_lines(GoalVerdicts("accuracy", reference_converged=result), None, [])
+    line = next(line for line in lines if "reference" in line)
     assert "seed 0 +0.20" in line and "seed 1 +10.00" in line and "seed 2 n/a (3 epochs)" in line
     assert line.endswith("MISSED")
+
+
+def time_line(timed) -> str:
+    """The summary line of a study time alone."""
+    return summary_lines(GoalVerdicts("accuracy", study_time=timed), None, [])[0]
 
 
 def test_study_time_has_a_verdict_only_for_a_study_run_from_the_start():
     backbones = [{"metrics": {"train_images_per_s": 300.0}}, {"metrics": {"train_images_per_s": 340.0}}]
     goals = Goals(max_minutes=150)
     fast = study_time(104.5 * 60, backbones, 12, goals)
-    assert fast["met"] and fast["minutes"] == pytest.approx(104.5) and fast["reference_images_per_s"] == 320.0
-    line = summary_lines({"study_time": fast}, None, [])[0]
+    assert fast.met and fast.minutes == pytest.approx(104.5) and fast.reference_images_per_s == 320.0
+    line = time_line(fast)
     assert line.startswith("study time: 104.5 minutes for 12 runs on ") and "at 320 images/s" in line
     assert line.endswith("(goal: at most 150): met")
     slow = study_time(166 * 60, backbones, 12, goals)
-    assert not slow["met"] and summary_lines({"study_time": slow}, None, [])[0].endswith("MISSED")
+    assert not slow.met and time_line(slow).endswith("MISSED")
     # a part of a study: runs begun earlier, borrowed references or failed runs leave it untimed
     reused = [{**b, "reused": True} for b in backbones]  # finished earlier, or borrowed
     part = study_time(20 * 60, reused, 12, goals, begun=["backbone-s0", "full-s0"], failed=1)
-    assert "met" not in part and part["begun_earlier"] == ["backbone-s0", "full-s0"]
-    assert part["reference_images_per_s"] is None  # a reference of an earlier invocation: not this one's pace
-    assert study_time(20 * 60, backbones, 12, goals, begun=["full-s0"])["reference_images_per_s"] == 320.0
-    assert summary_lines({"study_time": part}, None, [])[0].endswith(
-        "not timed (2 of its 12 runs begun by an earlier invocation; 1 failed)"
-    )
+    assert "met" not in part.to_dict() and part.begun_earlier == ["backbone-s0", "full-s0"]
+    assert part.reference_images_per_s is None  # a reference of an earlier invocation: not this one's pace
+    assert study_time(20 * 60, backbones, 12, goals, begun=["full-s0"]).reference_images_per_s == 320.0
+    assert time_line(part).endswith("not timed (2 of its 12 runs begun by an earlier invocation; 1 failed)")
     borrowed = study_time(60 * 60, reused, 4, goals, borrowed_references=True)
-    assert "met" not in borrowed and borrowed["reference_images_per_s"] is None
-    assert summary_lines({"study_time": borrowed}, None, [])[0].endswith("not timed (references from another study)")
+    assert "met" not in borrowed.to_dict() and borrowed.reference_images_per_s is None
+    assert time_line(borrowed).endswith("not timed (references from another study)")
     assert study_time(60.0, backbones, 12, Goals()) is None  # no such goal
 
 
@@ -680,33 +685,34 @@ def test_parity_is_checked_at_every_token_share_the_study_names():
         run("split", "learned", 0, [(0.5, 0.85, None), (0.7, 0.897, None)]),
     ]
     goals = check_goals(aggregate(results, "accuracy"), Goals(match_ratio=0.7, also_match_at=(0.5,)), "accuracy")
-    assert goals["match"]["gap_points"] == pytest.approx(0.3) and goals["match"]["met"]
-    (half,) = goals["match_also"]
-    assert half["max_token_ratio"] == 0.5 and half["gap_points"] == pytest.approx(5.0) and not half["met"]
+    assert goals.match.gap_points == pytest.approx(0.3) and goals.match.met
+    (half,) = goals.match_also
+    assert half.max_token_ratio == 0.5 and half.gap_points == pytest.approx(5.0) and not half.met
     lines = summary_lines(goals, None, [])
     assert any("<= 70% tokens" in line and line.endswith("met") for line in lines)
     # the recipe ablation: each SPLIT method at each parity ratio, mean ± std and gap to the control
     rows = aggregate(results + [run("split", "learned", 1, [(0.5, 0.83, None), (0.7, 0.893, None)])], "accuracy")
-    (entry,) = lever_table(rows, "accuracy", [0.5, 0.7])
-    assert entry["method"] == "split" and entry["r0.5"]["accuracy"] == pytest.approx(0.84)
-    assert entry["r0.5"]["std"] == pytest.approx(0.0141421, rel=1e-4) and entry["r0.5"]["seeds"] == 2
-    assert entry["r0.7"]["gap_points"] == pytest.approx(0.5)  # full: 0.90 (seed 0 only)
+    (entry,) = lever_table(rows, [0.5, 0.7])
+    cells = entry.to_dict()  # as in the JSON
+    assert cells["method"] == "split" and cells["r0.5"]["accuracy"] == pytest.approx(0.84)
+    assert cells["r0.5"]["std"] == pytest.approx(0.0141421, rel=1e-4) and cells["r0.5"]["seeds"] == 2
+    assert cells["r0.7"]["gap_points"] == pytest.approx(0.5)  # full: 0.90 (seed 0 only)
     head, line = lever_lines([entry], "accuracy")
     assert "accuracy @ 50% tokens" in head and "accuracy @ 70% tokens" in head
     assert "0.8400 ± 0.0141 (-6.00 vs full)" in line and "0.8950 ± 0.0028 (-0.50 vs full)" in line
-    assert lever_table(rows, "accuracy", [0.3])[0]["r0.3"] is None
-    assert entry["r0.7"]["gap_std_points"] is None  # one seed of the control: no seed-by-seed spread
+    assert lever_table(rows, [0.3])[0].cells[0.3] is None
+    assert cells["r0.7"]["gap_std_points"] is None  # one seed of the control: no seed-by-seed spread
     # with the control on both seeds, the gap's spread is taken seed by seed: the reference's
     # seed-to-seed difference (0.90 vs 0.80) lifts both, so the gap varies far less than either
     results.append(run("full", "full", 1, [(None, 0.80, 1.0)]))
     rows = aggregate(results + [run("split", "learned", 1, [(0.5, 0.73, None), (0.7, 0.79, None)])], "accuracy")
-    (entry,) = lever_table(rows, "accuracy", [0.7])
-    assert entry["r0.7"]["gap_points"] == pytest.approx(0.65)  # 0.85 - 0.8435
-    assert entry["r0.7"]["std"] == pytest.approx(0.0756, abs=1e-4)  # 7.6 points between seeds ...
-    assert entry["r0.7"]["gap_std_points"] == pytest.approx(0.4950, abs=1e-4)  # ... the gaps 0.3 and 1.0: 0.5
+    (entry,) = lever_table(rows, [0.7])
+    assert entry.cells[0.7].gap_points == pytest.approx(0.65)  # 0.85 - 0.8435
+    assert entry.cells[0.7].std == pytest.approx(0.0756, abs=1e-4)  # 7.6 points between seeds ...
+    assert entry.cells[0.7].gap_std_points == pytest.approx(0.4950, abs=1e-4)  # ... the gaps 0.3 and 1.0: 0.5
     assert "(-0.65 ± 0.49 vs full)" in lever_lines([entry], "accuracy")[1]
     goals = check_goals(rows, Goals(match_ratio=0.7), "accuracy")
-    assert goals["match"]["gap_std_points"] == pytest.approx(0.4950, abs=1e-4)
+    assert goals.match.gap_std_points == pytest.approx(0.4950, abs=1e-4)
     assert "0.65 points below full (± 0.49 over seeds)" in " ".join(summary_lines(goals, None, []))
     assert any("<= 50% tokens" in line and line.endswith("MISSED") for line in lines)
 
@@ -723,29 +729,34 @@ def test_a_point_counts_at_a_share_it_exceeds_only_within_the_tolerance():
     results[1]["points"][2]["token_ratio"] = 0.711
     rows = aggregate(results, "accuracy")
     goals = check_goals(rows, Goals(match_ratio=0.5, also_match_at=(0.7,)), "accuracy")
-    assert goals["match"]["target_ratio"] == 0.5 and goals["match"]["ratio_tolerance"] == 0.005
+    assert goals.match.target_ratio == 0.5 and goals.match.ratio_tolerance == 0.005
     # 71.1% is more than half a point over 70%: the 70% goal reads the 50% point
-    assert goals["match_also"][0]["target_ratio"] == 0.5
+    assert goals.match_also[0].target_ratio == 0.5
     line = summary_lines(goals, None, [])[0]
     assert "@ 50.03% (within the 0.5% tolerance): 2.00 points below" in line
     strict = check_goals(rows, Goals(match_ratio=0.5, ratio_tolerance=0.0), "accuracy")
-    assert strict["match"]["target_ratio"] == 0.4 and "tolerance" not in summary_lines(strict, None, [])[0]
-    assert matched_point(rows, Goals(match_points=0.0, match_ratio=0.5), "accuracy")["target_ratio"] == 0.5
+    assert strict.match.target_ratio == 0.4 and "tolerance" not in summary_lines(strict, None, [])[0]
+    assert matched_point(rows, Goals(match_points=0.0, match_ratio=0.5)).row.target_ratio == 0.5
 
 
 @pytest.mark.parametrize(
     "gap, words, verdict", [(7.55, "7.55 points below full", "MISSED"), (-0.3, "0.30 points above full", "met")]
 )
 def test_summary_line_states_the_gap_to_full_resolution_in_words(gap: float, words: str, verdict: str) -> None:
-    match = {
-        "max_token_ratio": 0.5,
-        "method": "split-0.45",
-        "token_ratio": 0.4956,
-        "gap_points": gap,
-        "goal_points": 0.5,
-        "met": gap <= 0.5,
-    }
-    (line,) = summary_lines({"match": match}, None, [])
+    match = ParityVerdict(
+        method="split-0.45",
+        target_ratio=0.5,
+        token_ratio=0.4956,
+        metric="accuracy",
+        quality=0.8,
+        gap_points=gap,
+        gap_std_points=None,
+        goal_points=0.5,
+        max_token_ratio=0.5,
+        ratio_tolerance=0.005,
+        met=gap <= 0.5,
+    )
+    (line,) = summary_lines(GoalVerdicts("accuracy", match=match), None, [])
     assert words in line and line.endswith(verdict) and "49.56%" in line
 
 
@@ -758,8 +769,8 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
     import time
 
     from splitvit.errors import Interrupted
+    from splitvit.study.ray_executor import _tune_grid
     from splitvit.tune.console import RAY_TUNE_LOGGER
-    from splitvit.tune.study import _tune_grid
 
     spec = load_study(write_study(tmp_path))
     driver = os.getpid()

@@ -1,4 +1,4 @@
-"""The study on one machine without Ray (``splitvit.tune.study_local`` and its command
+"""The study on one machine without Ray (``splitvit.study.local`` and its command
 line, ``infra/gpu-check/single_gpu_study.py``): the study's own code path with a local
 executor, end to end on the CPU on the tiny study of ``tests/test_study.py``; a second
 invocation reuses every finished run; changed settings stop before anything runs."""
@@ -13,8 +13,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from splitvit.tune.study import STUDY_RESULT_FILE
-from splitvit.tune.study_local import load_local_study, run_study_local
+from splitvit.study.local import load_local_study, run_study_local
+from splitvit.study.runs import STUDY_RESULT_FILE
 from tests.test_study import RESULT_KEYS, ROOT, ROW_KEYS, RUN_KEYS, write_study
 
 LOCAL_EXTRAS = {
@@ -56,7 +56,7 @@ def local_study(tmp_path_factory):
     folder = tmp_path_factory.mktemp("local-study")
     path = tiny_study(folder)
     out = folder / "out"
-    return path, out, run_study_local(load_local_study(path, out), out, device="cpu", workers=1)
+    return path, out, run_study_local(load_local_study(path, out), out, device="cpu", workers=1).to_dict()
 
 
 def test_local_study_runs_the_study_path_end_to_end(local_study):

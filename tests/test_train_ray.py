@@ -321,8 +321,8 @@ def test_a_sweep_keeps_ray_worker_output_off_the_console_unless_verbose(fake_ray
 def test_a_study_keeps_ray_worker_output_its_epoch_lines_come_from(fake_ray_init):
     """A study's runs train inside its Tune trials: their per-epoch lines reach the
     console only as Ray's forwarded worker output, so a study keeps it, -v or not."""
+    from splitvit.study.ray_executor import TuneExecutor
     from splitvit.tune.console import show_ray_output
-    from splitvit.tune.study import TuneExecutor
 
     for verbose in (False, True):
         show_ray_output(verbose)

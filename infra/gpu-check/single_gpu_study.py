@@ -3,9 +3,9 @@ for a lent GPU machine that has PyTorch and timm but not the platform's cluster 
 (see ``infra/gpu-check/run.sh``).
 
 The study is the one ``splitvit study`` runs, on the same code path
-(:func:`splitvit.tune.study.execute_study`: the same file, scale and overrides, runs,
+(:func:`splitvit.study.execute.execute_study`: the same file, scale and overrides, runs,
 stored-result reuse, evaluation at matched token ratios, aggregation, goals and speed
-comparison); only the executor differs (:mod:`splitvit.tune.study_local`): each run is
+comparison); only the executor differs (:mod:`splitvit.study.local`): each run is
 trained by ``fit_local`` with the config's schedule (bf16 autocast, AdamW, warm-up +
 cosine, gradient clipping, auto thresholds calibrated each epoch), in a pool of
 processes that share the GPU. MLflow only with ``--tracking-uri``. Its JSON has the
@@ -24,7 +24,10 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitvit.study.local import LocalStudyResult
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan and args.budget_s is None:
         parser.error("--plan needs --budget-s (the seconds the study may take)")
     from splitvit.config import ConfigError
+    from splitvit.study.local import load_local_study, plan_epochs, run_study_local
+    from splitvit.study.spec import StudyError
     from splitvit.tune.space import SearchSpaceError
-    from splitvit.tune.study import StudyError
-    from splitvit.tune.study_local import load_local_study, plan_epochs, run_study_local
 
     started = time.time()
     try:
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(plan))
             return 0
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-        result = run_study_local(
+        local = run_study_local(
             spec,
             args.out,
             device=args.device,
@@ -107,34 +110,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, default=float) + "\n")
-    _print_table(result)
-    return 1 if result["failed"] else 0
+        Path(args.json).write_text(json.dumps(local.to_dict(), indent=2, default=float) + "\n")
+    _print_table(local)
+    return 1 if local.result.failed else 0
 
 
-def _print_table(result: dict[str, Any]) -> None:
-    from splitvit.tune.study import lever_lines, reuse_phrase, summary_lines
+def _print_table(local: LocalStudyResult) -> None:
+    from splitvit.study.report import lever_lines, reuse_phrase, summary_lines
 
-    metric = result["metric"]
+    result = local.result
+    metric = result.metric
     print(
-        f"\n{result['name']} on {result['machine'].get('device_name', result['machine']['device'])}: "
-        f"{len(result['seeds'])} seeds, {len(result['runs'])} runs"
-        f"{reuse_phrase(result['runs'])}, backbone {result['backbone_epochs']} + "
-        f"method {result['method_epochs']} epochs, {result['seconds']:.0f} s"
+        f"\n{result.name} on {local.machine.get('device_name', local.machine['device'])}: "
+        f"{len(result.seeds)} seeds, {len(result.runs)} runs"
+        f"{reuse_phrase(result.runs)}, backbone {local.backbone_epochs} + "
+        f"method {local.method_epochs} epochs, {result.seconds:.0f} s"
     )
     print(f"{'method':<12}{'ratio':>7}{'tokens':>8}{metric:>10}{'std':>7}{'min':>7}{'max':>7}")
-    for r in result["rows"]:
-        ratio = "-" if r["target_ratio"] is None else f"{r['target_ratio']:.2f}"
+    for r in result.rows:
+        ratio = "-" if r.target_ratio is None else f"{r.target_ratio:.2f}"
         print(
-            f"{r['method']:<12}{ratio:>7}{r['tokens_per_image']:>8.1f}{100 * r[metric]:>10.1f}"
-            f"{100 * r[metric + '_std']:>7.1f}{100 * r[metric + '_min']:>7.1f}{100 * r[metric + '_max']:>7.1f}"
+            f"{r.method:<12}{ratio:>7}{r.tokens_per_image:>8.1f}{100 * r.quality:>10.1f}"
+            f"{100 * r.quality_std:>7.1f}{100 * r.quality_min:>7.1f}{100 * r.quality_max:>7.1f}"
         )
-    for line in lever_lines(result.get("levers") or [], metric):
+    for line in lever_lines(result.levers, metric):
         print(line)
-    for line in summary_lines(result["goals"], result["speed"], result["failed"], result["point_speed"]):
+    for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed):
         print(line)
-    if result["mlflow_run_id"]:
-        print(f"MLflow: experiment run {result['mlflow_run_id']} in {result['tracking_uri']}")
+    if result.mlflow_run_id:
+        print(f"MLflow: experiment run {result.mlflow_run_id} in {result.tracking_uri}")
 
 
 if __name__ == "__main__":

@@ -57,12 +57,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or finish) the study, print its table, levers, goals and speed comparison."""
+    from ..study.ray_executor import check_study
+
+    # the file's, the settings' and --references-from's mistakes, before Ray and torch load
+    check_study(
+        args.study,
+        overrides(args),
+        scale=args.scale,
+        name=args.name,
+        methods=args.methods,
+        references_from=args.references_from,
+    )
     import ray
 
+    from ..study.ray_executor import run_study
+    from ..study.report import lever_lines, reuse_phrase, summary_lines
     from ..tune.console import show_ray_output
-    from ..tune.study import lever_lines, reuse_phrase, run_study, summary_lines
 
-    logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for logger in ("splitvit.study", "splitvit.tune"):
+        logging.getLogger(logger).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
     ours = not ray.is_initialized()
     try:
@@ -87,14 +100,14 @@ def run(args: argparse.Namespace) -> int:
     print_table(
         [
             {
-                "method": r["method"],
-                "target ratio": r["target_ratio"] if r["target_ratio"] is not None else "-",
-                "token ratio": r["token_ratio"],
-                "tokens/image": r["tokens_per_image"],
-                metric: f"{r[metric]:.4f} ± {r[f'{metric}_std']:.4f}",
-                "min": r[f"{metric}_min"],
-                "max": r[f"{metric}_max"],
-                "images/s": r["images_per_s"],
+                "method": r.method,
+                "target ratio": r.target_ratio if r.target_ratio is not None else "-",
+                "token ratio": r.token_ratio,
+                "tokens/image": r.tokens_per_image,
+                metric: f"{r.quality:.4f} ± {r.quality_std:.4f}",
+                "min": r.quality_min,
+                "max": r.quality_max,
+                "images/s": r.images_per_s,
             }
             for r in result.rows
         ],

@@ -6,6 +6,9 @@
 * :func:`frontier_from_mlflow` — an experiment's frontier, read back from MLflow.
 * :func:`pareto_indices`, :func:`hypervolume`, :func:`annotate` — the frontier math
   (on Optuna's own multi-objective code).
+
+The evidence study is :mod:`splitvit.study`: it uses this package's timing routine
+(:mod:`.speed`) and trial launcher (:mod:`.trial`); nothing here imports it.
 """
 
 from .pareto import Baseline, Point, annotate, best_point, dominates, frontier, hypervolume, pareto_indices

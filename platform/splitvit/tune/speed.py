@@ -32,10 +32,106 @@ import functools
 import json
 import logging
 import time
-from contextlib import ExitStack
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..model import SplitViT
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FullTiming:
+    """A full-resolution model (a reference checkpoint run with the ``full`` policy: every
+    node splits), timed beside the points of its architecture."""
+
+    key: str  # "full<i>": what a timed point's ``full`` names
+    checkpoint: str
+    policy: str  # "full"
+    median_s: float  # median seconds per call (a batch)
+    min_s: float  # the fastest round's seconds
+    images_per_s: float  # at the median
+    tokens_per_image: float
+    token_ratio: float  # 1.0
+    speedup_vs_full: float  # 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: one key per field, in field order."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FullTiming:
+        """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class TimedPoint:
+    """One operating point timed against the full-resolution model of its architecture,
+    in the same interleaved rounds, on the same batch."""
+
+    index: int  # its place in the points given
+    label: str
+    checkpoint: str
+    policy: str  # the policy it ran with
+    thresholds: list[float] | None  # None: the checkpoint's own
+    budget: float | None  # the target ratio a budget-conditioned policy was told (else None)
+    full: str  # the :attr:`FullTiming.key` it was compared with
+    tokens_per_image: float  # measured on the timed batch
+    token_ratio: float  # tokens per image / full tokens
+    median_s: float
+    min_s: float
+    images_per_s: float
+    full_images_per_s: float
+    speedup_vs_full: float  # median full seconds / median point seconds, same run
+    speedup_vs_full_fastest: float  # the same ratio of the fastest rounds
+    speedup_vs_full_per_round: dict[str, float]  # median, q1, q3 of the per-round ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: one key per field, in field order."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TimedPoint:
+        """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class SpeedRecord:
+    """What :func:`time_operating_points` measured: the setting, the full-resolution
+    models and every point, in the order given."""
+
+    device: str  # with the GPU's name on CUDA
+    machine: dict[str, Any]  # :func:`~splitvit.bench.timing.machine_info`
+    batch_size: int
+    rounds: int
+    warmup: int
+    precision: str  # "bf16 autocast" on CUDA, else "float32"
+    images: str  # which images were timed
+    method: str  # how the figures were taken, in words
+    full: list[FullTiming]
+    points: list[TimedPoint]
+    other_processes_cpus: float | None  # CPUs other processes used meanwhile (None: unknown)
+    warnings: list[str]
+    seconds: float  # the whole timing, loading included
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``frontier_speed`` of a sweep): one key per field, in field order."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeedRecord:
+        """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
+        values = {f.name: data[f.name] for f in fields(cls)}
+        values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
+        values["points"] = [TimedPoint.from_dict(p) for p in data["points"]]
+        return cls(**values)
 
 
 def spread(items: list[Any], count: int | None) -> list[Any]:
@@ -58,6 +154,34 @@ def _architecture(payload: dict[str, Any]) -> str:
     )
 
 
+@dataclass
+class _Reference:
+    """A full-resolution model and the batch every point of its architecture runs on."""
+
+    key: str
+    architecture: str  # :func:`_architecture` of its checkpoint
+    checkpoint: str
+    model: SplitViT
+    images: torch.Tensor
+
+
+@dataclass
+class _Prepared:
+    """A point ready to time: its model call and what it measured before timing."""
+
+    index: int
+    label: str
+    checkpoint: str
+    policy: str
+    thresholds: list[float] | None
+    budget: float | None
+    full: str
+    tokens_per_image: float
+    token_ratio: float
+    call: Callable[[], Any]
+    batch: int  # images per call
+
+
 def time_operating_points(
     points: list[dict[str, Any]],
     *,
@@ -67,7 +191,7 @@ def time_operating_points(
     warmup: int = 1,
     split: str | None = None,
     device: str = "cpu",
-) -> dict[str, Any]:
+) -> SpeedRecord:
     """Time every operating point against the full-resolution model, interleaved.
 
     Args:
@@ -86,26 +210,13 @@ def time_operating_points(
         device: where to time (the device the sweep or study evaluated on).
 
     Returns:
-        ``{"device", "machine", "batch_size", "rounds", "warmup", "precision",
-        "images", "full": [...], "points": [...], "other_processes_cpus",
-        "warnings", "seconds"}``; each point (in the order given) has
-        ``images_per_s``, ``speedup_vs_full``, ``token_ratio``,
-        ``tokens_per_image`` and the full-resolution model it was compared with
-        (``full``, a key of ``full``).
+        The :class:`SpeedRecord`: every point (in the order given) as a
+        :class:`TimedPoint`, compared with the :class:`FullTiming` its ``full`` names.
     """
     import torch
 
-    from ..bench.timing import (
-        OTHER_LOAD_WARNING,
-        machine_info,
-        quartiles,
-        synchronizer,
-        time_beside_others,
-        timing_summary,
-    )
-    from ..model import SplitViT
+    from ..bench.timing import machine_info
     from ..train.checkpoints import load_payload
-    from ..train.evaluation import CheckpointEvaluator
 
     if not points:
         raise ValueError("no operating points to time")
@@ -113,139 +224,203 @@ def time_operating_points(
         raise ValueError(f"batch_size and rounds must be >= 1 and warmup >= 0, got {batch_size}, {rounds}, {warmup}")
     started = time.time()
     dev = torch.device(device)
-    payloads: dict[str, dict[str, Any]] = {}
-
-    def payload(checkpoint: str) -> dict[str, Any]:
-        if checkpoint not in payloads:
-            payloads[checkpoint] = load_payload(checkpoint)
-        return payloads[checkpoint]
-
-    # the full-resolution models, one per architecture, and the batch each runs on
+    payload = functools.cache(load_payload)  # each checkpoint read once
     arch_of = {p["checkpoint"]: _architecture(payload(p["checkpoint"])) for p in points}
-    references: dict[str, str] = {}
+    references, autocast = _full_models(points, arch_of, payload, full_checkpoint, batch_size, device, split)
+    models = _point_models(points, payload, dev)
+    with ExitStack() as stack:
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(autocast())
+        full_tokens = {key: float(ref.model(ref.images).tokens.float().mean()) for key, ref in references.items()}
+        prepared = _prepare_points(points, models, references, arch_of)
+        samples, timings, others = _time_calls(references, prepared, batch_size, rounds=rounds, warmup=warmup, dev=dev)
+    machine = machine_info(dev)
+    n = min(int(ref.images.shape[0]) for ref in references.values())
+    record = SpeedRecord(
+        device=str(dev) + (f" ({machine['device_name']})" if "device_name" in machine else ""),
+        machine=machine,
+        batch_size=n,
+        rounds=rounds,
+        warmup=warmup,
+        precision="bf16 autocast" if dev.type == "cuda" else "float32",
+        images=f"the first {n} images of the {split or 'validation'} split",
+        method="interleaved rounds (bench.time_beside_others); speedup_vs_full = median full-resolution seconds / "
+        "median point seconds, same run, same batch",
+        full=[_full_timing(ref, timings[key], full_tokens[key]) for key, ref in references.items()],
+        points=[_timed_point(p, samples, timings) for p in prepared],
+        other_processes_cpus=others,
+        warnings=_load_warnings(others, machine),
+        seconds=time.time() - started,
+    )
+    for w in record.warnings:
+        log.warning("speed: %s", w)
+    return record
+
+
+def _full_models(
+    points: list[dict[str, Any]],
+    arch_of: dict[str, str],
+    payload: Callable[[str], dict[str, Any]],
+    full_checkpoint: str | None,
+    batch_size: int,
+    device: str,
+    split: str | None,
+) -> tuple[dict[str, _Reference], Callable[[], AbstractContextManager[Any]]]:
+    """The full-resolution models, one per architecture among the points (``full_checkpoint``'s
+    first), each with its batch, by key; and the precision evaluations run in."""
+    from ..train.evaluation import CheckpointEvaluator
+
+    checkpoints: dict[str, str] = {}
     if full_checkpoint is not None:
-        references[_architecture(payload(str(full_checkpoint)))] = str(full_checkpoint)
+        checkpoints[_architecture(payload(str(full_checkpoint)))] = str(full_checkpoint)
     for p in points:
-        references.setdefault(arch_of[p["checkpoint"]], p["checkpoint"])
-    references = {a: c for a, c in references.items() if a in arch_of.values()}
-    full_models: dict[str, SplitViT] = {}
-    images: dict[str, torch.Tensor] = {}
-    full_keys: dict[str, str] = {}
-    autocast = None
-    for i, (arch, checkpoint) in enumerate(references.items()):
-        key = f"full{i}"
-        full_keys[arch] = key
+        checkpoints.setdefault(arch_of[p["checkpoint"]], p["checkpoint"])
+    references: dict[str, _Reference] = {}
+    evaluators = []
+    for i, (arch, checkpoint) in enumerate((a, c) for a, c in checkpoints.items() if a in arch_of.values()):
         evaluator = CheckpointEvaluator(checkpoint, samples=batch_size, device=device, cache=False, split=split)
-        images[key] = evaluator.first_images(batch_size)
-        full_models[key] = evaluator.build("full")
-        autocast = autocast or evaluator.autocast
+        images = evaluator.first_images(batch_size)
+        references[f"full{i}"] = _Reference(f"full{i}", arch, checkpoint, evaluator.build("full"), images)
+        evaluators.append(evaluator)
+    return references, evaluators[0].autocast  # the points' architectures: at least one
+
+
+def _point_models(
+    points: list[dict[str, Any]], payload: Callable[[str], dict[str, Any]], dev: torch.device
+) -> dict[tuple[str, str | None], SplitViT]:
+    """Every point's model, one per (checkpoint, policy), in evaluation mode on ``dev``."""
+    from ..model import SplitViT
+
     models: dict[tuple[str, str | None], SplitViT] = {}
     for p in points:
         key = (p["checkpoint"], p.get("policy"))
         if key not in models:
             overrides = {"policy": p["policy"]} if p.get("policy") else {}
             models[key] = SplitViT.from_checkpoint(payload(p["checkpoint"]), **overrides).to(dev).eval()
+    return models
 
-    fns: dict[str, Any] = {}
-    sizes = {key: int(x.shape[0]) for key, x in images.items()}  # images per call
-    out_points: list[dict[str, Any]] = []
-    with ExitStack() as stack:
-        stack.enter_context(torch.inference_mode())
-        stack.enter_context(autocast())
-        for key, model in full_models.items():
-            fns[key] = (lambda m, x: lambda: m(x))(model, images[key])
-        full_tokens: dict[str, float] = {}
-        for key, model in full_models.items():
-            full_tokens[key] = float(model(images[key]).tokens.float().mean())
-        for i, p in enumerate(points):
-            model = models[(p["checkpoint"], p.get("policy"))]
-            ref = full_keys[arch_of[p["checkpoint"]]]
-            x = images[ref]
-            thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
-            budget = float(p["budget"]) if model.uses_budget and p.get("budget") is not None else None
-            out = model(x, thresholds=thresholds, budget=budget)
-            tokens = float(out.tokens.float().mean())
-            out_points.append(
-                {
-                    "index": i,
-                    "label": p.get("label", f"point{i}"),
-                    "checkpoint": p["checkpoint"],
-                    "policy": model.policy.name,
-                    "thresholds": thresholds,
-                    "budget": budget,
-                    "full": ref,
-                    "tokens_per_image": tokens,
-                    "token_ratio": tokens / out.full_tokens,
-                }
+
+def _call(model: SplitViT, images: torch.Tensor, **kwargs: Any) -> Callable[[], Any]:
+    """One timed call: ``model`` on ``images``."""
+    return functools.partial(model, images, **kwargs)
+
+
+def _prepare_points(
+    points: list[dict[str, Any]],
+    models: dict[tuple[str, str | None], SplitViT],
+    references: dict[str, _Reference],
+    arch_of: dict[str, str],
+) -> list[_Prepared]:
+    """Each point's call on its reference's batch, and the tokens it keeps there (run once)."""
+    keys = {ref.architecture: key for key, ref in references.items()}
+    prepared = []
+    for i, p in enumerate(points):
+        model = models[(p["checkpoint"], p.get("policy"))]
+        ref = references[keys[arch_of[p["checkpoint"]]]]
+        thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
+        budget = float(p["budget"]) if model.uses_budget and p.get("budget") is not None else None
+        out = model(ref.images, thresholds=thresholds, budget=budget)
+        tokens = float(out.tokens.float().mean())
+        prepared.append(
+            _Prepared(
+                index=i,
+                label=p.get("label", f"point{i}"),
+                checkpoint=p["checkpoint"],
+                policy=model.policy.name,
+                thresholds=thresholds,
+                budget=budget,
+                full=ref.key,
+                tokens_per_image=tokens,
+                token_ratio=tokens / out.full_tokens,
+                call=_call(model, ref.images, thresholds=thresholds, budget=budget),
+                batch=int(ref.images.shape[0]),
             )
-            fns[f"point{i}"] = functools.partial(model, x, thresholds=thresholds, budget=budget)
-            sizes[f"point{i}"] = int(x.shape[0])
-        log.info(
-            "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
-            "%d warm-up + %d interleaved rounds",
-            len(points),
-            len(full_models),
-            dev,
-            batch_size,
-            warmup,
-            rounds,
         )
-        samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=synchronizer(dev))
+    return prepared
+
+
+def _time_calls(
+    references: dict[str, _Reference],
+    prepared: list[_Prepared],
+    batch_size: int,
+    *,
+    rounds: int,
+    warmup: int,
+    dev: torch.device,
+) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]], float | None]:
+    """Every full-resolution model and point timed in the same interleaved rounds: the
+    seconds per round and the figures (:func:`~splitvit.bench.timing.timing_summary`)
+    by name (``full<i>``, ``point<i>``), and the CPUs other processes used meanwhile."""
+    from ..bench.timing import synchronizer, time_beside_others, timing_summary
+
+    log.info(
+        "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
+        "%d warm-up + %d interleaved rounds",
+        len(prepared),
+        len(references),
+        dev,
+        batch_size,
+        warmup,
+        rounds,
+    )
+    fns: dict[str, Callable[[], Any]] = {key: _call(ref.model, ref.images) for key, ref in references.items()}
+    fns.update({f"point{p.index}": p.call for p in prepared})
+    sizes = {key: int(ref.images.shape[0]) for key, ref in references.items()}  # images per call
+    sizes.update({f"point{p.index}": p.batch for p in prepared})
+    samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=synchronizer(dev))
     timings = {name: timing_summary(s, cpu_samples[name], sizes[name]) for name, s in samples.items()}
-    full_rows = []
-    for arch, key in full_keys.items():
-        t = timings[key]
-        full_rows.append(
-            {
-                "key": key,
-                "checkpoint": references[arch],
-                "policy": "full",
-                "median_s": t["median_s"],
-                "min_s": t["min_s"],
-                "images_per_s": t["images_per_s"],
-                "tokens_per_image": full_tokens[key],
-                "token_ratio": 1.0,
-                "speedup_vs_full": 1.0,
-            }
-        )
-    for point in out_points:
-        t, f = timings[f"point{point['index']}"], timings[point["full"]]
-        per_round = [a / b for a, b in zip(samples[point["full"]], samples[f"point{point['index']}"])]
-        point.update(
-            {
-                "median_s": t["median_s"],
-                "min_s": t["min_s"],
-                "images_per_s": t["images_per_s"],
-                "full_images_per_s": f["images_per_s"],
-                "speedup_vs_full": f["median_s"] / t["median_s"],
-                "speedup_vs_full_fastest": f["min_s"] / t["min_s"],
-                "speedup_vs_full_per_round": quartiles(per_round),
-            }
-        )
-    machine = machine_info(dev)
-    warnings = []
+    return samples, timings, others
+
+
+def _full_timing(ref: _Reference, timing: dict[str, Any], tokens: float) -> FullTiming:
+    """A full-resolution model's figures (:func:`~splitvit.bench.timing.timing_summary`)."""
+    return FullTiming(
+        key=ref.key,
+        checkpoint=ref.checkpoint,
+        policy="full",
+        median_s=timing["median_s"],
+        min_s=timing["min_s"],
+        images_per_s=timing["images_per_s"],
+        tokens_per_image=tokens,
+        token_ratio=1.0,
+        speedup_vs_full=1.0,
+    )
+
+
+def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, dict[str, Any]]) -> TimedPoint:
+    """A point's figures beside its full-resolution model's, from the same rounds."""
+    from ..bench.timing import quartiles
+
+    name = f"point{point.index}"
+    t, f = timings[name], timings[point.full]
+    per_round = [a / b for a, b in zip(samples[point.full], samples[name])]
+    return TimedPoint(
+        index=point.index,
+        label=point.label,
+        checkpoint=point.checkpoint,
+        policy=point.policy,
+        thresholds=point.thresholds,
+        budget=point.budget,
+        full=point.full,
+        tokens_per_image=point.tokens_per_image,
+        token_ratio=point.token_ratio,
+        median_s=t["median_s"],
+        min_s=t["min_s"],
+        images_per_s=t["images_per_s"],
+        full_images_per_s=f["images_per_s"],
+        speedup_vs_full=f["median_s"] / t["median_s"],
+        speedup_vs_full_fastest=f["min_s"] / t["min_s"],
+        speedup_vs_full_per_round=quartiles(per_round),
+    )
+
+
+def _load_warnings(others: float | None, machine: dict[str, Any]) -> list[str]:
+    """What made the figures noisy: other processes busy on the CPUs meanwhile."""
+    from ..bench.timing import OTHER_LOAD_WARNING
+
     if others is not None and others > OTHER_LOAD_WARNING:
-        warnings.append(
+        return [
             f"other processes used {others:.2f} of the {machine['cpu_count']} CPUs on average while the "
             "models were timed: the wall-clock figures are noisy"
-        )
-    n = min(int(x.shape[0]) for x in images.values())
-    result = {
-        "device": str(dev) + (f" ({machine['device_name']})" if "device_name" in machine else ""),
-        "machine": machine,
-        "batch_size": n,
-        "rounds": rounds,
-        "warmup": warmup,
-        "precision": "bf16 autocast" if dev.type == "cuda" else "float32",
-        "images": f"the first {n} images of the {split or 'validation'} split",
-        "method": "interleaved rounds (bench.time_beside_others); speedup_vs_full = median full-resolution seconds / "
-        "median point seconds, same run, same batch",
-        "full": full_rows,
-        "points": out_points,
-        "other_processes_cpus": others,
-        "warnings": warnings,
-        "seconds": time.time() - started,
-    }
-    for w in warnings:
-        log.warning("speed: %s", w)
-    return result
+        ]
+    return []

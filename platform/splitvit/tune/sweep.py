@@ -1043,7 +1043,9 @@ def _time_frontier(
     point gets ``speedup_vs_full``, ``timed_images_per_s`` and ``timed_token_ratio``
     in its ``extras``. The full-resolution model is the reference backbone (the best
     point's checkpoint, on which the baselines ran) with the ``full`` policy.
-    Returns the timing record, or ``None`` when nothing could be timed (logged)."""
+    Returns the timing record's JSON (:meth:`~splitvit.tune.speed.SpeedRecord.to_dict`, each
+    point labelled with its ``run_id``, ``trial_id`` and ``kind``), or ``None`` when nothing
+    could be timed (logged)."""
     from .speed import spread, time_operating_points
 
     s = space.speed
@@ -1064,23 +1066,24 @@ def _time_frontier(
     except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the frontier
         log.warning("could not time the frontier: %s", exc)
         return None
-    for point, row in zip(chosen, record["points"]):
+    data = record.to_dict()  # the sweep's JSON (frontier_speed), each timed point labelled with its trial
+    for point, timed, row in zip(chosen, record.points, data["points"]):
         point.extras.update(
             {
-                "speedup_vs_full": row["speedup_vs_full"],
-                "timed_images_per_s": row["images_per_s"],
-                "timed_token_ratio": row["token_ratio"],
+                "speedup_vs_full": timed.speedup_vs_full,
+                "timed_images_per_s": timed.images_per_s,
+                "timed_token_ratio": timed.token_ratio,
             }
         )
         row["run_id"], row["trial_id"], row["kind"] = point.run_id, point.trial_id, point.kind
     log.info(
         "frontier timed on %s (batch %d, %d rounds): speed-ups vs full resolution %s",
-        record["device"],
-        record["batch_size"],
-        record["rounds"],
-        ", ".join(f"{r['speedup_vs_full']:.2f}x@{r['token_ratio']:.2f}" for r in record["points"]),
+        record.device,
+        record.batch_size,
+        record.rounds,
+        ", ".join(f"{r.speedup_vs_full:.2f}x@{r.token_ratio:.2f}" for r in record.points),
     )
-    return record
+    return data
 
 
 def _record_speed(

@@ -1,5 +1,5 @@
 """The study on one machine, without Ray: the same code path as ``splitvit study``
-(:func:`~splitvit.tune.study.execute_study`: the same runs, stored-result reuse,
+(:func:`~splitvit.study.execute.execute_study`: the same runs, stored-result reuse,
 evaluation at matched token ratios, aggregation, goals, speed comparison and result)
 with a local executor.
 
@@ -16,6 +16,7 @@ MLflow is optional (a lent GPU machine may have none): pass ``tracking_uri``.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import copy
 import itertools
 import json
 import logging
@@ -32,17 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig
-from .study import (
-    STUDY_RESULT_FILE,
-    RunTrainer,
-    StudySpec,
-    execute_study,
-    load_study,
-    run_name,
-    study_figure,
-    study_name,
-    study_run,
-)
+from .execute import StudyResult, execute_study, study_name
+from .report import study_figure
+from .runs import STUDY_RESULT_FILE, RunTrainer, run_name, study_run
+from .spec import StudySpec, load_study
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +47,7 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     ``model.pt`` and :data:`~splitvit.train.checkpoints.HISTORY_FILE`. A run whose training finished (both files
     there) is not trained again.
 
-    Returns what a :class:`~splitvit.tune.study.RunTrainer` returns, plus ``history``
+    Returns what a :class:`~splitvit.study.runs.RunTrainer` returns, plus ``history``
     (the per-epoch training and validation figures), ``steps`` and ``train_seconds``.
     """
     import torch
@@ -208,7 +202,7 @@ class LocalExecutor:
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """:func:`~splitvit.tune.study.study_run` for every combination of ``grid``,
+        """:func:`~splitvit.study.runs.study_run` for every combination of ``grid``,
         method-major (the order of ``grid['method']``: the costliest first)."""
         started = time.time()
         keys = sorted(grid, key=lambda k: k != "method")
@@ -281,7 +275,7 @@ def load_local_study(
     method_epochs: int | None = None,
     eval_samples: int | None = None,
 ) -> StudySpec:
-    """:func:`~splitvit.tune.study.load_study` with the local runner's settings:
+    """:func:`~splitvit.study.spec.load_study` with the local runner's settings:
     ``backbone_epochs`` (all warm-up curriculum), ``method_epochs``, ``eval_samples``
     held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)
@@ -297,16 +291,33 @@ def load_local_study(
     return spec
 
 
-#: keys of :func:`run_study_local`'s result besides those of ``splitvit study --json``
-LOCAL_KEYS = (
-    "executor",
-    "machine",
-    "render_seconds",
-    "backbone_seconds",
-    "backbone_epochs",
-    "method_epochs",
-    "backbones",
-)
+@dataclass
+class LocalStudyResult:
+    """What :func:`run_study_local` produced: the study's result (the ``--json`` of
+    ``splitvit study``) and what the local runner adds (its JSON's further keys)."""
+
+    result: StudyResult
+    executor: str  # how the runs ran, in words
+    machine: dict[str, Any]  # python, torch, cpus, device (and device_name on CUDA)
+    render_seconds: float | None  # rendering the canvas cache
+    backbone_seconds: float | None  # the backbones' stage
+    backbone_epochs: int | None
+    method_epochs: int | None
+    backbones: list[dict[str, Any]]  # the finished backbones' stored results (their config left out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of ``infra/gpu-check/single_gpu_study.py``: the study's keys, then the
+        runner's (every run carries its training curves, ``history``)."""
+        return {
+            **self.result.to_dict(),
+            "executor": self.executor,
+            "machine": dict(self.machine),
+            "render_seconds": self.render_seconds,
+            "backbone_seconds": self.backbone_seconds,
+            "backbone_epochs": self.backbone_epochs,
+            "method_epochs": self.method_epochs,
+            "backbones": copy.deepcopy(self.backbones),
+        }
 
 
 def run_study_local(
@@ -318,15 +329,15 @@ def run_study_local(
     name: str | None = None,
     tracking_uri: str | None = None,
     started: float | None = None,
-) -> dict[str, Any]:
+) -> LocalStudyResult:
     """Run (or, where ``out`` holds finished runs, finish) the study ``spec`` on this
     machine's ``device`` (:class:`LocalExecutor`), its runs under ``out``/train, the
     figure at ``out``/study.png; MLflow records it only with ``tracking_uri``.
 
-    Returns the result of ``splitvit study --json`` plus :data:`LOCAL_KEYS` (the
-    machine, stage times, epochs and the backbones' results); every run carries its
-    training curves (``history``). Raises :class:`~splitvit.tune.study.StudyError` when
-    ``out`` holds runs made with other settings.
+    Returns the study's result, the machine, stage times, epochs and the backbones'
+    results; every run carries its training curves (``history``). Raises
+    :class:`~splitvit.study.spec.StudyError` when ``out`` holds runs made with other
+    settings.
     """
     import torch
 
@@ -349,17 +360,6 @@ def run_study_local(
     }
     if device.startswith("cuda"):
         machine["device_name"] = torch.cuda.get_device_name(device)
-    data = {
-        **result.to_dict(),
-        "executor": f"{'one process' if workers <= 1 else f'a pool of {workers} processes'} on one machine "
-        f"(splitvit.tune.study_local): no Ray{'' if tracking_uri else ', no MLflow'}",
-        "machine": machine,
-        "render_seconds": executor.seconds.get("render"),
-        "backbone_seconds": executor.seconds.get("backbones"),
-        "backbone_epochs": spec.backbone.get("train.epochs"),
-        "method_epochs": spec.method.get("train.epochs"),
-        "backbones": [{k: v for k, v in b.items() if k != "config"} for b in backbones],
-    }
     if result.rows:
         import matplotlib.pyplot as plt
 
@@ -370,14 +370,24 @@ def run_study_local(
         )
         fig.savefig(out / "study.png")
         plt.close(fig)
-    return data
+    return LocalStudyResult(
+        result=result,
+        executor=f"{'one process' if workers <= 1 else f'a pool of {workers} processes'} on one machine "
+        f"(splitvit.study.local): no Ray{'' if tracking_uri else ', no MLflow'}",
+        machine=machine,
+        render_seconds=executor.seconds.get("render"),
+        backbone_seconds=executor.seconds.get("backbones"),
+        backbone_epochs=spec.backbone.get("train.epochs"),
+        method_epochs=spec.method.get("train.epochs"),
+        backbones=[{k: v for k, v in b.items() if k != "config"} for b in backbones],
+    )
 
 
 def plan_epochs(
     smoke: dict[str, Any], spec: StudySpec, budget_s: float, workers: int, fixed_s: float = 60.0
 ) -> dict[str, Any]:
     """Epochs for ``spec`` that fit ``budget_s`` on the machine ``smoke`` (a smaller
-    :func:`run_study_local` result, same workers) ran on: training time from each run's
+    :func:`run_study_local` result's JSON, same workers) ran on: training time from each run's
     measured images/s, evaluation scaled by the evaluated images, the method runs spread
     over ``workers``; ``fixed_s`` covers rendering, start-up and the speed comparison.
 

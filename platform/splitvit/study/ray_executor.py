@@ -1,0 +1,255 @@
+"""The study on the platform (:func:`run_study`, ``splitvit study``): each stage a
+Ray Tune grid of trials (:class:`TuneExecutor`), each trial training one run with Ray
+Train (:class:`~splitvit.study.runs.RayTrainer`); only the driver writes MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..storage import join_uri
+from ..tune.console import Progress, ray_console, tune_verbosity
+from .execute import StudyResult, execute_study, study_name
+from .runs import RayTrainer, RunTrainer, study_run
+from .spec import StudyError, StudySpec, load_study
+
+log = logging.getLogger(__name__)
+
+
+def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> None:
+    """Tune trial: seed ``params['seed']``'s warm-up backbone (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
+    from ray import tune
+
+    tune.report({"done": 1, "result": json.dumps(study_run(spec, storage, params, RayTrainer()), default=float)})
+
+
+def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbones: dict[int, str]) -> None:
+    """Tune trial: one method from its seed's backbone, evaluated at every matched token
+    ratio (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
+    from ray import tune
+
+    result = study_run(spec, storage, params, RayTrainer(), backbones)
+    tune.report({"done": 1, "result": json.dumps(result, default=float)})
+
+
+def _run_label(config: dict[str, Any]) -> str:
+    """A grid run by its parameters: ``seed=1 method=split``."""
+    return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
+
+
+def _run_outcome(result: dict[str, Any], metric: str) -> str:
+    """A finished run's objectives in a few words: quality and tokens per point."""
+    points = result.get("points")
+    if points:
+        nan = float("nan")
+        return "; ".join(
+            f"{p.get('target_ratio') if p.get('target_ratio') is not None else 'full'}: "
+            f"{metric} {float(p.get('quality', nan)):.4f} at {float(p.get('tokens_per_image', nan)):.1f} tokens/image"
+            for p in points
+        )
+    metrics = result.get("metrics") or {}
+    return f"{metric} {float(metrics.get(metric, float('nan'))):.4f}" if metric in metrics else "trained"
+
+
+def _grid_callback(total: int, stage: str, metric: str) -> Any:
+    """The study's console for one Tune grid: a line when a run starts and when it
+    ends (with its objectives), and a bar over the runs on a terminal."""
+    from ray import tune
+
+    class GridProgress(tune.Callback):
+        def __init__(self) -> None:
+            self.progress = Progress(f"{stage} runs", total)
+            self.ended = 0
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            self.progress.log(log, logging.INFO, "%s run %s started", stage, _run_label(trial.config))
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self.ended += 1
+            raw = (trial.last_result or {}).get("result")
+            try:
+                outcome = _run_outcome(json.loads(raw), metric) if raw else "no result"
+            except (TypeError, ValueError):
+                outcome = "no result"
+            self.progress.log(
+                log,
+                logging.INFO,
+                "%s run %s finished (%d/%d): %s",
+                stage,
+                _run_label(trial.config),
+                self.ended,
+                total,
+                outcome,
+            )
+            self.progress.update(self.ended)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self.ended += 1
+            self.progress.log(
+                log, logging.WARNING, "%s run %s failed (%d/%d)", stage, _run_label(trial.config), self.ended, total
+            )
+            self.progress.update(self.ended)
+
+    return GridProgress()
+
+
+def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
+    """Run one Tune grid; returns each trial's stored result (``{"config", "error"}`` for a failed one)."""
+    from ray import tune
+
+    trainable = tune.with_resources(trainable, dict(spec.trial_resources))
+    total = math.prod(len(v) for v in grid.values())
+    stage = name.split("-")[0]  # "backbones" or "methods"
+    tuner = tune.Tuner(
+        trainable,
+        param_space={k: tune.grid_search(v) for k, v in grid.items()},
+        tune_config=tune.TuneConfig(max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
+        run_config=tune.RunConfig(
+            name=name,
+            storage_path=storage,
+            failure_config=tune.FailureConfig(max_failures=0),
+            callbacks=[_grid_callback(total, stage, spec.metric)],
+            # Ray's per-trial boxes and status tables off (the callback prints a line per
+            # run instead); back with -v
+            verbose=tune_verbosity(),
+        ),
+    )
+    results = []
+    with ray_console():
+        fitted = tuner.fit()
+    unfinished = [r for r in fitted if r.error is None and "result" not in (r.metrics or {})]
+    if unfinished:
+        # neither a result nor an error: Tune's own Ctrl-C/SIGTERM handler returned from fit
+        from ..errors import Interrupted, as_interrupted
+
+        raise Interrupted(
+            as_interrupted(KeyboardInterrupt()).signum,
+            f"{len(unfinished)} of {total} {stage} runs unfinished; the finished ones are kept "
+            "and the same study command continues the study",
+        )
+    for result in fitted:
+        if result.error is not None:
+            log.error("trial %s failed: %s", result.config, result.error)
+            results.append({"config": result.config, "error": str(result.error)})
+        else:
+            results.append(json.loads(result.metrics["result"]))
+    return results
+
+
+@dataclass
+class TuneExecutor:
+    """Ray Tune grid trials (``run.max_concurrent`` at once, ``run.trial_resources``
+    each), one per run, each training with Ray Train (:class:`~splitvit.study.runs.RayTrainer`); the Tune
+    experiments go under ``study_dir``."""
+
+    study_dir: str
+    ray_address: str | None = None
+    trainer: RunTrainer = field(default_factory=RayTrainer)
+    stamp: str = ""
+
+    def start(self, spec: StudySpec) -> None:
+        """Start (or join) Ray; the Tune experiments' names get this invocation's time."""
+        from ..train.ray_trainer import init_ray
+
+        # Ray's forwarded worker output stays on: a study's runs train inside its Tune
+        # trials, and their per-epoch lines come only from there (a sweep prints its own)
+        init_ray(self.ray_address)
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def run(
+        self,
+        spec: StudySpec,
+        storage: str,
+        grid: dict[str, list[Any]],
+        stage: str,
+        backbones: dict[int, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One Tune grid of :func:`backbone_trial` or (with ``backbones``) :func:`method_trial`."""
+        from ray import tune
+
+        if backbones is None:
+            trainable = tune.with_parameters(backbone_trial, spec=spec, storage=storage)
+        else:
+            trainable = tune.with_parameters(method_trial, spec=spec, storage=storage, backbones=backbones)
+        return _tune_grid(trainable, grid, spec, self.study_dir, f"{stage}-{self.stamp}")
+
+
+def check_study(
+    study_path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    scale: str | None = None,
+    name: str | None = None,
+    methods: list[str] | None = None,
+    references_from: str | None = None,
+) -> StudySpec:
+    """What the command line, the study file and the storage show, checked in a
+    second (torch, Ray and MLflow not loaded): the file, its scale and methods, every
+    run's settings, and the study ``references_from`` names. Raises ``ValueError``s
+    (:class:`StudyError`, :class:`SearchSpaceError`, ``ConfigError``) naming the key."""
+    from ..storage import exists
+
+    spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods, settings_only=True)
+    name = study_name(study_path, scale, name)
+    if references_from is not None:
+        if references_from == name:
+            raise StudyError(f"--references-from {references_from} names this study itself; leave it out")
+        root = spec.run_config(spec.seeds[0], None, "base", settings_only=True).storage.resolved_path()
+        if not exists(join_uri(root, references_from)):
+            raise StudyError(
+                f"--references-from {references_from}: no study of that name under {root} "
+                f"({join_uri(root, references_from)} does not exist)"
+            )
+    return spec
+
+
+def run_study(
+    study_path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    scale: str | None = None,
+    name: str | None = None,
+    ray_address: str | None = None,
+    methods: list[str] | None = None,
+    references_from: str | None = None,
+) -> StudyResult:
+    """Run (or, under an existing ``name``, finish) a study on the platform: Ray Tune
+    trials training with Ray Train, recorded in MLflow (see the module docstring).
+    ``references_from``: another study's name under the same storage path, whose
+    finished references (backbones) the methods fine-tune from."""
+    started = time.time()
+    check_study(study_path, overrides, scale=scale, name=name, methods=methods, references_from=references_from)
+    spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)  # bad input stops here
+    name = study_name(study_path, scale, name)
+    base = spec.run_config(spec.seeds[0], None, "base")
+    from ..cluster.preflight import preflight  # capacity, Ray, MLflow, storage, data: seconds, before Ray starts
+
+    preflight(
+        base,
+        ray_address=ray_address,
+        tracking_uri=base.tracking_uri(),
+        trial_resources=spec.trial_resources,
+        trial_key="run.trial_resources",
+    )
+    root = base.storage.resolved_path()
+    study_dir = join_uri(root, name)
+    references_dir = None if references_from is None else join_uri(root, references_from)
+    if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
+        # render every canvas once, for every run of the study (and of later studies)
+        spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
+    result, _ = execute_study(
+        spec,
+        TuneExecutor(study_dir, ray_address),
+        name=name,
+        study_dir=study_dir,
+        tracking_uri=base.tracking_uri(),
+        started=started,
+        references_dir=references_dir,
+    )
+    return result

@@ -1,0 +1,416 @@
+"""The study file (``search_spaces/study_*.yaml``): read, validated, and turned into
+every run's experiment config.
+
+A study file names an experiment config (``base``) and:
+
+* ``seeds``: each seed is one repetition (its own canvases, initialisation, draws);
+* ``backbone``: a warm-up run per seed (full resolution first, then random splits
+  at every rate, docs/design.md §3.2) that every method of that seed starts from, so methods
+  differ only in what they do after it;
+* ``methods``: name -> config overrides (at least ``model.policy``); every method
+  trains ``method`` epochs from its seed's backbone (``model.init_from``). These are
+  the headline, what a plain invocation runs;
+* ``levers`` (optional): more methods in the same form, the recipe's ablation: each
+  runs only when ``--methods`` names it (beside ``full``, the control);
+* ``evaluation``: the held-out split and the token ratios at which every thresholded
+  method (learned, entropy, random) is evaluated: per ratio, thresholds are
+  calibrated on validation images (:func:`~splitvit.train.steps.calibrate_thresholds`),
+  then the test images are evaluated: a threshold sweep at matched budgets;
+* ``goals``: what the study is meant to show (checked and reported, never tuned);
+* ``speed``: ``batch_size``, ``rounds``, ``warmup``, ``max_points`` and ``enabled``
+  of the timings against full resolution (:mod:`splitvit.study.speed`);
+* ``run``, ``mlflow``, ``config``, ``scales``, ``description``: how runs execute, the
+  MLflow experiment, settings for every run, named variants (``--scale``), prose.
+
+:func:`load_study` reads one into a :class:`StudySpec`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, ExperimentConfig, quality_metric, set_dotted
+from ..tune.space import SearchSpaceError, _resolve_base
+
+_KEYS = {
+    "base",
+    "description",
+    "seeds",
+    "config",
+    "backbone",
+    "method",
+    "methods",
+    "levers",
+    "evaluation",
+    "run",
+    "goals",
+    "speed",
+    "mlflow",
+    "scales",
+}
+
+
+@dataclass
+class Goals:
+    """What the study should show (DESIGN: report figures as measured, whether or not
+    they reach these)."""
+
+    match_points: float = 0.5  # SPLIT within this many points of full resolution ...
+    match_ratio: float = 0.5  # ... at no more than this share of its tokens
+    # a point counts at a share when its measured share on the evaluated images exceeds it by at
+    # most this: thresholds calibrated on validation images meet a target on other images only to
+    # within a few tenths of a point (a 50% point measured 50.03% once, and the goal read the 40% one)
+    ratio_tolerance: float = 0.005
+    also_match_at: tuple[float, ...] = ()  # the same test at these shares too (reported beside it)
+    beat_range: tuple[float, float] | None = (0.1, 0.6)  # SPLIT above entropy and random at every ratio here
+    margin_at: float | None = 0.25  # and this many points above entropy at this ratio
+    margin: float = 3.0
+    converge_epochs: int = 3  # the reference (backbone) has converged when its validation quality ...
+    converge_points: float | None = None  # ... gained less than this over its last converge_epochs epochs
+    max_minutes: float | None = None  # the whole study, timed when one invocation trained every run
+
+
+@dataclass
+class StudySpec:
+    """A validated study (see the module docstring)."""
+
+    source: str
+    base: Path
+    base_raw: dict[str, Any]  # the base experiment config as read (read once)
+    description: str
+    seeds: list[int]
+    config: dict[str, Any]
+    backbone: dict[str, Any]
+    method: dict[str, Any]
+    methods: dict[str, dict[str, Any]]
+    ratios: list[float]
+    split: str = "test"
+    samples: int | None = None
+    calibration_samples: int = 512
+    max_concurrent: int = 2
+    trial_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    goals: Goals = field(default_factory=Goals)
+    speed_batch: int = 64
+    speed_rounds: int = 10
+    speed_enabled: bool = True  # time the matched point and every method's operating points
+    speed_warmup: int = 2
+    speed_max_points: int | None = 24  # operating points timed side by side (spread over each method's ratios)
+    experiment: str = "study"
+    scale: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # command-line settings: win over every section
+    fixed: dict[str, Any] = field(default_factory=dict)  # set by the study itself (the canvas cache)
+
+    def run_config(
+        self,
+        seed: int,
+        method: str | None,
+        name: str,
+        storage: str | None = None,
+        init_from: str | None = None,
+        *,
+        settings_only: bool = False,
+    ) -> ExperimentConfig:
+        """The validated experiment config of the backbone (``method=None``) or a method
+        run, its Ray Train run ``name`` under ``storage`` (default: the config's).
+        ``settings_only``: the settings' own checks (types, ranges), without those that
+        need timm and the model (which load torch)."""
+        raw = copy.deepcopy(self.base_raw)
+        values = {
+            **self.config,
+            **(self.backbone if method is None else {**self.method, **self.methods[method]}),
+            **self.overrides,
+            **self.fixed,
+        }
+        values.update({"data.seed": seed, "tracking.enabled": False, "storage.name": name})
+        if storage is not None:
+            values["storage.path"] = storage
+        if method is None:
+            # by default the backbone is the learned policy's warm-up curriculum (random
+            # splits at every rate); a study may make it a full-resolution reference instead
+            values.setdefault("model.policy", "learned")
+        else:
+            # methods start from a trained backbone: no warm-up unless the study asks for one
+            if "train.warmup_epochs" not in {**self.method, **self.methods[method]}:
+                values["train.warmup_epochs"] = 0
+            if init_from is not None:
+                values["model.init_from"] = init_from
+        for key, value in values.items():
+            set_dotted(raw, key, value)
+        if settings_only:
+            return ExperimentConfig.from_dict(raw, default_name=name)
+        from ..train.experiment import experiment_from_dict  # loads torch and timm
+
+        return experiment_from_dict(raw, default_name=name)
+
+    @property
+    def parity_ratios(self) -> list[float]:
+        """The token shares parity with full resolution is tested at (the goals'
+        ``match_ratio`` and ``also_match_at``), ascending: the ablation's columns."""
+        return sorted({self.goals.match_ratio, *self.goals.also_match_at})
+
+    @property
+    def metric(self) -> str:
+        return quality_metric(
+            self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification"
+        )
+
+    def policy(self, method: str) -> str:
+        return str(self.methods[method]["model.policy"])
+
+
+def _merge(raw: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` (a ``scales`` entry) over ``raw``: a section's keys are replaced one by
+    one (the sections are flat: dotted config keys, evaluation settings...)."""
+    out = copy.deepcopy(raw)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **copy.deepcopy(value)}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _section(raw: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise SearchSpaceError(source, key, f"must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+_SPEED = {
+    "enabled": (True, bool, None),
+    "batch_size": (64, int, 1),
+    "rounds": (10, int, 1),
+    "warmup": (2, int, 0),
+    "max_points": (24, int, 1),
+}
+
+
+def _speed_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ``speed`` section, checked: ``enabled`` (time anything at all), ``batch_size``,
+    ``rounds``, ``warmup`` and ``max_points`` (``null``: every operating point)."""
+    section = _section(raw, "speed", source)
+    out = {}
+    for key in section:
+        if key not in _SPEED:
+            raise SearchSpaceError(source, f"speed.{key}", f"unknown setting; known: {', '.join(_SPEED)}")
+    for key, (default, kind, least) in _SPEED.items():
+        value = section.get(key, default)
+        if value is None and key == "max_points":
+            out[key] = None
+            continue
+        if kind is bool and not isinstance(value, bool):
+            raise SearchSpaceError(source, f"speed.{key}", f"expected true or false, got {value!r}")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise SearchSpaceError(
+                source,
+                f"speed.{key}",
+                f"expected an integer >= {least}"
+                f"{' or null (every point)' if key == 'max_points' else ''}, got {value!r}",
+            )
+        out[key] = value
+    return out
+
+
+def _goals(raw: dict[str, Any], source: str) -> Goals:
+    """The ``goals`` section, checked: ratios in ``(0, 1]``, points and epochs in range;
+    an unknown key or a bad value is one error naming ``goals.<key>``."""
+    section = _section(raw, "goals", source)
+    known = [f.name for f in fields(Goals)]
+    for key in section:
+        if key not in known:
+            raise SearchSpaceError(source, f"goals.{key}", f"unknown goal; known: {', '.join(known)}")
+
+    def ratio(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+    def number(value: Any, least: float = 0.0) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= least
+
+    checks = {
+        "match_points": (number, "a number of points >= 0"),
+        "match_ratio": (ratio, "a token ratio in (0, 1]"),
+        "ratio_tolerance": (lambda v: number(v) and v <= 0.05, "a token share in [0, 0.05]"),
+        "also_match_at": (lambda v: isinstance(v, list) and all(map(ratio, v)), "a list of token ratios in (0, 1]"),
+        "beat_range": (
+            lambda v: v is None or (isinstance(v, list) and len(v) == 2 and all(map(ratio, v)) and v[0] <= v[1]),
+            "[low, high] token ratios in (0, 1], or null",
+        ),
+        "margin_at": (lambda v: v is None or ratio(v), "a token ratio in (0, 1], or null"),
+        "margin": (number, "a number of points >= 0"),
+        "converge_epochs": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+        "converge_points": (lambda v: v is None or number(v), "a number of points >= 0, or null (not checked)"),
+        "max_minutes": (lambda v: v is None or (number(v) and v > 0), "a number of minutes > 0, or null (not checked)"),
+    }
+    for key, value in section.items():
+        valid, expected = checks[key]
+        if not valid(value):
+            raise SearchSpaceError(source, f"goals.{key}", f"expected {expected}, got {value!r}")
+    return Goals(**{k: (tuple(v) if k in ("beat_range", "also_match_at") and v else v) for k, v in section.items()})
+
+
+def load_study(
+    path: str | Path,
+    *,
+    scale: str | None = None,
+    overrides: list[str] | None = None,
+    methods: list[str] | None = None,
+    settings_only: bool = False,
+) -> StudySpec:
+    """Read and validate a study file; every run's config is built (and so validated)
+    before anything starts. ``scale`` merges the file's ``scales.<scale>`` section over
+    it (e.g. ``gpu``); ``overrides`` are ``key=value`` config settings for every run;
+    ``methods`` runs these of the file's methods and levers instead of its headline
+    (``methods``): a lever beside the control, or a study cut to fit a machine; the
+    rest of the file applies as it is.
+
+    ``settings_only`` checks the runs' settings alone (the command line's check, in a
+    second, before torch loads); the full check builds each run's model on PyTorch's
+    ``meta`` device.
+
+    Raises :class:`SearchSpaceError` (study keys) or :class:`ConfigError` (config keys).
+    """
+    path = Path(path)
+    source = str(path)
+    raw = _read_file(path, scale)
+    seeds = _seeds(raw, source)
+    selected = _methods(raw, source, methods)
+    evaluation = _section(raw, "evaluation", source)
+    ratios = _ratios(evaluation, source)
+    run = _section(raw, "run", source)
+    goals = _goals(raw, source)
+    speed = _speed_section(raw, source)
+    config = _section(raw, "config", source)
+    settings = _settings(overrides)
+    base = _resolve_base(raw.get("base"), path.parent, source)
+    spec = StudySpec(
+        source=source,
+        base=base,
+        base_raw=yaml.safe_load(base.read_text()) or {},
+        description=str(raw.get("description") or ""),
+        seeds=seeds,
+        config=config,
+        backbone=_section(raw, "backbone", source),
+        method=_section(raw, "method", source),
+        methods=selected,
+        ratios=ratios,
+        split=str(evaluation.get("split", "test")),
+        samples=evaluation.get("samples"),
+        calibration_samples=int(evaluation.get("calibration_samples", 512)),
+        max_concurrent=int(run.get("max_concurrent", 2)),
+        trial_resources=dict(run.get("trial_resources") or {"CPU": 0.5}),
+        goals=goals,
+        speed_batch=speed["batch_size"],
+        speed_rounds=speed["rounds"],
+        speed_enabled=speed["enabled"],
+        speed_warmup=speed["warmup"],
+        speed_max_points=speed["max_points"],
+        experiment=str((raw.get("mlflow") or {}).get("experiment") or f"study-{path.stem}"),
+        scale=scale,
+        overrides=settings,
+    )
+    # every run's config, validated now: a bad key stops here, before Ray starts (the
+    # settings' own checks at every run first: those need no torch)
+    for only in (True,) if settings_only else (True, False):
+        for seed in spec.seeds:
+            spec.run_config(seed, None, "check", settings_only=only)
+            for method in spec.methods:
+                spec.run_config(seed, method, "check", settings_only=only)
+    return spec
+
+
+def _read_file(path: Path, scale: str | None) -> dict[str, Any]:
+    """The study file as a mapping of known keys, its ``scales.<scale>`` merged over it."""
+    source = str(path)
+    if not path.is_file():
+        raise SearchSpaceError(source, "<file>", "study file not found")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise SearchSpaceError(source, "<root>", "a study file is a mapping")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise SearchSpaceError(source, unknown[0], f"unknown key; known: {', '.join(sorted(_KEYS))}")
+    scales = _section(raw, "scales", source)
+    if scale is not None:
+        if scale not in scales:
+            raise SearchSpaceError(source, "scales", f"no scale {scale!r}; the file has {', '.join(scales) or 'none'}")
+        raw = _merge(raw, scales[scale])
+    return raw
+
+
+def _seeds(raw: dict[str, Any], source: str) -> list[int]:
+    """The ``seeds``: distinct non-negative integers (default ``[0]``)."""
+    seeds = raw.get("seeds") or [0]
+    if (
+        not isinstance(seeds, list)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
+        raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
+    return list(seeds)
+
+
+def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
+    """The methods to run: the headline (``methods``), or those of ``methods`` and
+    ``levers`` that ``names`` (``--methods``) picks, in the file's order; each needs a
+    policy, and among them a ``full`` and a ``learned`` one."""
+    from ..model import POLICY_NAMES
+
+    headline = _section(raw, "methods", source)
+    if not headline:
+        raise SearchSpaceError(source, "methods", "name at least one method")
+    levers = _section(raw, "levers", source)
+    both = [name for name in levers if name in headline]
+    if both:
+        raise SearchSpaceError(source, f"levers.{both[0]}", "also under methods; a method is one or the other")
+    all_methods = {**headline, **levers}
+    for name, settings in all_methods.items():
+        if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
+            section = "methods" if name in headline else "levers"
+            raise SearchSpaceError(source, f"{section}.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
+    if names is not None and not names:
+        raise SearchSpaceError(source, "methods", "--methods names no method; name at least one of the file's")
+    unknown = [m for m in names or [] if m not in all_methods]
+    if unknown:
+        raise SearchSpaceError(
+            source,
+            "methods",
+            f"no method {unknown[0]!r} (asked for by --methods); the file has {', '.join(all_methods)}",
+        )
+    # the headline by default; --methods picks from both sections, in the file's order
+    selected = headline if names is None else {k: v for k, v in all_methods.items() if k in names}
+    policies = [m["model.policy"] for m in selected.values()]
+    for needed in ("full", "learned"):
+        if needed not in policies:
+            raise SearchSpaceError(
+                source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)"
+            )
+    return {k: dict(v) for k, v in selected.items()}
+
+
+def _ratios(evaluation: dict[str, Any], source: str) -> list[float]:
+    """The evaluation's token ratios, ascending: each in ``(0, 1]``."""
+    ratios = evaluation.get("ratios") or [0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
+    if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
+        raise SearchSpaceError(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
+    return sorted(float(r) for r in ratios)
+
+
+def _settings(overrides: list[str] | None) -> dict[str, Any]:
+    """Command-line ``key=value`` settings, each value read as YAML."""
+    settings: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(item, "expected key=value")
+        settings[key.strip()] = yaml.safe_load(value)
+    return settings
+
+
+class StudyError(ValueError):
+    """A study that cannot run as asked (the message says why and what to do)."""

@@ -1,0 +1,278 @@
+"""The study's speed step, on trained checkpoints: the matched SPLIT point against
+full resolution (:func:`matched_speed`, timed by :func:`speed_comparison`) and every
+method's evaluated points side by side (:func:`points_speed`, timed by
+:func:`~splitvit.tune.speed.time_operating_points`, the timing routine sweeps use too).
+Each result is a dataclass whose ``to_dict()`` is its part of the study's JSON
+(``speed``, ``point_speed``) and whose ``from_dict()`` reads it back.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ..tune.speed import FullTiming, SpeedRecord, TimedPoint
+from .goals import StudyRow, matched_point
+from .spec import StudySpec
+
+#: ``run(fn, *args, **kwargs)``: runs a timing where the checkpoints' device is
+Runner = Callable[..., Any]
+
+
+def _here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A timing run here, on the CPU."""
+    return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class SpeedComparison:
+    """A SPLIT checkpoint at a target ratio against the full-resolution checkpoint,
+    timed interleaved on the same batch (:func:`speed_comparison`)."""
+
+    batch_size: int
+    rounds: int
+    device: str
+    thresholds: list[float]  # calibrated on validation images for the target ratio
+    token_fraction: float  # SPLIT's tokens on the timed batch / full tokens
+    ideal_ratio: float  # 1 / token_fraction: the speed-up if time followed tokens
+    split_images_per_s: float  # at the median
+    full_images_per_s: float
+    ratio: float  # median full seconds / median SPLIT seconds: the measured speed-up
+    ratio_fastest_round: float  # the same of the fastest rounds
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: one key per field, in field order."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MatchedSpeed(SpeedComparison):
+    """The speed comparison of the study's matched point (the study JSON's ``speed``)."""
+
+    method: str
+    target_ratio: float | None
+    seed: int  # the seed whose checkpoints were timed
+    matches_full: bool  # the point is within the goal's points of full resolution
+    metric: str  # the JSON's key for ``quality``
+    quality: float  # the point's quality, the mean over seeds
+
+    def to_dict(self) -> dict[str, Any]:
+        """As in the study's JSON: the comparison's keys, then the point's."""
+        data = asdict(self)
+        del data["metric"], data["quality"]
+        data[self.metric] = self.quality
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], metric: str) -> MatchedSpeed:
+        """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
+        values = {f.name: data[f.name] for f in fields(cls) if f.name not in ("metric", "quality")}
+        return cls(**values, metric=metric, quality=data[metric])
+
+
+@dataclass(frozen=True)
+class StudyTimedPoint(TimedPoint):
+    """A method's evaluated point, timed against the full method's model."""
+
+    method: str
+    target_ratio: float | None  # None: a method evaluated once (coarse)
+    seed: int
+
+
+@dataclass(frozen=True)
+class PointSpeed(SpeedRecord):
+    """Every method's evaluated points of one seed timed against full resolution, side
+    by side (the study JSON's ``point_speed``): the timing record, its points labelled."""
+
+    points: list[StudyTimedPoint]
+    full_method: str  # the method whose checkpoint is the full-resolution model (the JSON labels ``full[0]``)
+    seed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """As in the study's JSON: the timing record, the first full-resolution model
+        labelled with its ``method`` and ``seed``, then ``seed``."""
+        data = asdict(self)
+        del data["full_method"]
+        data["full"][0].update({"method": self.full_method, "seed": self.seed})
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PointSpeed:
+        """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
+        values = {f.name: data[f.name] for f in fields(SpeedRecord)}
+        values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
+        values["points"] = [StudyTimedPoint.from_dict(p) for p in data["points"]]
+        return cls(**values, full_method=data["full"][0]["method"], seed=data["seed"])
+
+    @property
+    def full_timing(self) -> FullTiming:
+        """The full method's model: the baseline of every point of its architecture."""
+        return self.full[0]
+
+
+def speed_comparison(
+    split_checkpoint: str,
+    full_checkpoint: str,
+    *,
+    target_ratio: float,
+    split: str,
+    batch_size: int,
+    rounds: int,
+    calibration_samples: int,
+    seed: int,
+    device: str = "cpu",
+) -> SpeedComparison:
+    """Forward images/s of a trained SPLIT checkpoint at ``target_ratio`` against the
+    trained full-resolution checkpoint, timed interleaved on the same batch."""
+    import torch
+
+    from ..bench.timing import time_interleaved
+    from ..train.evaluation import CheckpointEvaluator
+
+    split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
+    full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
+    calibration = split_eval.first_images(calibration_samples, split="val")
+    torch.manual_seed(seed)
+    thresholds = split_eval.calibrate(calibration, target_ratio)
+    images = split_eval.first_images(batch_size)
+    sync = torch.cuda.synchronize if images.device.type == "cuda" else (lambda: None)
+    with torch.no_grad(), split_eval.autocast():  # the precision the study evaluated in
+        tokens = split_eval.model(images, thresholds=thresholds)
+        fns = {
+            "split": lambda: split_eval.model(images, thresholds=thresholds),
+            "full": lambda: full_eval.model(images),
+        }
+        times = time_interleaved(fns, repeats=rounds, warmup=2, sync=sync)
+    fraction = float(tokens.tokens.float().mean()) / tokens.full_tokens
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return SpeedComparison(
+        batch_size=batch_size,
+        rounds=rounds,
+        device=str(images.device),
+        thresholds=thresholds,
+        token_fraction=fraction,
+        ideal_ratio=1.0 / fraction,
+        split_images_per_s=batch_size / median["split"],
+        full_images_per_s=batch_size / median["full"],
+        ratio=median["full"] / median["split"],
+        ratio_fastest_round=min(times["full"]) / min(times["split"]),
+    )
+
+
+def _full_method(spec: StudySpec) -> str:
+    """The study's full-resolution method (the control): every study has one."""
+    return next(m for m in spec.methods if spec.policy(m) == "full")
+
+
+def matched_speed(
+    spec: StudySpec, rows: list[StudyRow], runs: list[dict[str, Any]], run: Runner = _here
+) -> MatchedSpeed | None:
+    """:func:`speed_comparison` of the :func:`~splitvit.study.goals.matched_point` against
+    full resolution, on the lowest seed that trained both (``None`` when there is no such
+    pair). ``run(fn, *args, **kwargs)`` runs it where the checkpoints' device is (default:
+    here, on the CPU)."""
+    point = matched_point(rows, spec.goals)
+    if point is None:
+        return None
+    row = point.row
+    seed = min(int(s) for s in row.per_seed)
+    checkpoints = {(r["method"], r["seed"]): r["checkpoint"] for r in runs}
+    full = _full_method(spec)
+    if (full, seed) not in checkpoints:
+        return None
+    timed: SpeedComparison = run(
+        speed_comparison,
+        checkpoints[(row.method, seed)],
+        checkpoints[(full, seed)],
+        target_ratio=row.target_ratio,
+        split=spec.split,
+        batch_size=spec.speed_batch,
+        rounds=spec.speed_rounds,
+        calibration_samples=spec.calibration_samples,
+        seed=seed,
+    )
+    return MatchedSpeed(
+        **{f.name: getattr(timed, f.name) for f in fields(timed)},
+        method=row.method,
+        target_ratio=row.target_ratio,
+        seed=seed,
+        matches_full=point.matches_full,
+        metric=row.metric,
+        quality=row.quality,
+    )
+
+
+def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _here) -> PointSpeed | None:
+    """Every method's evaluated operating points timed against full resolution, side
+    by side in one interleaved run (:func:`~splitvit.tune.speed.time_operating_points`).
+
+    What is timed, to stay within a bounded time: one seed (the lowest that trained
+    the ``full`` method); the ``full`` method's checkpoint is the full-resolution
+    model; every other method's points of that seed at the evaluation ratios (one
+    point for ``coarse``), each with the thresholds its evaluation calibrated (as
+    stored with the point), so the timed point is the evaluated one. At most
+    ``speed.max_points`` points: each method gets an equal share, spread over its
+    ratios (both ends kept). The cost is ``(warmup + rounds) x (points + 1)``
+    forward passes of ``speed.batch_size`` images. ``run(fn, *args, **kwargs)`` runs
+    it where the checkpoints' device is (default: here, on the CPU).
+
+    Returns the timing record, its points labelled with their method, target ratio and
+    seed (``None`` when there is no full-resolution run or nothing to time).
+    """
+    from ..tune.speed import spread, time_operating_points
+
+    full = _full_method(spec)
+    seeds = sorted(int(r["seed"]) for r in runs if r["method"] == full)
+    if not seeds:
+        return None
+    seed = seeds[0]
+    by_method = {r["method"]: r for r in runs if int(r["seed"]) == seed}
+    others = [m for m in spec.methods if m != full and m in by_method]
+    if not others:
+        return None
+    share = None if spec.speed_max_points is None else max(1, spec.speed_max_points // len(others))
+    operating: list[dict[str, Any]] = []  # what time_operating_points takes
+    labels: list[tuple[str, float | None]] = []  # each point's method and target ratio
+    for method in others:
+        stored = sorted(
+            by_method[method]["points"], key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0)
+        )
+        for point in spread(stored, share):
+            operating.append(
+                {
+                    "checkpoint": by_method[method]["checkpoint"],
+                    "thresholds": point.get("thresholds"),
+                    "budget": point["target_ratio"],  # what a budget-conditioned policy was told
+                    "label": f"{method}@{point['target_ratio']}",
+                }
+            )
+            labels.append((method, point["target_ratio"]))
+    record: SpeedRecord = run(
+        time_operating_points,
+        operating,
+        full_checkpoint=by_method[full]["checkpoint"],
+        split=spec.split,
+        batch_size=spec.speed_batch,
+        rounds=spec.speed_rounds,
+        warmup=spec.speed_warmup,
+    )
+    points = [
+        StudyTimedPoint(**{f.name: getattr(p, f.name) for f in fields(p)}, method=m, target_ratio=r, seed=seed)
+        for p, (m, r) in zip(record.points, labels)
+    ]
+    values = {f.name: getattr(record, f.name) for f in fields(record)}
+    return PointSpeed(**{**values, "points": points}, full_method=full, seed=seed)
+
+
+def timed_points(record: PointSpeed | None) -> dict[tuple[str, float | None], FullTiming | StudyTimedPoint]:
+    """(method, target ratio) -> the timed point of :func:`points_speed` (the full
+    method's model at 1.0x, at target ratio ``None``, included)."""
+    if not record:
+        return {}
+    out: dict[tuple[str, float | None], FullTiming | StudyTimedPoint] = {
+        (p.method, p.target_ratio): p for p in record.points
+    }
+    out[(record.full_method, None)] = record.full_timing
+    return out
