@@ -1,6 +1,6 @@
 """Ray job: run (or finish) the evidence study.
 
-    ray job submit --working-dir . -- python jobs/study.py search_spaces/study_fashion.yaml \
+    ray job submit --working-dir . -- python jobs/study.py studies/study_fashion.yaml \
         [--scale gpu] [--set key=value ...] [--name NAME] [--json PATH]
 
 Inside a Ray job ``RAY_ADDRESS`` is set and the study joins that cluster; run

@@ -55,12 +55,12 @@ CASES = (
     Case(
         "study method misspelt",
         ("study", "studies/study_fashion.yaml", "--methods", "ful,coarse"),
-        "unknown method 'ful'",
+        "no method 'ful' (asked for by --methods)",
     ),
-    Case("study scale unknown", ("study", "studies/study_fashion.yaml", "--scale", "huge"), "unknown scale 'huge'"),
+    Case("study scale unknown", ("study", "studies/study_fashion.yaml", "--scale", "huge"), "no scale 'huge'"),
     Case(
         "study references from nowhere",
-        ("study", "studies/study_fashion.yaml", "--references-from", "no_such_study", "--storage", "{tmp}/runs"),
+        ("study", "studies/study_fashion.yaml", "--references-from", "no_such_study", "--set", "storage.path={tmp}"),
         "no_such_study",
     ),
     Case("viz --count 0", ("viz", "--count", "0"), "--count: must be >= 1, got 0"),

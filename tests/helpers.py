@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 #: timm arguments of the tests' tiny ViT: 4-px patches, width 32, 2 blocks.
@@ -41,3 +45,17 @@ def walk_numbers(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from walk_numbers(v, f"{path}[{i}]")
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """A script of ``scripts/`` as a module (its ``main`` not run), registered in
+    ``sys.modules`` as ``scripts_<stem>`` (its dataclasses need their module there)."""
+    module_name = f"scripts_{Path(name).stem}"
+    spec = importlib.util.spec_from_file_location(module_name, SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module

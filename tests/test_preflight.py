@@ -609,7 +609,7 @@ def test_cli_sweep_and_study_run_the_preflight(tmp_path, capsys, machine):
         capsys,
         [
             "study",
-            str(ROOT / "search_spaces" / "study_fashion.yaml"),
+            str(ROOT / "studies" / "study_fashion.yaml"),
             "--set",
             f"storage.path={tmp_path / 'runs'}",
             "--set",

@@ -4,16 +4,16 @@ answer is known; every script importable; every relative link in the docs resolv
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -29,14 +29,6 @@ def run_script(name: str, *args: str) -> str:
         [sys.executable, str(SCRIPTS / name), *args], cwd=ROOT, capture_output=True, text=True, check=True
     )
     return done.stdout
-
-
-def load_script(name: str) -> ModuleType:
-    """A script as a module (its ``main`` not run)."""
-    spec = importlib.util.spec_from_file_location(f"scripts_{Path(name).stem}", SCRIPTS / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def study(path: Path) -> dict:

@@ -202,14 +202,14 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
         "study_fashion_seg.yaml": ("split-0.5-agg-mixed-ctx", 12),
     }
     for name, (recipe_name, epochs) in headlines.items():
-        spec = load_study(ROOT / "search_spaces" / name)
+        spec = load_study(ROOT / "studies" / name)
         assert list(spec.methods) == ["full", "coarse", "entropy", "random", recipe_name]
         recipe = spec.run_config(0, recipe_name, "x")
         assert recipe.model.fine_aggregation and recipe.train.teacher_targets == "mixed"
         assert recipe.train.target_ratio == 0.5
         assert recipe.model.policy_level_context == recipe_name.endswith("-ctx")
         assert {spec.run_config(0, m, "x").train.epochs for m in spec.methods} == {epochs}
-        assert "split-0.7" in load_study(ROOT / "search_spaces" / name, methods=["full", "split-0.7"]).methods
+        assert "split-0.7" in load_study(ROOT / "studies" / name, methods=["full", "split-0.7"]).methods
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
     ],
 )
 def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name, epochs_by_scale):
-    path = ROOT / "search_spaces" / name
+    path = ROOT / "studies" / name
     lengths = {scale: load_study(path, scale=scale, methods=["full", "split-0.7"]) for scale in epochs_by_scale}
     for method in ("full", "split-0.7"):
         assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == list(
@@ -230,7 +230,7 @@ def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name,
 
 
 def test_the_learning_rate_lever_doubles_every_methods_rate_the_control_too():
-    path = ROOT / "search_spaces" / "study_fashion.yaml"
+    path = ROOT / "studies" / "study_fashion.yaml"
     default = load_study(path, methods=["full", "split-0.7"])
     faster = load_study(path, scale="finetune-lr", methods=["full", "split-0.7"])
     assert {faster.run_config(0, m, "x").train.lr for m in faster.methods} == {6.0e-4}
@@ -345,7 +345,7 @@ def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
 def test_shipped_studies_validate_at_every_scale():
     for name in ("study_fashion", "study_fashion_seg"):
         for scale in (None, "one-gpu", "gpu"):
-            spec = load_study(ROOT / "search_spaces" / f"{name}.yaml", scale=scale)
+            spec = load_study(ROOT / "studies" / f"{name}.yaml", scale=scale)
             assert len(spec.seeds) >= 2 and {"full", "coarse", "entropy", "random", "learned"} <= {
                 spec.policy(m) for m in spec.methods
             }

@@ -8,7 +8,7 @@
 #                                              # (e.g. --workers 8 --backbone-epochs 24 --method-epochs 12;
 #                                              # --tracking-uri sqlite:///... where MLflow is installed);
 #                                              # run again, it reuses the runs /tmp/<study> finished;
-#                                              # STUDY=search_spaces/study_fashion_seg.yaml for the dense one
+#                                              # STUDY=studies/study_fashion_seg.yaml for the dense one
 #
 # Results land in $OUT (default /tmp/gpu-check). Optional, beside the repository root:
 #   .whl/*.whl            wheels installed first into /tmp/site (e.g. the pinned timm);
@@ -24,7 +24,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/platform${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .data/fashion-mnist ] && export SPLITVIT_DATA_DIR="$PWD/.data"
-study=${STUDY:-search_spaces/study_fashion.yaml}
+study=${STUDY:-studies/study_fashion.yaml}
 name=$(basename "$study" .yaml)
 
 stage=${1:-smoke}

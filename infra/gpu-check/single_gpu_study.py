@@ -1,4 +1,4 @@
-"""Run a study file (``search_spaces/study_*.yaml``) on one machine's GPU, without Ray:
+"""Run a study file (``studies/study_*.yaml``) on one machine's GPU, without Ray:
 for a lent GPU machine that has PyTorch and timm but not the platform's cluster stack
 (see ``infra/gpu-check/run.sh``).
 
@@ -12,7 +12,7 @@ processes that share the GPU. MLflow only with ``--tracking-uri``. Its JSON has 
 shape of ``splitvit study --json`` plus per-run training curves. Running it again on
 the same ``--out`` reuses every finished run.
 
-    python infra/gpu-check/single_gpu_study.py search_spaces/study_fashion.yaml --scale one-gpu \
+    python infra/gpu-check/single_gpu_study.py studies/study_fashion.yaml --scale one-gpu \
         --out /tmp/study --json /tmp/study/study.json [--backbone-epochs N --method-epochs M] [--workers P]
 """
 

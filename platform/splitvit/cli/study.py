@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the evidence study: SPLIT vs full resolution, all-coarse, entropy and random "
         "splitting, trained alike, at matched token budgets, over seeds",
     )
-    p.add_argument("study", help="study YAML (e.g. search_spaces/study_fashion.yaml)")
+    p.add_argument("study", help="study YAML (e.g. studies/study_fashion.yaml)")
     p.add_argument(
         "--set",
         dest="overrides",
