@@ -257,3 +257,31 @@ def test_runs_carry_their_provenance(mlflow_uri, monkeypatch, tmp_path):
     tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
     tags = MlflowClient(mlflow_uri).get_run(tracker.run_id).data.tags
     assert tags["mlflow.source.git.commit"] == "0123abc" and tags["splitvit.git_dirty"] == "false"
+
+
+def test_training_data_is_recorded_as_mlflow_dataset_inputs(mlflow_uri, tmp_path):
+    """The run page's *Datasets used*: train and evaluation splits, named, sourced and
+    digested by what decides their items; logged once (a resumed run keeps them)."""
+    from splitvit.config import DataConfig
+
+    generated = DataConfig(name="synthetic", options={"train_samples": 64}, seed=3)
+    tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+    tracker.log_datasets(generated)
+    tracker.log_datasets(generated)  # again, as on a resume: no second pair
+    inputs = MlflowClient(mlflow_uri).get_run(tracker.run_id).inputs.dataset_inputs
+    assert [(i.dataset.name, i.tags[0].value) for i in inputs] == [
+        ("synthetic/train", "training"),
+        ("synthetic/val", "evaluation"),
+    ]
+    assert inputs[0].dataset.source_type == "code" and inputs[0].dataset.digest != inputs[1].dataset.digest
+
+    folder = DataConfig(name="imagefolder", options={"root": str(tmp_path / "images")}, val_split="test")
+    other, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+    other.log_datasets(folder)
+    again, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {})
+    again.log_datasets(folder)
+    first = MlflowClient(mlflow_uri).get_run(other.run_id).inputs.dataset_inputs
+    second = MlflowClient(mlflow_uri).get_run(again.run_id).inputs.dataset_inputs
+    assert [i.dataset.name for i in first] == ["imagefolder/train", "imagefolder/test"]
+    assert str(tmp_path / "images") in first[0].dataset.source
+    assert [i.dataset.digest for i in first] == [i.dataset.digest for i in second]  # same data, same digest

@@ -13,6 +13,8 @@ Secrets never reach the store: params and tags go through
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import REDACTED, is_secret_key, redact_uri
+from ..config import REDACTED, DataConfig, is_secret_key, redact_secrets, redact_uri
 from .provenance import provenance_tags
 
 log = logging.getLogger(__name__)
@@ -198,8 +200,6 @@ class RunTracker:
             changed = {k: [old.get(k), v] for k, v in values.items() if old.get(k) != v}
             new = [Param(k, v) for k, v in values.items() if k not in old]
             if changed:
-                import json
-
                 all_tags["splitvit.changed_on_resume"] = json.dumps(
                     {k: c for k, c in changed.items() if c[0] is not None}
                 )
@@ -309,6 +309,38 @@ class RunTracker:
     def log_dict(self, data: dict[str, Any], artifact_file: str) -> None:
         """Log a JSON artifact."""
         mlflow_client(self.tracking_uri).log_dict(self.run_id, data, artifact_file)
+
+    def log_datasets(self, data: DataConfig) -> None:
+        """The experiment's training and evaluation data as MLflow dataset inputs (the
+        run page's *Datasets used*): name and split, source (the folder or URI read, or
+        the generator for data made in memory), and a digest of everything that decides
+        the items (dataset, options, seed), so two runs on the same data show one digest.
+        Logged once: a resumed run keeps its inputs."""
+        import mlflow.data.dataset_source_registry as sources
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
+        client = mlflow_client(self.tracking_uri)
+        if client.get_run(self.run_id).inputs.dataset_inputs:
+            return
+        options = redact_secrets(dict(data.options))
+        location = options.get("uri") or options.get("root")
+        inputs = []
+        for split, context in (("train", "training"), (data.val_split, "evaluation")):
+            fingerprint = json.dumps(
+                {"name": data.name, "options": options, "seed": data.seed, "split": split}, sort_keys=True, default=str
+            )
+            digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+            if location:
+                source = sources.resolve_dataset_source(redact_uri(str(location)))
+            else:  # generated, or a dataset package's own files
+                source = CodeDatasetSource(
+                    tags={"splitvit.dataset": data.name, "splitvit.options": json.dumps(options, default=str)}
+                )
+            dataset = MetaDataset(source, name=f"{data.name}/{split}", digest=digest)
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+        client.log_inputs(self.run_id, datasets=inputs)
 
     def logged_model_id(self) -> str | None:
         """The id of the model logged by :meth:`log_model`, if any."""

@@ -214,6 +214,7 @@ def _open_tracker(config: ExperimentConfig) -> RunTracker | None:
         tags={"splitvit.storage": config.storage.resolved_path(), "splitvit.name": config.storage.name},
     )
     tracker.log_dict(config.to_dict(redact=True), "config.json")
+    tracker.log_datasets(config.data)
     return tracker
 
 
