@@ -472,7 +472,14 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     parent = client.get_run(data["mlflow_run_id"])
     assert parent.data.tags["splitvit.kind"] == "study" and parent.info.status == "FINISHED"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"study_table.json", "study.json", "study.png"} <= artifacts
+    assert {"study_table.json", "study.json", "study.png", "study_file.yaml", "base_config.yaml"} <= artifacts
+    study_file = Path(client.download_artifacts(parent.info.run_id, "study_file.yaml", str(tmp_path)))
+    assert study_file.read_text() == spec.read_text()  # the file as it was read
+    # the experiment explains itself: its latest study, and how to read it
+    exp = client.get_experiment(exp.experiment_id)
+    assert exp.tags["splitvit.latest_study_run"] == parent.info.run_id
+    assert "tags.splitvit.kind = 'study'" in exp.tags["mlflow.note.content"]
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     assert "speed_ratio" in parent.data.metrics
     curve = client.get_metric_history(parent.info.run_id, "reference_accuracy.s0")
     assert [m.value for m in sorted(curve, key=lambda m: m.step)] == pytest.approx(reference["curve"])

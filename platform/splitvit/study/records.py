@@ -66,7 +66,39 @@ def open_study_run(
         tags={KIND_TAG: "study", METRIC_TAG: spec.metric, "splitvit.study": spec.source},
     )
     close_stale_runs(parent)
+    # the files as they were read: the study file and its base experiment config
+    parent.log_text(Path(spec.source).read_text(), "study_file.yaml")
+    parent.log_text(Path(spec.base).read_text(), "base_config.yaml")
+    _describe_experiment(spec, tracking_uri, parent, name)
     return parent
+
+
+def _describe_experiment(spec: StudySpec, tracking_uri: str, parent: RunTracker, name: str) -> None:
+    """The experiment's description and tags: what a study is, its latest, how to read it."""
+    from ..tracking.runs import describe_experiment
+
+    link = f"#/experiments/{parent.experiment_id}/runs/{parent.run_id}"
+    describe_experiment(
+        tracking_uri,
+        parent.experiment_id,
+        "\n".join(
+            [
+                f"**SPLIT evidence studies** (`splitvit study {spec.source}`): every method trained alike from "
+                f"a converged full-resolution reference and compared at matched token budgets over seeds, "
+                f"{spec.metric} against tokens.",
+                "",
+                f"**Latest study:** [{name}]({link}).",
+                "",
+                "**How to read it**",
+                "- The study's run (`tags.splitvit.kind = 'study'`): the table (`study_table.json`), `study.png`, "
+                "the goal lines in `study.json`, the speed figures; `study_file.yaml` and `base_config.yaml` "
+                "are the files it ran.",
+                "- Under it, one run per method and seed: one step per evaluated token ratio "
+                f"(`metrics.{spec.metric}`, `metrics.token_ratio`).",
+            ]
+        ),
+        {"splitvit.latest_study": name, "splitvit.latest_study_run": parent.run_id},
+    )
 
 
 def record_study(

@@ -310,6 +310,10 @@ class RunTracker:
         """Log a JSON artifact."""
         mlflow_client(self.tracking_uri).log_dict(self.run_id, data, artifact_file)
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Log a text artifact (a file as it was read: YAML, markdown)."""
+        mlflow_client(self.tracking_uri).log_text(self.run_id, text, artifact_file)
+
     def log_datasets(self, data: DataConfig) -> None:
         """The experiment's training and evaluation data as MLflow dataset inputs (the
         run page's *Datasets used*): name and split, source (the folder or URI read, or
