@@ -485,10 +485,12 @@ def test_the_log_says_which_folder_was_used(fmnist_root, tmp_path, monkeypatch, 
 
 
 # ---------------------------------------------------------------------- eval (no Ray)
-def test_eval_device_that_is_not_there(capsys):
+def test_eval_device_that_is_not_there(capsys, tmp_path):
     import torch
 
-    code, err, seconds = cli(capsys, ["eval", "ck", "--device", f"cuda:{torch.cuda.device_count()}"])
+    checkpoint = tmp_path / "ck"  # there (a missing one is its own error, found first)
+    checkpoint.mkdir()
+    code, err, seconds = cli(capsys, ["eval", str(checkpoint), "--device", f"cuda:{torch.cuda.device_count()}"])
     assert code == 2
     assert_one_error_line(err, "eval", "--device", "CUDA GPU")
 

@@ -609,6 +609,9 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     # references that do not exist, or were made with other settings: one error each, before Ray starts
     runs_before = len(client.search_runs([exp.experiment_id]))
     assert cli([*args[:-1], "nowhere", "--name", "e2e-none"]) == 2
+    assert "--references-from nowhere: no study of that name" in capsys.readouterr().err
+    (tmp_path / "runs" / "e2e-empty").mkdir()  # a study folder with no finished reference
+    assert cli([*args[:-1], "e2e-empty", "--name", "e2e-none"]) == 2
     assert "not finished for seed(s) 0" in capsys.readouterr().err
     assert cli([*args, "--name", "e2e-wd", "--set", "train.weight_decay=0.01"]) == 2
     err = capsys.readouterr().err
