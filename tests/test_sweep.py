@@ -244,6 +244,7 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
         assert trial_run.info.status == "FINISHED"
         assert trial_run.data.params["sampled.train.lambda_budget"] in {"1.0", "2.0", "3.0"}
         assert trial_run.data.params["train.epochs"] == "1"  # the whole trial config as params
+        assert "tracking.enabled" not in trial_run.data.params  # the sweep tracks it: no "False" to mislead
         assert {"accuracy", "tokens_per_image", "token_ratio", "epoch"} <= set(trial_run.data.metrics)
         points = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == trial_run.info.run_id]
         assert len(points) == 2

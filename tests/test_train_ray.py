@@ -6,8 +6,11 @@ processes. The two-node test needs a cluster of its own and runs last.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -301,21 +304,29 @@ def test_init_ray_starts_a_local_instance_unless_told_where(fake_ray_init, monke
 @pytest.mark.parametrize("env", [None, "10.0.0.1:6379"])
 def test_a_sweep_keeps_ray_worker_output_off_the_console_unless_verbose(fake_ray_init, monkeypatch, env):
     """Ray forwards its workers' and controllers' log lines to the driver by default:
-    dozens of ``(RayTrainWorker pid=...)`` lines around a sweep's own. A sweep keeps
-    them off unless ``-v``; a plain ``init_ray`` keeps Ray's default."""
+    dozens of ``(RayTrainWorker pid=...)`` lines around a sweep's own, Ray's own log
+    lines and tracebacks among them. A sweep keeps them off unless ``-v``; a plain
+    ``init_ray`` follows the process's level (INFO: ``-v``), as ``splitvit train``'s does."""
+    import logging
+
     from splitvit.train.ray_trainer import init_ray
     from splitvit.tune.console import ray_output_shown, show_ray_output
 
     if env:
         monkeypatch.setenv("RAY_ADDRESS", env)
-    init_ray()
+    root = logging.getLogger()
+    before = root.level
     try:
+        for level in (logging.WARNING, logging.INFO):
+            root.setLevel(level)
+            init_ray()
         for verbose in (False, True):
             show_ray_output(verbose)
             init_ray(worker_logs=ray_output_shown())
     finally:
         show_ray_output(False)
-    assert [call["log_to_driver"] for call in fake_ray_init] == [True, False, True]
+        root.setLevel(before)
+    assert [call["log_to_driver"] for call in fake_ray_init] == [False, True, False, True]
 
 
 def test_a_study_keeps_ray_worker_output_its_epoch_lines_come_from(fake_ray_init):
@@ -352,9 +363,54 @@ def trained(ray_session, mlflow_uri, tmp_path_factory):
     cfg = tiny_config(tmp, mlflow_uri, "cli-fit")
     config_file = _write_yaml(tmp / "tiny.yaml", cfg)
     out = tmp / "result.json"
-    rc = main(["train", str(config_file), "--json", str(out)])
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        rc = main(["train", str(config_file), "--json", str(out)])
     assert rc == 0
-    return {"result": json.loads(out.read_text()), "config": config_file, "tmp": tmp, "uri": mlflow_uri}
+    return {
+        "result": json.loads(out.read_text()),
+        "config": config_file,
+        "tmp": tmp,
+        "uri": mlflow_uri,
+        "console": console.getvalue(),
+    }
+
+
+def test_train_prints_each_committed_epoch_from_the_driver(trained):
+    """Without -v the workers' output stays off the console; the driver prints one
+    line per epoch Ray committed, from the checkpoint's metrics.json."""
+    lines = [line for line in trained["console"].splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1"], trained["console"]
+    assert all("accuracy" in line and "tokens_per_image" in line for line in lines)
+    assert "RayTrainWorker" not in trained["console"]
+
+
+def test_the_epoch_watcher_reports_new_checkpoints_once_in_order(tmp_path):
+    from splitvit.train.ray_trainer import EpochWatcher
+
+    def commit(epoch: int) -> None:
+        folder = tmp_path / f"checkpoint_epoch{epoch:04d}"
+        folder.mkdir()
+        (folder / "metrics.json").write_text(json.dumps({"accuracy": epoch / 10}))
+
+    commit(0)  # a resumed run's earlier epoch: not reported again
+    seen: list[tuple[int, float]] = []
+    # no poll before stop(): what stop() finds is reported in epoch order
+    watcher = EpochWatcher(str(tmp_path), lambda epoch, m: seen.append((epoch, m["accuracy"])), interval=3600)
+    commit(2)
+    commit(1)
+    watcher.stop()
+    assert seen == [(1, 0.1), (2, 0.2)]
+    # polling: a new epoch is reported while training runs, and only once
+    seen.clear()
+    watcher = EpochWatcher(str(tmp_path), lambda epoch, m: seen.append((epoch, m["accuracy"])), interval=0.05)
+    commit(3)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen == [(3, 0.3)]
+    watcher.stop()
+    assert seen == [(3, 0.3)]
 
 
 def test_two_worker_fit_is_tracked_in_mlflow(trained):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from .options import TRACKING_HELP, common_options, overrides
 from .output import emit, fail, print_table
@@ -50,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     # what only fails once Ray runs (capacity, Ray, MLflow, storage, data): seconds, a PreflightError
     print(preflight(config, ray_address=args.address).data_line)  # which data, from which folder
     # a TrainingError (a worker's error, unwrapped) or Ctrl-C/SIGTERM: main() prints one line
-    result = run_training(config, ray_address=args.address)
+    # the workers' output (Ray's own log lines and tracebacks among it) reaches the
+    # console with -v; without it, each committed epoch is one line from here
+    on_epoch = None if args.verbose else print_epoch
+    result = run_training(config, ray_address=args.address, on_epoch=on_epoch)
     keys = [
         k
         for k in ("accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s", "train_loss")
@@ -77,3 +81,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return fail(args, f"run {result.status}: {result.message}; {kept}")
     return 0
+
+
+#: The figures an epoch line shows, in order, when the epoch has them.
+EPOCH_FIGURES = ("train_loss", "accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s")
+
+
+def print_epoch(epoch: int, metrics: dict[str, Any]) -> None:
+    """One line per committed epoch: ``epoch 2: train_loss 0.913, accuracy 0.662, ...``."""
+    shown = [f"{k} {metrics[k]:.4g}" for k in EPOCH_FIGURES if isinstance(metrics.get(k), (int, float))]
+    print(f"epoch {epoch}: {', '.join(shown)}", flush=True)

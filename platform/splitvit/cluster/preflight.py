@@ -599,14 +599,16 @@ def preflight(
     trial_resources: Mapping[str, float] | None = None,
     trial_key: str = "search.trial_resources",
     check_ray: bool = True,
+    worker_logs: bool | None = None,
 ) -> PreflightReport:
     """Every check of the module docstring for a run of ``config``; the cheap ones
     first, joining a Ray cluster (``ray_address`` or ``$RAY_ADDRESS``) last.
 
     ``tracking_uri`` is checked instead of the config's own (a study's runs log
     nothing themselves; its parent run does); ``trial_resources`` is a Tune trial's
-    driver bundle (sweep, study). Raises :class:`~splitvit.config.ConfigError` for a
-    bad config (checked first, in well under a second), else :class:`PreflightError`.
+    driver bundle (sweep, study); ``worker_logs`` goes to ``init_ray`` when joining a
+    cluster. Raises :class:`~splitvit.config.ConfigError` for a bad config (checked
+    first, in well under a second), else :class:`PreflightError`.
     """
     start = time.monotonic()
     validate_experiment(config)
@@ -636,7 +638,7 @@ def preflight(
         if not joined:
             from ..train.ray_trainer import init_ray
 
-            init_ray(ray_address)
+            init_ray(ray_address, worker_logs=worker_logs)
         nodes, declared = ray_nodes()
         where = (
             "the cluster"

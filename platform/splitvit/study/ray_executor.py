@@ -159,7 +159,7 @@ class TuneExecutor:
 
         # Ray's forwarded worker output stays on: a study's runs train inside its Tune
         # trials, and their per-epoch lines come only from there (a sweep prints its own)
-        init_ray(self.ray_address)
+        init_ray(self.ray_address, worker_logs=True)  # the runs' epoch lines are their workers' output
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
 
     def run(
@@ -236,6 +236,7 @@ def run_study(
         tracking_uri=base.tracking_uri(),
         trial_resources=spec.trial_resources,
         trial_key="run.trial_resources",
+        worker_logs=True,
     )
     root = base.storage.resolved_path()
     study_dir = join_uri(root, name)

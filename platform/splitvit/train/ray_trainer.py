@@ -28,9 +28,11 @@ Ray, and runs a ``TorchTrainer`` whose workers execute :func:`train_loop_per_wor
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -51,6 +53,7 @@ from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
 from .checkpoints import (
+    METRICS_FILE,
     MODEL_FILE,
     STATE_FILE,
     checkpoint_dir_name,
@@ -122,19 +125,24 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------- driver
-def init_ray(address: str | None = None, *, worker_logs: bool = True) -> None:
+def init_ray(address: str | None = None, *, worker_logs: bool | None = None) -> None:
     """Join the Ray cluster the process belongs to, or start a local one.
 
     Inside a Ray job (``RAY_ADDRESS`` set) or with ``address``, connect to that
     cluster; otherwise start a new Ray instance on this machine. An
     already-initialised Ray is reused. ``worker_logs=False`` keeps Ray's processes'
-    output (Train workers and controllers) off this console (``log_to_driver``); it
-    stays in the Ray dashboard and the session's log files.
+    output (Train workers and controllers, Ray's own log lines and tracebacks among
+    it) off this console (``log_to_driver``); it stays in the Ray dashboard and the
+    session's log files. ``None`` follows the process's logging level: forwarded with
+    ``-v`` (INFO), kept off otherwise (the driver prints each epoch's line itself:
+    :func:`run_training`'s ``on_epoch``).
     """
     import ray
 
     if ray.is_initialized():
         return
+    if worker_logs is None:
+        worker_logs = logging.getLogger().isEnabledFor(logging.INFO)
     # ray.init replaces the SIGTERM handler with sys.exit; keep one the process set
     # (splitvit's: SIGTERM ends runs KILLED and says what was kept, as Ctrl-C does)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -160,6 +168,7 @@ def run_training(
     epoch_hook: EpochHook | None = None,
     ray_address: str | None = None,
     callbacks: Sequence[Any] | None = None,
+    on_epoch: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Train ``config`` (build it with :func:`splitvit.train.experiment.load_experiment`;
     it is validated again here, before Ray starts).
@@ -167,7 +176,10 @@ def run_training(
     Re-running with the same ``storage.path`` and ``storage.name`` resumes from the
     latest checkpoint and continues the same MLflow run. ``callbacks`` go to Ray
     Train's ``RunConfig`` (``ray.train.UserCallback`` instances; a sweep trial passes Tune's
-    ``TuneReportCallback`` so that its epochs reach Tune).
+    ``TuneReportCallback`` so that its epochs reach Tune). ``on_epoch(epoch, metrics)``
+    is called in this process for each epoch Ray commits (its checkpoint's
+    ``metrics.json``, watched by :class:`EpochWatcher`): the console's progress when
+    the workers' own output is not forwarded.
 
     Raises:
         TrainingError: the workers failed more often than ``train.max_failures``, or
@@ -181,7 +193,12 @@ def run_training(
     tracker = _open_tracker(config)
     storage_path = config.storage.resolved_path()
     trainer = _torch_trainer(config, storage_path, tracker, epoch_hook, callbacks)
-    result = _fit(trainer, config, tracker)
+    watcher = EpochWatcher(config.storage.run_uri(), on_epoch) if on_epoch is not None else None
+    try:
+        result = _fit(trainer, config, tracker)
+    finally:
+        if watcher is not None:
+            watcher.stop()
     outcome = _rank0_outcome(result)
     checkpoint_uri = _checkpoint_uri(result.checkpoint, storage_path)
     _end_run(config, tracker, outcome, checkpoint_uri)
@@ -256,6 +273,59 @@ def _torch_trainer(
         "training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path)
     )
     return trainer
+
+
+class EpochWatcher:
+    """Calls ``on_epoch(epoch, metrics)`` from a thread of the driver for each
+    ``checkpoint_epochNNNN/metrics.json`` that appears under ``run_uri`` (local or
+    ``s3://``), in epoch order; checkpoints already there when it starts (a resumed
+    run's) are not reported again. ``stop`` reports the last ones and ends it."""
+
+    def __init__(self, run_uri: str, on_epoch: Callable[[int, dict[str, Any]], None], interval: float = 1.0):
+        self.run_uri, self.on_epoch, self.interval = run_uri, on_epoch, interval
+        self._seen = set(self._epochs())
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="splitvit-epochs", daemon=True)
+        self._thread.start()
+
+    def _epochs(self) -> dict[int, str]:
+        from ..storage import exists, list_files
+
+        try:
+            if not exists(self.run_uri):
+                return {}
+            files = list_files(self.run_uri, METRICS_FILE)
+        except OSError:  # storage briefly unreadable: the next poll tries again
+            return {}
+        found = {}
+        for path in files:
+            match = re.search(r"checkpoint_epoch(\d+)/" + re.escape(METRICS_FILE) + "$", path)
+            if match:
+                found[int(match.group(1))] = path
+        return found
+
+    def _report_new(self) -> None:
+        from ..storage import read_bytes
+
+        for epoch, path in sorted(self._epochs().items()):
+            if epoch in self._seen:
+                continue
+            try:
+                metrics = json.loads(read_bytes(path))
+            except (OSError, ValueError):  # being written: the next poll reads it whole
+                continue
+            self._seen.add(epoch)
+            self.on_epoch(epoch, metrics)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            self._report_new()
+
+    def stop(self) -> None:
+        """Report what is there, then end the thread."""
+        self._stopped.set()
+        self._thread.join(timeout=10)
+        self._report_new()
 
 
 def _fit(trainer: Any, config: ExperimentConfig, tracker: RunTracker | None) -> Any:

@@ -390,11 +390,17 @@ def _short(params: dict[str, Any]) -> str:
 
 
 def _config_params(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> dict[str, Any]:
+    """A trial run's params: its experiment config, flattened. Without
+    ``tracking.enabled``: the trial's own Train run logs nothing (``False`` in its
+    config), its MLflow run is the sweep driver's record of it, which a ``False``
+    there would contradict."""
     try:
-        return plan.trial_config(sampled, trial_id).flat(redact=True)
+        params = plan.trial_config(sampled, trial_id).flat(redact=True)
     except ValueError as exc:  # the trial will fail the same way; record what it was
         log.warning("trial %s: %s", trial_id, exc)
         return {}
+    params.pop("tracking.enabled", None)
+    return params
 
 
 # ---------------------------------------------------------------------- location
