@@ -29,6 +29,14 @@ def common_options(mlflow: str | None) -> argparse.ArgumentParser:
     return common
 
 
+def add_set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--set KEY=VALUE``, repeatable, into ``args.overrides`` (what each command
+    makes of a key is ``help_text``)."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=f"repeatable; {help_text}"
+    )
+
+
 TRACKING_HELP = "MLflow store, over $MLFLOW_TRACKING_URI and the config's tracking.tracking_uri"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .options import TRACKING_HELP, common_options, overrides
+from .options import TRACKING_HELP, add_set_option, common_options, overrides
 from .output import emit, fail, print_table
 
 
@@ -18,14 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "splitting, trained alike, at matched token budgets, over seeds",
     )
     p.add_argument("study", help="study YAML (e.g. studies/study_fashion.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="repeatable; a config setting for every run (train.epochs=1, data.options.train_samples=512)",
-    )
+    add_set_option(p, "a config setting for every run (train.epochs=1, data.options.train_samples=512)")
     p.add_argument("--scale", help="apply the study file's scales.<SCALE> section (e.g. gpu: more data, epochs, GPUs)")
     p.add_argument(
         "--methods",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .options import TRACKING_HELP, common_options, overrides
+from .options import TRACKING_HELP, add_set_option, common_options, overrides
 from .output import emit, fail, frontier_table, print_table
 
 
@@ -17,13 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="multi-objective sweep (Ray Tune + Optuna): accuracy up, tokens down; frontier in MLflow",
     )
     p.add_argument("space", help="search space YAML (e.g. search_spaces/smoke.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="repeatable; a config key fixes that value (train.epochs=1), any other key sets the space's "
+    add_set_option(
+        p,
+        "a config key fixes that value (train.epochs=1), any other key sets the space's "
         "settings (search.num_samples=3, stage_two.points=2)",
     )
     p.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import TRACKING_HELP, common_options, overrides
+from .options import TRACKING_HELP, add_set_option, common_options, overrides
 from .output import emit, fail, print_table
 
 
@@ -23,14 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="the same as --set KEY=VALUE (kept as an alias)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="repeatable; a dotted config override, e.g. --set train.epochs=3 --set storage.name=run1",
-    )
+    add_set_option(p, "a dotted config override, e.g. --set train.epochs=3 --set storage.name=run1")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--json", help="write final metrics, checkpoint URI and MLflow run id to this JSON file")
     p.set_defaults(func=run)
