@@ -41,7 +41,7 @@ CASES = (
     Case("config file missing", ("train", "jobs/configs/no_such.yaml"), "config file jobs/configs/no_such.yaml does"),
     Case("config value out of range", ("train", "jobs/configs/smoke.yaml", "train.epochs=-1"), "train.epochs: must be"),
     Case("config key misspelt", ("train", "jobs/configs/smoke.yaml", "model.polcy=learned"), "did you mean"),
-    Case("--json folder missing", ("train", "jobs/configs/smoke.yaml", "--json", "{tmp}/no/dir/r.json"), "--json"),
+    Case("--json under a file", ("train", "jobs/configs/smoke.yaml", "--json", "/dev/null/r.json"), "is not a folder"),
     Case(
         "sweep setting out of range",
         ("sweep", "search_spaces/smoke.yaml", "--set", "search.num_samples=0"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -102,12 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.monotonic()
     json_path = getattr(args, "json", None)
-    if json_path and not Path(json_path).expanduser().resolve().parent.is_dir():
-        # found before anything starts, not after an hour of training
-        print(
-            f"splitvit {name}: error: --json {json_path}: folder {Path(json_path).parent} does not exist",
-            file=sys.stderr,
-        )
+    unwritable = _json_folder_problem(json_path) if json_path else None
+    if unwritable:  # found before anything starts, not after an hour of training
+        print(f"splitvit {name}: error: --json {json_path}: {unwritable}", file=sys.stderr)
         return 2
     code = 1
     previous = _handle_signals()
@@ -137,6 +135,20 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     return _write_envelope(args, code, time.monotonic() - started)
+
+
+def _json_folder_problem(path: str) -> str | None:
+    """Why ``--json PATH``'s folder cannot be made or written (its nearest existing
+    ancestor is a file, or read-only), else None: it is made when the JSON is written."""
+    folder = Path(path).expanduser().absolute().parent
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def _write_envelope(args: argparse.Namespace, code: int, wall_time_s: float) -> int:
