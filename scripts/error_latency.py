@@ -41,6 +41,12 @@ CASES = (
     Case("config file missing", ("train", "jobs/configs/no_such.yaml"), "config file jobs/configs/no_such.yaml does"),
     Case("config value out of range", ("train", "jobs/configs/smoke.yaml", "train.epochs=-1"), "train.epochs: must be"),
     Case("config key misspelt", ("train", "jobs/configs/smoke.yaml", "model.polcy=learned"), "did you mean"),
+    Case("dataset name misspelt", ("train", "jobs/configs/smoke.yaml", "data.name=synthetc"), "unknown dataset"),
+    Case(
+        "policy name misspelt",
+        ("sweep", "search_spaces/smoke.yaml", "--set", "model.policy=lerned"),
+        "unknown policy 'lerned'",
+    ),
     Case("--json under a file", ("train", "jobs/configs/smoke.yaml", "--json", "/dev/null/r.json"), "is not a folder"),
     Case(
         "sweep setting out of range",

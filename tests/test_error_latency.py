@@ -38,11 +38,12 @@ def test_the_checks_run_before_torch_ray_and_mlflow_load():
         "import sys; from splitvit.cli import main\n"
         "codes = [main(['study', 'studies/study_fashion.yaml', '--methods', 'ful']),\n"
         "         main(['sweep', 'search_spaces/smoke.yaml', '--set', 'search.num_samples=0']),\n"
-        "         main(['train', 'jobs/configs/smoke.yaml', 'train.epochs=-1'])]\n"
+        "         main(['train', 'jobs/configs/smoke.yaml', 'train.epochs=-1']),\n"
+        "         main(['train', 'jobs/configs/smoke.yaml', 'data.name=synthetc'])]\n"
         "print(codes, sorted(m for m in ('torch', 'ray', 'mlflow', 'timm') if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip().splitlines()[-1] == "[2, 2, 2] []", done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[2, 2, 2, 2] []", done.stdout + done.stderr
 
 
 def test_the_script_reports_a_wrong_case(monkeypatch, capsys):

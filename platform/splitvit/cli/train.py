@@ -32,8 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Check the config and the cluster, train, print the final metrics; exit 1 unless completed."""
     from ..config import load_config
+    from ..train.names import check_names
 
-    load_config(args.config, overrides(args))  # the file's and the settings' mistakes, before torch loads
+    # the file's, the settings' and the names' mistakes, before torch loads
+    check_names(load_config(args.config, overrides(args)))
     from ..train.experiment import load_experiment
     from ..train.ray_trainer import run_training
 

@@ -1,24 +1,34 @@
 """The SPLIT model: quadtree geometry, split policies, mixed-scale SplitViT, heads."""
 
-from .policies import POLICY_NAMES, EntropyPolicy, LearnedPolicy, PolicyContext, RandomPolicy, SplitPolicy, build_policy
-from .quadtree import GeometryError, QuadtreeGeometry, expected_tokens, leaf_masks, token_counts, top_down_decisions
-from .splitvit import SplitOutput, SplitViT, validate_thresholds
+from __future__ import annotations
 
-__all__ = [
-    "POLICY_NAMES",
-    "EntropyPolicy",
-    "GeometryError",
-    "LearnedPolicy",
-    "PolicyContext",
-    "QuadtreeGeometry",
-    "RandomPolicy",
-    "SplitOutput",
-    "SplitPolicy",
-    "SplitViT",
-    "build_policy",
-    "expected_tokens",
-    "leaf_masks",
-    "token_counts",
-    "top_down_decisions",
-    "validate_thresholds",
-]
+import importlib
+from typing import Any
+
+# Each name loads its module on first use: the names (``splitvit.model.names``) are read
+# by checks that run before torch loads, and the model needs torch.
+_WHERE = {
+    "POLICY_NAMES": "names",
+    "EntropyPolicy": "policies",
+    "GeometryError": "quadtree",
+    "LearnedPolicy": "policies",
+    "PolicyContext": "policies",
+    "QuadtreeGeometry": "quadtree",
+    "RandomPolicy": "policies",
+    "SplitOutput": "splitvit",
+    "SplitPolicy": "policies",
+    "SplitViT": "splitvit",
+    "build_policy": "policies",
+    "expected_tokens": "quadtree",
+    "leaf_masks": "quadtree",
+    "token_counts": "quadtree",
+    "top_down_decisions": "quadtree",
+    "validate_thresholds": "splitvit",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

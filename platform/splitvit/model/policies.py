@@ -26,9 +26,8 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import Block
 
+from .names import POLICY_NAMES
 from .quadtree import QuadtreeGeometry, upsample_to_children
-
-POLICY_NAMES = ("learned", "entropy", "random", "full", "coarse")
 
 
 @dataclass

@@ -50,6 +50,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from .aggregation import FineAggregation
 from .heads import DenseHead, masked_pool
+from .names import INPUT_NORMALIZATIONS, POLICY_NAMES, TASKS
 from .packed import (
     CompiledBlock,
     PackedBatch,
@@ -60,7 +61,7 @@ from .packed import (
     token_chunks,
     varlen_kernel,
 )
-from .policies import POLICY_NAMES, PolicyContext, SplitPolicy, build_policy, check_split_probabilities
+from .policies import PolicyContext, SplitPolicy, build_policy, check_split_probabilities
 from .quadtree import (
     QuadtreeGeometry,
     expected_tokens,
@@ -72,9 +73,6 @@ from .quadtree import (
     upsample_to_children,
 )
 
-TASKS = ("classification", "dense")
-#: ``normalize`` values of :func:`input_data_config` (``model.normalize`` in a config).
-INPUT_NORMALIZATIONS = ("auto", "timm", "none")
 ATTENTION_MODES = ("packed", "padded")
 #: Input sizes whose geometry a model keeps besides its own (a few sizes are typical).
 GEOMETRY_CACHE_SIZE = 8

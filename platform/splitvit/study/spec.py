@@ -142,7 +142,11 @@ class StudySpec:
         for key, value in values.items():
             set_dotted(raw, key, value)
         if settings_only:
-            return ExperimentConfig.from_dict(raw, default_name=name)
+            from ..train.names import check_names
+
+            config = ExperimentConfig.from_dict(raw, default_name=name)
+            check_names(config)
+            return config
         from ..train.experiment import experiment_from_dict  # loads torch and timm
 
         return experiment_from_dict(raw, default_name=name)
@@ -316,8 +320,6 @@ def load_study(
     )
     # every run's config, validated now: a bad key stops here, before Ray starts (the
     # settings' own checks at every run first: those need no torch)
-    if not settings_only:
-        _check_policy_names(raw, source)
     for only in (True,) if settings_only else (True, False):
         for seed in spec.seeds:
             spec.run_config(seed, None, "check", settings_only=only)
@@ -360,8 +362,9 @@ def _seeds(raw: dict[str, Any], source: str) -> list[int]:
 def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
     """The methods to run: the headline (``methods``), or those of ``methods`` and
     ``levers`` that ``names`` (``--methods``) picks, in the file's order; each needs a
-    policy (its name is checked by :func:`_check_policy_names`), and among them a
-    ``full`` and a ``learned`` one."""
+    policy, and among them a ``full`` and a ``learned`` one."""
+    from ..model.names import POLICY_NAMES  # torch-free
+
     headline = _section(raw, "methods", source)
     if not headline:
         raise SearchSpaceError(source, "methods", "name at least one method")
@@ -371,9 +374,9 @@ def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[
         raise SearchSpaceError(source, f"levers.{both[0]}", "also under methods; a method is one or the other")
     all_methods = {**headline, **levers}
     for name, settings in all_methods.items():
-        if not isinstance(settings, dict) or not isinstance(settings.get("model.policy"), str):
+        if not isinstance(settings, dict) or settings.get("model.policy") not in POLICY_NAMES:
             section = "methods" if name in headline else "levers"
-            raise SearchSpaceError(source, f"{section}.{name}", "needs model.policy (learned, entropy, random...)")
+            raise SearchSpaceError(source, f"{section}.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}")
     if names is not None and not names:
         raise SearchSpaceError(source, "methods", "--methods names no method; name at least one of the file's")
     unknown = [m for m in names or [] if m not in all_methods]
@@ -392,19 +395,6 @@ def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[
                 source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)"
             )
     return {k: dict(v) for k, v in selected.items()}
-
-
-def _check_policy_names(raw: dict[str, Any], source: str) -> None:
-    """Every method's and lever's ``model.policy`` is one of the model's policies
-    (imported here: the model's names come with torch)."""
-    from ..model import POLICY_NAMES
-
-    for section in ("methods", "levers"):
-        for name, settings in _section(raw, section, source).items():
-            if settings.get("model.policy") not in POLICY_NAMES:
-                raise SearchSpaceError(
-                    source, f"{section}.{name}", f"needs model.policy, one of {', '.join(POLICY_NAMES)}"
-                )
 
 
 def _ratios(evaluation: dict[str, Any], source: str) -> list[float]:

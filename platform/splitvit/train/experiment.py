@@ -32,9 +32,8 @@ from ..config import (
     require,
     validate,
 )
-from ..data import DATASET_NAMES
-from ..model import POLICY_NAMES, QuadtreeGeometry, SplitViT, validate_thresholds
-from ..model.splitvit import INPUT_NORMALIZATIONS, TASKS
+from ..model import QuadtreeGeometry, SplitViT, validate_thresholds
+from .names import check_names
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -73,29 +72,15 @@ def validate_experiment(config: ExperimentConfig) -> None:
     :class:`~splitvit.config.ConfigError` naming the key.
     """
     validate(config)
-    d = config.data
-    require(
-        d.name in DATASET_NAMES, "data.name", f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}"
-    )
+    check_names(config)
     _validate_model(config.model)
 
 
 def _validate_model(m: ModelConfig) -> None:
-    """The model's checks: timm knows the name and takes ``timm_kwargs``, the policy,
-    task and input normalisation exist, the thresholds fit the levels, the image fits
+    """The model's checks (its names: :func:`~splitvit.train.names.check_names`): timm
+    knows the name and takes ``timm_kwargs``, the thresholds fit the levels, the image fits
     the quadtree, the policy's depth and width fit the ViT, and SplitViT builds."""
     require(timm.is_model(m.name), "model.name", f"unknown timm model {m.name!r}")
-    require(
-        m.policy in POLICY_NAMES,
-        "model.policy",
-        f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}",
-    )
-    require(m.task in TASKS, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
-    require(
-        m.normalize in INPUT_NORMALIZATIONS,
-        "model.normalize",
-        f"must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {m.normalize!r}",
-    )
     if m.thresholds != AUTO_THRESHOLDS:
         try:
             validate_thresholds(m.thresholds, m.levels)

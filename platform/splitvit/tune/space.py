@@ -307,11 +307,16 @@ class SearchSpace:
 
         ``params`` holds sampled values by parameter name (decoded: what the config
         takes); the fixed values always apply. ``settings_only``: the checks of the
-        settings alone (types, ranges: :meth:`ExperimentConfig.from_dict`), without
-        those that need timm and the model. Raises :class:`ConfigError`.
+        settings alone (types, ranges: :meth:`ExperimentConfig.from_dict`; the names:
+        :func:`~splitvit.train.names.check_names`), without those that need timm and
+        the model. Raises :class:`ConfigError`.
         """
         if settings_only:
-            return ExperimentConfig.from_dict(self.raw_config(params), overrides, default_name=name)
+            from ..train.names import check_names
+
+            config = ExperimentConfig.from_dict(self.raw_config(params), overrides, default_name=name)
+            check_names(config)
+            return config
         # imported here: it loads torch and timm, which the settings' own checks do not need
         from ..train.experiment import experiment_from_dict
 

@@ -1,0 +1,11 @@
+"""The built-in datasets' names (``data.name``), without torch: read by the checks that
+run before torch loads (:mod:`splitvit.train.names`) and by the registry itself."""
+
+DATASET_NAMES = (
+    "synthetic",
+    "cluttered-fashion-mnist",
+    "cluttered-fashion-mnist-seg",
+    "imagefolder",
+    "ade20k",
+    "parquet",
+)
