@@ -238,8 +238,13 @@ def test_a_failed_sweep_writes_its_json(tmp_path):
 def test_mlflow_url_only_for_a_tracking_server():
     from splitvit.cli.output import mlflow_url
 
-    assert mlflow_url("http://u:secret@mlflow:5000/", "3", "abc") == "http://u:***@mlflow:5000/#/experiments/3/runs/abc"
-    assert mlflow_url("https://mlflow.example", "3", None) == "https://mlflow.example/#/experiments/3"
+    # links open MLflow 3's "Model training" view (its default shows traces)
+    view = "?workflowType=machine_learning"
+    assert (
+        mlflow_url("http://u:secret@mlflow:5000/", "3", "abc")
+        == f"http://u:***@mlflow:5000/#/experiments/3/runs/abc{view}"
+    )
+    assert mlflow_url("https://mlflow.example", "3", None) == f"https://mlflow.example/#/experiments/3{view}"
     assert mlflow_url("sqlite:///runs/mlflow.db", "3", "abc") is None
     assert mlflow_url("http://mlflow:5000", None, "abc") is None
 

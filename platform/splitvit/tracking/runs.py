@@ -57,6 +57,9 @@ def prepare_store(tracking_uri: str) -> str | None:
 #: MLflow 3 opens an experiment on its traces page unless it is marked as model training.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+#: What MLflow 3's UI is told in a link to a run or an experiment: open in its "Model
+#: training" view (its default, "GenAI", shows the traces page, which a training run has none of).
+UI_VIEW_QUERY = "?workflowType=machine_learning"
 #: The experiment page's markdown description (as on runs).
 EXPERIMENT_NOTE_TAG = "mlflow.note.content"
 EXPERIMENT_DESCRIPTION = (
