@@ -211,8 +211,8 @@ def pareto_html(
     thresholds, token share, run and, from ``model_uris`` (run id -> ``models:/`` URI),
     the registry alias that loads its model.
 
-    Axes: tokens per image (x) against ``metric`` (y); every point grey or blue, the
-    frontier red with its step line, baselines as labelled crosses.
+    Axes: tokens per image (x) against ``metric`` (y); the frontier red with its step
+    line, the other points blue, baselines as labelled crosses.
     """
     from html import escape
 
@@ -220,67 +220,16 @@ def pareto_html(
     rows = [b for b in baselines if _finite(b.tokens_per_image) and _finite(b.quality)]
     xs = [p.tokens_per_image for p in usable] + [b.tokens_per_image for b in rows]
     ys = [p.quality for p in usable] + [b.quality for b in rows]
-    width, height, pad = 760, 440, 60
     if not xs:
         return f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title><p>No finished point to draw.</p>"
-    x0, x1 = _span(xs)
-    y0, y1 = _span(ys)
-
-    def sx(x: float) -> float:
-        return pad + (x - x0) / (x1 - x0) * (width - 2 * pad)
-
-    def sy(y: float) -> float:
-        return height - pad - (y - y0) / (y1 - y0) * (height - 2 * pad)
-
+    frame = _SvgFrame(_span(xs), _span(ys))
     model_uris = model_uris or {}
-
-    def tip(p: Point) -> str:
-        lines = [
-            f"{metric} {p.quality:.4f} at {p.tokens_per_image:.1f} tokens/image ({p.token_ratio:.0%} of full)",
-            f"trial {p.trial_id} ({p.kind}), thresholds {', '.join(f'{t:.3f}' for t in p.thresholds) or '-'}",
-            f"run {p.run_id or '-'}",
-        ]
-        if p.ties:
-            lines.append(f"ties: {', '.join(p.ties)}")
-        if p.run_id in model_uris:
-            lines.append(f"load: {model_uris[p.run_id]}")
-        return escape("\n".join(lines))
-
-    front = frontier(points)
-    svg = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-family='sans-serif'>"]
-    svg.append(
-        f"<rect x='{pad}' y='{pad}' width='{width - 2 * pad}' height='{height - 2 * pad}' fill='none' stroke='#888'/>"
-    )
-    for i in range(5):
-        gx, gy = x0 + (x1 - x0) * i / 4, y0 + (y1 - y0) * i / 4
-        svg.append(
-            f"<text x='{sx(gx):.1f}' y='{height - pad + 16}' font-size='11' text-anchor='middle'>{gx:.1f}</text>"
-        )
-        svg.append(f"<text x='{pad - 6}' y='{sy(gy) + 4:.1f}' font-size='11' text-anchor='end'>{gy:.3f}</text>")
-    svg.append(f"<text x='{width / 2}' y='{height - 18}' font-size='12' text-anchor='middle'>tokens per image</text>")
-    svg.append(f"<text x='16' y='{height / 2}' font-size='12' transform='rotate(-90 16 {height / 2})' ")
-    svg.append(f"text-anchor='middle'>{escape(metric)}</text>")
-    if len(front) > 1:
-        path = [f"M{sx(front[0].tokens_per_image):.1f},{sy(front[0].quality):.1f}"]
-        for p in front[1:]:
-            path.append(f"H{sx(p.tokens_per_image):.1f}V{sy(p.quality):.1f}")
-        svg.append(f"<path d='{''.join(path)}' fill='none' stroke='#d62728' stroke-width='1.5'/>")
-    for p in sorted(usable, key=lambda p: p.on_frontier):
-        colour = "#d62728" if p.on_frontier else ("#3182bd" if p.kind == "trial" else "#9ecae1")
-        radius = 6 if p.on_frontier else 4
-        svg.append(
-            f"<circle cx='{sx(p.tokens_per_image):.1f}' cy='{sy(p.quality):.1f}' r='{radius}' fill='{colour}' "
-            f"stroke='white'><title>{tip(p)}</title></circle>"
-        )
-    for b in rows:
-        bx, by, name = sx(b.tokens_per_image), sy(b.quality), escape(b.label)
-        svg.append(
-            f"<g stroke='#333'><line x1='{bx - 5:.1f}' y1='{by - 5:.1f}' x2='{bx + 5:.1f}' y2='{by + 5:.1f}'/>"
-            f"<line x1='{bx - 5:.1f}' y1='{by + 5:.1f}' x2='{bx + 5:.1f}' y2='{by - 5:.1f}'/>"
-            f"<title>{name}: {metric} {b.quality:.4f} at {b.tokens_per_image:.1f} tokens</title></g>"
-            f"<text x='{bx + 7:.1f}' y='{by - 6:.1f}' font-size='10'>{name}</text>"
-        )
-    svg.append("</svg>")
+    svg = [
+        *frame.axes(metric),
+        *_svg_step_line(frame, frontier(points)),
+        *(_svg_point(frame, p, _point_tip(p, metric, model_uris)) for p in sorted(usable, key=lambda p: p.on_frontier)),
+        *(_svg_baseline(frame, b, metric) for b in rows),
+    ]
     legend = (
         "<p style='font:13px sans-serif'>Red: the Pareto frontier (the step line joins it); blue: trials; light blue: "
         "other thresholds on a trial's checkpoint; crosses: baselines. Hover a point for its trial, thresholds, run"
@@ -289,7 +238,91 @@ def pareto_html(
     )
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head><body>"
-        f"<h3 style='font-family:sans-serif'>{escape(title)}</h3>{''.join(svg)}{legend}</body></html>"
+        f"<h3 style='font-family:sans-serif'>{escape(title)}</h3>"
+        f"{frame.open()}{''.join(svg)}</svg>{legend}</body></html>"
+    )
+
+
+class _SvgFrame:
+    """Data to SVG coordinates in a fixed-size plot with a margin for the axes' labels."""
+
+    width, height, pad = 760, 440, 60
+
+    def __init__(self, x_range: tuple[float, float], y_range: tuple[float, float]) -> None:
+        (self.x0, self.x1), (self.y0, self.y1) = x_range, y_range
+
+    def x(self, value: float) -> float:
+        return self.pad + (value - self.x0) / (self.x1 - self.x0) * (self.width - 2 * self.pad)
+
+    def y(self, value: float) -> float:
+        return self.height - self.pad - (value - self.y0) / (self.y1 - self.y0) * (self.height - 2 * self.pad)
+
+    def open(self) -> str:
+        size = f"width='{self.width}' height='{self.height}'"
+        return f"<svg xmlns='http://www.w3.org/2000/svg' {size} font-family='sans-serif'>"
+
+    def axes(self, metric: str) -> list[str]:
+        """The plot's box, five ticks on each axis and the axes' names."""
+        from html import escape
+
+        w, h, pad = self.width, self.height, self.pad
+        out = [f"<rect x='{pad}' y='{pad}' width='{w - 2 * pad}' height='{h - 2 * pad}' fill='none' stroke='#888'/>"]
+        for i in range(5):
+            gx, gy = self.x0 + (self.x1 - self.x0) * i / 4, self.y0 + (self.y1 - self.y0) * i / 4
+            out.append(
+                f"<text x='{self.x(gx):.1f}' y='{h - pad + 16}' font-size='11' text-anchor='middle'>{gx:.1f}</text>"
+            )
+            out.append(f"<text x='{pad - 6}' y='{self.y(gy) + 4:.1f}' font-size='11' text-anchor='end'>{gy:.3f}</text>")
+        out.append(f"<text x='{w / 2}' y='{h - 18}' font-size='12' text-anchor='middle'>tokens per image</text>")
+        out.append(
+            f"<text x='16' y='{h / 2}' font-size='12' transform='rotate(-90 16 {h / 2})' text-anchor='middle'>"
+            f"{escape(metric)}</text>"
+        )
+        return out
+
+
+def _point_tip(p: Point, metric: str, model_uris: dict[str, str]) -> str:
+    """A point's hover text: its figures, trial and thresholds, run, ties and model."""
+    from html import escape
+
+    lines = [
+        f"{metric} {p.quality:.4f} at {p.tokens_per_image:.1f} tokens/image ({p.token_ratio:.0%} of full)",
+        f"trial {p.trial_id} ({p.kind}), thresholds {', '.join(f'{t:.3f}' for t in p.thresholds) or '-'}",
+        f"run {p.run_id or '-'}",
+    ]
+    if p.ties:
+        lines.append(f"ties: {', '.join(p.ties)}")
+    if p.run_id in model_uris:
+        lines.append(f"load: {model_uris[p.run_id]}")
+    return escape("\n".join(lines))
+
+
+def _svg_step_line(frame: _SvgFrame, front: list[Point]) -> list[str]:
+    """The frontier's step line (as ``pareto_figure`` draws it), when it has two points."""
+    if len(front) < 2:
+        return []
+    path = [f"M{frame.x(front[0].tokens_per_image):.1f},{frame.y(front[0].quality):.1f}"]
+    path += [f"H{frame.x(p.tokens_per_image):.1f}V{frame.y(p.quality):.1f}" for p in front[1:]]
+    return [f"<path d='{''.join(path)}' fill='none' stroke='#d62728' stroke-width='1.5'/>"]
+
+
+def _svg_point(frame: _SvgFrame, p: Point, tip: str) -> str:
+    colour = "#d62728" if p.on_frontier else ("#3182bd" if p.kind == "trial" else "#9ecae1")
+    return (
+        f"<circle cx='{frame.x(p.tokens_per_image):.1f}' cy='{frame.y(p.quality):.1f}' "
+        f"r='{6 if p.on_frontier else 4}' fill='{colour}' stroke='white'><title>{tip}</title></circle>"
+    )
+
+
+def _svg_baseline(frame: _SvgFrame, b: Baseline, metric: str) -> str:
+    from html import escape
+
+    bx, by, name = frame.x(b.tokens_per_image), frame.y(b.quality), escape(b.label)
+    return (
+        f"<g stroke='#333'><line x1='{bx - 5:.1f}' y1='{by - 5:.1f}' x2='{bx + 5:.1f}' y2='{by + 5:.1f}'/>"
+        f"<line x1='{bx - 5:.1f}' y1='{by + 5:.1f}' x2='{bx + 5:.1f}' y2='{by - 5:.1f}'/>"
+        f"<title>{name}: {metric} {b.quality:.4f} at {b.tokens_per_image:.1f} tokens</title></g>"
+        f"<text x='{bx + 7:.1f}' y='{by - 6:.1f}' font-size='10'>{name}</text>"
     )
 
 
