@@ -355,3 +355,20 @@ def test_missing_store_reads_sqlite_paths_as_sqlalchemy_does(tmp_path, monkeypat
     assert missing_store("sqlite://") is None  # in memory
     assert missing_store("http://mlflow:5000") is None  # a server: only a request can tell
     assert missing_store(str(tmp_path / "runs")) is None  # a file store's folder
+
+
+def test_the_interactive_chart_shows_every_point_with_its_details():
+    from splitvit.tune.pareto import Baseline, Point, annotate
+    from splitvit.tune.plot import pareto_html
+
+    own = Point(0.8, 4.0, 0.25, kind="trial", trial_id="a", run_id="r1", thresholds=[0.5, 0.5])
+    tie = Point(0.8, 4.0, 0.25, kind="threshold", trial_id="b", run_id="r4", thresholds=[0.7, 0.6])
+    points = [own, Point(0.9, 8.0, 0.5, kind="threshold", trial_id="a", run_id="r2"), Point(0.5, 10.0, 0.6), tie]
+    annotate(points)
+    full = Baseline("full", "full resolution", 1.0, 16.0, 1.0, [], "a")
+    page = pareto_html(points, [full], metric="accuracy", title="s", model_uris={"r1": "models:/m@tokens-25pct"})
+    assert page.count("<circle") == 4 and page.count("<path") == 1  # every point; one step line
+    assert "load: models:/m@tokens-25pct" in page and f"ties: {tie.label()}" in page
+    assert "full resolution: accuracy 1.0000 at 16.0 tokens" in page
+    assert "<script" not in page  # MLflow's artifact view shows it as it is
+    assert "No finished point" in pareto_html([Point(float("nan"), 1.0, 0.1)], [], title="empty")
