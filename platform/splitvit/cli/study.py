@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from .options import TRACKING_HELP, add_set_option, common_options, overrides
 from .output import emit, fail, print_table
@@ -50,19 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or finish) the study, print its table, levers, goals and speed comparison."""
-    from ..study.ray_executor import check_study
-
-    # the file's, the settings' and --references-from's mistakes, before Ray and torch load
-    check_study(
-        args.study,
-        overrides(args),
-        scale=args.scale,
-        name=args.name,
-        methods=args.methods,
-        references_from=args.references_from,
-    )
-    import ray
-
+    # run_study checks the file, the settings and --references-from first, before Ray
+    # and torch load (check_study): a mistake is one line in a second
     from ..study.ray_executor import run_study
     from ..study.report import lever_lines, reuse_phrase, summary_lines
     from ..tune.console import show_ray_output
@@ -70,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     for logger in ("splitvit.study", "splitvit.tune"):
         logging.getLogger(logger).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
-    ours = not ray.is_initialized()
+    ours = not _ray_running()
     try:
         result = run_study(
             args.study,
@@ -82,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
             references_from=args.references_from,
         )
     finally:
-        if ours and ray.is_initialized():
-            ray.shutdown()
+        if ours and _ray_running():
+            sys.modules["ray"].shutdown()
     metric = result.metric
     print(
         f"\nstudy {result.name}: {len(result.seeds)} seeds, {len(result.runs)} runs"
@@ -116,3 +106,9 @@ def run(args: argparse.Namespace) -> int:
     if result.failed and not result.runs:
         return fail(args, f"no run finished: {result.failed[0]}")
     return 0
+
+
+def _ray_running() -> bool:
+    """Ray is imported and initialised (asked without importing it: a study that stops
+    at its checks never loads Ray)."""
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()

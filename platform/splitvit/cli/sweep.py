@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tune.space import load_space
 
     # the space file's and the settings' mistakes, before Ray, torch and MLflow load
-    load_space(args.space, overrides(args))
+    load_space(args.space, overrides(args), settings_only=True)  # run_sweep makes the full check
     import ray
 
     from ..tune import SweepError, run_sweep

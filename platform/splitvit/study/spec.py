@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, ExperimentConfig, quality_metric, set_dotted
+from ..model.names import POLICY_NAMES
 from ..tune.space import SearchSpaceError, _resolve_base
 
 _KEYS = {
@@ -363,8 +364,6 @@ def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[
     """The methods to run: the headline (``methods``), or those of ``methods`` and
     ``levers`` that ``names`` (``--methods``) picks, in the file's order; each needs a
     policy, and among them a ``full`` and a ``learned`` one."""
-    from ..model.names import POLICY_NAMES  # torch-free
-
     headline = _section(raw, "methods", source)
     if not headline:
         raise SearchSpaceError(source, "methods", "name at least one method")

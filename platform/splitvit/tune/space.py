@@ -356,13 +356,15 @@ class SearchSpace:
 
 
 # ---------------------------------------------------------------------- loading
-def load_space(path: str | Path, overrides: list[str] | None = None) -> SearchSpace:
+def load_space(path: str | Path, overrides: list[str] | None = None, *, settings_only: bool = False) -> SearchSpace:
     """Read and validate a search space; ``overrides`` are ``key=value`` (``--set``).
 
     An override whose key starts with a config section (``train.epochs=1``) fixes
     that config value (and stops searching it); any other key sets the space's own
-    settings (``search.num_samples=3``, ``stage_two.points=2``). Raises
-    :class:`SearchSpaceError` (a ``ValueError``) or ``FileNotFoundError``.
+    settings (``search.num_samples=3``, ``stage_two.points=2``). ``settings_only``
+    checks the points' settings alone (the command line's check, before torch
+    loads); the full check also builds each point's model on the ``meta`` device.
+    Raises :class:`SearchSpaceError` (a ``ValueError``) or ``FileNotFoundError``.
     """
     path = Path(path)
     source = str(path)
@@ -374,13 +376,19 @@ def load_space(path: str | Path, overrides: list[str] | None = None) -> SearchSp
         raise SearchSpaceError(source, "<file>", f"not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise SearchSpaceError(source, "<file>", f"expected a mapping of sections, got {type(raw).__name__}")
-    return space_from_dict(raw, source=source, root=path.parent, overrides=overrides)
+    return space_from_dict(raw, source=source, root=path.parent, overrides=overrides, settings_only=settings_only)
 
 
 def space_from_dict(
-    raw: dict[str, Any], *, source: str = "<dict>", root: str | Path = ".", overrides: list[str] | None = None
+    raw: dict[str, Any],
+    *,
+    source: str = "<dict>",
+    root: str | Path = ".",
+    overrides: list[str] | None = None,
+    settings_only: bool = False,
 ) -> SearchSpace:
-    """Build and validate a space from a plain dict (``base`` is relative to ``root``)."""
+    """Build and validate a space from a plain dict (``base`` is relative to ``root``;
+    ``settings_only`` as for :func:`load_space`)."""
     raw = copy.deepcopy(raw)
     raw.setdefault("parameters", {})
     if not isinstance(raw["parameters"], dict):
@@ -428,7 +436,7 @@ def space_from_dict(
         description=str(raw.get("description") or ""),
     )
     _validate_settings(space)
-    _validate_against_config(space)
+    _validate_against_config(space, settings_only)
     return space
 
 
@@ -719,18 +727,20 @@ def _owner(space: SearchSpace, config_key: str, candidates: list[str], reason: s
     return matches[0] if matches else None
 
 
-def _validate_against_config(space: SearchSpace) -> None:
+def _validate_against_config(space: SearchSpace, settings_only: bool = False) -> None:
     """Every parameter, at each bound (or choice), through the config's own validation.
 
     All parameters at their low bounds, then at their high bounds, then each further
     categorical choice: a ConfigError names the config key, which maps back to the
     parameter that set it (or, failing that, to a fixed value or the base config).
+    The settings' own checks run first at every point; unless ``settings_only``, then
+    those that need timm and the model.
     """
     src = space.source
 
-    def check(params: dict[str, Any], suspects: list[str], what: str, settings_only: bool) -> None:
+    def check(params: dict[str, Any], suspects: list[str], what: str, only: bool) -> None:
         try:
-            space.config(params, settings_only=settings_only)
+            space.config(params, settings_only=only)
         except ConfigError as exc:
             owner = _owner(space, exc.key, suspects, exc.reason)
             if owner is None:
@@ -754,17 +764,17 @@ def _validate_against_config(space: SearchSpace) -> None:
     lows = {n: p.decode(p.low) for n, p in numeric.items()}
     # the settings' own checks first, at every point (a mistake there is reported in a
     # second); then the checks that need timm and the model
-    for settings_only in (True, False):
+    for only in (True,) if settings_only else (True, False):
         for bound in ("low", "high"):
             params = {n: p.decode(getattr(p, bound)) for n, p in numeric.items()}
-            check({**params, **first_choice}, list(numeric) + list(categorical), f"its {bound} bound", settings_only)
+            check({**params, **first_choice}, list(numeric) + list(categorical), f"its {bound} bound", only)
         for name, param in categorical.items():
             for choice in param.choices[1:]:
-                check({**lows, **first_choice, name: choice}, [name], f"choice {choice!r}", settings_only)
+                check({**lows, **first_choice, name: choice}, [name], f"choice {choice!r}", only)
         for i, point in enumerate(space.search.initial_points):
             check(
                 space.decode({k: space.parameters[k].encode(v) for k, v in point.items()}),
                 list(point),
                 f"search.initial_points[{i}]",
-                settings_only,
+                only,
             )
