@@ -808,3 +808,27 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
     assert info.value.exit_code == 130
     # Ray Tune's "Resume experiment with: Tuner.restore(...)" is not what a CLI user runs
     assert not [m for m in records.messages if "Tuner.restore(" in m]
+
+
+def test_committed_study_json_reads_back_to_the_same_json():
+    """The typed results write the JSON the studies wrote before them: every committed
+    study of the current format (the envelope's keys aside) reads back and writes out
+    the same; the ones written before `gap_std_points` and `ratio_tolerance` existed
+    are older formats."""
+    envelope = {"command", "error", "mlflow", "status", "wall_time_s"}
+    same, older = [], []
+    for path in sorted((ROOT / "docs" / "measurements").rglob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "rows" not in data or "goals" not in data:
+            continue
+        data = {k: v for k, v in data.items() if k not in envelope}
+        try:
+            result = StudyResult.from_dict(data)
+        except KeyError:
+            older.append(path.name)
+            continue
+        assert json.loads(json.dumps(result.to_dict(), default=str)) == data, path
+        same.append(path.name)
+    # both default studies, run from scratch, are of the current format
+    assert {"study_fashion_scratch10.json", "study_fashion_seg_scratch12.json"} <= set(same)
+    assert len(same) >= 19 and len(older) <= 10, (same, older)
