@@ -77,10 +77,9 @@ def mlflow_url(tracking_uri: str | None, experiment_id: str | None, run_id: str 
 
     if not tracking_uri or not tracking_uri.startswith(("http://", "https://")) or not experiment_id:
         return None
-    from ..tracking.runs import UI_VIEW_QUERY
+    from ..tracking.runs import ui_url
 
-    base = f"{redact_uri(tracking_uri).rstrip('/')}/#/experiments/{experiment_id}"
-    return (f"{base}/runs/{run_id}" if run_id else base) + UI_VIEW_QUERY
+    return ui_url(redact_uri(tracking_uri), experiment_id, run_id)
 
 
 def _mlflow_block(ids: dict[str, Any]) -> dict[str, Any]:

@@ -60,6 +60,15 @@ EXPERIMENT_KIND = "custom_model_development"
 #: What MLflow 3's UI is told in a link to a run or an experiment: open in its "Model
 #: training" view (its default, "GenAI", shows the traces page, which a training run has none of).
 UI_VIEW_QUERY = "?workflowType=machine_learning"
+
+
+def ui_url(host: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI's page of a run (else of the experiment) under ``host``, in its
+    *Model training* view."""
+    page = f"{host.rstrip('/')}/#/experiments/{experiment_id}"
+    return (f"{page}/runs/{run_id}" if run_id else page) + UI_VIEW_QUERY
+
+
 #: The experiment page's markdown description (as on runs).
 EXPERIMENT_NOTE_TAG = "mlflow.note.content"
 EXPERIMENT_DESCRIPTION = (

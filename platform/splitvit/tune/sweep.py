@@ -64,7 +64,7 @@ from typing import Any
 
 from ..config import ExperimentConfig, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
-from ..tracking.runs import UI_VIEW_QUERY
+from ..tracking.runs import ui_url
 from .console import Progress, ray_console, ray_output_shown, tune_verbosity
 from .mlflow_records import (
     CHART_ARTIFACT,
@@ -162,7 +162,7 @@ class SweepResult:
         """The parent run's page in the MLflow UI (a local ``mlflow ui``, or the server)."""
         if self._server and not self.tracking_uri.startswith("databricks"):
             host = redact_uri(self.tracking_uri).rstrip("/")
-        return f"{host}/#/experiments/{self.experiment_id}/runs/{self.parent_run_id}{UI_VIEW_QUERY}"
+        return ui_url(host, self.experiment_id, self.parent_run_id)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
