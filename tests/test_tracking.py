@@ -285,3 +285,23 @@ def test_training_data_is_recorded_as_mlflow_dataset_inputs(mlflow_uri, tmp_path
     assert [i.dataset.name for i in first] == ["imagefolder/train", "imagefolder/test"]
     assert str(tmp_path / "images") in first[0].dataset.source
     assert [i.dataset.digest for i in first] == [i.dataset.digest for i in second]  # same data, same digest
+
+
+def test_run_uris_resolve_to_the_runs_checkpoint_or_say_why_not(mlflow_uri, tmp_path):
+    """`runs:/<id>` (what `splitvit eval` and `viz` take): the run's checkpoint and the
+    thresholds it recorded; a run without a checkpoint, an unknown run or a missing
+    store is one line naming the URI, and a missing SQLite store is never created."""
+    from splitvit.tracking.model_uris import resolve_model_uri
+
+    tracker, _ = _open(mlflow_uri, f"/runs/{uuid.uuid4().hex}", {"thresholds": "[0.4, 0.6]"})
+    with pytest.raises(ValueError, match=rf"runs:/{tracker.run_id}: run {tracker.run_id} records no checkpoint"):
+        resolve_model_uri(f"runs:/{tracker.run_id}", mlflow_uri)
+    tracker.set_tags({"splitvit.checkpoint": str(tmp_path / "checkpoint_epoch0001")})
+    resolved = resolve_model_uri(f"runs:/{tracker.run_id}/model", mlflow_uri)
+    assert resolved.checkpoint == str(tmp_path / "checkpoint_epoch0001") and resolved.thresholds == [0.4, 0.6]
+    with pytest.raises(ValueError, match="runs:/0123456789abcdef: not found in MLflow store"):
+        resolve_model_uri("runs:/0123456789abcdef", mlflow_uri)
+    missing = tmp_path / "nowhere" / "mlflow.db"
+    with pytest.raises(ValueError, match="no MLflow store"):
+        resolve_model_uri("models:/splitvit-x@best", f"sqlite:///{missing}")
+    assert not missing.parent.exists()
