@@ -1,4 +1,4 @@
-"""``splitvit bench forward|train|data``: SPLIT against full resolution, measured side by side in one run.
+"""``splitvit bench forward|parts|train|data``: SPLIT against full resolution, measured side by side in one run.
 
 Each benchmark is its own subcommand with only its own options, and the defaults
 in its help are argparse's: the benchmark's library defaults (``ForwardSettings``,
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from .options import common_options, number_list
+from .options import add_set_option, common_options, number_list
 from .output import emit
 
 #: the benchmarks, in the order ``splitvit bench --help`` lists them
-KINDS = ("forward", "train", "data")
+KINDS = ("forward", "parts", "train", "data")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # no default benchmark: `splitvit bench` alone is a usage error that lists the three
     kinds = p.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(KINDS) + "}")
     _add_forward(kinds)
+    _add_parts(kinds)
     _add_train(kinds)
     _add_data(kinds)
 
@@ -192,6 +193,86 @@ def run_forward(args: argparse.Namespace) -> int:
     print(format_report(result))
     emit(args, result)
     return 0
+
+
+# ---------------------------------------------------------------------- parts
+def _add_parts(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "parts",
+        parents=[common_options(None)],
+        help="where a SPLIT model's forward time goes (embeddings, aggregation, policy, level context, "
+        "decisions, gather, packing, blocks, head) beside full resolution, at several batch sizes: "
+        "a study's method, an experiment config or a checkpoint",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--study", help="a study file; its --method's model, with random weights")
+    source.add_argument("--config", help="an experiment config file; its model, with random weights")
+    source.add_argument("--checkpoint", help="a trained model (model.pt, a checkpoint folder, or s3://)")
+    p.add_argument("--method", help="with --study: one of the study's methods or levers")
+    p.add_argument("--scale", help="with --study: the study's scale (e.g. gpu)")
+    add_set_option(p, "with --study or --config: a config setting of the model (e.g. model.image_size=96)")
+    p.add_argument(
+        "--batch-sizes", default="1,8,64,256", help="images per forward pass, one run each (default %(default)s)"
+    )
+    p.add_argument("--ratios", default="0.5,0.7", help="token ratios to calibrate the model to (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=20, help="timed interleaved rounds (default %(default)s)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default here)")
+    p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    _add_json_option(p)
+    p.set_defaults(func=run_parts)
+
+
+def run_parts(args: argparse.Namespace) -> int:
+    """``bench parts``: the model's stages at every batch size and ratio, beside full resolution."""
+    if args.study and not args.method:
+        raise ValueError("--study needs --method: the study's method (or lever) whose model to time")
+    if (args.method or args.scale) and not args.study:
+        raise ValueError("--method and --scale go with --study")
+    if args.overrides and args.checkpoint:
+        raise ValueError("--set changes a config's model; a --checkpoint is timed as it was trained")
+    from ..bench.parts import PartsSettings, format_parts_report, run_parts_benchmark
+
+    settings = PartsSettings(  # bad numbers stop here, before the model is built
+        batch_sizes=number_list("--batch-sizes", args.batch_sizes, int),
+        ratios=number_list("--ratios", args.ratios),
+        repeats=args.repeats,
+        threads=args.threads,
+        device=args.device,
+    )
+    model, source = _parts_model(args)
+    result = run_parts_benchmark(model, settings, source)
+    print(format_parts_report(result))
+    emit(args, result)
+    return 0
+
+
+def _parts_model(args: argparse.Namespace):
+    """The model ``bench parts`` times, and a line saying what it is."""
+    if args.study:
+        from ..study.spec import load_study
+
+        # the control too: a study is checked with its full-resolution method
+        spec = load_study(args.study, scale=args.scale, overrides=args.overrides, methods=_with_control(args))
+        config = spec.run_config(0, args.method, "bench")
+        label = f"{args.study} method {args.method}" + (f" (scale {args.scale})" if args.scale else "")
+    elif args.config:
+        from ..train.experiment import load_experiment
+
+        config = load_experiment(args.config, args.overrides)
+        label = args.config
+    else:
+        from ..train.checkpoints import load_payload, model_from_payload
+
+        return model_from_payload(load_payload(args.checkpoint), args.checkpoint), args.checkpoint
+    from ..train.experiment import build_model
+
+    # random weights: speed does not depend on them (thresholds are calibrated to each ratio)
+    return build_model(config.model, pretrained=False), label + ", random weights"
+
+
+def _with_control(args: argparse.Namespace) -> list[str]:
+    """``--method`` and the study's control (``full``), which every study must run."""
+    return list(dict.fromkeys([args.method, "full"]))
 
 
 # ---------------------------------------------------------------------- train

@@ -36,6 +36,7 @@ images: same logits.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from .quadtree import (
     top_down_decisions,
     upsample_to_children,
 )
+from .stages import StageClock
 
 ATTENTION_MODES = ("packed", "padded")
 #: Input sizes whose geometry a model keeps besides its own (a few sizes are typical).
@@ -80,6 +82,8 @@ GEOMETRY_CACHE_SIZE = 8
 NORMALISATION_BUFFERS = ("input_mean", "input_std")
 #: The target token ratio a budget-conditioned model is told until set otherwise.
 DEFAULT_BUDGET = 0.5
+#: What a stage mark is without a clock: one shared, reusable no-op context.
+_NO_CLOCK = nullcontext()
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +264,8 @@ class SplitViT(nn.Module):
         self.attention = attention
         self.token_buckets = token_buckets
         self._compiled_blocks: list[CompiledBlock] | None = None
+        #: attached by a benchmark to time the forward pass's stages (:mod:`.stages`)
+        self.clock: StageClock | None = None
         self.spec = spec
         self.register_buffer("thresholds", validate_thresholds(thresholds, levels), persistent=True)
         config = dict(data_config) if data_config is not None else dict(resolve_model_data_config(vit))
@@ -455,6 +461,10 @@ class SplitViT(nn.Module):
             geometry = self._geometries[size] = QuadtreeGeometry(size, self.patch_size, self.levels)
         return geometry
 
+    def stage(self, name: str) -> AbstractContextManager:
+        """Mark a stage of the forward pass for an attached :class:`StageClock` (a no-op without one)."""
+        return _NO_CLOCK if self.clock is None else self.clock.stage(name)
+
     # ------------------------------------------------------------------ embedding
     def _prefix_tokens(self, batch: int) -> torch.Tensor | None:
         vit = self.vit
@@ -554,14 +564,17 @@ class SplitViT(nn.Module):
         # (normalised) embeddings through the context.
         if self.policy.learned:
             own = getattr(self.policy, "own_blocks", False)
-            context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
+            with self.stage("policy_blocks"):
+                context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
             context.node_embeddings = [embeds[level] for level in range(geometry.levels - 1)]
             if getattr(self.policy, "level_context", False) and not own:
-                finer = [self._context_features(embeds[level]) for level in range(1, geometry.levels - 1)]
+                with self.stage("level_context"):
+                    finer = [self._context_features(embeds[level]) for level in range(1, geometry.levels - 1)]
                 context.level_features = [context.coarse_features, *finer]
-        if self.uses_budget:
-            context.budget = self._budget_per_image(budget, images)
-        return self.policy(images, geometry, context)
+        with self.stage("policy_head"):
+            if self.uses_budget:
+                context.budget = self._budget_per_image(budget, images)
+            return self.policy(images, geometry, context)
 
     def split_scores(self, images: torch.Tensor, budget: float | torch.Tensor | None = None) -> list[torch.Tensor]:
         """The policy's per-node scores in ``[0, 1]`` without running the encoder
@@ -638,23 +651,26 @@ class SplitViT(nn.Module):
             tau = validate_thresholds(thresholds, self.levels)
         embeds = embeddings if embeddings is not None else _LevelEmbeddings(self, images, geometry)
         probs = None
-        if decisions is None:
-            scores = self._policy_scores(images, geometry, embeds, budget)
-            decisions = self.decide(scores, tau.to(images.device))
-            probs = scores if self.policy.learned else None
-        else:
-            decisions = top_down_decisions([d.bool() for d in decisions])
-        leaves = leaf_masks(decisions)
-        counts = token_counts(decisions)
-        gates = straight_through_gates(decisions, probs) if (probs is not None and self.training) else None
-
-        tokens, valid, layout, lengths = self._gather_leaves(embeds, leaves, gates, geometry, return_attention)
-        features, padded, attention, attention_slots = self._encode(tokens, valid, return_attention, lengths)
-        if self.task == "dense":
-            fine = self._scatter_to_fine(features, layout, leaves, geometry)
-            logits = self.dense_head(fine, geometry.image_size)
-        else:
-            logits = self.vit.head(self.vit.head_drop(self.vit.fc_norm(self._pool(features, valid))))
+        scores = self._policy_scores(images, geometry, embeds, budget) if decisions is None else None
+        with self.stage("decision"):
+            if scores is not None:
+                decisions = self.decide(scores, tau.to(images.device))
+                probs = scores if self.policy.learned else None
+            else:
+                decisions = top_down_decisions([d.bool() for d in decisions])
+            leaves = leaf_masks(decisions)
+            counts = token_counts(decisions)
+            gates = straight_through_gates(decisions, probs) if (probs is not None and self.training) else None
+        with self.stage("gather"):
+            tokens, valid, layout, lengths = self._gather_leaves(embeds, leaves, gates, geometry, return_attention)
+        with self.stage("blocks"):
+            features, padded, attention, attention_slots = self._encode(tokens, valid, return_attention, lengths)
+        with self.stage("head"):
+            if self.task == "dense":
+                fine = self._scatter_to_fine(features, layout, leaves, geometry)
+                logits = self.dense_head(fine, geometry.image_size)
+            else:
+                logits = self.vit.head(self.vit.head_drop(self.vit.fc_norm(self._pool(features, valid))))
         expected = expected_tokens(probs) if probs is not None else counts.to(logits.dtype)
         out = SplitOutput(
             logits=logits,
@@ -786,6 +802,11 @@ class SplitViT(nn.Module):
         locality; each chunk's attention kernel pads per length group. With
         ``token_buckets`` the batch is one chunk of a fixed size.
         """
+        with self.stage("packing"):
+            return self._encode_packed_chunks(tokens, valid, lengths)
+
+    def _encode_packed_chunks(self, tokens: torch.Tensor, valid: torch.Tensor, lengths: list[int]):
+        """:meth:`_encode_packed`'s work, in the ``packing`` stage but for the blocks."""
         vit = self.vit
         b = tokens.shape[0]
         num_prefix = vit.num_prefix_tokens
@@ -819,12 +840,15 @@ class SplitViT(nn.Module):
     def _encode_packed_chunk(self, x: torch.Tensor, batch: PackedBatch, kernel) -> torch.Tensor:
         """Blocks and final norm on the real slots of ``x`` (prefix included), packed."""
         vit = self.vit
-        # pos_drop and norm_pre act per token: run them on the packed tokens only
-        packed = vit.norm_pre(vit.pos_drop(batch.pack(x)))
-        compiled = self._compiled_blocks if not self.training else None
-        for i, block in enumerate(vit.blocks):
-            packed = compiled[i](packed, batch, kernel) if compiled else packed_block(block, packed, batch, kernel)
-        return batch.unpack(vit.norm(packed))
+        packed = batch.pack(x)
+        with self.stage("blocks"):
+            # pos_drop and norm_pre act per token: run them on the packed tokens only
+            packed = vit.norm_pre(vit.pos_drop(packed))
+            compiled = self._compiled_blocks if not self.training else None
+            for i, block in enumerate(vit.blocks):
+                packed = compiled[i](packed, batch, kernel) if compiled else packed_block(block, packed, batch, kernel)
+            packed = vit.norm(packed)
+        return batch.unpack(packed)
 
     def _encode_group(self, tokens, valid, return_attention):
         """The padded path on one group: timm's blocks with a key-padding mask."""
@@ -957,22 +981,28 @@ class _LevelEmbeddings:
 
     def __getitem__(self, level: int) -> torch.Tensor:
         if level not in self._cache:
-            model, finest = self.model, self.geometry.levels - 1
-            if self._pos is None:
-                self._pos = model._pos_grid(self.geometry)
-            patches = None
-            if model.fine_aggregation is not None:
-                if self._fine_patches is None:
-                    self._fine_patches = model.patch_tokens(self.images)
-                if level == finest:
-                    patches = self._fine_patches
-                else:
-                    if self._aggregated is None:
-                        self._aggregated = model.fine_aggregation(self._fine_patches)
-                    factor = 2 ** (finest - level)
-                    patches = model.patch_tokens(self.images, factor) + self._aggregated[level]
-            self._cache[level] = model.embed_level(self.images, self.geometry, level, self._pos, patches)
+            with self.model.stage("embedding"):
+                self._cache[level] = self._embed(level)
         return self._cache[level]
+
+    def _embed(self, level: int) -> torch.Tensor:
+        """Embed one level (patch, position and level embeddings, fine aggregation)."""
+        model, finest = self.model, self.geometry.levels - 1
+        if self._pos is None:
+            self._pos = model._pos_grid(self.geometry)
+        patches = None
+        if model.fine_aggregation is not None:
+            if self._fine_patches is None:
+                self._fine_patches = model.patch_tokens(self.images)
+            if level == finest:
+                patches = self._fine_patches
+            else:
+                if self._aggregated is None:
+                    with model.stage("aggregation"):
+                        self._aggregated = model.fine_aggregation(self._fine_patches)
+                factor = 2 ** (finest - level)
+                patches = model.patch_tokens(self.images, factor) + self._aggregated[level]
+        return model.embed_level(self.images, self.geometry, level, self._pos, patches)
 
 
 def input_data_config(vit: VisionTransformer, normalize: str, *, timm_weights: bool) -> dict[str, Any]:
