@@ -27,7 +27,7 @@ import torch.nn as nn
 from timm.models.vision_transformer import Block
 
 from .names import POLICY_NAMES
-from .quadtree import QuadtreeGeometry, upsample_to_children
+from .quadtree import QuadtreeGeometry, repeat_cells
 
 
 @dataclass
@@ -282,8 +282,8 @@ class LearnedPolicy(SplitPolicy):
             # so thresholds calibrated to a token budget would land between tied scores
             with torch.autocast(device_type=feats.device.type, enabled=False):
                 out.append(head((feats + node).float()).squeeze(-1))
-            # carry the ancestor's feature down to the next level's grid
-            feats = upsample_to_children(feats.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+            if level + 1 < len(self.heads):  # carry the ancestor's feature down to the next level's grid
+                feats = repeat_cells(feats, 2, dim=1)
         return out
 
     def forward(self, images, geometry, context):

@@ -69,6 +69,7 @@ from .quadtree import (
     fine_cell_level,
     leaf_masks,
     nodes_mass,
+    repeat_cells,
     token_counts,
     top_down_decisions,
     upsample_to_children,
@@ -906,7 +907,7 @@ class SplitViT(nn.Module):
         for level, (grid, mask) in enumerate(zip(grids, leaves)):
             m = mask.to(grid.dtype).reshape(*mask.shape, *([1] * (grid.dim() - 3)))
             factor = 2 ** (geometry.levels - 1 - level)
-            fine = fine + (grid * m).repeat_interleave(factor, 1).repeat_interleave(factor, 2)
+            fine = fine + repeat_cells(grid * m, factor, dim=1)
         return fine
 
     def _scatter_to_fine(self, features, layout, leaves, geometry) -> torch.Tensor:
