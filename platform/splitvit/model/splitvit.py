@@ -501,7 +501,16 @@ class SplitViT(nn.Module):
         # own (images - mean) / std, so the ``full`` policy keeps timm's logits
         x = self.normalize(images if factor == 1 else F.avg_pool2d(images, factor))
         patch_embed = self.vit.patch_embed
-        return patch_embed.norm(patch_embed.proj(x).permute(0, 2, 3, 1))
+        proj = patch_embed.proj
+        if not _is_patchify_conv(proj, self.patch_size):
+            return patch_embed.norm(proj(x).permute(0, 2, 3, 1))
+        # the convolution as the matrix product it is (kernel = stride = patch): the same
+        # sums, without the CPU convolution's fixed cost, which the coarse levels' few
+        # patches (and batch 1) pay in full
+        b, c, h, w = x.shape
+        p = self.patch_size
+        patches = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, h // p, w // p, c * p * p)
+        return patch_embed.norm(F.linear(patches, proj.weight.reshape(proj.out_channels, -1), proj.bias))
 
     def embed_level(
         self,
@@ -1004,6 +1013,20 @@ class _LevelEmbeddings:
                 factor = 2 ** (finest - level)
                 patches = model.patch_tokens(self.images, factor) + self._aggregated[level]
         return model.embed_level(self.images, self.geometry, level, self._pos, patches)
+
+
+def _is_patchify_conv(proj: nn.Module, patch: int) -> bool:
+    """Whether ``proj`` is a plain patchify convolution (kernel = stride = ``patch``, no
+    padding, dilation or groups), i.e. a linear map of each patch's pixels."""
+    return (
+        isinstance(proj, nn.Conv2d)
+        and proj.kernel_size == (patch, patch)
+        and proj.stride == (patch, patch)
+        and proj.padding == (0, 0)
+        and proj.dilation == (1, 1)
+        and proj.groups == 1
+        and proj.padding_mode == "zeros"
+    )
 
 
 def input_data_config(vit: VisionTransformer, normalize: str, *, timm_weights: bool) -> dict[str, Any]:
