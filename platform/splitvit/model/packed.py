@@ -249,6 +249,39 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
     return kernel
 
 
+def grouped_kernel(groups: list[tuple[int, int]]) -> Kernel:
+    """A varlen-signature attention kernel for packed rows that hold groups of
+    equal-length sequences, each group's rows together: ``groups`` lists ``(sequences,
+    length)`` in row order. Each group attends as one ``(n, H, L, hd)`` view of its
+    rows: no scatter, no padding, one attention call per group (the policy's context
+    blocks on every level's nodes, :meth:`SplitViT._levels_context_features`)."""
+    bounds = []
+    start = 0
+    for n, length in groups:
+        bounds.append((start, n, length))
+        start += n * length
+
+    def attend_groups(q, k, v, scale):
+        outs = []
+        for first, n, length in bounds:
+            rows = slice(first, first + n * length)
+            q_, k_, v_ = (t[rows].view(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            res = F.scaled_dot_product_attention(q_, k_, v_, scale=scale)
+            outs.append(res.transpose(1, 2).reshape(n * length, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        return attend_groups(q, k, v, scale).view(q.shape)
+
+    def qkv_kernel(qkv: torch.Tensor, heads: int, head_dim: int, scale: float | None = None) -> torch.Tensor:
+        """Attention from the packed ``qkv`` projection, q, k and v as strided views of it."""
+        q, k, v = qkv.view(qkv.shape[0], 3, heads, head_dim).unbind(1)
+        return attend_groups(q, k, v, scale)
+
+    kernel.qkv_attention = qkv_kernel  # type: ignore[attr-defined]
+    return kernel
+
+
 def reference_kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
     """Per-sequence scaled-dot-product attention with varlen_attn's signature (a
     slow, obviously correct kernel for tests)."""
@@ -351,10 +384,10 @@ def masked_kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
     return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)
 
 
-def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch | None) -> torch.Tensor:
     """Stochastic depth per image, not per packed token (timm's ``DropPath`` would
-    treat each of the ``T`` rows as a sample)."""
-    if isinstance(module, DropPath) and module.training and module.drop_prob > 0.0:
+    treat each of the ``T`` rows as a sample). ``batch=None``: inference only."""
+    if batch is not None and isinstance(module, DropPath) and module.training and module.drop_prob > 0.0:
         keep_prob = 1.0 - module.drop_prob
         # same draw as timm's drop_path on (B, N, D): one Bernoulli per image (and one
         # for the dummy rows of a fixed-shape batch)
@@ -365,27 +398,30 @@ def _drop_path(module: nn.Module, x: torch.Tensor, batch: PackedBatch) -> torch.
     return module(x)
 
 
-def packed_attention(attn: nn.Module, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
+def packed_attention(attn: nn.Module, x: torch.Tensor, batch: PackedBatch | None, kernel: Kernel) -> torch.Tensor:
     """timm ``Attention.forward`` on packed tokens ``(T, D)``."""
     out = attend(attn, attn.qkv(x), batch, kernel)
     out = attn.norm(out) if hasattr(attn, "norm") else out
     return attn.proj_drop(attn.proj(out))
 
 
-def attend(attn: nn.Module, qkv: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
-    """The attention kernel on the packed ``qkv`` projection ``(T, 3 * D)``: ``(T, D)``."""
+def attend(attn: nn.Module, qkv: torch.Tensor, batch: PackedBatch | None, kernel: Kernel) -> torch.Tensor:
+    """The attention kernel on the packed ``qkv`` projection ``(T, 3 * D)``: ``(T, D)``
+    (``batch=None``: a kernel that knows its own layout, :func:`grouped_kernel`)."""
     total = qkv.shape[0]
     fused = getattr(kernel, "qkv_attention", None)
     if fused is not None and isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity):
         return fused(qkv, attn.num_heads, attn.head_dim, scale=attn.scale)
     q, k, v = qkv.reshape(total, 3, attn.num_heads, attn.head_dim).unbind(1)
     q, k = attn.q_norm(q), attn.k_norm(k)
-    out = kernel(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_len, batch.max_len, scale=attn.scale)
+    cu, longest = (batch.cu_seqlens, batch.max_len) if batch is not None else (None, None)
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=attn.scale)
     return out.reshape(total, attn.num_heads * attn.head_dim)
 
 
-def packed_block(block: nn.Module, x: torch.Tensor, batch: PackedBatch, kernel: Kernel) -> torch.Tensor:
-    """timm ``Block.forward`` on packed tokens ``(T, D)``."""
+def packed_block(block: nn.Module, x: torch.Tensor, batch: PackedBatch | None, kernel: Kernel) -> torch.Tensor:
+    """timm ``Block.forward`` on packed tokens ``(T, D)`` (``batch=None``: in inference,
+    with a kernel that knows its own layout)."""
     x = x + _drop_path(block.drop_path1, block.ls1(packed_attention(block.attn, block.norm1(x), batch, kernel)), batch)
     return x + _drop_path(block.drop_path2, block.ls2(block.mlp(block.norm2(x))), batch)
 

@@ -56,6 +56,7 @@ from .packed import (
     CompiledBlock,
     PackedBatch,
     bucket_capacity,
+    grouped_kernel,
     packed_block,
     padded_sdpa_kernel,
     supports_packing,
@@ -529,18 +530,45 @@ class SplitViT(nn.Module):
         return tokens + pos.permute(0, 2, 3, 1) + self.level_embed[level]
 
     # ------------------------------------------------------------------ policy
-    def _context_features(self, level_tokens: torch.Tensor) -> torch.Tensor:
-        """The ViT's first ``policy_depth`` blocks on the sequence of every node at
-        one level (the all-coarse sequence for level 0): ``(B, H_l, W_l, D)``."""
+    def _level_sequence(self, level_tokens: torch.Tensor) -> torch.Tensor:
+        """Every node of one level as one sequence per image, prefix tokens first:
+        ``(B, S_prefix + H_l * W_l, D)``."""
         b, h, w, d = level_tokens.shape
         x = level_tokens.reshape(b, h * w, d)
         prefix = self._prefix_tokens(b)
-        if prefix is not None:
-            x = torch.cat([prefix, x], dim=1)
-        x = self.vit.norm_pre(x)
+        return x if prefix is None else torch.cat([prefix, x], dim=1)
+
+    def _context_features(self, level_tokens: torch.Tensor) -> torch.Tensor:
+        """The ViT's first ``policy_depth`` blocks on the sequence of every node at
+        one level (the all-coarse sequence for level 0): ``(B, H_l, W_l, D)``."""
+        x = self.vit.norm_pre(self._level_sequence(level_tokens))
         for block in self.vit.blocks[: self.policy_depth]:
             x = block(x)
-        return x[:, self.vit.num_prefix_tokens :].reshape(b, h, w, d)
+        return x[:, self.vit.num_prefix_tokens :].reshape(level_tokens.shape)
+
+    def _levels_context_features(self, levels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`_context_features` of several levels in one pass through the blocks.
+
+        Each level's sequences are rows of one packed ``(T, D)`` tensor, so the norms,
+        linear layers and MLP run once on all of them and only attention goes level by
+        level (:func:`grouped_kernel`, views of the rows, no padding): one block call
+        instead of one per level. Inference with timm's standard blocks only: in
+        training, drop path would draw per level as :meth:`_context_features` does.
+        """
+        if self.training or not self.packable:
+            return [self._context_features(tokens) for tokens in levels]
+        sequences = [self._level_sequence(tokens) for tokens in levels]
+        kernel = grouped_kernel([(x.shape[0], x.shape[1]) for x in sequences])
+        packed = self.vit.norm_pre(torch.cat([x.reshape(-1, x.shape[-1]) for x in sequences]))
+        for block in self.vit.blocks[: self.policy_depth]:
+            packed = packed_block(block, packed, None, kernel)
+        out, start = [], 0
+        for x, tokens in zip(sequences, levels):
+            rows = x.shape[0] * x.shape[1]
+            features = packed[start : start + rows].view(x.shape)[:, self.vit.num_prefix_tokens :]
+            out.append(features.reshape(tokens.shape))
+            start += rows
+        return out
 
     def _budget_per_image(self, budget: float | torch.Tensor | None, images: torch.Tensor) -> torch.Tensor:
         """The target ratio told to the policy, ``(B,)`` float32: ``budget`` (a number,
@@ -574,13 +602,15 @@ class SplitViT(nn.Module):
         # (normalised) embeddings through the context.
         if self.policy.learned:
             own = getattr(self.policy, "own_blocks", False)
-            with self.stage("policy_blocks"):
-                context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
             context.node_embeddings = [embeds[level] for level in range(geometry.levels - 1)]
             if getattr(self.policy, "level_context", False) and not own:
+                # every scored level through the blocks together: the level context
                 with self.stage("level_context"):
-                    finer = [self._context_features(embeds[level]) for level in range(1, geometry.levels - 1)]
-                context.level_features = [context.coarse_features, *finer]
+                    context.level_features = self._levels_context_features(context.node_embeddings)
+                context.coarse_features = context.level_features[0]
+            else:
+                with self.stage("policy_blocks"):
+                    context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
         with self.stage("policy_head"):
             if self.uses_budget:
                 context.budget = self._budget_per_image(budget, images)
