@@ -87,6 +87,40 @@ def seed_gaps(data: dict[str, Any], ratios: list[float]) -> list[str]:
     return lines
 
 
+def timed_speedups(data: dict[str, Any]) -> dict[tuple[str, float | None], float]:
+    """(method, target ratio) -> the speed step's measured speed-up over the control: the
+    rows' own (``speedup_vs_full``), else the study's ``point_speed`` (older JSON)."""
+    found = {(r["method"], r["target_ratio"]): r["speedup_vs_full"] for r in data["rows"] if "speedup_vs_full" in r}
+    for point in (data.get("point_speed") or {}).get("points", []):
+        found.setdefault((point["method"], point["target_ratio"]), point["speedup_vs_full"])
+    return found
+
+
+def speed_lines(data: dict[str, Any]) -> list[str]:
+    """The quality table's speed twin: each timed point's images/s ratio to the control,
+    measured side by side by the study's speed step (one seed; ``-``: not timed)."""
+    timed = timed_speedups(data)
+    record = data.get("point_speed") or {}
+    if not timed or not record:
+        return []
+    rows = data["rows"]
+    thresholded = list(dict.fromkeys(r["method"] for r in rows if r["target_ratio"] is not None))
+    targets = sorted({r["target_ratio"] for r in rows if r["target_ratio"] is not None})
+    full = record["full"][0]
+    lines = [
+        f"Speed-up over the control (its {full['images_per_s']:.0f} images/s), measured side by side: "
+        f"seed {record['seed']}, batch {record['batch_size']}, {record['rounds']} interleaved rounds "
+        f"on {record['device']}, {record['machine'].get('torch_threads', '?')} threads",
+        "",
+        "| token ratio | " + " | ".join(thresholded) + " |",
+        "| --- |" + " --- |" * len(thresholded),
+    ]
+    for target in targets:
+        cells = [f"{timed[(m, target)]:.2f}x" if (m, target) in timed else "-" for m in thresholded]
+        lines.append(f"| {target:.2f} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def study_lines(data: dict[str, Any], ratios: list[float]) -> list[str]:
     """Every table of one study JSON, as markdown lines."""
     metric = data["metric"]
@@ -100,6 +134,7 @@ def study_lines(data: dict[str, Any], ratios: list[float]) -> list[str]:
     for target in targets:
         lines.append(f"| {target:.2f} | " + " | ".join(cell(by.get((m, target)), metric) for m in thresholded) + " |")
     lines.append("")
+    lines += speed_lines(data)
     for r in rows:
         if r["target_ratio"] is None:
             seeds = ", ".join(f"{v * 100:.2f}" for v in r["per_seed"].values())

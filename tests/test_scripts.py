@@ -53,6 +53,13 @@ def test_study_tables_print_the_default_studies_figures_from_their_json():
         goal = data["goals"]["match_also"][0]
         line = gap_line(output, data["name"], RECIPE, "50%")
         assert f"({-goal['gap_points']:+.2f} ± {goal['gap_std_points']:.2f}) as calibrated" in line
+        # the speed table beside it: each timed point's measured speed-up over the control
+        section = output.split(f"## {data['name']} ")[1].split("\n## ")[0]
+        speed = section.split("measured side by side")[1]
+        for point in data["point_speed"]["points"]:
+            if point["method"] == RECIPE:
+                row = next(line for line in speed.splitlines() if line.startswith(f"| {point['target_ratio']:.2f} |"))
+                assert f"{point['speedup_vs_full']:.2f}x" in row
 
 
 def test_study_tables_read_each_seed_at_exactly_the_ratio_asked_for():

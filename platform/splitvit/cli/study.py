@@ -90,11 +90,12 @@ def run(args: argparse.Namespace) -> int:
                 metric: f"{r.quality:.4f} ± {r.quality_std:.4f}",
                 "min": r.quality_min,
                 "max": r.quality_max,
-                "images/s": r.images_per_s,
+                "timed images/s": r.timed_images_per_s,
+                "vs full": f"{r.speedup_vs_full:.2f}x" if r.speedup_vs_full is not None else None,
             }
             for r in result.rows
         ],
-        ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "images/s"],
+        ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "timed images/s", "vs full"],
     )
     print()
     for line in lever_lines(result.levers, metric):

@@ -31,7 +31,7 @@ from .goals import (
 from .records import open_study_run, record_study
 from .runs import RunTrainer, begun_runs, run_name, stale_runs, stored_result
 from .spec import StudyError, StudySpec
-from .speed import MatchedSpeed, PointSpeed, matched_speed, points_speed
+from .speed import MatchedSpeed, PointSpeed, matched_speed, points_speed, with_timed_speed
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ def execute_study(
         backbones, runs, failed = _run_stages(spec, executor, reference_storage, train_storage)
         rows = aggregate(runs, spec.metric)
         speed, point_speed = _speed_step(spec, executor, rows, runs)
+        rows = with_timed_speed(rows, point_speed)
         seconds = time.time() - started
         result = StudyResult(
             name=name,

@@ -43,11 +43,19 @@ class StudyRow:
     quality_max: float
     tokens_per_image: float  # this and the next two: means over seeds
     token_ratio: float  # measured on the evaluated images
-    images_per_s: float
+    images_per_s: float  # the evaluation's throughput (not timed side by side)
     per_seed: dict[str, float]  # seed (as text) -> quality
+    # the speed step's timing of this row's point on one seed, beside full resolution's
+    # (:func:`~splitvit.study.speed.points_speed`); None where it was not timed
+    timed_images_per_s: float | None = None
+    speedup_vs_full: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A row of the study's table, as in its JSON (``rows``)."""
+        """A row of the study's table, as in its JSON (``rows``; the timed speed's keys
+        only where the point was timed)."""
+        timed = {}
+        if self.speedup_vs_full is not None:
+            timed = {"timed_images_per_s": self.timed_images_per_s, "speedup_vs_full": self.speedup_vs_full}
         return {
             "method": self.method,
             "policy": self.policy,
@@ -60,6 +68,7 @@ class StudyRow:
             "tokens_per_image": self.tokens_per_image,
             "token_ratio": self.token_ratio,
             "images_per_s": self.images_per_s,
+            **timed,
             "per_seed": dict(self.per_seed),
         }
 
@@ -80,6 +89,8 @@ class StudyRow:
             token_ratio=data["token_ratio"],
             images_per_s=data["images_per_s"],
             per_seed=dict(data["per_seed"]),
+            timed_images_per_s=data.get("timed_images_per_s"),
+            speedup_vs_full=data.get("speedup_vs_full"),
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ..tune.speed import FullTiming, SpeedRecord, TimedPoint
@@ -212,9 +212,11 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     the ``full`` method); the ``full`` method's checkpoint is the full-resolution
     model; every other method's points of that seed at the evaluation ratios (one
     point for ``coarse``), each with the thresholds its evaluation calibrated (as
-    stored with the point), so the timed point is the evaluated one. At most
-    ``speed.max_points`` points: each method gets an equal share, spread over its
-    ratios (both ends kept). The cost is ``(warmup + rounds) x (points + 1)``
+    stored with the point), so the timed point is the evaluated one. SPLIT's methods
+    (the learned policy) are timed at every evaluated ratio, so that each of their
+    accuracies has its speed beside it; the other methods share what is left of
+    ``speed.max_points`` equally (at least one point each), spread over their ratios
+    (both ends kept). The cost is ``(warmup + rounds) x (points + 1)``
     forward passes of ``speed.batch_size`` images. ``run(fn, *args, **kwargs)`` runs
     it where the checkpoints' device is (default: here, on the CPU).
 
@@ -232,14 +234,19 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     others = [m for m in spec.methods if m != full and m in by_method]
     if not others:
         return None
-    share = None if spec.speed_max_points is None else max(1, spec.speed_max_points // len(others))
+    recipes = [m for m in others if spec.policy(m) == "learned"]
+    baselines = [m for m in others if m not in recipes]
+    share = None
+    if spec.speed_max_points is not None and baselines:
+        left = spec.speed_max_points - sum(len(by_method[m]["points"]) for m in recipes)
+        share = max(1, left // len(baselines))
     operating: list[dict[str, Any]] = []  # what time_operating_points takes
     labels: list[tuple[str, float | None]] = []  # each point's method and target ratio
     for method in others:
         stored = sorted(
             by_method[method]["points"], key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0)
         )
-        for point in spread(stored, share):
+        for point in stored if method in recipes else spread(stored, share):
             operating.append(
                 {
                     "checkpoint": by_method[method]["checkpoint"],
@@ -264,6 +271,21 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     ]
     values = {f.name: getattr(record, f.name) for f in fields(record)}
     return PointSpeed(**{**values, "points": points}, full_method=full, seed=seed)
+
+
+def with_timed_speed(rows: list[StudyRow], record: PointSpeed | None) -> list[StudyRow]:
+    """``rows`` with the speed step's timing of their points (images/s and the ratio
+    to full resolution's, on the timed seed) where :func:`points_speed` timed them."""
+    timed = timed_points(record)
+    out = []
+    for row in rows:
+        found = timed.get((row.method, row.target_ratio))
+        if found is None:
+            out.append(row)
+            continue
+        speedup = found.speedup_vs_full if isinstance(found, StudyTimedPoint) else 1.0
+        out.append(replace(row, timed_images_per_s=found.images_per_s, speedup_vs_full=speedup))
+    return out
 
 
 def timed_points(record: PointSpeed | None) -> dict[tuple[str, float | None], FullTiming | StudyTimedPoint]:

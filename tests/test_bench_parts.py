@@ -1,0 +1,147 @@
+"""``splitvit bench parts`` and what it reads: the forward pass's stage marks, and the
+fixed-cost changes it guided, each pinned to the computation it replaced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitvit.model.quadtree import repeat_cells, upsample_to_children
+from splitvit.model.stages import STAGES, StageClock
+
+from .helpers import tiny_model
+
+RECIPE = dict(fine_aggregation=True, policy_level_context=True)
+SPLIT_STAGES = {"embedding", "aggregation", "level_context", "policy_head", "decision", "gather", "blocks", "head"}
+
+
+def test_stage_clock_counts_nested_time_once_in_the_innermost_stage(monkeypatch):
+    """Outer 0-10 and 30-40, inner 10-30 (a fake clock): outer 20, inner 20; time outside
+    every stage counts nowhere."""
+    ticks = iter([0.0, 10.0, 30.0, 40.0, 45.0, 50.0])
+    monkeypatch.setattr("splitvit.model.stages.time.perf_counter", lambda: next(ticks))
+    clock = StageClock()
+    with clock.stage("blocks"):
+        with clock.stage("packing"):
+            pass
+    with clock.stage("head"):
+        pass
+    assert clock.seconds == {"blocks": 20.0, "packing": 20.0, "head": 5.0}
+    clock.reset()
+    assert clock.seconds == {}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_forward_marks_its_stages_and_a_clock_changes_nothing(packed):
+    """The recipe's forward pass marks every stage it runs (packing only on the packed
+    path), and its outputs are the same with a clock attached."""
+    model = tiny_model(**RECIPE, attention="packed" if packed else "padded").eval()
+    images = torch.rand(6, 3, 32, 32)
+    with torch.no_grad():
+        plain = model(images)
+        clock = StageClock()
+        model.clock = clock
+        clocked = model(images)
+        model.clock = None
+    assert torch.equal(plain.logits, clocked.logits) and torch.equal(plain.tokens, clocked.tokens)
+    assert plain.tokens.min() < plain.tokens.max()  # mixed lengths: the gather and packing ran
+    expected = SPLIT_STAGES | ({"packing"} if packed else set())
+    assert set(clock.seconds) == expected and set(clock.seconds) <= set(STAGES)
+    assert all(s > 0 for s in clock.seconds.values())
+
+
+@pytest.mark.parametrize("shape,dim", [((2, 3, 4), -2), ((2, 3, 4, 5), 1), ((2, 5, 3, 4), -2)])
+@pytest.mark.parametrize("factor", [2, 4])
+def test_repeat_cells_is_repeat_interleave_on_both_grid_dims(shape, dim, factor):
+    x = torch.randn(shape)
+    d = dim % x.dim()
+    expected = x.repeat_interleave(factor, d).repeat_interleave(factor, d + 1)
+    assert torch.equal(repeat_cells(x, factor, dim), expected)
+    strided = x.transpose(0, -1).contiguous().transpose(0, -1)  # another memory layout, same values
+    assert torch.equal(repeat_cells(strided, factor, dim), expected)
+    if dim == -2 and factor == 2:
+        assert torch.equal(upsample_to_children(x), expected)
+
+
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_patch_tokens_are_the_patch_embeddings_convolution(factor):
+    """The patchify convolution as a matrix product gives the convolution's embeddings."""
+    model = tiny_model()
+    images = torch.rand(3, 3, 32, 32)
+    with torch.no_grad():
+        x = model.normalize(images if factor == 1 else F.avg_pool2d(images, factor))
+        conv = model.vit.patch_embed.proj(x).permute(0, 2, 3, 1)
+        assert torch.allclose(model.patch_tokens(images, factor), conv, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_level_context_in_one_pass_is_each_level_on_its_own(training):
+    """Every scored level through the policy's blocks together (inference) gives each
+    level's features exactly as its own pass does; training runs each level on its own."""
+    model = tiny_model(**RECIPE).train(training)
+    images = torch.rand(5, 3, 32, 32)
+    with torch.no_grad():
+        levels = [model.patch_tokens(images, 4), model.patch_tokens(images, 2)]
+        together = model._levels_context_features(levels)
+        alone = [model._context_features(tokens) for tokens in levels]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
+def test_bench_parts_times_a_study_methods_model_stage_by_stage(tmp_path, capsys):
+    """``splitvit bench parts --study FILE --method M``: the study's recipe (its config and
+    the method's settings) beside its full-resolution self at every batch size; the JSON
+    holds each model's speed, tokens and stages, and the printout says what was timed."""
+    from splitvit.cli import main
+
+    out = tmp_path / "parts.json"
+    argv = ["bench", "parts", "--study", "studies/study_fashion.yaml", "--method", "split-0.5-agg-mixed-ctx"]
+    argv += ["--batch-sizes", "1,4", "--ratios", "0.5", "--repeats", "2", "--threads", "1", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "studies/study_fashion.yaml method split-0.5-agg-mixed-ctx, random weights" in printed
+    assert "batch 1" in printed and "batch 4" in printed and "level_context ms" in printed
+    data = json.loads(out.read_text())
+    assert data["model"]["fine_aggregation"] and data["model"]["policy_level_context"]
+    assert data["model"]["timm_kwargs"]["embed_dim"] == 96  # the study's config, not the base's
+    assert [b["batch_size"] for b in data["batches"]] == [1, 4]
+    for entry in data["batches"]:
+        full, split = entry["models"]["full"], entry["models"]["split@0.50"]
+        assert full["token_ratio"] == 1.0 and full["speedup_vs_full"] == 1.0
+        assert 0.0 < split["token_ratio"] < 1.0
+        assert split["speedup_vs_full"] == pytest.approx(full["median_s"] / split["median_s"])
+        assert set(split["stages_s"]) >= SPLIT_STAGES - {"gather"}
+        assert not {"aggregation", "level_context", "policy_head"} & set(full["stages_s"]) - {"policy_head"}
+        # the stages are a breakdown of one pass: together no longer than a few passes
+        assert 0 < sum(split["stages_s"].values()) < 5 * split["median_s"]
+
+
+def test_bench_parts_times_a_trained_checkpoint(tmp_path, capsys):
+    from splitvit.cli import main
+
+    path = tmp_path / "model.pt"
+    tiny_model(**RECIPE).save(path)
+    argv = ["bench", "parts", "--checkpoint", str(path), "--batch-sizes", "2", "--repeats", "1", "--ratios", "0.6"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"splitvit bench parts: {path}" in printed and "split@0.60" in printed
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--study", "studies/study_fashion.yaml"], "--study needs --method"),
+        (["--config", "jobs/configs/fashion_mnist.yaml", "--method", "full"], "--method and --scale go with --study"),
+        (["--config", "jobs/configs/fashion_mnist.yaml", "--batch-sizes", "0"], "batch sizes must be positive"),
+        (["--config", "jobs/configs/fashion_mnist.yaml", "--ratios", "1.5"], "ratios must be token fractions"),
+        (["--study", "studies/study_fashion.yaml", "--method", "nope"], "nope"),
+    ],
+)
+def test_bench_parts_bad_input_is_one_line(extra, message, capsys):
+    from splitvit.cli import main
+
+    assert main(["bench", "parts", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
