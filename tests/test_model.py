@@ -123,10 +123,53 @@ def test_reported_tokens_equal_attended_tokens(policy, buckets):
 @pytest.mark.parametrize("policy", ["learned", "entropy", "random"])
 @pytest.mark.parametrize("buckets", [1, 3])
 def test_packed_path_attends_reported_tokens_without_padding(policy, buckets, monkeypatch):
+    """Inference: images packed longest first, each length's images attending together
+    (one kernel per forward, used by every block): each image's queries see exactly its
+    own tokens, and nothing is padded, attention included."""
     from splitvit.model import packed
     from splitvit.model import splitvit as splitvit_module
 
     model = tiny_model(policy, length_buckets=buckets).eval()
+    kernels: list[list[tuple[int, int]]] = []
+    calls: list[torch.Tensor] = []
+
+    def recording_kernel(groups):
+        kernels.append(list(groups))
+        kernel = packed.grouped_kernel(groups)
+        attend = kernel.qkv_attention
+
+        def wrapped(qkv, heads, head_dim, scale=None):
+            calls.append(qkv.shape[0])
+            return attend(qkv, heads, head_dim, scale=scale)
+
+        kernel.qkv_attention = wrapped
+        return kernel
+
+    monkeypatch.setattr(splitvit_module, "grouped_kernel", recording_kernel)
+    if policy == "random":
+        model.policy.seed = 0
+    images = torch.rand(6, 3, 32, 32)
+    images[:2, :, :16] = 0.5
+    with torch.no_grad():
+        # thresholds at the median score of each level: about half the nodes split
+        thresholds = [float(s.median()) for s in model.split_scores(images)]
+        out = model(images, thresholds=thresholds)
+    assert len(set(out.tokens.tolist())) > 1, "the batch must mix lengths"
+    assert len(kernels) == 1 and len(calls) == len(model.vit.blocks)  # one kernel, every block
+    prefix = model.vit.num_prefix_tokens
+    attended = [length - prefix for n, length in kernels[0] for _ in range(n)]
+    assert attended == sorted(out.tokens.tolist(), reverse=True)  # longest first, each its own keys
+    assert calls == [int(out.tokens.sum()) + 6 * prefix] * len(model.vit.blocks)  # packed rows, no padding
+    assert out.padded_tokens == int(out.tokens.sum()) == out.extras["attention_slots"]
+
+
+def test_packed_path_in_training_pads_attention_only(monkeypatch):
+    """Training (drop path draws per image): the padded kernel, in batch order; only
+    its attention pads."""
+    from splitvit.model import packed
+    from splitvit.model import splitvit as splitvit_module
+
+    model = tiny_model("entropy").train()
     calls: list[torch.Tensor] = []
 
     def recording_kernel(cu_seqlens, groups=None):
@@ -140,12 +183,9 @@ def test_packed_path_attends_reported_tokens_without_padding(policy, buckets, mo
         return wrapped
 
     monkeypatch.setattr(splitvit_module, "padded_sdpa_kernel", recording_kernel)
-    if policy == "random":
-        model.policy.seed = 0
     images = torch.rand(6, 3, 32, 32)
     images[:2, :, :16] = 0.5
     with torch.no_grad():
-        # thresholds at the median score of each level: about half the nodes split
         thresholds = [float(s.median()) for s in model.split_scores(images)]
         out = model(images, thresholds=thresholds)
     assert len(set(out.tokens.tolist())) > 1, "the batch must mix lengths"
@@ -589,7 +629,12 @@ def test_packed_path_in_chunks_equals_padded(train, monkeypatch):
         out.logits.square().mean().backward()
         results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (a, ga), (b, gb) = results
-    assert len(packed.token_chunks(a.tokens + 1)) > 2 and len(set(a.tokens.tolist())) > 2
+    assert len(set(a.tokens.tolist())) > 2
+    # training chunks by token_chunks, inference runs sorted_chunks: several chunks either way
+    assert (
+        len(packed.token_chunks(a.tokens + 1)) > 2
+        and len(packed.sorted_chunks(sorted((a.tokens + 1).tolist(), reverse=True))) > 2
+    )
     assert torch.equal(a.tokens, b.tokens)
     assert a.padded_tokens == int(a.tokens.sum()) and a.extras["attention_slots"] >= a.padded_tokens
     assert (a.logits - b.logits).abs().max().item() <= 1e-4

@@ -136,6 +136,29 @@ def token_chunks(lengths: torch.Tensor, max_tokens: int | None = None) -> list[t
     return [torch.tensor(c, dtype=torch.long, device=lengths.device) for c in chunks]
 
 
+def sorted_chunks(lengths: list[int], max_rows: int | None = None) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Contiguous runs of sequences of descending ``lengths`` packed one after another,
+    each of at most ``max_rows`` rows (default :data:`CPU_CHUNK_TOKENS`; at least one
+    sequence): ``(first row, end row, groups)``, ``groups`` being :func:`grouped_kernel`'s
+    ``(sequences, length)`` per distinct length in the run."""
+    max_rows = max_rows or CPU_CHUNK_TOKENS
+    chunks: list[tuple[int, int, list[tuple[int, int]]]] = []
+    start = row = 0
+    groups: list[tuple[int, int]] = []
+    for length in lengths:
+        if groups and row + length - start > max_rows:
+            chunks.append((start, row, groups))
+            start, groups = row, []
+        if groups and groups[-1][1] == length:
+            groups[-1] = (groups[-1][0] + 1, length)
+        else:
+            groups.append((1, length))
+        row += length
+    if groups:
+        chunks.append((start, row, groups))
+    return chunks
+
+
 #: Up to this many sequences, the CPU kernel's fused form (``qkv_attention``) runs one
 #: attention call per sequence on views of the packed rows: a few more calls, but no
 #: copy into a padded layout and back, and no padding.

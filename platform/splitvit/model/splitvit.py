@@ -59,6 +59,7 @@ from .packed import (
     grouped_kernel,
     packed_block,
     padded_sdpa_kernel,
+    sorted_chunks,
     supports_packing,
     token_chunks,
     varlen_kernel,
@@ -837,13 +838,59 @@ class SplitViT(nn.Module):
         """The encoder on packed real tokens; only attention groups them per image.
 
         With CUDA's varlen kernel the whole batch is one packed sequence, built from
-        the host's ``lengths`` without reading the device. Elsewhere the images are
-        encoded in chunks of similar length (:func:`token_chunks`), for cache
-        locality; each chunk's attention kernel pads per length group. With
+        the host's ``lengths`` without reading the device. Elsewhere, in inference,
+        the images are packed longest first (:meth:`_encode_sorted`); in training, they
+        are encoded in chunks of similar length (:func:`token_chunks`), for cache
+        locality, each chunk's attention kernel padding per length group. With
         ``token_buckets`` the batch is one chunk of a fixed size.
         """
         with self.stage("packing"):
+            if not self.training and not self.token_buckets and varlen_kernel(tokens.device) is None:
+                return self._encode_sorted(tokens, lengths)
             return self._encode_packed_chunks(tokens, valid, lengths)
+
+    def _encode_sorted(self, tokens: torch.Tensor, lengths: list[int]):
+        """The packed encoder in inference on the CPU: the images longest first, so that
+        images of equal length are neighbours in the packed rows.
+
+        One ``index_select`` gathers every image's prefix tokens and leaves into the
+        packed rows. Each length's images then attend together as one view of their
+        rows (:func:`grouped_kernel`): no padding, no mask, and no copy into a padded
+        layout and back in every block, which the padded kernel pays. Large batches are
+        encoded in contiguous runs of at most :data:`~splitvit.model.packed.CPU_CHUNK_TOKENS`
+        rows (:func:`sorted_chunks`), whose activations stay in cache through a block.
+        """
+        vit = self.vit
+        b, s, d = tokens.shape
+        num_prefix = vit.num_prefix_tokens
+        order = sorted(range(b), key=lambda i: -lengths[i])  # stable: equal lengths keep batch order
+        seq = [lengths[i] + num_prefix for i in order]
+        device = tokens.device
+        seq_t = torch.tensor(seq, device=device)
+        total = sum(seq)
+        image = torch.repeat_interleave(torch.tensor(order, device=device), seq_t, output_size=total)
+        first_row = torch.repeat_interleave(torch.cumsum(seq_t, 0) - seq_t, seq_t, output_size=total)
+        pos = torch.arange(total, device=device) - first_row  # each row's position in its sequence
+        source, rows = tokens.reshape(b * s, d), image * s + pos - num_prefix
+        prefix = self._prefix_tokens(1)
+        if prefix is not None:  # the prefix tokens' rows follow every image's slots
+            source = torch.cat([source, prefix[0]])
+            rows = torch.where(pos < num_prefix, b * s + pos, rows)
+        packed = source.index_select(0, rows)
+        with self.stage("blocks"):
+            packed = vit.norm_pre(vit.pos_drop(packed))
+            compiled = self._compiled_blocks
+            runs = []
+            for start, end, groups in sorted_chunks(seq):
+                x, kernel = packed[start:end], grouped_kernel(groups)
+                for i, block in enumerate(vit.blocks):
+                    x = compiled[i](x, None, kernel) if compiled else packed_block(block, x, None, kernel)
+                runs.append(x)
+            packed = vit.norm(runs[0] if len(runs) == 1 else torch.cat(runs))
+        features = packed.new_zeros(b * (num_prefix + s), d)
+        features.index_copy_(0, image * (num_prefix + s) + pos, packed)
+        real = sum(lengths)
+        return features.view(b, num_prefix + s, d), real, None, real
 
     def _encode_packed_chunks(self, tokens: torch.Tensor, valid: torch.Tensor, lengths: list[int]):
         """:meth:`_encode_packed`'s work, in the ``packing`` stage but for the blocks."""
