@@ -99,7 +99,8 @@ class SplitOutput:
         logits: ``(B, num_classes)``, or ``(B, num_classes, H, W)`` for the dense task.
         tokens: ``(B,)`` image tokens each image attended to (prefix tokens excluded).
         expected_tokens: ``(B,)`` differentiable expected token count (equals
-            ``tokens`` for policies without split probabilities).
+            ``tokens`` for policies without split probabilities); computed when first
+            read (training's budget penalty), not in every forward pass.
         decisions: per non-finest level, bool ``(B, H_l, W_l)``: which nodes split.
         split_probs: per non-finest level, the policy's scores in ``[0, 1]``
             (``None`` when decisions were given from outside).
@@ -114,12 +115,20 @@ class SplitOutput:
 
     logits: torch.Tensor
     tokens: torch.Tensor
-    expected_tokens: torch.Tensor
     decisions: list[torch.Tensor]
     split_probs: list[torch.Tensor] | None
     full_tokens: int
     padded_tokens: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    _expected_tokens: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def expected_tokens(self) -> torch.Tensor:
+        """``(B,)`` differentiable expected token count (see the class docstring)."""
+        if self._expected_tokens is None:
+            probs = self.split_probs
+            self._expected_tokens = expected_tokens(probs) if probs is not None else self.tokens.to(self.logits.dtype)
+        return self._expected_tokens
 
     @property
     def token_ratio(self) -> torch.Tensor:
@@ -712,11 +721,9 @@ class SplitViT(nn.Module):
                 logits = self.dense_head(fine, geometry.image_size)
             else:
                 logits = self.vit.head(self.vit.head_drop(self.vit.fc_norm(self._pool(features, valid))))
-        expected = expected_tokens(probs) if probs is not None else counts.to(logits.dtype)
         out = SplitOutput(
             logits=logits,
             tokens=counts,
-            expected_tokens=expected,
             decisions=decisions,
             split_probs=probs,
             full_tokens=geometry.full_tokens,
