@@ -513,11 +513,12 @@ class SplitViT(nn.Module):
         x = self.normalize(images if factor == 1 else F.avg_pool2d(images, factor))
         patch_embed = self.vit.patch_embed
         proj = patch_embed.proj
-        if not _is_patchify_conv(proj, self.patch_size):
+        if factor == 1 or not _is_patchify_conv(proj, self.patch_size):
+            # the finest level through timm's own convolution: the ``full`` policy's logits are timm's
             return patch_embed.norm(proj(x).permute(0, 2, 3, 1))
-        # the convolution as the matrix product it is (kernel = stride = patch): the same
-        # sums, without the CPU convolution's fixed cost, which the coarse levels' few
-        # patches (and batch 1) pay in full
+        # a coarse level's convolution as the matrix product it is (kernel = stride =
+        # patch): the same sums, without the CPU convolution's fixed cost, which a coarse
+        # level's few patches (and batch 1) pay in full
         b, c, h, w = x.shape
         p = self.patch_size
         patches = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, h // p, w // p, c * p * p)
