@@ -120,6 +120,18 @@ def test_reported_tokens_equal_attended_tokens(policy, buckets):
     assert out.padded_tokens >= int(out.tokens.sum())
 
 
+def _forward_mixed_lengths(model: SplitViT):
+    """The model on 6 images, 2 of them half flat, at each level's median score as its
+    threshold (about half the nodes split): a batch of mixed lengths."""
+    images = torch.rand(6, 3, 32, 32)
+    images[:2, :, :16] = 0.5
+    with torch.no_grad():
+        thresholds = [float(s.median()) for s in model.split_scores(images)]
+        out = model(images, thresholds=thresholds)
+    assert len(set(out.tokens.tolist())) > 1, "the batch must mix lengths"
+    return out
+
+
 @pytest.mark.parametrize("policy", ["learned", "entropy", "random"])
 @pytest.mark.parametrize("buckets", [1, 3])
 def test_packed_path_attends_reported_tokens_without_padding(policy, buckets, monkeypatch):
@@ -148,13 +160,7 @@ def test_packed_path_attends_reported_tokens_without_padding(policy, buckets, mo
     monkeypatch.setattr(splitvit_module, "grouped_kernel", recording_kernel)
     if policy == "random":
         model.policy.seed = 0
-    images = torch.rand(6, 3, 32, 32)
-    images[:2, :, :16] = 0.5
-    with torch.no_grad():
-        # thresholds at the median score of each level: about half the nodes split
-        thresholds = [float(s.median()) for s in model.split_scores(images)]
-        out = model(images, thresholds=thresholds)
-    assert len(set(out.tokens.tolist())) > 1, "the batch must mix lengths"
+    out = _forward_mixed_lengths(model)
     assert len(kernels) == 1 and len(calls) == len(model.vit.blocks)  # one kernel, every block
     prefix = model.vit.num_prefix_tokens
     attended = [length - prefix for n, length in kernels[0] for _ in range(n)]
@@ -183,12 +189,7 @@ def test_packed_path_in_training_pads_attention_only(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(splitvit_module, "padded_sdpa_kernel", recording_kernel)
-    images = torch.rand(6, 3, 32, 32)
-    images[:2, :, :16] = 0.5
-    with torch.no_grad():
-        thresholds = [float(s.median()) for s in model.split_scores(images)]
-        out = model(images, thresholds=thresholds)
-    assert len(set(out.tokens.tolist())) > 1, "the batch must mix lengths"
+    out = _forward_mixed_lengths(model)
     assert len(calls) == len(model.vit.blocks)  # one kernel per block, built once per forward
     assert calls[-1].tolist() == out.tokens.tolist()
     assert out.padded_tokens == int(out.tokens.sum())  # no padding outside attention
