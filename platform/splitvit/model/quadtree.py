@@ -137,9 +137,14 @@ def leaf_masks(decisions: list[torch.Tensor]) -> list[torch.Tensor]:
     return masks
 
 
+def leaf_counts_per_level(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """Each image's leaves at each level, from :func:`leaf_masks`: ``(L, B)`` long."""
+    return torch.stack([m.flatten(1).sum(1) for m in leaves])
+
+
 def token_counts(decisions: list[torch.Tensor]) -> torch.Tensor:
     """Tokens per image implied by hierarchical decisions: ``(B,)`` long."""
-    return sum(m.flatten(1).sum(1) for m in leaf_masks(decisions))
+    return leaf_counts_per_level(leaf_masks(decisions)).sum(0)
 
 
 def expected_tokens(split_probs: list[torch.Tensor]) -> torch.Tensor:

@@ -69,10 +69,10 @@ from .quadtree import (
     QuadtreeGeometry,
     expected_tokens,
     fine_cell_level,
+    leaf_counts_per_level,
     leaf_masks,
     nodes_mass,
     repeat_cells,
-    token_counts,
     top_down_decisions,
     upsample_to_children,
 )
@@ -641,7 +641,9 @@ class SplitViT(nn.Module):
         tau = self.thresholds if thresholds is None else validate_thresholds(thresholds, self.levels).to(images.device)
         embeds = _LevelEmbeddings(self, images, geometry)
         decisions = self.decide(self._policy_scores(images, geometry, embeds), tau)
-        tokens, valid, _, _ = self._gather_leaves(embeds, leaf_masks(decisions), None, geometry)
+        leaves = leaf_masks(decisions)
+        per_level = leaf_counts_per_level(leaves)
+        tokens, valid, _, _ = self._gather_leaves(embeds, leaves, per_level, None, geometry)
         return tokens, valid
 
     def encode(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -710,10 +712,13 @@ class SplitViT(nn.Module):
             else:
                 decisions = top_down_decisions([d.bool() for d in decisions])
             leaves = leaf_masks(decisions)
-            counts = token_counts(decisions)
+            per_level = leaf_counts_per_level(leaves)
+            counts = per_level.sum(0)
             gates = straight_through_gates(decisions, probs) if (probs is not None and self.training) else None
         with self.stage("gather"):
-            tokens, valid, layout, lengths = self._gather_leaves(embeds, leaves, gates, geometry, return_attention)
+            tokens, valid, layout, lengths = self._gather_leaves(
+                embeds, leaves, per_level, gates, geometry, return_attention
+            )
         with self.stage("blocks"):
             features, padded, attention, attention_slots = self._encode(tokens, valid, return_attention, lengths)
         with self.stage("head"):
@@ -736,20 +741,21 @@ class SplitViT(nn.Module):
             out.extras["fine_attention"] = self._attention_to_fine(attention, layout, leaves, geometry)
         return out
 
-    def _gather_leaves(self, embeds, leaves, gates, geometry, return_attention: bool = False):
+    def _gather_leaves(self, embeds, leaves, per_level, gates, geometry, return_attention: bool = False):
         """Pack each image's leaves, in level-then-raster order, into a padded batch.
 
-        Returns ``(tokens (B, S, D), valid (B, S) or None, layout, lengths)`` where
-        ``layout`` maps sequence slots back to the all-levels node layout and
-        ``lengths`` are the images' token counts on the host (``None`` with ``valid``).
-        The forward pass's one host synchronisation is here: which levels hold leaves
-        and every image's count, read back together.
+        ``per_level``: :func:`leaf_counts_per_level` of ``leaves``. Returns ``(tokens
+        (B, S, D), valid (B, S) or None, layout, lengths)`` where ``layout`` maps
+        sequence slots back to the all-levels node layout and ``lengths`` are the
+        images' token counts on the host (``None`` with ``valid``). The forward pass's
+        one host synchronisation is here: every image's leaf count at every level,
+        which says which levels hold leaves and each image's length.
         """
         batch = leaves[0].shape[0]
-        counts = sum(m.flatten(1).sum(1) for m in leaves)
-        flags = torch.stack([torch.stack([m.all(), m.any()]) for m in leaves]).flatten()
-        host = torch.cat([flags.to(counts.dtype), counts]).tolist()  # the one host sync
-        every, some, lengths = host[0 : 2 * len(leaves) : 2], host[1 : 2 * len(leaves) : 2], host[2 * len(leaves) :]
+        host = per_level.tolist()  # the one host sync
+        lengths = [sum(column) for column in zip(*host)]
+        every = [all(n == mask[0].numel() for n in row) for row, mask in zip(host, leaves)]
+        some = [any(row) for row in host]
         # fast path: one level holds every leaf of every image (full or coarse): no gather
         for level, full in enumerate(every):
             if full:
@@ -780,7 +786,7 @@ class SplitViT(nn.Module):
         tokens = all_tokens.flatten(0, 1).index_select(0, rows).view(batch, length, all_tokens.shape[-1])
         if min(lengths) == length:
             return tokens, None, ("gather", order, used, offsets, is_leaf.shape[1], batch), None
-        valid = torch.arange(length, device=tokens.device).unsqueeze(0) < counts.unsqueeze(1)
+        valid = torch.arange(length, device=tokens.device).unsqueeze(0) < per_level.sum(0).unsqueeze(1)
         return tokens, valid, ("gather", order, used, offsets, is_leaf.shape[1], batch), lengths
 
     def _packs(self, valid: torch.Tensor | None, return_attention: bool) -> bool:
