@@ -145,3 +145,21 @@ def test_bench_parts_bad_input_is_one_line(extra, message, capsys):
     assert main(["bench", "parts", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_identity_normalisation_is_skipped_and_noticed_when_the_buffers_change():
+    """Mean 0 and std 1 (a model trained on the pixels as they are): the images pass as
+    they are; a write to the buffers or a load with timm's values is seen at once."""
+    model = tiny_model()  # normalize="auto" without timm weights: mean 0, std 1
+    images = torch.rand(2, 3, 32, 32)
+    assert model.normalize(images) is images
+    with torch.no_grad():
+        model.input_std.fill_(0.5)
+    assert torch.equal(model.normalize(images), images / 0.5)
+    state = model.state_dict()
+    state["input_std"] = torch.ones_like(state["input_std"])
+    model.load_state_dict(state)
+    assert model.normalize(images) is images
+    timm_stats = {**state, "input_mean": torch.full_like(state["input_mean"], 0.25)}
+    model.load_state_dict(timm_stats)
+    assert torch.equal(model.normalize(images), images - 0.25)

@@ -289,6 +289,8 @@ class SplitViT(nn.Module):
         self._data_config = {k: v for k, v in config.items() if k not in ("mean", "std")}
         # timm reports its pretrained config's size (224) whatever img_size built the ViT
         self._data_config["input_size"] = (len(mean), *self.geometry.image_size)
+        self._note_normalisation()  # see _normalisation_is_identity
+        self.register_load_state_dict_post_hook(SplitViT._note_normalisation)
         self._register_load_state_dict_pre_hook(_fill_legacy_normalisation)
         # the ratio a conditioned policy is told at evaluation: travels with the calibrated thresholds
         self.budget_conditioned = budget_conditioned
@@ -427,7 +429,30 @@ class SplitViT(nn.Module):
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """``[0, 1]`` images -> the model's normalised inputs ``(images - mean) / std``
         (what timm's ViT expects; what a timm ViT is given to compare with this one)."""
+        if self._normalisation_is_identity():
+            return images  # mean 0, std 1 (a model trained on the pixels as they are): x - 0 / 1 is x
         return (images - self.input_mean.to(images.dtype)) / self.input_std.to(images.dtype)
+
+    def _normalisation_is_identity(self) -> bool:
+        """Whether the buffers are mean 0 and std 1, as noted when they were last set
+        (:meth:`_note_normalisation`: construction, a load, a move); read again only
+        after an in-place write, so the forward pass reads no value back."""
+        mean, std = self.input_mean, self.input_std
+        if (mean._version, std._version, mean.data_ptr(), std.data_ptr()) != self._identity_key:
+            self._note_normalisation()
+        return self._identity
+
+    def _note_normalisation(self, *_: Any) -> None:
+        """Note whether the normalisation buffers are the identity (also a load-state-dict post-hook)."""
+        mean, std = self.input_mean, self.input_std
+        self._identity_key = (mean._version, std._version, mean.data_ptr(), std.data_ptr())
+        self._identity = not mean.is_meta and bool((mean == 0).all()) and bool((std == 1).all())
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SplitViT:
+        """``nn.Module._apply`` (``to``, ``cuda``, ``float``...), then the new buffers noted."""
+        module = super()._apply(fn, recurse)
+        self._note_normalisation()
+        return module
 
     def set_thresholds(self, thresholds: float | list[float]) -> None:
         """Set the per-level evaluation thresholds (validated to lie in [0, 1])."""
