@@ -56,6 +56,10 @@ def ray_session(request):
     # default); tiny test epochs wait on that, so poll more often (the driver's value
     # is passed on to the controller)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Ray Train starts a PreemptionWatcher actor (a Python process of its own) per fit to
+    # watch for cloud nodes being taken away; one machine's tests have none to lose, and
+    # the suite's ~30 fits each save that process's start on the 2-core CI machine
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     session = RaySession()
     session.ensure()
     yield session

@@ -502,15 +502,34 @@ def _checkpoints(folder: Path) -> set[str]:
     return {p.parent.name for p in folder.glob("checkpoint_epoch*/train_state.pt")}
 
 
-def _wait_for_new_checkpoint(folder: Path, before: set[str], proc: subprocess.Popen, timeout: float = 240.0) -> None:
+def _wait_for_new_checkpoint(
+    folder: Path, before: set[str], proc: subprocess.Popen, timeout: float = 240.0
+) -> set[str]:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if _checkpoints(folder) - before:
-            return
+        if new := _checkpoints(folder) - before:
+            return new
         if proc.poll() is not None:
             raise AssertionError(f"splitvit train ended early with {proc.returncode}")
         time.sleep(0.5)
     raise AssertionError(f"no new checkpoint in {folder} after {timeout:.0f} s")
+
+
+def _wait_for_commit(folder: Path, new: set[str], timeout: float = 30.0) -> None:
+    """Wait until Ray Train has committed one of the ``new`` checkpoints (its snapshot
+    names it as the latest): what the stopped run keeps and a re-run resumes from."""
+    from splitvit.train.checkpoints import SNAPSHOT_FILE
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            snapshot = json.loads((folder / SNAPSHOT_FILE).read_text())
+        except (OSError, ValueError):  # not written yet, or caught mid-write
+            snapshot = {}
+        if (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name") in new:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"Ray committed none of {sorted(new)} in {folder} after {timeout:.0f} s")
 
 
 def _stop(proc: subprocess.Popen, signum: int, tmp_path: Path, name: str) -> tuple[int, str]:
@@ -524,7 +543,7 @@ def _stop(proc: subprocess.Popen, signum: int, tmp_path: Path, name: str) -> tup
 
 
 @pytest.mark.slow
-def test_ctrl_c_and_sigterm_stop_training_and_a_rerun_resumes(ray_local, tmp_path):
+def test_ctrl_c_and_sigterm_stop_training_and_a_rerun_resumes(ray_local, mlflow_uri, tmp_path):
     """`splitvit train` in a process of its own: SIGINT after the first
     checkpoint -> exit 130, the kept checkpoint named, the MLflow run KILLED; run again,
     SIGTERM -> 143; a last run resumes from the checkpoint and finishes the same MLflow run."""
@@ -543,11 +562,12 @@ def test_ctrl_c_and_sigterm_stop_training_and_a_rerun_resumes(ray_local, tmp_pat
             "experiment": "tests",
             "split_map_images": 0,
             "log_model": False,
-            "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+            # the session's store: a store of its own costs MLflow's migrations in the first run
+            "tracking_uri": mlflow_uri,
         },
     )
     run_dir = tmp_path / "runs" / "sigrun"
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    client = MlflowClient(mlflow_uri)
 
     def the_run():
         experiment = client.get_experiment_by_name("tests").experiment_id
@@ -560,8 +580,7 @@ def test_ctrl_c_and_sigterm_stop_training_and_a_rerun_resumes(ray_local, tmp_pat
         name = f"round{round_}"
         before = _checkpoints(run_dir)
         proc = _spawn_train(config, tmp_path, name)
-        _wait_for_new_checkpoint(run_dir, before, proc)
-        time.sleep(1.0)  # let Ray commit the report
+        _wait_for_commit(run_dir, _wait_for_new_checkpoint(run_dir, before, proc))
         status, err = _stop(proc, signum, tmp_path, name)
         assert status == expected, err
         lines = [line for line in err.splitlines() if line.startswith("splitvit train:")]
