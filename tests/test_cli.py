@@ -94,6 +94,7 @@ EVERY_SUBCOMMAND = [
     ["demo"],
     ["viz"],
     ["bench", "forward"],
+    ["bench", "parts", "--study", "studies/study_fashion.yaml", "--method", "full"],
     ["bench", "train"],
     ["bench", "data"],
     ["data", "prepare", "synthetic", "--out", "shards"],
@@ -149,6 +150,7 @@ def test_commands_without_mlflow_say_the_tracking_uri_is_ignored(capsys):
         ["data", "prepare"],
         ["stack", "up"],
         ["bench", "forward"],
+        ["bench", "parts"],
         ["bench", "data"],
     ):
         with pytest.raises(SystemExit):

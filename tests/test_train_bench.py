@@ -139,4 +139,4 @@ def test_validation_and_each_benchmarks_own_options(capsys):
         run_forward(build_parser().parse_args(["bench", "forward", "--ratios", "half"]))
     with pytest.raises(SystemExit) as stopped:
         build_parser().parse_args(["bench"])
-    assert stopped.value.code == 2 and "required: {forward,train,data}" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "required: {forward,parts,train,data}" in capsys.readouterr().err
