@@ -123,8 +123,7 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
             point.set_thresholds(calibrate_thresholds(point, images[:CALIBRATION_IMAGES], ratio))
             points[point_name(ratio)] = point
         batches = [_time_batch(full, points, _rotation(images, b), settings, dev) for b in settings.batch_sizes]
-        machine = machine_info(dev)
-        machine["torch_threads"] = torch.get_num_threads()
+        machine = machine_info(dev)  # before the threads are restored: it records them
     finally:
         torch.set_num_threads(previous_threads)
     return {
