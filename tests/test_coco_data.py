@@ -222,7 +222,7 @@ BAD_DOCUMENTS = [
     (
         "short polygon",
         _set(("annotations", 0, "segmentation"), [[1, 1, 4, 1]]),
-        "annotation id 10 (image id 1): polygon 0 has 2",
+        "annotation id 10 (image id 1): polygon 0 has 4 coordinates; a polygon is",
     ),
     (
         "rle size",

@@ -96,10 +96,8 @@ def _check_segmentation(seg: Any, height: int, width: int, where: str, source: s
             raise _fail(source, f"{where}: empty segmentation (no polygons)")
         for p, polygon in enumerate(seg):
             if not isinstance(polygon, list) or len(polygon) % 2 or len(polygon) < 6:
-                n = len(polygon) / 2 if isinstance(polygon, list) else "no"
-                raise _fail(
-                    source, f"{where}: polygon {p} has {n} points; a polygon is [x1, y1, x2, y2, ...] of >= 3 points"
-                )
+                n = f"{len(polygon)} coordinates" if isinstance(polygon, list) else f"a {type(polygon).__name__}"
+                raise _fail(source, f"{where}: polygon {p} has {n}; a polygon is [x1, y1, x2, y2, ...] of >= 3 points")
         return
     if isinstance(seg, dict) and "size" in seg and "counts" in seg:
         size = list(seg["size"]) if isinstance(seg["size"], list | tuple) else seg["size"]
@@ -113,7 +111,7 @@ def _check_segmentation(seg: Any, height: int, width: int, where: str, source: s
             if total != height * width:
                 raise _fail(
                     source,
-                    f"{where}: uncompressed RLE counts cover {total} pixels, its {height}x{width} image has "
+                    f"{where}: uncompressed RLE counts cover {total} pixels, its {width}x{height} image has "
                     f"{height * width}",
                 )
         elif not isinstance(counts, str | bytes):
@@ -131,7 +129,9 @@ def _check_bbox(bbox: Any, height: int, width: int, where: str, source: str) -> 
     s = BBOX_SLACK
     if x < -s or y < -s or x + w > width + s or y + h > height + s:
         raise _fail(
-            source, f"{where}: bbox {list(bbox)} (x, y, w, h) lies outside its {width}x{height} image (width x height)"
+            source,
+            f"{where}: bbox {list(bbox)} (x, y, w, h) lies outside its {width}x{height} image (width x height) "
+            f"by more than {BBOX_SLACK:g} px",
         )
 
 
