@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 #: timm arguments of the tests' tiny ViT: 4-px patches, width 32, 2 blocks.
 TINY_TIMM = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
@@ -59,3 +62,25 @@ def load_script(name: str) -> ModuleType:
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    """Write ``array`` (uint8) in the idx format Fashion-MNIST ships in."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    data = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    if gz:
+        path.rename(path.with_name(path.name + ".gz"))
+
+
+def fake_items(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Item-like 28x28 images: a bright textured blob on black, one shape per class."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, size=n).astype(np.uint8)
+    yy, xx = np.mgrid[0:28, 0:28]
+    images = np.zeros((n, 28, 28), np.uint8)
+    for i, k in enumerate(labels.astype(int)):
+        r = 6 + k
+        blob = ((yy - 14) ** 2 / r**2 + (xx - 14) ** 2 / (16 - k) ** 2) < 1
+        images[i][blob] = rng.integers(120, 256, size=int(blob.sum()))
+    return images, labels

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import logging
@@ -33,31 +32,11 @@ from splitvit.data import (
 from splitvit.data import fashion_mnist as fm
 from splitvit.data.fashion_mnist import read_idx
 
+from .helpers import fake_items, write_idx
+
 # ----------------------------------------------------------------- helpers
 
 ROUND = 0.5 / 255 + 1e-6  # images are stored as 8-bit PNG
-
-
-def write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
-    """Write ``array`` (uint8) in the idx format Fashion-MNIST ships in."""
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    data = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
-    path.write_bytes(gzip.compress(data) if gz else data)
-    if gz:
-        path.rename(path.with_name(path.name + ".gz"))
-
-
-def fake_items(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Item-like 28x28 images: a bright textured blob on black, one shape per class."""
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 10, size=n).astype(np.uint8)
-    yy, xx = np.mgrid[0:28, 0:28]
-    images = np.zeros((n, 28, 28), np.uint8)
-    for i, k in enumerate(labels.astype(int)):
-        r = 6 + k
-        blob = ((yy - 14) ** 2 / r**2 + (xx - 14) ** 2 / (16 - k) ** 2) < 1
-        images[i][blob] = rng.integers(120, 256, size=int(blob.sum()))
-    return images, labels
 
 
 @pytest.fixture(scope="module")

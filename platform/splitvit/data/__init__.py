@@ -18,6 +18,12 @@ Built in (``DATASET_NAMES``):
 - ``parquet``: shards written by ``write_shards`` / ``splitvit data prepare``, in a
   folder or ``s3://`` prefix (option ``uri`` or ``root``).
 
+Detection data (not in the registry yet), items ``(image, target dict)`` with boxes,
+labels 1..K, masks, iscrowd, area, image_id: ``CocoDetection`` reads COCO instances
+files (local or ``s3://``, checked up front by ``load_coco_index``); ``FashionDetection``
+draws 2-6 Fashion-MNIST items per canvas, with or without clutter; ``write_coco``
+writes such a set in COCO's format.
+
 File-backed datasets take ``strict`` (raise on a corrupt file instead of skipping
 and counting it) and ``verify`` (decode everything up front, dropping corrupt items).
 Every dataset takes ``num_samples`` / ``<split>_samples`` (length, or a limit for
@@ -36,8 +42,11 @@ _WHERE = {
     "Canvas": "cluttered",
     "ClutteredFashionMNIST": "cluttered",
     "ClutteredFashionMNISTSeg": "cluttered",
+    "CocoDetection": "coco",
+    "CocoFormatError": "coco",
     "CorruptDataError": "common",
     "DATASET_NAMES": "names",
+    "FashionDetection": "fashion_det",
     "FashionMNISTNotFound": "fashion_mnist",
     "ImageFolderDataset": "folders",
     "ParquetShards": "parquet",
@@ -48,7 +57,9 @@ _WHERE = {
     "fashion_mnist_split": "cluttered",
     "find_fashion_mnist": "fashion_mnist",
     "first_images": "common",
+    "load_coco_index": "coco",
     "load_fashion_mnist": "fashion_mnist",
+    "write_coco": "fashion_det",
     "write_shards": "shards",
 }
 __all__ = sorted(_WHERE)

@@ -113,13 +113,6 @@ class _ClutterRenderer:
         self.mask_threshold = mask_threshold
         self.seed = seed
 
-    def item_alpha(self, j: int) -> np.ndarray:
-        """Item ``j`` as intensities in [0, 1], resized to ``item_size``."""
-        item = self.images[j]
-        if item.shape != (self.item_size, self.item_size):
-            item = np.asarray(Image.fromarray(item).resize((self.item_size, self.item_size), Image.BILINEAR))
-        return item.astype(np.float32) / 255.0
-
     def render(self, index: int, item_indices: list[int], rng: np.random.Generator) -> Canvas:
         size, it, margin = self.image_size, self.item_size, self.margin
         background = rng.uniform(0.0, 0.25, size=3).astype(np.float32)
@@ -127,25 +120,28 @@ class _ClutterRenderer:
         keepout = np.zeros((size, size), dtype=bool)
         boxes, labels, masks = [], [], []
         for j in item_indices:
-            for _ in range(64):  # rejection sampling: tiles (with margins) never overlap
-                oy, ox = (int(v) for v in rng.integers(0, size - it + 1, size=2))
-                y0, x0 = max(oy - margin, 0), max(ox - margin, 0)
-                if not keepout[y0 : oy + it + margin, x0 : ox + it + margin].any():
-                    break
-            else:
+            corner = place_tile(keepout, it, margin, rng)
+            if corner is None:
                 continue
-            keepout[y0 : oy + it + margin, x0 : ox + it + margin] = True
-            alpha = self.item_alpha(j)
-            fg = rng.uniform(0.75, 1.0, size=3).astype(np.float32)
-            image[:, oy : oy + it, ox : ox + it] = (
-                background[:, None, None] + alpha[None] * (fg - background)[:, None, None]
-            )
+            oy, ox = corner
+            keepout[tile_with_margin(oy, ox, it, margin)] = True
+            alpha = item_intensity(self.images[j], it)
+            paint_item(image, background, alpha, oy, ox, rng)
             mask = np.zeros((size, size), dtype=bool)
             mask[oy : oy + it, ox : ox + it] = alpha > self.mask_threshold
             boxes.append((oy, ox, it, it))
             labels.append(int(self.labels[j]))
             masks.append(mask)
-        clutter = self._clutter(image, keepout, set(item_indices), rng)
+        clutter = paint_clutter(
+            image,
+            keepout,
+            rng,
+            pool=self.images,
+            exclude=set(item_indices),
+            fragment_item_size=it,
+            clutter_fraction=self.clutter_fraction,
+            fragment_prob=self.fragment_prob,
+        )
         return Canvas(
             image=image,
             labels=labels,
@@ -155,65 +151,131 @@ class _ClutterRenderer:
             background=background,
         )
 
-    def _texture(self, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
-        kind = rng.integers(3)
-        if kind == 0:  # per-pixel colour noise
-            return rng.uniform(0, 1, size=(3, h, w)).astype(np.float32)
-        if kind == 1:  # grey noise in a random tint
-            tint = rng.uniform(0.4, 1.0, size=3).astype(np.float32)
-            return rng.uniform(0, 1, size=(1, h, w)).astype(np.float32) * tint[:, None, None]
-        a, b = rng.uniform(0, 1, size=(2, 3)).astype(np.float32)  # 1-pixel salt and pepper in two colours
-        pick = rng.random((h, w)) < 0.5
-        return np.where(pick[None], a[:, None, None], b[:, None, None]).astype(np.float32)
 
-    def _fragment(self, h: int, w: int, exclude: set[int], rng: np.random.Generator) -> np.ndarray:
-        """A random crop of another item (rotated/flipped so it is not a whole item) as alpha (h, w)."""
-        j = int(rng.integers(len(self.images)))
-        while j in exclude and len(exclude) < len(self.images):
-            j = int(rng.integers(len(self.images)))
-        alpha = np.rot90(self.item_alpha(j), k=int(rng.integers(4)))
-        if rng.random() < 0.5:
-            alpha = alpha[:, ::-1]
-        fh, fw = min(h, alpha.shape[0]), min(w, alpha.shape[1])
-        cy, cx = rng.integers(0, alpha.shape[0] - fh + 1), rng.integers(0, alpha.shape[1] - fw + 1)
-        out = np.zeros((h, w), dtype=np.float32)
-        py, px = rng.integers(0, h - fh + 1), rng.integers(0, w - fw + 1)
-        out[py : py + fh, px : px + fw] = alpha[cy : cy + fh, cx : cx + fw]
-        return out
+def item_intensity(item: np.ndarray, size: int) -> np.ndarray:
+    """A Fashion-MNIST item (uint8 ``(28, 28)``) as intensities in [0, 1], resized (bilinear) to ``size``."""
+    if item.shape != (size, size):
+        item = np.asarray(Image.fromarray(item).resize((size, size), Image.BILINEAR))
+    return item.astype(np.float32) / 255.0
 
-    def _clutter(
-        self, image: np.ndarray, keepout: np.ndarray, exclude: set[int], rng: np.random.Generator
-    ) -> np.ndarray:
-        size = self.image_size
-        clutter = np.zeros((size, size), dtype=bool)
-        target = int(np.ceil(self.clutter_fraction * size * size))
-        lo, hi = max(size // 8, 4), max(size // 3, 5)
-        covered = 0
-        for _ in range(256):
-            if covered >= target:
-                break
-            h, w = (int(v) for v in rng.integers(lo, hi + 1, size=2))
-            y, x = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
-            region = ~keepout[y : y + h, x : x + w]
-            if not region.any():
-                continue
-            texture = self._texture(h, w, rng)
-            if rng.random() < self.fragment_prob:
-                alpha = self._fragment(h, w, exclude, rng)
-                colour = rng.uniform(0.6, 1.0, size=3).astype(np.float32)
-                texture = texture * (1 - alpha[None]) + alpha[None] * colour[:, None, None]
-            patch = image[:, y : y + h, x : x + w]
-            patch[:, region] = texture[:, region]
-            covered += int((region & ~clutter[y : y + h, x : x + w]).sum())
-            clutter[y : y + h, x : x + w] |= region
-        missing = target - covered
-        if missing > 0:  # rare: rectangles kept landing on the items; finish with scattered noise pixels
-            free = np.flatnonzero(~(clutter | keepout))
-            pick = rng.choice(free, size=min(missing, len(free)), replace=False)
-            ys, xs = np.unravel_index(pick, clutter.shape)
-            image[:, ys, xs] = rng.uniform(0, 1, size=(3, len(pick))).astype(np.float32)
-            clutter[ys, xs] = True
-        return clutter
+
+def tile_with_margin(oy: int, ox: int, side: int, margin: int) -> tuple[slice, slice]:
+    """The canvas rows and columns of a ``side`` tile at ``(oy, ox)`` grown by ``margin`` (clipped at 0)."""
+    return slice(max(oy - margin, 0), oy + side + margin), slice(max(ox - margin, 0), ox + side + margin)
+
+
+def place_tile(
+    keepout: np.ndarray, side: int, margin: int, rng: np.random.Generator, *, tries: int = 64
+) -> tuple[int, int] | None:
+    """Top-left corner of a ``side`` tile on the square canvas of ``keepout`` whose margin-grown
+    area misses ``keepout`` (rejection sampling, so tiles with margins never overlap); None
+    when ``tries`` draws found none. ``keepout`` is not marked: the caller does."""
+    size = keepout.shape[0]
+    for _ in range(tries):
+        oy, ox = (int(v) for v in rng.integers(0, size - side + 1, size=2))
+        if not keepout[tile_with_margin(oy, ox, side, margin)].any():
+            return oy, ox
+    return None
+
+
+def paint_item(
+    image: np.ndarray, background: np.ndarray, alpha: np.ndarray, oy: int, ox: int, rng: np.random.Generator
+) -> None:
+    """Paint an item (``alpha``, intensities in [0, 1]) in a random bright colour over the flat
+    ``background`` of ``image`` (``(3, S, S)``, in place) with its top-left corner at ``(oy, ox)``."""
+    h, w = alpha.shape
+    fg = rng.uniform(0.75, 1.0, size=3).astype(np.float32)
+    image[:, oy : oy + h, ox : ox + w] = background[:, None, None] + alpha[None] * (fg - background)[:, None, None]
+
+
+def clutter_texture(h: int, w: int, rng: np.random.Generator) -> np.ndarray:
+    """A ``(3, h, w)`` high-entropy texture: colour noise, tinted grey noise or two-colour salt and pepper."""
+    kind = rng.integers(3)
+    if kind == 0:  # per-pixel colour noise
+        return rng.uniform(0, 1, size=(3, h, w)).astype(np.float32)
+    if kind == 1:  # grey noise in a random tint
+        tint = rng.uniform(0.4, 1.0, size=3).astype(np.float32)
+        return rng.uniform(0, 1, size=(1, h, w)).astype(np.float32) * tint[:, None, None]
+    a, b = rng.uniform(0, 1, size=(2, 3)).astype(np.float32)  # 1-pixel salt and pepper in two colours
+    pick = rng.random((h, w)) < 0.5
+    return np.where(pick[None], a[:, None, None], b[:, None, None]).astype(np.float32)
+
+
+def item_fragment(
+    pool: np.ndarray,
+    h: int,
+    w: int,
+    exclude: set[int],
+    rng: np.random.Generator,
+    *,
+    item_size: int,
+    max_side: int | None = None,
+) -> np.ndarray:
+    """A random crop of an item of ``pool`` not in ``exclude`` (at ``item_size``, rotated/flipped),
+    at most ``max_side`` on a side (default: the whole item may show), placed in an ``(h, w)`` alpha map."""
+    j = int(rng.integers(len(pool)))
+    while j in exclude and len(exclude) < len(pool):
+        j = int(rng.integers(len(pool)))
+    alpha = np.rot90(item_intensity(pool[j], item_size), k=int(rng.integers(4)))
+    if rng.random() < 0.5:
+        alpha = alpha[:, ::-1]
+    side = alpha.shape[0] if max_side is None else min(max_side, alpha.shape[0])
+    fh, fw = min(h, side), min(w, side)
+    cy, cx = rng.integers(0, alpha.shape[0] - fh + 1), rng.integers(0, alpha.shape[1] - fw + 1)
+    out = np.zeros((h, w), dtype=np.float32)
+    py, px = rng.integers(0, h - fh + 1), rng.integers(0, w - fw + 1)
+    out[py : py + fh, px : px + fw] = alpha[cy : cy + fh, cx : cx + fw]
+    return out
+
+
+def paint_clutter(
+    image: np.ndarray,
+    keepout: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    pool: np.ndarray,
+    exclude: set[int],
+    fragment_item_size: int,
+    clutter_fraction: float,
+    fragment_prob: float,
+    fragment_max_side: int | None = None,
+) -> np.ndarray:
+    """Paint label-irrelevant clutter into ``image`` (``(3, S, S)``, in place) outside ``keepout``
+    until it covers ``clutter_fraction`` of the canvas; returns the clutter mask ``(S, S)`` bool.
+
+    Clutter is rectangles of :func:`clutter_texture`, with chance ``fragment_prob`` overlaid
+    by an :func:`item_fragment` of an item of ``pool`` not in ``exclude``.
+    """
+    size = image.shape[-1]
+    clutter = np.zeros((size, size), dtype=bool)
+    target = int(np.ceil(clutter_fraction * size * size))
+    lo, hi = max(size // 8, 4), max(size // 3, 5)
+    covered = 0
+    for _ in range(256):
+        if covered >= target:
+            break
+        h, w = (int(v) for v in rng.integers(lo, hi + 1, size=2))
+        y, x = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
+        region = ~keepout[y : y + h, x : x + w]
+        if not region.any():
+            continue
+        texture = clutter_texture(h, w, rng)
+        if rng.random() < fragment_prob:
+            alpha = item_fragment(pool, h, w, exclude, rng, item_size=fragment_item_size, max_side=fragment_max_side)
+            colour = rng.uniform(0.6, 1.0, size=3).astype(np.float32)
+            texture = texture * (1 - alpha[None]) + alpha[None] * colour[:, None, None]
+        patch = image[:, y : y + h, x : x + w]
+        patch[:, region] = texture[:, region]
+        covered += int((region & ~clutter[y : y + h, x : x + w]).sum())
+        clutter[y : y + h, x : x + w] |= region
+    missing = target - covered
+    if missing > 0:  # rare: rectangles kept landing on the items; finish with scattered noise pixels
+        free = np.flatnonzero(~(clutter | keepout))
+        pick = rng.choice(free, size=min(missing, len(free)), replace=False)
+        ys, xs = np.unravel_index(pick, clutter.shape)
+        image[:, ys, xs] = rng.uniform(0, 1, size=(3, len(pick))).astype(np.float32)
+        clutter[ys, xs] = True
+    return clutter
 
 
 def _canvas_cache(
