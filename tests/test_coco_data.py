@@ -24,6 +24,7 @@ from splitvit.data.common import CorruptDataError
 from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.data.fashion_mnist import CLASSES
 from splitvit.storage import join_uri, write_bytes
+from splitvit.train.coco_eval import load_ground_truth
 
 from .helpers import fake_items, write_idx
 
@@ -164,7 +165,7 @@ def test_coco_folder_read_back_exactly(coco_folder):
         anns = api.loadAnns(api.getAnnIds(imgIds=[image_id]))
         expected = np.stack([api.annToMask(a) for a in anns]) if anns else np.zeros((0, 7, 7))
         assert np.array_equal(target["masks"].numpy(), expected)
-    assert ds.index.coco().getAnnIds() == api.getAnnIds()
+    assert load_ground_truth(ds.index.dataset).getAnnIds() == api.getAnnIds()
     # one second reading in DataLoader workers (the dataset pickles)
     loaded = next(iter(DataLoader(ds, batch_size=3, num_workers=1, collate_fn=list)))
     assert torch.equal(loaded[1][1]["masks"], ds[1][1]["masks"])
@@ -305,7 +306,7 @@ def test_read_from_s3(coco_folder, s3_bucket):
     local = CocoDetection(annotation_file, images)
     for i in range(len(local)):
         assert_same_item(remote[i], local[i])
-    assert remote.index.coco().getImgIds() == [1, 2, 3]
+    assert load_ground_truth(remote.index.dataset).getImgIds() == [1, 2, 3]
     document = coco_document()
     document["images"][0]["file_name"] = "missing.png"
     write_bytes(join_uri(prefix, "bad.json"), json.dumps(document).encode())

@@ -44,8 +44,9 @@ class CocoFormatError(ValueError):
 class CocoIndex:
     """A checked COCO instances file: images by id, their annotations, the label map.
 
-    ``dataset`` is the parsed JSON itself (what ``pycocotools.coco.COCO`` holds), the
-    other fields index into it.
+    ``dataset`` is the parsed JSON itself (what ``pycocotools.coco.COCO`` holds, and what
+    :func:`splitvit.train.coco_eval.load_ground_truth` takes: an ``s3://`` file is read
+    once), the other fields index into it.
     """
 
     annotation_file: str
@@ -59,15 +60,6 @@ class CocoIndex:
     def label_of(self) -> dict[int, int]:
         """COCO category id -> contiguous label ``1..K``."""
         return {cid: k + 1 for k, cid in enumerate(self.category_ids)}
-
-    def coco(self):
-        """The same ground truth as a ``pycocotools.coco.COCO`` (built from memory: works for ``s3://`` files)."""
-        from pycocotools.coco import COCO
-
-        api = COCO()
-        api.dataset = self.dataset
-        api.createIndex()
-        return api
 
 
 def _fail(source: str, what: str) -> CocoFormatError:
