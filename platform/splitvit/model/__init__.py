@@ -1,4 +1,4 @@
-"""The SPLIT model: quadtree geometry, split policies, mixed-scale SplitViT, heads."""
+"""The SPLIT model: quadtree geometry, split policies, mixed-scale SplitViT, heads, the detector."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ from typing import Any
 # by checks that run before torch loads, and the model needs torch.
 _WHERE = {
     "POLICY_NAMES": "names",
+    "DetectorOutput": "detection",
     "EntropyPolicy": "policies",
     "GeometryError": "quadtree",
     "LearnedPolicy": "policies",
     "PolicyContext": "policies",
     "QuadtreeGeometry": "quadtree",
     "RandomPolicy": "policies",
+    "SimpleFeaturePyramid": "detection",
     "SplitOutput": "splitvit",
+    "SplitDetector": "detection",
     "SplitPolicy": "policies",
     "SplitViT": "splitvit",
     "build_policy": "policies",

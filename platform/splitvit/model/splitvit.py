@@ -39,7 +39,7 @@ import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import timm
 import torch
@@ -138,6 +138,22 @@ class SplitOutput:
     def fine_cell_level(self) -> torch.Tensor:
         """Per finest cell, the level of the leaf covering it (draws the quadtree)."""
         return fine_cell_level(self.decisions)
+
+
+class _Encoded(NamedTuple):
+    """One encoder pass, what a head needs of it (:meth:`SplitViT._encode_leaves`)."""
+
+    geometry: QuadtreeGeometry
+    decisions: list[torch.Tensor]
+    probs: list[torch.Tensor] | None
+    leaves: list[torch.Tensor]
+    counts: torch.Tensor
+    valid: torch.Tensor | None
+    layout: tuple
+    features: torch.Tensor
+    padded: int
+    attention: torch.Tensor | None
+    attention_slots: int | None
 
 
 def validate_thresholds(thresholds: Any, levels: int) -> torch.Tensor:
@@ -720,6 +736,51 @@ class SplitViT(nn.Module):
                 this call: a number in ``(0, 1]``, or a scalar or ``(B,)`` tensor;
                 ``None``: the ``budget`` buffer. Other policies ignore it.
         """
+        encoded = self._encode_leaves(images, thresholds, decisions, return_attention, embeddings, budget)
+        with self.stage("head"):
+            if self.task == "dense":
+                fine = self._scatter_to_fine(encoded.features, encoded.layout, encoded.leaves, encoded.geometry)
+                logits = self.dense_head(fine, encoded.geometry.image_size)
+            else:
+                pooled = self._pool(encoded.features, encoded.valid)
+                logits = self.vit.head(self.vit.head_drop(self.vit.fc_norm(pooled)))
+        return self._output(encoded, logits, return_attention)
+
+    def fine_features(
+        self,
+        images: torch.Tensor,
+        *,
+        thresholds: float | list[float] | torch.Tensor | None = None,
+        decisions: list[torch.Tensor] | None = None,
+        budget: float | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, SplitOutput]:
+        """The encoder's leaf features laid on the finest grid, without a head: a
+        backbone's output for a detector (:mod:`~splitvit.model.detection`).
+
+        The same pass as :meth:`forward` up to the head (arguments as there): each leaf's
+        feature fills the finest cells it covers, as the dense head receives them; with
+        the ``full`` policy the map is timm's ``forward_features`` patch tokens on their grid.
+
+        Returns:
+            ``(fine_map (B, D, H / p, W / p), output)``; ``output.logits`` is the same fine map
+            (this pass has no head), its tokens, decisions and split probabilities as
+            :meth:`forward`'s (the budget penalty reads them).
+        """
+        encoded = self._encode_leaves(images, thresholds, decisions, False, None, budget)
+        with self.stage("head"):
+            fine = self._scatter_to_fine(encoded.features, encoded.layout, encoded.leaves, encoded.geometry)
+        return fine, self._output(encoded, fine, False)
+
+    def _encode_leaves(
+        self,
+        images: torch.Tensor,
+        thresholds: float | list[float] | torch.Tensor | None,
+        decisions: list[torch.Tensor] | None,
+        return_attention: bool,
+        embeddings: _LevelEmbeddings | None,
+        budget: float | torch.Tensor | None,
+    ) -> _Encoded:
+        """:meth:`forward` up to its head: embeddings, decisions, leaf gather, encoder."""
         geometry = self.geometry_for(tuple(images.shape[-2:]))
         if thresholds is None:
             tau = self.thresholds
@@ -746,24 +807,27 @@ class SplitViT(nn.Module):
             )
         with self.stage("blocks"):
             features, padded, attention, attention_slots = self._encode(tokens, valid, return_attention, lengths)
-        with self.stage("head"):
-            if self.task == "dense":
-                fine = self._scatter_to_fine(features, layout, leaves, geometry)
-                logits = self.dense_head(fine, geometry.image_size)
-            else:
-                logits = self.vit.head(self.vit.head_drop(self.vit.fc_norm(self._pool(features, valid))))
+        return _Encoded(
+            geometry, decisions, probs, leaves, counts, valid, layout, features, padded, attention, attention_slots
+        )
+
+    def _output(self, encoded: _Encoded, logits: torch.Tensor, return_attention: bool) -> SplitOutput:
+        """The :class:`SplitOutput` of an encoder pass and its head's ``logits``."""
+        geometry = encoded.geometry
         out = SplitOutput(
             logits=logits,
-            tokens=counts,
-            decisions=decisions,
-            split_probs=probs,
+            tokens=encoded.counts,
+            decisions=encoded.decisions,
+            split_probs=encoded.probs,
             full_tokens=geometry.full_tokens,
-            padded_tokens=padded,
+            padded_tokens=encoded.padded,
         )
-        if attention_slots is not None:
-            out.extras["attention_slots"] = attention_slots
+        if encoded.attention_slots is not None:
+            out.extras["attention_slots"] = encoded.attention_slots
         if return_attention:
-            out.extras["fine_attention"] = self._attention_to_fine(attention, layout, leaves, geometry)
+            out.extras["fine_attention"] = self._attention_to_fine(
+                encoded.attention, encoded.layout, encoded.leaves, geometry
+            )
         return out
 
     def _gather_leaves(self, embeds, leaves, per_level, gates, geometry, return_attention: bool = False):
