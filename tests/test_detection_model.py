@@ -163,6 +163,10 @@ def test_detector_refuses_what_it_cannot_run():
         detector(images, targets)
     with pytest.raises(ValueError, match="needs targets"):
         detector(images)
+    images, targets = scene()
+    targets[1]["labels"] = targets[1]["labels"][:0]  # a label dropped: the instances no longer line up
+    with pytest.raises(ValueError, match=r"target 1: boxes, labels, masks \(and iscrowd\) must count the same"):
+        detector(images, targets)
 
 
 # 3. every policy trains and detects -----------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -200,6 +201,23 @@ class SplitDetector(nn.Module):
         box_detections_per_img: int = 100,
     ) -> None:
         super().__init__()
+        # what rebuilds this detector on a rebuilt backbone (save/load)
+        self.options = {
+            "num_classes": num_classes,
+            "pyramid_channels": pyramid_channels,
+            "anchor_sizes": anchor_sizes,
+            "aspect_ratios": tuple(aspect_ratios),
+            "roi_canonical_scale": roi_canonical_scale,
+            "representation_size": representation_size,
+            "mask_head_layers": mask_head_layers,
+            "rpn_pre_nms_top_n": tuple(rpn_pre_nms_top_n),
+            "rpn_post_nms_top_n": tuple(rpn_post_nms_top_n),
+            "rpn_batch_size_per_image": rpn_batch_size_per_image,
+            "box_batch_size_per_image": box_batch_size_per_image,
+            "box_score_thresh": box_score_thresh,
+            "box_nms_thresh": box_nms_thresh,
+            "box_detections_per_img": box_detections_per_img,
+        }
         if backbone.task != "classification":
             raise ValueError(
                 f"the detector's backbone runs no head: its task must be 'classification', not {backbone.task!r}"
@@ -299,6 +317,16 @@ class SplitDetector(nn.Module):
         if self.training and targets is None:
             raise ValueError("a detector in training mode needs targets")
         fine, split = self.backbone.fine_features(images, thresholds=thresholds, decisions=decisions, budget=budget)
+        losses, detections = self.heads(fine, images, targets)
+        return DetectorOutput(losses=losses, detections=detections, split=split)
+
+    def heads(
+        self, fine: torch.Tensor, images: torch.Tensor, targets: list[dict[str, torch.Tensor]] | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """The pyramid, the proposals and the RoI heads on a fine map (the backbone's
+        :meth:`SplitViT.fine_features`): ``(losses, [])`` in training, ``({}, detections)``
+        in evaluation. The relevance teacher differentiates the losses with respect to
+        the fine map itself, so this is a method of its own."""
         features = self.pyramid(fine)
         size = (int(images.shape[-2]), int(images.shape[-1]))
         # the batch as it is: every image its whole canvas, nothing resized
@@ -307,11 +335,56 @@ class SplitDetector(nn.Module):
         proposals, rpn_losses = self.rpn(image_list, features, train_targets)
         detections, roi_losses = self.roi_heads(features, proposals, image_list.image_sizes, train_targets)
         if self.training:
-            return DetectorOutput(losses={**rpn_losses, **roi_losses}, detections=[], split=split)
+            return {**rpn_losses, **roi_losses}, []
         for found in detections:
             # the mask head's 28 x 28 masks pasted into their boxes at image size (no resize to undo)
             found["masks"] = paste_masks_in_image(found["masks"], found["boxes"], size)
-        return DetectorOutput(losses={}, detections=detections, split=split)
+        return {}, detections
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Save weights with what rebuilds the detector (:meth:`load`): the backbone's
+        spec and data config, and the detector's own arguments."""
+        if self.backbone.spec is None:
+            raise ValueError("only a detector on a SplitViT built from a timm model name can be saved with its spec")
+        payload = {
+            "kind": "detector",
+            "spec": self.backbone.spec,
+            "detector": dict(self.options),
+            "state_dict": self.state_dict(),
+            "data_config": self.backbone.data_config,
+        }
+        torch.save({**payload, **(extra or {})}, path)
+
+    @classmethod
+    def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> SplitDetector:
+        """Rebuild from a payload :meth:`save` wrote (``overrides`` change the backbone's
+        spec, e.g. its ``policy``; the saved thresholds and weights load over it, as
+        :meth:`SplitViT.from_checkpoint` does)."""
+        if payload.get("kind") != "detector":
+            raise ValueError("not a detector checkpoint (a SplitViT's? load it with SplitViT.load)")
+        spec = {**payload["spec"], **overrides, "pretrained": False}
+        name = spec.pop("name")
+        spec.pop("num_classes", None)
+        if payload.get("data_config") is not None:
+            spec.setdefault("data_config", payload["data_config"])
+        options = dict(payload["detector"])
+        num_classes, channels = options.pop("num_classes"), options.pop("pyramid_channels")
+        model = cls.from_timm(
+            name, num_classes=num_classes, pyramid_channels=channels, detector_options=options, **spec
+        )
+        state = payload["state_dict"]
+        if overrides.get("policy", payload["spec"].get("policy")) != payload["spec"].get("policy"):
+            # as SplitViT.from_checkpoint: another policy has other (or no) parameters
+            state = {k: v for k, v in state.items() if not k.startswith("backbone.policy.")}
+            model.load_state_dict(state, strict=False)
+        else:
+            model.load_state_dict(state)
+        return model
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> SplitDetector:
+        """Load a detector :meth:`save` wrote (local path)."""
+        return cls.from_checkpoint(torch.load(path, map_location="cpu", weights_only=False), **overrides)
 
 
 def training_targets(targets: list[dict[str, torch.Tensor]], size: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
@@ -331,6 +404,12 @@ def training_targets(targets: list[dict[str, torch.Tensor]], size: tuple[int, in
         if tuple(masks.shape[-2:]) != size or masks.dim() != 3:
             raise ValueError(f"target {i}: masks must be (N, {size[0]}, {size[1]}), got {tuple(masks.shape)}")
         crowd = target.get("iscrowd")
+        counts = {len(boxes), len(labels), len(masks), *([len(crowd)] if crowd is not None else [])}
+        if len(counts) > 1:
+            raise ValueError(
+                f"target {i}: boxes, labels, masks (and iscrowd) must count the same instances, got "
+                f"{len(boxes)}, {len(labels)}, {len(masks)}" + (f", {len(crowd)}" if crowd is not None else "")
+            )
         if crowd is not None:
             keep = crowd == 0
             boxes, labels, masks = boxes[keep], labels[keep], masks[keep]

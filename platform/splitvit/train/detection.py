@@ -1,0 +1,194 @@
+"""The SPLIT objective and evaluation for detection (:class:`~splitvit.model.detection.SplitDetector`).
+
+:func:`detection_training_step` is :func:`~splitvit.train.steps.training_step` for a
+detector: the same warm-up (random splits, full resolution first), the same budget
+penalty on the expected tokens, and the relevance teacher, whose relevance here is the
+detection loss's: gradient x input of the Mask R-CNN losses with respect to the
+backbone's fine map (each finest cell's feature), from a full-resolution pass, summed
+into every quadtree node. A node matters when the boxes and masks depend on it.
+
+:func:`evaluate_detection_totals` runs the detector over batches and keeps what COCO's
+evaluation needs as plain records (:class:`DetectionTotals`): the shards of several
+workers are gathered and :meth:`DetectionTotals.figures` evaluates them once, so the
+figures are those of one process evaluating everything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import SplitLossConfig
+from ..model.detection import SplitDetector
+from ..model.quadtree import nodes_mass
+from .coco_eval import coco_evaluate, detection_records
+from .losses import budget_penalty, relevance_targets, split_fraction_for_ratio, teacher_loss
+from .steps import random_decisions
+
+Targets = list[dict[str, torch.Tensor]]
+
+
+def detection_relevance(detector: SplitDetector, images: torch.Tensor, targets: Targets) -> list[torch.Tensor]:
+    """Every non-finest node's relevance to the detection loss: ``|grad . feature|`` of
+    each finest cell's feature in a full-resolution pass (the detector in training mode,
+    so the losses exist), summed over the node's area (:func:`nodes_mass`)."""
+    backbone = detector.backbone
+    geometry = backbone.geometry_for(tuple(images.shape[-2:]))
+    with torch.enable_grad():
+        fine, _ = backbone.fine_features(images, decisions=backbone.full_decisions(images))
+        fine = fine.detach().requires_grad_(True)
+        losses, _ = detector.heads(fine, images, targets)
+        (grad,) = torch.autograd.grad(sum(losses.values()), fine)
+    per_cell = (grad * fine.detach()).sum(1).abs()  # (B, H_fine, W_fine)
+    return nodes_mass(per_cell, geometry)
+
+
+def detection_training_step(
+    detector: SplitDetector,
+    images: torch.Tensor,
+    targets: Targets,
+    cfg: SplitLossConfig,
+    epoch: int,
+    generator: torch.Generator | None = None,
+    step: int = 0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of one detection batch (call ``backward`` on it) and its statistics.
+
+    The detection losses (torchvision's five, summed: ``task_loss``), plus for a learned
+    policy past warm-up the budget penalty and, on every ``cfg.teacher_every``-th step,
+    the relevance teacher (:func:`detection_relevance`). ``cfg.teacher`` is not
+    consulted: a detector has no class token to attend from, so the detection loss's
+    gradient is its relevance. Self-distillation (``cfg.distill_weight``) is a
+    classifier's and is refused here.
+
+    Raises ``ValueError`` for a distillation weight, ``FloatingPointError`` for a
+    non-finite loss (a divergence, as in :func:`~splitvit.train.steps.training_step`).
+    """
+    if cfg.distill_weight > 0:
+        raise ValueError("train.distill_weight: self-distillation is for classification and dense models")
+    backbone = detector.backbone
+    learned = backbone.policy.learned
+    warmup = learned and epoch < cfg.warmup_epochs
+    stats: dict[str, float] = {}
+    target_ratio = cfg.target_ratio
+    if learned and not warmup and cfg.target_ratio_range is not None:
+        low, high = cfg.target_ratio_range
+        target_ratio = low + (high - low) * float(torch.rand((), generator=generator))
+        stats["target_ratio"] = target_ratio
+    if warmup:
+        # the classifier's curriculum: full resolution first, then random splits down to warmup_min_split
+        progress = epoch / max(cfg.warmup_epochs - 1, 1)
+        min_rate = 1.0 - (1.0 - cfg.warmup_min_split) * progress
+        out = detector(images, targets, decisions=random_decisions(backbone, images, min_rate, generator))
+    else:
+        out = detector(images, targets, budget=target_ratio)
+    main = out.loss
+    loss = main
+    stats["task_loss"] = float(main.detach())
+    stats.update({name: float(value.detach()) for name, value in out.losses.items()})
+    if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
+        relevance = detection_relevance(detector, images, targets)
+        fraction = split_fraction_for_ratio(target_ratio, backbone.geometry_for(tuple(images.shape[-2:])))
+        taught = teacher_loss(out.split.split_probs, relevance_targets(relevance, fraction, cfg.teacher_targets))
+        loss = loss + cfg.teacher_weight * taught
+        stats["teacher_loss"] = float(taught.detach())
+    if learned and not warmup:
+        penalty = budget_penalty(out.split.expected_tokens / out.split.full_tokens, target_ratio, cfg.penalty)
+        loss = loss + cfg.lambda_budget * penalty
+        stats["budget_penalty"] = float(penalty.detach())
+    stats["loss"] = float(loss.detach())
+    stats["token_ratio"] = float(out.split.token_ratio.mean())
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {float(loss)} at epoch {epoch}: {stats}")
+    return loss, stats
+
+
+@dataclass
+class DetectionTotals:
+    """What a detection evaluation keeps, before any figure: sums over images and the
+    detections as COCO records. Shards of disjoint images merge (:meth:`merge`) into
+    the totals of one evaluation of them all; ``elapsed`` is the slowest shard's."""
+
+    images: int = 0
+    tokens: int = 0
+    full_tokens: int = 0
+    elapsed: float = 0.0
+    image_ids: list[int] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def merge(cls, shards: Iterable[DetectionTotals]) -> DetectionTotals:
+        """One evaluation's totals from its shards' (e.g. gathered from Ray Train's workers)."""
+        total = cls()
+        for shard in shards:
+            total.images += shard.images
+            total.tokens += shard.tokens
+            total.full_tokens += shard.full_tokens
+            total.elapsed = max(total.elapsed, shard.elapsed)
+            total.image_ids += shard.image_ids
+            total.records += shard.records
+        if len(set(total.image_ids)) != len(total.image_ids):
+            raise ValueError("the shards overlap: an image was evaluated twice")
+        return total
+
+    def figures(
+        self, ground_truth: Any, *, area_ranges: dict[str, tuple[float, float]] | None = None
+    ) -> dict[str, Any]:
+        """Box and mask AP (COCO's, 0-1: ``box_ap``, ``box_ap50``, ``box_ap75``,
+        ``box_aps``/``m``/``l``, the same ``mask_*``), tokens per image, token ratio and
+        images/s; ``per_class`` holds each class's box and mask AP and ``area_ranges``
+        the size ranges used."""
+        coco = coco_evaluate(ground_truth, self.records, image_ids=self.image_ids, area_ranges=area_ranges)
+        result: dict[str, Any] = {}
+        for prefix, iou_type in (("box", "bbox"), ("mask", "segm")):
+            for key, value in coco[iou_type].items():
+                if key != "per_class":
+                    result[f"{prefix}_{key.lower()}"] = value
+        images = max(self.images, 1)
+        result["tokens_per_image"] = self.tokens / images
+        result["token_ratio"] = self.tokens / max(self.full_tokens, 1)
+        result["images_per_s"] = self.images / self.elapsed if self.elapsed > 0 else 0.0
+        result["per_class"] = {
+            name: {"box_ap": ap, "mask_ap": coco["segm"]["per_class"][name]}
+            for name, ap in coco["bbox"]["per_class"].items()
+        }
+        result["area_ranges"] = coco["area_ranges"]
+        return result
+
+
+@torch.no_grad()
+def evaluate_detection_totals(
+    detector: SplitDetector,
+    batches: Iterable[tuple[torch.Tensor, Targets]],
+    label_to_category: Sequence[int],
+    *,
+    thresholds: float | list[float] | None = None,
+    device: torch.device | str | None = None,
+) -> DetectionTotals:
+    """Detect on every batch (the detector in evaluation mode, restored afterwards) and
+    keep the totals: tokens, time in forward passes, and each detection as a COCO
+    record (``label_to_category[k]``: label ``k``'s COCO category id; image ids from
+    the targets' ``image_id``)."""
+    was_training = detector.training
+    detector.eval()
+    totals = DetectionTotals()
+    try:
+        for images, targets in batches:
+            if device is not None:
+                images = images.to(device)
+            start = time.perf_counter()
+            out = detector(images, thresholds=thresholds)
+            totals.elapsed += time.perf_counter() - start
+            ids = [int(t["image_id"]) for t in targets]
+            totals.records += detection_records(ids, out.detections, label_to_category)
+            totals.image_ids += ids
+            totals.images += images.shape[0]
+            totals.tokens += int(out.split.tokens.sum())
+            totals.full_tokens += out.split.full_tokens * images.shape[0]
+    finally:
+        detector.train(was_training)
+    return totals
