@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from splitvit.config import SplitLossConfig
+from splitvit.config import ConfigError, SplitLossConfig
 from splitvit.data.coco import CocoDetection
 from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.model.detection import SplitDetector
@@ -114,10 +114,15 @@ def test_the_teacher_relevance_is_the_detection_losss_gradient_on_each_node(coco
     assert all(float(b.sum()) < float(r.sum()) for b, r in zip(background, relevance))
 
 
-def test_self_distillation_is_refused_for_a_detector(coco_set):
+def test_self_distillation_and_labels_the_detector_cannot_predict_are_refused(coco_set):
     images, targets = collate([coco_set[0]])
     with pytest.raises(ValueError, match="train.distill_weight"):
         detection_training_step(detector(), images, targets, SplitLossConfig(distill_weight=1.0), epoch=3)
+    targets[0]["labels"] = targets[0]["labels"].clone()
+    targets[0]["labels"][0] = 11  # 10 object classes: labels 1..10
+    with pytest.raises(ConfigError, match=r"object label 11, outside 1..10 for model.num_classes = 10") as info:
+        detection_training_step(detector(), images, targets, SplitLossConfig(), epoch=0)
+    assert info.value.key == "model.num_classes"
 
 
 def test_a_trained_detector_finds_the_items_and_shards_evaluate_as_one(coco_set, tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -221,15 +222,13 @@ class CocoFiles(NamedTuple):
     image_root: str
 
 
-def write_coco(dataset: Dataset, folder: str | os.PathLike, split: str) -> CocoFiles:
-    """Write every item of ``dataset`` (in :class:`~.coco.CocoDetection`'s format, with
-    ``categories`` and ``category_ids`` attributes) as COCO instances data, local or ``s3://``:
-    ``folder/split/<image_id>.png`` and ``folder/instances_<split>.json`` (bbox x, y, w, h;
-    area = mask pixels; segmentation = compressed RLE; categories with their ids and names),
-    readable by :class:`~.coco.CocoDetection` and ``pycocotools.coco.COCO``.
-    """
-    folder = str(folder)
-    image_root = join_uri(folder, split)
+def coco_document(dataset: Dataset, on_image: Callable[[int, torch.Tensor], str] | None = None) -> dict[str, Any]:
+    """The COCO instances document of every item of ``dataset`` (in
+    :class:`~.coco.CocoDetection`'s format, with ``categories`` and ``category_ids``
+    attributes): images, annotations (bbox x, y, w, h; area = mask pixels;
+    segmentation = compressed RLE) and categories. What COCO's evaluation compares
+    detections with; ``on_image(image_id, image)`` is called with every item's image and
+    returns its ``file_name`` (default ``<image_id>.png``, nothing written)."""
     label_ids = dict(enumerate(dataset.category_ids, start=1))
     images: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
@@ -237,11 +236,7 @@ def write_coco(dataset: Dataset, folder: str | os.PathLike, split: str) -> CocoF
         image, target = dataset[i]
         image_id = int(target["image_id"])
         height, width = image.shape[-2:]
-        name = f"{image_id:06d}.png"
-        pixels = np.round(image.permute(1, 2, 0).numpy() * 255.0).astype(np.uint8)
-        buf = io.BytesIO()
-        Image.fromarray(pixels).save(buf, format="PNG")
-        write_bytes(join_uri(image_root, name), buf.getvalue())
+        name = on_image(image_id, image) if on_image is not None else f"{image_id:06d}.png"
         images.append({"id": image_id, "file_name": name, "width": int(width), "height": int(height)})
         for box, label, mask, crowd in zip(
             target["boxes"].tolist(), target["labels"].tolist(), target["masks"].numpy(), target["iscrowd"].tolist()
@@ -260,7 +255,26 @@ def write_coco(dataset: Dataset, folder: str | os.PathLike, split: str) -> CocoF
                 }
             )
     categories = [{"id": cid, "name": name} for cid, name in zip(dataset.category_ids, dataset.categories, strict=True)]
+    return {"images": images, "annotations": annotations, "categories": categories}
+
+
+def write_coco(dataset: Dataset, folder: str | os.PathLike, split: str) -> CocoFiles:
+    """Write every item of ``dataset`` as COCO instances data (:func:`coco_document`),
+    local or ``s3://``: ``folder/split/<image_id>.png`` and ``folder/instances_<split>.json``,
+    readable by :class:`~.coco.CocoDetection` and ``pycocotools.coco.COCO``.
+    """
+    folder = str(folder)
+    image_root = join_uri(folder, split)
+
+    def write_png(image_id: int, image: torch.Tensor) -> str:
+        name = f"{image_id:06d}.png"
+        pixels = np.round(image.permute(1, 2, 0).numpy() * 255.0).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        write_bytes(join_uri(image_root, name), buf.getvalue())
+        return name
+
+    document = coco_document(dataset, write_png)
     annotation_file = join_uri(folder, f"instances_{split}.json")
-    document = {"images": images, "annotations": annotations, "categories": categories}
     write_bytes(annotation_file, json.dumps(document).encode())
     return CocoFiles(annotation_file, image_root)

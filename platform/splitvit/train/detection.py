@@ -22,14 +22,48 @@ from typing import Any
 
 import torch
 
-from ..config import SplitLossConfig
+from ..config import ConfigError, SplitLossConfig
 from ..model.detection import SplitDetector
 from ..model.quadtree import nodes_mass
-from .coco_eval import coco_evaluate, detection_records
+from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
 from .losses import budget_penalty, relevance_targets, split_fraction_for_ratio, teacher_loss
 from .steps import random_decisions
 
 Targets = list[dict[str, torch.Tensor]]
+
+
+def detection_ground_truth(dataset: Any) -> Any:
+    """COCO's ground truth of a detection dataset (a ``pycocotools`` ``COCO``): a COCO
+    file's own annotations (:class:`~splitvit.data.coco.CocoDetection`), else the
+    document of its items (:func:`~splitvit.data.fashion_det.coco_document`: one pass
+    over the set)."""
+    from ..data.fashion_det import coco_document
+    from .coco_eval import load_ground_truth
+
+    index = getattr(dataset, "index", None)
+    return load_ground_truth(index.dataset if index is not None else coco_document(dataset))
+
+
+def detection_area_ranges(image_size: int) -> dict[str, tuple[float, float]] | None:
+    """The object-size ranges AP is reported by: COCO's own on canvases of a COCO
+    image's size or more (comparable with the literature), scaled to the canvas
+    below it (:func:`~.coco_eval.area_ranges_for`: on a 128-px canvas every object
+    would be "large" by COCO's)."""
+    return None if image_size >= COCO_REFERENCE_SIDE else area_ranges_for(image_size)
+
+
+def check_detection_labels(targets: Targets, num_classes: int) -> None:
+    """A ``ConfigError`` on ``model.num_classes`` for a label outside ``1..num_classes``
+    (the detector's object classes; 0 is the background, never a target)."""
+    labels = torch.cat([t["labels"].reshape(-1) for t in targets]) if targets else torch.zeros(0)
+    bad = sorted({int(v) for v in labels[(labels < 1) | (labels > num_classes)].tolist()})
+    if bad:
+        raise ConfigError(
+            "model.num_classes",
+            f"the training data hold object label{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:8]))}, "
+            f"outside 1..{num_classes} for model.num_classes = {num_classes} (object classes, background "
+            "not counted): set it to the dataset's number of categories",
+        )
 
 
 def detection_relevance(detector: SplitDetector, images: torch.Tensor, targets: Targets) -> list[torch.Tensor]:
@@ -65,11 +99,13 @@ def detection_training_step(
     gradient is its relevance. Self-distillation (``cfg.distill_weight``) is a
     classifier's and is refused here.
 
-    Raises ``ValueError`` for a distillation weight, ``FloatingPointError`` for a
+    Raises ``ValueError`` for a distillation weight, ``ConfigError`` (key
+    ``model.num_classes``) for a label the detector cannot predict, ``FloatingPointError`` for a
     non-finite loss (a divergence, as in :func:`~splitvit.train.steps.training_step`).
     """
     if cfg.distill_weight > 0:
         raise ValueError("train.distill_weight: self-distillation is for classification and dense models")
+    check_detection_labels(targets, detector.num_classes)
     backbone = detector.backbone
     learned = backbone.policy.learned
     warmup = learned and epoch < cfg.warmup_epochs
