@@ -110,7 +110,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("model.policy_level_context=maybe", "model.policy_level_context", "expected bool"),
         ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none, got 'imagenet'"),
         ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
-        ("model.task=detection", "model.task", "must be one of classification, dense"),
+        ("model.task=segmentation", "model.task", "must be one of classification, dense, detection"),
         ("model.policy_depth=3", "model.policy_depth", "must be in [0, 2]"),
         ("train.teacher_every=0", "train.teacher_every", "must be >= 1, got 0"),
         ("model.policy_width=129", "model.policy_width", "positive multiple of its 2 attention head(s)"),

@@ -72,10 +72,15 @@ TEACHERS = ("gradient", "attention")
 TEACHER_TARGETS = ("per_level", "nested", "mixed")
 
 
+#: What each task is judged by; a task not named here (``classification``) by ``accuracy``.
+#: ``box_ap``: COCO's box AP (``COCOeval``'s, on a 0-1 scale; :mod:`splitvit.train.coco_eval`).
+TASK_METRICS = {"dense": "miou", "detection": "box_ap"}
+
+
 def quality_metric(task: str) -> str:
-    """The quality a task is judged by: ``miou`` for ``dense``, ``accuracy`` otherwise.
-    The one place the metric's name is derived."""
-    return "miou" if task == "dense" else "accuracy"
+    """The quality a task is judged by: ``miou`` for ``dense``, ``box_ap`` for
+    ``detection``, ``accuracy`` otherwise. The one place the metric's name is derived."""
+    return TASK_METRICS.get(task, "accuracy")
 
 
 @dataclass
@@ -96,8 +101,15 @@ class ModelConfig:
         thresholds: per-level split thresholds in ``[0, 1]`` (one number: every level),
             or ``auto``: after every epoch the thresholds are calibrated on validation
             images so the model meets ``train.target_ratio`` (the checkpoint keeps them).
-        task: ``classification`` or ``dense``.
-        num_classes: classifier (or per-pixel) classes.
+        task: ``classification``, ``dense`` or ``detection`` (a
+            :class:`~splitvit.model.detection.SplitDetector`: Mask R-CNN on the SplitViT,
+            trained on a detection dataset, ``fashion-det`` or ``coco``).
+        num_classes: classifier (or per-pixel) classes; for ``detection`` the object
+            classes ``K``, the background not counted (labels are ``1..K``).
+        detector: ``detection`` only: :class:`~splitvit.model.detection.SplitDetector`
+            options by name (``pyramid_channels``, default 256; ``representation_size``,
+            ``anchor_sizes``, ``rpn_post_nms_top_n``...), each checked against its type;
+            unset ones keep SplitDetector's defaults.
         image_size: input side in pixels; a multiple of the coarsest patch.
         pretrained: load timm's pretrained weights (needs the hub).
         checkpoint_path: local pretrained weights for ``name`` (no hub needed).
@@ -135,6 +147,7 @@ class ModelConfig:
     thresholds: float | list[float] | str = "auto"
     task: str = "classification"
     num_classes: int = 10
+    detector: dict[str, Any] = field(default_factory=dict)
     image_size: int = 64
     pretrained: bool = False
     checkpoint_path: str | None = None
@@ -563,7 +576,7 @@ _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 def coerce(value: Any, hint: Any, key: str) -> Any:
     """``value`` checked against the type ``hint`` and returned as that type (ints
-    accepted for floats, lists for ``tuple[X, ...]``); :class:`ConfigError` on ``key``."""
+    accepted for floats, lists for ``tuple[X, ...]`` and ``tuple[X, Y]``); :class:`ConfigError` on ``key``."""
     if hint is Any:
         return value
     origin = typing.get_origin(hint)
@@ -592,10 +605,13 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
+    elif origin is tuple and typing.get_args(hint)[1:] != (Ellipsis,):
+        # a fixed-length tuple (model.detector's (training, testing) pairs): one type per entry
+        args = typing.get_args(hint)
+        if isinstance(value, (list, tuple)) and len(value) == len(args):
+            return tuple(coerce(v, arg, f"{key}[{i}]") for i, (v, arg) in enumerate(zip(value, args, strict=True)))
     elif origin in (list, tuple):
         args = typing.get_args(hint)
-        if origin is tuple and args[1:] != (Ellipsis,):  # pragma: no cover - a hint no config uses
-            raise TypeError(f"unsupported config type {hint!r} for {key}: only tuple[X, ...]")
         if isinstance(value, (list, tuple)):
             items = [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
             return items if origin is list else tuple(items)
@@ -746,6 +762,11 @@ def validate(config: ExperimentConfig) -> None:
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
+    require(
+        not m.detector or m.task == "detection",
+        "model.detector",
+        f"sets a detector's options, but model.task is {m.task!r}: set model.task=detection, or remove it",
+    )
     if m.checkpoint_path is not None:
         require(
             Path(m.checkpoint_path).expanduser().is_file(),

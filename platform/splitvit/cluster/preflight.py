@@ -26,7 +26,8 @@ traceback:
   :func:`splitvit.storage.check_bucket`, plus a write);
 * **data** -- the dataset opens in the driver, has items, and its labels fit
   ``model.num_classes`` (read from the dataset's class list, label list or
-  manifest, else from a bounded sample; nothing is rendered or decoded in bulk).
+  manifest, else from a bounded sample; nothing is rendered or decoded in bulk);
+  a detection set's splits name the same categories, ``model.num_classes`` of them.
 
 Every other failure raises :class:`PreflightError` (a ``ValueError``), which the
 command line prints as ``splitvit <command>: error: <key>: <reason>``, exit 2.
@@ -48,6 +49,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..config import ExperimentConfig, redact_uri
+from ..model.names import DETECTION_TASK
 from ..train.experiment import validate_experiment
 
 log = logging.getLogger(__name__)
@@ -468,24 +470,25 @@ def check_storage(
 
 
 # ---------------------------------------------------------------------- data
-def _data_key(options: Mapping[str, Any]) -> str:
-    for name in ("uri", "root"):
+def _data_key(options: Mapping[str, Any], split: str) -> str:
+    for name in ("uri", "root", f"{split}_annotations"):
         if options.get(name):
             return f"data.options.{name}"
     return "data.name"
 
 
 def dataset_source(name: str, options: Mapping[str, Any]) -> str | None:
-    """Where dataset ``name``'s files come from (the folder or URI), for the log;
-    None for a dataset made without files."""
-    if name.startswith("cluttered-fashion-mnist"):
+    """Where dataset ``name``'s files come from (the folder or URI; a COCO set's
+    annotation files), for the log; None for a dataset made without files."""
+    if name.startswith("cluttered-fashion-mnist") or name == "fashion-det":
         from ..data import find_fashion_mnist
 
         return str(find_fashion_mnist(options.get("root"), download=False))  # the dataset was built: no download
     for key in ("uri", "root"):
         if options.get(key):
             return str(options[key])
-    return None
+    files = [str(value) for key, value in options.items() if key.endswith("_annotations") and value]
+    return ", ".join(files) or None
 
 
 def dataset_labels(dataset) -> tuple[int | None, str]:
@@ -548,13 +551,14 @@ def check_data(config: ExperimentConfig, splits: Sequence[str] | None = None) ->
     # nothing in bulk: no canvas cache to render, no up-front decode of every file
     options.pop("cache_dir", None)
     options.pop("verify", None)
-    key = _data_key(options)
     uri = options.get("uri") or options.get("root")
     if d.name == "parquet" and uri and is_s3(str(uri)):
-        check_storage(str(uri), key, write=False)
+        check_storage(str(uri), _data_key(options, "train"), write=False)
     splits = list(splits or dict.fromkeys(["train", d.val_split]))
     sizes, need, how = {}, None, ""
+    categories: dict[str, tuple[str, ...]] = {}  # a detection set's, by split
     for split in splits:
+        key = _data_key(options, split)
         try:
             dataset = build_dataset(d.name, split, image_size=m.image_size, seed=d.seed, **options)
         except OSError as exc:  # missing or empty folders, storage
@@ -564,14 +568,18 @@ def check_data(config: ExperimentConfig, splits: Sequence[str] | None = None) ->
         sizes[split] = len(dataset)
         if sizes[split] < 1:
             raise PreflightError(key, f"the {d.name} {split} split has no items")
-        if need is None:
+        if m.task == DETECTION_TASK:
+            categories[split] = tuple(dataset.categories)
+        elif need is None:
             need, how = dataset_labels(dataset)
     try:
         source = dataset_source(d.name, options)
     except (ValueError, OSError):
         source = str(uri) if uri else None
     named = f"the {d.name} data" + (f" in {source}" if source else "")
-    if need is not None and need > m.num_classes:
+    if categories:
+        need = _object_classes(categories, named, m.num_classes)
+    elif need is not None and need > m.num_classes:
         raise PreflightError(
             "model.num_classes",
             f"is {m.num_classes}, but {named} have labels up to {need - 1} (from {how}): set model.num_classes={need}",
@@ -581,8 +589,31 @@ def check_data(config: ExperimentConfig, splits: Sequence[str] | None = None) ->
         f"data: {d.name} "
         + (f"from {source}" if source else "(generated)")
         + f": {counts} items"
-        + (f", {need} classes" if need else "")
+        + (f", {need} {'object ' if categories else ''}classes" if need else "")
     ), source or ""
+
+
+def _object_classes(categories: Mapping[str, tuple[str, ...]], named: str, num_classes: int) -> int:
+    """The object classes ``K`` of a detection set whose splits name ``categories``:
+    :class:`PreflightError` unless every split names the same (labels ``1..K`` mean
+    one class throughout) and ``num_classes`` is ``K`` (the background not counted)."""
+    (first, classes), *others = categories.items()
+    for split, other in others:
+        if other != classes:
+            differ = sorted(set(classes) ^ set(other))
+            how = f"{', '.join(differ[:5])} in one only" if differ else "the same names in another order"
+            raise PreflightError(
+                "data",
+                f"{named}: the {first} and {split} splits name different categories ({len(classes)} and "
+                f"{len(other)}: {how}), so their labels would mean different classes",
+            )
+    if num_classes != len(classes):
+        raise PreflightError(
+            "model.num_classes",
+            f"is {num_classes}, but {named} have {len(classes)} object classes (labels 1..{len(classes)}; "
+            f"the background is not counted): set model.num_classes={len(classes)}",
+        )
+    return len(classes)
 
 
 def _one_line(text: str) -> str:

@@ -17,12 +17,17 @@ Built in (``DATASET_NAMES``):
 - ``ade20k``: the ADEChallengeData2016 layout (option ``root``).
 - ``parquet``: shards written by ``write_shards`` / ``splitvit data prepare``, in a
   folder or ``s3://`` prefix (option ``uri`` or ``root``).
+- ``fashion-det``: detection canvases of 2-6 Fashion-MNIST items, with or without
+  clutter (``FashionDetection``; options: its keyword arguments, ``root``,
+  ``download``, ``val_size``).
+- ``coco``: COCO instances files and their images, local or ``s3://``
+  (``CocoDetection``; options ``<split>_annotations``, ``<split>_images``); images
+  must be ``image_size`` square.
 
-Detection data (not in the registry yet), items ``(image, target dict)`` with boxes,
-labels 1..K, masks, iscrowd, area, image_id: ``CocoDetection`` reads COCO instances
-files (local or ``s3://``, checked up front by ``load_coco_index``); ``FashionDetection``
-draws 2-6 Fashion-MNIST items per canvas, with or without clutter; ``write_coco``
-writes such a set in COCO's format.
+Detection items are ``(image, target dict)`` with boxes, labels 1..K, masks,
+iscrowd, area, image_id; ``detection_collate`` batches them (images stacked, targets
+a list). ``CocoDetection`` checks its file up front (``load_coco_index``);
+``write_coco`` writes any detection set in COCO's format.
 
 File-backed datasets take ``strict`` (raise on a corrupt file instead of skipping
 and counting it) and ``verify`` (decode everything up front, dropping corrupt items).
@@ -55,6 +60,7 @@ _WHERE = {
     "SyntheticObjects": "synthetic",
     "build_dataset": "registry",
     "fashion_mnist_split": "cluttered",
+    "detection_collate": "common",
     "find_fashion_mnist": "fashion_mnist",
     "first_images": "common",
     "load_coco_index": "coco",

@@ -214,6 +214,21 @@ def load_coco_index(annotation_file: str | os.PathLike, image_root: str | os.Pat
     )
 
 
+def require_image_size(index: CocoIndex, image_size: int) -> None:
+    """Raise ``ValueError`` unless every image of ``index`` is ``image_size`` square (by
+    the annotation file's width and height), naming the file, the first image of another
+    size, both sizes and how many differ."""
+    canvas = (image_size, image_size)
+    other = [entry for _, entry in sorted(index.images.items()) if (entry["width"], entry["height"]) != canvas]
+    if other:
+        first = other[0]
+        raise ValueError(
+            f"{index.annotation_file}: image id {first['id']} ({first['file_name']}) is "
+            f"{first['width']}x{first['height']}, the canvas is {image_size}x{image_size} (model.image_size); "
+            f"{len(other)} of {len(index.images)} images differ: resize them and their annotations to the canvas"
+        )
+
+
 def annotation_mask(segmentation: Any, height: int, width: int) -> np.ndarray:
     """A segmentation (polygons, uncompressed or compressed RLE) as a uint8 ``(height, width)`` 0/1 mask."""
     if isinstance(segmentation, list):  # polygons: one RLE each, merged
@@ -252,6 +267,11 @@ class CocoDetection(SkippingDataset):
     corrupt data: skipped and counted (``skipped``, ``skipped_files``), or raised as
     ``CorruptDataError`` with ``strict=True``, as for every file-backed dataset.
 
+    With ``image_size``, every image must be ``image_size`` square (a model's canvas):
+    nothing is resized, so boxes and masks stay exactly the file's. The annotation
+    file's sizes are checked up front: a ``ValueError`` names the file, the first image
+    of another size, both sizes, and how many differ.
+
     Attributes:
         annotation_file: the annotation file, for ``COCO(annotation_file)`` / ``COCOeval``.
         categories: category names in label order (label k is ``categories[k - 1]``).
@@ -262,11 +282,18 @@ class CocoDetection(SkippingDataset):
     """
 
     def __init__(
-        self, annotation_file: str | os.PathLike, image_root: str | os.PathLike, *, strict: bool = False
+        self,
+        annotation_file: str | os.PathLike,
+        image_root: str | os.PathLike,
+        *,
+        image_size: int | None = None,
+        strict: bool = False,
     ) -> None:
         super().__init__(strict=strict)
         self.image_root = str(image_root)
         self.index = load_coco_index(annotation_file, self.image_root)
+        if image_size is not None:
+            require_image_size(self.index, image_size)
         self.annotation_file = self.index.annotation_file
         self.categories = self.index.categories
         self.category_ids = self.index.category_ids

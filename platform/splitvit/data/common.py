@@ -133,6 +133,22 @@ def first_images(dataset: Dataset, count: int) -> torch.Tensor:
     return torch.stack([dataset[i][0] for i in range(count)])
 
 
+def detection_collate(
+    batch: list[tuple[torch.Tensor, dict[str, torch.Tensor]]],
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """A detection batch for a ``DataLoader`` (``collate_fn``): the images stacked
+    ``(B, 3, H, W)`` (one canvas size), the targets a list of their dicts as they are
+    (each image has its own number of objects).
+
+    Raises ``ValueError`` naming the sizes when the images differ in size.
+    """
+    images = [image for image, _ in batch]
+    sizes = sorted({tuple(image.shape) for image in images})
+    if len(sizes) > 1:
+        raise ValueError(f"a detection batch needs images of one size, got {', '.join(map(str, sizes))}")
+    return torch.stack(images), [target for _, target in batch]
+
+
 class SkippingDataset(Dataset):
     """Base of the file-backed datasets: corrupt items are skipped and counted.
 

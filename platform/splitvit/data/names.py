@@ -8,4 +8,9 @@ DATASET_NAMES = (
     "imagefolder",
     "ade20k",
     "parquet",
+    "fashion-det",
+    "coco",
 )
+#: The datasets whose targets are objects (boxes, labels 1..K, masks): what
+#: ``model.task: detection`` needs, and what no other task reads.
+DETECTION_DATASETS = ("fashion-det", "coco")

@@ -14,7 +14,10 @@ config built any other way (the preflight and ``run_training`` call it).
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +30,14 @@ from ..config import (
     ConfigError,
     ExperimentConfig,
     ModelConfig,
+    coerce,
     field_error,
     load_config,
     require,
     validate,
 )
-from ..model import QuadtreeGeometry, SplitViT, validate_thresholds
+from ..model import QuadtreeGeometry, SplitDetector, SplitViT, validate_thresholds
+from ..model.names import DETECTION_TASK
 from .names import check_names
 
 
@@ -101,6 +106,14 @@ def _validate_model(m: ModelConfig) -> None:
             QuadtreeGeometry(m.image_size, patch, m.levels)
         except ValueError as exc:
             raise ConfigError("model.image_size", str(exc)) from None
+    if m.task == DETECTION_TASK:
+        detector_options(m)  # unknown options and wrong types, each named
+        # the pyramid's strides p/4 .. 2p are whole pixels, and torchvision's RoI pooler infers powers of two
+        require(
+            patch is not None and patch >= 4 and patch & (patch - 1) == 0,
+            "model.timm_kwargs.patch_size",
+            f"a detector needs a finest patch that is a power of two >= 4, got {patch}",
+        )
     depth = len(getattr(vit, "blocks", []))
     if m.policy_width is None:
         require(
@@ -122,28 +135,57 @@ def _validate_model(m: ModelConfig) -> None:
         f"needs model.levels >= 3 (with {m.levels} levels only the coarsest is scored)",
     )
     try:
-        # whatever else SplitViT checks; weights are loaded on the workers, not here
+        # whatever else SplitViT (and SplitDetector) check; weights are loaded on the workers, not here
         with torch.device("meta"):
             build_model(dataclasses.replace(m, checkpoint_path=None), pretrained=False)
     except (TypeError, ValueError) as exc:
+        if m.task == DETECTION_TASK:  # "anchor_sizes: one per pyramid level..." names its option
+            raise field_error(exc, _detector_option_names(), "model.detector.", "model") from None
         raise ConfigError("model", str(exc)) from None
 
 
-def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT:
-    """Build the :class:`~splitvit.model.SplitViT` the ``model`` section describes.
+def _detector_option_names() -> list[str]:
+    """:class:`~splitvit.model.SplitDetector`'s options: its keyword arguments but the
+    backbone and ``num_classes`` (``model.num_classes``)."""
+    names = list(inspect.signature(SplitDetector.__init__).parameters)
+    return [n for n in names if n not in ("self", "backbone", "num_classes")]
+
+
+def detector_options(model: ModelConfig) -> dict[str, Any]:
+    """``model.detector`` as :class:`~splitvit.model.SplitDetector` keyword arguments,
+    each value checked against (and converted to) its type: YAML lists become the
+    tuples SplitDetector takes.
+
+    Raises :class:`~splitvit.config.ConfigError` naming ``model.detector.<key>`` for a
+    key that is not an option (with the closest name) or a value of the wrong type.
+    """
+    names = _detector_option_names()
+    hints = typing.get_type_hints(SplitDetector.__init__)
+    options = {}
+    for key, value in model.detector.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean model.detector.{close[0]}?" if close else f"expected one of {', '.join(names)}"
+            raise ConfigError(f"model.detector.{key}", f"not a SplitDetector option; {hint}")
+        options[key] = coerce(value, hints[key], f"model.detector.{key}")
+    return options
+
+
+def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT | SplitDetector:
+    """Build the model the ``model`` section describes: a :class:`~splitvit.model.SplitViT`,
+    or for ``task: detection`` a :class:`~splitvit.model.SplitDetector` on one
+    (``model.num_classes`` object classes, the ``model.detector`` options).
 
     ``pretrained`` overrides ``model.pretrained`` (the validation builds on the meta
     device without weights). ``auto`` thresholds start at
     :data:`~splitvit.config.AUTO_THRESHOLD_START` until calibrated.
     """
-    return SplitViT.from_timm(
-        model.name,
+    backbone: dict[str, Any] = dict(
         levels=model.levels,
         policy=model.policy,
         pretrained=model.pretrained if pretrained is None else pretrained,
         checkpoint_path=model.checkpoint_path,
         image_size=model.image_size,
-        num_classes=model.num_classes,
         timm_kwargs=dict(model.timm_kwargs),
         normalize=model.normalize,
         thresholds=AUTO_THRESHOLD_START if model.thresholds == AUTO_THRESHOLDS else model.thresholds,
@@ -155,3 +197,12 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT:
         task=model.task,
         length_buckets=model.length_buckets,
     )
+    if model.task == DETECTION_TASK:
+        # the backbone runs no head: a classification SplitViT (whose head the detector drops), given no num_classes
+        backbone["task"] = "classification"
+        options = detector_options(model)
+        pyramid = {"pyramid_channels": options.pop("pyramid_channels")} if "pyramid_channels" in options else {}
+        return SplitDetector.from_timm(
+            model.name, num_classes=model.num_classes, **pyramid, detector_options=options, **backbone
+        )
+    return SplitViT.from_timm(model.name, num_classes=model.num_classes, **backbone)

@@ -1,17 +1,20 @@
 """The checks of a config's names (dataset, policy, task, input normalisation) against
-what the data and the model define, without torch: the command line runs them before
-torch, Ray and MLflow load (a misspelt name is one line in a second), and
+what the data and the model define, and of the task against the dataset's targets,
+without torch: the command line runs them before torch, Ray and MLflow load (a
+misspelt name is one line in a second), and
 :func:`~splitvit.train.experiment.validate_experiment` runs them with the rest."""
 
 from __future__ import annotations
 
-from ..config import ExperimentConfig, require
-from ..data.names import DATASET_NAMES
-from ..model.names import INPUT_NORMALIZATIONS, POLICY_NAMES, TASKS
+from ..config import ConfigError, ExperimentConfig, require
+from ..data.names import DATASET_NAMES, DETECTION_DATASETS
+from ..model.names import DETECTION_TASK, INPUT_NORMALIZATIONS, MODEL_TASKS, POLICY_NAMES
 
 
 def check_names(config: ExperimentConfig) -> None:
-    """Raise :class:`~splitvit.config.ConfigError` naming the key whose name is unknown."""
+    """Raise :class:`~splitvit.config.ConfigError` naming the key whose name is unknown,
+    or ``data.name`` where the dataset's targets are not the task's (detection data
+    serves ``model.task: detection`` only, and that task no other data)."""
     d, m = config.data, config.model
     require(
         d.name in DATASET_NAMES, "data.name", f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}"
@@ -21,9 +24,32 @@ def check_names(config: ExperimentConfig) -> None:
         "model.policy",
         f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}",
     )
-    require(m.task in TASKS, "model.task", f"must be one of {', '.join(TASKS)}, got {m.task!r}")
+    require(m.task in MODEL_TASKS, "model.task", f"must be one of {', '.join(MODEL_TASKS)}, got {m.task!r}")
+    check_task_data(d.name, m.task)
     require(
         m.normalize in INPUT_NORMALIZATIONS,
         "model.normalize",
         f"must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {m.normalize!r}",
+    )
+
+
+def check_task_data(dataset: str, task: str) -> None:
+    """Raise :class:`~splitvit.config.ConfigError` on ``data.name`` unless ``dataset``
+    has the targets ``task`` learns: objects for ``detection``, classes otherwise."""
+    detection_data = dataset in DETECTION_DATASETS
+    if task == DETECTION_TASK and not detection_data:
+        found = (
+            "parquet shards hold classification or dense items only (no boxes yet)"
+            if dataset == "parquet"
+            else f"{dataset!r} has no object boxes"
+        )
+        raise ConfigError(
+            "data.name",
+            f"model.task=detection needs a detection dataset ({', '.join(DETECTION_DATASETS)}): {found}",
+        )
+    require(
+        task == DETECTION_TASK or not detection_data,
+        "data.name",
+        f"{dataset!r} is a detection dataset (boxes and masks of objects): it needs model.task=detection, "
+        f"got model.task={task!r}",
     )
