@@ -5,6 +5,8 @@ a detector checkpoint that loads back to the same detections."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -12,6 +14,7 @@ from torch.utils.data import DataLoader, Subset
 from splitvit.config import ConfigError, SplitLossConfig
 from splitvit.data.coco import CocoDetection
 from splitvit.data.fashion_det import FashionDetection, write_coco
+from splitvit.data.fashion_mnist import CLASSES
 from splitvit.model.detection import SplitDetector
 from splitvit.train.coco_eval import load_ground_truth
 from splitvit.train.detection import (
@@ -174,3 +177,134 @@ def test_a_trained_detector_finds_the_items_and_shards_evaluate_as_one(coco_set,
     again = evaluate_detection_totals(loaded, ordered, label_to_category)
     assert again.records == totals.records
     assert loaded.options == model.options
+
+
+def _combine_shard(rank: int, world: int, folder: str) -> None:
+    """One process of the test below: join a gloo group and combine this rank's shard."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from splitvit.train.ray_trainer import _combine_detection
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        work = json.loads(Path(folder, "work.json").read_text())
+        shard = DetectionTotals(**work["shards"][rank])
+        ground_truth = load_ground_truth(work["ground_truth"]) if rank == 0 else None
+        figures = _combine_detection(shard, ground_truth, None, rank, world)
+        Path(folder, f"figures{rank}.json").write_text(json.dumps(figures))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_workers_detections_are_evaluated_once_to_the_figures_of_one(coco_set, tmp_path):
+    """A real two-process gloo group: each rank detects on its shard, rank 0 evaluates
+    the gathered detections once, and both ranks get the figures one process computes
+    from all of them (COCO's AP is no mean of the shards' APs)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    model = detector("entropy")
+    label_to_category = [0, *coco_set.category_ids]
+    # the untrained detector's boxes, rescored so that AP lies strictly between 0 and 1
+    shards = []
+    for part in (range(0, 3), range(3, 8)):
+        totals = evaluate_detection_totals(
+            model, DataLoader(Subset(coco_set, part), batch_size=4, collate_fn=collate), label_to_category
+        )
+        shards.append(totals)
+    ground_truth = coco_set.index.dataset
+    # add each image's true boxes as detections, one of them under every false one
+    for shard in shards:
+        for image_id in shard.image_ids:
+            for k, ann in enumerate(a for a in ground_truth["annotations"] if a["image_id"] == image_id):
+                score = 0.01 if k == 0 else 0.99
+                shard.records.append(
+                    {
+                        **{key: ann[key] for key in ("image_id", "category_id", "bbox")},
+                        "score": score,
+                        "segmentation": ann["segmentation"],
+                    }
+                )
+    one = DetectionTotals.merge(shards).figures(load_ground_truth(ground_truth))
+    assert 0.0 < one["box_ap"] < 1.0 and 0.0 < one["mask_ap"] < 1.0
+    (tmp_path / "work.json").write_text(json.dumps({"shards": [vars(s) for s in shards], "ground_truth": ground_truth}))
+    mp.spawn(_combine_shard, args=(2, str(tmp_path)), nprocs=2, join=True)
+    expected = {k: v for k, v in one.items() if k != "images_per_s"}
+    for rank in (0, 1):
+        figures = json.loads((tmp_path / f"figures{rank}.json").read_text())
+        assert figures.pop("val_images") == 8
+        assert {k: v for k, v in figures.items() if k != "images_per_s"} == json.loads(json.dumps(expected))
+
+
+# ---------------------------------------------------------------------- through Ray Train and MLflow
+@pytest.mark.slow
+def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_checkpoint(
+    ray_session, mlflow_uri, tmp_path, capsys
+):
+    """The shipped detection config, made tiny, through `splitvit train` on two Ray Train
+    workers (warm-up epoch, then the policy with its budget and teacher): COCO's box and
+    mask AP every epoch in MLflow with AP per class as an artifact, and `splitvit eval`
+    of the checkpoint gives the run's last figures."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from splitvit.cli import main
+
+    from .helpers import write_idx
+
+    ray_session.ensure()
+    root = tmp_path / "fmnist"
+    root.mkdir()
+    for part, (images, labels) in {"train": fake_items(40, seed=1), "t10k": fake_items(8, seed=2)}.items():
+        write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
+        write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
+    settings = {
+        "model.image_size": 64,
+        "model.timm_kwargs": "{patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2}",
+        "data.options": f"{{root: {root}, val_size: 8, train_samples: 16, val_samples: 8, clutter: true}}",
+        "data.batch_size": 4,
+        "train.epochs": 2,
+        "train.warmup_epochs": 1,
+        "scaling.num_workers": 2,
+        "scaling.resources_per_worker": "{CPU: 1}",
+        "storage.path": str(tmp_path / "runs"),
+        "storage.name": "det",
+        "tracking.tracking_uri": mlflow_uri,
+        "tracking.experiment": "detection-e2e",
+        "tracking.split_map_images": 2,
+        "tracking.log_model": "false",
+    }
+    overrides = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    out = tmp_path / "train.json"
+    assert main(["train", "jobs/configs/fashion_det.yaml", *overrides, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    metrics = result["metrics"]
+    assert result["run_status"] == "completed" and metrics["epoch"] == 1
+    for key in ("box_ap", "box_ap50", "mask_ap", "mask_ap50"):
+        assert 0.0 <= metrics[key] <= 1.0, key
+    assert metrics["val_images"] == 8 and 0 < metrics["token_ratio"] < 1  # the policy's budget, not full resolution
+    assert {"train_teacher_loss", "train_budget_penalty", "train_loss_mask"} <= set(metrics)
+    assert "box_ap" in capsys.readouterr().out  # the epoch lines and the table show the task's quality
+
+    client = MlflowClient(mlflow_uri)
+    run_id = result["mlflow_run_id"]
+    assert [m.step for m in client.get_metric_history(run_id, "box_ap")] == [0, 1]
+    artifacts = {a.path for a in client.list_artifacts(run_id, "per_class_ap")}
+    assert artifacts == {"per_class_ap/epoch_0000.json", "per_class_ap/epoch_0001.json"}
+    per_class = json.loads(
+        Path(client.download_artifacts(run_id, "per_class_ap/epoch_0001.json", str(tmp_path))).read_text()
+    )
+    assert set(per_class["per_class"]) <= set(CLASSES) and set(per_class["area_ranges"]) == {"small", "medium", "large"}
+
+    figures = tmp_path / "eval.json"
+    assert main(["eval", result["checkpoint_uri"], "--json", str(figures)]) == 0
+    evaluated = json.loads(figures.read_text())
+    assert evaluated["images"] == 8 and evaluated["tokens_per_image"] == metrics["tokens_per_image"]
+    assert evaluated["box_ap"] == pytest.approx(metrics["box_ap"], abs=1e-6)
+    assert evaluated["mask_ap"] == pytest.approx(metrics["mask_ap"], abs=1e-6)

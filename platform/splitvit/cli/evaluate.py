@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "eval",
         parents=[common_options(f"for models:/ and runs:/ URIs: the {TRACKING_HELP}")],
         help="evaluate a training checkpoint (local or s3://) or an MLflow model (models:/, runs:/): "
-        "accuracy or mIoU, tokens, images/s",
+        "accuracy, mIoU or box and mask AP, tokens, images/s",
     )
     p.add_argument(
         "checkpoint",
@@ -50,12 +50,14 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples,
         device=args.device,
     )
-    quality = "miou" if "miou" in result else "accuracy"
     print_table(
         [
             {"metric": k, "value": result[k]}
-            for k in (quality, "tokens_per_image", "token_ratio", "images_per_s", "fine_on_object", "object_coverage")
-            if k in result  # the object figures: on data with object masks
+            for k in (
+                *("accuracy", "miou", "box_ap", "box_ap50", "mask_ap", "mask_ap50"),
+                *("tokens_per_image", "token_ratio", "images_per_s", "fine_on_object", "object_coverage"),
+            )
+            if k in result  # a task's own quality; the object figures on data with object masks
         ],
         ["metric", "value"],
     )

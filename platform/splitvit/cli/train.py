@@ -52,7 +52,16 @@ def run(args: argparse.Namespace) -> int:
     result = run_training(config, ray_address=args.address, on_epoch=on_epoch)
     keys = [
         k
-        for k in ("accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s", "train_loss")
+        for k in (
+            "accuracy",
+            "miou",
+            "box_ap",
+            "mask_ap",
+            "tokens_per_image",
+            "token_ratio",
+            "images_per_s",
+            "train_loss",
+        )
         if k in result.metrics
     ]
     if keys:
@@ -79,7 +88,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 #: The figures an epoch line shows, in order, when the epoch has them.
-EPOCH_FIGURES = ("train_loss", "accuracy", "miou", "tokens_per_image", "token_ratio", "images_per_s")
+EPOCH_FIGURES = (
+    "train_loss",
+    "accuracy",
+    "miou",
+    "box_ap",
+    "mask_ap",
+    "tokens_per_image",
+    "token_ratio",
+    "images_per_s",
+)
 
 
 def print_epoch(epoch: int, metrics: dict[str, Any]) -> None:

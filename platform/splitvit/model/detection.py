@@ -387,6 +387,12 @@ class SplitDetector(nn.Module):
         return cls.from_checkpoint(torch.load(path, map_location="cpu", weights_only=False), **overrides)
 
 
+def split_backbone(model: nn.Module) -> SplitViT:
+    """The SplitViT of a model: a detector's backbone, or the model itself. Thresholds,
+    the data config, the geometry and split maps are the backbone's."""
+    return model.backbone if isinstance(model, SplitDetector) else model
+
+
 def training_targets(targets: list[dict[str, torch.Tensor]], size: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
     """The targets the heads train on: crowd instances (``iscrowd == 1``) left out
     (COCO's rule: they are neither positives nor negatives to learn), types as

@@ -209,13 +209,16 @@ def check_payload(payload: Any, source: str) -> None:
 
 
 def model_from_payload(payload: dict[str, Any], source: str, **overrides: Any):
-    """:meth:`SplitViT.from_checkpoint`, with a CheckpointError naming ``source`` when
-    the weights do not fit the model the spec builds."""
+    """:meth:`SplitViT.from_checkpoint` (:meth:`SplitDetector.from_checkpoint` for a
+    detector's), with a CheckpointError naming ``source`` when the weights do not fit
+    the model the spec builds."""
     from ..model import SplitViT
+    from ..model.detection import SplitDetector
 
     check_payload(payload, source)
+    cls = SplitDetector if payload.get("kind") == "detector" else SplitViT
     try:
-        return SplitViT.from_checkpoint(payload, **overrides)
+        return cls.from_checkpoint(payload, **overrides)
     except (RuntimeError, KeyError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(source, f"its weights do not fit the model its spec builds: {first}") from exc

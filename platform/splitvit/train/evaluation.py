@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..model import SplitViT, validate_thresholds
+from ..model.detection import SplitDetector, split_backbone
 from .checkpoints import load_payload, model_from_payload
 from .steps import calibrate_thresholds, evaluate
 
@@ -27,7 +28,9 @@ CACHE_LIMIT = 4096
 class CheckpointEvaluator:
     """A checkpoint's model and its experiment's evaluation data.
 
-    The model loads on construction (a checkpoint that does not fit its spec fails
+    The model is a SplitViT or a :class:`SplitDetector` (evaluated with COCO's box
+    and mask AP; thresholds, calibration and split maps are its backbone's). It loads
+    on construction (a checkpoint that does not fit its spec fails
     here, naming the checkpoint); the data load when first used, so bad thresholds
     fail before any image is read.
 
@@ -64,15 +67,17 @@ class CheckpointEvaluator:
                 f"checkpoint {checkpoint} holds no experiment config; it was not written by splitvit train"
             )
         self.num_classes = (config.get("model") or {}).get("num_classes")
-        self.levels = self.model.levels
+        self.backbone = split_backbone(self.model)
+        self.levels = self.backbone.levels
         self.split = split or self.data.get("val_split") or "val"
         self.samples = samples
         self.batch_size = int(batch_size or self.data.get("eval_batch_size") or self.data.get("batch_size") or 64)
         self.num_workers = int(self.data.get("num_workers") or 0)
         self._cache: list | None = None
+        self._ground_truth: Any = None  # a detector's: COCO's ground truth of the evaluated split
         self._use_cache = cache
 
-    def build(self, policy: str | None) -> SplitViT:
+    def build(self, policy: str | None) -> SplitViT | SplitDetector:
         """The checkpoint's model, under ``policy`` instead of its own when given."""
         overrides = {"policy": policy} if policy else {}
         return model_from_payload(self.payload, self.checkpoint, **overrides).to(self.device).eval()
@@ -86,7 +91,12 @@ class CheckpointEvaluator:
         """The evaluation batches (kept in memory after the first pass for small sets)."""
         if self._cache is not None:
             return self._cache
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        from ..data import detection_collate
+
+        collate = detection_collate if isinstance(self.model, SplitDetector) else None
+        loader = DataLoader(
+            self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers, collate_fn=collate
+        )
         if self._use_cache and len(self.dataset) <= CACHE_LIMIT:
             self._cache = list(loader)
             return self._cache
@@ -100,22 +110,46 @@ class CheckpointEvaluator:
         """Thresholds that meet ``target_ratio`` on ``images``, scored in the precision
         :meth:`evaluate` runs in (so the evaluated budget is the calibrated one)."""
         with self.autocast():
-            return calibrate_thresholds(model or self.model, images, target_ratio)
+            return calibrate_thresholds(split_backbone(model or self.model), images, target_ratio)
 
     def evaluate(self, thresholds: list[float] | None = None, model: SplitViT | None = None) -> dict[str, Any]:
-        """Quality (accuracy or mIoU), tokens per image, token ratio and images/s at
-        ``thresholds`` (validated before any data are read); on data with object masks
-        also ``fine_on_object`` and ``object_coverage``."""
+        """Quality (accuracy, mIoU or box AP), tokens per image, token ratio and images/s
+        at ``thresholds`` (validated before any data are read); on data with object
+        masks also ``fine_on_object`` and ``object_coverage``; a detector's mask AP and
+        AP per class too."""
         model = model or self.model
         if thresholds is not None:
-            validate_thresholds(thresholds, model.levels)
+            validate_thresholds(thresholds, split_backbone(model).levels)
+        if isinstance(model, SplitDetector):
+            result = self._evaluate_detector(model, thresholds)
+        else:
+            result = self._evaluate_classifier(model, thresholds)
+        used = thresholds if thresholds is not None else split_backbone(model).thresholds.tolist()
+        result["thresholds"] = [float(t) for t in used]
+        return result
+
+    def _evaluate_classifier(self, model: SplitViT, thresholds: list[float] | None) -> dict[str, Any]:
         with self.autocast():
             result = evaluate(
                 model, self.batches(), thresholds=thresholds, num_classes=self.num_classes, object_masks=True
             )
-        used = thresholds if thresholds is not None else model.thresholds.tolist()
-        result["thresholds"] = [float(t) for t in used]
         result["quality"] = result.get("miou", result.get("accuracy"))
+        return result
+
+    def _evaluate_detector(self, model: SplitDetector, thresholds: list[float] | None) -> dict[str, Any]:
+        from .detection import detection_area_ranges, detection_ground_truth, evaluate_detection_totals
+
+        with self.autocast():
+            totals = evaluate_detection_totals(
+                model, self.batches(), [0, *self.dataset.category_ids], thresholds=thresholds, device=self.device
+            )
+        if self._ground_truth is None:
+            self._ground_truth = detection_ground_truth(self.dataset)
+        result = totals.figures(
+            self._ground_truth, area_ranges=detection_area_ranges(self.backbone.geometry.image_size[0])
+        )
+        result["images"] = totals.images
+        result["quality"] = result["box_ap"]
         return result
 
     def _dataset(self, split: str, samples: int | None) -> Dataset:
@@ -129,8 +163,8 @@ class CheckpointEvaluator:
         return build_dataset(
             self.data["name"],
             split,
-            image_size=self.model.geometry.image_size[0],
-            interpolation=self.model.data_config["interpolation"],
+            image_size=self.backbone.geometry.image_size[0],
+            interpolation=self.backbone.data_config["interpolation"],
             seed=int(self.data.get("seed", 0)),
             **options,
         )
@@ -149,9 +183,9 @@ class CheckpointEvaluator:
         from ..tracking.split_maps import split_map_grid
 
         images = self.first_images(count)
-        out = self.model(images, thresholds=thresholds)
+        out = self.backbone(images, thresholds=thresholds)
         captions = [f"{int(t)}/{out.full_tokens} tok" for t in out.tokens]
-        return split_map_grid(images.cpu(), [d.cpu() for d in out.decisions], self.model.geometry, captions)
+        return split_map_grid(images.cpu(), [d.cpu() for d in out.decisions], self.backbone.geometry, captions)
 
 
 def evaluate_checkpoint(
@@ -175,6 +209,6 @@ def evaluate_checkpoint(
         **result,
         "checkpoint": str(checkpoint),
         "epoch": evaluator.payload.get("epoch"),
-        "policy": evaluator.model.policy.name,
+        "policy": evaluator.backbone.policy.name,
         "split": split,
     }

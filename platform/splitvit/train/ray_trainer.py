@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, redact_uri
 from ..data.parquet import training_sampler
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
+from ..model.detection import SplitDetector, split_backbone
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
 from .checkpoints import (
@@ -64,6 +65,13 @@ from .checkpoints import (
     set_rng_state,
     write_history,
     write_metrics,
+)
+from .detection import (
+    DetectionTotals,
+    detection_area_ranges,
+    detection_ground_truth,
+    detection_training_step,
+    evaluate_detection_totals,
 )
 from .experiment import build_model, validate_experiment
 from .local import warmup_cosine
@@ -512,7 +520,8 @@ class SplitStep(nn.Module):
     teacher steps, runs a full-resolution relevance pass beside the model's forward.
     Running the whole step inside this module's ``forward`` lets DDP wrap it: every
     pass happens within DDP's forward, so its reducer sees every parameter that
-    receives a gradient.
+    receives a gradient. A :class:`SplitDetector` takes
+    :func:`~.detection.detection_training_step` (targets: one dict per image).
     """
 
     def __init__(self, model: nn.Module, loss: SplitLossConfig) -> None:
@@ -528,6 +537,9 @@ class SplitStep(nn.Module):
         generator: torch.Generator | None = None,
         step: int = 0,
     ):
+        if isinstance(self.model, SplitDetector):
+            targets = [{k: v.to(images.device) for k, v in t.items()} for t in target]
+            return detection_training_step(self.model, images, targets, self.loss, epoch, generator, step)
         return training_step(self.model, images, target, self.loss, epoch, generator, step)
 
 
@@ -661,6 +673,8 @@ class _Worker:
     scheduler: Any
     data: _WorkerData
     history: list[dict[str, float]] = field(default_factory=list)  # every epoch's figures, resumed ones too
+    ground_truth: Any = None  # detection: the validation set's COCO ground truth (rank 0, built once)
+    per_class: dict[str, Any] | None = None  # detection: the last evaluation's AP per class (rank 0)
 
     def autocast(self) -> torch.autocast:
         """bf16 autocast on CUDA with ``train.amp``; a no-op otherwise."""
@@ -762,7 +776,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     )
     model = _unwrap(step).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
-    data = _worker_data(config, rank, world, device, model.data_config["interpolation"])
+    data = _worker_data(config, rank, world, device, split_backbone(model).data_config["interpolation"])
     scheduler = _lr_schedule(optimizer, config, data.steps_per_epoch)
     worker = _Worker(
         config=config,
@@ -808,7 +822,7 @@ def _worker_data(
     shard, resized with the model's ``interpolation``."""
     import ray.train.torch
 
-    from ..data import build_dataset
+    from ..data import build_dataset, detection_collate
 
     mc, dc = config.model, config.data
     sizing = dict(image_size=mc.image_size, interpolation=interpolation)
@@ -825,6 +839,8 @@ def _worker_data(
         batch_size=dc.batch_size,
         loader_workers=dc.num_workers,
     )
+    # detection targets are one dict per image: the batch keeps them a list
+    collate = detection_collate if mc.task == "detection" else None
     loader = DataLoader(
         train_set,
         batch_size=dc.batch_size,
@@ -832,6 +848,7 @@ def _worker_data(
         num_workers=dc.num_workers,
         drop_last=True,
         pin_memory=device.type == "cuda",
+        collate_fn=collate,
     )
     loader = ray.train.torch.prepare_data_loader(loader)
     if len(loader) == 0:
@@ -841,7 +858,11 @@ def _worker_data(
     # validation: each worker takes every world-th image (exact shards, no padding)
     val_shard = Subset(val_set, range(rank, len(val_set), world))
     val_loader = DataLoader(
-        val_shard, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False, num_workers=dc.num_workers
+        val_shard,
+        batch_size=dc.eval_batch_size or dc.batch_size,
+        shuffle=False,
+        num_workers=dc.num_workers,
+        collate_fn=collate,
     )
     return _WorkerData(sampler=sampler, loader=loader, val_set=val_set, val_shard=val_shard, val_loader=val_loader)
 
@@ -957,21 +978,65 @@ def _evaluate_epoch(worker: _Worker) -> dict[str, float]:
     """Calibrate ``auto`` thresholds, then evaluate on this worker's validation shard;
     returns the figures over the whole validation set (:func:`_combine_eval`)."""
     mc, dc = worker.config.model, worker.config.data
-    if mc.thresholds == AUTO_THRESHOLDS and worker.model.policy.thresholded:
+    if mc.thresholds == AUTO_THRESHOLDS and split_backbone(worker.model).policy.thresholded:
         with worker.autocast():  # as evaluated
             _calibrate_thresholds(
-                worker.model,
+                split_backbone(worker.model),
                 worker.data.val_shard,
                 dc.eval_batch_size or dc.batch_size,
                 worker.config.train.target_ratio,
                 worker.device,
             )
+    # a worker with no validation images (more workers than images) counts nothing, yet
+    # takes part in the collectives (with a zero confusion matrix of the same shape)
+    batches = worker.data.val_loader if len(worker.data.val_shard) else ()  # no loader workers for nothing
+    if isinstance(worker.model, SplitDetector):
+        return _evaluate_detection(worker, batches)
     with worker.autocast():
-        # a worker with no validation images (more workers than images) counts nothing,
-        # yet takes part in the all-reduce with a zero confusion matrix of the same shape
-        batches = worker.data.val_loader if len(worker.data.val_shard) else ()  # no loader workers for nothing
         totals = evaluate_totals(worker.model, batches, num_classes=mc.num_classes)
     return _combine_eval(totals, worker.device)
+
+
+def _evaluate_detection(worker: _Worker, batches: Any) -> dict[str, float]:
+    """Detect on this worker's validation shard; the figures over the whole validation
+    set (:func:`_combine_detection`). AP per class and the size ranges are kept on rank
+    0 for MLflow (``worker.per_class``)."""
+    val_set = worker.data.val_set
+    with worker.autocast():
+        shard = evaluate_detection_totals(worker.model, batches, [0, *val_set.category_ids], device=worker.device)
+    if worker.rank == 0 and worker.ground_truth is None:
+        worker.ground_truth = detection_ground_truth(val_set)
+    figures = _combine_detection(
+        shard, worker.ground_truth, detection_area_ranges(worker.config.model.image_size), worker.rank, worker.world
+    )
+    if worker.rank == 0:
+        worker.per_class = {"per_class": figures.get("per_class"), "area_ranges": figures.get("area_ranges")}
+    return {k: float(v) for k, v in figures.items() if isinstance(v, (int, float))}
+
+
+def _combine_detection(
+    shard: DetectionTotals,
+    ground_truth: Any,
+    area_ranges: dict[str, tuple[float, float]] | None,
+    rank: int,
+    world: int,
+) -> dict[str, Any]:
+    """Every worker's detections gathered and evaluated once by rank 0 (COCO's
+    evaluation of the whole set: what one process evaluating every shard gives), the
+    figures sent back to every rank. ``ground_truth`` is read on rank 0 only."""
+    shards: list[DetectionTotals | None] = [shard]
+    distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    if distributed:
+        shards = [None] * world
+        dist.all_gather_object(shards, shard)
+    figures: list[dict[str, Any] | None] = [None]
+    if rank == 0:
+        whole = DetectionTotals.merge(s for s in shards if s is not None)
+        figures = [whole.figures(ground_truth, area_ranges=area_ranges)]
+        figures[0]["val_images"] = float(whole.images)
+    if distributed:
+        dist.broadcast_object_list(figures, src=0)
+    return dict(figures[0] or {})
 
 
 # ---------------------------------------------------------------------- worker: checkpoint, report, MLflow
@@ -1025,9 +1090,13 @@ def _log_epoch(worker: _Worker, epoch: int, metrics: dict[str, float]) -> None:
     tracking = worker.config.tracking
     if worker.tracker is not None:
         worker.tracker.log_epoch(epoch, metrics)
+        if worker.per_class is not None:  # detection: AP per class, a table per epoch
+            worker.tracker.log_dict(worker.per_class, f"per_class_ap/epoch_{epoch:04d}.json")
         if tracking.split_map_images > 0:
             worker.tracker.log_image(
-                _draw_split_maps(worker.model, worker.data.val_set, tracking.split_map_images, worker.device),
+                _draw_split_maps(
+                    split_backbone(worker.model), worker.data.val_set, tracking.split_map_images, worker.device
+                ),
                 f"split_maps/epoch_{epoch:04d}.png",
             )
 
