@@ -261,7 +261,8 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     ray_session.ensure()
     root = tmp_path / "fmnist"
     root.mkdir()
-    for part, (images, labels) in {"train": fake_items(40, seed=1), "t10k": fake_items(8, seed=2)}.items():
+    # 5008 training items: viz reads Fashion-MNIST's own validation slice (its last 5000)
+    for part, (images, labels) in {"train": fake_items(5008, seed=1), "t10k": fake_items(8, seed=2)}.items():
         write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
         write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
     settings = {
@@ -308,3 +309,32 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert evaluated["images"] == 8 and evaluated["tokens_per_image"] == metrics["tokens_per_image"]
     assert evaluated["box_ap"] == pytest.approx(metrics["box_ap"], abs=1e-6)
     assert evaluated["mask_ap"] == pytest.approx(metrics["mask_ap"], abs=1e-6)
+    # the quadtree its backbone draws (the boxes and masks are not drawn yet)
+    png = tmp_path / "viz.png"
+    argv = ["viz", "--checkpoint", result["checkpoint_uri"], "--dataset", "fashion-det", "--root", str(root)]
+    assert main([*argv, "--count", "2", "--out", str(png)]) == 0 and png.stat().st_size > 0
+
+
+def test_what_does_not_run_detectors_yet_says_so_in_one_line(tmp_path, capsys):
+    """Sweeps and studies (their stage two, baselines and speed step score classifiers)
+    and `bench parts` (a SplitViT's stages) refuse a detection config before any work,
+    naming the task; `splitvit train` and `eval` run detectors (above)."""
+    from splitvit.cli import main
+
+    config = Path("jobs/configs/fashion_det.yaml").resolve()
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        f"base: {config}\nparameters:\n  train.lambda_budget: {{distribution: uniform, low: 0.5, high: 2}}\n"
+    )
+    study = tmp_path / "study.yaml"
+    study.write_text(
+        f"base: {config}\nseeds: [0]\nmethods:\n  full: {{model.policy: full}}\n  split: {{model.policy: learned}}\n"
+    )
+    for argv, what in (
+        (["sweep", str(space)], "sweeps do not run detectors yet"),
+        (["study", str(study)], "studies do not run detectors yet"),
+        (["bench", "parts", "--config", str(config), "--batch-sizes", "1"], "it times SplitViT models only"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and what in err[0] and "detection" in err[0], err

@@ -248,26 +248,32 @@ def run_parts(args: argparse.Namespace) -> int:
 
 def _parts_model(args: argparse.Namespace):
     """The model ``bench parts`` times, and a line saying what it is."""
-    if args.study:
-        from ..study.spec import load_study
+    from ..model import SplitViT
 
-        # the control too: a study is checked with its full-resolution method
-        spec = load_study(args.study, scale=args.scale, overrides=args.overrides, methods=_with_control(args))
-        config = spec.run_config(0, args.method, "bench")
-        label = f"{args.study} method {args.method}" + (f" (scale {args.scale})" if args.scale else "")
-    elif args.config:
-        from ..train.experiment import load_experiment
-
-        config = load_experiment(args.config, args.overrides)
-        label = args.config
-    else:
+    if args.checkpoint:
         from ..train.checkpoints import load_payload, model_from_payload
 
-        return model_from_payload(load_payload(args.checkpoint), args.checkpoint), args.checkpoint
-    from ..train.experiment import build_model
+        model, label = model_from_payload(load_payload(args.checkpoint), args.checkpoint), args.checkpoint
+    else:
+        if args.study:
+            from ..study.spec import load_study
 
-    # random weights: speed does not depend on them (thresholds are calibrated to each ratio)
-    return build_model(config.model, pretrained=False), label + ", random weights"
+            # the control too: a study is checked with its full-resolution method
+            spec = load_study(args.study, scale=args.scale, overrides=args.overrides, methods=_with_control(args))
+            config = spec.run_config(0, args.method, "bench")
+            label = f"{args.study} method {args.method}" + (f" (scale {args.scale})" if args.scale else "")
+        else:
+            from ..train.experiment import load_experiment
+
+            config = load_experiment(args.config, args.overrides)
+            label = args.config
+        from ..train.experiment import build_model
+
+        # random weights: speed does not depend on them (thresholds are calibrated to each ratio)
+        model, label = build_model(config.model, pretrained=False), label + ", random weights"
+    if not isinstance(model, SplitViT):  # its stages are a SplitViT's; a detector adds a pyramid and heads
+        raise ValueError(f"bench parts: {label} is a detector (model.task=detection); it times SplitViT models only")
+    return model, label
 
 
 def _with_control(args: argparse.Namespace) -> list[str]:

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..data import build_dataset
+    from ..model.detection import split_backbone
     from ..tracking.split_maps import split_map_grid
     from ..train.checkpoints import load_payload, model_from_payload
     from ..train.demo import build_demo_model
@@ -44,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if checkpoint:
         overrides = {"policy": args.policy} if args.policy else {}
         # a missing, truncated or foreign file is one error line naming it
-        model = model_from_payload(load_payload(checkpoint), checkpoint, **overrides)
+        # a detector's quadtree is its backbone's (its boxes and masks are not drawn yet)
+        model = split_backbone(model_from_payload(load_payload(checkpoint), checkpoint, **overrides))
     else:
         model = build_demo_model(args.policy or "entropy")
     model.eval()

@@ -319,6 +319,10 @@ def load_study(
         scale=scale,
         overrides=settings,
     )
+    if spec.metric == "box_ap":  # the evaluation at matched ratios and the speed step score classifiers
+        raise SearchSpaceError(
+            source, "base", "model.task=detection: studies do not run detectors yet; `splitvit train` and `eval` do"
+        )
     # every run's config, validated now: a bad key stops here, before Ray starts (the
     # settings' own checks at every run first: those need no torch)
     for only in (True,) if settings_only else (True, False):
