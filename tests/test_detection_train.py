@@ -25,16 +25,9 @@ from splitvit.train.detection import (
 )
 
 from .helpers import fake_items
+from .test_detection_model import SMALL_HEADS
 
 CANVAS, LEVELS = 64, 2
-SMALL_HEADS = dict(
-    representation_size=64,
-    mask_head_layers=(32, 32),
-    rpn_pre_nms_top_n=(200, 100),
-    rpn_post_nms_top_n=(100, 50),
-    rpn_batch_size_per_image=64,
-    box_batch_size_per_image=32,
-)
 
 
 def detector(policy: str = "learned", seed: int = 0) -> SplitDetector:

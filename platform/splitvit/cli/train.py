@@ -50,20 +50,7 @@ def run(args: argparse.Namespace) -> int:
     # console with -v; without it, each committed epoch is one line from here
     on_epoch = None if args.verbose else print_epoch
     result = run_training(config, ray_address=args.address, on_epoch=on_epoch)
-    keys = [
-        k
-        for k in (
-            "accuracy",
-            "miou",
-            "box_ap",
-            "mask_ap",
-            "tokens_per_image",
-            "token_ratio",
-            "images_per_s",
-            "train_loss",
-        )
-        if k in result.metrics
-    ]
+    keys = [k for k in (*QUALITY_FIGURES, *TOKEN_FIGURES, "train_loss") if k in result.metrics]
     if keys:
         print_table([{"metric": k, "value": result.metrics[k]} for k in keys], ["metric", "value"])
     else:
@@ -88,16 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 #: The figures an epoch line shows, in order, when the epoch has them.
-EPOCH_FIGURES = (
-    "train_loss",
-    "accuracy",
-    "miou",
-    "box_ap",
-    "mask_ap",
-    "tokens_per_image",
-    "token_ratio",
-    "images_per_s",
-)
+QUALITY_FIGURES = ("accuracy", "miou", "box_ap", "mask_ap")  # each task's quality
+TOKEN_FIGURES = ("tokens_per_image", "token_ratio", "images_per_s")
+EPOCH_FIGURES = ("train_loss", *QUALITY_FIGURES, *TOKEN_FIGURES)
 
 
 def print_epoch(epoch: int, metrics: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from ..model.detection import SplitDetector
 from ..model.quadtree import nodes_mass
 from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
 from .losses import budget_penalty, relevance_targets, split_fraction_for_ratio, teacher_loss
-from .steps import random_decisions
+from .steps import batch_target_ratio, warmup_decisions
 
 Targets = list[dict[str, torch.Tensor]]
 
@@ -110,16 +110,9 @@ def detection_training_step(
     learned = backbone.policy.learned
     warmup = learned and epoch < cfg.warmup_epochs
     stats: dict[str, float] = {}
-    target_ratio = cfg.target_ratio
-    if learned and not warmup and cfg.target_ratio_range is not None:
-        low, high = cfg.target_ratio_range
-        target_ratio = low + (high - low) * float(torch.rand((), generator=generator))
-        stats["target_ratio"] = target_ratio
-    if warmup:
-        # the classifier's curriculum: full resolution first, then random splits down to warmup_min_split
-        progress = epoch / max(cfg.warmup_epochs - 1, 1)
-        min_rate = 1.0 - (1.0 - cfg.warmup_min_split) * progress
-        out = detector(images, targets, decisions=random_decisions(backbone, images, min_rate, generator))
+    target_ratio = batch_target_ratio(cfg, learned and not warmup, generator, stats)
+    if warmup:  # the classifier's curriculum
+        out = detector(images, targets, decisions=warmup_decisions(backbone, images, cfg, epoch, generator))
     else:
         out = detector(images, targets, budget=target_ratio)
     main = out.loss

@@ -54,6 +54,29 @@ def random_decisions(
     return top_down_decisions([w.to(images.device) for w in wishes])
 
 
+def batch_target_ratio(
+    cfg: SplitLossConfig, policy_phase: bool, generator: torch.Generator | None, stats: dict[str, float]
+) -> float:
+    """This batch's target token ratio: ``cfg.target_ratio``, or in the policy phase with
+    ``cfg.target_ratio_range`` one drawn uniformly from it (noted in ``stats``)."""
+    if not policy_phase or cfg.target_ratio_range is None:
+        return cfg.target_ratio
+    low, high = cfg.target_ratio_range
+    stats["target_ratio"] = low + (high - low) * float(torch.rand((), generator=generator))
+    return stats["target_ratio"]
+
+
+def warmup_decisions(
+    model: SplitViT, images: torch.Tensor, cfg: SplitLossConfig, epoch: int, generator: torch.Generator | None
+) -> list[torch.Tensor]:
+    """The warm-up curriculum's random splits: the first warm-up epoch is full resolution
+    (the backbone learns the task), later ones draw lower split rates down to
+    ``cfg.warmup_min_split``."""
+    progress = epoch / max(cfg.warmup_epochs - 1, 1)
+    min_rate = 1.0 - (1.0 - cfg.warmup_min_split) * progress
+    return random_decisions(model, images, min_rate, generator)
+
+
 def model_classes(model: SplitViT) -> int:
     """The number of classes ``model`` predicts (its classifier's, or its dense head's)."""
     if model.task == "dense" and model.dense_head is not None:
@@ -110,17 +133,9 @@ def training_step(
     warmup = learned and epoch < cfg.warmup_epochs
     stats: dict[str, float] = {}
     loss = images.new_zeros(())
-    target_ratio = cfg.target_ratio
-    if learned and not warmup and cfg.target_ratio_range is not None:
-        low, high = cfg.target_ratio_range
-        target_ratio = low + (high - low) * float(torch.rand((), generator=generator))
-        stats["target_ratio"] = target_ratio
+    target_ratio = batch_target_ratio(cfg, learned and not warmup, generator, stats)
     if warmup:
-        # curriculum: the first warm-up epoch is full resolution (the backbone learns the
-        # task), later ones draw lower split rates down to ``warmup_min_split``
-        progress = epoch / max(cfg.warmup_epochs - 1, 1)
-        min_rate = 1.0 - (1.0 - cfg.warmup_min_split) * progress
-        out = model(images, decisions=random_decisions(model, images, min_rate, generator))
+        out = model(images, decisions=warmup_decisions(model, images, cfg, epoch, generator))
     else:
         out = model(images, budget=target_ratio)
     main = task_loss(out.logits, target)
