@@ -251,17 +251,19 @@ def test_coco_names_the_option_the_split_lacks(coco_folder, split, given, text):
     assert str(err.value) == f"dataset 'coco' {text}"
 
 
-def test_coco_refuses_unknown_options_and_other_image_sizes(coco_folder):
+def test_coco_refuses_unknown_options_and_letterboxes_other_image_sizes(coco_folder):
     options = coco_options(coco_folder, "train")
     with pytest.raises(ValueError, match=r"dataset 'coco': unknown option\(s\) root; known: strict, test_annotations"):
         build_dataset("coco", "train", image_size=64, root=str(coco_folder), **options)
-    # nothing is resized (boxes and masks would have to follow): the canvas size is required, checked up front
-    with pytest.raises(ValueError) as err:
-        build_dataset("coco", "train", image_size=32, **options)
-    assert str(err.value) == (
-        f"{coco_folder / 'instances_train.json'}: image id 0 (000000.png) is 64x64, the canvas is 32x32 "
-        "(model.image_size); 4 of 4 images differ: resize them and their annotations to the canvas"
-    )
+    # 64-px images on a 32-px canvas: scaled by 0.5, boxes and masks with them
+    same = build_dataset("coco", "train", image_size=64, **options)
+    half = build_dataset("coco", "train", image_size=32, **options)
+    (image, target), (big, original) = half[0], same[0]
+    assert image.shape == (3, 32, 32) and float(target["scale"]) == 0.5 and "scale" not in original
+    assert target["original_size"].tolist() == [64, 64] and big.shape == (3, 64, 64)
+    assert torch.equal(target["boxes"], original["boxes"] * 0.5) and target["masks"].shape[-2:] == (32, 32)
+    assert torch.equal(target["masks"], original["masks"][:, ::2, ::2])  # nearest: every other pixel
+    assert torch.equal(target["area"], original["area"])  # the file's: COCO's evaluation runs in its pixels
 
 
 def test_detection_collate_stacks_images_and_keeps_targets(fmnist_root):

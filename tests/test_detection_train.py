@@ -16,7 +16,7 @@ from splitvit.data.coco import CocoDetection
 from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.data.fashion_mnist import CLASSES
 from splitvit.model.detection import SplitDetector
-from splitvit.train.coco_eval import load_ground_truth
+from splitvit.train.coco_eval import coco_evaluate, detection_records, load_ground_truth
 from splitvit.train.detection import (
     DetectionTotals,
     detection_relevance,
@@ -331,3 +331,72 @@ def test_what_does_not_run_detectors_yet_says_so_in_one_line(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and what in err[0] and "detection" in err[0], err
+
+
+def test_letterboxed_coco_images_are_evaluated_in_their_own_pixels(tmp_path):
+    """Images of other sizes than the canvas are letterboxed for the model; detections
+    are mapped back (boxes divided by the scale, masks cut from the padding and resized)
+    before COCO's evaluation meets the file's own annotations: the letterboxed targets,
+    given back as detections, score box AP 1."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from splitvit.train.detection import to_original_pixels
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    sizes = {1: (48, 32), 2: (24, 40)}  # (width, height): wider and taller than the 32-px canvas
+    objects = {1: [(6, 6, 30, 24), (34, 2, 46, 14)], 2: [(2, 10, 20, 36)]}
+    annotations = []
+    for image_id, (w, h) in sizes.items():
+        pixels = np.zeros((h, w, 3), np.uint8)
+        for x0, y0, x1, y1 in objects[image_id]:
+            pixels[y0:y1, x0:x1] = 200
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": 1,
+                    "bbox": [x0, y0, x1 - x0, y1 - y0],
+                    "area": float((x1 - x0) * (y1 - y0)),
+                    "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]],
+                    "iscrowd": 0,
+                }
+            )
+        Image.fromarray(pixels).save(folder / f"{image_id}.png")
+    document = {
+        "images": [{"id": i, "file_name": f"{i}.png", "width": w, "height": h} for i, (w, h) in sizes.items()],
+        "annotations": annotations,
+        "categories": [{"id": 1, "name": "box"}],
+    }
+    (tmp_path / "instances.json").write_text(json.dumps(document))
+    data = CocoDetection(tmp_path / "instances.json", folder, image_size=32)
+    records, ids = [], []
+    for image, target in (data[i] for i in range(len(data))):
+        assert image.shape == (3, 32, 32) and target["masks"].shape[-2:] == (32, 32)
+        assert float(target["scale"]) == pytest.approx(32 / max(sizes[int(target["image_id"])]))
+        found = {
+            "boxes": target["boxes"],
+            "labels": target["labels"],
+            "scores": torch.linspace(0.9, 0.5, len(target["labels"])),
+            "masks": target["masks"][:, None].float(),
+        }
+        back = to_original_pixels(found, target)
+        w, h = sizes[int(target["image_id"])]
+        assert back["masks"].shape[-2:] == (h, w)
+        ids.append(int(target["image_id"]))
+        records += detection_records([ids[-1]], [back], [0, 1])
+    figures = coco_evaluate(load_ground_truth(document), records)
+    assert figures["bbox"]["AP"] == pytest.approx(1.0) and figures["segm"]["AP50"] == pytest.approx(1.0)
+    # unmapped, the canvas's boxes miss the file's objects
+    plain = [
+        detection_records(
+            [int(t["image_id"])],
+            [{**{k: t[k] for k in ("boxes", "labels")}, "scores": torch.ones(len(t["labels"]))}],
+            [0, 1],
+        )
+        for _, t in (data[i] for i in range(len(data)))
+    ]
+    assert coco_evaluate(load_ground_truth(document), sum(plain, []), iou_types=("bbox",))["bbox"]["AP"] < 0.5

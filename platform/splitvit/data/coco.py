@@ -26,7 +26,7 @@ import torch
 from pycocotools import mask as mask_utils
 
 from ..storage import is_s3, join_uri, list_files, read_bytes
-from .common import CorruptDataError, SkippingDataset, decode_image, image_to_tensor
+from .common import CorruptDataError, SkippingDataset, decode_image, image_to_tensor, pil_resample
 
 log = logging.getLogger(__name__)
 
@@ -214,19 +214,26 @@ def load_coco_index(annotation_file: str | os.PathLike, image_root: str | os.Pat
     )
 
 
-def require_image_size(index: CocoIndex, image_size: int) -> None:
-    """Raise ``ValueError`` unless every image of ``index`` is ``image_size`` square (by
-    the annotation file's width and height), naming the file, the first image of another
-    size, both sizes and how many differ."""
-    canvas = (image_size, image_size)
-    other = [entry for _, entry in sorted(index.images.items()) if (entry["width"], entry["height"]) != canvas]
-    if other:
-        first = other[0]
-        raise ValueError(
-            f"{index.annotation_file}: image id {first['id']} ({first['file_name']}) is "
-            f"{first['width']}x{first['height']}, the canvas is {image_size}x{image_size} (model.image_size); "
-            f"{len(other)} of {len(index.images)} images differ: resize them and their annotations to the canvas"
+def letterbox(
+    target: dict[str, torch.Tensor], scale: float, size: tuple[int, int], canvas: int
+) -> dict[str, torch.Tensor]:
+    """``target`` (an image of ``(height, width)`` pixels) on a ``canvas`` square: the image
+    scaled by ``scale`` into its top-left corner, zero padding beside it. Boxes scale,
+    masks are resized (nearest) and padded; ``area`` stays the file's (COCO's evaluation
+    runs in the file's pixels: :func:`splitvit.train.detection.to_original_pixels` maps
+    detections back); ``scale`` and ``original_size`` say how."""
+    height, width = size
+    inner = (max(1, round(height * scale)), max(1, round(width * scale)))
+    masks = target["masks"]
+    if len(masks):
+        masks = torch.nn.functional.interpolate(masks[:, None].float(), size=inner, mode="nearest")[:, 0].to(
+            torch.uint8
         )
+    padded = torch.zeros((len(masks), canvas, canvas), dtype=torch.uint8)
+    padded[:, : inner[0], : inner[1]] = masks
+    boxes = (target["boxes"] * scale).clamp(min=0)
+    boxes = torch.minimum(boxes, torch.tensor([inner[1], inner[0], inner[1], inner[0]], dtype=boxes.dtype))
+    return {**target, "boxes": boxes, "masks": padded}
 
 
 def annotation_mask(segmentation: Any, height: int, width: int) -> np.ndarray:
@@ -267,10 +274,12 @@ class CocoDetection(SkippingDataset):
     corrupt data: skipped and counted (``skipped``, ``skipped_files``), or raised as
     ``CorruptDataError`` with ``strict=True``, as for every file-backed dataset.
 
-    With ``image_size``, every image must be ``image_size`` square (a model's canvas):
-    nothing is resized, so boxes and masks stay exactly the file's. The annotation
-    file's sizes are checked up front: a ``ValueError`` names the file, the first image
-    of another size, both sizes, and how many differ.
+    With ``image_size`` (a model's square canvas), an image of another size is
+    letterboxed, as detection models' loaders do: scaled so that its longer side fills
+    the canvas (``interpolation``), in the top-left corner, zero padding beside it; its
+    boxes and masks follow (:func:`letterbox`). Such an item carries ``scale`` and
+    ``original_size`` (height, width), with which evaluation maps detections back to the
+    file's pixels, where COCO's own evaluation compares them with the annotations.
 
     Attributes:
         annotation_file: the annotation file, for ``COCO(annotation_file)`` / ``COCOeval``.
@@ -287,13 +296,14 @@ class CocoDetection(SkippingDataset):
         image_root: str | os.PathLike,
         *,
         image_size: int | None = None,
+        interpolation: str = "bilinear",
         strict: bool = False,
     ) -> None:
         super().__init__(strict=strict)
         self.image_root = str(image_root)
         self.index = load_coco_index(annotation_file, self.image_root)
-        if image_size is not None:
-            require_image_size(self.index, image_size)
+        self.image_size = image_size
+        self.resample = pil_resample(interpolation)
         self.annotation_file = self.index.annotation_file
         self.categories = self.index.categories
         self.category_ids = self.index.category_ids
@@ -318,7 +328,16 @@ class CocoDetection(SkippingDataset):
             raise CorruptDataError(
                 source, f"image is {img.size[0]}x{img.size[1]}, the annotation file says {width}x{height}"
             )
-        return image_to_tensor(img), self.target(image_id)
+        target = self.target(image_id)
+        canvas = self.image_size
+        if canvas is None or (width, height) == (canvas, canvas):
+            return image_to_tensor(img), target
+        scale = canvas / max(width, height)
+        inner = (max(1, round(width * scale)), max(1, round(height * scale)))
+        image = torch.zeros((3, canvas, canvas), dtype=torch.float32)
+        image[:, : inner[1], : inner[0]] = image_to_tensor(img.resize(inner, self.resample))
+        boxed = letterbox(target, scale, (height, width), canvas)
+        return image, {**boxed, "scale": torch.tensor(scale), "original_size": torch.tensor([height, width])}
 
     def target(self, image_id: int) -> dict[str, torch.Tensor]:
         """The target of image ``image_id`` (no pixels read)."""

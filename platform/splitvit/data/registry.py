@@ -52,9 +52,9 @@ def _fashion_mnist_pool(opts: dict[str, Any], split: str) -> tuple[np.ndarray, n
     return fashion_mnist_split(split, root, val_size=int(opts.pop("val_size", 5000)), download=download)
 
 
-def _coco(opts: dict[str, Any], split: str, image_size: int) -> CocoDetection:
+def _coco(opts: dict[str, Any], split: str, image_size: int, interpolation: str) -> CocoDetection:
     """COCO instances of ``split`` from its ``<split>_annotations`` file and ``<split>_images``
-    folder; every image must be ``image_size`` square (checked on the annotation file, up front)."""
+    folder, letterboxed onto the ``image_size`` canvas."""
     paths = {}
     for kind, what in (("annotations", "FILE"), ("images", "FOLDER")):
         key = f"{split}_{kind}"
@@ -62,7 +62,11 @@ def _coco(opts: dict[str, Any], split: str, image_size: int) -> CocoDetection:
             raise ValueError(f"dataset 'coco' needs option {key}={what} for the {split} split")
         paths[kind] = str(opts[key])
     return CocoDetection(
-        paths["annotations"], paths["images"], image_size=image_size, strict=bool(opts.get("strict", False))
+        paths["annotations"],
+        paths["images"],
+        image_size=image_size,
+        interpolation=interpolation,
+        strict=bool(opts.get("strict", False)),
     )
 
 
@@ -81,8 +85,8 @@ def build_dataset(
 
     ``interpolation`` (timm's name, the model's ``data_config["interpolation"]``)
     resizes the images of file-backed datasets (imagefolder, ade20k, parquet);
-    procedural ones draw at ``image_size`` and need none. ``coco`` resizes nothing
-    (boxes and masks would have to follow): its images must be ``image_size`` square.
+    procedural ones draw at ``image_size`` and need none. ``coco`` letterboxes its images
+    onto the ``image_size`` square, boxes and masks with them.
 
     Splits of a procedural dataset differ by seed, so they never share images;
     Fashion-MNIST's val split is a fixed held-out slice of its train files. Raises
@@ -111,7 +115,7 @@ def build_dataset(
     if name == "coco":
         splits = [f"{s}_{kind}" for s in _SPLIT_SEED for kind in ("annotations", "images")]
         _check_options(name, opts, {*splits, "strict", "verify"})
-        return _file_backed(_coco(opts, split, image_size), samples, bool(opts.get("verify", False)))
+        return _file_backed(_coco(opts, split, image_size, interpolation), samples, bool(opts.get("verify", False)))
     if name in ("imagefolder", "ade20k"):
         _check_options(name, opts, {"root", "strict", "verify"})
         if not opts.get("root"):

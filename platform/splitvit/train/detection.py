@@ -189,6 +189,31 @@ class DetectionTotals:
         return result
 
 
+def to_original_pixels(found: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detections on a letterboxed canvas (the target has ``scale`` and ``original_size``:
+    :func:`splitvit.data.coco.letterbox`) in the file's own pixels, where COCO's
+    evaluation compares them with its annotations: boxes divided by the scale, masks cut
+    from the padding and resized back. Other detections are returned as they are."""
+    if "scale" not in target:
+        return found
+    scale = float(target["scale"])
+    height, width = (int(v) for v in target["original_size"].tolist())
+    inner = (max(1, round(height * scale)), max(1, round(width * scale)))
+    boxes = found["boxes"] / scale
+    boxes = torch.minimum(boxes.clamp(min=0), boxes.new_tensor([width, height, width, height]))
+    mapped = {**found, "boxes": boxes}
+    if "masks" in found:
+        masks = found["masks"][..., : inner[0], : inner[1]]
+        if masks.dim() == 3:
+            masks = masks[:, None]
+        mapped["masks"] = (
+            torch.nn.functional.interpolate(masks.float(), size=(height, width), mode="bilinear", align_corners=False)
+            if len(masks)
+            else masks.new_zeros((0, 1, height, width))
+        )
+    return mapped
+
+
 @torch.no_grad()
 def evaluate_detection_totals(
     detector: SplitDetector,
@@ -200,8 +225,9 @@ def evaluate_detection_totals(
 ) -> DetectionTotals:
     """Detect on every batch (the detector in evaluation mode, restored afterwards) and
     keep the totals: tokens, time in forward passes, and each detection as a COCO
-    record (``label_to_category[k]``: label ``k``'s COCO category id; image ids from
-    the targets' ``image_id``)."""
+    record in the image file's pixels (:func:`to_original_pixels`;
+    ``label_to_category[k]``: label ``k``'s COCO category id; image ids from the
+    targets' ``image_id``)."""
     was_training = detector.training
     detector.eval()
     totals = DetectionTotals()
@@ -213,7 +239,8 @@ def evaluate_detection_totals(
             out = detector(images, thresholds=thresholds)
             totals.elapsed += time.perf_counter() - start
             ids = [int(t["image_id"]) for t in targets]
-            totals.records += detection_records(ids, out.detections, label_to_category)
+            found = [to_original_pixels(d, t) for d, t in zip(out.detections, targets)]
+            totals.records += detection_records(ids, found, label_to_category)
             totals.image_ids += ids
             totals.images += images.shape[0]
             totals.tokens += int(out.split.tokens.sum())
