@@ -291,6 +291,11 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert [m.step for m in client.get_metric_history(run_id, "box_ap")] == [0, 1]
     artifacts = {a.path for a in client.list_artifacts(run_id, "per_class_ap")}
     assert artifacts == {"per_class_ap/epoch_0000.json", "per_class_ap/epoch_0001.json"}
+    # each epoch's split maps, the detector's confident detections drawn over them
+    assert {a.path for a in client.list_artifacts(run_id, "split_maps")} == {
+        "split_maps/epoch_0000.png",
+        "split_maps/epoch_0001.png",
+    }
     per_class = json.loads(
         Path(client.download_artifacts(run_id, "per_class_ap/epoch_0001.json", str(tmp_path))).read_text()
     )
@@ -305,7 +310,9 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     # the quadtree its backbone draws (the boxes and masks are not drawn yet)
     png = tmp_path / "viz.png"
     argv = ["viz", "--checkpoint", result["checkpoint_uri"], "--dataset", "fashion-det", "--root", str(root)]
-    assert main([*argv, "--count", "2", "--out", str(png)]) == 0 and png.stat().st_size > 0
+    drawn = tmp_path / "viz.json"
+    assert main([*argv, "--count", "2", "--out", str(png), "--json", str(drawn)]) == 0 and png.stat().st_size > 0
+    assert len(json.loads(drawn.read_text())["detections"]) == 2  # detections drawn per image (any may be 0)
 
 
 def test_what_does_not_run_detectors_yet_says_so_in_one_line(tmp_path, capsys):
@@ -400,3 +407,31 @@ def test_letterboxed_coco_images_are_evaluated_in_their_own_pixels(tmp_path):
         for _, t in (data[i] for i in range(len(data)))
     ]
     assert coco_evaluate(load_ground_truth(document), sum(plain, []), iou_types=("bbox",))["bbox"]["AP"] < 0.5
+
+
+def test_split_maps_draw_confident_detections_over_the_quadtree():
+    """Boxes scoring at least MIN_SCORE are outlined (and their masks tinted) in the
+    detection colour, each labelled; less confident ones are not drawn."""
+    import numpy as np
+
+    from splitvit.model.quadtree import QuadtreeGeometry
+    from splitvit.tracking.split_maps import DETECTION_COLOUR, MIN_SCORE, split_map_grid
+
+    geometry = QuadtreeGeometry((32, 32), patch_size=8, levels=2)
+    image = torch.zeros(1, 3, 32, 32)
+    decisions = [torch.zeros(1, *geometry.grid(0), dtype=torch.bool)]
+    masks = torch.zeros(2, 1, 32, 32)
+    masks[0, 0, 4:12, 4:12] = 1.0
+    masks[1, 0, 20:28, 20:28] = 1.0
+    found = {
+        "boxes": torch.tensor([[4.0, 4.0, 12.0, 12.0], [20.0, 20.0, 28.0, 28.0]]),
+        "labels": torch.tensor([1, 2]),
+        "scores": torch.tensor([MIN_SCORE + 0.3, MIN_SCORE - 0.3]),
+        "masks": masks,
+    }
+    grid = np.asarray(split_map_grid(image, decisions, geometry, detections=[found], names=["a", "b"], scale=4))
+    magenta = (grid == np.array(DETECTION_COLOUR)).all(-1)
+    assert magenta[4 * 4 : 12 * 4, 4 * 4].any()  # the confident box's left edge
+    assert not magenta[20 * 4 : 28 * 4, 20 * 4 : 28 * 4].any()  # the other is not drawn
+    tinted = grid[8 * 4 + 2, 8 * 4 + 2]  # inside the confident mask: half magenta over black
+    assert tuple(tinted) == tuple(np.array(DETECTION_COLOUR) // 2)

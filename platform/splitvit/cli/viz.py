@@ -38,36 +38,46 @@ def run(args: argparse.Namespace) -> int:
 
     from ..data import build_dataset
     from ..model.detection import split_backbone
-    from ..tracking.split_maps import split_map_grid
+    from ..tracking.split_maps import MIN_SCORE, split_map_grid
     from ..train.checkpoints import load_payload, model_from_payload
     from ..train.demo import build_demo_model
 
     if checkpoint:
         overrides = {"policy": args.policy} if args.policy else {}
         # a missing, truncated or foreign file is one error line naming it
-        # a detector's quadtree is its backbone's (its boxes and masks are not drawn yet)
-        model = split_backbone(model_from_payload(load_payload(checkpoint), checkpoint, **overrides))
+        model = model_from_payload(load_payload(checkpoint), checkpoint, **overrides)
     else:
         model = build_demo_model(args.policy or "entropy")
     model.eval()
-    size = model.geometry.image_size[0]
+    backbone = split_backbone(model)  # a detector's quadtree is its backbone's
+    size = backbone.geometry.image_size[0]
     options = {"num_samples": args.count} if args.dataset == "synthetic" else {}
     if args.root:
         options["uri" if args.dataset == "parquet" else "root"] = args.root
-    interpolation = model.data_config["interpolation"]
+    interpolation = backbone.data_config["interpolation"]
     data = build_dataset(args.dataset, "val", image_size=size, interpolation=interpolation, seed=args.seed, **options)
     count = min(args.count, len(data))
     images = torch.stack([data[i][0] for i in range(count)])
     with torch.no_grad():
         out = model(images, thresholds=thresholds)
-    captions = [f"{int(t)} tok" for t in out.tokens]
-    split_map_grid(images, out.decisions, model.geometry, captions).save(args.out)
+    detections = getattr(out, "detections", None)  # a detector's: drawn over its quadtree
+    split = out.split if detections is not None else out
+    captions = [f"{int(t)} tok" for t in split.tokens]
+    if detections is not None:
+        drawn = [int((d["scores"] >= MIN_SCORE).sum()) for d in detections]
+        captions = [f"{c}, {n} found" for c, n in zip(captions, drawn)]
+    names = list(getattr(data, "categories", []) or []) or None
+    split_map_grid(images, split.decisions, backbone.geometry, captions, detections=detections, names=names).save(
+        args.out
+    )
     print(
-        f"wrote {args.out}: {model.policy.name} policy, "
-        f"mean {out.tokens.float().mean():.1f} of {out.full_tokens} tokens"
+        f"wrote {args.out}: {backbone.policy.name} policy, "
+        f"mean {split.tokens.float().mean():.1f} of {split.full_tokens} tokens"
+        + (f", detections scoring >= {MIN_SCORE} drawn" if detections is not None else "")
     )
-    emit(
-        args,
-        {"png": args.out, "policy": model.policy.name, "tokens": out.tokens.tolist(), "full_tokens": out.full_tokens},
-    )
+    result = {"png": args.out, "policy": backbone.policy.name, "tokens": split.tokens.tolist()}
+    result["full_tokens"] = split.full_tokens
+    if detections is not None:
+        result["detections"] = drawn
+    emit(args, result)
     return 0

@@ -1094,9 +1094,7 @@ def _log_epoch(worker: _Worker, epoch: int, metrics: dict[str, float]) -> None:
             worker.tracker.log_dict(worker.per_class, f"per_class_ap/epoch_{epoch:04d}.json")
         if tracking.split_map_images > 0:
             worker.tracker.log_image(
-                _draw_split_maps(
-                    split_backbone(worker.model), worker.data.val_set, tracking.split_map_images, worker.device
-                ),
+                _draw_split_maps(worker.model, worker.data.val_set, tracking.split_map_images, worker.device),
                 f"split_maps/epoch_{epoch:04d}.png",
             )
 
@@ -1132,7 +1130,8 @@ def _first_error(own: BaseException | None, world: int) -> BaseException:
 @torch.no_grad()
 def _draw_split_maps(model: nn.Module, dataset: Any, count: int, device: torch.device) -> Image.Image:
     """The policy's quadtree over the first ``count`` images of ``dataset``, as one
-    captioned grid image (tokens kept per image)."""
+    captioned grid image (tokens kept per image); a detector's confident detections
+    drawn over it."""
     from ..tracking.split_maps import split_map_grid
 
     count = min(count, len(dataset))
@@ -1141,5 +1140,14 @@ def _draw_split_maps(model: nn.Module, dataset: Any, count: int, device: torch.d
     model.eval()
     out = model(images.to(device))
     model.train(was_training)
-    captions = [f"{int(t)}/{out.full_tokens} tok" for t in out.tokens]
-    return split_map_grid(images, [d.cpu() for d in out.decisions], model.geometry, captions)
+    detections = getattr(out, "detections", None)
+    split = out.split if detections is not None else out
+    captions = [f"{int(t)}/{split.full_tokens} tok" for t in split.tokens]
+    return split_map_grid(
+        images,
+        [d.cpu() for d in split.decisions],
+        split_backbone(model).geometry,
+        captions,
+        detections=detections,
+        names=list(getattr(dataset, "categories", []) or []) or None,
+    )
