@@ -36,7 +36,7 @@ from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
-from .splitvit import SplitOutput, SplitViT
+from .splitvit import SplitOutput, SplitViT, checkpoint_spec, load_checkpoint_state
 
 #: ViTDet's pyramid: the fine map upsampled 4x and 2x, as it is, and pooled 2x.
 PYRAMID_SCALES = (4.0, 2.0, 1.0, 0.5)
@@ -362,23 +362,14 @@ class SplitDetector(nn.Module):
         :meth:`SplitViT.from_checkpoint` does)."""
         if payload.get("kind") != "detector":
             raise ValueError("not a detector checkpoint (a SplitViT's? load it with SplitViT.load)")
-        spec = {**payload["spec"], **overrides, "pretrained": False}
-        name = spec.pop("name")
-        spec.pop("num_classes", None)
-        if payload.get("data_config") is not None:
-            spec.setdefault("data_config", payload["data_config"])
+        spec = checkpoint_spec(payload, overrides)
+        spec.pop("num_classes", None)  # the backbone has no head; the detector's classes are its own
         options = dict(payload["detector"])
         num_classes, channels = options.pop("num_classes"), options.pop("pyramid_channels")
         model = cls.from_timm(
-            name, num_classes=num_classes, pyramid_channels=channels, detector_options=options, **spec
+            spec.pop("name"), num_classes=num_classes, pyramid_channels=channels, detector_options=options, **spec
         )
-        state = payload["state_dict"]
-        if overrides.get("policy", payload["spec"].get("policy")) != payload["spec"].get("policy"):
-            # as SplitViT.from_checkpoint: another policy has other (or no) parameters
-            state = {k: v for k, v in state.items() if not k.startswith("backbone.policy.")}
-            model.load_state_dict(state, strict=False)
-        else:
-            model.load_state_dict(state)
+        load_checkpoint_state(model, payload, overrides, prefix="backbone.")
         return model
 
     @classmethod

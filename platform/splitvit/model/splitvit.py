@@ -409,20 +409,9 @@ class SplitViT(nn.Module):
     @classmethod
     def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> SplitViT:
         """Rebuild from a payload written by :meth:`save` (``overrides`` change the spec, e.g. the policy)."""
-        spec = {**payload["spec"], **overrides}
-        name = spec.pop("name")
-        # the saved data config, not the one timm resolves today: a trained model keeps its
-        # own (mean and std also come back with the state dict's buffers)
-        if payload.get("data_config") is not None:
-            spec.setdefault("data_config", payload["data_config"])
-        model = cls.from_timm(name, **spec)
-        state = payload["state_dict"]
-        if overrides.get("policy", payload["spec"].get("policy")) != payload["spec"].get("policy"):
-            # a different policy has different (or no) parameters; keep the backbone's
-            state = {k: v for k, v in state.items() if not k.startswith("policy.")}
-            model.load_state_dict(state, strict=False)
-        else:
-            model.load_state_dict(state)
+        spec = checkpoint_spec(payload, overrides)
+        model = cls.from_timm(spec.pop("name"), **spec)
+        load_checkpoint_state(model, payload, overrides)
         return model
 
     @classmethod
@@ -1193,6 +1182,32 @@ class _LevelEmbeddings:
                 factor = 2 ** (finest - level)
                 patches = model.patch_tokens(self.images, factor) + self._aggregated[level]
         return model.embed_level(self.images, self.geometry, level, self._pos, patches)
+
+
+def checkpoint_spec(payload: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The spec a :meth:`SplitViT.save` payload (or a detector's) rebuilds its SplitViT
+    from: the saved spec, ``overrides`` over it, and the saved data config, not the one
+    timm resolves today (a trained model keeps its own; mean and std also come back
+    with the state dict's buffers)."""
+    spec = {**payload["spec"], **overrides}
+    if payload.get("data_config") is not None:
+        spec.setdefault("data_config", payload["data_config"])
+    return spec
+
+
+def load_checkpoint_state(
+    model: nn.Module, payload: dict[str, Any], overrides: dict[str, Any], prefix: str = ""
+) -> None:
+    """Load a payload's weights into the model rebuilt from it. Under another policy
+    than the saved one (``overrides["policy"]``) the policy's parameters (under
+    ``prefix + "policy."``) are left out: that policy has other (or no) parameters;
+    the backbone's are kept."""
+    state = payload["state_dict"]
+    if overrides.get("policy", payload["spec"].get("policy")) != payload["spec"].get("policy"):
+        state = {k: v for k, v in state.items() if not k.startswith(prefix + "policy.")}
+        model.load_state_dict(state, strict=False)
+    else:
+        model.load_state_dict(state)
 
 
 def _is_patchify_conv(proj: nn.Module, patch: int) -> bool:
