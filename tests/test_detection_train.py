@@ -435,3 +435,26 @@ def test_split_maps_draw_confident_detections_over_the_quadtree():
     assert not magenta[20 * 4 : 28 * 4, 20 * 4 : 28 * 4].any()  # the other is not drawn
     tinted = grid[8 * 4 + 2, 8 * 4 + 2]  # inside the confident mask: half magenta over black
     assert tuple(tinted) == tuple(np.array(DETECTION_COLOUR) // 2)
+
+
+def test_a_classifiers_checkpoint_is_not_loaded_as_a_detector(tmp_path):
+    """SplitDetector.load names what it was given; model_from_payload picks the class by the payload's kind."""
+    from splitvit.model import SplitViT
+    from splitvit.train.checkpoints import model_from_payload
+
+    classifier = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=2,
+        image_size=32,
+        num_classes=4,
+        policy_depth=1,
+        timm_kwargs=dict(patch_size=8, embed_dim=32, depth=1, num_heads=2),
+    )
+    classifier.save(tmp_path / "model.pt")
+    with pytest.raises(ValueError, match="not a detector checkpoint"):
+        SplitDetector.load(tmp_path / "model.pt")
+    payload = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(model_from_payload(payload, str(tmp_path / "model.pt"))) is SplitViT
+    detector("full").save(tmp_path / "detector.pt")
+    payload = torch.load(tmp_path / "detector.pt", weights_only=False)
+    assert type(model_from_payload(payload, str(tmp_path / "detector.pt"))) is SplitDetector
