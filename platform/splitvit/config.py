@@ -83,6 +83,17 @@ def quality_metric(task: str) -> str:
     return TASK_METRICS.get(task, "accuracy")
 
 
+#: Qualities a task is also judged by, beside :func:`quality_metric` (which ranks the
+#: points): a detector's mask AP (COCO's ``segm``), whose parity with full resolution a
+#: study checks on the same operating point as its box AP's.
+COMPANION_METRICS = {"detection": ("mask_ap",)}
+
+
+def companion_metrics(task: str) -> tuple[str, ...]:
+    """The qualities ``task`` is also judged by (:data:`COMPANION_METRICS`; none for most)."""
+    return COMPANION_METRICS.get(task, ())
+
+
 @dataclass
 class ModelConfig:
     """The SplitViT to train (see :meth:`splitvit.model.SplitViT.from_timm`).

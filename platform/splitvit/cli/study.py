@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         f"{reuse_phrase(result.runs)}, {result.seconds / 60:.1f} min"
         + (f"; references from {result.references_dir}" if result.references_dir else "")
     )
+    companions = list(dict.fromkeys(c for r in result.rows for c in r.companions))
+    # a detector's backbone alone, timed beside the whole detector
+    backbones = ["backbone vs full"] if any(r.backbone_speedup_vs_full is not None for r in result.rows) else []
     print_table(
         [
             {
@@ -90,12 +93,28 @@ def run(args: argparse.Namespace) -> int:
                 metric: f"{r.quality:.4f} ± {r.quality_std:.4f}",
                 "min": r.quality_min,
                 "max": r.quality_max,
+                **{c: f"{r.companion(c):.4f}" for c in companions if c in r.companions},
                 "timed images/s": r.timed_images_per_s,
                 "vs full": f"{r.speedup_vs_full:.2f}x" if r.speedup_vs_full is not None else None,
+                "backbone vs full": (
+                    f"{r.backbone_speedup_vs_full:.2f}x" if r.backbone_speedup_vs_full is not None else None
+                ),
             }
             for r in result.rows
         ],
-        ["method", "target ratio", "token ratio", "tokens/image", metric, "min", "max", "timed images/s", "vs full"],
+        [
+            "method",
+            "target ratio",
+            "token ratio",
+            "tokens/image",
+            metric,
+            "min",
+            "max",
+            *companions,
+            "timed images/s",
+            "vs full",
+            *backbones,
+        ],
     )
     print()
     for line in lever_lines(result.levers, metric):

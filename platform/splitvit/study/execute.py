@@ -172,7 +172,7 @@ def execute_study(
     )
     with parent.closed_on_error() if parent is not None else contextlib.nullcontext():
         backbones, runs, failed = _run_stages(spec, executor, reference_storage, train_storage)
-        rows = aggregate(runs, spec.metric)
+        rows = aggregate(runs, spec.metric, spec.companions)
         speed, point_speed = _speed_step(spec, executor, rows, runs)
         rows = with_timed_speed(rows, point_speed)
         seconds = time.time() - started

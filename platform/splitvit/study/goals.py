@@ -49,13 +49,29 @@ class StudyRow:
     # (:func:`~splitvit.study.speed.points_speed`); None where it was not timed
     timed_images_per_s: float | None = None
     speedup_vs_full: float | None = None
+    # a detector's backbone alone, timed beside full resolution's (None elsewhere)
+    backbone_speedup_vs_full: float | None = None
+    # the companion qualities (a detector's mask_ap): metric -> seed (as text) -> value
+    companions: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def companion(self, metric: str) -> float:
+        """Companion quality ``metric``'s mean over seeds."""
+        return statistics.fmean(self.companions[metric].values())
 
     def to_dict(self) -> dict[str, Any]:
         """A row of the study's table, as in its JSON (``rows``; the timed speed's keys
-        only where the point was timed)."""
+        only where the point was timed; each companion quality ``<m>`` with ``<m>_std``
+        and ``per_seed_<m>``)."""
         timed = {}
         if self.speedup_vs_full is not None:
             timed = {"timed_images_per_s": self.timed_images_per_s, "speedup_vs_full": self.speedup_vs_full}
+        if self.backbone_speedup_vs_full is not None:
+            timed["backbone_speedup_vs_full"] = self.backbone_speedup_vs_full
+        companions: dict[str, Any] = {}
+        for metric, values in self.companions.items():
+            companions[metric] = self.companion(metric)
+            companions[f"{metric}_std"] = statistics.stdev(values.values()) if len(values) > 1 else 0.0
+            companions[f"per_seed_{metric}"] = dict(values)
         return {
             "method": self.method,
             "policy": self.policy,
@@ -70,6 +86,7 @@ class StudyRow:
             "images_per_s": self.images_per_s,
             **timed,
             "per_seed": dict(self.per_seed),
+            **companions,
         }
 
     @classmethod
@@ -91,14 +108,44 @@ class StudyRow:
             per_seed=dict(data["per_seed"]),
             timed_images_per_s=data.get("timed_images_per_s"),
             speedup_vs_full=data.get("speedup_vs_full"),
+            backbone_speedup_vs_full=data.get("backbone_speedup_vs_full"),
+            companions={
+                key.removeprefix("per_seed_"): dict(values)
+                for key, values in data.items()
+                if key.startswith("per_seed_")
+            },
         )
+
+
+@dataclass(frozen=True)
+class CompanionGap:
+    """A companion quality's gap to full resolution on a parity verdict's row (a
+    detector's mask AP beside its box AP): ``met`` at most ``goal_points`` below."""
+
+    metric: str
+    quality: float  # the row's mean over seeds
+    full_quality: float
+    gap_points: float  # full's minus the row's, in points
+    gap_std_points: float | None  # its spread over seeds (None: fewer than two seeds)
+    goal_points: float
+    met: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """As in the study's JSON (``goals.match.companions``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CompanionGap:
+        """The inverse of :meth:`to_dict`."""
+        return cls(**_known(cls, data))
 
 
 @dataclass(frozen=True)
 class ParityVerdict:
     """Parity with full resolution at a token share: the most accurate SPLIT row at no
     more than ``max_token_ratio`` of the tokens (measured, within ``ratio_tolerance``)
-    and its gap to full resolution (``met``: at most ``goal_points`` below)."""
+    and its gap to full resolution (``met``: at most ``goal_points`` below, and so is
+    every companion quality's gap on the same row)."""
 
     method: str
     target_ratio: float | None
@@ -111,9 +158,12 @@ class ParityVerdict:
     max_token_ratio: float
     ratio_tolerance: float
     met: bool
+    companions: list[CompanionGap] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """As in the study's JSON (``goals.match``, ``goals.match_also``)."""
+        """As in the study's JSON (``goals.match``, ``goals.match_also``; ``companions``
+        only where the task has them)."""
+        companions = {"companions": [c.to_dict() for c in self.companions]} if self.companions else {}
         return {
             "method": self.method,
             "target_ratio": self.target_ratio,
@@ -125,12 +175,18 @@ class ParityVerdict:
             "max_token_ratio": self.max_token_ratio,
             "ratio_tolerance": self.ratio_tolerance,
             "met": self.met,
+            **companions,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], metric: str) -> ParityVerdict:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
-        return cls(metric=metric, quality=data[metric], **_known(cls, data, skip=("metric", "quality")))
+        return cls(
+            metric=metric,
+            quality=data[metric],
+            companions=[CompanionGap.from_dict(c) for c in data.get("companions", [])],
+            **_known(cls, data, skip=("metric", "quality", "companions")),
+        )
 
 
 @dataclass(frozen=True)
@@ -398,10 +454,11 @@ def _known(cls: type, data: dict[str, Any], skip: Sequence[str] = ()) -> dict[st
 
 
 # ---------------------------------------------------------------------- aggregation
-def aggregate(results: list[dict[str, Any]], metric: str) -> list[StudyRow]:
+def aggregate(results: list[dict[str, Any]], metric: str, companions: Sequence[str] = ()) -> list[StudyRow]:
     """One row per (method, target ratio) of the method runs' stored ``results``: mean,
-    standard deviation, min and max over seeds of the quality, and the means of tokens
-    per image, token ratio and images/s. Full resolution first, then SPLIT, then the rest."""
+    standard deviation, min and max over seeds of the quality, each seed's ``companions``
+    qualities (read from the points by name), and the means of tokens per image, token
+    ratio and images/s. Full resolution first, then SPLIT, then the rest."""
     groups: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
     policies: dict[str, str] = {}
     for result in results:
@@ -426,6 +483,7 @@ def aggregate(results: list[dict[str, Any]], metric: str) -> list[StudyRow]:
                 token_ratio=statistics.fmean(float(p["token_ratio"]) for p in points),
                 images_per_s=statistics.fmean(float(p["images_per_s"]) for p in points),
                 per_seed={str(p["seed"]): float(p["quality"]) for p in points},
+                companions={c: {str(p["seed"]): float(p[c]) for p in points} for c in companions},
             )
         )
     rows.sort(key=lambda r: (r.policy != "full", r.policy != "learned", r.method, r.target_ratio or 0.0))
@@ -484,6 +542,7 @@ def _match(rows: list[StudyRow], full: StudyRow, max_ratio: float, goals: Goals)
         return None
     top = max(within, key=lambda r: r.quality)
     gap = (full.quality - top.quality) * POINTS
+    companions = [_companion_gap(full, top, metric, goals) for metric in top.companions if metric in full.companions]
     return ParityVerdict(
         method=top.method,
         target_ratio=top.target_ratio,
@@ -495,6 +554,28 @@ def _match(rows: list[StudyRow], full: StudyRow, max_ratio: float, goals: Goals)
         goal_points=goals.match_points,
         max_token_ratio=max_ratio,
         ratio_tolerance=goals.ratio_tolerance,
+        met=gap <= goals.match_points + EPS and all(c.met for c in companions),
+        companions=companions,
+    )
+
+
+def _companion_gap(full: StudyRow, row: StudyRow, metric: str, goals: Goals) -> CompanionGap:
+    """``row``'s companion quality ``metric`` against full resolution's, held to the same
+    number of points as the main quality."""
+    gap = (full.companion(metric) - row.companion(metric)) * POINTS
+    seeds = sorted(set(full.companions[metric]) & set(row.companions[metric]))
+    spread = (
+        statistics.stdev((full.companions[metric][s] - row.companions[metric][s]) * POINTS for s in seeds)
+        if len(seeds) > 1
+        else None
+    )
+    return CompanionGap(
+        metric=metric,
+        quality=row.companion(metric),
+        full_quality=full.companion(metric),
+        gap_points=gap,
+        gap_std_points=spread,
+        goal_points=goals.match_points,
         met=gap <= goals.match_points + EPS,
     )
 

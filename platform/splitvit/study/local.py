@@ -337,10 +337,18 @@ def run_study_local(
     Returns the study's result, the machine, stage times, epochs and the backbones'
     results; every run carries its training curves (``history``). Raises
     :class:`~splitvit.study.spec.StudyError` when ``out`` holds runs made with other
-    settings.
+    settings, or for a detection study (this loop trains no detector).
     """
     import torch
 
+    from ..model.names import DETECTION_TASK
+    from .spec import StudyError
+
+    if spec.task == DETECTION_TASK:  # before any folder or run
+        raise StudyError(
+            f"{spec.source}: model.task=detection: the local study loop trains classifiers and dense models; "
+            "run a detection study with `splitvit study` (Ray), on one machine too"
+        )
     started = time.time() if started is None else started
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ _RUN_SPEED_METRICS = (
     ("speedup_vs_full", "speedup_vs_full"),
     ("timed_images_per_s", "images_per_s"),
     ("timed_token_ratio", "token_ratio"),
+    ("backbone_speedup_vs_full", "backbone_speedup_vs_full"),  # a detector's backbone alone (else unset)
 )
 
 
@@ -162,7 +163,7 @@ def _record_run(
         child.close("completed")
         return  # recorded by an earlier run of this study
     # (a run evaluated again logs its new points at the same steps: the latest value is the current one)
-    _record_run_points(client, child.run_id, run, metric)
+    _record_run_points(client, child.run_id, run, (metric, *spec.companions))
     child.log_dict({"points": run["points"], "checkpoint": run["checkpoint"]}, "study_points.json")
     child.close("completed")
 
@@ -178,21 +179,25 @@ def _record_run_speed(client: MlflowClient, run_id: str, run: dict[str, Any], ti
         for row in [timed.get((run["method"], point["target_ratio"]))]
         if row
         for key, field in _RUN_SPEED_METRICS
+        if getattr(row, field, None) is not None
     ]
     if batch:
         client.log_batch(run_id, metrics=batch)
 
 
-def _record_run_points(client: MlflowClient, run_id: str, run: dict[str, Any], metric: str) -> None:
-    """One step per evaluated token ratio: MLflow's metric charts draw the threshold sweep."""
+def _record_run_points(client: MlflowClient, run_id: str, run: dict[str, Any], metrics: tuple[str, ...]) -> None:
+    """One step per evaluated token ratio: MLflow's metric charts draw the threshold sweep
+    (``metrics``: the quality, then its companions, e.g. a detector's ``mask_ap``)."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
+    quality, *companions = metrics
     batch = [
         Metric(key, float(point[src]), now, step)
         for step, point in enumerate(run["points"])
         for key, src in (
-            (metric, "quality"),
+            (quality, "quality"),
+            *((c, c) for c in companions),
             ("tokens_per_image", "tokens_per_image"),
             ("token_ratio", "token_ratio"),
             ("images_per_s", "images_per_s"),
@@ -204,7 +209,7 @@ def _record_run_points(client: MlflowClient, run_id: str, run: dict[str, Any], m
 def _table_rows(result: StudyResult, timed: Timed) -> list[dict[str, Any]]:
     """The parent's table: the study's rows without the per-seed figures and, where the
     points were timed (on one seed: the columns say which), their speed-ups."""
-    flat_rows = [{k: v for k, v in r.to_dict().items() if k != "per_seed"} for r in result.rows]
+    flat_rows = [{k: v for k, v in r.to_dict().items() if not k.startswith("per_seed")} for r in result.rows]
     if timed and result.point_speed:
         for row in flat_rows:
             found = timed.get((row["method"], row["target_ratio"]))
@@ -228,6 +233,8 @@ def _goal_metrics(goals: GoalVerdicts) -> dict[str, float]:
         metrics[f"match_gap_points{suffix}"] = g.gap_points
         if g.gap_std_points is not None:  # the gap's spread over seeds, seed by seed
             metrics[f"match_gap_std_points{suffix}"] = g.gap_std_points
+        for c in g.companions:  # e.g. a detector's mask AP on the same point
+            metrics[f"match_{c.metric}_gap_points{suffix}"] = c.gap_points
     if goals.study_time is not None:
         metrics["study_minutes"] = goals.study_time.minutes
     return metrics

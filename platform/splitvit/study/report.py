@@ -30,13 +30,17 @@ def point_speed_lines(record: PointSpeed | None) -> list[str]:
         f"{record.seed}, batch {record.batch_size}, "
         f"{record.rounds} interleaved rounds on {record.device}):"
     ]
+    if full.backbone_images_per_s is not None:
+        lines[0] += f"; a detector: whole, then its backbone alone ({full.backbone_images_per_s:.0f} images/s)"
     for method in dict.fromkeys(p.method for p in record.points):
         points = [p for p in record.points if p.method == method]
         lines.append(
             f"  {method}: "
             + ", ".join(
                 (f"@{p.target_ratio:g}" if p.target_ratio is not None else "")
-                + f" {p.speedup_vs_full:.2f}x ({p.token_ratio:.0%} tokens)"
+                + f" {p.speedup_vs_full:.2f}x"
+                + (f" (backbone {p.backbone_speedup_vs_full:.2f}x)" if p.backbone_speedup_vs_full is not None else "")
+                + f" ({p.token_ratio:.0%} tokens)"
                 for p in points
             ).strip()
         )
@@ -94,10 +98,17 @@ def _parity_line(g: ParityVerdict) -> str:
     # a share over the goal's counts only within the tolerance: say so where it is used
     tolerated = f" (within the {g.ratio_tolerance:.1%} tolerance)" if over > 1e-9 else ""
     side = "below" if g.gap_points > 0 else "above"
+    # a companion quality (a detector's mask AP) on the same point, held to the same goal
+    also = "".join(
+        f"; {c.metric} {abs(c.gap_points):.2f} points {'below' if c.gap_points > 0 else 'above'} full"
+        + ("" if c.gap_std_points is None else f" (± {c.gap_std_points:.2f})")
+        for c in g.companions
+    )
     return (
         f"SPLIT vs full resolution: best SPLIT at <= {g.max_token_ratio:.0%} tokens is {g.method} @ "
         f"{g.token_ratio:.2%}{tolerated}: {abs(g.gap_points):.2f} points {side} "
-        f"full{spread} (goal: at most {g.goal_points} below): "
+        f"full{spread}{also} (goal: at most {g.goal_points} below"
+        f"{' on each' if g.companions else ''}): "
         f"{_verdict(g.met)}"
     )
 
@@ -125,10 +136,16 @@ def _study_time_line(g: StudyTime) -> str:
 
 def _speed_line(s: MatchedSpeed) -> str:
     which = "matches full resolution" if s.matches_full else "best SPLIT point (none matches full resolution)"
+    backbone = (
+        ""
+        if s.backbone_ratio is None
+        else f"; backbone alone {s.backbone_split_images_per_s:.0f} vs {s.backbone_full_images_per_s:.0f} "
+        f"images/s = {s.backbone_ratio:.2f}x"
+    )
     return (
         f"speed ({which}: {s.method} @ {s.target_ratio}, seed {s.seed}, batch {s.batch_size} "
         f"on {s.device}): {s.split_images_per_s:.0f} vs {s.full_images_per_s:.0f} images/s = "
-        f"{s.ratio:.2f}x (ideal {s.ideal_ratio:.2f}x at {s.token_fraction:.1%} tokens)"
+        f"{s.ratio:.2f}x{backbone} (ideal {s.ideal_ratio:.2f}x at {s.token_fraction:.1%} tokens)"
     )
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, ExperimentConfig, quality_metric, set_dotted
+from ..config import ConfigError, ExperimentConfig, companion_metrics, quality_metric, set_dotted
 from ..model.names import POLICY_NAMES
 from ..tune.space import SearchSpaceError, _resolve_base
 
@@ -159,10 +159,20 @@ class StudySpec:
         return sorted({self.goals.match_ratio, *self.goals.also_match_at})
 
     @property
+    def task(self) -> str:
+        """Every run's ``model.task``."""
+        return self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification"
+
+    @property
     def metric(self) -> str:
-        return quality_metric(
-            self.config.get("model.task") or (self.base_raw.get("model") or {}).get("task") or "classification"
-        )
+        """The quality the study ranks points by (``accuracy``, ``miou``, ``box_ap``)."""
+        return quality_metric(self.task)
+
+    @property
+    def companions(self) -> tuple[str, ...]:
+        """Qualities aggregated and held to the parity goals beside :attr:`metric` (a
+        detector's ``mask_ap``)."""
+        return companion_metrics(self.task)
 
     def policy(self, method: str) -> str:
         return str(self.methods[method]["model.policy"])
@@ -319,10 +329,6 @@ def load_study(
         scale=scale,
         overrides=settings,
     )
-    if spec.metric == "box_ap":  # the evaluation at matched ratios and the speed step score classifiers
-        raise SearchSpaceError(
-            source, "base", "model.task=detection: studies do not run detectors yet; `splitvit train` and `eval` do"
-        )
     # every run's config, validated now: a bad key stops here, before Ray starts (the
     # settings' own checks at every run first: those need no torch)
     for only in (True,) if settings_only else (True, False):

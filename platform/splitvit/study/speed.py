@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..tune.speed import FullTiming, SpeedRecord, TimedPoint
+from ..tune.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
 from .goals import StudyRow, matched_point
 from .spec import StudySpec
 
@@ -41,10 +41,14 @@ class SpeedComparison:
     full_images_per_s: float
     ratio: float  # median full seconds / median SPLIT seconds: the measured speed-up
     ratio_fastest_round: float  # the same of the fastest rounds
+    # a detector's backbones alone, timed in the same rounds (None for a classifier)
+    backbone_split_images_per_s: float | None = field(default=None, kw_only=True)
+    backbone_full_images_per_s: float | None = field(default=None, kw_only=True)
+    backbone_ratio: float | None = field(default=None, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form: one key per field, in field order."""
-        return asdict(self)
+        """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
+        return without_unset_backbone(asdict(self))
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class MatchedSpeed(SpeedComparison):
 
     def to_dict(self) -> dict[str, Any]:
         """As in the study's JSON: the comparison's keys, then the point's."""
-        data = asdict(self)
+        data = without_unset_backbone(asdict(self))
         del data["metric"], data["quality"]
         data[self.metric] = self.quality
         return data
@@ -68,8 +72,7 @@ class MatchedSpeed(SpeedComparison):
     @classmethod
     def from_dict(cls, data: dict[str, Any], metric: str) -> MatchedSpeed:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
-        values = {f.name: data[f.name] for f in fields(cls) if f.name not in ("metric", "quality")}
-        return cls(**values, metric=metric, quality=data[metric])
+        return cls(**read_speed_fields(cls, {**data, "metric": metric, "quality": data[metric]}))
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class PointSpeed(SpeedRecord):
     def to_dict(self) -> dict[str, Any]:
         """As in the study's JSON: the timing record, the first full-resolution model
         labelled with its ``method`` and ``seed``, then ``seed``."""
-        data = asdict(self)
+        data = SpeedRecord.to_dict(self)
         del data["full_method"]
         data["full"][0].update({"method": self.full_method, "seed": self.seed})
         return data
@@ -129,6 +132,7 @@ def speed_comparison(
     import torch
 
     from ..bench.timing import time_interleaved
+    from ..model.detection import SplitDetector
     from ..train.evaluation import CheckpointEvaluator
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
@@ -140,13 +144,25 @@ def speed_comparison(
     sync = torch.cuda.synchronize if images.device.type == "cuda" else (lambda: None)
     with torch.no_grad(), split_eval.autocast():  # the precision the study evaluated in
         tokens = split_eval.model(images, thresholds=thresholds)
+        tokens = getattr(tokens, "split", tokens)  # a detector's backbone output
         fns = {
             "split": lambda: split_eval.model(images, thresholds=thresholds),
             "full": lambda: full_eval.model(images),
         }
+        detector = isinstance(split_eval.model, SplitDetector)
+        if detector:  # and each backbone alone, in the same rounds
+            fns["split_backbone"] = lambda: split_eval.model.backbone.fine_features(images, thresholds=thresholds)
+            fns["full_backbone"] = lambda: full_eval.model.backbone.fine_features(images)
         times = time_interleaved(fns, repeats=rounds, warmup=2, sync=sync)
     fraction = float(tokens.tokens.float().mean()) / tokens.full_tokens
     median = {k: statistics.median(v) for k, v in times.items()}
+    backbone = {}
+    if detector:
+        backbone = {
+            "backbone_split_images_per_s": batch_size / median["split_backbone"],
+            "backbone_full_images_per_s": batch_size / median["full_backbone"],
+            "backbone_ratio": median["full_backbone"] / median["split_backbone"],
+        }
     return SpeedComparison(
         batch_size=batch_size,
         rounds=rounds,
@@ -158,6 +174,7 @@ def speed_comparison(
         full_images_per_s=batch_size / median["full"],
         ratio=median["full"] / median["split"],
         ratio_fastest_round=min(times["full"]) / min(times["split"]),
+        **backbone,
     )
 
 
@@ -283,8 +300,18 @@ def with_timed_speed(rows: list[StudyRow], record: PointSpeed | None) -> list[St
         if found is None:
             out.append(row)
             continue
-        speedup = found.speedup_vs_full if isinstance(found, StudyTimedPoint) else 1.0
-        out.append(replace(row, timed_images_per_s=found.images_per_s, speedup_vs_full=speedup))
+        is_point = isinstance(found, StudyTimedPoint)  # else the full method's model, at 1.0x
+        speedup = found.speedup_vs_full if is_point else 1.0
+        # a detector's backbone alone
+        backbone = None if found.backbone_images_per_s is None else found.backbone_speedup_vs_full if is_point else 1.0
+        out.append(
+            replace(
+                row,
+                timed_images_per_s=found.images_per_s,
+                speedup_vs_full=speedup,
+                backbone_speedup_vs_full=backbone,
+            )
+        )
     return out
 
 

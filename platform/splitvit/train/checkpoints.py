@@ -264,24 +264,32 @@ def init_weights(model: torch.nn.Module, uri: str | Path) -> list[str]:
     Used to start a run from another run's weights (``model.init_from``), e.g. every
     method of a study from one warmed-up backbone: the policy's own parameters are
     carried over only where both models have them; the split thresholds and the
-    budget a conditioned policy is told never are.
+    budget a conditioned policy is told never are. A detector
+    (:class:`~splitvit.model.detection.SplitDetector`) starts from a detector's
+    checkpoint (every tensor, heads included) or from a classifier's, whose SplitViT
+    becomes its backbone (the heads keep their initialisation).
     Returns the names of ``model``'s
     tensors left as initialised; raises ``ValueError`` when any of the model's ViT
     backbone tensors is missing from the checkpoint or shaped differently (a
     different architecture), the classifier head excepted.
     """
+    from ..model.detection import SplitDetector
     from ..model.splitvit import fill_legacy_normalisation
 
     state = dict(load_payload(uri)["state_dict"])
+    # a SplitViT's tensors sit under "backbone." in a detector
+    prefix = "backbone." if isinstance(model, SplitDetector) else ""
+    if prefix and not any(k.startswith(prefix) for k in state):
+        state = {prefix + k: v for k, v in state.items()}  # a classifier's checkpoint: its SplitViT
     # an older checkpoint's backbone was trained on un-normalised inputs: its
     # normalisation (mean 0, std 1) comes with its weights, like the newer ones'
-    fill_legacy_normalisation(state)
+    fill_legacy_normalisation(state, prefix)
     own = model.state_dict()
     # the split thresholds and the budget the policy is told are the run's own settings
     # (or its calibration), not weights
-    settings = ("thresholds", "budget")
+    settings = (prefix + "thresholds", prefix + "budget")
     matched = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape and k not in settings}
-    backbone = [k for k in own if k.startswith("vit.") and not k.startswith("vit.head.")]
+    backbone = [k for k in own if k.startswith(prefix + "vit.") and not k.startswith(prefix + "vit.head.")]
     missing = [k for k in backbone if k not in matched]
     if missing:
         raise ValueError(

@@ -436,12 +436,6 @@ def space_from_dict(
         description=str(raw.get("description") or ""),
     )
     _validate_settings(space)
-    if space.quality_metric == "box_ap":
-        # stage two, the baselines and the speed step time and score classifiers; until
-        # they score detectors, one line here rather than a failure after the trials
-        raise SearchSpaceError(
-            source, "base", "model.task=detection: sweeps do not run detectors yet; `splitvit train` and `eval` do"
-        )
     _validate_against_config(space, settings_only)
     return space
 

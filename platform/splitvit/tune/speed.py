@@ -20,6 +20,13 @@ CUDA, medians), so a figure here means what it means in ``splitvit bench forward
   same ratio from the fastest rounds and the quartiles of the per-round ratio;
 * ``token_ratio`` is measured on the timed batch (tokens per image / full tokens).
 
+A detector's points (:class:`~splitvit.model.detection.SplitDetector` checkpoints) are
+timed twice in the same rounds: the whole detector (backbone, pyramid, proposals and
+RoI heads: the figures above) and its backbone alone (the SplitViT's
+:meth:`~splitvit.model.splitvit.SplitViT.fine_features`: ``backbone_*``), each against
+the full-resolution detector's same part, so the share of the speed-up the heads
+take back is measured rather than inferred.
+
 Points whose checkpoints differ in architecture (model, width, depth, image size,
 levels) are each compared with a full-resolution model of their own architecture;
 all of them run in the same interleaved rounds. Nothing here is judged against a
@@ -34,15 +41,31 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from ..model import SplitViT
+    from ..model.detection import SplitDetector
 
 log = logging.getLogger(__name__)
+
+#: A timed call's name for a detector's backbone alone (``<name>:backbone``).
+BACKBONE_SUFFIX = ":backbone"
+
+
+def without_unset_backbone(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the ``backbone_*`` fields that are ``None`` (a classifier's:
+    its JSON stays as it was before detectors were timed)."""
+    return {k: v for k, v in data.items() if not (k.startswith("backbone_") and v is None)}
+
+
+def read_speed_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``cls``'s fields from ``data``: a missing key raises ``KeyError``, but for the
+    ``backbone_*`` fields (a detector's alone), which default to ``None``."""
+    return {f.name: data.get(f.name) if f.name.startswith("backbone_") else data[f.name] for f in fields(cls) if f.init}
 
 
 @dataclass(frozen=True)
@@ -59,15 +82,18 @@ class FullTiming:
     tokens_per_image: float
     token_ratio: float  # 1.0
     speedup_vs_full: float  # 1.0
+    # a detector's backbone alone, timed in the same rounds (None for a classifier)
+    backbone_median_s: float | None = field(default=None, kw_only=True)
+    backbone_images_per_s: float | None = field(default=None, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form: one key per field, in field order."""
-        return asdict(self)
+        """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
+        return without_unset_backbone(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FullTiming:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        return cls(**read_speed_fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -91,15 +117,21 @@ class TimedPoint:
     speedup_vs_full: float  # median full seconds / median point seconds, same run
     speedup_vs_full_fastest: float  # the same ratio of the fastest rounds
     speedup_vs_full_per_round: dict[str, float]  # median, q1, q3 of the per-round ratio
+    # a detector's backbone alone against the full-resolution detector's, same rounds
+    # (None for a classifier: its figures above are its backbone's)
+    backbone_median_s: float | None = field(default=None, kw_only=True)
+    backbone_images_per_s: float | None = field(default=None, kw_only=True)
+    backbone_full_images_per_s: float | None = field(default=None, kw_only=True)
+    backbone_speedup_vs_full: float | None = field(default=None, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form: one key per field, in field order."""
-        return asdict(self)
+        """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
+        return without_unset_backbone(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TimedPoint:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        return cls(**read_speed_fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -123,7 +155,10 @@ class SpeedRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``frontier_speed`` of a sweep): one key per field, in field order."""
-        return asdict(self)
+        data = asdict(self)
+        data["full"] = [f.to_dict() for f in self.full]
+        data["points"] = [p.to_dict() for p in self.points]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeedRecord:
@@ -149,9 +184,10 @@ def spread(items: list[Any], count: int | None) -> list[Any]:
 def _architecture(payload: dict[str, Any]) -> str:
     """What decides a forward pass's cost apart from the policy and thresholds."""
     spec = payload.get("spec") or {}
-    return json.dumps(
-        {k: v for k, v in spec.items() if not k.startswith("policy") and k != "thresholds"}, sort_keys=True, default=str
-    )
+    kept = {k: v for k, v in spec.items() if not k.startswith("policy") and k != "thresholds"}
+    if "detector" in payload:  # a detector's heads cost time too
+        kept["detector"] = payload["detector"]
+    return json.dumps(kept, sort_keys=True, default=str)
 
 
 @dataclass
@@ -161,7 +197,7 @@ class _Reference:
     key: str
     architecture: str  # :func:`_architecture` of its checkpoint
     checkpoint: str
-    model: SplitViT
+    model: SplitViT | SplitDetector
     images: torch.Tensor
 
 
@@ -180,6 +216,7 @@ class _Prepared:
     token_ratio: float
     call: Callable[[], Any]
     batch: int  # images per call
+    backbone_call: Callable[[], Any] | None  # a detector's backbone alone (else None)
 
 
 def time_operating_points(
@@ -231,7 +268,9 @@ def time_operating_points(
     with ExitStack() as stack:
         stack.enter_context(torch.inference_mode())
         stack.enter_context(autocast())
-        full_tokens = {key: float(ref.model(ref.images).tokens.float().mean()) for key, ref in references.items()}
+        full_tokens = {
+            key: float(_split(ref.model(ref.images)).tokens.float().mean()) for key, ref in references.items()
+        }
         prepared = _prepare_points(points, models, references, arch_of)
         samples, timings, others = _time_calls(references, prepared, batch_size, rounds=rounds, warmup=warmup, dev=dev)
     machine = machine_info(dev)
@@ -246,7 +285,10 @@ def time_operating_points(
         images=f"the first {n} images of the {split or 'validation'} split",
         method="interleaved rounds (bench.time_beside_others); speedup_vs_full = median full-resolution seconds / "
         "median point seconds, same run, same batch",
-        full=[_full_timing(ref, timings[key], full_tokens[key]) for key, ref in references.items()],
+        full=[
+            _full_timing(ref, timings[key], full_tokens[key], timings.get(key + BACKBONE_SUFFIX))
+            for key, ref in references.items()
+        ],
         points=[_timed_point(p, samples, timings) for p in prepared],
         other_processes_cpus=others,
         warnings=_load_warnings(others, machine),
@@ -287,27 +329,44 @@ def _full_models(
 
 def _point_models(
     points: list[dict[str, Any]], payload: Callable[[str], dict[str, Any]], dev: torch.device
-) -> dict[tuple[str, str | None], SplitViT]:
-    """Every point's model, one per (checkpoint, policy), in evaluation mode on ``dev``."""
-    from ..model import SplitViT
+) -> dict[tuple[str, str | None], SplitViT | SplitDetector]:
+    """Every point's model (a SplitViT or a detector), one per (checkpoint, policy), in
+    evaluation mode on ``dev``."""
+    from ..train.checkpoints import model_from_payload
 
-    models: dict[tuple[str, str | None], SplitViT] = {}
+    models: dict[tuple[str, str | None], SplitViT | SplitDetector] = {}
     for p in points:
         key = (p["checkpoint"], p.get("policy"))
         if key not in models:
             overrides = {"policy": p["policy"]} if p.get("policy") else {}
-            models[key] = SplitViT.from_checkpoint(payload(p["checkpoint"]), **overrides).to(dev).eval()
+            models[key] = model_from_payload(payload(p["checkpoint"]), p["checkpoint"], **overrides).to(dev).eval()
     return models
 
 
-def _call(model: SplitViT, images: torch.Tensor, **kwargs: Any) -> Callable[[], Any]:
+def _split(out: Any) -> Any:
+    """The backbone's :class:`~splitvit.model.splitvit.SplitOutput` of a model's output
+    (a detector's carries it as ``split``)."""
+    return getattr(out, "split", out)
+
+
+def _call(model: SplitViT | SplitDetector, images: torch.Tensor, **kwargs: Any) -> Callable[[], Any]:
     """One timed call: ``model`` on ``images``."""
     return functools.partial(model, images, **kwargs)
 
 
+def _backbone_call(model: SplitViT | SplitDetector, images: torch.Tensor, **kwargs: Any) -> Callable[[], Any] | None:
+    """A detector's backbone alone on ``images`` (the fine map its heads read); ``None``
+    for a SplitViT, whose whole call is its backbone's."""
+    from ..model.detection import SplitDetector
+
+    if not isinstance(model, SplitDetector):
+        return None
+    return functools.partial(model.backbone.fine_features, images, **kwargs)
+
+
 def _prepare_points(
     points: list[dict[str, Any]],
-    models: dict[tuple[str, str | None], SplitViT],
+    models: dict[tuple[str, str | None], SplitViT | SplitDetector],
     references: dict[str, _Reference],
     arch_of: dict[str, str],
 ) -> list[_Prepared]:
@@ -315,18 +374,21 @@ def _prepare_points(
     keys = {ref.architecture: key for key, ref in references.items()}
     prepared = []
     for i, p in enumerate(points):
+        from ..model.detection import split_backbone
+
         model = models[(p["checkpoint"], p.get("policy"))]
+        backbone = split_backbone(model)
         ref = references[keys[arch_of[p["checkpoint"]]]]
         thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
-        budget = float(p["budget"]) if model.uses_budget and p.get("budget") is not None else None
-        out = model(ref.images, thresholds=thresholds, budget=budget)
+        budget = float(p["budget"]) if backbone.uses_budget and p.get("budget") is not None else None
+        out = _split(model(ref.images, thresholds=thresholds, budget=budget))
         tokens = float(out.tokens.float().mean())
         prepared.append(
             _Prepared(
                 index=i,
                 label=p.get("label", f"point{i}"),
                 checkpoint=p["checkpoint"],
-                policy=model.policy.name,
+                policy=backbone.policy.name,
                 thresholds=thresholds,
                 budget=budget,
                 full=ref.key,
@@ -334,6 +396,7 @@ def _prepare_points(
                 token_ratio=tokens / out.full_tokens,
                 call=_call(model, ref.images, thresholds=thresholds, budget=budget),
                 batch=int(ref.images.shape[0]),
+                backbone_call=_backbone_call(model, ref.images, thresholds=thresholds, budget=budget),
             )
         )
     return prepared
@@ -367,13 +430,27 @@ def _time_calls(
     fns.update({f"point{p.index}": p.call for p in prepared})
     sizes = {key: int(ref.images.shape[0]) for key, ref in references.items()}  # images per call
     sizes.update({f"point{p.index}": p.batch for p in prepared})
+    # a detector's backbone alone, in the same rounds (its full-resolution one beside it)
+    for key, ref in references.items():
+        backbone = _backbone_call(ref.model, ref.images)
+        if backbone is not None:
+            fns[key + BACKBONE_SUFFIX], sizes[key + BACKBONE_SUFFIX] = backbone, sizes[key]
+    for p in prepared:
+        if p.backbone_call is not None:
+            fns[f"point{p.index}{BACKBONE_SUFFIX}"], sizes[f"point{p.index}{BACKBONE_SUFFIX}"] = (
+                p.backbone_call,
+                p.batch,
+            )
     samples, cpu_samples, others = time_beside_others(fns, repeats=rounds, warmup=warmup, sync=synchronizer(dev))
     timings = {name: timing_summary(s, cpu_samples[name], sizes[name]) for name, s in samples.items()}
     return samples, timings, others
 
 
-def _full_timing(ref: _Reference, timing: dict[str, Any], tokens: float) -> FullTiming:
-    """A full-resolution model's figures (:func:`~splitvit.bench.timing.timing_summary`)."""
+def _full_timing(
+    ref: _Reference, timing: dict[str, Any], tokens: float, backbone: dict[str, Any] | None = None
+) -> FullTiming:
+    """A full-resolution model's figures (:func:`~splitvit.bench.timing.timing_summary`),
+    and a detector's backbone's (``backbone``)."""
     return FullTiming(
         key=ref.key,
         checkpoint=ref.checkpoint,
@@ -384,6 +461,11 @@ def _full_timing(ref: _Reference, timing: dict[str, Any], tokens: float) -> Full
         tokens_per_image=tokens,
         token_ratio=1.0,
         speedup_vs_full=1.0,
+        **(
+            {"backbone_median_s": backbone["median_s"], "backbone_images_per_s": backbone["images_per_s"]}
+            if backbone
+            else {}
+        ),
     )
 
 
@@ -394,6 +476,15 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
     name = f"point{point.index}"
     t, f = timings[name], timings[point.full]
     per_round = [a / b for a, b in zip(samples[point.full], samples[name])]
+    backbone: dict[str, Any] = {}
+    if name + BACKBONE_SUFFIX in timings:  # a detector: its backbone against full resolution's
+        tb, fb = timings[name + BACKBONE_SUFFIX], timings[point.full + BACKBONE_SUFFIX]
+        backbone = {
+            "backbone_median_s": tb["median_s"],
+            "backbone_images_per_s": tb["images_per_s"],
+            "backbone_full_images_per_s": fb["images_per_s"],
+            "backbone_speedup_vs_full": fb["median_s"] / tb["median_s"],
+        }
     return TimedPoint(
         index=point.index,
         label=point.label,
@@ -411,6 +502,7 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
         speedup_vs_full=f["median_s"] / t["median_s"],
         speedup_vs_full_fastest=f["min_s"] / t["min_s"],
         speedup_vs_full_per_round=quartiles(per_round),
+        **backbone,
     )
 
 

@@ -1159,9 +1159,9 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point],
     """Log the models of the frontier points (largest hypervolume contribution first),
     each on its own point run, with the point's thresholds set, named by its point
     (:func:`model_name`)."""
-    from ..model import SplitViT
+    from ..model.detection import split_backbone
     from ..tracking import RunTracker
-    from ..train.checkpoints import load_payload
+    from ..train.checkpoints import load_payload, model_from_payload
 
     limit = space.mlflow.log_models
     # the best point first, so its model is logged whatever the limit (ties in
@@ -1175,16 +1175,17 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point],
         try:
             if point.checkpoint not in payloads:
                 payloads[point.checkpoint] = load_payload(point.checkpoint)
-            model = SplitViT.from_checkpoint(payloads[point.checkpoint]).eval()
-            model.set_thresholds(point.thresholds)
+            model = model_from_payload(payloads[point.checkpoint], point.checkpoint).eval()  # or a detector
+            backbone = split_backbone(model)
+            backbone.set_thresholds(point.thresholds)
             tracker = RunTracker(recorder.tracking_uri, recorder.experiment_id, point.run_id)
             point.model_uri = tracker.log_model(
                 model,
                 name=model_name(point, best),
                 params={
                     "thresholds": json.dumps(point.thresholds),
-                    "levels": model.levels,
-                    "policy": model.policy.name,
+                    "levels": backbone.levels,
+                    "policy": backbone.policy.name,
                 },
             )
             log.info(

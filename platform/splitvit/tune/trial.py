@@ -241,5 +241,7 @@ def trained_thresholds(config: ExperimentConfig, checkpoint: str | None) -> list
 
         if checkpoint is None:
             raise TrialFailed("thresholds are calibrated (auto) but training left no checkpoint to read them from")
-        return [float(x) for x in load_payload(checkpoint)["state_dict"]["thresholds"].tolist()]
+        state = load_payload(checkpoint)["state_dict"]
+        # a detector's backbone holds them under its prefix
+        return [float(x) for x in state.get("thresholds", state.get("backbone.thresholds")).tolist()]
     return [float(t)] * (config.model.levels - 1) if isinstance(t, (int, float)) else [float(x) for x in t]
