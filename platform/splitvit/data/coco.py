@@ -225,12 +225,10 @@ def letterbox(
     height, width = size
     inner = (max(1, round(height * scale)), max(1, round(width * scale)))
     masks = target["masks"]
-    if len(masks):
-        masks = torch.nn.functional.interpolate(masks[:, None].float(), size=inner, mode="nearest")[:, 0].to(
-            torch.uint8
-        )
     padded = torch.zeros((len(masks), canvas, canvas), dtype=torch.uint8)
-    padded[:, : inner[0], : inner[1]] = masks
+    if len(masks):  # an image without objects has nothing to resize (and its (0, h, w) would not fit)
+        masks = torch.nn.functional.interpolate(masks[:, None].float(), size=inner, mode="nearest")[:, 0]
+        padded[:, : inner[0], : inner[1]] = masks.to(torch.uint8)
     boxes = (target["boxes"] * scale).clamp(min=0)
     boxes = torch.minimum(boxes, torch.tensor([inner[1], inner[0], inner[1], inner[0]], dtype=boxes.dtype))
     return {**target, "boxes": boxes, "masks": padded}
