@@ -159,12 +159,8 @@ def test_the_shipped_detection_config_validates():
         (
             ["data.name=synthetic"],
             "data.name",
-            "model.task=detection needs a detection dataset (fashion-det, coco): 'synthetic' has no object boxes",
-        ),
-        (
-            ["data.name=parquet"],
-            "data.name",
-            "parquet shards hold classification or dense items only (no boxes yet)",
+            "model.task=detection needs a detection dataset (fashion-det, coco, or parquet shards of one): "
+            "'synthetic' has no object boxes",
         ),
         (
             ["model.task=classification"],

@@ -23,10 +23,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         parents=[common_options(None)],
         help="write a dataset split as parquet shards to a folder or s3://bucket/prefix",
     )
-    prep.add_argument("dataset", help="dataset name (see splitvit.data.DATASET_NAMES)")
+    prep.add_argument(
+        "dataset",
+        help="dataset name (see splitvit.data.DATASET_NAMES); coco and fashion-det give detection shards that "
+        "keep boxes, masks and the COCO ground truth",
+    )
     prep.add_argument("--split", default="train", choices=["train", "val", "test"])
     prep.add_argument("--out", required=True, help="output folder or s3://bucket/prefix")
-    prep.add_argument("--image-size", type=int, default=64, help="side of the stored images")
+    prep.add_argument(
+        "--image-size", type=int, default=64, help="side of the stored images (detection: the model's canvas)"
+    )
+    prep.add_argument(
+        "--interpolation",
+        default="bicubic",
+        help="filter that resizes (coco: letterboxes) the images: the model's, e.g. bicubic, bilinear",
+    )
     prep.add_argument("--seed", type=int, default=0, help="dataset seed")
     prep.add_argument("--root", help="dataset folder (imagefolder, ade20k, Fashion-MNIST files) or shard URI (parquet)")
     prep.add_argument(
@@ -34,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra dataset option, repeatable (e.g. clutter_fraction=0.5)",
+        help="extra dataset option, repeatable (e.g. clutter_fraction=0.5, val_annotations=FILE)",
     )
     prep.add_argument("--limit", type=int, help="write only the first N items")
     prep.add_argument("--rows-per-shard", type=int, default=1000)
@@ -78,7 +89,14 @@ def run_prepare(args: argparse.Namespace) -> int:
         options["uri" if args.dataset == "parquet" else "root"] = args.root
     if args.strict and args.dataset in ("imagefolder", "ade20k", "parquet"):
         options["strict"] = True
-    dataset = build_dataset(args.dataset, args.split, image_size=args.image_size, seed=args.seed, **options)
+    dataset = build_dataset(
+        args.dataset,
+        args.split,
+        image_size=args.image_size,
+        seed=args.seed,
+        interpolation=args.interpolation,
+        **options,
+    )
     result = write_shards(
         dataset,
         args.out,
@@ -88,7 +106,13 @@ def run_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         num_workers=args.workers,
         progress=sys.stderr.isatty(),
-        metadata={"dataset": args.dataset, "split": args.split, "seed": args.seed, "options": options},
+        metadata={
+            "dataset": args.dataset,
+            "split": args.split,
+            "seed": args.seed,
+            "interpolation": args.interpolation,
+            "options": options,
+        },
     )
     payload = {"dataset": args.dataset, "split": args.split, **result.as_dict()}
     payload.pop("extra", None)

@@ -27,7 +27,9 @@ traceback:
 * **data** -- the dataset opens in the driver, has items, and its labels fit
   ``model.num_classes`` (read from the dataset's class list, label list or
   manifest, else from a bounded sample; nothing is rendered or decoded in bulk);
-  a detection set's splits name the same categories, ``model.num_classes`` of them.
+  a detection set's splits name the same categories, ``model.num_classes`` of them;
+  parquet shards hold the task's items (detection shards for ``model.task:
+  detection`` only; their manifest says, read before the shards).
 
 Every other failure raises :class:`PreflightError` (a ``ValueError``), which the
 command line prints as ``splitvit <command>: error: <key>: <reason>``, exit 2.
@@ -560,9 +562,13 @@ def check_data(config: ExperimentConfig, splits: Sequence[str] | None = None) ->
     for split in splits:
         key = _data_key(options, split)
         try:
+            if d.name == "parquet" and uri:
+                _check_shard_task(str(uri), split, m.task, key)
             dataset = build_dataset(d.name, split, image_size=m.image_size, seed=d.seed, **options)
         except OSError as exc:  # missing or empty folders, storage
             raise PreflightError(key, _one_line(str(exc))) from None
+        except PreflightError:
+            raise
         except ValueError as exc:  # options the dataset rejects
             raise PreflightError("data", _one_line(str(exc))) from None
         sizes[split] = len(dataset)
@@ -591,6 +597,31 @@ def check_data(config: ExperimentConfig, splits: Sequence[str] | None = None) ->
         + f": {counts} items"
         + (f", {need} {'object ' if categories else ''}classes" if need else "")
     ), source or ""
+
+
+def _check_shard_task(uri: str, split: str, task: str, key: str) -> None:
+    """Raise :class:`PreflightError` (``key``: where the uri is set) unless ``split``'s shards
+    under ``uri`` hold what ``task`` learns, as their manifest says: detection shards
+    for ``model.task: detection``, classification or dense ones for the other tasks.
+    Read before the shards are opened, so this is what a mismatch reports."""
+    from ..data.parquet import resolve_shard_dir
+    from ..data.shards import MANIFEST
+
+    folder, manifest = resolve_shard_dir(uri, split)
+    held = (manifest or {}).get("task")
+    if task == DETECTION_TASK and held != "detection":
+        what = f"{held} shards (no object boxes)" if held else f"shards without a {MANIFEST} (so no detection shards)"
+        raise PreflightError(
+            key,
+            f"{folder} holds {what}, but model.task is 'detection': prepare detection shards "
+            "(`splitvit data prepare coco|fashion-det ...`) or set model.task",
+        )
+    if task != DETECTION_TASK and held == "detection":
+        raise PreflightError(
+            key,
+            f"{folder} holds detection shards (boxes and masks of objects), but model.task is {task!r}: "
+            "set model.task=detection, or point it at classification or dense shards",
+        )
 
 
 def _object_classes(categories: Mapping[str, tuple[str, ...]], named: str, num_classes: int) -> int:

@@ -16,13 +16,14 @@ Built in (``DATASET_NAMES``):
 - ``imagefolder``: ``root/{train,val}/CLASS/*.jpg`` (option ``root``).
 - ``ade20k``: the ADEChallengeData2016 layout (option ``root``).
 - ``parquet``: shards written by ``write_shards`` / ``splitvit data prepare``, in a
-  folder or ``s3://`` prefix (option ``uri`` or ``root``).
+  folder or ``s3://`` prefix (option ``uri`` or ``root``); detection shards (from
+  ``coco`` or ``fashion-det``) give their source's items and COCO ground truth.
 - ``fashion-det``: detection canvases of 2-6 Fashion-MNIST items, with or without
   clutter (``FashionDetection``; options: its keyword arguments, ``root``,
   ``download``, ``val_size``).
 - ``coco``: COCO instances files and their images, local or ``s3://``
   (``CocoDetection``; options ``<split>_annotations``, ``<split>_images``); images
-  must be ``image_size`` square.
+  of another size are letterboxed onto the ``image_size`` square.
 
 Detection items are ``(image, target dict)`` with boxes, labels 1..K, masks,
 iscrowd, area, image_id; ``detection_collate`` batches them (images stacked, targets

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,12 +226,10 @@ def letterbox(
     height, width = size
     inner = (max(1, round(height * scale)), max(1, round(width * scale)))
     masks = target["masks"]
-    if len(masks):
-        masks = torch.nn.functional.interpolate(masks[:, None].float(), size=inner, mode="nearest")[:, 0].to(
-            torch.uint8
-        )
     padded = torch.zeros((len(masks), canvas, canvas), dtype=torch.uint8)
-    padded[:, : inner[0], : inner[1]] = masks
+    if len(masks):  # an image without objects has nothing to resize (and its (0, h, w) would not fit)
+        masks = torch.nn.functional.interpolate(masks[:, None].float(), size=inner, mode="nearest")[:, 0]
+        padded[:, : inner[0], : inner[1]] = masks.to(torch.uint8)
     boxes = (target["boxes"] * scale).clamp(min=0)
     boxes = torch.minimum(boxes, torch.tensor([inner[1], inner[0], inner[1], inner[0]], dtype=boxes.dtype))
     return {**target, "boxes": boxes, "masks": padded}
@@ -245,6 +244,46 @@ def annotation_mask(segmentation: Any, height: int, width: int) -> np.ndarray:
     else:
         rle = segmentation
     return mask_utils.decode(rle)
+
+
+def coco_entries(
+    image: torch.Tensor,
+    target: dict[str, torch.Tensor],
+    category_ids: Sequence[int],
+    first_annotation_id: int,
+    file_name: str | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One item (in :class:`CocoDetection`'s format) as COCO instances entries: its image
+    (``file_name`` default ``<image_id>.png``, the image's own width and height) and its
+    annotations (bbox x, y, w, h from the boxes; area = mask pixels; segmentation =
+    compressed RLE; category id of label ``k`` = ``category_ids[k - 1]``), numbered from
+    ``first_annotation_id`` (COCOeval reads id 0 as "unmatched": start at 1)."""
+    image_id = int(target["image_id"])
+    height, width = image.shape[-2:]
+    entry = {
+        "id": image_id,
+        "file_name": file_name or f"{image_id:06d}.png",
+        "width": int(width),
+        "height": int(height),
+    }
+    annotations = []
+    for box, label, mask, crowd in zip(
+        target["boxes"].tolist(), target["labels"].tolist(), target["masks"].numpy(), target["iscrowd"].tolist()
+    ):
+        rle = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))
+        x1, y1, x2, y2 = box
+        annotations.append(
+            {
+                "id": first_annotation_id + len(annotations),
+                "image_id": image_id,
+                "category_id": int(category_ids[int(label) - 1]),
+                "bbox": [x1, y1, x2 - x1, y2 - y1],
+                "area": int(mask.sum()),
+                "segmentation": {"size": rle["size"], "counts": rle["counts"].decode("ascii")},
+                "iscrowd": int(crowd),
+            }
+        )
+    return entry, annotations
 
 
 def empty_target(image_id: int, height: int, width: int) -> dict[str, torch.Tensor]:
@@ -310,6 +349,10 @@ class CocoDetection(SkippingDataset):
         self.num_classes = len(self.categories) + 1
         self.image_ids = sorted(self.index.images)
         self._label_of = self.index.label_of
+
+    def ground_truth_document(self) -> dict[str, Any]:
+        """The annotation file's document: COCO's ground truth of this set, in the file's pixels."""
+        return self.index.dataset
 
     def raw_len(self) -> int:
         return len(self.image_ids)

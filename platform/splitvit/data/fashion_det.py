@@ -27,12 +27,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from PIL import Image
-from pycocotools import mask as mask_utils
 from torch.utils.data import Dataset
 
 from ..storage import join_uri, write_bytes
 from .cluttered import Canvas, item_intensity, paint_clutter, paint_item, place_tile, tile_with_margin
-from .coco import empty_target
+from .coco import coco_entries, empty_target
 from .fashion_mnist import CLASSES
 
 
@@ -225,35 +224,19 @@ class CocoFiles(NamedTuple):
 def coco_document(dataset: Dataset, on_image: Callable[[int, torch.Tensor], str] | None = None) -> dict[str, Any]:
     """The COCO instances document of every item of ``dataset`` (in
     :class:`~.coco.CocoDetection`'s format, with ``categories`` and ``category_ids``
-    attributes): images, annotations (bbox x, y, w, h; area = mask pixels;
-    segmentation = compressed RLE) and categories. What COCO's evaluation compares
-    detections with; ``on_image(image_id, image)`` is called with every item's image and
-    returns its ``file_name`` (default ``<image_id>.png``, nothing written)."""
-    label_ids = dict(enumerate(dataset.category_ids, start=1))
+    attributes): images, annotations (:func:`~.coco.coco_entries`: bbox x, y, w, h;
+    area = mask pixels; segmentation = compressed RLE; ids from 1) and categories. What
+    COCO's evaluation compares detections with; ``on_image(image_id, image)`` is called
+    with every item's image and returns its ``file_name`` (default ``<image_id>.png``,
+    nothing written)."""
     images: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
     for i in range(len(dataset)):
         image, target = dataset[i]
-        image_id = int(target["image_id"])
-        height, width = image.shape[-2:]
-        name = on_image(image_id, image) if on_image is not None else f"{image_id:06d}.png"
-        images.append({"id": image_id, "file_name": name, "width": int(width), "height": int(height)})
-        for box, label, mask, crowd in zip(
-            target["boxes"].tolist(), target["labels"].tolist(), target["masks"].numpy(), target["iscrowd"].tolist()
-        ):
-            rle = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))
-            x1, y1, x2, y2 = box
-            annotations.append(
-                {
-                    "id": len(annotations) + 1,  # COCOeval reads id 0 as "unmatched": ids start at 1
-                    "image_id": image_id,
-                    "category_id": label_ids[int(label)],
-                    "bbox": [x1, y1, x2 - x1, y2 - y1],
-                    "area": int(mask.sum()),
-                    "segmentation": {"size": rle["size"], "counts": rle["counts"].decode("ascii")},
-                    "iscrowd": int(crowd),
-                }
-            )
+        name = on_image(int(target["image_id"]), image) if on_image is not None else None
+        entry, found = coco_entries(image, target, dataset.category_ids, len(annotations) + 1, name)
+        images.append(entry)
+        annotations += found
     categories = [{"id": cid, "name": name} for cid, name in zip(dataset.category_ids, dataset.categories, strict=True)]
     return {"images": images, "annotations": annotations, "categories": categories}
 

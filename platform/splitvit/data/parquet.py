@@ -12,6 +12,12 @@ a globally shuffled index over a large set reads each group about as many times 
 it has rows. :class:`RowGroupSampler` shuffles instead at two levels, the order of
 row groups and the rows within a window of a few groups, so each group is read once
 per epoch (:func:`training_sampler` picks it for parquet shards).
+
+Detection shards give :class:`~.coco.CocoDetection`'s items (same keys, dtypes and
+shapes) and its ``categories``/``category_ids``; ``ground_truth_document()`` is the
+COCO ground truth stored beside them (a COCO source's own annotations, in its files'
+pixels). They are read at the canvas size they were written at only: boxes, masks and
+a letterbox's scale belong to that canvas.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import torch
 from PIL import Image
+from pycocotools import mask as mask_utils
 from torch.utils.data import Dataset, DistributedSampler
 
 from ..storage import exists, filesystem_for, join_uri, list_files, read_bytes
@@ -71,12 +79,42 @@ def resolve_shard_dir(uri: str, split: str | None) -> tuple[str, dict[str, Any] 
     )
 
 
+def detection_target(data: dict[str, list], row: int, size: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Row ``row`` of a detection row group's columns (``write_shards``'s ``DETECTION_COLUMNS``)
+    as :class:`~.coco.CocoDetection`'s target, on an image of ``size`` (height, width)."""
+    labels = data["labels"][row]
+    counts = data["masks"][row]
+    if counts:
+        rles = [{"size": list(size), "counts": c} for c in counts]
+        masks = np.ascontiguousarray(mask_utils.decode(rles).transpose(2, 0, 1))
+    else:
+        masks = np.zeros((0, *size), dtype=np.uint8)
+    target = {
+        "boxes": torch.tensor(data["boxes"][row], dtype=torch.float32).reshape(len(labels), 4),
+        "labels": torch.tensor(labels, dtype=torch.int64),
+        "masks": torch.from_numpy(masks),
+        "iscrowd": torch.tensor(data["iscrowd"][row], dtype=torch.uint8),
+        "area": torch.tensor(data["area"][row], dtype=torch.float32),
+        "image_id": torch.tensor(data["image_id"][row], dtype=torch.int64),
+    }
+    if data["scale"][row] is not None:  # a letterboxed COCO image
+        target["scale"] = torch.tensor(data["scale"][row], dtype=torch.float32)
+        target["original_size"] = torch.tensor(data["original_size"][row], dtype=torch.int64)
+    return target
+
+
 class ParquetShards(SkippingDataset):
     """All rows of the parquet shards in a folder or ``s3://`` prefix.
 
     Items are ``(image (3, H, W) float in [0, 1], label int | mask (H, W) long)``,
     plus ``object_mask (H, W) bool`` when the shards carry one. Images (and masks)
     are resized to ``image_size`` when they were stored at another size.
+
+    Detection shards (``task == "detection"``) give ``(image, target dict)`` exactly as
+    their source did (:class:`~.coco.CocoDetection`'s format, ``scale`` and
+    ``original_size`` on letterboxed items) and have ``categories``, ``category_ids`` and
+    ``num_classes`` (K + 1) from their manifest; an ``image_size`` other than the stored
+    canvas is refused (prepare them at the model's size).
 
     Args:
         uri: folder or ``s3://bucket/prefix`` with shards (or with ``split/`` subfolders).
@@ -121,6 +159,8 @@ class ParquetShards(SkippingDataset):
         m = self.manifest or {}
         self.num_classes = m.get("num_classes")
         self.classes = m.get("classes")
+        self.categories: tuple[str, ...] | None = tuple(m["categories"]) if "categories" in m else None
+        self.category_ids: tuple[int, ...] | None = tuple(m["category_ids"]) if "category_ids" in m else None
         self.files: list[str] = []
         # footers kept for every process: reopening a file then reads no footer again
         self._metadata: list[pq.FileMetaData] = []
@@ -134,8 +174,8 @@ class ParquetShards(SkippingDataset):
                 self.record_corrupt(exc)  # raises when strict
                 continue
             names = meta.schema.to_arrow_schema().names
-            if "image" not in names or not ({"label", "mask"} & set(names)):
-                raise ValueError(f"{uri_}: not a splitvit shard (columns {names}; need image and label or mask)")
+            if "image" not in names or not ({"label", "mask", "boxes"} & set(names)):
+                raise ValueError(f"{uri_}: not a splitvit shard (columns {names}; need image and label, mask or boxes)")
             if self.columns is None:
                 self.columns = names
             elif set(names) != set(self.columns):
@@ -151,10 +191,38 @@ class ParquetShards(SkippingDataset):
             )
         self._units = np.asarray([(f, g) for f, g, _ in units], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum([n for _, _, n in units])]).astype(np.int64)
-        self.task = "segmentation" if "mask" in self.columns else "classification"
+        self.task = (
+            "detection" if "boxes" in self.columns else "segmentation" if "mask" in self.columns else "classification"
+        )
+        if self.task == "detection":
+            self._check_detection(image_size)
         self._bad_files: set[int] = set()
         self._reset_handles()
         log.info("parquet shards %s: %d rows in %d shards in %s", split, self.raw_len(), len(self.files), self.folder)
+
+    def _check_detection(self, image_size: int | None) -> None:
+        """Detection shards need their manifest (categories, canvas, ground truth) and are
+        read at the canvas they hold: boxes, masks and letterbox scales are that canvas's."""
+        m = self.manifest or {}
+        if not m.get("categories") or not m.get("ground_truth"):
+            raise ValueError(
+                f"{self.folder}: detection shards without their {MANIFEST} categories and ground truth; "
+                "write them with `splitvit data prepare`"
+            )
+        height, width = m["image_size"]
+        if image_size is not None and (height, width) != (image_size, image_size):
+            raise ValueError(
+                f"{self.folder}: detection shards of {width}x{height} canvases read at {image_size} px; their boxes "
+                f"and masks are the stored canvas's: prepare them with --image-size {image_size}, or set "
+                f"model.image_size={height}"
+            )
+
+    def ground_truth_document(self) -> dict[str, Any]:
+        """COCO's ground truth of the images these detection shards hold (their source's own
+        annotations for a COCO file: in its pixels, as COCO's evaluation compares them)."""
+        if self.task != "detection":
+            raise ValueError(f"{self.folder}: {self.task} shards have no COCO ground truth (not detection shards)")
+        return json.loads(read_bytes(join_uri(self.folder, self.manifest["ground_truth"])))
 
     @staticmethod
     def _read_metadata(fs, uri_: str):
@@ -230,6 +298,8 @@ class ParquetShards(SkippingDataset):
         row = raw_index - int(self._starts[unit])
         source = f"{uri_} (row group {group}, row {row})"
         img = decode_image(data["image"][row], source)
+        if self.task == "detection":  # stored at the canvas size (checked when built)
+            return image_to_tensor(img), detection_target(data, row, (img.height, img.width))
         if self.image_size is not None:
             img = fit_square(img, self.image_size, self.resample)
         if "label" in data:

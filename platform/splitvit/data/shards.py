@@ -3,12 +3,22 @@
 Layout of ``out_uri``::
 
     shard-00000.parquet ... shard-NNNNN.parquet
-    _manifest.json        counts, schema, classes; written last
+    _instances.json       detection only: the COCO ground truth of the images held
+    _manifest.json        counts, schema, classes or categories; written last
 
 Columns: ``image`` (PNG bytes), ``label`` (int64, classification) or ``mask``
 (PNG bytes, class ids 0..255, 255 = ignore), ``object_mask`` (PNG bytes, only when
 the dataset yields a third element such as an object/item mask) and ``index`` (the
 item's index in the source dataset). ``ParquetShards`` reads them back.
+
+Detection items ``(image, target dict)`` (:class:`~.coco.CocoDetection`'s format) keep
+their target in typed columns (:data:`DETECTION_COLUMNS`): ``boxes`` (xyxy float32 per
+object), ``labels``, ``iscrowd``, ``area``, ``image_id``, ``masks`` (each instance mask
+as COCO's compressed RLE string, exact whatever overlaps), and for a letterboxed COCO
+image ``scale`` and ``original_size`` (null otherwise). ``_instances.json`` is what
+COCO's evaluation compares detections with: a COCO source's own entries for the images
+written (in the file's pixels), else the items' entries (:func:`~.coco.coco_entries`,
+as :func:`~.fashion_det.coco_document` makes them).
 """
 
 from __future__ import annotations
@@ -27,16 +37,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from PIL import Image
+from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader, Dataset
 
 from ..storage import StorageError, delete_file, exists, filesystem_for, join_uri, list_files, makedirs, write_bytes
+from .coco import coco_entries
 from .common import CorruptDataError
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
+#: Detection shards' COCO ground truth (the images they hold), beside the manifest.
+GROUND_TRUTH = "_instances.json"
 FORMAT = "splitvit-shards/1"
 SHARD_PATTERN = "shard-{:05d}.parquet"
+#: A detection target's fields, each a column (``scale`` and ``original_size``: letterboxed items only).
+DETECTION_COLUMNS = ("boxes", "labels", "masks", "iscrowd", "area", "image_id", "scale", "original_size")
+#: The fields every detection target has.
+DETECTION_REQUIRED = DETECTION_COLUMNS[:6]
 
 
 @dataclass
@@ -88,6 +106,84 @@ def _mask_png(mask: Any, what: str) -> bytes:
     return encode_png(arr.astype(np.uint8))
 
 
+def _numpy(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+def detection_row(i: int, target: dict[str, Any], size: tuple[int, int]) -> dict[str, Any]:
+    """Item ``i``'s detection target as the values of :data:`DETECTION_COLUMNS`; its image
+    is ``size`` (height, width). Instance masks must be 0/1 and the image's size."""
+    unknown = sorted(set(target) - set(DETECTION_COLUMNS))
+    missing = [k for k in DETECTION_REQUIRED if k not in target]
+    if unknown or missing:
+        raise ValueError(
+            f"item {i}: a detection target has {', '.join(DETECTION_REQUIRED)} (and scale, original_size when "
+            f"letterboxed); " + (f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(unknown)}")
+        )
+    labels = _numpy(target["labels"]).astype(np.int64).reshape(-1)
+    n = len(labels)
+    boxes, masks = _numpy(target["boxes"]), _numpy(target["masks"])
+    if boxes.shape != (n, 4) or masks.shape != (n, *size):
+        raise ValueError(
+            f"item {i}: {n} labels need boxes ({n}, 4) and masks ({n}, {size[0]}, {size[1]}) (its image's size), "
+            f"got {tuple(boxes.shape)} and {tuple(masks.shape)}"
+        )
+    if masks.size and masks.max() > 1:
+        raise ValueError(f"item {i}: instance masks are 0/1, got values up to {masks.max()}")
+    rles = mask_utils.encode(np.asfortranarray(masks.astype(np.uint8).transpose(1, 2, 0))) if n else []
+    return {
+        "boxes": boxes.astype(np.float32).tolist(),
+        "labels": labels.tolist(),
+        "masks": [rle["counts"].decode("ascii") for rle in rles],
+        "iscrowd": _numpy(target["iscrowd"]).astype(np.uint8).reshape(-1).tolist(),
+        "area": _numpy(target["area"]).astype(np.float32).reshape(-1).tolist(),
+        "image_id": int(target["image_id"]),
+        "scale": float(target["scale"]) if "scale" in target else None,
+        "original_size": [int(v) for v in _numpy(target["original_size"])] if "original_size" in target else None,
+    }
+
+
+class _GroundTruth:
+    """The COCO document of the detection items written, gathered as they are: a source
+    that keeps its COCO ground truth (``ground_truth_document()``: a COCO file, in its
+    own pixels) gives its entries for each image written, any other the items' own
+    (:func:`~.coco.coco_entries`, numbered in the order written)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        own = getattr(dataset, "ground_truth_document", None)
+        source = own() if own is not None else None
+        self.category_ids = tuple(dataset.category_ids)
+        self.images: list[dict[str, Any]] = []
+        self.annotations: list[dict[str, Any]] = []
+        if source is None:
+            self.rest: dict[str, Any] = {
+                "categories": [
+                    {"id": cid, "name": name} for cid, name in zip(self.category_ids, dataset.categories, strict=True)
+                ]
+            }
+            self.source_images: dict[int, dict[str, Any]] | None = None
+            return
+        self.rest = {k: v for k, v in source.items() if k not in ("images", "annotations")}
+        self.source_images = {image["id"]: image for image in source["images"]}
+        self.source_annotations: dict[int, list[dict[str, Any]]] = {}
+        for ann in source["annotations"]:
+            self.source_annotations.setdefault(ann["image_id"], []).append(ann)
+
+    def add(self, image: Any, target: dict[str, Any]) -> None:
+        """Add an item's image and annotations."""
+        if self.source_images is None:
+            entry, found = coco_entries(image, target, self.category_ids, len(self.annotations) + 1)
+        else:
+            image_id = int(target["image_id"])
+            entry, found = self.source_images[image_id], self.source_annotations.get(image_id, [])
+        self.images.append(entry)
+        self.annotations += found
+
+    def document(self) -> dict[str, Any]:
+        """The COCO instances document of the images added."""
+        return {"images": self.images, "annotations": self.annotations, **self.rest}
+
+
 class _Checked(Dataset):
     """Yields ``("ok", i, item)`` or ``("bad", i, source, reason)`` so that corrupt items can be
     skipped even when they are loaded in DataLoader workers."""
@@ -123,14 +219,14 @@ def _items(dataset: Dataset, indices: list[int], num_workers: int) -> Iterator[t
 
 
 def _existing_shards(out_uri: str, overwrite: bool) -> list[str]:
-    """Shard files and manifest already in ``out_uri``; an error unless ``overwrite``."""
+    """Shard files, ground truth and manifest already in ``out_uri``; an error unless ``overwrite``."""
     if not exists(out_uri):
         return []
     try:
-        old = list_files(out_uri, (".parquet", MANIFEST), recursive=False)
+        old = list_files(out_uri, (".parquet", MANIFEST, GROUND_TRUTH), recursive=False)
     except FileNotFoundError:
         return []
-    old = [u for u in old if u.rsplit("/", 1)[-1].startswith("shard-") or u.endswith(MANIFEST)]
+    old = [u for u in old if u.rsplit("/", 1)[-1].startswith("shard-") or u.endswith((MANIFEST, GROUND_TRUTH))]
     if old and not overwrite:
         raise ValueError(f"{out_uri} already holds shards ({len(old)} files); choose another folder or overwrite")
     return old
@@ -149,10 +245,12 @@ def write_shards(
     num_workers: int = 0,
     progress: bool = False,
 ) -> ShardWriteResult:
-    """Write ``dataset`` (items ``(image, label | mask[, object_mask])``) as parquet shards.
+    """Write ``dataset`` (items ``(image, label | mask[, object_mask])`` or detection items
+    ``(image, target dict)``) as parquet shards.
 
     Args:
-        dataset: any map-style dataset with the item convention of ``splitvit.data``.
+        dataset: any map-style dataset with the item convention of ``splitvit.data``
+            (a detection set also with ``categories`` and ``category_ids``).
         out_uri: a local folder or ``s3://bucket/prefix`` (the bucket must exist).
         rows_per_shard: rows per parquet file.
         row_group_size: rows per row group, the unit a reader fetches for one item;
@@ -164,7 +262,8 @@ def write_shards(
         num_workers: DataLoader workers that load/decode items in parallel.
         progress: show a progress bar.
 
-    Returns the counts; ``_manifest.json`` in ``out_uri`` holds the same and the schema.
+    Returns the counts; ``_manifest.json`` in ``out_uri`` holds the same and the schema
+    (and for detection the categories; ``_instances.json`` their COCO ground truth).
     """
     if rows_per_shard < 1 or row_group_size < 1:
         raise ValueError(f"rows_per_shard and row_group_size must be >= 1, got {rows_per_shard} and {row_group_size}")
@@ -173,11 +272,16 @@ def write_shards(
     if total < 1:
         raise ValueError(f"nothing to write: the dataset has {len(dataset)} items (limit {limit})")
     stale = _prepare_output(out_uri, overwrite)
-    writer = _ShardWriter(out_uri, rows_per_shard, row_group_size)
+    writer = _ShardWriter(out_uri, rows_per_shard, row_group_size, dataset)
     skipped_files = _write_items(writer, dataset, total, strict=strict, num_workers=num_workers, progress=progress)
     if writer.rows == 0:
         raise ValueError(f"no readable items to write to {out_uri} ({len(skipped_files)} corrupt files skipped)")
-    _remove_replaced_shards(stale, writer.shards)
+    written = [s["file"] for s in writer.shards]
+    if writer.ground_truth is not None:
+        document = json.dumps(writer.ground_truth.document(), separators=(",", ":"))
+        write_bytes(join_uri(out_uri, GROUND_TRUTH), document.encode())
+        written.append(GROUND_TRUTH)
+    _remove_replaced(stale, written)
     manifest_uri = _write_manifest(writer, dataset, skipped_files, metadata)
     result = ShardWriteResult(
         uri=out_uri,
@@ -203,12 +307,12 @@ def write_shards(
 
 
 def _prepare_output(out_uri: str, overwrite: bool) -> list[str]:
-    """Create ``out_uri`` and remove its manifest; returns the shards and manifest that
-    were there (an error unless ``overwrite``).
+    """Create ``out_uri`` and remove its manifest; returns the shards, ground truth and
+    manifest that were there (an error unless ``overwrite``).
 
     The old manifest goes first, so no reader trusts it while shards are replaced;
-    old shards the new set does not replace are removed only once it is complete
-    (:func:`_remove_replaced_shards`).
+    old files the new set does not replace are removed only once it is complete
+    (:func:`_remove_replaced`).
     """
     stale = _existing_shards(out_uri, overwrite)
     for uri in [u for u in stale if u.endswith(MANIFEST)]:
@@ -226,28 +330,45 @@ class _ShardWriter:
         "label": pa.int64(),
         "mask": pa.binary(),
         "object_mask": pa.binary(),
+        "boxes": pa.list_(pa.list_(pa.float32(), 4)),
+        "labels": pa.list_(pa.int64()),
+        "masks": pa.list_(pa.string()),
+        "iscrowd": pa.list_(pa.uint8()),
+        "area": pa.list_(pa.float32()),
+        "image_id": pa.int64(),
+        "scale": pa.float32(),
+        "original_size": pa.list_(pa.int64()),
         "index": pa.int64(),
     }
 
-    def __init__(self, out_uri: str, rows_per_shard: int, row_group_size: int) -> None:
+    def __init__(self, out_uri: str, rows_per_shard: int, row_group_size: int, dataset: Dataset) -> None:
         self.out_uri = out_uri
+        self.dataset = dataset
         self.fs, self.base = filesystem_for(out_uri)
         self.rows_per_shard, self.row_group_size = rows_per_shard, row_group_size
         self.columns: dict[str, list] = {}
         self.task: str | None = None
         self.image_size: tuple[int, int] | None = None
+        self.ground_truth: _GroundTruth | None = None  # detection: the COCO document of the images written
         self.shards: list[dict[str, Any]] = []
         self.rows = 0
 
     def add(self, i: int, item: tuple) -> None:
-        """Encode item ``i`` (``(image, label | mask[, object_mask])``) as a row; write
-        a shard when one is full."""
+        """Encode item ``i`` (``(image, label | mask[, object_mask])`` or ``(image, target
+        dict)``) as a row; write a shard when one is full."""
         image, target = item[0], item[1]
         png, size = _image_png(image)
-        kind = "classification" if np.ndim(target) == 0 else "segmentation"
+        if isinstance(target, dict):
+            kind = "detection"
+        else:
+            kind = "classification" if np.ndim(target) == 0 else "segmentation"
         self._check_layout(i, kind, size, has_object_mask=len(item) > 2)
         self.columns["image"].append(png)
-        if kind == "classification":
+        if kind == "detection":
+            for key, value in detection_row(i, target, size).items():
+                self.columns[key].append(value)
+            self.ground_truth.add(image, target)
+        elif kind == "classification":
             self.columns["label"].append(int(target))
         else:
             self.columns["mask"].append(_mask_png(target, "mask"))
@@ -261,13 +382,24 @@ class _ShardWriter:
     def _check_layout(self, i: int, kind: str, size: tuple[int, int], *, has_object_mask: bool) -> None:
         """Take the first item's layout; raise on an item whose layout differs."""
         if self.task is None:
+            if kind == "detection" and has_object_mask:
+                raise ValueError(f"item {i}: a detection item is (image, target dict), got more fields")
             self.task, self.image_size = kind, size
-            self.columns = {"image": [], ("label" if kind == "classification" else "mask"): [], "index": []}
+            targets = {"classification": ["label"], "segmentation": ["mask"], "detection": list(DETECTION_COLUMNS)}
+            self.columns = {"image": [], **{k: [] for k in targets[kind]}, "index": []}
             if has_object_mask:
                 self.columns["object_mask"] = []
+            if kind == "detection":
+                self.ground_truth = _GroundTruth(self.dataset)
         elif kind != self.task or has_object_mask != ("object_mask" in self.columns):
             raise ValueError(
                 f"item {i} does not match the first item's layout ({self.task}, {len(self.columns) - 1} fields)"
+            )
+        elif kind == "detection" and size != self.image_size:
+            # one canvas for every item: batches stack them, and the reader checks the model's size against it
+            raise ValueError(
+                f"item {i}: image is {size[1]}x{size[0]}, the first item's {self.image_size[1]}x{self.image_size[0]}; "
+                "detection shards hold one canvas size (the dataset's image_size)"
             )
 
     def flush(self) -> None:
@@ -324,9 +456,8 @@ def _write_items(
     return skipped_files
 
 
-def _remove_replaced_shards(stale: list[str], shards: list[dict[str, Any]]) -> None:
-    """Delete the old shards the new set did not overwrite (the old manifest is gone already)."""
-    written = {sh["file"] for sh in shards}
+def _remove_replaced(stale: list[str], written: list[str]) -> None:
+    """Delete the old files (shards, ground truth) the new set did not overwrite (the old manifest is gone already)."""
     for uri in stale:
         if not uri.endswith(MANIFEST) and uri.replace(os.sep, "/").rsplit("/", 1)[-1] not in written:
             delete_file(uri)
@@ -350,6 +481,14 @@ def _write_manifest(
             "label": "int64",
             "mask": "binary PNG L class ids (255 = ignore)",
             "object_mask": "binary PNG L 0/1",
+            "boxes": "list<fixed_size_list<float32, 4>> x1, y1, x2, y2 in the image's pixels",
+            "labels": "list<int64> 1..K (category_ids[k - 1] is label k's COCO category id)",
+            "masks": "list<string> COCO compressed RLE of each instance mask, the image's size",
+            "iscrowd": "list<uint8>",
+            "area": "list<float32> the source's (COCO's evaluation reads it)",
+            "image_id": "int64 COCO image id",
+            "scale": "float32 letterbox scale (null: not letterboxed)",
+            "original_size": "list<int64> the file's height, width (null: not letterboxed)",
             "index": "int64 index in the source dataset",
         },
         "shards": writer.shards,
@@ -358,6 +497,10 @@ def _write_manifest(
         **(metadata or {}),
     }
     manifest["schema"] = {k: v for k, v in manifest["schema"].items() if k in columns}
+    if writer.ground_truth is not None:
+        manifest["categories"] = list(dataset.categories)
+        manifest["category_ids"] = [int(c) for c in dataset.category_ids]
+        manifest["ground_truth"] = GROUND_TRUTH
     manifest_uri = join_uri(writer.out_uri, MANIFEST)
     write_bytes(manifest_uri, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
     return manifest_uri

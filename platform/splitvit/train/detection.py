@@ -33,15 +33,16 @@ Targets = list[dict[str, torch.Tensor]]
 
 
 def detection_ground_truth(dataset: Any) -> Any:
-    """COCO's ground truth of a detection dataset (a ``pycocotools`` ``COCO``): a COCO
-    file's own annotations (:class:`~splitvit.data.coco.CocoDetection`), else the
-    document of its items (:func:`~splitvit.data.fashion_det.coco_document`: one pass
-    over the set)."""
+    """COCO's ground truth of a detection dataset (a ``pycocotools`` ``COCO``): the
+    document a dataset keeps (``ground_truth_document()``: a COCO file's own annotations,
+    :class:`~splitvit.data.coco.CocoDetection`; the one stored with detection shards,
+    :class:`~splitvit.data.parquet.ParquetShards`), else the document of its items
+    (:func:`~splitvit.data.fashion_det.coco_document`: one pass over the set)."""
     from ..data.fashion_det import coco_document
     from .coco_eval import load_ground_truth
 
-    index = getattr(dataset, "index", None)
-    return load_ground_truth(index.dataset if index is not None else coco_document(dataset))
+    own = getattr(dataset, "ground_truth_document", None)
+    return load_ground_truth(own() if own is not None else coco_document(dataset))
 
 
 def detection_area_ranges(image_size: int) -> dict[str, tuple[float, float]] | None:

@@ -7,7 +7,7 @@ misspelt name is one line in a second), and
 from __future__ import annotations
 
 from ..config import ConfigError, ExperimentConfig, require
-from ..data.names import DATASET_NAMES, DETECTION_DATASETS
+from ..data.names import ANY_TASK_DATASETS, DATASET_NAMES, DETECTION_DATASETS
 from ..model.names import DETECTION_TASK, INPUT_NORMALIZATIONS, MODEL_TASKS, POLICY_NAMES
 
 
@@ -35,17 +35,16 @@ def check_names(config: ExperimentConfig) -> None:
 
 def check_task_data(dataset: str, task: str) -> None:
     """Raise :class:`~splitvit.config.ConfigError` on ``data.name`` unless ``dataset``
-    has the targets ``task`` learns: objects for ``detection``, classes otherwise."""
+    has the targets ``task`` learns: objects for ``detection``, classes otherwise.
+    Parquet shards may hold either: the preflight reads which."""
+    if dataset in ANY_TASK_DATASETS:
+        return
     detection_data = dataset in DETECTION_DATASETS
     if task == DETECTION_TASK and not detection_data:
-        found = (
-            "parquet shards hold classification or dense items only (no boxes yet)"
-            if dataset == "parquet"
-            else f"{dataset!r} has no object boxes"
-        )
         raise ConfigError(
             "data.name",
-            f"model.task=detection needs a detection dataset ({', '.join(DETECTION_DATASETS)}): {found}",
+            f"model.task=detection needs a detection dataset ({', '.join(DETECTION_DATASETS)}, or parquet shards "
+            f"of one): {dataset!r} has no object boxes",
         )
     require(
         task == DETECTION_TASK or not detection_data,
