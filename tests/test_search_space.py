@@ -101,6 +101,18 @@ def variant(**changes) -> dict:
             },
         ),
         (
+            "detection",
+            "box_ap",
+            {
+                "train.lambda_budget",
+                "train.target_ratio",
+                "train.lr",
+                "train.epochs",
+                "train.teacher_every",
+                "model.fine_aggregation",
+            },
+        ),
+        (
             "dense",
             "miou",
             {
