@@ -365,7 +365,7 @@ def test_splitvit_sweep_runs_detection_trials_with_stage_two_baselines_and_speed
     assert data["metric"] == "box_ap" and data["objectives"] == {"box_ap": "max", "tokens_per_image": "min"}
     trials = [p for p in data["points"] if p["kind"] == "trial"]
     assert len(trials) == 2 and len(data["points"]) >= 4  # each trial's point and its stage-two points
-    assert all(0.0 <= p["box_ap"] <= 1.0 for p in data["points"])
+    assert all(0.0 <= p["box_ap"] <= 1.0 and 0.0 <= p["extras"]["mask_ap"] <= 1.0 for p in data["points"])
     assert {b["baseline"] for b in data["baselines"]} == {"full", "entropy", "random"}
     timed = data["frontier_speed"]["points"]
     assert timed and all(p["backbone_speedup_vs_full"] > 0 for p in timed)

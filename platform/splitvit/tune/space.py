@@ -45,6 +45,7 @@ from ..config import (
     ConfigError,
     ExperimentConfig,
     build_dataclass,
+    companion_metrics,
     parse_override,
     quality_metric,
     set_dotted,
@@ -332,8 +333,18 @@ class SearchSpace:
 
     @property
     def quality_metric(self) -> str:
-        """``accuracy`` for classification, ``miou`` for the dense task."""
-        return quality_metric(((self.raw_config().get("model") or {}).get("task")) or "classification")
+        """``accuracy`` for classification, ``miou`` for the dense task, ``box_ap`` for detection."""
+        return quality_metric(self.task)
+
+    @property
+    def companion_metrics(self) -> tuple[str, ...]:
+        """Qualities each point records beside :attr:`quality_metric` (a detector's ``mask_ap``)."""
+        return companion_metrics(self.task)
+
+    @property
+    def task(self) -> str:
+        """The base config's ``model.task``."""
+        return ((self.raw_config().get("model") or {}).get("task")) or "classification"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-safe) of everything that defines the sweep."""

@@ -835,7 +835,7 @@ def _completed_trial_points(
             trial.params,
             final["checkpoint"],
             run_id,
-            extras={"images_per_s": final.get("images_per_s", 0.0)},
+            extras={"images_per_s": final.get("images_per_s", 0.0), **_companions(sweep, final)},
         )
     ]
     for row, point_id in zip(threshold_points(final), point_ids):
@@ -850,10 +850,15 @@ def _completed_trial_points(
                 trial.params,
                 final["checkpoint"],
                 point_id,
-                extras={"images_per_s": row.get("images_per_s", 0.0)},
+                extras={"images_per_s": row.get("images_per_s", 0.0), **_companions(sweep, row)},
             )
         )
     return points
+
+
+def _companions(sweep: _Sweep, figures: dict[str, Any]) -> dict[str, float]:
+    """The companion qualities (a detector's ``mask_ap``) among a point's ``figures``."""
+    return {c: float(figures[c]) for c in sweep.space.companion_metrics if c in figures}
 
 
 def _stopped_trial_point(

@@ -189,8 +189,10 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
             known=[(thresholds, float(quality), float(tokens))],
         )
 
+    companions = space.companion_metrics
     final = {
         metric: float(quality),
+        **{c: float(metrics[c]) for c in companions if c in metrics},  # a detector's mask_ap
         "tokens_per_image": float(tokens),
         "token_ratio": float(metrics.get("token_ratio", float("nan"))),
         "images_per_s": float(metrics.get("images_per_s", 0.0)),
@@ -201,7 +203,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "run_uri": run_uri,
         # JSON text, not a list of mappings: Tune's TensorBoard logger would try to
         # draw a list as a histogram
-        "threshold_points": json.dumps([_point_row(p, metric) for p in points]),
+        "threshold_points": json.dumps([_point_row(p, metric, companions) for p in points]),
         "train_seconds": train_seconds,
         "trial_seconds": time.time() - started,
         FINAL_KEY: True,
@@ -222,9 +224,10 @@ def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
     return stage_two(checkpoint, **kwargs)
 
 
-def _point_row(result: dict[str, Any], metric: str) -> dict[str, Any]:
+def _point_row(result: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         metric: float(result["quality"]),
+        **{c: float(result[c]) for c in companions if c in result},
         "tokens_per_image": float(result["tokens_per_image"]),
         "token_ratio": float(result["token_ratio"]),
         "images_per_s": float(result.get("images_per_s", 0.0)),
