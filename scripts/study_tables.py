@@ -115,30 +115,57 @@ def speed_lines(data: dict[str, Any]) -> list[str]:
         "| token ratio | " + " | ".join(thresholded) + " |",
         "| --- |" + " --- |" * len(thresholded),
     ]
+    backbone = backbone_speedups(data)
     for target in targets:
-        cells = [f"{timed[(m, target)]:.2f}x" if (m, target) in timed else "-" for m in thresholded]
+        cells = [
+            f"{timed[(m, target)]:.2f}x"
+            + (f" (backbone {backbone[(m, target)]:.2f}x)" if (m, target) in backbone else "")
+            if (m, target) in timed
+            else "-"
+            for m in thresholded
+        ]
         lines.append(f"| {target:.2f} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
-def study_lines(data: dict[str, Any], ratios: list[float]) -> list[str]:
-    """Every table of one study JSON, as markdown lines."""
-    metric = data["metric"]
-    rows = data["rows"]
-    lines = [f"## {data.get('name', 'study')} ({data.get('source', '?')}), {metric} (%)", ""]
+def backbone_speedups(data: dict[str, Any]) -> dict[tuple[str, float | None], float]:
+    """(method, target ratio) -> a detector's backbone alone against the control's."""
+    return {
+        (r["method"], r["target_ratio"]): r["backbone_speedup_vs_full"]
+        for r in data["rows"]
+        if r.get("backbone_speedup_vs_full") is not None
+    }
+
+
+def quality_table(rows: list[dict[str, Any]], metric: str) -> list[str]:
+    """Every thresholded method's ``metric`` at every token ratio (mean ± std in %)."""
     thresholded = list(dict.fromkeys(r["method"] for r in rows if r["target_ratio"] is not None))
     targets = sorted({r["target_ratio"] for r in rows if r["target_ratio"] is not None})
     by = {(r["method"], r["target_ratio"]): r for r in rows}
-    lines.append("| token ratio | " + " | ".join(thresholded) + " |")
-    lines.append("| --- |" + " --- |" * len(thresholded))
+    lines = ["| token ratio | " + " | ".join(thresholded) + " |", "| --- |" + " --- |" * len(thresholded)]
     for target in targets:
         lines.append(f"| {target:.2f} | " + " | ".join(cell(by.get((m, target)), metric) for m in thresholded) + " |")
-    lines.append("")
+    return [*lines, ""]
+
+
+def study_lines(data: dict[str, Any], ratios: list[float]) -> list[str]:
+    """Every table of one study JSON, as markdown lines (a companion quality, e.g. a
+    detector's mask AP, in a table of its own after the main one)."""
+    metric = data["metric"]
+    rows = data["rows"]
+    companions = [k.removeprefix("per_seed_") for k in rows[0] if k.startswith("per_seed_")] if rows else []
+    lines = [f"## {data.get('name', 'study')} ({data.get('source', '?')}), {metric} (%)", ""]
+    lines += quality_table(rows, metric)
+    for companion in companions:
+        lines += [f"{companion} (%):", "", *quality_table(rows, companion)]
     lines += speed_lines(data)
     for r in rows:
         if r["target_ratio"] is None:
             seeds = ", ".join(f"{v * 100:.2f}" for v in r["per_seed"].values())
-            lines.append(f"* {r['method']}: {cell(r, metric)} at {r['tokens_per_image']:.0f} tokens (seeds {seeds})")
+            also = "".join(f", {c} {cell(r, c)}" for c in companions)
+            lines.append(
+                f"* {r['method']}: {cell(r, metric)}{also} at {r['tokens_per_image']:.0f} tokens (seeds {seeds})"
+            )
     lines.append("")
     levers = data.get("levers") or []
     if levers:
