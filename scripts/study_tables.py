@@ -2,9 +2,10 @@
 
     python scripts/study_tables.py [STUDY_JSON ...] [--at 0.5,0.7]
 
-Default: the two default studies' committed JSON (classification and dense, each run
-from scratch in one invocation). Printed per file: the quality of every thresholded
-method at every token ratio (mean ± std over seeds, in %); the unthresholded methods
+Default: the three default studies' committed JSON (classification, dense and
+detection, each run from scratch in one invocation). Printed per file: the quality of every thresholded
+method at every token ratio (mean ± std over seeds, in %; a companion quality such as
+a detector's mask AP in a table of its own); the unthresholded methods
 (full resolution, all-coarse) with each seed's value; the lever table the study
 stored (each lever's gap to the control at the goal ratios); each SPLIT method's gap
 to the control seed by seed at the ``--at`` ratios, as calibrated (the point the
@@ -26,6 +27,7 @@ MEASUREMENTS = ROOT / "docs" / "measurements"
 DEFAULT_STUDIES = (
     MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json",
     MEASUREMENTS / "cpu-2026-12-03-seg" / "study_fashion_seg_scratch12.json",
+    MEASUREMENTS / "cpu-2026-12-03-det" / "study_fashion_det.json",
 )
 
 

@@ -20,6 +20,7 @@ SCRIPTS = ROOT / "scripts"
 MEASUREMENTS = ROOT / "docs" / "measurements"
 CLASSIFICATION = MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json"
 DENSE = MEASUREMENTS / "cpu-2026-12-03-seg" / "study_fashion_seg_scratch12.json"
+DETECTION = MEASUREMENTS / "cpu-2026-12-03-det" / "study_fashion_det.json"
 RECIPE = "split-0.5-agg-mixed-ctx"
 
 
@@ -42,8 +43,8 @@ def gap_line(output: str, name: str, method: str, ratio: str) -> str:
 
 
 def test_study_tables_print_the_default_studies_figures_from_their_json():
-    output = run_script("study_tables.py")  # default: the two default studies' committed JSON
-    for path in (CLASSIFICATION, DENSE):
+    output = run_script("study_tables.py")  # default: the three default studies' committed JSON
+    for path in (CLASSIFICATION, DENSE, DETECTION):
         data = study(path)
         metric = data["metric"]
         rows = {(r["method"], r["target_ratio"]): r for r in data["rows"]}
@@ -60,6 +61,16 @@ def test_study_tables_print_the_default_studies_figures_from_their_json():
             if point["method"] == RECIPE:
                 row = next(line for line in speed.splitlines() if line.startswith(f"| {point['target_ratio']:.2f} |"))
                 assert f"{point['speedup_vs_full']:.2f}x" in row
+
+
+def test_study_tables_print_a_detectors_mask_ap_and_backbone_speed_beside_its_box_ap():
+    data = study(DETECTION)
+    section = run_script("study_tables.py", str(DETECTION)).split("mask_ap (%):")[1].split("Speed-up")[0]
+    recipe = next(r for r in data["rows"] if (r["method"], r["target_ratio"]) == (RECIPE, 0.7))
+    row = next(line for line in section.splitlines() if line.startswith("| 0.70 |"))
+    assert f"| 0.70 | {recipe['mask_ap'] * 100:.1f} ± {recipe['mask_ap_std'] * 100:.1f} |" in row
+    speed = run_script("study_tables.py", str(DETECTION)).split("measured side by side")[1]
+    assert f"(backbone {recipe['backbone_speedup_vs_full']:.2f}x)" in speed
 
 
 def test_study_tables_read_each_seed_at_exactly_the_ratio_asked_for():

@@ -30,8 +30,10 @@ def point_speed_lines(record: PointSpeed | None) -> list[str]:
         f"{record.seed}, batch {record.batch_size}, "
         f"{record.rounds} interleaved rounds on {record.device}):"
     ]
-    if full.backbone_images_per_s is not None:
-        lines[0] += f"; a detector: whole, then its backbone alone ({full.backbone_images_per_s:.0f} images/s)"
+    if full.backbone_images_per_s is not None:  # before the line's closing colon
+        lines[0] = (
+            lines[0][:-1] + f"; a detector: whole, then its backbone alone ({full.backbone_images_per_s:.0f} images/s):"
+        )
     for method in dict.fromkeys(p.method for p in record.points):
         points = [p for p in record.points if p.method == method]
         lines.append(
