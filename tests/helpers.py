@@ -84,3 +84,14 @@ def fake_items(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         blob = ((yy - 14) ** 2 / r**2 + (xx - 14) ** 2 / (16 - k) ** 2) < 1
         images[i][blob] = rng.integers(120, 256, size=int(blob.sum()))
     return images, labels
+
+
+def write_fake_fashion_mnist(root: Path, train: int, test: int) -> Path:
+    """Fashion-MNIST's four files in ``root`` (made), holding ``train`` and ``test``
+    :func:`fake_items` (seeds 1 and 2; its validation slice is the training files' last
+    ``val_size`` items)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for part, (images, labels) in {"train": fake_items(train, seed=1), "t10k": fake_items(test, seed=2)}.items():
+        write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
+        write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
+    return root

@@ -22,7 +22,7 @@ from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.model import SplitDetector, SplitViT
 from splitvit.train.experiment import build_model, experiment_from_dict, load_experiment
 
-from .helpers import fake_items, write_idx
+from .helpers import write_fake_fashion_mnist
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_DET = ROOT / "jobs" / "configs" / "fashion_det.yaml"
@@ -45,11 +45,7 @@ DETECTION = {
 @pytest.fixture(scope="module")
 def fmnist_root(tmp_path_factory) -> Path:
     """A tiny Fashion-MNIST in its file format: 60 train items (20 of them val), 20 test items."""
-    root = tmp_path_factory.mktemp("fmnist")
-    for part, (images, labels) in {"train": fake_items(60, seed=1), "t10k": fake_items(20, seed=2)}.items():
-        write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
-        write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
-    return root
+    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fmnist"), train=60, test=20)
 
 
 def fashion_det(root: Path, split: str, **options) -> FashionDetection:

@@ -26,7 +26,7 @@ from splitvit.train.coco_eval import coco_evaluate, detection_records
 from splitvit.train.detection import detection_ground_truth, to_original_pixels
 from splitvit.train.experiment import build_model, experiment_from_dict
 
-from .helpers import fake_items, write_idx
+from .helpers import write_fake_fashion_mnist
 from .test_coco_data import coco_document as small_coco_document
 from .test_coco_data import compressed_rle, write_folder
 from .test_detection_model import SMALL_HEADS
@@ -56,11 +56,7 @@ DETECTOR = {
 @pytest.fixture(scope="module")
 def fmnist_root(tmp_path_factory) -> Path:
     """A tiny Fashion-MNIST in its file format (20 of its 60 train items are val)."""
-    root = tmp_path_factory.mktemp("fmnist")
-    for part, (images, labels) in {"train": fake_items(60, seed=1), "t10k": fake_items(20, seed=2)}.items():
-        write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
-        write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
-    return root
+    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fmnist"), train=60, test=20)
 
 
 @pytest.fixture(scope="module")

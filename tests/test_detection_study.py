@@ -18,7 +18,7 @@ from splitvit.train.checkpoints import init_weights
 from splitvit.train.experiment import build_model, load_experiment
 from splitvit.tune.speed import SpeedRecord, time_operating_points
 
-from .helpers import fake_items, write_idx
+from .helpers import write_fake_fashion_mnist
 
 CONFIG = Path("jobs/configs/fashion_det.yaml").resolve()
 
@@ -27,11 +27,7 @@ CONFIG = Path("jobs/configs/fashion_det.yaml").resolve()
 def fmnist_root(tmp_path_factory) -> Path:
     """Fashion-MNIST files of item-like images: 16 training and validation items (the
     last 8 the validation slice), 8 test items."""
-    root = tmp_path_factory.mktemp("fmnist")
-    for part, (images, labels) in {"train": fake_items(16, seed=1), "t10k": fake_items(8, seed=2)}.items():
-        write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
-        write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
-    return root
+    return write_fake_fashion_mnist(tmp_path_factory.mktemp("fmnist"), train=16, test=8)
 
 
 def tiny_settings(root: Path) -> dict[str, object]:

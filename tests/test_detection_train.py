@@ -249,15 +249,11 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
 
     from splitvit.cli import main
 
-    from .helpers import write_idx
+    from .helpers import write_fake_fashion_mnist
 
     ray_session.ensure()
-    root = tmp_path / "fmnist"
-    root.mkdir()
     # 5008 training items: viz reads Fashion-MNIST's own validation slice (its last 5000)
-    for part, (images, labels) in {"train": fake_items(5008, seed=1), "t10k": fake_items(8, seed=2)}.items():
-        write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
-        write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
+    root = write_fake_fashion_mnist(tmp_path / "fmnist", train=5008, test=8)
     settings = {
         "model.image_size": 64,
         "model.timm_kwargs": "{patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2}",
