@@ -132,8 +132,8 @@ def speed_comparison(
     import torch
 
     from ..bench.timing import time_interleaved
-    from ..model.detection import SplitDetector
     from ..train.evaluation import CheckpointEvaluator
+    from ..tune.speed import backbone_call, split_output
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
     full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
@@ -143,16 +143,15 @@ def speed_comparison(
     images = split_eval.first_images(batch_size)
     sync = torch.cuda.synchronize if images.device.type == "cuda" else (lambda: None)
     with torch.no_grad(), split_eval.autocast():  # the precision the study evaluated in
-        tokens = split_eval.model(images, thresholds=thresholds)
-        tokens = getattr(tokens, "split", tokens)  # a detector's backbone output
+        tokens = split_output(split_eval.model(images, thresholds=thresholds))
         fns = {
             "split": lambda: split_eval.model(images, thresholds=thresholds),
             "full": lambda: full_eval.model(images),
         }
-        detector = isinstance(split_eval.model, SplitDetector)
+        split_backbone = backbone_call(split_eval.model, images, thresholds=thresholds)
+        detector = split_backbone is not None
         if detector:  # and each backbone alone, in the same rounds
-            fns["split_backbone"] = lambda: split_eval.model.backbone.fine_features(images, thresholds=thresholds)
-            fns["full_backbone"] = lambda: full_eval.model.backbone.fine_features(images)
+            fns["split_backbone"], fns["full_backbone"] = split_backbone, backbone_call(full_eval.model, images)
         times = time_interleaved(fns, repeats=rounds, warmup=2, sync=sync)
     fraction = float(tokens.tokens.float().mean()) / tokens.full_tokens
     median = {k: statistics.median(v) for k, v in times.items()}

@@ -269,7 +269,7 @@ def time_operating_points(
         stack.enter_context(torch.inference_mode())
         stack.enter_context(autocast())
         full_tokens = {
-            key: float(_split(ref.model(ref.images)).tokens.float().mean()) for key, ref in references.items()
+            key: float(split_output(ref.model(ref.images)).tokens.float().mean()) for key, ref in references.items()
         }
         prepared = _prepare_points(points, models, references, arch_of)
         samples, timings, others = _time_calls(references, prepared, batch_size, rounds=rounds, warmup=warmup, dev=dev)
@@ -343,7 +343,7 @@ def _point_models(
     return models
 
 
-def _split(out: Any) -> Any:
+def split_output(out: Any) -> Any:
     """The backbone's :class:`~splitvit.model.splitvit.SplitOutput` of a model's output
     (a detector's carries it as ``split``)."""
     return getattr(out, "split", out)
@@ -354,7 +354,7 @@ def _call(model: SplitViT | SplitDetector, images: torch.Tensor, **kwargs: Any) 
     return functools.partial(model, images, **kwargs)
 
 
-def _backbone_call(model: SplitViT | SplitDetector, images: torch.Tensor, **kwargs: Any) -> Callable[[], Any] | None:
+def backbone_call(model: SplitViT | SplitDetector, images: torch.Tensor, **kwargs: Any) -> Callable[[], Any] | None:
     """A detector's backbone alone on ``images`` (the fine map its heads read); ``None``
     for a SplitViT, whose whole call is its backbone's."""
     from ..model.detection import SplitDetector
@@ -381,7 +381,7 @@ def _prepare_points(
         ref = references[keys[arch_of[p["checkpoint"]]]]
         thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
         budget = float(p["budget"]) if backbone.uses_budget and p.get("budget") is not None else None
-        out = _split(model(ref.images, thresholds=thresholds, budget=budget))
+        out = split_output(model(ref.images, thresholds=thresholds, budget=budget))
         tokens = float(out.tokens.float().mean())
         prepared.append(
             _Prepared(
@@ -396,7 +396,7 @@ def _prepare_points(
                 token_ratio=tokens / out.full_tokens,
                 call=_call(model, ref.images, thresholds=thresholds, budget=budget),
                 batch=int(ref.images.shape[0]),
-                backbone_call=_backbone_call(model, ref.images, thresholds=thresholds, budget=budget),
+                backbone_call=backbone_call(model, ref.images, thresholds=thresholds, budget=budget),
             )
         )
     return prepared
@@ -432,7 +432,7 @@ def _time_calls(
     sizes.update({f"point{p.index}": p.batch for p in prepared})
     # a detector's backbone alone, in the same rounds (its full-resolution one beside it)
     for key, ref in references.items():
-        backbone = _backbone_call(ref.model, ref.images)
+        backbone = backbone_call(ref.model, ref.images)
         if backbone is not None:
             fns[key + BACKBONE_SUFFIX], sizes[key + BACKBONE_SUFFIX] = backbone, sizes[key]
     for p in prepared:
