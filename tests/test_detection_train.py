@@ -172,6 +172,42 @@ def test_a_trained_detector_finds_the_items_and_shards_evaluate_as_one(coco_set,
     assert loaded.options == model.options
 
 
+def test_a_detectors_evaluation_says_how_much_of_the_objects_its_backbone_saw_fine(coco_set):
+    """``object_coverage`` (the objects' finest cells kept fine) and ``fine_on_object``
+    (the fine tokens on an object), from the targets' instance masks, as classifiers
+    report them: all of the objects at full resolution, none all-coarse; shards merge."""
+    ground_truth = load_ground_truth(coco_set.index.dataset)
+    label_to_category = [0, *coco_set.category_ids]
+    ordered = DataLoader(coco_set, batch_size=3, collate_fn=collate)
+    masks = torch.stack([(coco_set[i][1]["masks"] > 0).any(dim=0) for i in range(len(coco_set))])
+    cells = int(masks.reshape(len(coco_set), CANVAS // 8, 8, CANVAS // 8, 8).any(dim=4).any(dim=2).sum())
+    fine_total = len(coco_set) * (CANVAS // 8) ** 2
+    assert 0 < cells < fine_total
+
+    full = evaluate_detection_totals(detector("full"), ordered, label_to_category)
+    assert (full.fine_total, full.fine_on_object, full.object_cells) == (fine_total, cells, cells)
+    figures = full.figures(ground_truth)
+    assert figures["object_coverage"] == 1.0 and figures["fine_on_object"] == pytest.approx(cells / fine_total)
+    coarse = evaluate_detection_totals(detector("coarse"), ordered, label_to_category).figures(ground_truth)
+    assert coarse["object_coverage"] == 0.0 and coarse["fine_on_object"] == 0.0
+
+    learned = detector("learned")
+    halves = [
+        evaluate_detection_totals(
+            learned, DataLoader(Subset(coco_set, part), batch_size=3, collate_fn=collate), label_to_category
+        )
+        for part in (range(0, 5), range(5, 8))
+    ]
+    merged = DetectionTotals.merge(halves)
+    whole = evaluate_detection_totals(learned, ordered, label_to_category)
+    assert (merged.fine_total, merged.fine_on_object, merged.object_cells) == (
+        whole.fine_total,
+        whole.fine_on_object,
+        whole.object_cells,
+    )
+    assert 0.0 < whole.figures(ground_truth)["object_coverage"] < 1.0
+
+
 def _combine_shard(rank: int, world: int, folder: str) -> None:
     """One process of the test below: join a gloo group and combine this rank's shard."""
     import json

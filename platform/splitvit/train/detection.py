@@ -27,7 +27,7 @@ from ..model.detection import SplitDetector
 from ..model.quadtree import nodes_mass
 from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
 from .losses import budget_penalty, relevance_targets, split_fraction_for_ratio, teacher_loss
-from .steps import batch_target_ratio, warmup_decisions
+from .steps import batch_target_ratio, object_counts, object_figures, warmup_decisions
 
 Targets = list[dict[str, torch.Tensor]]
 
@@ -149,6 +149,10 @@ class DetectionTotals:
     elapsed: float = 0.0
     image_ids: list[int] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
+    # the backbone's finest cells: chosen, chosen on an object (an instance mask), on an object
+    fine_total: float = 0.0
+    fine_on_object: float = 0.0
+    object_cells: float = 0.0
 
     @classmethod
     def merge(cls, shards: Iterable[DetectionTotals]) -> DetectionTotals:
@@ -161,6 +165,9 @@ class DetectionTotals:
             total.elapsed = max(total.elapsed, shard.elapsed)
             total.image_ids += shard.image_ids
             total.records += shard.records
+            total.fine_total += shard.fine_total
+            total.fine_on_object += shard.fine_on_object
+            total.object_cells += shard.object_cells
         if len(set(total.image_ids)) != len(total.image_ids):
             raise ValueError("the shards overlap: an image was evaluated twice")
         return total
@@ -170,8 +177,9 @@ class DetectionTotals:
     ) -> dict[str, Any]:
         """Box and mask AP (COCO's, 0-1: ``box_ap``, ``box_ap50``, ``box_ap75``,
         ``box_aps``/``m``/``l``, the same ``mask_*``), tokens per image, token ratio and
-        images/s; ``per_class`` holds each class's box and mask AP and ``area_ranges``
-        the size ranges used."""
+        images/s, ``fine_on_object`` and ``object_coverage`` where the targets had
+        instance masks; ``per_class`` holds each class's box and mask AP and
+        ``area_ranges`` the size ranges used."""
         coco = coco_evaluate(ground_truth, self.records, image_ids=self.image_ids, area_ranges=area_ranges)
         result: dict[str, Any] = {}
         for prefix, iou_type in (("box", "bbox"), ("mask", "segm")):
@@ -182,6 +190,7 @@ class DetectionTotals:
         result["tokens_per_image"] = self.tokens / images
         result["token_ratio"] = self.tokens / max(self.full_tokens, 1)
         result["images_per_s"] = self.images / self.elapsed if self.elapsed > 0 else 0.0
+        result.update(object_figures(self.fine_total, self.fine_on_object, self.object_cells))
         result["per_class"] = {
             name: {"box_ap": ap, "mask_ap": coco["segm"]["per_class"][name]}
             for name, ap in coco["bbox"]["per_class"].items()
@@ -225,10 +234,10 @@ def evaluate_detection_totals(
     device: torch.device | str | None = None,
 ) -> DetectionTotals:
     """Detect on every batch (the detector in evaluation mode, restored afterwards) and
-    keep the totals: tokens, time in forward passes, and each detection as a COCO
-    record in the image file's pixels (:func:`to_original_pixels`;
-    ``label_to_category[k]``: label ``k``'s COCO category id; image ids from the
-    targets' ``image_id``)."""
+    keep the totals: tokens, time in forward passes, each detection as a COCO record in
+    the image file's pixels (:func:`to_original_pixels`; ``label_to_category[k]``:
+    label ``k``'s COCO category id; image ids from the targets' ``image_id``), and where
+    the targets carry instance masks (on the canvas) the backbone's fine cells on them."""
     was_training = detector.training
     detector.eval()
     totals = DetectionTotals()
@@ -246,6 +255,15 @@ def evaluate_detection_totals(
             totals.images += images.shape[0]
             totals.tokens += int(out.split.tokens.sum())
             totals.full_tokens += out.split.full_tokens * images.shape[0]
+            if all("masks" in t for t in targets):
+                backbone = detector.backbone
+                objects = torch.stack([(t["masks"] > 0).any(dim=0) for t in targets])  # zero masks: background
+                chosen, on_object, cells = object_counts(
+                    out.split.fine_cell_level(), backbone.levels - 1, backbone.patch_size, objects
+                )
+                totals.fine_total += chosen
+                totals.fine_on_object += on_object
+                totals.object_cells += cells
     finally:
         detector.train(was_training)
     return totals

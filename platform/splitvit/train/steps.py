@@ -222,10 +222,30 @@ class EvalTotals:
             result["miou"] = mean_iou(self.confusion)
         else:
             result["accuracy"] = self.correct / max(self.images, 1)
-        if self.object_cells > 0:
-            result["fine_on_object"] = self.fine_on_object / max(self.fine_total, 1.0)
-            result["object_coverage"] = self.fine_on_object / self.object_cells
+        result.update(object_figures(self.fine_total, self.fine_on_object, self.object_cells))
         return result
+
+
+def object_counts(
+    level: torch.Tensor, fine_level: int, patch_size: int, object_mask: torch.Tensor
+) -> tuple[float, float, float]:
+    """Of a batch: the finest-level cells chosen, those of them on an object, and the
+    finest cells the objects touch, chosen or not. ``level``: ``(B, h, w)`` the level of
+    the leaf over each finest cell (``SplitOutput.fine_cell_level``); ``object_mask``:
+    ``(B, H, W)``, nonzero on the objects."""
+    fine = level == fine_level
+    on_object = torch.nn.functional.avg_pool2d(object_mask.float().unsqueeze(1), patch_size).squeeze(1) > 0
+    on_object = on_object.to(fine.device)
+    return float(fine.sum()), float((fine & on_object).sum()), float(on_object.sum())
+
+
+def object_figures(fine_total: float, fine_on_object: float, object_cells: float) -> dict[str, float]:
+    """``fine_on_object`` (the share of fine tokens on an object: where the budget went)
+    and ``object_coverage`` (the share of the objects' fine cells kept fine: how much of
+    them the model sees at full resolution); nothing where no object cell was counted."""
+    if object_cells <= 0:
+        return {}
+    return {"fine_on_object": fine_on_object / max(fine_total, 1.0), "object_coverage": fine_on_object / object_cells}
 
 
 def mean_iou(confusion: torch.Tensor | None) -> float:
@@ -283,13 +303,12 @@ def evaluate_totals(
         else:
             totals.correct += int((out.logits.argmax(1) == target).sum())
         if object_masks and len(batch) > 2:
-            level = out.fine_cell_level()
-            fine = (level == model.levels - 1).float()
-            p = model.patch_size
-            on_obj = torch.nn.functional.avg_pool2d(batch[2].to(device).float().unsqueeze(1), p).squeeze(1) > 0
-            totals.fine_total += float(fine.sum())
-            totals.fine_on_object += float((fine * on_obj).sum())
-            totals.object_cells += float(on_obj.sum())
+            chosen, on_object, cells = object_counts(
+                out.fine_cell_level(), model.levels - 1, model.patch_size, batch[2].to(device)
+            )
+            totals.fine_total += chosen
+            totals.fine_on_object += on_object
+            totals.object_cells += cells
     model.train(was_training)
     if totals.confusion is not None:
         totals.confusion = totals.confusion.cpu()
