@@ -83,7 +83,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("train.teacher_weight=-0.5", "train.teacher_weight", "must be >= 0, got -0.5"),
         ("train.target_ratio=1.5", "train.target_ratio", "must be in (0, 1], got 1.5"),
         ("train.penalty=linear", "train.penalty", "must be one of"),
-        ("train.teacher=oracle", "train.teacher", "must be 'gradient' or 'attention'"),
+        ("train.teacher=oracle", "train.teacher", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
         (
             "train.teacher_targets=joint",
             "train.teacher_targets",
@@ -255,7 +255,7 @@ def test_validate_experiment_checks_what_the_schema_cannot(override, key, text):
     "field, value, text",
     [
         ("lambda_budget", -1.0, "must be >= 0, got -1.0"),
-        ("teacher", "oracle", "must be 'gradient' or 'attention'"),
+        ("teacher", "oracle", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
         ("teacher_weight", -0.5, "must be >= 0, got -0.5"),
         ("teacher_every", 0, "must be >= 1, got 0"),
     ],

@@ -150,6 +150,18 @@ def test_the_shipped_detection_config_validates():
             "a detector needs a finest patch that is a power of two >= 4, got 2",
         ),
         (["model.num_classes=0"], "model.num_classes", "must be >= 1, got 0"),
+        (
+            ["train.teacher=attention"],
+            "train.teacher",
+            "attention is not a teacher of a detection model: a detector has no class token to attend from; "
+            "its teachers are gradient and objects",
+        ),
+        (
+            ["model.task=classification", "data.name=synthetic", "train.teacher=objects"],
+            "train.teacher",
+            "objects is not a teacher of a classification model: objects reads instance annotations",
+        ),
+        (["train.teacher=boxes"], "train.teacher", "must be one of ('gradient', 'attention', 'objects'), got 'boxes'"),
         (["model.task=segmentation"], "model.task", "must be one of classification, dense, detection"),
         # the dataset's targets and the task, both ways
         (

@@ -488,3 +488,41 @@ def test_a_classifiers_checkpoint_is_not_loaded_as_a_detector(tmp_path):
     detector("full").save(tmp_path / "detector.pt")
     payload = torch.load(tmp_path / "detector.pt", weights_only=False)
     assert type(model_from_payload(payload, str(tmp_path / "detector.pt"))) is SplitDetector
+
+
+def test_the_objects_teacher_marks_the_annotated_items_without_a_forward_pass(coco_set):
+    """``train.teacher: objects``: each node's relevance is the instance masks' share of
+    its area (boxes a tenth, noise below 1e-4), so the nested targets at the items' own
+    share mark exactly the nodes on an item; a training step with it has a teacher loss
+    and runs the detector once."""
+    from splitvit.model.quadtree import QuadtreeGeometry
+    from splitvit.train.detection import object_relevance
+    from splitvit.train.losses import relevance_targets
+
+    images, targets = collate([coco_set[i] for i in range(4)])
+    geometry = QuadtreeGeometry(CANVAS, 8, LEVELS)
+    (relevance,) = object_relevance(targets, geometry, torch.Generator().manual_seed(0))
+    masks = torch.stack([(t["masks"] > 0).any(dim=0) for t in targets]).float()
+    pixels = torch.nn.functional.avg_pool2d(masks.unsqueeze(1), 16).squeeze(1) * 4  # fine cells' worth, per node
+    boxes = torch.zeros_like(masks)
+    for b, target in enumerate(targets):
+        for x1, y1, x2, y2 in target["boxes"].floor().long().tolist():
+            boxes[b, y1 : y2 + 1, x1 : x2 + 1] = 1.0
+    boxed = torch.nn.functional.avg_pool2d(boxes.unsqueeze(1), 16).squeeze(1) * 4
+    assert torch.allclose(relevance, pixels + 0.1 * boxed, atol=4e-4)
+    on_item = pixels > 0
+    share = float(on_item.float().mean(dim=(1, 2)).min())  # the emptiest canvas's share of item nodes
+    (marks,) = relevance_targets([relevance], share, "nested")
+    assert bool((marks.bool() <= on_item).all())  # nothing off the items is marked ...
+    assert int(marks.sum()) == int(share * relevance[0].numel() + 0.999) * len(targets)  # ... at the share asked
+
+    model = detector("learned")
+    calls = []
+    encode = model.backbone.fine_features
+    model.backbone.fine_features = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
+    for teacher, passes in (("objects", 1), ("gradient", 2)):  # the gradient's: a full-resolution pass more
+        calls.clear()
+        _, stats = detection_training_step(model, images, targets, SplitLossConfig(teacher=teacher), epoch=5)
+        assert "teacher_loss" in stats and len(calls) == passes, teacher
+    with pytest.raises(ValueError, match="train.teacher: a detector's teachers are gradient and objects"):
+        detection_training_step(model, images, targets, SplitLossConfig(teacher="attention"), epoch=5)

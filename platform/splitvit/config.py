@@ -67,7 +67,7 @@ AUTO_THRESHOLD_START = 0.5
 #: Budget penalties of the SPLIT objective (:func:`splitvit.train.losses.budget_penalty`).
 PENALTIES = ("squared", "hinge")
 #: The model's relevance signals that can teach the policy (``SplitViT.relevance``).
-TEACHERS = ("gradient", "attention")
+TEACHERS = ("gradient", "attention", "objects")
 #: Which nodes the relevance teacher marks (:func:`splitvit.train.losses.relevance_targets`).
 TEACHER_TARGETS = ("per_level", "nested", "mixed")
 
@@ -207,9 +207,11 @@ class SplitLossConfig:
         target_ratio: target tokens as a fraction of full resolution, in (0, 1].
         penalty: ``squared`` (both sides) or ``hinge`` (over budget only).
         teacher_weight: weight of the relevance-teacher loss on the policy (>= 0).
-        teacher: the model's relevance signal, ``gradient`` (gradient x input
-            saliency of the true class) or ``attention`` (last block's class-token
-            attention); see ``SplitViT.relevance``.
+        teacher: the relevance signal, ``gradient`` (the model's: gradient x input
+            saliency of the true class, or of a detector's loss), ``attention`` (the
+            model's last block's class-token attention; classifiers and dense models,
+            see ``SplitViT.relevance``) or ``objects`` (a detector's: the annotated
+            instance masks' share of each finest cell; no extra pass).
         teacher_targets: which nodes the teacher marks to split at the target ratio.
             ``per_level`` (default): the same share of every level's nodes, each level
             ranked on its own, so a finer node may be marked under a coarse node that
@@ -268,7 +270,7 @@ class SplitLossConfig:
         if self.penalty not in PENALTIES:
             raise ValueError(f"penalty must be one of {PENALTIES}, got {self.penalty!r}")
         if self.teacher not in TEACHERS:
-            raise ValueError(f"teacher must be 'gradient' or 'attention', got {self.teacher!r}")
+            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
         if self.teacher_targets not in TEACHER_TARGETS:
             raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {self.teacher_targets!r}")
         if self.teacher_weight < 0:
@@ -773,6 +775,16 @@ def validate(config: ExperimentConfig) -> None:
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
+    require(
+        (t.teacher == "objects") == (m.task == "detection") or t.teacher == "gradient",
+        "train.teacher",
+        f"{t.teacher} is not a teacher of a {m.task} model: "
+        + (
+            "a detector has no class token to attend from; its teachers are gradient and objects"
+            if m.task == "detection"
+            else "objects reads instance annotations, a detector's (model.task=detection); use gradient or attention"
+        ),
+    )
     require(
         not m.detector or m.task == "detection",
         "model.detector",

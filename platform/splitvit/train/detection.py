@@ -24,7 +24,7 @@ import torch
 
 from ..config import ConfigError, SplitLossConfig
 from ..model.detection import SplitDetector
-from ..model.quadtree import nodes_mass
+from ..model.quadtree import QuadtreeGeometry, nodes_mass
 from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
 from .losses import budget_penalty, relevance_targets, split_fraction_for_ratio, teacher_loss
 from .steps import batch_target_ratio, object_counts, object_figures, warmup_decisions
@@ -82,6 +82,30 @@ def detection_relevance(detector: SplitDetector, images: torch.Tensor, targets: 
     return nodes_mass(per_cell, geometry)
 
 
+def object_relevance(
+    targets: Targets, geometry: QuadtreeGeometry, generator: torch.Generator | None = None
+) -> list[torch.Tensor]:
+    """Every non-finest node's relevance by the annotations (``train.teacher: objects``),
+    summed over the node's area (:func:`nodes_mass`): per finest cell, the share of it
+    under an instance mask, plus a tenth of the share under a box (the box regressor's
+    context; a target without masks has its boxes alone), plus noise below 1e-4, so
+    that the empty cells a budget still marks are drawn at random rather than always
+    the same corner. No forward pass: the policy learns to find what the detector is
+    asked to find."""
+    height, width = geometry.image_size
+    covers = []
+    for target in targets:
+        boxes = torch.zeros((height, width), device=target["boxes"].device)
+        for x1, y1, x2, y2 in target["boxes"].floor().long().clamp(min=0).tolist():
+            boxes[y1 : y2 + 1, x1 : x2 + 1] = 1.0
+        masks = (target["masks"] > 0).any(dim=0).float() if "masks" in target else boxes
+        covers.append(masks + 0.1 * boxes)
+    cover = torch.stack(covers).unsqueeze(1)
+    per_cell = torch.nn.functional.avg_pool2d(cover, geometry.patch_size).squeeze(1)  # (B, H_fine, W_fine)
+    per_cell = per_cell + 1e-4 * torch.rand(per_cell.shape, generator=generator).to(per_cell.device)
+    return nodes_mass(per_cell, geometry)
+
+
 def detection_training_step(
     detector: SplitDetector,
     images: torch.Tensor,
@@ -95,10 +119,11 @@ def detection_training_step(
 
     The detection losses (torchvision's five, summed: ``task_loss``), plus for a learned
     policy past warm-up the budget penalty and, on every ``cfg.teacher_every``-th step,
-    the relevance teacher (:func:`detection_relevance`). ``cfg.teacher`` is not
-    consulted: a detector has no class token to attend from, so the detection loss's
-    gradient is its relevance. Self-distillation (``cfg.distill_weight``) is a
-    classifier's and is refused here.
+    the relevance teacher: ``cfg.teacher`` ``gradient``, the detection loss's gradient
+    (:func:`detection_relevance`, a full-resolution pass), or ``objects``, the
+    annotations (:func:`object_relevance`, no pass); a detector has no class token to
+    attend from. Self-distillation (``cfg.distill_weight``) is a classifier's and is
+    refused here.
 
     Raises ``ValueError`` for a distillation weight, ``ConfigError`` (key
     ``model.num_classes``) for a label the detector cannot predict, ``FloatingPointError`` for a
@@ -106,6 +131,8 @@ def detection_training_step(
     """
     if cfg.distill_weight > 0:
         raise ValueError("train.distill_weight: self-distillation is for classification and dense models")
+    if cfg.teacher not in ("gradient", "objects"):
+        raise ValueError(f"train.teacher: a detector's teachers are gradient and objects, got {cfg.teacher!r}")
     check_detection_labels(targets, detector.num_classes)
     backbone = detector.backbone
     learned = backbone.policy.learned
@@ -121,8 +148,12 @@ def detection_training_step(
     stats["task_loss"] = float(main.detach())
     stats.update({name: float(value.detach()) for name, value in out.losses.items()})
     if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
-        relevance = detection_relevance(detector, images, targets)
-        fraction = split_fraction_for_ratio(target_ratio, backbone.geometry_for(tuple(images.shape[-2:])))
+        geometry = backbone.geometry_for(tuple(images.shape[-2:]))
+        if cfg.teacher == "objects":
+            relevance = object_relevance(targets, geometry, generator)
+        else:
+            relevance = detection_relevance(detector, images, targets)
+        fraction = split_fraction_for_ratio(target_ratio, geometry)
         taught = teacher_loss(out.split.split_probs, relevance_targets(relevance, fraction, cfg.teacher_targets))
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
