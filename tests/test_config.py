@@ -84,6 +84,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("train.target_ratio=1.5", "train.target_ratio", "must be in (0, 1], got 1.5"),
         ("train.penalty=linear", "train.penalty", "must be one of"),
         ("train.teacher=oracle", "train.teacher", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
+        ("train.policy_lr_scale=0", "train.policy_lr_scale", "must be > 0, got 0"),
         (
             "train.teacher_targets=joint",
             "train.teacher_targets",

@@ -526,3 +526,27 @@ def test_the_objects_teacher_marks_the_annotated_items_without_a_forward_pass(co
         assert "teacher_loss" in stats and len(calls) == passes, teacher
     with pytest.raises(ValueError, match="train.teacher: a detector's teachers are gradient and objects"):
         detection_training_step(model, images, targets, SplitLossConfig(teacher="attention"), epoch=5)
+
+
+def test_policy_lr_scale_gives_splitvits_own_modules_their_own_learning_rate():
+    """``train.policy_lr_scale``: the policy, fine aggregation and level embeddings in a
+    group at ``lr * scale`` (a classifier's and a detector's), every other parameter in
+    the other at ``lr``; at 1, one group, the layout saved optimizers have."""
+    from splitvit.train.local import param_groups
+
+    from .helpers import tiny_model
+
+    for model in (tiny_model(fine_aggregation=True), detector("learned")):
+        everything = {id(p) for p in model.parameters()}
+        (one,) = param_groups(model, 1e-3)
+        assert one["lr"] == 1e-3 and {id(p) for p in one["params"]} == everything
+        rest, own = param_groups(model, 1e-3, 10.0)
+        assert (rest["lr"], own["lr"]) == (1e-3, pytest.approx(1e-2))
+        names = {id(p): name for name, p in model.named_parameters()}
+        own_names = {names[id(p)] for p in own["params"]}
+        assert own_names and all(
+            any(part in n for part in ("policy.", "fine_aggregation.", "level_embed")) for n in own_names
+        )
+        assert not any("policy." in names[id(p)] for p in rest["params"])
+        assert {id(p) for p in rest["params"]} | {id(p) for p in own["params"]} == everything
+        assert not {id(p) for p in rest["params"]} & {id(p) for p in own["params"]}

@@ -305,6 +305,9 @@ class TrainConfig(SplitLossConfig):
             ``lr_warmup_epochs`` epochs' worth of steps.
         lr_warmup_epochs: learning-rate warm-up in epochs (fractions allowed).
         grad_clip: max gradient norm (0 disables clipping).
+        policy_lr_scale: the learning rate of SplitViT's own modules (the policy, fine
+            aggregation, level embeddings) is ``lr`` times this (> 0): a fine-tune from a
+            full-resolution reference starts them from scratch, with few steps to learn.
         amp: bf16 autocast on CUDA (ignored on CPU).
         max_failures: worker-group failures Ray Train recovers from (resuming from
             the latest checkpoint); -1 for no limit.
@@ -318,6 +321,7 @@ class TrainConfig(SplitLossConfig):
     lr_warmup_steps: int | None = None
     lr_warmup_epochs: float = 1.0
     grad_clip: float = 1.0
+    policy_lr_scale: float = 1.0
     amp: bool = True
     max_failures: int = 2
 
@@ -719,6 +723,7 @@ def validate(config: ExperimentConfig) -> None:
     require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    require(t.policy_lr_scale > 0, "train.policy_lr_scale", f"must be > 0, got {t.policy_lr_scale}")
     require(
         t.lr_warmup_steps is None or t.lr_warmup_steps >= 0,
         "train.lr_warmup_steps",

@@ -128,6 +128,7 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
         amp=tc.amp,
         warmup_steps=warmup,
         num_workers=dc.num_workers,
+        policy_lr_scale=tc.policy_lr_scale,
     )
     loss = history[-1].get("train_loss", 0.0)
     if not math.isfinite(loss):  # fit_local does not stop on a non-finite loss: keep no checkpoint of it

@@ -11,11 +11,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..data.parquet import ParquetShards, RowGroupSampler
+from ..model.detection import split_backbone
 from ..model.splitvit import SplitViT
 from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
 
@@ -36,6 +39,25 @@ def warmup_cosine(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def param_groups(model: nn.Module, lr: float, policy_lr_scale: float = 1.0) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: SplitViT's own modules (the policy, fine
+    aggregation and level embeddings of ``model``'s SplitViT) at ``lr * policy_lr_scale``,
+    the rest at ``lr``; one group at a scale of 1, so that an optimizer's saved state
+    keeps the layout it always had."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if policy_lr_scale == 1.0:
+        return [{"params": params, "lr": lr}]
+    backbone = split_backbone(model)
+    own = [backbone.level_embed, *backbone.policy.parameters()]
+    if backbone.fine_aggregation is not None:
+        own += list(backbone.fine_aggregation.parameters())
+    own_ids = {id(p) for p in own}
+    return [
+        {"params": [p for p in params if id(p) not in own_ids], "lr": lr},
+        {"params": [p for p in params if id(p) in own_ids], "lr": lr * policy_lr_scale},
+    ]
+
+
 def fit_local(
     model: SplitViT,
     dataset: Dataset,
@@ -51,6 +73,7 @@ def fit_local(
     amp: bool = False,
     warmup_steps: int | None = None,
     num_workers: int = 0,
+    policy_lr_scale: float = 1.0,
 ) -> list[dict[str, float]]:
     """Train ``model`` in this process, on the device it is on; returns per-epoch
     mean statistics.
@@ -59,7 +82,8 @@ def fit_local(
     the epoch (without one, this function logs it). ``amp``: bf16 autocast on CUDA
     (as the Ray loop with ``train.amp``).
     ``warmup_steps``: linear learning-rate warm-up (default: an epoch, at most a
-    tenth of the run). ``num_workers``: data-loading processes.
+    tenth of the run). ``num_workers``: data-loading processes. ``policy_lr_scale``:
+    see :func:`param_groups`.
     """
     torch.manual_seed(seed)
     device = next(model.parameters()).device
@@ -81,7 +105,7 @@ def fit_local(
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, lr, policy_lr_scale), lr=lr, weight_decay=weight_decay)
     steps = epochs * len(loader)
     warmup = min(len(loader), steps // 10) if warmup_steps is None else min(warmup_steps, steps)
     scheduler = warmup_cosine(optimizer, warmup, steps)

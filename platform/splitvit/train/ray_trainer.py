@@ -74,7 +74,7 @@ from .detection import (
     evaluate_detection_totals,
 )
 from .experiment import build_model, validate_experiment
-from .local import warmup_cosine
+from .local import param_groups, warmup_cosine
 from .steps import EvalTotals, SplitLossConfig, calibrate_thresholds, evaluate_totals, training_step
 
 if TYPE_CHECKING:
@@ -775,7 +775,11 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
         SplitStep(model, config.train.loss_config()), parallel_strategy_kwargs={"find_unused_parameters": True}
     )
     model = _unwrap(step).model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, weight_decay=config.train.weight_decay)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, config.train.lr, config.train.policy_lr_scale),
+        lr=config.train.lr,
+        weight_decay=config.train.weight_decay,
+    )
     data = _worker_data(config, rank, world, device, split_backbone(model).data_config["interpolation"])
     scheduler = _lr_schedule(optimizer, config, data.steps_per_epoch)
     worker = _Worker(
