@@ -224,18 +224,23 @@ def test_the_parity_goal_holds_mask_ap_on_the_same_point_as_box_ap():
 # ----------------------------------------------------------------- the shipped study
 def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_only_the_data():
     """studies/study_fashion_det.yaml: a full-resolution reference, the controls and the
-    classification study's recipe fine-tuned alike; box AP with mask AP as companion;
-    the no-clutter scale changes only the canvases, the gpu scale reads COCO shards."""
+    detection recipe (the classification study's, taught by the annotations) fine-tuned
+    alike; box AP with mask AP as companion; the no-clutter scale changes only the
+    canvases, the gpu scale reads COCO shards."""
     from splitvit.study.spec import load_study
 
     path = Path("studies/study_fashion_det.yaml")
     spec = load_study(path)
     assert (spec.metric, spec.companions) == ("box_ap", ("mask_ap",))
-    assert list(spec.methods) == ["full", "coarse", "entropy", "random", "split-0.5-agg-mixed-ctx"]
+    assert list(spec.methods) == ["full", "coarse", "entropy", "random", "split-0.5-objects-d2"]
     assert spec.run_config(0, None, "x").model.policy == "full" and len(spec.seeds) >= 2
     assert len({spec.run_config(0, m, "x").train.epochs for m in spec.methods}) == 1  # fine-tuned alike
-    recipe = spec.run_config(0, "split-0.5-agg-mixed-ctx", "x")
+    recipe = spec.run_config(0, "split-0.5-objects-d2", "x")
     assert recipe.model.fine_aggregation and recipe.model.policy_level_context and recipe.train.target_ratio == 0.5
+    assert (recipe.train.teacher, recipe.train.policy_lr_scale, recipe.model.policy_depth) == ("objects", 10.0, 2)
+    # the classification study's recipe as it is stays a lever, run beside the same control
+    lever = load_study(path, methods=["full", "split-0.5-agg-mixed-ctx"]).run_config(0, "split-0.5-agg-mixed-ctx", "x")
+    assert lever.train.teacher == "gradient"
     assert (spec.goals.match_ratio, spec.goals.also_match_at, spec.goals.match_points) == (0.7, (0.5,), 1.0)
     assert spec.goals.beat_range == (0.1, 0.7) and spec.goals.max_minutes == 150 and spec.split == "test"
 
@@ -245,7 +250,7 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
         k for k, v in plain.run_config(0, "full", "x").flat().items() if spec.run_config(0, "full", "x").flat()[k] != v
     }
     assert differs == {"data.options.clutter"}  # (its clutter_fraction unset: no clutter to size)
-    coco = load_study(path, scale="gpu").run_config(0, "split-0.5-agg-mixed-ctx", "x")
+    coco = load_study(path, scale="gpu").run_config(0, "split-0.5-objects-d2", "x")
     assert coco.data.name == "parquet" and coco.model.num_classes == 80 and coco.scaling.use_gpu
 
 
