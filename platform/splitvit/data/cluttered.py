@@ -322,16 +322,15 @@ def _canvas_cache(
     return {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
 
 
-#: Canvases per rendering task; larger caches are rendered by a pool of forked processes.
+#: Canvases per rendering task; larger caches are rendered by a pool of worker processes.
 RENDER_CHUNK = 512
-_RENDERING: ClutteredFashionMNIST | ClutteredFashionMNISTSeg | None = None  # the dataset a forked pool renders
+_RENDERING: ClutteredFashionMNIST | ClutteredFashionMNISTSeg | None = None  # a pool worker's dataset
 
 
 def _render_into(dataset: ClutteredFashionMNIST | ClutteredFashionMNISTSeg, folder: Path) -> None:
     """Render every canvas of ``dataset`` into ``.npy`` arrays in ``folder``: in this
     process for small sets, else in chunks on every CPU this process may use (the full
     training set of 55,000 canvases takes about two minutes on one core)."""
-    global _RENDERING
     size, n = dataset.renderer.image_size, len(dataset)
     seg = isinstance(dataset, ClutteredFashionMNISTSeg)
     shapes = {"images": (np.uint8, (n, 3, size, size))}
@@ -344,19 +343,28 @@ def _render_into(dataset: ClutteredFashionMNIST | ClutteredFashionMNISTSeg, fold
         np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=dtype, shape=shape).flush()
     chunks = [(start, min(start + RENDER_CHUNK, n)) for start in range(0, n, RENDER_CHUNK)]
     workers = min(len(os.sched_getaffinity(0)), len(chunks), 32)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    if workers < 2 or "forkserver" not in multiprocessing.get_all_start_methods():
         for start, stop in chunks:
             _render_chunk(dataset, folder, start, stop)
         return
-    _RENDERING = dataset  # inherited by the forked workers: nothing large is pickled
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            pool.starmap(_render_forked, [(str(folder), start, stop) for start, stop in chunks])
-    finally:
-        _RENDERING = None
+    # forkserver, not fork: the caller may already run threads (Ray's, a DataLoader's),
+    # and a child forked from a threaded process can hang on a lock it inherited held.
+    # The server imports this module once; each worker receives the dataset (its item
+    # pool) once, by its initializer.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with context.Pool(
+        workers, initializer=_set_rendering, initargs=(dataset,)
+    ) as pool:
+        pool.starmap(_render_in_worker, [(str(folder), start, stop) for start, stop in chunks])
 
 
-def _render_forked(folder: str, start: int, stop: int) -> None:
+def _set_rendering(dataset: ClutteredFashionMNIST | ClutteredFashionMNISTSeg) -> None:
+    global _RENDERING
+    _RENDERING = dataset
+
+
+def _render_in_worker(folder: str, start: int, stop: int) -> None:
     _render_chunk(_RENDERING, Path(folder), start, stop)
 
 
