@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist: the suite waits on Ray and servers; two processes, each with its own
+# local Ray, keep both cores busy (a test file stays on one process, its fixtures shared)
+TEST_WORKERS ?= 2
 
 .PHONY: setup data demo test lint format bench tables clean stack-up stack-down
 
@@ -28,7 +31,7 @@ demo: setup
 	$(BIN)/splitvit sweep search_spaces/smoke.yaml --json runs/sweep.json
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # ruff and import-linter, configured in pyproject.toml: `make lint` checks (CI runs it),
 # `make format` rewrites. lint-imports: the dependency rules of docs/design.md §2.

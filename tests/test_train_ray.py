@@ -596,12 +596,12 @@ def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(
     assert "splitvit.model_id" not in run.data.tags
 
 
-# ---------------------------------------------------------------------- two nodes (last: own cluster)
-def test_two_node_cluster_fit(mlflow_uri, tmp_path):
+# ---------------------------------------------------------------------- two nodes (own cluster)
+def test_two_node_cluster_fit(ray_session, mlflow_uri, tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    ray.shutdown()  # the shared instance goes; the ray_local fixture starts it again if needed
+    ray.shutdown()  # the shared instance goes for a while; started again at the end
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
@@ -623,3 +623,6 @@ def test_two_node_cluster_fit(mlflow_uri, tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+        # the session's instance again: tests that only hold ray_session expect it, and
+        # without it the next `splitvit` command here would start a Ray of its own size
+        ray_session.ensure()
