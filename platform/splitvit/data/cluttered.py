@@ -353,9 +353,7 @@ def _render_into(dataset: ClutteredFashionMNIST | ClutteredFashionMNISTSeg, fold
     # pool) once, by its initializer.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    with context.Pool(
-        workers, initializer=_set_rendering, initargs=(dataset,)
-    ) as pool:
+    with context.Pool(workers, initializer=_set_rendering, initargs=(dataset,)) as pool:
         pool.starmap(_render_in_worker, [(str(folder), start, stop) for start, stop in chunks])
 
 
