@@ -240,6 +240,20 @@ def test_nan_split_probabilities_are_a_divergence_not_a_crash(teacher_weight):
         model.decide(model.split_scores(images), model.thresholds)
 
 
+def test_a_nan_classifier_is_a_non_finite_loss_not_a_crash():
+    """A NaN head makes the loss non-finite: FloatingPointError, which the training loop
+    reports as ``diverged``, as it does for NaN split probabilities."""
+    from splitvit.train.ray_trainer import SplitStep
+
+    cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)))
+    model = build_model(cfg.model)
+    PoisonAt(epoch=0, part="head")(0, 0, model)
+    step = SplitStep(model, cfg.train.loss_config()).train()
+    images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    with pytest.raises(FloatingPointError, match="non-finite loss nan at epoch 0"):
+        step(images, target, 0, torch.Generator().manual_seed(0))
+
+
 def test_run_training_hands_its_callbacks_to_ray_train(monkeypatch, tmp_path):
     """``callbacks`` reach Ray Train's RunConfig (a sweep trial's TuneReportCallback)."""
     from types import SimpleNamespace
@@ -569,21 +583,15 @@ def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_loca
     assert figures["images"] == 32 and figures["epoch"] == 2
 
 
-@pytest.mark.parametrize(
-    ("part", "message"),
-    [
-        ("head", "non-finite loss"),
-        # in the policy phase (epoch 1): NaN split probabilities end the run the same way
-        ("policy", "non-finite split probabilities"),
-    ],
-)
-def test_non_finite_loss_stops_with_status_and_keeps_last_good_checkpoint(
-    ray_local, mlflow_uri, tmp_path, part, message
-):
+def test_non_finite_split_probabilities_stop_the_run_and_keep_the_last_good_checkpoint(ray_local, mlflow_uri, tmp_path):
+    """NaN split probabilities in the policy phase (epoch 1) end a Ray run ``diverged``.
+    A non-finite loss raises the same FloatingPointError (see the step tests above) and
+    ends the same way; a sweep's diverging trial shows that through Ray too
+    (tests/test_sweep.py)."""
     cfg = tiny_config(tmp_path, mlflow_uri, "nan", ["train.epochs=2"])
-    result = run_training(cfg, epoch_hook=PoisonAt(epoch=1, part=part))
+    result = run_training(cfg, epoch_hook=PoisonAt(epoch=1, part="policy"))
     assert result.status == "diverged"
-    assert message in result.message
+    assert "non-finite split probabilities" in result.message
     assert result.start_epoch == 0  # not retried: a NaN is not a worker failure
     assert result.checkpoint_uri.endswith("checkpoint_epoch0000")
     model = SplitViT.load(Path(result.checkpoint_uri) / "model.pt")
