@@ -222,36 +222,31 @@ def test_distributed_eval_figures_equal_one_process(tmp_path):
             assert both["images_per_s"] > 0
 
 
-@pytest.mark.parametrize("teacher_weight", [1.0, 0.0])
-def test_nan_split_probabilities_are_a_divergence_not_a_crash(teacher_weight):
-    """A NaN policy raises FloatingPointError, which the training loop reports as
-    ``diverged``, before the teacher loss or the sampled decisions (torch.bernoulli)
-    reject the NaN with a RuntimeError."""
+@pytest.mark.parametrize(
+    ("part", "teacher_weight", "message"),
+    [
+        ("policy", 1.0, "non-finite split probabilities"),
+        ("policy", 0.0, "non-finite split probabilities"),
+        ("head", 1.0, "non-finite loss nan at epoch 1"),
+    ],
+)
+def test_nan_in_the_model_is_a_divergence_not_a_crash(part, teacher_weight, message):
+    """NaN in the model raises FloatingPointError, which the training loop reports as
+    ``diverged``: a NaN policy's split probabilities are caught before the teacher loss or
+    the sampled decisions (torch.bernoulli) reject the NaN with a RuntimeError; a NaN
+    classifier makes the loss non-finite."""
     from splitvit.train.ray_trainer import SplitStep
 
     cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)), [f"train.teacher_weight={teacher_weight}"])
     model = build_model(cfg.model)
-    PoisonAt(epoch=1, part="policy")(1, 0, model)
+    PoisonAt(epoch=1, part=part)(1, 0, model)
     step = SplitStep(model, cfg.train.loss_config()).train()
     images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
-    with pytest.raises(FloatingPointError, match="non-finite split probabilities"):
+    with pytest.raises(FloatingPointError, match=message):
         step(images, target, 1, torch.Generator().manual_seed(0))
-    with pytest.raises(FloatingPointError, match="non-finite split probabilities"):
-        model.decide(model.split_scores(images), model.thresholds)
-
-
-def test_a_nan_classifier_is_a_non_finite_loss_not_a_crash():
-    """A NaN head makes the loss non-finite: FloatingPointError, which the training loop
-    reports as ``diverged``, as it does for NaN split probabilities."""
-    from splitvit.train.ray_trainer import SplitStep
-
-    cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)))
-    model = build_model(cfg.model)
-    PoisonAt(epoch=0, part="head")(0, 0, model)
-    step = SplitStep(model, cfg.train.loss_config()).train()
-    images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
-    with pytest.raises(FloatingPointError, match="non-finite loss nan at epoch 0"):
-        step(images, target, 0, torch.Generator().manual_seed(0))
+    if part == "policy":
+        with pytest.raises(FloatingPointError, match=message):
+            model.decide(model.split_scores(images), model.thresholds)
 
 
 def test_run_training_hands_its_callbacks_to_ray_train(monkeypatch, tmp_path):
@@ -585,7 +580,7 @@ def test_killed_worker_resumes_from_s3_checkpoint_and_a_rerun_continues(ray_loca
 
 def test_non_finite_split_probabilities_stop_the_run_and_keep_the_last_good_checkpoint(ray_local, mlflow_uri, tmp_path):
     """NaN split probabilities in the policy phase (epoch 1) end a Ray run ``diverged``.
-    A non-finite loss raises the same FloatingPointError (see the step tests above) and
+    A non-finite loss raises the same FloatingPointError (the step test above) and
     ends the same way; a sweep's diverging trial shows that through Ray too
     (tests/test_sweep.py)."""
     cfg = tiny_config(tmp_path, mlflow_uri, "nan", ["train.epochs=2"])
