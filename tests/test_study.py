@@ -222,26 +222,35 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
 
 
 @pytest.mark.parametrize(
-    ("name", "epochs_by_scale"),
+    ("name", "recipe", "epochs_by_scale"),
     [
-        ("study_fashion.yaml", {"short-finetune": 2, "long-finetune": 4, "finetune-8": 8, None: 10, "finetune-12": 12}),
-        ("study_fashion_seg.yaml", {"short-finetune": 2, "finetune-8": 8, None: 12}),
+        (
+            "study_fashion.yaml",
+            "split-0.7",
+            {"short-finetune": 2, "long-finetune": 4, "finetune-8": 8, None: 10, "finetune-12": 12},
+        ),
+        ("study_fashion_seg.yaml", "split-0.7", {"short-finetune": 2, "finetune-8": 8, None: 12}),
+        ("study_fashion_det.yaml", "split-0.5-objects-d2", {None: 3, "finetune-6": 6, "finetune-10": 10}),
     ],
 )
-def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name, epochs_by_scale):
+def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name, recipe, epochs_by_scale):
     path = ROOT / "studies" / name
-    lengths = {scale: load_study(path, scale=scale, methods=["full", "split-0.7"]) for scale in epochs_by_scale}
-    for method in ("full", "split-0.7"):
+    lengths = {scale: load_study(path, scale=scale, methods=["full", recipe]) for scale in epochs_by_scale}
+    for method in ("full", recipe):
         assert [spec.run_config(0, method, "x").train.epochs for spec in lengths.values()] == list(
             epochs_by_scale.values()
         )
     assert len({spec.run_config(0, None, "x").train.epochs for spec in lengths.values()}) == 1  # one reference
 
 
-def test_the_learning_rate_lever_doubles_every_methods_rate_the_control_too():
-    path = ROOT / "studies" / "study_fashion.yaml"
-    default = load_study(path, methods=["full", "split-0.7"])
-    faster = load_study(path, scale="finetune-lr", methods=["full", "split-0.7"])
+@pytest.mark.parametrize(
+    ("name", "recipe"), [("study_fashion.yaml", "split-0.7"), ("study_fashion_det.yaml", "split-0.5-objects-d2")]
+)
+def test_the_learning_rate_lever_doubles_every_methods_rate_the_control_too(name, recipe):
+    path = ROOT / "studies" / name
+    default = load_study(path, methods=["full", recipe])
+    faster = load_study(path, scale="finetune-lr", methods=["full", recipe])
+    assert {default.run_config(0, m, "x").train.lr for m in default.methods} == {3.0e-4}
     assert {faster.run_config(0, m, "x").train.lr for m in faster.methods} == {6.0e-4}
     assert faster.run_config(0, None, "x").flat() == default.run_config(0, None, "x").flat()  # the same reference
 
