@@ -549,6 +549,28 @@ def test_write_shards_skips_corrupt_images(tmp_path):
         write_shards(ds, str(tmp_path / "out2"), strict=True)
 
 
+# ----------------------------------------------------------------- synthetic
+
+
+def test_synthetic_items_are_kept_once_drawn_and_handed_out_as_copies(monkeypatch):
+    from splitvit.data import synthetic
+
+    data = synthetic.SyntheticObjects(6, image_size=16, object_size=4, seed=3)
+    drawn = [data._draw(i) for i in range(6)]  # each item from its own generator
+    first = [data[i] for i in range(6)]
+    for (image, label, mask), (ref_image, ref_label, ref_mask) in zip(first, drawn):
+        assert torch.equal(image, ref_image) and label == ref_label and torch.equal(mask, ref_mask)
+    calls = []
+    monkeypatch.setattr(data, "_draw", lambda i: calls.append(i))
+    first[2][0].zero_()  # a caller's copy, changed in place
+    second = data[2]
+    assert calls == [] and torch.equal(second[0], drawn[2][0]) and torch.equal(second[2], drawn[2][2])
+    # a dataset over the byte limit draws every item on every read, keeping none
+    monkeypatch.setattr(synthetic, "CACHE_BYTES", 5 * 13 * 16 * 16)
+    large = synthetic.SyntheticObjects(6, image_size=16, object_size=4, seed=3)
+    assert large._items is None and torch.equal(large[4][0], drawn[4][0])
+
+
 # ----------------------------------------------------------------- registry
 
 
