@@ -16,9 +16,11 @@ from splitvit.data.coco import CocoDetection
 from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.data.fashion_mnist import CLASSES
 from splitvit.model.detection import SplitDetector
+from splitvit.model.quadtree import QuadtreeGeometry
 from splitvit.train.coco_eval import coco_evaluate, detection_records, load_ground_truth
 from splitvit.train.detection import (
     DetectionTotals,
+    annotation_decisions,
     detection_relevance,
     detection_training_step,
     evaluate_detection_totals,
@@ -207,6 +209,35 @@ def test_a_detectors_evaluation_says_how_much_of_the_objects_its_backbone_saw_fi
     )
     assert 0.0 < whole.figures(ground_truth)["object_coverage"] < 1.0
 
+    # the oracle: the learned backbone, split where the instance masks are. Every
+    # object cell is fine; a 16-px coarse node splits into 4 fine tokens exactly when it
+    # holds mask pixels (CANVAS / 16 = 4 coarse nodes a side)
+    oracle = evaluate_detection_totals(learned, ordered, label_to_category, oracle=True)
+    assert oracle.figures(ground_truth)["object_coverage"] == 1.0
+    split = int(masks.reshape(len(coco_set), 4, 16, 4, 16).any(dim=4).any(dim=2).sum())
+    assert 0 < split < 16 * len(coco_set) and oracle.tokens == 16 * len(coco_set) + 3 * split
+    assert oracle.fine_total == 4 * split
+
+
+def test_the_oracle_splits_every_node_over_an_instance_and_needs_masks():
+    """:func:`annotation_decisions` on a 32-px canvas, 4-px finest cells, 3 levels (2x2
+    coarse nodes of 16 px, 4x4 of 8 px, 8x8 of 4 px): one 3-px instance in a corner
+    splits its coarse node and one of that node's children (3 + 3 + 4 = 10 tokens); an
+    image with no instances stays all-coarse (4 tokens)."""
+    from splitvit.model.quadtree import leaf_masks
+
+    geometry = QuadtreeGeometry(image_size=(32, 32), patch_size=4, levels=3)
+    item = torch.zeros(1, 32, 32, dtype=torch.uint8)
+    item[0, 29:32, 0:3] = 1  # bottom-left corner
+    targets = [{"masks": item, "boxes": torch.tensor([[0.0, 29.0, 3.0, 32.0]])}, {"masks": item[:0]}]
+    decisions = annotation_decisions(targets, geometry)
+    assert [d.shape for d in decisions] == [(2, 2, 2), (2, 4, 4)]
+    assert decisions[0][0].nonzero().tolist() == [[1, 0]] and decisions[1][0].nonzero().tolist() == [[3, 0]]
+    assert not decisions[0][1].any() and not decisions[1][1].any()
+    assert [int(sum(m[i].sum() for m in leaf_masks(decisions))) for i in range(2)] == [10, 4]
+    with pytest.raises(ValueError, match="boxes only"):
+        annotation_decisions([{"boxes": torch.zeros(1, 4)}], geometry)
+
 
 def _combine_shard(rank: int, world: int, folder: str) -> None:
     """One process of the test below: join a gloo group and combine this rank's shard."""
@@ -339,6 +370,10 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert evaluated["images"] == 8 and evaluated["tokens_per_image"] == metrics["tokens_per_image"]
     assert evaluated["box_ap"] == pytest.approx(metrics["box_ap"], abs=1e-6)
     assert evaluated["mask_ap"] == pytest.approx(metrics["mask_ap"], abs=1e-6)
+    # the same checkpoint split where the annotations' instances are
+    assert main(["eval", result["checkpoint_uri"], "--oracle", "--json", str(figures)]) == 0
+    oracle = json.loads(figures.read_text())
+    assert oracle["policy"] == "oracle" and oracle["thresholds"] is None and oracle["object_coverage"] == 1.0
     # the quadtree its backbone draws (the boxes and masks are not drawn yet)
     png = tmp_path / "viz.png"
     argv = ["viz", "--checkpoint", result["checkpoint_uri"], "--dataset", "fashion-det", "--root", str(root)]

@@ -505,6 +505,11 @@ def test_eval_command_on_the_checkpoint(trained, capsys):
     assert main(["eval", ckpt, "--thresholds", "1.5"]) == 2
     assert "thresholds[0] = 1.5 is outside [0, 1]" in capsys.readouterr().err
     assert main(["eval", str(trained["tmp"] / "missing")]) == 2
+    # the oracle splits where a detection set's instance masks are: a classifier has none
+    assert main(["eval", ckpt, "--oracle"]) == 2
+    assert "is not a detector (model.task=detection)" in capsys.readouterr().err
+    assert main(["eval", ckpt, "--oracle", "--thresholds", "0.5"]) == 2
+    assert "--oracle splits where the annotations' instances are" in capsys.readouterr().err
 
 
 def test_bad_input_errors_before_ray_and_keeps_earlier_results(trained, monkeypatch, capsys):

@@ -256,6 +256,24 @@ def to_original_pixels(found: dict[str, torch.Tensor], target: dict[str, torch.T
 
 
 @torch.no_grad()
+def annotation_decisions(targets: Targets, geometry: QuadtreeGeometry) -> list[torch.Tensor]:
+    """The oracle's split decisions (``splitvit eval --oracle``): a node splits when its
+    area holds pixels of an instance mask, so exactly the finest cells the instances
+    touch are fine tokens and the rest of the canvas is as coarse as the quadtree allows.
+    Its box AP at the tokens it takes tells what a perfect policy would give this
+    backbone; the tokens are those of ``scripts/oracle_item_coverage.py``.
+
+    Raises:
+        ValueError: a target without instance masks (boxes alone do not say which cells
+            an object covers).
+    """
+    if not all("masks" in t for t in targets):
+        raise ValueError("the oracle splits where the instance masks are: this data's targets have boxes only")
+    covers = torch.stack([(t["masks"] > 0).any(dim=0).float() for t in targets])  # no instances: background
+    per_cell = torch.nn.functional.avg_pool2d(covers.unsqueeze(1), geometry.patch_size).squeeze(1)
+    return [mass > 0 for mass in nodes_mass(per_cell, geometry)]
+
+
 def evaluate_detection_totals(
     detector: SplitDetector,
     batches: Iterable[tuple[torch.Tensor, Targets]],
@@ -263,12 +281,14 @@ def evaluate_detection_totals(
     *,
     thresholds: float | list[float] | None = None,
     device: torch.device | str | None = None,
+    oracle: bool = False,
 ) -> DetectionTotals:
     """Detect on every batch (the detector in evaluation mode, restored afterwards) and
     keep the totals: tokens, time in forward passes, each detection as a COCO record in
     the image file's pixels (:func:`to_original_pixels`; ``label_to_category[k]``:
     label ``k``'s COCO category id; image ids from the targets' ``image_id``), and where
-    the targets carry instance masks (on the canvas) the backbone's fine cells on them."""
+    the targets carry instance masks (on the canvas) the backbone's fine cells on them.
+    ``oracle``: the splits are :func:`annotation_decisions`, not the policy's."""
     was_training = detector.training
     detector.eval()
     totals = DetectionTotals()
@@ -276,8 +296,12 @@ def evaluate_detection_totals(
         for images, targets in batches:
             if device is not None:
                 images = images.to(device)
+            decisions = None
+            if oracle:
+                geometry = detector.backbone.geometry_for(tuple(images.shape[-2:]))
+                decisions = [d.to(images.device) for d in annotation_decisions(targets, geometry)]
             start = time.perf_counter()
-            out = detector(images, thresholds=thresholds)
+            out = detector(images, thresholds=thresholds, decisions=decisions)
             totals.elapsed += time.perf_counter() - start
             ids = [int(t["image_id"]) for t in targets]
             found = [to_original_pixels(d, t) for d, t in zip(out.detections, targets)]

@@ -112,20 +112,29 @@ class CheckpointEvaluator:
         with self.autocast():
             return calibrate_thresholds(split_backbone(model or self.model), images, target_ratio)
 
-    def evaluate(self, thresholds: list[float] | None = None, model: SplitViT | None = None) -> dict[str, Any]:
+    def evaluate(
+        self, thresholds: list[float] | None = None, model: SplitViT | None = None, *, oracle: bool = False
+    ) -> dict[str, Any]:
         """Quality (accuracy, mIoU or box AP), tokens per image, token ratio and images/s
         at ``thresholds`` (validated before any data are read); on data with object
         masks also ``fine_on_object`` and ``object_coverage``; a detector's mask AP and
-        AP per class too."""
+        AP per class too. ``oracle`` (detectors): split where the annotations' instances
+        are (:func:`~splitvit.train.detection.annotation_decisions`), not by the policy;
+        its ``thresholds`` are ``None``."""
         model = model or self.model
         if thresholds is not None:
             validate_thresholds(thresholds, split_backbone(model).levels)
+        if oracle and not isinstance(model, SplitDetector):
+            raise ValueError(
+                f"--oracle splits where a detection dataset's instance masks are; {self.checkpoint} "
+                "is not a detector (model.task=detection)"
+            )
         if isinstance(model, SplitDetector):
-            result = self._evaluate_detector(model, thresholds)
+            result = self._evaluate_detector(model, thresholds, oracle)
         else:
             result = self._evaluate_classifier(model, thresholds)
         used = thresholds if thresholds is not None else split_backbone(model).thresholds.tolist()
-        result["thresholds"] = [float(t) for t in used]
+        result["thresholds"] = None if oracle else [float(t) for t in used]
         return result
 
     def _evaluate_classifier(self, model: SplitViT, thresholds: list[float] | None) -> dict[str, Any]:
@@ -136,12 +145,19 @@ class CheckpointEvaluator:
         result["quality"] = result.get("miou", result.get("accuracy"))
         return result
 
-    def _evaluate_detector(self, model: SplitDetector, thresholds: list[float] | None) -> dict[str, Any]:
+    def _evaluate_detector(
+        self, model: SplitDetector, thresholds: list[float] | None, oracle: bool = False
+    ) -> dict[str, Any]:
         from .detection import detection_area_ranges, detection_ground_truth, evaluate_detection_totals
 
         with self.autocast():
             totals = evaluate_detection_totals(
-                model, self.batches(), [0, *self.dataset.category_ids], thresholds=thresholds, device=self.device
+                model,
+                self.batches(),
+                [0, *self.dataset.category_ids],
+                thresholds=thresholds,
+                device=self.device,
+                oracle=oracle,
             )
         if self._ground_truth is None:
             self._ground_truth = detection_ground_truth(self.dataset)
@@ -197,18 +213,20 @@ def evaluate_checkpoint(
     batch_size: int | None = None,
     samples: int | None = None,
     device: str = "cpu",
+    oracle: bool = False,
 ) -> dict[str, Any]:
     """One evaluation of a checkpoint (``splitvit eval``): :meth:`CheckpointEvaluator.evaluate`
-    plus the checkpoint, its epoch, the policy and the split. The arguments are
-    :class:`CheckpointEvaluator`'s; ``thresholds`` are per-level split thresholds."""
+    plus the checkpoint, its epoch, the policy (``oracle`` for the annotations' splits)
+    and the split. The arguments are :class:`CheckpointEvaluator`'s; ``thresholds`` are
+    per-level split thresholds; ``oracle`` as in :meth:`CheckpointEvaluator.evaluate`."""
     evaluator = CheckpointEvaluator(
         checkpoint, split=split, samples=samples, batch_size=batch_size, policy=policy, device=device, cache=False
     )
-    result = evaluator.evaluate(thresholds)
+    result = evaluator.evaluate(thresholds, oracle=oracle)
     return {
         **result,
         "checkpoint": str(checkpoint),
         "epoch": evaluator.payload.get("epoch"),
-        "policy": evaluator.backbone.policy.name,
+        "policy": "oracle" if oracle else evaluator.backbone.policy.name,
         "split": split,
     }
