@@ -237,6 +237,12 @@ def test_the_oracle_splits_every_node_over_an_instance_and_needs_masks():
     assert [int(sum(m[i].sum() for m in leaf_masks(decisions))) for i in range(2)] == [10, 4]
     with pytest.raises(ValueError, match="boxes only"):
         annotation_decisions([{"boxes": torch.zeros(1, 4)}], geometry)
+    # context: the mask grown by 6 px (rows 23-31, columns 0-8) reaches 3 rows and 3
+    # columns of finest cells, so every 8-px node under the corner's coarse node splits
+    grown = annotation_decisions(targets, geometry, context=6)
+    assert [int(sum(m[i].sum() for m in leaf_masks(grown))) for i in range(2)] == [19, 4]
+    with pytest.raises(ValueError, match="--oracle-context must be >= 0"):
+        annotation_decisions(targets, geometry, context=-1)
 
 
 def _combine_shard(rank: int, world: int, folder: str) -> None:
@@ -374,6 +380,9 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert main(["eval", result["checkpoint_uri"], "--oracle", "--json", str(figures)]) == 0
     oracle = json.loads(figures.read_text())
     assert oracle["policy"] == "oracle" and oracle["thresholds"] is None and oracle["object_coverage"] == 1.0
+    assert main(["eval", result["checkpoint_uri"], "--oracle", "--oracle-context", "8", "--json", str(figures)]) == 0
+    context = json.loads(figures.read_text())
+    assert context["object_coverage"] == 1.0 and context["tokens_per_image"] > oracle["tokens_per_image"]
     # the quadtree its backbone draws (the boxes and masks are not drawn yet)
     png = tmp_path / "viz.png"
     argv = ["viz", "--checkpoint", result["checkpoint_uri"], "--dataset", "fashion-det", "--root", str(root)]

@@ -510,6 +510,8 @@ def test_eval_command_on_the_checkpoint(trained, capsys):
     assert "is not a detector (model.task=detection)" in capsys.readouterr().err
     assert main(["eval", ckpt, "--oracle", "--thresholds", "0.5"]) == 2
     assert "--oracle splits where the annotations' instances are" in capsys.readouterr().err
+    assert main(["eval", ckpt, "--oracle-context", "4"]) == 2
+    assert "it goes with --oracle" in capsys.readouterr().err
 
 
 def test_bad_input_errors_before_ray_and_keeps_earlier_results(trained, monkeypatch, capsys):

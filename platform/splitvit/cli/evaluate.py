@@ -32,6 +32,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="detectors: split exactly where the data's instance masks are, not by the policy: the box and "
         "mask AP a perfect policy would give this backbone, at the tokens it takes",
     )
+    p.add_argument(
+        "--oracle-context",
+        type=int,
+        default=0,
+        metavar="PX",
+        help="with --oracle: grow the instance masks by PX pixels first, so that the fine tokens also "
+        "cover the items' surroundings (default 0)",
+    )
     p.add_argument("--split", default="val", choices=["val", "test"], help="data split of the experiment's dataset")
     p.add_argument("--batch-size", type=int, help="evaluation batch size (default: the experiment's)")
     p.add_argument("--samples", type=int, help="number of images (default: the experiment's split size)")
@@ -44,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     """Evaluate the checkpoint on the experiment's data and print the figures."""
     if args.oracle and (args.thresholds or args.policy):
         raise ValueError("--oracle splits where the annotations' instances are: it takes no --thresholds or --policy")
+    if args.oracle_context and not args.oracle:
+        raise ValueError("--oracle-context grows the masks the oracle splits on: it goes with --oracle")
+    if args.oracle_context < 0:
+        raise ValueError(f"--oracle-context must be >= 0 pixels, got {args.oracle_context}")
     checkpoint, thresholds = model_source(args, args.checkpoint)  # a mistyped path: before torch loads
     from ..cluster.preflight import preflight_eval
     from ..train.evaluation import evaluate_checkpoint
@@ -58,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples,
         device=args.device,
         oracle=args.oracle,
+        oracle_context=args.oracle_context,
     )
     print_table(
         [

@@ -256,20 +256,27 @@ def to_original_pixels(found: dict[str, torch.Tensor], target: dict[str, torch.T
 
 
 @torch.no_grad()
-def annotation_decisions(targets: Targets, geometry: QuadtreeGeometry) -> list[torch.Tensor]:
+def annotation_decisions(targets: Targets, geometry: QuadtreeGeometry, context: int = 0) -> list[torch.Tensor]:
     """The oracle's split decisions (``splitvit eval --oracle``): a node splits when its
     area holds pixels of an instance mask, so exactly the finest cells the instances
     touch are fine tokens and the rest of the canvas is as coarse as the quadtree allows.
     Its box AP at the tokens it takes tells what a perfect policy would give this
-    backbone; the tokens are those of ``scripts/oracle_item_coverage.py``.
+    backbone; the tokens are those of ``scripts/oracle_item_coverage.py``. ``context``:
+    the masks grown by this many pixels first (``--oracle-context``), so that the fine
+    tokens also cover the items' surroundings.
 
     Raises:
         ValueError: a target without instance masks (boxes alone do not say which cells
-            an object covers).
+            an object covers), or a negative ``context``.
     """
     if not all("masks" in t for t in targets):
         raise ValueError("the oracle splits where the instance masks are: this data's targets have boxes only")
+    if context < 0:
+        raise ValueError(f"--oracle-context must be >= 0 pixels, got {context}")
     covers = torch.stack([(t["masks"] > 0).any(dim=0).float() for t in targets])  # no instances: background
+    if context:
+        covers = torch.nn.functional.max_pool2d(covers.unsqueeze(1), 2 * context + 1, stride=1, padding=context)
+        covers = covers.squeeze(1)
     per_cell = torch.nn.functional.avg_pool2d(covers.unsqueeze(1), geometry.patch_size).squeeze(1)
     return [mass > 0 for mass in nodes_mass(per_cell, geometry)]
 
@@ -282,13 +289,15 @@ def evaluate_detection_totals(
     thresholds: float | list[float] | None = None,
     device: torch.device | str | None = None,
     oracle: bool = False,
+    oracle_context: int = 0,
 ) -> DetectionTotals:
     """Detect on every batch (the detector in evaluation mode, restored afterwards) and
     keep the totals: tokens, time in forward passes, each detection as a COCO record in
     the image file's pixels (:func:`to_original_pixels`; ``label_to_category[k]``:
     label ``k``'s COCO category id; image ids from the targets' ``image_id``), and where
     the targets carry instance masks (on the canvas) the backbone's fine cells on them.
-    ``oracle``: the splits are :func:`annotation_decisions`, not the policy's."""
+    ``oracle``: the splits are :func:`annotation_decisions` (masks grown by
+    ``oracle_context`` pixels), not the policy's."""
     was_training = detector.training
     detector.eval()
     totals = DetectionTotals()
@@ -299,7 +308,7 @@ def evaluate_detection_totals(
             decisions = None
             if oracle:
                 geometry = detector.backbone.geometry_for(tuple(images.shape[-2:]))
-                decisions = [d.to(images.device) for d in annotation_decisions(targets, geometry)]
+                decisions = [d.to(images.device) for d in annotation_decisions(targets, geometry, oracle_context)]
             start = time.perf_counter()
             out = detector(images, thresholds=thresholds, decisions=decisions)
             totals.elapsed += time.perf_counter() - start

@@ -113,14 +113,19 @@ class CheckpointEvaluator:
             return calibrate_thresholds(split_backbone(model or self.model), images, target_ratio)
 
     def evaluate(
-        self, thresholds: list[float] | None = None, model: SplitViT | None = None, *, oracle: bool = False
+        self,
+        thresholds: list[float] | None = None,
+        model: SplitViT | None = None,
+        *,
+        oracle: bool = False,
+        oracle_context: int = 0,
     ) -> dict[str, Any]:
         """Quality (accuracy, mIoU or box AP), tokens per image, token ratio and images/s
         at ``thresholds`` (validated before any data are read); on data with object
         masks also ``fine_on_object`` and ``object_coverage``; a detector's mask AP and
         AP per class too. ``oracle`` (detectors): split where the annotations' instances
-        are (:func:`~splitvit.train.detection.annotation_decisions`), not by the policy;
-        its ``thresholds`` are ``None``."""
+        are (:func:`~splitvit.train.detection.annotation_decisions`, the masks grown by
+        ``oracle_context`` pixels), not by the policy; its ``thresholds`` are ``None``."""
         model = model or self.model
         if thresholds is not None:
             validate_thresholds(thresholds, split_backbone(model).levels)
@@ -130,7 +135,7 @@ class CheckpointEvaluator:
                 "is not a detector (model.task=detection)"
             )
         if isinstance(model, SplitDetector):
-            result = self._evaluate_detector(model, thresholds, oracle)
+            result = self._evaluate_detector(model, thresholds, oracle, oracle_context)
         else:
             result = self._evaluate_classifier(model, thresholds)
         used = thresholds if thresholds is not None else split_backbone(model).thresholds.tolist()
@@ -146,7 +151,7 @@ class CheckpointEvaluator:
         return result
 
     def _evaluate_detector(
-        self, model: SplitDetector, thresholds: list[float] | None, oracle: bool = False
+        self, model: SplitDetector, thresholds: list[float] | None, oracle: bool = False, oracle_context: int = 0
     ) -> dict[str, Any]:
         from .detection import detection_area_ranges, detection_ground_truth, evaluate_detection_totals
 
@@ -158,6 +163,7 @@ class CheckpointEvaluator:
                 thresholds=thresholds,
                 device=self.device,
                 oracle=oracle,
+                oracle_context=oracle_context,
             )
         if self._ground_truth is None:
             self._ground_truth = detection_ground_truth(self.dataset)
@@ -214,15 +220,17 @@ def evaluate_checkpoint(
     samples: int | None = None,
     device: str = "cpu",
     oracle: bool = False,
+    oracle_context: int = 0,
 ) -> dict[str, Any]:
     """One evaluation of a checkpoint (``splitvit eval``): :meth:`CheckpointEvaluator.evaluate`
     plus the checkpoint, its epoch, the policy (``oracle`` for the annotations' splits)
     and the split. The arguments are :class:`CheckpointEvaluator`'s; ``thresholds`` are
-    per-level split thresholds; ``oracle`` as in :meth:`CheckpointEvaluator.evaluate`."""
+    per-level split thresholds; ``oracle`` and ``oracle_context`` as in
+    :meth:`CheckpointEvaluator.evaluate`."""
     evaluator = CheckpointEvaluator(
         checkpoint, split=split, samples=samples, batch_size=batch_size, policy=policy, device=device, cache=False
     )
-    result = evaluator.evaluate(thresholds, oracle=oracle)
+    result = evaluator.evaluate(thresholds, oracle=oracle, oracle_context=oracle_context)
     return {
         **result,
         "checkpoint": str(checkpoint),
