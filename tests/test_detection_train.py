@@ -380,7 +380,9 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert main(["eval", result["checkpoint_uri"], "--oracle", "--json", str(figures)]) == 0
     oracle = json.loads(figures.read_text())
     assert oracle["policy"] == "oracle" and oracle["thresholds"] is None and oracle["object_coverage"] == 1.0
+    capsys.readouterr()
     assert main(["eval", result["checkpoint_uri"], "--oracle", "--oracle-context", "8", "--json", str(figures)]) == 0
+    assert "policy oracle, the annotations' instances grown by 8 px" in capsys.readouterr().out
     context = json.loads(figures.read_text())
     assert context["object_coverage"] == 1.0 and context["tokens_per_image"] > oracle["tokens_per_image"]
     # the quadtree its backbone draws (the boxes and masks are not drawn yet)

@@ -83,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
         ],
         ["metric", "value"],
     )
-    splits = "the annotations' instances" if args.oracle else f"thresholds {result['thresholds']}"
+    if args.oracle:
+        splits = "the annotations' instances" + (f" grown by {args.oracle_context} px" if args.oracle_context else "")
+    else:
+        splits = f"thresholds {result['thresholds']}"
     print(f"policy {result['policy']}, {splits}, {result['images']} {args.split} images")
     emit(args, result)
     return 0
