@@ -212,7 +212,10 @@ def test_a_detectors_evaluation_says_how_much_of_the_objects_its_backbone_saw_fi
     # the oracle: the learned backbone, split where the instance masks are. Every
     # object cell is fine; a 16-px coarse node splits into 4 fine tokens exactly when it
     # holds mask pixels (CANVAS / 16 = 4 coarse nodes a side)
+    grad_enabled, forward = [], learned.forward
+    learned.forward = lambda *a, **k: (grad_enabled.append(torch.is_grad_enabled()), forward(*a, **k))[1]
     oracle = evaluate_detection_totals(learned, ordered, label_to_category, oracle=True)
+    assert grad_enabled and not any(grad_enabled)  # evaluation records no autograd graph
     assert oracle.figures(ground_truth)["object_coverage"] == 1.0
     split = int(masks.reshape(len(coco_set), 4, 16, 4, 16).any(dim=4).any(dim=2).sum())
     assert 0 < split < 16 * len(coco_set) and oracle.tokens == 16 * len(coco_set) + 3 * split

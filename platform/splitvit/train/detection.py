@@ -255,7 +255,6 @@ def to_original_pixels(found: dict[str, torch.Tensor], target: dict[str, torch.T
     return mapped
 
 
-@torch.no_grad()
 def annotation_decisions(targets: Targets, geometry: QuadtreeGeometry, context: int = 0) -> list[torch.Tensor]:
     """The oracle's split decisions (``splitvit eval --oracle``): a node splits when its
     area holds pixels of an instance mask, so exactly the finest cells the instances
@@ -281,6 +280,7 @@ def annotation_decisions(targets: Targets, geometry: QuadtreeGeometry, context: 
     return [mass > 0 for mass in nodes_mass(per_cell, geometry)]
 
 
+@torch.no_grad()
 def evaluate_detection_totals(
     detector: SplitDetector,
     batches: Iterable[tuple[torch.Tensor, Targets]],
