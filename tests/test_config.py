@@ -106,6 +106,8 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("train.target_ratio_range=[0.8, 0.3]", "train.target_ratio_range", "0 < low <= high <= 1, got [0.8, 0.3]"),
         ("train.target_ratio_range=[0.2, 0.5, 0.9]", "train.target_ratio_range", "must be [low, high]"),
         ("train.target_ratio_range=0.5", "train.target_ratio_range", "expected list[float] or null"),
+        ("train.teacher_context=-2", "train.teacher_context", "must be >= 0 pixels, got -2"),
+        ("train.teacher_context=4", "train.teacher_context", "objects teacher's ring around each instance mask, but"),
         ("model.budget_conditioned=maybe", "model.budget_conditioned", "expected bool"),
         ("model.fine_aggregation=maybe", "model.fine_aggregation", "expected bool"),
         ("model.policy_level_context=maybe", "model.policy_level_context", "expected bool"),

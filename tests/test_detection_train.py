@@ -248,6 +248,33 @@ def test_the_oracle_splits_every_node_over_an_instance_and_needs_masks():
         annotation_decisions(targets, geometry, context=-1)
 
 
+def test_the_objects_teachers_context_ring_ranks_an_items_surroundings_next_nearest_first():
+    """``train.teacher_context``: on a 32-px canvas with one 3-px item in the bottom-left
+    corner (4-px finest cells, 8-px and 16-px nodes), the ring falls linearly over the
+    context's pixels; nodes rank item first, then the ring's nearest, then the
+    untouched; without context the ring is absent."""
+    from splitvit.train.detection import context_ring, object_relevance
+
+    masks = torch.zeros(1, 1, 12, 12)
+    masks[0, 0, 5, 5] = 1.0
+    ring = context_ring(masks, 4)[0, 0]
+    assert ring[5, 5] == 1.0 and ring[5, 6] == 1.0 and ring[3, 7] == 0.75 and ring[5, 1] == 0.25
+    assert ring[5, 0] == 0.0 and ring[0, 0] == 0.0  # distance 5: outside
+
+    geometry = QuadtreeGeometry(image_size=(32, 32), patch_size=4, levels=3)
+    item = torch.zeros(1, 32, 32, dtype=torch.uint8)
+    item[0, 29:32, 0:3] = 1
+    target = {"masks": item, "boxes": torch.tensor([[0.0, 29.0, 3.0, 32.0]])}
+    plain = object_relevance([target], geometry, torch.Generator().manual_seed(0))
+    ringed = object_relevance([target], geometry, torch.Generator().manual_seed(0), context=6)
+    mid_plain, mid = plain[1][0], ringed[1][0]  # the 8-px nodes, (row, column)
+    assert float(mid_plain[2, 0]) < 1e-3 and float(mid_plain[3, 1]) < 1e-3  # no ring without context
+    # the item's node, then the ring (rows 23-31, columns 0-8) nearest first, then nothing
+    assert mid[3, 0] > mid[3, 1] > mid[2, 1] > 1e-3 and mid[3, 0] > mid[2, 0] > mid[2, 1]
+    assert max(float(mid[1, 0]), float(mid[2, 2]), float(mid[0, 3])) < 1e-3
+    assert ringed[0][0, 1, 0] == ringed[0][0].max() and float(ringed[0][0, 0, 1]) < 1e-3
+
+
 def _combine_shard(rank: int, world: int, folder: str) -> None:
     """One process of the test below: join a gloo group and combine this rank's shard."""
     import json

@@ -244,6 +244,10 @@ class SplitLossConfig:
             teacher's targets use it), and a budget-conditioned policy
             (``model.budget_conditioned``) is told it, so that one model serves every
             budget. ``null``: every batch trains at ``target_ratio``.
+        teacher_context: the ``objects`` teacher's context ring, in pixels (>= 0; 0:
+            off): the cells within this distance of an instance mask rank next after
+            the masks' own, nearer ones first, so that a budget above the items' share
+            keeps their surroundings fine, as ``splitvit eval --oracle-context`` does.
 
     Raises ``ValueError`` for a value out of range; its message starts with the
     field's name, which :func:`field_error` turns into the key (``train.penalty``).
@@ -261,6 +265,7 @@ class SplitLossConfig:
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
     target_ratio_range: list[float] | None = None
+    teacher_context: int = 0
 
     def __post_init__(self) -> None:
         if not self.lambda_budget >= 0:  # "not >=": NaN fails too
@@ -290,6 +295,8 @@ class SplitLossConfig:
             if len(bounds) != 2 or not 0.0 < bounds[0] <= bounds[1] <= 1.0:
                 raise ValueError(f"target_ratio_range must be [low, high] with 0 < low <= high <= 1, got {bounds}")
             self.target_ratio_range = [float(bounds[0]), float(bounds[1])]
+        if self.teacher_context < 0:
+            raise ValueError(f"teacher_context must be >= 0 pixels, got {self.teacher_context}")
 
 
 @dataclass
@@ -789,6 +796,12 @@ def validate(config: ExperimentConfig) -> None:
             if m.task == "detection"
             else "objects reads instance annotations, a detector's (model.task=detection); use gradient or attention"
         ),
+    )
+    require(
+        t.teacher_context == 0 or t.teacher == "objects",
+        "train.teacher_context",
+        f"is the objects teacher's ring around each instance mask, but train.teacher is {t.teacher!r}: "
+        "set train.teacher=objects (a detector's), or remove it",
     )
     require(
         not m.detector or m.task == "detection",

@@ -83,7 +83,7 @@ def detection_relevance(detector: SplitDetector, images: torch.Tensor, targets: 
 
 
 def object_relevance(
-    targets: Targets, geometry: QuadtreeGeometry, generator: torch.Generator | None = None
+    targets: Targets, geometry: QuadtreeGeometry, generator: torch.Generator | None = None, context: int = 0
 ) -> list[torch.Tensor]:
     """Every non-finest node's relevance by the annotations (``train.teacher: objects``),
     summed over the node's area (:func:`nodes_mass`): per finest cell, the share of it
@@ -91,19 +91,39 @@ def object_relevance(
     context; a target without masks has its boxes alone), plus noise below 1e-4, so
     that the empty cells a budget still marks are drawn at random rather than always
     the same corner. No forward pass: the policy learns to find what the detector is
-    asked to find."""
+    asked to find.
+
+    ``context`` (``train.teacher_context``): a ring of that many pixels around the
+    masks (or boxes) counts too, half as much as an object at its edge and falling
+    linearly with the distance (Chebyshev, as the oracle's ``--oracle-context`` grows
+    masks), so that past the items' own cells the budget goes to their surroundings,
+    nearest first."""
     height, width = geometry.image_size
-    covers = []
+    objects, boxes = [], []
     for target in targets:
-        boxes = torch.zeros((height, width), device=target["boxes"].device)
+        box = torch.zeros((height, width), device=target["boxes"].device)
         for x1, y1, x2, y2 in target["boxes"].floor().long().clamp(min=0).tolist():
-            boxes[y1 : y2 + 1, x1 : x2 + 1] = 1.0
-        masks = (target["masks"] > 0).any(dim=0).float() if "masks" in target else boxes
-        covers.append(masks + 0.1 * boxes)
-    cover = torch.stack(covers).unsqueeze(1)
+            box[y1 : y2 + 1, x1 : x2 + 1] = 1.0
+        objects.append((target["masks"] > 0).any(dim=0).float() if "masks" in target else box)
+        boxes.append(box)
+    masks = torch.stack(objects).unsqueeze(1)
+    cover = masks + 0.1 * torch.stack(boxes).unsqueeze(1)
+    if context:
+        cover = cover + 0.5 * context_ring(masks, context)
     per_cell = torch.nn.functional.avg_pool2d(cover, geometry.patch_size).squeeze(1)  # (B, H_fine, W_fine)
     per_cell = per_cell + 1e-4 * torch.rand(per_cell.shape, generator=generator).to(per_cell.device)
     return nodes_mass(per_cell, geometry)
+
+
+def context_ring(masks: torch.Tensor, context: int) -> torch.Tensor:
+    """``(C - d + 1) / C`` at Chebyshev distance ``d`` in ``1..C`` from ``masks``
+    (``(B, 1, H, W)``, 0/1; ``C = context``), 1 on the masks and 0 farther out: the mean
+    of the masks grown by 1 to ``C`` pixels, one 3x3 dilation at a time."""
+    grown, ring = masks, torch.zeros_like(masks)
+    for _ in range(context):
+        grown = torch.nn.functional.max_pool2d(grown, 3, stride=1, padding=1)
+        ring = ring + grown
+    return ring / context
 
 
 def detection_training_step(
@@ -150,7 +170,7 @@ def detection_training_step(
     if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
         geometry = backbone.geometry_for(tuple(images.shape[-2:]))
         if cfg.teacher == "objects":
-            relevance = object_relevance(targets, geometry, generator)
+            relevance = object_relevance(targets, geometry, generator, cfg.teacher_context)
         else:
             relevance = detection_relevance(detector, images, targets)
         fraction = split_fraction_for_ratio(target_ratio, geometry)
