@@ -171,6 +171,19 @@ def test_level_ranking_spearman_is_plus_one_for_the_same_order_and_minus_one_rev
     assert ranking._spearman(scores, -scores).tolist() == pytest.approx([-1.0, -1.0])
 
 
+def test_headroom_auc_is_the_chance_that_a_positive_outscores_a_negative():
+    import math
+
+    import torch
+
+    headroom = load_script("policy_headroom.py")
+    labels = torch.tensor([[True, False, True, False]])
+    assert headroom.roc_auc(torch.tensor([[0.9, 0.1, 0.8, 0.2]]), labels) == 1.0
+    assert headroom.roc_auc(torch.tensor([[0.1, 0.9, 0.2, 0.8]]), labels) == 0.0
+    assert headroom.roc_auc(torch.tensor([[0.9, 0.5, 0.5, 0.1]]), labels) == 0.875  # 3 of 4 pairs won, 1 tied
+    assert math.isnan(headroom.roc_auc(torch.tensor([0.3, 0.7]), torch.tensor([True, True])))
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in SCRIPTS.glob("*.py")))
 def test_every_script_imports(name):
     """The measurement scripts need checkpoints or data to run; importing them at least

@@ -1,0 +1,173 @@
+"""How far can a detector's learned policy get on its own features with more steps?
+
+    .venv/bin/python scripts/policy_headroom.py CHECKPOINT [--steps 1128] [--lr 3e-3] [--json OUT]
+
+Loads a fine-tuned detector (e.g. a detection study's `split-0.5-objects-d2-s0/checkpoint_epoch0002`),
+freezes everything but the policy's own modules, and goes on training them alone with the
+objects teacher (`train.teacher: objects`, the checkpoint's teacher targets and target
+ratio) on the training canvases. Every `--every` steps, on `--samples` validation
+canvases: each scored level's ROC AUC of the policy's scores against "the node holds
+instance-mask pixels" (the oracle's splits, `splitvit eval --oracle`), and at each
+`--ratios` token ratio (thresholds calibrated on those same canvases) the share of the
+items' finest cells kept fine (`object_coverage`). The policy reads the backbone's
+features detached, as in training, so a plateau here is what those features allow a
+policy of this size, not a matter of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
+
+from splitvit.data import detection_collate  # noqa: E402
+from splitvit.model.detection import SplitDetector  # noqa: E402
+from splitvit.model.quadtree import top_down_decisions  # noqa: E402
+from splitvit.train.detection import annotation_decisions, object_relevance  # noqa: E402
+from splitvit.train.evaluation import CheckpointEvaluator  # noqa: E402
+from splitvit.train.losses import relevance_targets, split_fraction_for_ratio, teacher_loss  # noqa: E402
+from splitvit.train.steps import calibrate_thresholds, object_counts, object_figures  # noqa: E402
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """The ROC AUC of ``scores`` for boolean ``labels`` (Mann-Whitney: the chance that a
+    positive outscores a negative; ties count half). NaN without both classes."""
+    s, y = scores.flatten().double(), labels.flatten().bool()
+    positives, negatives = int(y.sum()), int((~y).sum())
+    if not positives or not negatives:
+        return float("nan")
+    greater = (s[y].unsqueeze(1) > s[~y].unsqueeze(0)).double().sum()
+    ties = (s[y].unsqueeze(1) == s[~y].unsqueeze(0)).double().sum()
+    return float((greater + 0.5 * ties) / (positives * negatives))
+
+
+def policy_figures(detector: SplitDetector, images: torch.Tensor, targets: list, ratios: list[float]) -> dict:
+    """Per-level AUC against the oracle's splits, and item coverage at each ratio."""
+    backbone = detector.backbone
+    geometry = backbone.geometry_for(tuple(images.shape[-2:]))
+    was_training = detector.training
+    detector.eval()
+    with torch.no_grad():
+        scores = backbone.split_scores(images)
+        oracle = annotation_decisions(targets, geometry)
+        figures: dict = {"auc": [roc_auc(s, o) for s, o in zip(scores, oracle)], "coverage": {}}
+        masks = torch.stack([(t["masks"] > 0).any(dim=0) for t in targets])
+        for ratio in ratios:
+            thresholds = calibrate_thresholds(backbone, images, ratio)
+            decisions = top_down_decisions([s > t for s, t in zip(scores, thresholds)])
+            # a finest cell is a token of its own when its last-level parent split (1), else not (0)
+            fine = decisions[-1].long().repeat_interleave(2, 1).repeat_interleave(2, 2)
+            counts = object_counts(fine, 1, geometry.patch_size, masks)
+            figures["coverage"][str(ratio)] = object_figures(*counts).get("object_coverage", float("nan"))
+    detector.train(was_training)
+    return figures
+
+
+def test_figures(
+    tester: CheckpointEvaluator, calibration: CheckpointEvaluator, detector: SplitDetector, images, ratios
+) -> dict:
+    """Box AP, mask AP, coverage and token ratio on the test canvases at each ratio,
+    thresholds calibrated on the validation ``images``."""
+    figures = {}
+    for ratio in ratios:
+        thresholds = calibration.calibrate(images, ratio, model=detector)
+        found = tester.evaluate(thresholds, model=detector)
+        figures[str(ratio)] = {k: found[k] for k in ("box_ap", "mask_ap", "object_coverage", "token_ratio")}
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a fine-tuned detector's checkpoint folder")
+    parser.add_argument(
+        "--steps", type=int, default=1128, help="policy-only steps (default: 2 epochs of 3000 canvases)"
+    )
+    parser.add_argument("--lr", type=float, default=3e-3, help="the policy's learning rate (the study's: 3e-4 x 10)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--every", type=int, default=188, help="report every this many steps")
+    parser.add_argument("--samples", type=int, default=500, help="validation canvases the figures are taken on")
+    parser.add_argument("--ratios", default="0.5,0.7")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--test-samples",
+        type=int,
+        default=0,
+        help="before and after: box and mask AP on this many test canvases at each ratio, thresholds "
+        "calibrated on the validation canvases (the study's protocol); 0: off",
+    )
+    parser.add_argument("--json", help="write every report to this JSON file")
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    ratios = [float(r) for r in args.ratios.split(",")]
+
+    evaluator = CheckpointEvaluator(args.checkpoint, split="val", samples=args.samples)
+    detector = evaluator.model
+    if not isinstance(detector, SplitDetector) or not detector.backbone.policy.learned:
+        sys.exit(f"{args.checkpoint}: not a detector with a learned policy")
+    cfg = evaluator.payload["config"]["train"]
+    images, targets = detection_collate([evaluator.dataset[i] for i in range(len(evaluator.dataset))])
+    train = evaluator._dataset("train", None)
+    backbone = detector.backbone
+    geometry = backbone.geometry_for(tuple(images.shape[-2:]))
+    fraction = split_fraction_for_ratio(float(cfg.get("target_ratio", 0.5)), geometry)
+    kind = cfg.get("teacher_targets", "per_level")
+    context = int(cfg.get("teacher_context", 0))
+
+    for parameter in detector.parameters():
+        parameter.requires_grad_(False)
+    own = list(backbone.policy.parameters())
+    for parameter in own:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(own, lr=args.lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(args.seed)
+    loader = DataLoader(
+        train, batch_size=args.batch_size, shuffle=True, collate_fn=detection_collate, generator=generator
+    )
+
+    tester = (
+        CheckpointEvaluator(args.checkpoint, split="test", samples=args.test_samples) if args.test_samples else None
+    )
+    before = test_figures(tester, evaluator, detector, images, ratios) if tester else None
+    reports = [{"step": 0, **policy_figures(detector, images, targets, ratios)}]
+    print(f"{args.checkpoint}: {len(train)} training canvases, teacher targets {kind}, context {context} px")
+    print(f"step 0: {reports[-1]}", flush=True)
+    detector.train()
+    step, start = 0, time.perf_counter()
+    while step < args.steps:
+        for batch_images, batch_targets in loader:
+            relevance = object_relevance(batch_targets, geometry, generator, context)
+            loss = teacher_loss(backbone.split_scores(batch_images), relevance_targets(relevance, fraction, kind))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step % args.every == 0 or step == args.steps:
+                reports.append(
+                    {"step": step, "loss": float(loss.detach()), **policy_figures(detector, images, targets, ratios)}
+                )
+                print(f"step {step} ({time.perf_counter() - start:.0f} s): {reports[-1]}", flush=True)
+            if step >= args.steps:
+                break
+    result = {"checkpoint": args.checkpoint, "lr": args.lr, "steps": args.steps, "reports": reports}
+    if tester:
+        result["test"] = {"before": before, "after": test_figures(tester, evaluator, detector, images, ratios)}
+        for when in ("before", "after"):
+            line = ", ".join(
+                f"{r}: box AP {f['box_ap'] * 100:.1f}, mask AP {f['mask_ap'] * 100:.1f}, "
+                f"coverage {f['object_coverage']:.3f} at {f['token_ratio']:.3f}"
+                for r, f in result["test"][when].items()
+            )
+            print(f"test ({args.test_samples} canvases), {when}: {line}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
