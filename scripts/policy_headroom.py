@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=188, help="report every this many steps")
     parser.add_argument("--samples", type=int, default=500, help="validation canvases the figures are taken on")
     parser.add_argument("--ratios", default="0.5,0.7")
+    parser.add_argument(
+        "--policy-depth",
+        type=int,
+        help="score from the ViT's first N blocks instead of the checkpoint's model.policy_depth "
+        "(richer features for the policy; its heads retrain on them from where they are)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--test-samples",
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     detector = evaluator.model
     if not isinstance(detector, SplitDetector) or not detector.backbone.policy.learned:
         sys.exit(f"{args.checkpoint}: not a detector with a learned policy")
+    if args.policy_depth is not None and not 0 <= args.policy_depth <= len(detector.backbone.vit.blocks):
+        sys.exit(f"--policy-depth must be in [0, {len(detector.backbone.vit.blocks)}], got {args.policy_depth}")
     cfg = evaluator.payload["config"]["train"]
     images, targets = detection_collate([evaluator.dataset[i] for i in range(len(evaluator.dataset))])
     train = evaluator._dataset("train", None)
@@ -136,8 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     before = test_figures(tester, evaluator, detector, images, ratios) if tester else None
     reports = [{"step": 0, **policy_figures(detector, images, targets, ratios)}]
-    print(f"{args.checkpoint}: {len(train)} training canvases, teacher targets {kind}, context {context} px")
+    print(
+        f"{args.checkpoint}: {len(train)} training canvases, teacher targets {kind}, context {context} px, "
+        f"policy depth {backbone.policy_depth}"
+        + ("" if args.policy_depth is None else f", trained on at depth {args.policy_depth}")
+    )
     print(f"step 0: {reports[-1]}", flush=True)
+    if args.policy_depth is not None:  # "before" and step 0 are the checkpoint's own
+        backbone.policy_depth = args.policy_depth
     detector.train()
     step, start = 0, time.perf_counter()
     while step < args.steps:
@@ -155,7 +169,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"step {step} ({time.perf_counter() - start:.0f} s): {reports[-1]}", flush=True)
             if step >= args.steps:
                 break
-    result = {"checkpoint": args.checkpoint, "lr": args.lr, "steps": args.steps, "reports": reports}
+    result = {
+        "checkpoint": args.checkpoint,
+        "lr": args.lr,
+        "steps": args.steps,
+        "policy_depth": backbone.policy_depth,
+        "reports": reports,
+    }
     if tester:
         result["test"] = {"before": before, "after": test_figures(tester, evaluator, detector, images, ratios)}
         for when in ("before", "after"):
