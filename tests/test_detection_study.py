@@ -273,7 +273,7 @@ def write_detection_study(folder: Path, root: Path) -> Path:
         "method": {"train.epochs": 1, "train.warmup_epochs": 0},
         "methods": {
             "full": {"model.policy": "full"},
-            "split": {"model.policy": "learned", "train.target_ratio": 0.5},
+            "split": {"model.policy": "learned", "train.target_ratio": 0.5, "train.policy_epochs": 1},
         },
         "evaluation": {"split": "test", "samples": 4, "ratios": [0.5], "calibration_samples": 4},
         "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
@@ -292,7 +292,10 @@ def test_splitvit_study_runs_a_detection_study_end_to_end(
 ):
     """`splitvit study` on detectors: box AP ranks the rows, mask AP sits beside it in the
     rows, the parity goal and MLflow, and the speed step times the whole detector and its
-    backbone alone against full resolution's."""
+    backbone alone against full resolution's. The SPLIT method ends with an epoch of its
+    policy alone (``train.policy_epochs``): that epoch trains the teacher only, leaves
+    every other weight as it was (its thresholds are calibrated again), and its
+    checkpoint is the one evaluated."""
     from mlflow import MlflowClient
 
     from splitvit.cli import main
@@ -316,6 +319,21 @@ def test_splitvit_study_runs_a_detection_study_end_to_end(
     assert all(p["backbone_speedup_vs_full"] > 0 for p in data["point_speed"]["points"])
     printed = capsys.readouterr().out
     assert "mask_ap" in printed and "backbone vs full" in printed and "(backbone " in printed
+
+    run = next(r for r in data["runs"] if r["method"] == "split")
+    first, last = run["history"]
+    assert "train_task_loss" in first and "train_task_loss" not in last and "train_teacher_loss" in last
+    assert run["checkpoint"].endswith("checkpoint_epoch0001")
+    weights = [
+        torch.load(Path(run["checkpoint"]).parent / f"checkpoint_epoch000{e}" / "model.pt", weights_only=False)[
+            "state_dict"
+        ]
+        for e in (0, 1)
+    ]
+    policy = [k for k in weights[0] if k.startswith("backbone.policy.")]
+    assert policy and any(not torch.equal(weights[0][k], weights[1][k]) for k in policy)
+    changed = [k for k in weights[0] if k not in policy and not torch.equal(weights[0][k], weights[1][k])]
+    assert changed == ["backbone.thresholds"], changed  # calibrated again after the epoch: the scores moved
 
     client = MlflowClient(mlflow_uri)
     parent = client.get_run(data["mlflow_run_id"])

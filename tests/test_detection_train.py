@@ -275,6 +275,31 @@ def test_the_objects_teachers_context_ring_ranks_an_items_surroundings_next_near
     assert ringed[0][0, 1, 0] == ringed[0][0].max() and float(ringed[0][0, 0, 1]) < 1e-3
 
 
+@pytest.mark.parametrize("teacher, passes", [("objects", 0), ("gradient", 1)])
+def test_a_detectors_policy_epochs_train_its_policy_alone(coco_set, teacher, passes):
+    """``train.policy_epochs`` on a detector (:func:`detection_policy_step`): the teacher
+    alone, so only the policy's weights get gradients; the objects teacher runs no
+    detector pass at all, the gradient teacher its full-resolution one."""
+    from splitvit.train.detection import detection_policy_step
+
+    model = detector("learned").train()
+    images, targets = collate([coco_set[i] for i in range(2)])
+    calls = []
+    encode = model.backbone.fine_features
+    model.backbone.fine_features = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
+    cfg = SplitLossConfig(teacher=teacher, teacher_context=4 if teacher == "objects" else 0)
+    loss, stats = detection_policy_step(model, images, targets, cfg)
+    assert set(stats) == {"teacher_loss", "loss"} and len(calls) == passes
+    loss.backward()
+    policy = {id(p) for p in model.backbone.policy.parameters()}
+    assert all(p.grad is not None for p in model.backbone.policy.parameters())
+    assert all(p.grad is None for p in model.parameters() if id(p) not in policy)
+    targets[0]["labels"] = targets[0]["labels"].clone()
+    targets[0]["labels"][0] = 11
+    with pytest.raises(ConfigError, match="object label 11"):
+        detection_policy_step(model, images, targets, cfg)
+
+
 def _combine_shard(rank: int, world: int, folder: str) -> None:
     """One process of the test below: join a gloo group and combine this rank's shard."""
     import json

@@ -1111,3 +1111,34 @@ def test_geometry_cache_is_per_model_and_lets_the_model_go():
     del model, other
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("teacher", ["gradient", "attention"])
+def test_the_policys_own_epochs_train_the_policy_alone(teacher):
+    """``train.policy_epochs``' step (:func:`policy_training_step`): the teacher's loss on
+    the policy's scores and nothing else, so every weight outside the policy gets no
+    gradient and the policy's do."""
+    from splitvit.train.steps import policy_training_step
+
+    model = tiny_model("learned").train()
+    images, labels = torch.rand(4, 3, 32, 32), torch.arange(4)
+    cfg = SplitLossConfig(teacher=teacher, teacher_weight=2.0, target_ratio=0.5)
+    loss, stats = policy_training_step(model, images, labels, cfg)
+    assert set(stats) == {"teacher_loss", "loss"} and stats["loss"] == pytest.approx(2.0 * stats["teacher_loss"])
+    loss.backward()
+    policy = {id(p) for p in model.policy.parameters()}
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.policy.parameters())
+    assert all(p.grad is None for p in model.parameters() if id(p) not in policy)
+
+
+def test_the_schedule_restarts_its_cosine_for_the_policys_own_epochs():
+    from splitvit.train.local import warmup_cosine
+
+    def factors(tail: int) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedule = warmup_cosine(optimizer, 2, 10, tail)
+        return [schedule.lr_lambdas[0](step) for step in range(16)]
+
+    plain, tailed = factors(0), factors(4)
+    assert plain[:10] == tailed[:10] and plain[9] < 0.05 and plain[10:] == [0.0] * 6
+    assert tailed[10] == 1.0 and tailed[12] == pytest.approx(0.5) and tailed[14:] == [0.0, 0.0]

@@ -338,7 +338,8 @@ def run_study_local(
     Returns the study's result, the machine, stage times, epochs and the backbones'
     results; every run carries its training curves (``history``). Raises
     :class:`~splitvit.study.spec.StudyError` when ``out`` holds runs made with other
-    settings, or for a detection study (this loop trains no detector).
+    settings, for a detection study (this loop trains no detector), or for a method
+    with ``train.policy_epochs`` (nor a policy alone).
     """
     import torch
 
@@ -349,6 +350,12 @@ def run_study_local(
         raise StudyError(
             f"{spec.source}: model.task=detection: the local study loop trains classifiers and dense models; "
             "run a detection study with `splitvit study` (Ray), on one machine too"
+        )
+    phased = [m for m in spec.methods if spec.run_config(spec.seeds[0], m, m).train.policy_epochs]
+    if phased:
+        raise StudyError(
+            f"{spec.source}: {', '.join(phased)}: train.policy_epochs: the local study loop has no policy-only "
+            "epochs; run the study with `splitvit study` (Ray), on one machine too"
         )
     started = time.time() if started is None else started
     out = Path(out)

@@ -27,7 +27,7 @@ from ..model.detection import SplitDetector
 from ..model.quadtree import QuadtreeGeometry, nodes_mass
 from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
 from .losses import budget_penalty, relevance_targets, split_fraction_for_ratio, teacher_loss
-from .steps import batch_target_ratio, object_counts, object_figures, warmup_decisions
+from .steps import batch_target_ratio, object_counts, object_figures, policy_teacher_loss, warmup_decisions
 
 Targets = list[dict[str, torch.Tensor]]
 
@@ -186,6 +186,29 @@ def detection_training_step(
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {float(loss)} at epoch {epoch}: {stats}")
     return loss, stats
+
+
+def detection_policy_step(
+    detector: SplitDetector,
+    images: torch.Tensor,
+    targets: Targets,
+    cfg: SplitLossConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`~splitvit.train.steps.policy_training_step` for a detector: the teacher
+    alone on the backbone's policy, its relevance the annotations' (``objects``: the
+    policy's forward is the whole step) or the detection loss's gradient (a
+    full-resolution pass of the detector, no weight of it trained)."""
+    check_detection_labels(targets, detector.num_classes)
+    backbone = detector.backbone
+    stats: dict[str, float] = {}
+    target_ratio = batch_target_ratio(cfg, True, generator, stats)
+    geometry = backbone.geometry_for(tuple(images.shape[-2:]))
+    if cfg.teacher == "objects":
+        relevance = object_relevance(targets, geometry, generator, cfg.teacher_context)
+    else:
+        relevance = detection_relevance(detector, images, targets)
+    return policy_teacher_loss(backbone, images, relevance, target_ratio, cfg, stats)
 
 
 @dataclass

@@ -26,13 +26,17 @@ log = logging.getLogger(__name__)
 
 
 def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, tail_steps: int = 0
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up then cosine decay to zero, stepped once per batch."""
+    """Linear warm-up then cosine decay to zero, stepped once per batch; then, for
+    ``tail_steps`` more (the policy's own epochs), a second cosine from the peak."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / max(warmup_steps, 1)
+        if tail_steps and step >= total_steps:
+            progress = (step - total_steps) / tail_steps
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
         return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 

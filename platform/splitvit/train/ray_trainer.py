@@ -70,12 +70,20 @@ from .detection import (
     DetectionTotals,
     detection_area_ranges,
     detection_ground_truth,
+    detection_policy_step,
     detection_training_step,
     evaluate_detection_totals,
 )
 from .experiment import build_model, validate_experiment
 from .local import param_groups, warmup_cosine
-from .steps import EvalTotals, SplitLossConfig, calibrate_thresholds, evaluate_totals, training_step
+from .steps import (
+    EvalTotals,
+    SplitLossConfig,
+    calibrate_thresholds,
+    evaluate_totals,
+    policy_training_step,
+    training_step,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -521,13 +529,17 @@ class SplitStep(nn.Module):
     Running the whole step inside this module's ``forward`` lets DDP wrap it: every
     pass happens within DDP's forward, so its reducer sees every parameter that
     receives a gradient. A :class:`SplitDetector` takes
-    :func:`~.detection.detection_training_step` (targets: one dict per image).
+    :func:`~.detection.detection_training_step` (targets: one dict per image). From
+    ``policy_from_epoch`` on (``train.epochs``, when ``train.policy_epochs`` follow), the
+    step is the policy's alone (:func:`~.steps.policy_training_step`,
+    :func:`~.detection.detection_policy_step`).
     """
 
-    def __init__(self, model: nn.Module, loss: SplitLossConfig) -> None:
+    def __init__(self, model: nn.Module, loss: SplitLossConfig, policy_from_epoch: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
+        self.policy_from_epoch = policy_from_epoch
 
     def forward(
         self,
@@ -537,9 +549,14 @@ class SplitStep(nn.Module):
         generator: torch.Generator | None = None,
         step: int = 0,
     ):
+        policy_only = self.policy_from_epoch is not None and epoch >= self.policy_from_epoch
         if isinstance(self.model, SplitDetector):
             targets = [{k: v.to(images.device) for k, v in t.items()} for t in target]
+            if policy_only:
+                return detection_policy_step(self.model, images, targets, self.loss, generator)
             return detection_training_step(self.model, images, targets, self.loss, epoch, generator, step)
+        if policy_only:
+            return policy_training_step(self.model, images, target, self.loss, generator)
         return training_step(self.model, images, target, self.loss, epoch, generator, step)
 
 
@@ -717,7 +734,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     worker, saved_state = _set_up_worker(loop_config["config"], loop_config.get("tracker"))
     start_epoch, metrics = _resume(worker, saved_state)
     stop: _Stop | None = None
-    for epoch in range(start_epoch, worker.config.train.epochs):
+    for epoch in range(start_epoch, worker.config.train.total_epochs):
         if hook is not None:
             hook(epoch, worker.rank, worker.model)
         started = time.perf_counter()
@@ -772,7 +789,8 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     # random-split warm-up the policy gets none; the dense task never uses the ViT's
     # classifier); the graph walk costs little next to a SPLIT step.
     step = ray.train.torch.prepare_model(
-        SplitStep(model, config.train.loss_config()), parallel_strategy_kwargs={"find_unused_parameters": True}
+        SplitStep(model, config.train.loss_config(), config.train.epochs if config.train.policy_epochs else None),
+        parallel_strategy_kwargs={"find_unused_parameters": True},
     )
     model = _unwrap(step).model
     optimizer = torch.optim.AdamW(
@@ -872,11 +890,12 @@ def _worker_data(
 
 
 def _lr_schedule(optimizer: torch.optim.Optimizer, config: ExperimentConfig, steps_per_epoch: int) -> Any:
-    """Linear warm-up (``train.lr_warmup_steps``, else ``lr_warmup_epochs``), then cosine decay."""
+    """Linear warm-up (``train.lr_warmup_steps``, else ``lr_warmup_epochs``), then cosine
+    decay; the policy's own epochs (``train.policy_epochs``) start a cosine of their own."""
     tc = config.train
     total_steps = tc.epochs * steps_per_epoch
     warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
-    return warmup_cosine(optimizer, min(warmup, total_steps), total_steps)
+    return warmup_cosine(optimizer, min(warmup, total_steps), total_steps, tc.policy_epochs * steps_per_epoch)
 
 
 def _resume(worker: _Worker, state: dict[str, Any] | None) -> tuple[int, dict[str, float]]:
@@ -1114,7 +1133,7 @@ def _end_tracking(
     if status != "completed":
         tracker.set_tags({"splitvit.status": status, "splitvit.message": message[:2000]})
         return None
-    if metrics and (start_epoch < worker.config.train.epochs or not tracker.has_final()):
+    if metrics and (start_epoch < worker.config.train.total_epochs or not tracker.has_final()):
         tracker.log_final({k: v for k, v in metrics.items() if k != "epoch"})
     if not worker.config.tracking.log_model:
         return None

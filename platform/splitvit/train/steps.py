@@ -170,6 +170,46 @@ def training_step(
     return loss, stats
 
 
+def policy_training_step(
+    model: SplitViT,
+    images: torch.Tensor,
+    target: torch.Tensor,
+    cfg: SplitLossConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of one batch of the policy's own epochs (``train.policy_epochs``): the
+    relevance teacher alone, on the policy's scores (:meth:`SplitViT.split_scores`,
+    which read the backbone's features detached), so that only the policy learns. No
+    task loss and no budget penalty: the teacher's targets carry the budget."""
+    check_labels(target, model_classes(model))
+    stats: dict[str, float] = {}
+    target_ratio = batch_target_ratio(cfg, True, generator, stats)
+    label = target if model.task == "classification" else None
+    relevance, _ = model.relevance_and_logits(images, cfg.teacher, target=label)
+    return policy_teacher_loss(model, images, relevance, target_ratio, cfg, stats)
+
+
+def policy_teacher_loss(
+    model: SplitViT,
+    images: torch.Tensor,
+    relevance: list[torch.Tensor],
+    target_ratio: float,
+    cfg: SplitLossConfig,
+    stats: dict[str, float],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The teacher's loss on ``model``'s split scores at ``target_ratio`` (weighted by
+    ``cfg.teacher_weight``), and ``stats`` with ``teacher_loss`` and ``loss`` added."""
+    scores = model.split_scores(images, budget=target_ratio if model.uses_budget else None)
+    fraction = split_fraction_for_ratio(target_ratio, model.geometry_for(tuple(images.shape[-2:])))
+    taught = teacher_loss(scores, relevance_targets(relevance, fraction, cfg.teacher_targets))
+    loss = cfg.teacher_weight * taught
+    stats["teacher_loss"] = float(taught.detach())
+    stats["loss"] = float(loss.detach())
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {float(loss)} in the policy's epochs: {stats}")
+    return loss, stats
+
+
 @dataclass
 class EvalTotals:
     """What an evaluation counts, before any figure is computed from it.

@@ -688,7 +688,7 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=_searcher(space),
-            scheduler=_scheduler(space, setup.base.train.epochs),
+            scheduler=_scheduler(space, setup.base.train.total_epochs),
             num_samples=space.search.num_samples,
             max_concurrent_trials=space.search.max_concurrent,
             trial_dirname_creator=trial_dirname,

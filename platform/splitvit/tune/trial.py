@@ -197,7 +197,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "token_ratio": float(metrics.get("token_ratio", float("nan"))),
         "images_per_s": float(metrics.get("images_per_s", 0.0)),
         "train_loss": float(metrics.get("train_loss", float("nan"))),
-        "epochs": int(metrics.get("epoch", config.train.epochs - 1)) + 1,
+        "epochs": int(metrics.get("epoch", config.train.total_epochs - 1)) + 1,
         "thresholds": thresholds,
         "checkpoint": trained["checkpoint"],
         "run_uri": run_uri,
