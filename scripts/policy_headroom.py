@@ -5,7 +5,8 @@
 Loads a fine-tuned detector (e.g. a detection study's `split-0.5-objects-d2-s0/checkpoint_epoch0002`),
 freezes everything but the policy's own modules, and goes on training them alone with the
 objects teacher (`train.teacher: objects`, the checkpoint's teacher targets and target
-ratio) on the training canvases. Every `--every` steps, on `--samples` validation
+ratio) on the training canvases: the step of `train.policy_epochs`
+(`detection_policy_step`), at a constant learning rate. Every `--every` steps, on `--samples` validation
 canvases: each scored level's ROC AUC of the policy's scores against "the node holds
 instance-mask pixels" (the oracle's splits, `splitvit eval --oracle`), and at each
 `--ratios` token ratio (thresholds calibrated on those same canvases) the share of the
@@ -17,6 +18,7 @@ policy of this size, not a matter of steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -27,12 +29,12 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
+from splitvit.config import SplitLossConfig  # noqa: E402
 from splitvit.data import detection_collate  # noqa: E402
 from splitvit.model.detection import SplitDetector  # noqa: E402
 from splitvit.model.quadtree import top_down_decisions  # noqa: E402
-from splitvit.train.detection import annotation_decisions, object_relevance  # noqa: E402
+from splitvit.train.detection import annotation_decisions, detection_policy_step  # noqa: E402
 from splitvit.train.evaluation import CheckpointEvaluator  # noqa: E402
-from splitvit.train.losses import relevance_targets, split_fraction_for_ratio, teacher_loss  # noqa: E402
 from splitvit.train.steps import calibrate_thresholds, object_counts, object_figures  # noqa: E402
 
 
@@ -119,14 +121,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"{args.checkpoint}: not a detector with a learned policy")
     if args.policy_depth is not None and not 0 <= args.policy_depth <= len(detector.backbone.vit.blocks):
         sys.exit(f"--policy-depth must be in [0, {len(detector.backbone.vit.blocks)}], got {args.policy_depth}")
-    cfg = evaluator.payload["config"]["train"]
+    # the checkpoint's own SPLIT objective (settings it predates keep their defaults), taught by the annotations
+    trained = evaluator.payload["config"]["train"]
+    loss_cfg = SplitLossConfig(
+        **{f.name: trained[f.name] for f in dataclasses.fields(SplitLossConfig) if f.name in trained}
+    )
+    loss_cfg = dataclasses.replace(loss_cfg, teacher="objects")
     images, targets = detection_collate([evaluator.dataset[i] for i in range(len(evaluator.dataset))])
     train = evaluator._dataset("train", None)
     backbone = detector.backbone
-    geometry = backbone.geometry_for(tuple(images.shape[-2:]))
-    fraction = split_fraction_for_ratio(float(cfg.get("target_ratio", 0.5)), geometry)
-    kind = cfg.get("teacher_targets", "per_level")
-    context = int(cfg.get("teacher_context", 0))
 
     for parameter in detector.parameters():
         parameter.requires_grad_(False)
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     before = test_figures(tester, evaluator, detector, images, ratios) if tester else None
     reports = [{"step": 0, **policy_figures(detector, images, targets, ratios)}]
     print(
-        f"{args.checkpoint}: {len(train)} training canvases, teacher targets {kind}, context {context} px, "
+        f"{args.checkpoint}: {len(train)} training canvases, teacher targets {loss_cfg.teacher_targets}, "
+        f"context {loss_cfg.teacher_context} px, "
         f"policy depth {backbone.policy_depth}"
         + ("" if args.policy_depth is None else f", trained on at depth {args.policy_depth}")
     )
@@ -156,8 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     step, start = 0, time.perf_counter()
     while step < args.steps:
         for batch_images, batch_targets in loader:
-            relevance = object_relevance(batch_targets, geometry, generator, context)
-            loss = teacher_loss(backbone.split_scores(batch_images), relevance_targets(relevance, fraction, kind))
+            loss, _ = detection_policy_step(detector, batch_images, batch_targets, loss_cfg, generator)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

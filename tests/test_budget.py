@@ -13,7 +13,7 @@ import torch
 from splitvit.config import ModelConfig
 from splitvit.model import SplitViT
 from splitvit.model.policies import LearnedPolicy, PolicyContext
-from splitvit.train import steps
+from splitvit.train import losses
 from splitvit.train.experiment import build_model
 from splitvit.train.losses import budget_penalty
 from splitvit.train.steps import SplitLossConfig, calibrate_thresholds, training_step
@@ -154,8 +154,8 @@ def test_training_step_draws_a_target_ratio_per_batch(monkeypatch):
     told, fractions = [], []
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **k: told.append(k.get("budget")) or forward(*a, **k))
-    fraction = steps.split_fraction_for_ratio
-    monkeypatch.setattr(steps, "split_fraction_for_ratio", lambda r, g: fractions.append(r) or fraction(r, g))
+    fraction = losses.split_fraction_for_ratio
+    monkeypatch.setattr(losses, "split_fraction_for_ratio", lambda r, g: fractions.append(r) or fraction(r, g))
     _, stats = training_step(model, images, labels, replace(cfg, teacher_weight=1.0), epoch=0)
     drawn = stats["target_ratio"]
     assert told[0] == drawn and fractions == [drawn]

@@ -903,11 +903,11 @@ def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
 
 @pytest.mark.parametrize("targets", ["per_level", "nested", "mixed"])
 def test_the_training_step_teaches_with_the_configured_targets(monkeypatch, targets):
-    from splitvit.train import steps
+    from splitvit.train import losses, steps
 
     marked = []
-    original = steps.relevance_targets
-    monkeypatch.setattr(steps, "relevance_targets", lambda r, f, kind: marked.append(kind) or original(r, f, kind))
+    original = losses.relevance_targets
+    monkeypatch.setattr(losses, "relevance_targets", lambda r, f, kind: marked.append(kind) or original(r, f, kind))
     cfg = SplitLossConfig(warmup_epochs=0, teacher="attention", teacher_targets=targets)
     _, stats = steps.training_step(tiny_model("learned").train(), torch.rand(4, 3, 32, 32), torch.arange(4), cfg, 0)
     assert marked == [targets] and stats["teacher_loss"] > 0

@@ -26,7 +26,7 @@ from ..config import ConfigError, SplitLossConfig
 from ..model.detection import SplitDetector
 from ..model.quadtree import QuadtreeGeometry, nodes_mass
 from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
-from .losses import budget_penalty, relevance_targets, split_fraction_for_ratio, teacher_loss
+from .losses import budget_penalty, teacher_loss_at_ratio
 from .steps import batch_target_ratio, object_counts, object_figures, policy_teacher_loss, warmup_decisions
 
 Targets = list[dict[str, torch.Tensor]]
@@ -173,8 +173,7 @@ def detection_training_step(
             relevance = object_relevance(targets, geometry, generator, cfg.teacher_context)
         else:
             relevance = detection_relevance(detector, images, targets)
-        fraction = split_fraction_for_ratio(target_ratio, geometry)
-        taught = teacher_loss(out.split.split_probs, relevance_targets(relevance, fraction, cfg.teacher_targets))
+        taught = teacher_loss_at_ratio(out.split.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets)
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
     if learned and not warmup:

@@ -31,14 +31,15 @@ def warmup_cosine(
     """Linear warm-up then cosine decay to zero, stepped once per batch; then, for
     ``tail_steps`` more (the policy's own epochs), a second cosine from the peak."""
 
+    def cosine(done: int, steps: int) -> float:
+        return 0.5 * (1 + math.cos(math.pi * min(done / max(steps, 1), 1.0)))
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / max(warmup_steps, 1)
         if tail_steps and step >= total_steps:
-            progress = (step - total_steps) / tail_steps
-            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            return cosine(step - total_steps, tail_steps)
+        return cosine(step - warmup_steps, total_steps - warmup_steps)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -114,3 +114,16 @@ def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -
             F.binary_cross_entropy(p.float().clamp(1e-6, 1 - 1e-6), t.float()) for p, t in zip(split_probs, targets)
         ]
     return torch.stack(losses).mean()
+
+
+def teacher_loss_at_ratio(
+    split_probs: list[torch.Tensor],
+    relevance: list[torch.Tensor],
+    target_ratio: float,
+    geometry: QuadtreeGeometry,
+    kind: str = "per_level",
+) -> torch.Tensor:
+    """:func:`teacher_loss` against the teacher's marks (:func:`relevance_targets`, of
+    ``kind``) at the split fraction that meets ``target_ratio`` on ``geometry``."""
+    fraction = split_fraction_for_ratio(target_ratio, geometry)
+    return teacher_loss(split_probs, relevance_targets(relevance, fraction, kind))

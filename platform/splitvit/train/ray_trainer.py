@@ -530,7 +530,7 @@ class SplitStep(nn.Module):
     pass happens within DDP's forward, so its reducer sees every parameter that
     receives a gradient. A :class:`SplitDetector` takes
     :func:`~.detection.detection_training_step` (targets: one dict per image). From
-    ``policy_from_epoch`` on (``train.epochs``, when ``train.policy_epochs`` follow), the
+    ``policy_from_epoch`` on (``train.epochs``: the ``train.policy_epochs`` after them), the
     step is the policy's alone (:func:`~.steps.policy_training_step`,
     :func:`~.detection.detection_policy_step`).
     """
@@ -789,7 +789,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     # random-split warm-up the policy gets none; the dense task never uses the ViT's
     # classifier); the graph walk costs little next to a SPLIT step.
     step = ray.train.torch.prepare_model(
-        SplitStep(model, config.train.loss_config(), config.train.epochs if config.train.policy_epochs else None),
+        SplitStep(model, config.train.loss_config(), policy_from_epoch=config.train.epochs),
         parallel_strategy_kwargs={"find_unused_parameters": True},
     )
     model = _unwrap(step).model

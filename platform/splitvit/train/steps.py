@@ -36,10 +36,8 @@ from .losses import (
     IGNORE_INDEX,
     budget_penalty,
     distillation_loss,
-    relevance_targets,
-    split_fraction_for_ratio,
     task_loss,
-    teacher_loss,
+    teacher_loss_at_ratio,
 )
 
 
@@ -146,10 +144,9 @@ def training_step(
         # the teacher grades the split probabilities the forward pass just computed
         label = target if model.task == "classification" else None
         relevance, full_logits = model.relevance_and_logits(images, cfg.teacher, target=label)
-        fraction = split_fraction_for_ratio(target_ratio, model.geometry_for(tuple(images.shape[-2:])))
+        geometry = model.geometry_for(tuple(images.shape[-2:]))
         # (decide() has checked the probabilities are finite: NaN is a divergence, not a BCE error)
-        targets = relevance_targets(relevance, fraction, cfg.teacher_targets)
-        taught = teacher_loss(out.split_probs, targets)
+        taught = teacher_loss_at_ratio(out.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets)
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
     if cfg.distill_weight > 0 and not warmup and model.policy.name != "full":
@@ -199,9 +196,9 @@ def policy_teacher_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The teacher's loss on ``model``'s split scores at ``target_ratio`` (weighted by
     ``cfg.teacher_weight``), and ``stats`` with ``teacher_loss`` and ``loss`` added."""
-    scores = model.split_scores(images, budget=target_ratio if model.uses_budget else None)
-    fraction = split_fraction_for_ratio(target_ratio, model.geometry_for(tuple(images.shape[-2:])))
-    taught = teacher_loss(scores, relevance_targets(relevance, fraction, cfg.teacher_targets))
+    scores = model.split_scores(images, budget=target_ratio)  # told only to a budget-conditioned policy
+    geometry = model.geometry_for(tuple(images.shape[-2:]))
+    taught = teacher_loss_at_ratio(scores, relevance, target_ratio, geometry, cfg.teacher_targets)
     loss = cfg.teacher_weight * taught
     stats["teacher_loss"] = float(taught.detach())
     stats["loss"] = float(loss.detach())
