@@ -129,6 +129,43 @@ def test_bench_parts_times_a_trained_checkpoint(tmp_path, capsys):
     assert f"splitvit bench parts: {path}" in printed and "split@0.60" in printed
 
 
+def test_bench_parts_compiled_and_bf16_compiles_every_side_and_says_so(tmp_path, capsys, monkeypatch):
+    """``--bf16 --compile --token-buckets N``: full resolution and every ratio's model run
+    their encoders through ``torch.compile`` (its eager backend here: the wiring is under
+    test, not the compiler), the split models in N fixed packed sizes; the JSON and the
+    printout say how the passes ran."""
+    from splitvit.cli import main
+    from splitvit.model import splitvit as splitvit_module
+
+    compiled = []
+    original = torch.compile
+
+    def eager_compile(fn=None, **options):
+        compiled.append(type(fn).__name__)
+        return original(fn, backend="eager", dynamic=options.get("dynamic"))
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    encoded = []
+    real_encode = splitvit_module.SplitViT._encode
+    monkeypatch.setattr(
+        splitvit_module.SplitViT,
+        "_encode",
+        lambda self, *a, **k: encoded.append(bool(self._compiled_blocks)) or real_encode(self, *a, **k),
+    )
+    out = tmp_path / "parts.json"
+    argv = ["bench", "parts", "--study", "studies/study_fashion.yaml", "--method", "split-0.5-agg-mixed-ctx"]
+    argv += ["--batch-sizes", "4", "--ratios", "0.5,0.7", "--repeats", "1", "--threads", "1"]
+    argv += ["--bf16", "--compile", "--token-buckets", "2", "--json", str(out)]
+    assert main(argv) == 0
+    assert "bf16 autocast, torch.compile (2 token buckets)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["settings"]["bf16"] and data["settings"]["compile"] and data["settings"]["token_buckets"] == 2
+    depth = data["model"]["timm_kwargs"]["depth"]
+    assert compiled.count("Block") == 3 * depth  # full resolution's dense blocks, and each ratio's
+    assert encoded and all(encoded)  # every timed pass ran a compiled encoder
+    assert set(data["batches"][0]["models"]) == {"full", "split@0.50", "split@0.70"}
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -137,6 +174,8 @@ def test_bench_parts_times_a_trained_checkpoint(tmp_path, capsys):
         (["--config", "jobs/configs/fashion_mnist.yaml", "--batch-sizes", "0"], "batch sizes must be positive"),
         (["--config", "jobs/configs/fashion_mnist.yaml", "--ratios", "1.5"], "ratios must be token fractions"),
         (["--study", "studies/study_fashion.yaml", "--method", "nope"], "nope"),
+        (["--config", "jobs/configs/fashion_mnist.yaml", "--token-buckets", "2"], "use them with compile"),
+        (["--config", "jobs/configs/fashion_mnist.yaml", "--compile", "--token-buckets", "-1"], "token buckets"),
     ],
 )
 def test_bench_parts_bad_input_is_one_line(extra, message, capsys):

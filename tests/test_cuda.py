@@ -187,3 +187,16 @@ def test_compiled_encoder_with_token_buckets_matches_eager():
             a, b = eager(images, thresholds=[t, t]), compiled(images, thresholds=[t, t])
             assert torch.equal(a.tokens, b.tokens)
             assert (a.logits.float() - b.logits.float()).abs().max().item() <= 2e-2  # bf16
+
+
+def test_compiled_dense_path_matches_eager():
+    """``compile_encoder`` on a model whose images all keep one length (``full``): the
+    whole blocks under ``torch.compile`` with CUDA graphs give the eager logits."""
+    eager = SplitViT(tiny_vit(32, embed_dim=64, num_heads=2), levels=3, policy="full", image_size=32).to(CUDA).eval()
+    compiled = SplitViT(eager.vit, levels=3, policy="full", image_size=32).to(CUDA).eval()
+    compiled.compile_encoder(mode="reduce-overhead")
+    images = _images()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for _ in range(3):  # CUDA graphs record on the first calls, then replay
+            a, b = eager(images), compiled(images)
+            assert (a.logits.float() - b.logits.float()).abs().max().item() <= 2e-2  # bf16

@@ -1091,6 +1091,26 @@ def test_token_buckets_fix_the_encoders_shapes_and_keep_the_logits(monkeypatch):
         tiny_model("entropy", token_buckets=-1)
 
 
+def test_compiled_encoder_covers_the_dense_path_with_one_graph_for_all_blocks():
+    """``compile_encoder`` also compiles whole blocks where every image has the same
+    length (the ``full`` policy): the logits stay the eager ones, the blocks share one
+    graph per batch size, and training keeps the eager blocks."""
+    from torch._dynamo.testing import CompileCounter
+
+    eager = tiny_model("full").eval()
+    compiled = SplitViT(copy.deepcopy(eager.vit), levels=3, policy="full", image_size=32).eval()
+    counter = CompileCounter()
+    compiled.compile_encoder(backend=counter)
+    images = _mixed_images()
+    with torch.no_grad():
+        for batch in (images, images[:3], images):
+            assert (compiled(batch).logits - eager(batch).logits).abs().max().item() <= 1e-5
+    assert counter.frame_count == 2  # one graph per batch size, shared by every block
+    compiled.train()
+    compiled(images).logits.sum().backward()
+    assert counter.frame_count == 2  # training ran the eager blocks
+
+
 def test_geometry_cache_is_per_model_and_lets_the_model_go():
     """Other input sizes' geometries are cached on the model itself: a second size is
     built once, and a dropped model is freed (a cache on the method kept it alive)."""

@@ -4,6 +4,10 @@
 #
 #   bash infra/gpu-check/run.sh smoke          # CUDA tests, forward (ViT-B/16, eager and compiled)
 #                                              # and training-step benchmarks, a small study
+#   bash infra/gpu-check/run.sh speed          # CUDA tests; where the recipe's forward time goes on the
+#                                              # GPU (bench parts: both studies' models and ViT-B/16,
+#                                              # bf16, eager, then compiled at batch 256) and ViT-B/16
+#                                              # against timm's (bench forward, eager and compiled)
 #   bash infra/gpu-check/run.sh study ARGS...  # the one-gpu study; ARGS go to single_gpu_study.py
 #                                              # (e.g. --workers 8 --backbone-epochs 24 --method-epochs 12;
 #                                              # --tracking-uri sqlite:///... where MLflow is installed);
@@ -50,6 +54,40 @@ case "$stage" in
       | grep -v " epoch [0-9]*: \|bench: round" | tail -60
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1  # the runner's status, not tail's
     ;;
+  speed)
+    # each step has its own time limit, so that a slow compile leaves the next steps their turn;
+    # DEVICE=cpu BATCH=8 REPEATS=2 tries the whole stage on a CPU
+    dev=${DEVICE:-cuda} batch=${BATCH:-256} repeats=${REPEATS:-20}
+    recipe="--method split-0.5-agg-mixed-ctx --device $dev"
+    vitb="--set model.name=vit_base_patch16_224 --set model.timm_kwargs={} --set model.image_size=256"
+    bench() {  # NAME LIMIT ARGS...: splitvit bench ARGS, printout to NAME.txt, JSON to NAME.json
+      local name=$1 limit=$2; shift 2
+      echo "== $name: splitvit bench $*"
+      timeout "$limit" python3 -m splitvit.cli bench "$@" --json "$out/$name.json" 2>&1 \
+        | grep -v "USDT\|gpuGetDeviceCount" > "$out/$name.txt"
+      local rc=${PIPESTATUS[0]}
+      tail -n 40 "$out/$name.txt"
+      [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }
+    }
+    [ "$dev" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+    if [ "$dev" = cuda ]; then
+      python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -5
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    fi
+    bench vitb16_forward 120 forward --device "$dev" --image-size 256 --batch-size "$batch" --repeats "$repeats" \
+      --policies learned_shared --fine-aggregation --level-context --policy-depth 1 --no-memory
+    bench parts_vitb16 120 parts --study studies/study_fashion.yaml $recipe $vitb --batch-sizes "1,64,$batch" \
+      --ratios 0.5,0.7 --repeats "$repeats"
+    for s in study_fashion study_fashion_seg; do
+      bench "parts_$s" 120 parts --study "studies/$s.yaml" $recipe --batch-sizes "1,8,64,$batch" \
+        --ratios 0.5,0.7,0.8 --repeats "$repeats"
+    done
+    bench vitb16_forward_compiled 150 forward --device "$dev" --image-size 256 --batch-size "$batch" \
+      --repeats "$repeats" --policies learned_shared --fine-aggregation --level-context --policy-depth 1 \
+      --no-memory --token-buckets 4 --compile
+    bench parts_study_fashion_compiled 150 parts --study studies/study_fashion.yaml $recipe --batch-sizes "$batch" \
+      --ratios 0.5,0.7,0.8 --repeats "$repeats" --compile --token-buckets 4
+    ;;
   study)
     python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -15
     python3 infra/gpu-check/single_gpu_study.py "$study" --scale one-gpu --out "/tmp/$name" \
@@ -57,6 +95,6 @@ case "$stage" in
     status=${PIPESTATUS[0]}
     cp "/tmp/$name/study.png" "$out/$name.png" 2>/dev/null
     ;;
-  *) echo "usage: $0 smoke|study [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 smoke|speed|study [args]" >&2; exit 2 ;;
 esac
 exit $status

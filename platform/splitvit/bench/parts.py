@@ -28,6 +28,7 @@ import itertools
 import logging
 import statistics
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,12 @@ class PartsSettings:
         repeats, warmup: timed and untimed interleaved rounds per batch size.
         threads: torch's CPU threads while timing (``None``: torch's default).
         device: where the models run.
+        bf16: bf16 autocast for every pass and the calibration (``None``: on CUDA, as
+            training runs; off on the CPU).
+        compile: ``torch.compile`` every model's encoder blocks, full resolution's too
+            (:meth:`~splitvit.model.SplitViT.compile_encoder`; CUDA graphs on a GPU).
+        token_buckets: the split models' packed sizes rounded up to this many fixed
+            sizes (``SplitViT.token_buckets``), so that compiled graphs see few shapes.
         seed: the benchmark images.
     """
 
@@ -77,6 +84,9 @@ class PartsSettings:
     warmup: int = 3
     threads: int | None = None
     device: str = "cpu"
+    bf16: bool | None = None
+    compile: bool = False
+    token_buckets: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -88,6 +98,18 @@ class PartsSettings:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.token_buckets < 0:
+            raise ValueError(f"token buckets must be >= 0, got {self.token_buckets}")
+        if self.token_buckets and not self.compile:
+            raise ValueError("token buckets fix the packed shapes for compiled graphs: use them with compile")
+
+    def uses_bf16(self, device: torch.device) -> bool:
+        """Whether the passes on ``device`` run under bf16 autocast (by default on CUDA)."""
+        return device.type == "cuda" if self.bf16 is None else self.bf16
+
+    def autocast(self, device: torch.device) -> AbstractContextManager:
+        """bf16 autocast on ``device`` where asked, else nothing."""
+        return torch.autocast(device.type, dtype=torch.bfloat16) if self.uses_bf16(device) else nullcontext()
 
 
 def point_name(ratio: float) -> str:
@@ -116,12 +138,16 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
         full = copy.deepcopy(split)
         full.set_policy("full")
         images = _images(split, max(*settings.batch_sizes, CALIBRATION_IMAGES), settings.seed, dev)
-        # one model per ratio, its thresholds set as a calibrated model's are (not passed per call)
+        # one model per ratio, its thresholds set as a calibrated model's are (not passed per call),
+        # in the precision it is timed in
         points: dict[str, SplitViT] = {}
         for ratio in settings.ratios:
             point = copy.deepcopy(split)
-            point.set_thresholds(calibrate_thresholds(point, images[:CALIBRATION_IMAGES], ratio))
+            with settings.autocast(dev):
+                point.set_thresholds(calibrate_thresholds(point, images[:CALIBRATION_IMAGES], ratio))
             points[point_name(ratio)] = point
+        if settings.compile:
+            _compile(full, points, settings, dev)
         batches = [_time_batch(full, points, _rotation(images, b), settings, dev) for b in settings.batch_sizes]
         machine = machine_info(dev)  # before the threads are restored: it records them
     finally:
@@ -136,6 +162,9 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
             "repeats": settings.repeats,
             "warmup": settings.warmup,
             "calibration_images": CALIBRATION_IMAGES,
+            "bf16": settings.uses_bf16(dev),
+            "compile": settings.compile,
+            "token_buckets": settings.token_buckets,
         },
         "machine": machine,
         "thresholds": {name: [float(t) for t in m.thresholds] for name, m in points.items()},
@@ -143,6 +172,16 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
         "batches": batches,
         "warnings": [w for b in batches for w in b.pop("warnings")],
     }
+
+
+def _compile(full: SplitViT, points: dict[str, SplitViT], settings: PartsSettings, dev: torch.device) -> None:
+    """Every side's encoder under ``torch.compile`` alike (CUDA graphs on a GPU); the split
+    models' packed sizes in ``settings.token_buckets`` fixed buckets."""
+    options: dict[str, Any] = {"mode": "reduce-overhead"} if dev.type == "cuda" else {}
+    full.compile_encoder(**options)
+    for point in points.values():
+        point.token_buckets = settings.token_buckets
+        point.compile_encoder(**options)
 
 
 def _images(model: SplitViT, count: int, seed: int, dev: torch.device) -> torch.Tensor:
@@ -173,7 +212,7 @@ def _time_batch(
     for name, model in models.items():
         fns[name] = _rotating(model, batches)
         fns[f"{name}/stages"] = _clocked(model, batches, sync, stage_samples[name])
-    with torch.inference_mode():
+    with torch.inference_mode(), settings.autocast(dev):
         tokens = {name: statistics.fmean(float(m(b).token_ratio.mean()) for b in batches) for name, m in models.items()}
         samples, cpu, others = time_beside_others(fns, repeats=settings.repeats, warmup=settings.warmup, sync=sync)
     full_median = statistics.median(samples["full"])
@@ -224,8 +263,8 @@ def format_parts_report(result: dict[str, Any]) -> str:
     """The result as text: per batch size, every model's speed and its stages in ms."""
     lines = [
         f"splitvit bench parts: {result['source']}",
-        f"{device_label(result['machine'])}, {result['machine']['torch_threads']} torch threads; "
-        f"medians of {result['settings']['repeats']} interleaved rounds; thresholds calibrated on "
+        f"{device_label(result['machine'])}, {result['machine']['torch_threads']} torch threads, "
+        f"{_precision(result['settings'])}; medians of {result['settings']['repeats']} interleaved rounds; thresholds calibrated on "
         f"{result['settings']['calibration_images']} images",
     ]
     for entry in result["batches"]:
@@ -243,6 +282,15 @@ def format_parts_report(result: dict[str, Any]) -> str:
         lines += ["", f"batch {entry['batch_size']}", *text_table(["", *names], rows)]
     lines += [f"warning: {w}" for w in result["warnings"]]
     return "\n".join(lines)
+
+
+def _precision(settings: dict[str, Any]) -> str:
+    """``bf16 autocast, compiled (4 token buckets)`` and the like; files before these settings: fp32, eager."""
+    text = "bf16 autocast" if settings.get("bf16") else "fp32"
+    if settings.get("compile"):
+        buckets = settings.get("token_buckets")
+        text += ", torch.compile" + (f" ({buckets} token buckets)" if buckets else " (exact token counts)")
+    return text + ("" if settings.get("compile") else ", eager")
 
 
 def _ms(seconds: float | None) -> str:

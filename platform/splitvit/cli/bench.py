@@ -218,6 +218,24 @@ def _add_parts(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed interleaved rounds (default %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default here)")
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        help="bf16 autocast for every pass (default: on for CUDA, as training uses it; off on the CPU)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every model's encoder blocks, full resolution's too (CUDA graphs on a GPU); "
+        "use with --token-buckets",
+    )
+    p.add_argument(
+        "--token-buckets",
+        type=int,
+        default=0,
+        help="with --compile: round the split models' packed token counts up to this many fixed sizes "
+        "(default 0: exact)",
+    )
     _add_json_option(p)
     p.set_defaults(func=run_parts)
 
@@ -238,6 +256,9 @@ def run_parts(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         threads=args.threads,
         device=args.device,
+        bf16=args.bf16,
+        compile=args.compile,
+        token_buckets=args.token_buckets,
     )
     model, source = _parts_model(args)
     result = run_parts_benchmark(model, settings, source)
@@ -269,6 +290,8 @@ def _parts_model(args: argparse.Namespace):
             label = args.config
         from ..train.experiment import build_model
 
+        if args.overrides:
+            label += " with " + " ".join(args.overrides)
         # random weights: speed does not depend on them (thresholds are calibrated to each ratio)
         model, label = build_model(config.model, pretrained=False), label + ", random weights"
     if not isinstance(model, SplitViT):  # its stages are a SplitViT's; a detector adds a pyramid and heads

@@ -292,6 +292,7 @@ class SplitViT(nn.Module):
         self.attention = attention
         self.token_buckets = token_buckets
         self._compiled_blocks: list[CompiledBlock] | None = None
+        self._compiled_dense: list[nn.Module] | None = None
         #: attached by a benchmark to time the forward pass's stages (:mod:`.stages`)
         self.clock: StageClock | None = None
         self.spec = spec
@@ -881,12 +882,16 @@ class SplitViT(nn.Module):
         )
 
     def compile_encoder(self, **options: Any) -> SplitViT:
-        """Run the packed encoder's per-token work under ``torch.compile`` in inference
-        (``options`` go to ``torch.compile``, e.g. ``mode="reduce-overhead"`` for CUDA
-        graphs). Pair it with ``token_buckets`` so that each compiled piece sees a few
-        fixed shapes. Training keeps the eager blocks. Returns the model."""
+        """Run the encoder's blocks under ``torch.compile`` in inference (``options`` go
+        to ``torch.compile``, e.g. ``mode="reduce-overhead"`` for CUDA graphs): the
+        packed encoder's per-token work, and whole blocks where every image has the
+        same length (the ``full`` and ``coarse`` policies, a batch of one). Pair it with
+        ``token_buckets`` so that each compiled piece sees a few fixed shapes. Training,
+        and padded batches of mixed lengths, keep the eager blocks. Returns the model."""
         options.setdefault("dynamic", False)  # one static graph per bucket, as CUDA graphs need
         self._compiled_blocks = [CompiledBlock(block, **options) for block in self.vit.blocks]
+        # blocks of one structure share one graph (torch.compile inlines the modules)
+        self._compiled_dense = [torch.compile(block, **options) for block in self.vit.blocks]
         return self
 
     def _encode(
@@ -1044,10 +1049,15 @@ class SplitViT(nn.Module):
             attn_mask = keep[:, None, None, :]
         attention = None
         last = len(vit.blocks) - 1
+        # compiled: one length per batch, so one static graph per batch size
+        compiled = self._compiled_dense if attn_mask is None and not (self.training or return_attention) else None
         for i, block in enumerate(vit.blocks):
             if return_attention and i == last:
                 attention = _query_attention(block, x, attn_mask, num_prefix, valid)
-            x = block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
+            if compiled:
+                x = compiled[i](x)
+            else:
+                x = block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
         return vit.norm(x), attention
 
     def _pool(self, features: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
