@@ -264,8 +264,8 @@ def format_parts_report(result: dict[str, Any]) -> str:
     lines = [
         f"splitvit bench parts: {result['source']}",
         f"{device_label(result['machine'])}, {result['machine']['torch_threads']} torch threads, "
-        f"{_precision(result['settings'])}; medians of {result['settings']['repeats']} interleaved rounds; thresholds calibrated on "
-        f"{result['settings']['calibration_images']} images",
+        f"{_precision(result['settings'])}; medians of {result['settings']['repeats']} interleaved rounds; "
+        f"thresholds calibrated on {result['settings']['calibration_images']} images",
     ]
     for entry in result["batches"]:
         models = entry["models"]
