@@ -232,12 +232,14 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
     path = Path("studies/study_fashion_det.yaml")
     spec = load_study(path)
     assert (spec.metric, spec.companions) == ("box_ap", ("mask_ap",))
-    assert list(spec.methods) == ["full", "coarse", "entropy", "random", "split-0.5-objects-d2"]
+    assert list(spec.methods) == ["full", "coarse", "entropy", "random", "split-0.7-objects-d2-policy4"]
     assert spec.run_config(0, None, "x").model.policy == "full" and len(spec.seeds) >= 2
     assert len({spec.run_config(0, m, "x").train.epochs for m in spec.methods}) == 1  # fine-tuned alike
-    recipe = spec.run_config(0, "split-0.5-objects-d2", "x")
-    assert recipe.model.fine_aggregation and recipe.model.policy_level_context and recipe.train.target_ratio == 0.5
+    recipe = spec.run_config(0, "split-0.7-objects-d2-policy4", "x")
+    assert recipe.model.fine_aggregation and recipe.model.policy_level_context and recipe.train.target_ratio == 0.7
     assert (recipe.train.teacher, recipe.train.policy_lr_scale, recipe.model.policy_depth) == ("objects", 10.0, 2)
+    # the policy's own epochs come after the fine-tune every method shares
+    assert recipe.train.policy_epochs == 4 and recipe.train.total_epochs == recipe.train.epochs + 4
     # the classification study's recipe as it is stays a lever, run beside the same control
     lever = load_study(path, methods=["full", "split-0.5-agg-mixed-ctx"]).run_config(0, "split-0.5-agg-mixed-ctx", "x")
     assert lever.train.teacher == "gradient"
@@ -250,7 +252,7 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
         k for k, v in plain.run_config(0, "full", "x").flat().items() if spec.run_config(0, "full", "x").flat()[k] != v
     }
     assert differs == {"data.options.clutter"}  # (its clutter_fraction unset: no clutter to size)
-    coco = load_study(path, scale="gpu").run_config(0, "split-0.5-objects-d2", "x")
+    coco = load_study(path, scale="gpu").run_config(0, "split-0.7-objects-d2-policy4", "x")
     assert coco.data.name == "parquet" and coco.model.num_classes == 80 and coco.scaling.use_gpu
 
 
@@ -273,7 +275,12 @@ def write_detection_study(folder: Path, root: Path) -> Path:
         "method": {"train.epochs": 1, "train.warmup_epochs": 0},
         "methods": {
             "full": {"model.policy": "full"},
-            "split": {"model.policy": "learned", "train.target_ratio": 0.5, "train.policy_epochs": 1},
+            "split": {
+                "model.policy": "learned",
+                "train.target_ratio": 0.5,
+                "train.policy_epochs": 1,
+                "train.policy_lr_scale": 10.0,
+            },
         },
         "evaluation": {"split": "test", "samples": 4, "ratios": [0.5], "calibration_samples": 4},
         "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
@@ -323,6 +330,7 @@ def test_splitvit_study_runs_a_detection_study_end_to_end(
     run = next(r for r in data["runs"] if r["method"] == "split")
     first, last = run["history"]
     assert "train_task_loss" in first and "train_task_loss" not in last and "train_teacher_loss" in last
+    assert all(e["lr_policy"] == pytest.approx(10 * e["lr"]) for e in (first, last))  # its own group's rate
     assert run["checkpoint"].endswith("checkpoint_epoch0001")
     weights = [
         torch.load(Path(run["checkpoint"]).parent / f"checkpoint_epoch000{e}" / "model.pt", weights_only=False)[

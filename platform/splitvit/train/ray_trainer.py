@@ -993,7 +993,10 @@ def _training_metrics(worker: _Worker, trained: _EpochPass) -> dict[str, float]:
     per_key = zip(keys, sums[: len(keys)], sums[len(keys) : 2 * len(keys)])  # (name, total, steps)
     metrics = {f"train_{k}": v / max(n, 1.0) for k, v, n in per_key}
     metrics["train_images_per_s"] = seen_all / slowest
-    metrics["lr"] = worker.scheduler.get_last_lr()[0]
+    rates = worker.scheduler.get_last_lr()
+    metrics["lr"] = rates[0]
+    if len(rates) > 1:  # train.policy_lr_scale: SplitViT's own modules in a group of their own
+        metrics["lr_policy"] = rates[1]
     return metrics
 
 
