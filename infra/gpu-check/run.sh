@@ -14,7 +14,8 @@
 #                                              # run again, it reuses the runs /tmp/<study> finished;
 #                                              # STUDY=studies/study_fashion_seg.yaml for the dense one
 #
-# Results land in $OUT (default /tmp/gpu-check). Optional, beside the repository root:
+# Results land in $OUT (default /tmp/gpu-check); `speed` writes a .txt and a .json per step
+# (12 files): where only a few files come back, point OUT elsewhere and tar the folder. Optional, beside the repository root:
 #   .whl/*.whl            wheels installed first into /tmp/site (e.g. the pinned timm);
 #   .data/fashion-mnist/  the four Fashion-MNIST idx files, where the machine cannot download.
 set -uo pipefail
