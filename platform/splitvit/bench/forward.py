@@ -78,6 +78,7 @@ from .report import device_label, make_target, target_table, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
     checked_device,
+    compile_options,
     machine_info,
     synchronizer,
     time_beside_others,
@@ -384,9 +385,7 @@ def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
 def _compiled_runners(vit, models, policies, device) -> dict[str, Callable]:
     """``torch.compile`` for every side alike: timm's ViT, the ideal's encoder, and the
     split policies' packed encoders (CUDA graphs on a GPU)."""
-    options: dict[str, Any] = {"dynamic": False}
-    if device.type == "cuda":
-        options["mode"] = "reduce-overhead"
+    options = {"dynamic": False, **compile_options(device)}
     for policy in policies:
         models[policy].compile_encoder(**options)
     return {"timm": torch.compile(vit, **options), "sequence": torch.compile(_encode_sequence, **options)}

@@ -42,6 +42,7 @@ from .report import device_label, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
     checked_device,
+    compile_options,
     machine_info,
     synchronizer,
     time_beside_others,
@@ -69,8 +70,7 @@ class PartsSettings:
         repeats, warmup: timed and untimed interleaved rounds per batch size.
         threads: torch's CPU threads while timing (``None``: torch's default).
         device: where the models run.
-        bf16: bf16 autocast for every pass and the calibration (``None``: on CUDA, as
-            training runs; off on the CPU).
+        bf16: bf16 autocast for every pass and the calibration.
         compile: ``torch.compile`` every model's encoder blocks, full resolution's too
             (:meth:`~splitvit.model.SplitViT.compile_encoder`; CUDA graphs on a GPU).
         token_buckets: the split models' packed sizes rounded up to this many fixed
@@ -84,7 +84,7 @@ class PartsSettings:
     warmup: int = 3
     threads: int | None = None
     device: str = "cpu"
-    bf16: bool | None = None
+    bf16: bool = False
     compile: bool = False
     token_buckets: int = 0
     seed: int = 0
@@ -103,13 +103,9 @@ class PartsSettings:
         if self.token_buckets and not self.compile:
             raise ValueError("token buckets fix the packed shapes for compiled graphs: use them with compile")
 
-    def uses_bf16(self, device: torch.device) -> bool:
-        """Whether the passes on ``device`` run under bf16 autocast (by default on CUDA)."""
-        return device.type == "cuda" if self.bf16 is None else self.bf16
-
     def autocast(self, device: torch.device) -> AbstractContextManager:
         """bf16 autocast on ``device`` where asked, else nothing."""
-        return torch.autocast(device.type, dtype=torch.bfloat16) if self.uses_bf16(device) else nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
 
 
 def point_name(ratio: float) -> str:
@@ -162,7 +158,7 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
             "repeats": settings.repeats,
             "warmup": settings.warmup,
             "calibration_images": CALIBRATION_IMAGES,
-            "bf16": settings.uses_bf16(dev),
+            "bf16": settings.bf16,
             "compile": settings.compile,
             "token_buckets": settings.token_buckets,
         },
@@ -177,7 +173,7 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
 def _compile(full: SplitViT, points: dict[str, SplitViT], settings: PartsSettings, dev: torch.device) -> None:
     """Every side's encoder under ``torch.compile`` alike (CUDA graphs on a GPU); the split
     models' packed sizes in ``settings.token_buckets`` fixed buckets."""
-    options: dict[str, Any] = {"mode": "reduce-overhead"} if dev.type == "cuda" else {}
+    options = compile_options(dev)
     full.compile_encoder(**options)
     for point in points.values():
         point.token_buckets = settings.token_buckets
@@ -285,12 +281,13 @@ def format_parts_report(result: dict[str, Any]) -> str:
 
 
 def _precision(settings: dict[str, Any]) -> str:
-    """``bf16 autocast, compiled (4 token buckets)`` and the like; files before these settings: fp32, eager."""
+    """``bf16 autocast, torch.compile (4 token buckets)``, ``fp32, eager`` and the like
+    (files written before these settings existed read as fp32, eager)."""
     text = "bf16 autocast" if settings.get("bf16") else "fp32"
-    if settings.get("compile"):
-        buckets = settings.get("token_buckets")
-        text += ", torch.compile" + (f" ({buckets} token buckets)" if buckets else " (exact token counts)")
-    return text + ("" if settings.get("compile") else ", eager")
+    if not settings.get("compile"):
+        return text + ", eager"
+    buckets = settings.get("token_buckets")
+    return text + ", torch.compile" + (f" ({buckets} token buckets)" if buckets else " (exact token counts)")
 
 
 def _ms(seconds: float | None) -> str:

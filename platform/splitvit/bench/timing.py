@@ -41,6 +41,12 @@ def checked_device(device: str) -> torch.device:
     return dev
 
 
+def compile_options(device: torch.device) -> dict[str, Any]:
+    """``torch.compile`` options of a benchmark's compiled side: CUDA graphs on a GPU
+    (``mode="reduce-overhead"``), where launches would cost more than the kernels."""
+    return {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+
+
 def synchronizer(device: torch.device) -> Callable[[], None]:
     """A function that waits for ``device``'s queued work (CUDA), or does nothing."""
     if device.type == "cuda":

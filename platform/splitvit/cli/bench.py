@@ -79,6 +79,11 @@ def _add_timing_options(p: argparse.ArgumentParser, *, batch_size: int, repeats:
     p.add_argument("--batch-size", type=int, default=batch_size, help="images per step (default %(default)s)")
     p.add_argument("--repeats", type=int, default=repeats, help="timed interleaved rounds (default %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
+    _add_bf16_option(p)
+
+
+def _add_bf16_option(p: argparse.ArgumentParser) -> None:
+    """``--bf16``/``--no-bf16``; :func:`_bf16` resolves its default from ``--device``."""
     p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
@@ -218,11 +223,7 @@ def _add_parts(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed interleaved rounds (default %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default here)")
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
-    p.add_argument(
-        "--bf16",
-        action=argparse.BooleanOptionalAction,
-        help="bf16 autocast for every pass (default: on for CUDA, as training uses it; off on the CPU)",
-    )
+    _add_bf16_option(p)
     p.add_argument(
         "--compile",
         action="store_true",
@@ -256,7 +257,7 @@ def run_parts(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         threads=args.threads,
         device=args.device,
-        bf16=args.bf16,
+        bf16=_bf16(args),
         compile=args.compile,
         token_buckets=args.token_buckets,
     )

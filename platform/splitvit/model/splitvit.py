@@ -1054,10 +1054,10 @@ class SplitViT(nn.Module):
         for i, block in enumerate(vit.blocks):
             if return_attention and i == last:
                 attention = _query_attention(block, x, attn_mask, num_prefix, valid)
-            if compiled:
-                x = compiled[i](x)
+            if attn_mask is None:
+                x = compiled[i](x) if compiled else block(x)
             else:
-                x = block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
+                x = block(x, attn_mask=attn_mask)
         return vit.norm(x), attention
 
     def _pool(self, features: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

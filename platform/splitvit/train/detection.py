@@ -169,10 +169,7 @@ def detection_training_step(
     stats.update({name: float(value.detach()) for name, value in out.losses.items()})
     if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
         geometry = backbone.geometry_for(tuple(images.shape[-2:]))
-        if cfg.teacher == "objects":
-            relevance = object_relevance(targets, geometry, generator, cfg.teacher_context)
-        else:
-            relevance = detection_relevance(detector, images, targets)
+        relevance = _teacher_relevance(detector, images, targets, geometry, cfg, generator)
         taught = teacher_loss_at_ratio(out.split.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets)
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
@@ -203,11 +200,23 @@ def detection_policy_step(
     stats: dict[str, float] = {}
     target_ratio = batch_target_ratio(cfg, True, generator, stats)
     geometry = backbone.geometry_for(tuple(images.shape[-2:]))
-    if cfg.teacher == "objects":
-        relevance = object_relevance(targets, geometry, generator, cfg.teacher_context)
-    else:
-        relevance = detection_relevance(detector, images, targets)
+    relevance = _teacher_relevance(detector, images, targets, geometry, cfg, generator)
     return policy_teacher_loss(backbone, images, relevance, target_ratio, cfg, stats)
+
+
+def _teacher_relevance(
+    detector: SplitDetector,
+    images: torch.Tensor,
+    targets: Targets,
+    geometry: QuadtreeGeometry,
+    cfg: SplitLossConfig,
+    generator: torch.Generator | None,
+) -> list[torch.Tensor]:
+    """The relevance ``cfg.teacher`` marks: the annotations' (``objects``, no pass) or the
+    detection loss's gradient (``gradient``, a full-resolution pass)."""
+    if cfg.teacher == "objects":
+        return object_relevance(targets, geometry, generator, cfg.teacher_context)
+    return detection_relevance(detector, images, targets)
 
 
 @dataclass
