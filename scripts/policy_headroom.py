@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     loss_cfg = dataclasses.replace(loss_cfg, teacher="objects")
     images, targets = detection_collate([evaluator.dataset[i] for i in range(len(evaluator.dataset))])
-    train = evaluator._dataset("train", None)
+    train = evaluator.split_dataset("train")
     backbone = detector.backbone
 
     for parameter in detector.parameters():

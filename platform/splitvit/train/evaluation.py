@@ -85,7 +85,7 @@ class CheckpointEvaluator:
     @functools.cached_property
     def dataset(self) -> Dataset:
         """The evaluation split (``samples`` images), built on first use."""
-        return self._dataset(self.split, self.samples)
+        return self.split_dataset(self.split, self.samples)
 
     def batches(self):
         """The evaluation batches (kept in memory after the first pass for small sets)."""
@@ -174,8 +174,9 @@ class CheckpointEvaluator:
         result["quality"] = result["box_ap"]
         return result
 
-    def _dataset(self, split: str, samples: int | None) -> Dataset:
-        """The checkpoint's experiment data, split ``split`` (``samples`` images)."""
+    def split_dataset(self, split: str, samples: int | None = None) -> Dataset:
+        """The checkpoint's experiment data, split ``split`` (``samples`` images; ``None``:
+        the split's own count), built as the evaluation builds its own."""
         from ..data import build_dataset
 
         options = dict(self.data.get("options") or {})
@@ -196,7 +197,7 @@ class CheckpointEvaluator:
         validation images to calibrate thresholds on, never the evaluated ones)."""
         from ..data import first_images
 
-        dataset = self.dataset if split in (None, self.split) else self._dataset(split, count)
+        dataset = self.dataset if split in (None, self.split) else self.split_dataset(split, count)
         return first_images(dataset, count).to(self.device)
 
     @torch.no_grad()
