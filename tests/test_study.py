@@ -454,7 +454,9 @@ def test_init_from_must_exist(tmp_path):
 
 
 # ----------------------------------------------------------------- end to end
-def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_uri, tmp_path, monkeypatch, capsys):
+def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
+    ray_session, mlflow_uri, tmp_path, monkeypatch, capsys, caplog
+):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     spec = write_study(tmp_path)
     out = tmp_path / "study.json"
@@ -585,6 +587,10 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
     ] == [True] * 3
     printed = capsys.readouterr().out
     assert "3 runs (3 finished earlier, reused)" in printed
+    # ... read by the driver: no Ray Tune grid (no trial processes) for either stage
+    assert "backbones: 1 of 1 runs finished earlier" in caplog.text
+    assert "methods: 3 of 3 runs finished earlier" in caplog.text
+    assert sorted(p.name.split("-")[0] for p in Path(data["study_dir"]).glob("*s-2*")) == ["backbones", "methods"]
     # ... and its time is not the study's: no verdict, and the line says why
     assert "met" not in json.loads(again.read_text())["goals"]["study_time"]
     assert "not timed (4 of its 4 runs begun by an earlier invocation)" in printed
@@ -626,6 +632,8 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(ray_session, mlflow_ur
         assert stored["config"]["model.init_from"].startswith(str(train / "backbone-s0"))
         assert stored["config"]["train.epochs"] == 2 and len(run["history"]) == 2
     assert not (tmp_path / "runs" / "e2e-longer" / "train" / "backbone-s0").exists()
+    # the borrowed backbone is read, not run as a trial: e2e-longer has a methods grid alone
+    assert [p.name.split("-")[0] for p in (tmp_path / "runs" / "e2e-longer").glob("*s-2*")] == ["methods"]
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints  # e2e's runs untouched
     assert json.loads(again.read_text())["goals"]["reference_converged"] == data["goals"]["reference_converged"]
     longer_parent = client.get_run(longer_data["mlflow_run_id"])
@@ -827,7 +835,7 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
     tune_logger.addHandler(records)
     try:
         with pytest.raises(Interrupted, match="1 of 1 methods runs unfinished; the finished ones are kept") as info:
-            _tune_grid(trainable, {"seed": [0]}, spec, str(tmp_path / "tune"), "methods-now")
+            _tune_grid(trainable, [{"seed": 0}], spec, str(tmp_path / "tune"), "methods-now")
     finally:
         tune_logger.removeHandler(records)
     assert info.value.exit_code == 130

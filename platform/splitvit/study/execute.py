@@ -29,7 +29,7 @@ from .goals import (
     study_time,
 )
 from .records import open_study_run, record_study
-from .runs import RunTrainer, begun_runs, run_name, stale_runs, stored_result
+from .runs import RunTrainer, begun_runs, finished_run, run_name, stale_runs, stored_result
 from .spec import StudyError, StudySpec
 from .speed import MatchedSpeed, PointSpeed, matched_speed, points_speed, with_timed_speed
 
@@ -117,13 +117,14 @@ class StudyExecutor(Protocol):
         self,
         spec: StudySpec,
         storage: str,
-        grid: dict[str, list[Any]],
+        runs: list[dict[str, Any]],
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """:func:`~splitvit.study.runs.study_run` for every combination of ``grid`` (``seed``; and ``method``
-        in the ``methods`` stage, where ``backbones`` maps seeds to checkpoints); one
-        result per run, ``{"config": params, "error": text}`` for a failed one."""
+        """:func:`~splitvit.study.runs.study_run` for each of ``runs`` (its ``seed``; and
+        ``method`` in the ``methods`` stage, where ``backbones`` maps seeds to
+        checkpoints); one result per run, in order, ``{"config": params, "error": text}``
+        for a failed one. Runs an earlier invocation finished are not among them."""
         ...
 
 
@@ -242,17 +243,35 @@ def _run_stages(
     """The backbones, then every method of every seed with a finished backbone (the
     costliest methods first, so the last runs to finish are short ones). Returns the
     finished backbones' and method runs' stored results, and a line per failed run."""
-    backbones = executor.run(spec, reference_storage, {"seed": spec.seeds}, "backbones")
+    backbones = _run_stage(spec, executor, reference_storage, [{"seed": s} for s in spec.seeds], "backbones")
     ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
     failed = [f"backbone seed {b['config'].get('seed')}: {b['error']}" for b in backbones if "error" in b]
     order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
-    runs: list[dict[str, Any]] = []
-    if ready:
-        runs = executor.run(spec, train_storage, {"seed": sorted(ready), "method": order}, "methods", backbones=ready)
+    methods = [{"seed": s, "method": m} for m in order for s in sorted(ready)]  # method-major: costliest first
+    runs = _run_stage(spec, executor, train_storage, methods, "methods", ready) if ready else []
     failed += [
         f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}" for r in runs if "error" in r
     ]
     return [b for b in backbones if "checkpoint" in b], [r for r in runs if "points" in r], failed
+
+
+def _run_stage(
+    spec: StudySpec,
+    executor: StudyExecutor,
+    storage: str,
+    runs: list[dict[str, Any]],
+    stage: str,
+    backbones: dict[int, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Each of ``runs``' results, in order: a run an earlier invocation finished is read
+    here (no Ray trial or process started for it); the rest go to ``executor``."""
+    results = {i: r for i, params in enumerate(runs) if (r := finished_run(spec, storage, params)) is not None}
+    todo = [i for i in range(len(runs)) if i not in results]
+    if results:
+        log.info("%s: %d of %d runs finished earlier, read from %s", stage, len(results), len(runs), storage)
+    if todo:
+        results.update(zip(todo, executor.run(spec, storage, [runs[i] for i in todo], stage, backbones)))
+    return [results[i] for i in range(len(runs))]
 
 
 def _speed_step(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import copy
-import itertools
 import json
 import logging
 import math
@@ -178,9 +177,9 @@ def _failure(params: dict[str, Any], exc: BaseException) -> dict[str, Any]:
 class LocalExecutor:
     """The runs on this machine: in this process (``workers=1``) or in a pool of
     ``workers`` spawned processes (CUDA in each) sharing the trainer's device, each with
-    ``threads`` CPU threads; the pool lives until :meth:`close`. A run an earlier
-    invocation finished is read here, not sent to the pool. ``seconds`` holds what
-    preparing and each stage took."""
+    ``threads`` CPU threads; the pool lives until :meth:`close`. A finished run that
+    is evaluated again (other evaluation settings) runs here, not in the pool.
+    ``seconds`` holds what preparing and each stage that ran took."""
 
     trainer: RunTrainer = field(default_factory=LocalTrainer)
     workers: int = 1
@@ -199,18 +198,15 @@ class LocalExecutor:
         self,
         spec: StudySpec,
         storage: str,
-        grid: dict[str, list[Any]],
+        runs: list[dict[str, Any]],
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """:func:`~splitvit.study.runs.study_run` for every combination of ``grid``,
-        method-major (the order of ``grid['method']``: the costliest first)."""
+        """:func:`~splitvit.study.runs.study_run` for each of ``runs``, in order."""
         started = time.time()
-        keys = sorted(grid, key=lambda k: k != "method")
-        jobs = [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
         results: dict[int, dict[str, Any]] = {}
         submitted: dict[int, futures.Future] = {}
-        for index, params in enumerate(jobs):
+        for index, params in enumerate(runs):
             folder = Path(storage) / run_name(int(params["seed"]), params.get("method"))
             if self.workers <= 1 or (folder / STUDY_RESULT_FILE).is_file():
                 try:
@@ -225,9 +221,9 @@ class LocalExecutor:
             try:
                 results[index] = job.result()
             except Exception as exc:  # noqa: BLE001
-                results[index] = _failure(jobs[index], exc)
+                results[index] = _failure(runs[index], exc)
         self.seconds[stage] = time.time() - started
-        return [results[index] for index in range(len(jobs))]
+        return [results[index] for index in range(len(runs))]
 
     def _pool_executor(self) -> futures.ProcessPoolExecutor:
         if self._pool is None:  # processes start as runs need them, up to ``workers``

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,26 +20,31 @@ from .spec import StudyError, StudySpec, load_study
 
 log = logging.getLogger(__name__)
 
+RUN_KEY = "run"  # a trial's config: {"run": {"seed": 0, "method": "split"}}
 
-def backbone_trial(params: dict[str, Any], spec: StudySpec, storage: str) -> None:
-    """Tune trial: seed ``params['seed']``'s warm-up backbone (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
+
+def backbone_trial(config: dict[str, Any], spec: StudySpec, storage: str) -> None:
+    """Tune trial: the warm-up backbone of seed ``config['run']['seed']``
+    (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
     from ray import tune
 
-    tune.report({"done": 1, "result": json.dumps(study_run(spec, storage, params, RayTrainer()), default=float)})
+    result = study_run(spec, storage, config[RUN_KEY], RayTrainer())
+    tune.report({"done": 1, "result": json.dumps(result, default=float)})
 
 
-def method_trial(params: dict[str, Any], spec: StudySpec, storage: str, backbones: dict[int, str]) -> None:
-    """Tune trial: one method from its seed's backbone, evaluated at every matched token
-    ratio (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
+def method_trial(config: dict[str, Any], spec: StudySpec, storage: str, backbones: dict[int, str]) -> None:
+    """Tune trial: one method (``config['run']``: its ``seed`` and ``method``) from its
+    seed's backbone, evaluated at every matched token ratio
+    (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
     from ray import tune
 
-    result = study_run(spec, storage, params, RayTrainer(), backbones)
+    result = study_run(spec, storage, config[RUN_KEY], RayTrainer(), backbones)
     tune.report({"done": 1, "result": json.dumps(result, default=float)})
 
 
 def _run_label(config: dict[str, Any]) -> str:
-    """A grid run by its parameters: ``seed=1 method=split``."""
-    return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
+    """A trial's run by its parameters: ``method=split seed=1``."""
+    return " ".join(f"{k}={v}" for k, v in sorted(config[RUN_KEY].items()))
 
 
 def _run_outcome(result: dict[str, Any], metric: str) -> str:
@@ -99,16 +103,17 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
     return GridProgress()
 
 
-def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
-    """Run one Tune grid; returns each trial's stored result (``{"config", "error"}`` for a failed one)."""
+def _tune_grid(trainable, runs: list[dict[str, Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
+    """Run one Tune grid, a trial for each of ``runs`` (in its config under ``"run"``);
+    returns each trial's stored result in order (``{"config", "error"}`` for a failed one)."""
     from ray import tune
 
     trainable = tune.with_resources(trainable, dict(spec.trial_resources))
-    total = math.prod(len(v) for v in grid.values())
+    total = len(runs)
     stage = name.split("-")[0]  # "backbones" or "methods"
     tuner = tune.Tuner(
         trainable,
-        param_space={k: tune.grid_search(v) for k, v in grid.items()},
+        param_space={RUN_KEY: tune.grid_search(runs)},
         tune_config=tune.TuneConfig(max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
         run_config=tune.RunConfig(
             name=name,
@@ -120,7 +125,6 @@ def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: 
             verbose=tune_verbosity(),
         ),
     )
-    results = []
     with ray_console():
         fitted = tuner.fit()
     unfinished = [r for r in fitted if r.error is None and "result" not in (r.metrics or {})]
@@ -133,13 +137,15 @@ def _tune_grid(trainable, grid: dict[str, list[Any]], spec: StudySpec, storage: 
             f"{len(unfinished)} of {total} {stage} runs unfinished; the finished ones are kept "
             "and the same study command continues the study",
         )
+    by_run = {}
     for result in fitted:
+        run = result.config[RUN_KEY]
         if result.error is not None:
-            log.error("trial %s failed: %s", result.config, result.error)
-            results.append({"config": result.config, "error": str(result.error)})
+            log.error("trial %s failed: %s", run, result.error)
+            by_run[_run_label(result.config)] = {"config": run, "error": str(result.error)}
         else:
-            results.append(json.loads(result.metrics["result"]))
-    return results
+            by_run[_run_label(result.config)] = json.loads(result.metrics["result"])
+    return [by_run[_run_label({RUN_KEY: run})] for run in runs]  # in the order of ``runs``
 
 
 @dataclass
@@ -166,18 +172,18 @@ class TuneExecutor:
         self,
         spec: StudySpec,
         storage: str,
-        grid: dict[str, list[Any]],
+        runs: list[dict[str, Any]],
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """One Tune grid of :func:`backbone_trial` or (with ``backbones``) :func:`method_trial`."""
+        """One Tune grid of :func:`backbone_trial` or (with ``backbones``) :func:`method_trial`, a trial per run."""
         from ray import tune
 
         if backbones is None:
             trainable = tune.with_parameters(backbone_trial, spec=spec, storage=storage)
         else:
             trainable = tune.with_parameters(method_trial, spec=spec, storage=storage, backbones=backbones)
-        return _tune_grid(trainable, grid, spec, self.study_dir, f"{stage}-{self.stamp}")
+        return _tune_grid(trainable, runs, spec, self.study_dir, f"{stage}-{self.stamp}")
 
 
 def check_study(

@@ -149,13 +149,14 @@ def study_run(
     """
     from ..tune.trial import TrialFailed
 
+    finished = finished_run(spec, storage, params)
+    if finished is not None:
+        return finished
     seed = int(params["seed"])
     method = None if params.get("method") is None else str(params["method"])
     name = run_name(seed, method)
     run_uri = join_uri(storage, name)
     stored = stored_result(run_uri)
-    if stored is not None and (method is None or _same_evaluation(spec, stored)):
-        return {**stored, "reused": True, "reevaluated": False}
     # validated (the backbone checkpoint included) only for a run that trains or evaluates
     config = spec.run_config(seed, method, name, storage, init_from=None if method is None else backbones[seed])
     if stored is not None:
@@ -207,6 +208,18 @@ def study_run(
         }
     write_bytes(join_uri(run_uri, STUDY_RESULT_FILE), json.dumps(stored, default=float).encode())
     return {**stored, "reused": False, "reevaluated": False}
+
+
+def finished_run(spec: StudySpec, storage: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    """What :func:`study_run` returns for a run (``params``: its ``seed``, and
+    ``method`` unless a backbone) that an earlier invocation finished, with this
+    study's evaluation settings for a method run: its stored result, ``reused``.
+    ``None`` when the run has training or evaluation to do."""
+    method = None if params.get("method") is None else str(params["method"])
+    stored = stored_result(join_uri(storage, run_name(int(params["seed"]), method)))
+    if stored is not None and (method is None or _same_evaluation(spec, stored)):
+        return {**stored, "reused": True, "reevaluated": False}
+    return None
 
 
 def _same_evaluation(spec: StudySpec, stored: dict[str, Any]) -> bool:
