@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # local Ray, keep both cores busy (a test file stays on one process, its fixtures shared)
 TEST_WORKERS ?= 2
 
-.PHONY: setup data demo test lint format bench tables clean stack-up stack-down
+.PHONY: setup data bytecode demo test lint format bench tables clean stack-up stack-down
 
 setup: $(STAMP) data
 
@@ -32,10 +32,17 @@ data:
 		echo "note: could not install dataset-fashion-mnist; Fashion-MNIST datasets will need root=DIR or SPLITVIT_DATA_DIR"; \
 	fi
 
-demo: setup
+# The project's own sources, compiled for every process that imports them: with
+# PYTHONDONTWRITEBYTECODE set (as on the project machines) each Ray worker, trial and
+# subprocess would compile them again (0.2 CPU-s each; a test run starts some 250). Only
+# changed files are compiled again; __pycache__ is git-ignored.
+bytecode: setup
+	$(BIN)/python -m compileall -qq -j 0 platform tests
+
+demo: setup bytecode
 	$(BIN)/splitvit sweep search_spaces/smoke.yaml --json runs/sweep.json
 
-test: setup
+test: setup bytecode
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # ruff and import-linter, configured in pyproject.toml: `make lint` checks (CI runs it),
