@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..config import redact_uri
 from ..storage import join_uri
 from .goals import (
     GoalVerdicts,
@@ -268,7 +269,8 @@ def _run_stage(
     results = {i: r for i, params in enumerate(runs) if (r := finished_run(spec, storage, params)) is not None}
     todo = [i for i in range(len(runs)) if i not in results]
     if results:
-        log.info("%s: %d of %d runs finished earlier, read from %s", stage, len(results), len(runs), storage)
+        where = redact_uri(storage)
+        log.info("%s: %d of %d runs finished earlier, read from %s", stage, len(results), len(runs), where)
     if todo:
         results.update(zip(todo, executor.run(spec, storage, [runs[i] for i in todo], stage, backbones)))
     return [results[i] for i in range(len(runs))]
