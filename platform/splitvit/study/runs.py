@@ -149,14 +149,12 @@ def study_run(
     """
     from ..tune.trial import TrialFailed
 
-    finished = finished_run(spec, storage, params)
-    if finished is not None:
-        return finished
-    seed = int(params["seed"])
-    method = None if params.get("method") is None else str(params["method"])
+    seed, method = _run_of(params)
     name = run_name(seed, method)
     run_uri = join_uri(storage, name)
     stored = stored_result(run_uri)
+    if _reusable(spec, method, stored):
+        return {**stored, "reused": True, "reevaluated": False}
     # validated (the backbone checkpoint included) only for a run that trains or evaluates
     config = spec.run_config(seed, method, name, storage, init_from=None if method is None else backbones[seed])
     if stored is not None:
@@ -215,11 +213,20 @@ def finished_run(spec: StudySpec, storage: str, params: dict[str, Any]) -> dict[
     ``method`` unless a backbone) that an earlier invocation finished, with this
     study's evaluation settings for a method run: its stored result, ``reused``.
     ``None`` when the run has training or evaluation to do."""
-    method = None if params.get("method") is None else str(params["method"])
-    stored = stored_result(join_uri(storage, run_name(int(params["seed"]), method)))
-    if stored is not None and (method is None or _same_evaluation(spec, stored)):
-        return {**stored, "reused": True, "reevaluated": False}
-    return None
+    seed, method = _run_of(params)
+    stored = stored_result(join_uri(storage, run_name(seed, method)))
+    return {**stored, "reused": True, "reevaluated": False} if _reusable(spec, method, stored) else None
+
+
+def _run_of(params: dict[str, Any]) -> tuple[int, str | None]:
+    """A run's seed and method (``None``: the seed's backbone) from its parameters."""
+    return int(params["seed"]), None if params.get("method") is None else str(params["method"])
+
+
+def _reusable(spec: StudySpec, method: str | None, stored: dict[str, Any] | None) -> bool:
+    """Whether a run's stored result stands as it is: finished, and for a method run
+    evaluated with ``spec``'s evaluation settings."""
+    return stored is not None and (method is None or _same_evaluation(spec, stored))
 
 
 def _same_evaluation(spec: StudySpec, stored: dict[str, Any]) -> bool:
