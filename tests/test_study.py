@@ -590,7 +590,8 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
     # ... read by the driver: no Ray Tune grid (no trial processes) for either stage
     assert "backbones: 1 of 1 runs finished earlier" in caplog.text
     assert "methods: 3 of 3 runs finished earlier" in caplog.text
-    assert sorted(p.name.split("-")[0] for p in Path(data["study_dir"]).glob("*s-2*")) == ["backbones", "methods"]
+    study_dir = Path(data["study_dir"])
+    assert [len(list(study_dir.glob(f"{stage}-*"))) for stage in ("backbones", "methods")] == [1, 1]
     # ... and its time is not the study's: no verdict, and the line says why
     assert "met" not in json.loads(again.read_text())["goals"]["study_time"]
     assert "not timed (4 of its 4 runs begun by an earlier invocation)" in printed
@@ -633,7 +634,8 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
         assert stored["config"]["train.epochs"] == 2 and len(run["history"]) == 2
     assert not (tmp_path / "runs" / "e2e-longer" / "train" / "backbone-s0").exists()
     # the borrowed backbone is read, not run as a trial: e2e-longer has a methods grid alone
-    assert [p.name.split("-")[0] for p in (tmp_path / "runs" / "e2e-longer").glob("*s-2*")] == ["methods"]
+    longer_dir = tmp_path / "runs" / "e2e-longer"
+    assert [len(list(longer_dir.glob(f"{stage}-*"))) for stage in ("backbones", "methods")] == [0, 1]
     assert sorted(p.name for p in train.rglob("checkpoint_epoch*")) == checkpoints  # e2e's runs untouched
     assert json.loads(again.read_text())["goals"]["reference_converged"] == data["goals"]["reference_converged"]
     longer_parent = client.get_run(longer_data["mlflow_run_id"])
@@ -841,6 +843,28 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
     assert info.value.exit_code == 130
     # Ray Tune's "Resume experiment with: Tuner.restore(...)" is not what a CLI user runs
     assert not [m for m in records.messages if "Tuner.restore(" in m]
+
+
+def test_a_grid_returns_each_runs_result_in_order_and_a_failed_run_as_its_causes_line(ray_session, tmp_path):
+    """``_tune_grid`` hands each run's result back in the order of the runs it was given,
+    and a run that raised as the message of its cause, not Ray's wrapped traceback."""
+    from ray import tune
+
+    from splitvit.study.ray_executor import RUN_KEY, _tune_grid
+    from splitvit.tune.trial import TrialFailed
+
+    spec = load_study(write_study(tmp_path))
+
+    def trainable(config):
+        run = config[RUN_KEY]
+        if run["method"] == "boom":
+            raise TrialFailed("boom-s0 diverged: non-finite loss nan at epoch 0")
+        tune.report({"done": 1, "result": json.dumps({"method": run["method"], "seed": run["seed"]})})
+
+    runs = [{"seed": 1, "method": "split"}, {"seed": 0, "method": "boom"}, {"seed": 0, "method": "full"}]
+    results = _tune_grid(trainable, runs, spec, str(tmp_path / "tune"), "methods-now")
+    assert results[0] == {"method": "split", "seed": 1} and results[2] == {"method": "full", "seed": 0}
+    assert results[1] == {"config": runs[1], "error": "boom-s0 diverged: non-finite loss nan at epoch 0"}
 
 
 def test_committed_study_json_reads_back_to_the_same_json():

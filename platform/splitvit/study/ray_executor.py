@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import error_line
 from ..storage import join_uri
 from ..tune.console import Progress, ray_console, tune_verbosity
 from .execute import StudyResult, execute_study, study_name
@@ -137,15 +138,18 @@ def _tune_grid(trainable, runs: list[dict[str, Any]], spec: StudySpec, storage: 
             f"{len(unfinished)} of {total} {stage} runs unfinished; the finished ones are kept "
             "and the same study command continues the study",
         )
-    by_run = {}
+    by_run = {}  # Tune's result order is its own: each result back to its run
     for result in fitted:
         run = result.config[RUN_KEY]
         if result.error is not None:
-            log.error("trial %s failed: %s", run, result.error)
-            by_run[_run_label(result.config)] = {"config": run, "error": str(result.error)}
+            # the cause's message, not Ray's wrapped traceback (that one with -v)
+            message = error_line(result.error)
+            log.error("trial %s failed: %s", run, message)
+            log.debug("trial %s: %s", run, result.error)
+            by_run[_run_label(result.config)] = {"config": run, "error": message}
         else:
             by_run[_run_label(result.config)] = json.loads(result.metrics["result"])
-    return [by_run[_run_label({RUN_KEY: run})] for run in runs]  # in the order of ``runs``
+    return [by_run[_run_label({RUN_KEY: run})] for run in runs]
 
 
 @dataclass
