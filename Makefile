@@ -34,7 +34,7 @@ data:
 
 # The project's own sources, compiled for every process that imports them: with
 # PYTHONDONTWRITEBYTECODE set (as on the project machines) each Ray worker, trial and
-# subprocess would compile them again (0.2 CPU-s each; a test run starts some 250). Only
+# subprocess would compile them again (0.2 CPU-s each; a test run starts over 200). Only
 # changed files are compiled again; __pycache__ is git-ignored.
 bytecode: setup
 	$(BIN)/python -m compileall -qq -j 0 platform tests
