@@ -287,6 +287,28 @@ def test_dense_head_gives_per_pixel_logits_and_padding_invariance():
         assert (alone.logits[0] - batch.logits[0]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("policy", ["entropy", "full", "coarse"])
+@pytest.mark.parametrize("attention", ["packed", "padded"])
+def test_fine_map_gather_equals_masked_fill_of_every_level(policy, attention):
+    """The dense head's input, one row gather per finest cell, holds exactly what masking
+    every level's grid and adding them up gives (the computation it replaced): mixed
+    lengths with all three levels' leaves, and one-level layouts (full, coarse)."""
+    model = tiny_model(policy, task="dense", num_classes=3, attention=attention).eval()
+    images = _mixed_images(6)
+    with torch.no_grad():
+        thresholds = [float(s.median()) for s in model.split_scores(images)]  # about half the nodes split
+        encoded = model._encode_leaves(images, thresholds, None, False, None, None)
+        fine = model._scatter_to_fine(encoded.features, encoded.layout, encoded.leaves, encoded.geometry)
+        tokens = encoded.features[:, model.vit.num_prefix_tokens :]
+        grids = model._to_layout(tokens, encoded.layout, encoded.leaves, encoded.geometry)
+        masked_sum = model._fill_fine(grids, encoded.leaves, encoded.geometry).permute(0, 3, 1, 2)
+    if policy == "entropy":
+        assert encoded.layout[0] == "gather" and all(bool(m.any()) for m in encoded.leaves)
+        assert len(set(encoded.counts.tolist())) > 1
+    assert fine.shape == (6, 32, 8, 8)
+    assert torch.equal(fine, masked_sum)
+
+
 # 7. bad input: one clear error each ---------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs,message",

@@ -1099,9 +1099,37 @@ class SplitViT(nn.Module):
         return fine
 
     def _scatter_to_fine(self, features, layout, leaves, geometry) -> torch.Tensor:
-        tokens = features[:, self.vit.num_prefix_tokens :]
-        grids = self._to_layout(tokens, layout, leaves, geometry)
-        return self._fill_fine(grids, leaves, geometry).permute(0, 3, 1, 2)  # (B, D, Hf, Wf)
+        """Each leaf's feature on the finest cells it covers: ``(B, D, Hf, Wf)``.
+
+        One row gather from ``features``: every finest cell reads its leaf's slot. The
+        same values as :meth:`_fill_fine` on :meth:`_to_layout`'s grids (a leaf's value
+        plus zeros), without scattering every slot's ``D`` values onto the all-levels
+        layout and masking each level's grid.
+        """
+        batch, slots, dim = features.shape
+        finest = geometry.levels - 1
+        hf, wf = geometry.grid(finest)
+        num_prefix = self.vit.num_prefix_tokens
+        if layout[0] == "level":  # every leaf at one level: its grid, repeated onto the finest cells
+            level = layout[1]
+            grid = features[:, num_prefix:].reshape(batch, *geometry.grid(level), dim)
+            fine = grid if level == finest else repeat_cells(grid, 2 ** (finest - level), dim=1)
+            return fine.permute(0, 3, 1, 2)
+        _, order, used, offsets, total, _ = layout
+        device = order.device
+        # each layout node's slot in its image's sequence (order lists the slots' nodes)
+        slot_of_node = torch.zeros(batch, total, dtype=torch.long, device=device)
+        slot_of_node.scatter_(1, order, torch.arange(order.shape[1], device=device).expand(batch, -1))
+        # each finest cell's leaf node in the layout: exactly one level's mask covers it
+        cell_node = 0
+        for level in used:
+            gh, gw = geometry.grid(level)
+            nodes = torch.arange(offsets[level], offsets[level] + gh * gw, device=device).view(1, gh, gw)
+            cell_node = cell_node + repeat_cells(leaves[level] * nodes, 2 ** (finest - level), dim=1)
+        rows = slot_of_node.gather(1, cell_node.flatten(1)) + num_prefix
+        rows = rows + torch.arange(batch, device=device).unsqueeze(1) * slots
+        fine = features.reshape(batch * slots, dim).index_select(0, rows.flatten())
+        return fine.view(batch, hf, wf, dim).permute(0, 3, 1, 2)
 
     def _attention_to_fine(self, attention, layout, leaves, geometry) -> torch.Tensor:
         """Attention mass per finest cell: a leaf's mass spreads evenly over its cells."""
