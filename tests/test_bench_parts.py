@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from splitvit.model.quadtree import repeat_cells, upsample_to_children
+from splitvit.model.splitvit import _area_downsample
 from splitvit.model.stages import STAGES, StageClock
 
 from .helpers import tiny_model
@@ -75,6 +76,21 @@ def test_patch_tokens_are_the_patch_embeddings_convolution(factor):
         x = model.normalize(images if factor == 1 else F.avg_pool2d(images, factor))
         conv = model.vit.patch_embed.proj(x).permute(0, 2, 3, 1)
         assert torch.allclose(model.patch_tokens(images, factor), conv, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 32, 32), (5, 1, 64, 96), (2, 3, 8, 8)])
+@pytest.mark.parametrize("factor", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_coarse_levels_pool_the_images_as_avg_pool_does_bit_for_bit(shape, factor, dtype):
+    """The coarse levels' area downsampling is ``F.avg_pool2d``'s, to the last bit (so a
+    study re-run decides every node as before), also on a strided batch."""
+    if shape[-1] % factor or shape[-2] % factor:
+        pytest.skip("the grid is not a multiple of the factor")
+    torch.manual_seed(factor)
+    images = torch.rand(shape, dtype=dtype) * 4 - 2
+    assert torch.equal(_area_downsample(images, factor), F.avg_pool2d(images, factor))
+    every_other = torch.rand(shape[0] * 2, *shape[1:], dtype=dtype)[::2]
+    assert torch.equal(_area_downsample(every_other, factor), F.avg_pool2d(every_other, factor))
 
 
 @pytest.mark.parametrize("training", [False, True])
