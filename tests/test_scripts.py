@@ -184,6 +184,23 @@ def test_headroom_auc_is_the_chance_that_a_positive_outscores_a_negative():
     assert math.isnan(headroom.roc_auc(torch.tensor([0.3, 0.7]), torch.tensor([True, True])))
 
 
+def test_dilated_scores_spread_each_finest_node_over_its_neighbours():
+    import torch
+
+    dilation = load_script("score_dilation.py")
+    coarse, finest = torch.tensor([[[0.4]]]), torch.zeros(1, 3, 3)
+    finest[0, 0, 0] = 0.8
+    assert dilation.dilate_scores([coarse, finest], "none")[1] is finest
+    spread = dilation.dilate_scores([coarse, finest], "max:0.5")
+    assert spread[0] is coarse
+    assert torch.equal(spread[1], torch.tensor([[[0.8, 0.4, 0.0], [0.4, 0.4, 0.0], [0.0, 0.0, 0.0]]]))
+    blended = dilation.dilate_scores([coarse, finest], "mean:0.5")[1]
+    assert blended[0, 0, 0].item() == pytest.approx(0.5 * 0.8 + 0.5 * 0.8 / 4)  # the corner's 4 neighbours
+    assert blended[0, 2, 2].item() == 0.0
+    with pytest.raises(ValueError, match="unknown variant 'ring:1'"):
+        dilation.dilate_scores([coarse, finest], "ring:1")
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in SCRIPTS.glob("*.py")))
 def test_every_script_imports(name):
     """The measurement scripts need checkpoints or data to run; importing them at least
