@@ -63,14 +63,19 @@ def main() -> None:
     # the selection canvases follow the calibration ones: none is used twice
     val = CheckpointEvaluator(args.checkpoint, split="val", samples=args.calibration_samples + args.val_samples)
     calibration = val.first_images(args.calibration_samples)
-    val.dataset = torch.utils.data.Subset(
+    selection = torch.utils.data.Subset(
         val.dataset, range(args.calibration_samples, args.calibration_samples + args.val_samples)
     )
+    # a detector's evaluation names the categories (its ground truth comes from the subset's own items)
+    for name in ("category_ids", "categories"):
+        if hasattr(val.dataset, name):
+            setattr(selection, name, getattr(val.dataset, name))
+    val.dataset = selection
     offsets = [float(o) for o in args.offsets.split(",")]
     for ratio in (float(r) for r in args.ratios.split(",")):
         scored = []
         for offset in offsets:
-            thresholds = calibrate(val.model, calibration, ratio, offset)
+            thresholds = calibrate(val.backbone, calibration, ratio, offset)
             result = val.evaluate(thresholds)
             scored.append((result["quality"], offset, thresholds))
             print(
