@@ -43,9 +43,9 @@ def method_trial(config: dict[str, Any], spec: StudySpec, storage: str, backbone
     tune.report({"done": 1, "result": json.dumps(result, default=float)})
 
 
-def _run_label(config: dict[str, Any]) -> str:
-    """A trial's run by its parameters: ``method=split seed=1``."""
-    return " ".join(f"{k}={v}" for k, v in sorted(config[RUN_KEY].items()))
+def _run_label(run: dict[str, Any]) -> str:
+    """A run by its parameters: ``method=split seed=1``."""
+    return " ".join(f"{k}={v}" for k, v in sorted(run.items()))
 
 
 def _run_outcome(result: dict[str, Any], metric: str) -> str:
@@ -73,7 +73,7 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
             self.ended = 0
 
         def on_trial_start(self, iteration, trials, trial, **info):
-            self.progress.log(log, logging.INFO, "%s run %s started", stage, _run_label(trial.config))
+            self.progress.log(log, logging.INFO, "%s run %s started", stage, _run_label(trial.config[RUN_KEY]))
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             self.ended += 1
@@ -87,7 +87,7 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
                 logging.INFO,
                 "%s run %s finished (%d/%d): %s",
                 stage,
-                _run_label(trial.config),
+                _run_label(trial.config[RUN_KEY]),
                 self.ended,
                 total,
                 outcome,
@@ -97,7 +97,13 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
         def on_trial_error(self, iteration, trials, trial, **info):
             self.ended += 1
             self.progress.log(
-                log, logging.WARNING, "%s run %s failed (%d/%d)", stage, _run_label(trial.config), self.ended, total
+                log,
+                logging.WARNING,
+                "%s run %s failed (%d/%d)",
+                stage,
+                _run_label(trial.config[RUN_KEY]),
+                self.ended,
+                total,
             )
             self.progress.update(self.ended)
 
@@ -146,10 +152,10 @@ def _tune_grid(trainable, runs: list[dict[str, Any]], spec: StudySpec, storage: 
             message = error_line(result.error)
             log.error("trial %s failed: %s", run, message)
             log.debug("trial %s: %s", run, result.error)
-            by_run[_run_label(result.config)] = {"config": run, "error": message}
+            by_run[_run_label(run)] = {"config": run, "error": message}
         else:
-            by_run[_run_label(result.config)] = json.loads(result.metrics["result"])
-    return [by_run[_run_label({RUN_KEY: run})] for run in runs]
+            by_run[_run_label(run)] = json.loads(result.metrics["result"])
+    return [by_run[_run_label(run)] for run in runs]
 
 
 @dataclass
