@@ -112,10 +112,35 @@ def test_the_teacher_relevance_is_the_detection_losss_gradient_on_each_node(coco
     assert all(float(b.sum()) < float(r.sum()) for b, r in zip(background, relevance))
 
 
-def test_self_distillation_and_labels_the_detector_cannot_predict_are_refused(coco_set):
+def test_self_distillation_teaches_the_split_fine_map_the_full_resolution_one(coco_set):
+    """``distill_weight`` on a detector: the split path's fine map learns the same
+    backbone's full-resolution fine map (relative squared error, the teacher detached);
+    not in warm-up, not under the full policy."""
+    images, targets = collate([coco_set[i] for i in range(2)])
+    cfg = SplitLossConfig(warmup_epochs=1, distill_weight=2.0)
+    model = detector("coarse").train()
+    loss, stats = detection_training_step(model, images, targets, cfg, epoch=1)
+    backbone = model.backbone
+    with torch.no_grad():
+        coarse, _ = backbone.fine_features(images, decisions=[~d for d in backbone.full_decisions(images)])
+        full, _ = backbone.fine_features(images, decisions=backbone.full_decisions(images))
+    expected = float(((coarse - full) ** 2).mean() / full.var())
+    assert stats["distill_loss"] == pytest.approx(expected, rel=1e-5) and expected > 0.05
+    assert stats["loss"] == pytest.approx(stats["task_loss"] + 2.0 * expected, rel=1e-5)
+    model.zero_grad()
+    loss.backward()
+    assert float(backbone.vit.blocks[-1].mlp.fc2.weight.grad.abs().sum()) > 0
+    learned = detector("learned").train()
+    _, stats = detection_training_step(learned, images, targets, cfg, epoch=1)
+    assert stats["distill_loss"] > 0 and stats["loss"] == pytest.approx(
+        stats["task_loss"] + stats["teacher_loss"] + stats["budget_penalty"] + 2.0 * stats["distill_loss"], rel=1e-5
+    )
+    assert "distill_loss" not in detection_training_step(learned, images, targets, cfg, epoch=0)[1]  # warm-up
+    assert "distill_loss" not in detection_training_step(detector("full").train(), images, targets, cfg, epoch=1)[1]
+
+
+def test_labels_the_detector_cannot_predict_are_refused(coco_set):
     images, targets = collate([coco_set[0]])
-    with pytest.raises(ValueError, match="train.distill_weight"):
-        detection_training_step(detector(), images, targets, SplitLossConfig(distill_weight=1.0), epoch=3)
     targets[0]["labels"] = targets[0]["labels"].clone()
     targets[0]["labels"][0] = 11  # 10 object classes: labels 1..10
     with pytest.raises(ConfigError, match=r"object label 11, outside 1..10 for model.num_classes = 10") as info:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from splitvit.model import GeometryError, QuadtreeGeometry, SplitViT, expected_tokens, token_counts, top_down_decisions
 from splitvit.model.policies import EntropyPolicy, PolicyContext
-from splitvit.train.losses import budget_penalty, distillation_loss
+from splitvit.train.losses import budget_penalty, distillation_loss, feature_distillation_loss
 from splitvit.train.steps import SplitLossConfig, calibrate_thresholds
 
 POLICIES = ["learned", "entropy", "random", "full", "coarse"]
@@ -958,6 +958,22 @@ def test_distillation_loss_is_the_kl_divergence_from_the_teacher():
     assert distillation_loss(dense_s, dense_t, target=torch.full_like(mask, 255)).item() == 0.0
     labels = torch.tensor([0, 1, 2, 3])  # a classification target changes nothing
     assert distillation_loss(student, teacher, 2.0, labels).item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_feature_distillation_loss_is_the_squared_error_relative_to_the_teachers_variance():
+    torch.manual_seed(0)
+    teacher = 3.0 + 5.0 * torch.randn(2, 8, 4, 4)
+    student = torch.randn(2, 8, 4, 4, requires_grad=True)
+    held = teacher.clone().requires_grad_(True)
+    loss = feature_distillation_loss(student, held)
+    assert loss.item() == pytest.approx(float(((student - teacher) ** 2).mean() / teacher.var()), rel=1e-5)
+    loss.backward()
+    assert student.grad.abs().sum() > 0 and held.grad is None  # the teacher is detached
+    assert feature_distillation_loss(teacher, teacher).item() == 0.0
+    # the teacher's mean everywhere scores about 1, at any scale of the features
+    mean = torch.full_like(teacher, float(teacher.mean()))
+    assert feature_distillation_loss(mean, teacher).item() == pytest.approx(1.0, abs=0.01)
+    assert feature_distillation_loss(100 * student, 100 * teacher).item() == pytest.approx(loss.item(), rel=1e-5)
 
 
 def test_self_distillation_teaches_the_split_path_the_full_resolution_logits(monkeypatch):

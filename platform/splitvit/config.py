@@ -236,7 +236,11 @@ class SplitLossConfig:
             teacher detached). The gradient teacher's full-resolution pass gives them
             where it runs; other steps make a gradient-free full-resolution pass.
             Applies wherever the model does not run at full resolution (the learned
-            policy after warm-up, and the fixed policies other than ``full``).
+            policy after warm-up, and the fixed policies other than ``full``). A
+            detector distils features instead: the split path's fine map learns the
+            full-resolution one (relative squared error, a gradient-free pass of the
+            backbone alone; ``distill_temperature`` unused), so that its heads see
+            features like those they were trained on.
         distill_temperature: softmax temperature of the self-distillation (> 0); the
             loss is scaled by its square, as in Hinton et al.
         target_ratio_range: budget-conditioned training: ``[low, high]`` in (0, 1]; each

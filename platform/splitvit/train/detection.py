@@ -26,7 +26,7 @@ from ..config import ConfigError, SplitLossConfig
 from ..model.detection import SplitDetector
 from ..model.quadtree import QuadtreeGeometry, nodes_mass
 from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
-from .losses import budget_penalty, teacher_loss_at_ratio
+from .losses import budget_penalty, feature_distillation_loss, teacher_loss_at_ratio
 from .steps import batch_target_ratio, object_counts, object_figures, policy_teacher_loss, warmup_decisions
 
 Targets = list[dict[str, torch.Tensor]]
@@ -142,15 +142,17 @@ def detection_training_step(
     the relevance teacher: ``cfg.teacher`` ``gradient``, the detection loss's gradient
     (:func:`detection_relevance`, a full-resolution pass), or ``objects``, the
     annotations (:func:`object_relevance`, no pass); a detector has no class token to
-    attend from. Self-distillation (``cfg.distill_weight``) is a classifier's and is
-    refused here.
+    attend from. Self-distillation (``cfg.distill_weight``) is on the features here: the
+    split path's fine map (what the pyramid and the heads read) learns the same
+    backbone's full-resolution fine map (:func:`~.losses.feature_distillation_loss`, a
+    gradient-free full-resolution pass of the backbone alone), so that the heads, trained
+    on full-resolution features, see features like them on the mixed token grid;
+    ``cfg.distill_temperature`` has no part in it.
 
-    Raises ``ValueError`` for a distillation weight, ``ConfigError`` (key
-    ``model.num_classes``) for a label the detector cannot predict, ``FloatingPointError`` for a
-    non-finite loss (a divergence, as in :func:`~splitvit.train.steps.training_step`).
+    Raises ``ConfigError`` (key ``model.num_classes``) for a label the detector cannot
+    predict, ``ValueError`` for a teacher a detector has not, ``FloatingPointError`` for
+    a non-finite loss (a divergence, as in :func:`~splitvit.train.steps.training_step`).
     """
-    if cfg.distill_weight > 0:
-        raise ValueError("train.distill_weight: self-distillation is for classification and dense models")
     if cfg.teacher not in ("gradient", "objects"):
         raise ValueError(f"train.teacher: a detector's teachers are gradient and objects, got {cfg.teacher!r}")
     check_detection_labels(targets, detector.num_classes)
@@ -173,6 +175,12 @@ def detection_training_step(
         taught = teacher_loss_at_ratio(out.split.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets)
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
+    if cfg.distill_weight > 0 and not warmup and backbone.policy.name != "full":
+        with torch.no_grad():
+            full_fine, _ = backbone.fine_features(images, decisions=backbone.full_decisions(images))
+        distill = feature_distillation_loss(out.split.logits, full_fine)
+        loss = loss + cfg.distill_weight * distill
+        stats["distill_loss"] = float(distill.detach())
     if learned and not warmup:
         penalty = budget_penalty(out.split.expected_tokens / out.split.full_tokens, target_ratio, cfg.penalty)
         loss = loss + cfg.lambda_budget * penalty

@@ -37,6 +37,16 @@ def distillation_loss(
     return per_item.mean() * temperature**2
 
 
+def feature_distillation_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Squared error of the student's feature map from the teacher's (``(B, D, H, W)``
+    or any shape alike), relative to the teacher's variance: 0 when they agree, 1 for a
+    student that outputs the teacher's mean everywhere, whatever the features' scale.
+    The teacher is detached."""
+    with torch.autocast(device_type=student.device.type, enabled=False):
+        target = teacher.detach().float()
+        return F.mse_loss(student.float(), target) / target.var().clamp_min(1e-12)
+
+
 def budget_penalty(expected_ratio: torch.Tensor, target_ratio: float, kind: str = "squared") -> torch.Tensor:
     """Penalty on the batch's mean expected token ratio (``E[n] / N_full``).
 
