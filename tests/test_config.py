@@ -90,6 +90,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
             "train.teacher_targets",
             "must be one of ('per_level', 'nested', 'mixed'), got 'joint'",
         ),
+        ("train.teacher_scope=canvas", "train.teacher_scope", "must be one of ('image', 'batch'), got 'canvas'"),
         ("train.warmup_min_split=2", "train.warmup_min_split", "must be in [0, 1]"),
         ("train.epoch=3", "train.epoch", "unknown key; did you mean train.epochs?"),
         ("trian.epochs=3", "trian", "unknown key; did you mean train?"),

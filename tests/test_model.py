@@ -923,16 +923,44 @@ def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
         relevance_targets(relevance, 0.5, "joint")
 
 
-@pytest.mark.parametrize("targets", ["per_level", "nested", "mixed"])
-def test_the_training_step_teaches_with_the_configured_targets(monkeypatch, targets):
+def test_batch_scoped_teacher_marks_rank_every_images_nodes_together():
+    """``teacher_scope: batch``: the batch meets the split fraction, not each image, so
+    an image whose nodes all matter more gets every mark and a blank one none; per
+    image, the nested marks are still a tree."""
+    from splitvit.train.losses import relevance_targets
+
+    torch.manual_seed(0)
+    cells = torch.rand(2, 8, 8) * torch.tensor([1.0, 1e-3]).view(2, 1, 1)  # image 0 busy, image 1 nearly blank
+    # each node's mass: its finest cells' sum (the 4x4 nodes, then the 2x2 coarsest)
+    relevance = [
+        F.avg_pool2d(cells.unsqueeze(1), 4).squeeze(1) * 16,
+        F.avg_pool2d(cells.unsqueeze(1), 2).squeeze(1) * 4,
+    ]
+    for kind in ("per_level", "nested", "mixed"):
+        image = relevance_targets(relevance, 0.5, kind)
+        batch = relevance_targets(relevance, 0.5, kind, "batch")
+        assert [sum(float(m[i].sum()) for m in image) for i in range(2)] == [10.0, 10.0]  # each its half ...
+        assert [sum(float(m[i].sum()) for m in batch) for i in range(2)] == [20.0, 0.0]  # ... or busy has all
+    nested = [m.bool() for m in relevance_targets(relevance, 0.5, "nested", "batch")]
+    assert all(torch.equal(a, b) for a, b in zip(top_down_decisions(nested), nested))  # a tree per image
+    with pytest.raises(ValueError, match=r"teacher_scope must be one of \('image', 'batch'\), got 'canvas'"):
+        relevance_targets(relevance, 0.5, "mixed", "canvas")
+
+
+@pytest.mark.parametrize(
+    "targets, scope", [("per_level", "image"), ("nested", "batch"), ("mixed", "image"), ("mixed", "batch")]
+)
+def test_the_training_step_teaches_with_the_configured_targets(monkeypatch, targets, scope):
     from splitvit.train import losses, steps
 
     marked = []
     original = losses.relevance_targets
-    monkeypatch.setattr(losses, "relevance_targets", lambda r, f, kind: marked.append(kind) or original(r, f, kind))
-    cfg = SplitLossConfig(warmup_epochs=0, teacher="attention", teacher_targets=targets)
+    monkeypatch.setattr(
+        losses, "relevance_targets", lambda r, f, kind, sc: marked.append((kind, sc)) or original(r, f, kind, sc)
+    )
+    cfg = SplitLossConfig(warmup_epochs=0, teacher="attention", teacher_targets=targets, teacher_scope=scope)
     _, stats = steps.training_step(tiny_model("learned").train(), torch.rand(4, 3, 32, 32), torch.arange(4), cfg, 0)
-    assert marked == [targets] and stats["teacher_loss"] > 0
+    assert marked == [(targets, scope)] and stats["teacher_loss"] > 0
 
 
 def test_distillation_loss_is_the_kl_divergence_from_the_teacher():

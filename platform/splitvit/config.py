@@ -70,6 +70,7 @@ PENALTIES = ("squared", "hinge")
 TEACHERS = ("gradient", "attention", "objects")
 #: Which nodes the relevance teacher marks (:func:`splitvit.train.losses.relevance_targets`).
 TEACHER_TARGETS = ("per_level", "nested", "mixed")
+TEACHER_SCOPES = ("image", "batch")
 
 
 #: What each task is judged by; a task not named here (``classification``) by ``accuracy``.
@@ -248,6 +249,14 @@ class SplitLossConfig:
             teacher's targets use it), and a budget-conditioned policy
             (``model.budget_conditioned``) is told it, so that one model serves every
             budget. ``null``: every batch trains at ``target_ratio``.
+        teacher_scope: what the teacher's marks meet the target ratio over. ``image``
+            (default): every image, each image's nodes ranked on their own, so an empty
+            canvas gets as many split marks as a crowded one. ``batch``: the batch as
+            a whole, its images' nodes ranked together, so a crowded image gets more
+            marks and an empty one fewer, as the thresholds that every image shares
+            give at evaluation. Meant for the ``objects`` teacher, whose relevance (the
+            share of a node under an instance) means the same in every image; the
+            gradient and attention teachers' scale varies from image to image.
         teacher_context: the ``objects`` teacher's context ring, in pixels (>= 0; 0:
             off): the cells within this distance of an instance mask rank next after
             the masks' own, nearer ones first, so that a budget above the items' share
@@ -269,6 +278,7 @@ class SplitLossConfig:
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
     target_ratio_range: list[float] | None = None
+    teacher_scope: str = "image"
     teacher_context: int = 0
 
     def __post_init__(self) -> None:
@@ -282,6 +292,8 @@ class SplitLossConfig:
             raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
         if self.teacher_targets not in TEACHER_TARGETS:
             raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {self.teacher_targets!r}")
+        if self.teacher_scope not in TEACHER_SCOPES:
+            raise ValueError(f"teacher_scope must be one of {TEACHER_SCOPES}, got {self.teacher_scope!r}")
         if self.teacher_weight < 0:
             raise ValueError(f"teacher_weight must be >= 0, got {self.teacher_weight}")
         if self.warmup_epochs < 0:

@@ -172,7 +172,9 @@ def detection_training_step(
     if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
         geometry = backbone.geometry_for(tuple(images.shape[-2:]))
         relevance = _teacher_relevance(detector, images, targets, geometry, cfg, generator)
-        taught = teacher_loss_at_ratio(out.split.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets)
+        taught = teacher_loss_at_ratio(
+            out.split.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets, cfg.teacher_scope
+        )
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
     if cfg.distill_weight > 0 and not warmup and backbone.policy.name != "full":

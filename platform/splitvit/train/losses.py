@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..config import PENALTIES, TEACHER_TARGETS
+from ..config import PENALTIES, TEACHER_SCOPES, TEACHER_TARGETS
 from ..model.quadtree import QuadtreeGeometry
 
 IGNORE_INDEX = 255
@@ -70,8 +70,11 @@ def split_fraction_for_ratio(target_ratio: float, geometry: QuadtreeGeometry) ->
     return min(max((target_ratio - r_min) / (1 - r_min), 0.0), 1.0)
 
 
-def _mark_top(flat: torch.Tensor, fraction: float) -> torch.Tensor:
-    """1.0 at the ``fraction`` of each row's entries with the largest values, else 0.0."""
+def _mark_top(flat: torch.Tensor, fraction: float, scope: str = "image") -> torch.Tensor:
+    """1.0 at the ``fraction`` of each row's entries with the largest values, else 0.0;
+    ``scope`` ``batch``: of all rows' entries together (the rows are the images)."""
+    if scope == "batch":
+        return _mark_top(flat.reshape(1, -1), fraction).view_as(flat)
     k = min(max(int(math.ceil(fraction * flat.shape[1])), 0), flat.shape[1])
     marks = torch.zeros_like(flat)
     if k > 0:
@@ -79,9 +82,13 @@ def _mark_top(flat: torch.Tensor, fraction: float) -> torch.Tensor:
     return marks
 
 
-def relevance_targets(relevance: list[torch.Tensor], fraction: float, kind: str = "per_level") -> list[torch.Tensor]:
+def relevance_targets(
+    relevance: list[torch.Tensor], fraction: float, kind: str = "per_level", scope: str = "image"
+) -> list[torch.Tensor]:
     """The teacher's split targets at a split ``fraction``, one tensor per level, shaped
-    like ``relevance``; ``kind`` is ``train.teacher_targets``:
+    like ``relevance``; ``scope`` is ``train.teacher_scope`` (``image``: the fraction of
+    each image's nodes; ``batch``: of the batch's, its images ranked together) and
+    ``kind`` is ``train.teacher_targets``:
 
     * ``per_level``: 1.0 at the ``fraction`` of each level's nodes with the most
       relevance, each level ranked on its own. Every level's scores learn a ranking, but
@@ -98,19 +105,21 @@ def relevance_targets(relevance: list[torch.Tensor], fraction: float, kind: str 
     """
     if kind not in TEACHER_TARGETS:
         raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {kind!r}")
+    if scope not in TEACHER_SCOPES:
+        raise ValueError(f"teacher_scope must be one of {TEACHER_SCOPES}, got {scope!r}")
     if kind == "per_level":
-        return _per_level_marks(relevance, fraction)
+        return _per_level_marks(relevance, fraction, scope)
     flats = [rel.flatten(1) for rel in relevance]
-    marks = _mark_top(torch.cat(flats, dim=1), fraction)
+    marks = _mark_top(torch.cat(flats, dim=1), fraction, scope)
     nested = [m.view_as(rel) for m, rel in zip(marks.split([f.shape[1] for f in flats], dim=1), relevance)]
     if kind == "nested":
         return nested
-    return [(a + b) / 2 for a, b in zip(nested, _per_level_marks(relevance, fraction))]
+    return [(a + b) / 2 for a, b in zip(nested, _per_level_marks(relevance, fraction, scope))]
 
 
-def _per_level_marks(relevance: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
+def _per_level_marks(relevance: list[torch.Tensor], fraction: float, scope: str) -> list[torch.Tensor]:
     """1.0 at the ``fraction`` of each level's nodes with the most relevance."""
-    return [_mark_top(rel.flatten(1), fraction).view_as(rel) for rel in relevance]
+    return [_mark_top(rel.flatten(1), fraction, scope).view_as(rel) for rel in relevance]
 
 
 def teacher_loss(split_probs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
@@ -132,8 +141,9 @@ def teacher_loss_at_ratio(
     target_ratio: float,
     geometry: QuadtreeGeometry,
     kind: str = "per_level",
+    scope: str = "image",
 ) -> torch.Tensor:
     """:func:`teacher_loss` against the teacher's marks (:func:`relevance_targets`, of
-    ``kind``) at the split fraction that meets ``target_ratio`` on ``geometry``."""
+    ``kind`` and ``scope``) at the split fraction that meets ``target_ratio`` on ``geometry``."""
     fraction = split_fraction_for_ratio(target_ratio, geometry)
-    return teacher_loss(split_probs, relevance_targets(relevance, fraction, kind))
+    return teacher_loss(split_probs, relevance_targets(relevance, fraction, kind, scope))

@@ -146,7 +146,9 @@ def training_step(
         relevance, full_logits = model.relevance_and_logits(images, cfg.teacher, target=label)
         geometry = model.geometry_for(tuple(images.shape[-2:]))
         # (decide() has checked the probabilities are finite: NaN is a divergence, not a BCE error)
-        taught = teacher_loss_at_ratio(out.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets)
+        taught = teacher_loss_at_ratio(
+            out.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets, cfg.teacher_scope
+        )
         loss = loss + cfg.teacher_weight * taught
         stats["teacher_loss"] = float(taught.detach())
     if cfg.distill_weight > 0 and not warmup and model.policy.name != "full":
@@ -198,7 +200,7 @@ def policy_teacher_loss(
     ``cfg.teacher_weight``), and ``stats`` with ``teacher_loss`` and ``loss`` added."""
     scores = model.split_scores(images, budget=target_ratio)  # told only to a budget-conditioned policy
     geometry = model.geometry_for(tuple(images.shape[-2:]))
-    taught = teacher_loss_at_ratio(scores, relevance, target_ratio, geometry, cfg.teacher_targets)
+    taught = teacher_loss_at_ratio(scores, relevance, target_ratio, geometry, cfg.teacher_targets, cfg.teacher_scope)
     loss = cfg.teacher_weight * taught
     stats["teacher_loss"] = float(taught.detach())
     stats["loss"] = float(loss.detach())
