@@ -4,9 +4,10 @@
 
 Loads a fine-tuned detector (e.g. a detection study's `split-0.5-objects-d2-s0/checkpoint_epoch0002`),
 freezes everything but the policy's own modules, and goes on training them alone with the
-objects teacher (`train.teacher: objects`, the checkpoint's teacher targets and target
-ratio) on the training canvases: the step of `train.policy_epochs`
-(`detection_policy_step`), at a constant learning rate. Every `--every` steps, on `--samples` validation
+objects teacher (`train.teacher: objects`, the checkpoint's teacher targets, target
+ratio, scope and context unless `--teacher-scope` / `--teacher-context` say otherwise)
+on the training canvases: the step of `train.policy_epochs` (`detection_policy_step`),
+at a constant learning rate. Every `--every` steps, on `--samples` validation
 canvases: each scored level's ROC AUC of the policy's scores against "the node holds
 instance-mask pixels" (the oracle's splits, `splitvit eval --oracle`), and at each
 `--ratios` token ratio (thresholds calibrated on those same canvases) the share of the
@@ -102,6 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         help="score from the ViT's first N blocks instead of the checkpoint's model.policy_depth "
         "(richer features for the policy; its heads retrain on them from where they are)",
     )
+    parser.add_argument(
+        "--teacher-scope",
+        choices=("image", "batch"),
+        help="rank the teacher's marks within each image or across the batch (train.teacher_scope; "
+        "default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--teacher-context", type=int, help="the teacher's context ring in pixels (default: the checkpoint's)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--test-samples",
@@ -126,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     loss_cfg = SplitLossConfig(
         **{f.name: trained[f.name] for f in dataclasses.fields(SplitLossConfig) if f.name in trained}
     )
-    loss_cfg = dataclasses.replace(loss_cfg, teacher="objects")
+    overrides = {"teacher_scope": args.teacher_scope, "teacher_context": args.teacher_context}
+    loss_cfg = dataclasses.replace(
+        loss_cfg, teacher="objects", **{key: value for key, value in overrides.items() if value is not None}
+    )
     images, targets = detection_collate([evaluator.dataset[i] for i in range(len(evaluator.dataset))])
     train = evaluator.split_dataset("train")
     backbone = detector.backbone
@@ -149,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     reports = [{"step": 0, **policy_figures(detector, images, targets, ratios)}]
     print(
         f"{args.checkpoint}: {len(train)} training canvases, teacher targets {loss_cfg.teacher_targets}, "
-        f"context {loss_cfg.teacher_context} px, "
+        f"ranked per {loss_cfg.teacher_scope}, context {loss_cfg.teacher_context} px, "
         f"policy depth {backbone.policy_depth}"
         + ("" if args.policy_depth is None else f", trained on at depth {args.policy_depth}")
     )

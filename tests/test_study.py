@@ -230,7 +230,11 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
             {"short-finetune": 2, "long-finetune": 4, "finetune-8": 8, None: 10, "finetune-12": 12},
         ),
         ("study_fashion_seg.yaml", "split-0.7", {"short-finetune": 2, "finetune-8": 8, None: 12}),
-        ("study_fashion_det.yaml", "split-0.7-objects-d2-policy4", {None: 3, "finetune-6": 6, "finetune-10": 10}),
+        (
+            "study_fashion_det.yaml",
+            "split-0.7-objects-d2-policy4-batch",
+            {None: 3, "finetune-6": 6, "finetune-10": 10, "finetune-20": 20},
+        ),
     ],
 )
 def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name, recipe, epochs_by_scale):
@@ -245,7 +249,7 @@ def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name,
 
 @pytest.mark.parametrize(
     ("name", "recipe"),
-    [("study_fashion.yaml", "split-0.7"), ("study_fashion_det.yaml", "split-0.7-objects-d2-policy4")],
+    [("study_fashion.yaml", "split-0.7"), ("study_fashion_det.yaml", "split-0.7-objects-d2-policy4-batch")],
 )
 def test_the_learning_rate_lever_doubles_every_methods_rate_the_control_too(name, recipe):
     path = ROOT / "studies" / name
