@@ -70,6 +70,7 @@ PENALTIES = ("squared", "hinge")
 TEACHERS = ("gradient", "attention", "objects")
 #: Which nodes the relevance teacher marks (:func:`splitvit.train.losses.relevance_targets`).
 TEACHER_TARGETS = ("per_level", "nested", "mixed")
+#: What the teacher's marks meet the target ratio over (:func:`splitvit.train.losses.relevance_targets`).
 TEACHER_SCOPES = ("image", "batch")
 
 
@@ -252,11 +253,12 @@ class SplitLossConfig:
         teacher_scope: what the teacher's marks meet the target ratio over. ``image``
             (default): every image, each image's nodes ranked on their own, so an empty
             canvas gets as many split marks as a crowded one. ``batch``: the batch as
-            a whole, its images' nodes ranked together, so a crowded image gets more
-            marks and an empty one fewer, as the thresholds that every image shares
-            give at evaluation. Meant for the ``objects`` teacher, whose relevance (the
-            share of a node under an instance) means the same in every image; the
-            gradient and attention teachers' scale varies from image to image.
+            a whole (each worker's, under Ray Train), its images' nodes ranked
+            together, so a crowded image gets more marks and an empty one fewer, as
+            the thresholds that every image shares give at evaluation. Meant for the
+            ``objects`` teacher, whose relevance (the share of a node under an
+            instance) means the same in every image; the gradient and attention
+            teachers' scale varies from image to image.
         teacher_context: the ``objects`` teacher's context ring, in pixels (>= 0; 0:
             off): the cells within this distance of an instance mask rank next after
             the masks' own, nearer ones first, so that a budget above the items' share
