@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
-from splitvit.config import SplitLossConfig  # noqa: E402
+from splitvit.config import TEACHER_SCOPES, SplitLossConfig  # noqa: E402
 from splitvit.data import detection_collate  # noqa: E402
 from splitvit.model.detection import SplitDetector  # noqa: E402
 from splitvit.model.quadtree import top_down_decisions  # noqa: E402
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--teacher-scope",
-        choices=("image", "batch"),
+        choices=TEACHER_SCOPES,
         help="rank the teacher's marks within each image or across the batch (train.teacher_scope; "
         "default: the checkpoint's)",
     )
