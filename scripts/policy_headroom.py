@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--teacher-context", type=int, help="the teacher's context ring in pixels (default: the checkpoint's)"
     )
+    parser.add_argument(
+        "--fine-evidence",
+        action="store_true",
+        help="give the policy fine evidence (model.policy_fine_evidence: the most telling finest patch "
+        "under each node), zero at first, trained with the rest of the policy",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--test-samples",
@@ -144,6 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     train = evaluator.split_dataset("train")
     backbone = detector.backbone
 
+    if args.fine_evidence and not backbone.policy_fine_evidence:
+        backbone.policy_fine_evidence = True
+        trained_policy = backbone.policy
+        backbone.set_policy("learned")  # the same policy with the evidence MLP, its last layer zero
+        backbone.policy.load_state_dict(trained_policy.state_dict(), strict=False)
     for parameter in detector.parameters():
         parameter.requires_grad_(False)
     own = list(backbone.policy.parameters())
@@ -164,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.checkpoint}: {len(train)} training canvases, teacher targets {loss_cfg.teacher_targets}, "
         f"ranked per {loss_cfg.teacher_scope}, context {loss_cfg.teacher_context} px, "
         f"policy depth {backbone.policy_depth}"
+        + (", fine evidence" if backbone.policy_fine_evidence else "")
         + ("" if args.policy_depth is None else f", trained on at depth {args.policy_depth}")
     )
     print(f"step 0: {reports[-1]}", flush=True)
@@ -190,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         "lr": args.lr,
         "steps": args.steps,
         "policy_depth": backbone.policy_depth,
+        "fine_evidence": backbone.policy_fine_evidence,
         "reports": reports,
     }
     if tester:

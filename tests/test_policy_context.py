@@ -4,6 +4,7 @@ not from its own patch embedding and its coarse ancestor alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,94 @@ def test_bad_level_context_settings_name_the_problem():
         load_experiment(SMOKE, ["model.levels=2", "model.image_size=32", "model.policy_level_context=true"])
     assert err.value.key == "model.policy_level_context"
     assert "needs model.levels >= 3" in str(err.value)
+
+
+@pytest.mark.parametrize("level_context", [False, True])
+def test_policy_feature_grad_trains_the_blocks_its_features_come_from(level_context):
+    """A loss on the scores of :meth:`SplitViT.forward` reaches the ViT's first block
+    (the policy's context) only with ``policy_feature_grad``; :meth:`split_scores`, what
+    the policy's own epochs train on, keeps it detached either way."""
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    for feature_grad in (False, True):
+        model = tiny_model(policy_level_context=level_context, policy_feature_grad=feature_grad).train()
+        assert model.policy.detach_features is not feature_grad
+        block = model.vit.blocks[0].attn.qkv.weight
+        head = model.policy.heads[1][1].weight
+        sum(p.sum() for p in model(images).split_probs).backward()
+        assert head.grad is not None and head.grad.abs().sum() > 0
+        if feature_grad:
+            assert block.grad is not None and block.grad.abs().sum() > 0
+        else:
+            assert block.grad is None
+        model.zero_grad(set_to_none=True)
+        sum(p.sum() for p in model.split_scores(images)).backward()
+        assert head.grad is not None and head.grad.abs().sum() > 0
+        assert block.grad is None and model.level_embed.grad is None
+
+
+def test_policy_feature_grad_is_a_model_setting_that_survives_a_checkpoint(tmp_path):
+    config = load_experiment(SMOKE, ["model.policy_feature_grad=true"])
+    assert config.model.policy_feature_grad is True
+    model = tiny_model(policy_feature_grad=True)
+    model.save(tmp_path / "model.pt")
+    loaded = SplitViT.load(tmp_path / "model.pt")
+    assert loaded.spec["policy_feature_grad"] is True and loaded.policy.detach_features is False
+    with pytest.raises(ConfigError) as err:
+        load_experiment(SMOKE, ["model.policy_feature_grad=maybe"])
+    assert err.value.key == "model.policy_feature_grad"
+
+
+def test_fine_evidence_adds_nothing_at_initialisation():
+    """Its last layer starts at zero: a model given the setting scores as the same
+    weights without it, so a fine-tune from a reference starts where the plain policy does."""
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    plain = tiny_model(policy_level_context=True)
+    model = tiny_model(policy_level_context=True, policy_fine_evidence=True)
+    missing = model.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert missing and all(key.startswith("policy.evidence.") for key in missing)
+    assert all(torch.equal(a, b) for a, b in zip(scores(plain, images), scores(model, images)))
+
+
+def test_fine_evidence_raises_every_node_over_the_telling_patch():
+    """A node's logit gains the largest evidence of the finest patches it covers: with
+    evidence read off one embedding channel, one patch's value lifts its ancestors at
+    every level and no other node."""
+    dim, levels = 8, 3
+    policy = LearnedPolicy(dim, levels)
+    policy.fine_evidence = True
+    policy.evidence = torch.nn.Linear(dim, levels - 1, bias=False)
+    with torch.no_grad():
+        policy.evidence.weight.zero_()
+        policy.evidence.weight[:, 0] = 1.0  # both levels' evidence: channel 0 of a patch's embedding
+    gen = torch.Generator().manual_seed(4)
+    context = PolicyContext(
+        coarse_features=torch.randn(1, 1, 1, dim, generator=gen),
+        node_embeddings=[torch.randn(1, 1, 1, dim, generator=gen), torch.randn(1, 2, 2, dim, generator=gen)],
+        fine_embeddings=torch.zeros(1, 4, 4, dim),
+    )
+    images = torch.zeros(1, 3, 32, 32)
+    before = policy.logits(images, None, context)
+    context.fine_embeddings[0, 1, 2, 0] = 5.0  # a patch under the level-1 node (0, 1)
+    after = policy.logits(images, None, context)
+    assert torch.allclose(after[0] - before[0], torch.full((1, 1, 1), 5.0))
+    lifted = torch.zeros(1, 2, 2)
+    lifted[0, 0, 1] = 5.0
+    assert torch.allclose(after[1] - before[1], lifted)
+    with pytest.raises(ValueError, match="fine_embeddings"):
+        policy.logits(images, None, dataclasses.replace(context, fine_embeddings=None))
+
+
+def test_fine_evidence_learns_and_survives_a_checkpoint(tmp_path):
+    model = tiny_model(policy_level_context=True, policy_fine_evidence=True).train()
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    loss, _ = training_step(model, images, labels, SplitLossConfig(warmup_epochs=0, target_ratio=0.5), epoch=0)
+    loss.backward()
+    last = model.policy.evidence[-1].weight.grad
+    assert last is not None and last.abs().sum() > 0
+    with torch.no_grad():
+        model.policy.evidence[-1].weight.normal_()  # as if trained: the evidence now counts
+    model.save(tmp_path / "model.pt")
+    loaded = SplitViT.load(tmp_path / "model.pt")
+    assert loaded.spec["policy_fine_evidence"] is True and loaded.policy.fine_evidence
+    assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
+    assert load_experiment(SMOKE, ["model.policy_fine_evidence=true"]).model.policy_fine_evidence is True

@@ -142,6 +142,16 @@ class ModelConfig:
         policy_level_context: the learned policy judges each finer level's nodes
             after its blocks (``policy_depth``) ran on all of that level's nodes
             together, not from their patch embeddings alone (needs ``levels`` >= 3).
+        policy_feature_grad: every gradient that reaches the learned policy's scores
+            in the training step (the relevance teacher's, the budget penalty's, the
+            task loss's through the split gates) also trains what its features come
+            from: the ViT's first ``policy_depth`` blocks and the embeddings. Default
+            ``false``: its features are detached and only its own modules learn from
+            them. The policy's own epochs (``train.policy_epochs``) detach them either way.
+        policy_fine_evidence: the learned policy also scores every node from the most
+            telling of the finest patches under it (a small MLP on the finest level's
+            embeddings, max-pooled to each level's grid, zero at initialisation): a
+            node with one patch on an item splits, as the oracle's rule has it.
         length_buckets: the padded attention path only (``attention='padded'`` or
             ``return_attention``): encode variable-length batches in this many length groups.
         init_from: start training from the weights of this splitvit checkpoint (a
@@ -168,6 +178,8 @@ class ModelConfig:
     budget_conditioned: bool = False
     fine_aggregation: bool = False
     policy_level_context: bool = False
+    policy_feature_grad: bool = False
+    policy_fine_evidence: bool = False
     length_buckets: int = 1
     init_from: str | None = None
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.models.vision_transformer import Block
 
 from .names import POLICY_NAMES
@@ -45,12 +46,34 @@ class PolicyContext:
             the ViT's first ``policy_depth`` blocks on the sequence of all that
             level's nodes (level 0: ``coarse_features``), for a ``level_context``
             policy without blocks of its own; ``None`` otherwise.
+        fine_embeddings: ``(B, H, W, D)`` the finest level's token embeddings, for a
+            ``fine_evidence`` policy; ``None`` otherwise.
     """
 
     coarse_features: torch.Tensor | None = None  # the coarse embeddings for a policy with its own blocks
     node_embeddings: list[torch.Tensor] | None = None
     budget: torch.Tensor | None = None
     level_features: list[torch.Tensor] | None = None
+    fine_embeddings: torch.Tensor | None = None
+
+    def detached(self) -> PolicyContext:
+        """The same context with every feature tensor detached (no gradient reaches
+        what made them); a tensor held twice (the coarse level's features) stays one."""
+        cut: dict[int, torch.Tensor] = {}
+
+        def detach(t: torch.Tensor) -> torch.Tensor:
+            return cut.setdefault(id(t), t.detach())
+
+        def detach_all(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if tensors is None else [detach(t) for t in tensors]
+
+        return PolicyContext(
+            coarse_features=None if self.coarse_features is None else detach(self.coarse_features),
+            node_embeddings=detach_all(self.node_embeddings),
+            budget=self.budget,
+            level_features=detach_all(self.level_features),
+            fine_embeddings=None if self.fine_embeddings is None else detach(self.fine_embeddings),
+        )
 
 
 class SplitPolicy(nn.Module):
@@ -190,6 +213,14 @@ class LearnedPolicy(SplitPolicy):
     those blocks once more per finer level: on a quarter of the finest level's tokens
     for the level above it.
 
+    With ``fine_evidence``, every node's logit also gets the largest of a per-patch
+    score over the finest patches it covers (one small MLP on the finest level's
+    embeddings, ``context.fine_embeddings``, one output per scored level, max-pooled
+    to the level's grid): a node splits when any patch under it looks like it matters,
+    the oracle's own rule, which a node's embedding, a mix of its patches, blurs. Its
+    last layer starts at zero, so at initialisation it adds nothing; it costs one MLP on
+    the finest level's embeddings, about a twelfth of a block at full resolution.
+
     With ``budget_conditioned``, an embedding of the target token ratio
     (``context.budget``, :attr:`budget_embed`) is added to the coarse features that
     enter every level's head (after the policy's own blocks): the policy learns to
@@ -210,6 +241,7 @@ class LearnedPolicy(SplitPolicy):
         depth: int = 0,
         budget_conditioned: bool = False,
         level_context: bool = False,
+        fine_evidence: bool = False,
     ):
         super().__init__()
         if level_context and levels < 3:
@@ -233,6 +265,13 @@ class LearnedPolicy(SplitPolicy):
             nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
             for _ in range(levels - 1)
         )
+        self.fine_evidence = fine_evidence
+        if fine_evidence:
+            self.evidence = nn.Sequential(
+                nn.LayerNorm(embed_dim), nn.Linear(embed_dim, hidden), nn.GELU(), nn.Linear(hidden, levels - 1)
+            )
+            nn.init.zeros_(self.evidence[-1].weight)  # adds nothing at initialisation
+            nn.init.zeros_(self.evidence[-1].bias)
         self.budget_conditioned = budget_conditioned
         if budget_conditioned:
             self.budget_embed = nn.Sequential(nn.Linear(1, dim), nn.GELU(), nn.Linear(dim, dim))
@@ -264,11 +303,16 @@ class LearnedPolicy(SplitPolicy):
             raise ValueError("the learned policy needs the model's coarse features and node embeddings")
         if self.level_context and not self.own_blocks and context.level_features is None:
             raise ValueError("a level_context policy needs every level's features (PolicyContext.level_features)")
+        if self.fine_evidence and context.fine_embeddings is None:
+            raise ValueError(
+                "a fine_evidence policy needs the finest level's embeddings (PolicyContext.fine_embeddings)"
+            )
         feats = context.coarse_features.detach() if self.detach_features else context.coarse_features
         if self.own_blocks:
             feats = self._encode(feats)
         if self.budget_conditioned:
             feats = feats + self._embed_budget(context.budget, feats)
+        evidence = self._fine_evidence(context.fine_embeddings) if self.fine_evidence else None
         out = []
         for level, head in enumerate(self.heads):
             contextual = self.level_context and level > 0
@@ -281,10 +325,22 @@ class LearnedPolicy(SplitPolicy):
             # float32 heads, autocast or not: bf16 probabilities near 0.5 are 1/256 apart,
             # so thresholds calibrated to a token budget would land between tied scores
             with torch.autocast(device_type=feats.device.type, enabled=False):
-                out.append(head((feats + node).float()).squeeze(-1))
+                logit = head((feats + node).float()).squeeze(-1)
+                if evidence is not None:
+                    factor = evidence.shape[-1] // logit.shape[-1]
+                    logit = logit + F.max_pool2d(evidence[:, level], factor)
+                out.append(logit)
             if level + 1 < len(self.heads):  # carry the ancestor's feature down to the next level's grid
                 feats = repeat_cells(feats, 2, dim=1)
         return out
+
+    def _fine_evidence(self, fine: torch.Tensor) -> torch.Tensor:
+        """Per-patch evidence ``(B, levels - 1, H, W)`` from the finest embeddings
+        ``(B, H, W, D)``, in float32 (see the heads)."""
+        if self.detach_features:
+            fine = fine.detach()
+        with torch.autocast(device_type=fine.device.type, enabled=False):
+            return self.evidence(fine.float()).permute(0, 3, 1, 2)
 
     def forward(self, images, geometry, context):
         return [torch.sigmoid(z) for z in self.logits(images, geometry, context)]

@@ -231,6 +231,13 @@ class SplitViT(nn.Module):
             from the policy blocks run on that level's nodes together, not from their
             embeddings alone (:class:`~splitvit.model.policies.LearnedPolicy`'s
             ``level_context``). Other policies ignore it.
+        policy_feature_grad: the learned policy's features are not detached in
+            :meth:`forward`, so that its losses also train the blocks and embeddings they
+            come from (``LearnedPolicy(detach_features=False)``); :meth:`split_scores`
+            detaches them whatever this says. Other policies ignore it.
+        policy_fine_evidence: the learned policy also scores a node from the most
+            telling finest patch under it (``LearnedPolicy``'s ``fine_evidence``).
+            Other policies ignore it.
     """
 
     def __init__(
@@ -253,6 +260,8 @@ class SplitViT(nn.Module):
         budget_conditioned: bool = False,
         fine_aggregation: bool = False,
         policy_level_context: bool = False,
+        policy_feature_grad: bool = False,
+        policy_fine_evidence: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(vit, VisionTransformer):
@@ -312,6 +321,8 @@ class SplitViT(nn.Module):
         # the ratio a conditioned policy is told at evaluation: travels with the calibrated thresholds
         self.budget_conditioned = budget_conditioned
         self.policy_level_context = policy_level_context
+        self.policy_feature_grad = policy_feature_grad
+        self.policy_fine_evidence = policy_fine_evidence
         self.register_buffer("budget", torch.tensor(DEFAULT_BUDGET), persistent=True)
         self._register_load_state_dict_pre_hook(_keep_budget_if_missing, with_module=True)
         # Zero-initialised level embedding: at init a token means what the timm model's does.
@@ -489,6 +500,10 @@ class SplitViT(nn.Module):
         options: dict[str, Any] = {"budget_conditioned": True} if self.budget_conditioned else {}
         if self.policy_level_context:
             options["level_context"] = True
+        if self.policy_feature_grad:
+            options["detach_features"] = False
+        if self.policy_fine_evidence:
+            options["fine_evidence"] = True
         if self.policy_width is not None:
             options.update(width=self.policy_width, depth=self.policy_depth)
         return build_policy(name, embed_dim=self.embed_dim, levels=self.levels, **options)
@@ -636,7 +651,10 @@ class SplitViT(nn.Module):
         geometry: QuadtreeGeometry,
         embeds: _LevelEmbeddings,
         budget: float | torch.Tensor | None = None,
+        detach_features: bool = False,
     ) -> list[torch.Tensor]:
+        """The policy's per-level scores; ``detach_features``: its features detached
+        whatever ``policy_feature_grad`` says (only the policy's own modules get a gradient)."""
         context = PolicyContext()
         # Policies get the raw [0, 1] images: the entropy policy's grey level is the mean
         # of the channels, which a per-channel normalisation would re-weight (APT's
@@ -653,6 +671,10 @@ class SplitViT(nn.Module):
             else:
                 with self.stage("policy_blocks"):
                     context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
+            if getattr(self.policy, "fine_evidence", False):
+                context.fine_embeddings = embeds[geometry.levels - 1]  # the leaves' own, embedded once
+        if detach_features:
+            context = context.detached()
         with self.stage("policy_head"):
             if self.uses_budget:
                 context.budget = self._budget_per_image(budget, images)
@@ -660,9 +682,12 @@ class SplitViT(nn.Module):
 
     def split_scores(self, images: torch.Tensor, budget: float | torch.Tensor | None = None) -> list[torch.Tensor]:
         """The policy's per-node scores in ``[0, 1]`` without running the encoder
-        (cheap threshold calibration and split-map drawing); ``budget`` as in :meth:`forward`."""
+        (cheap threshold calibration and split-map drawing, the policy's own epochs);
+        ``budget`` as in :meth:`forward`. The policy's features are detached: a loss on
+        these scores trains the policy's own modules alone."""
         geometry = self.geometry_for(tuple(images.shape[-2:]))
-        return self._policy_scores(images, geometry, _LevelEmbeddings(self, images, geometry), budget)
+        embeds = _LevelEmbeddings(self, images, geometry)
+        return self._policy_scores(images, geometry, embeds, budget, detach_features=True)
 
     def encoder_inputs(self, images: torch.Tensor, thresholds: float | list[float] | None = None):
         """The leaf token sequences :meth:`forward` hands its encoder, as ``(tokens

@@ -194,6 +194,8 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT 
         budget_conditioned=model.budget_conditioned,
         fine_aggregation=model.fine_aggregation,
         policy_level_context=model.policy_level_context,
+        policy_feature_grad=model.policy_feature_grad,
+        policy_fine_evidence=model.policy_fine_evidence,
         task=model.task,
         length_buckets=model.length_buckets,
     )
