@@ -21,6 +21,7 @@ from splitvit.tune.speed import SpeedRecord, time_operating_points
 from .helpers import write_fake_fashion_mnist
 
 CONFIG = Path("jobs/configs/fashion_det.yaml").resolve()
+RECIPE = "split-0.7-objects-d2-policy4-batch-fgrad-fine"  # the shipped study's
 
 
 @pytest.fixture(scope="module")
@@ -232,11 +233,12 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
     path = Path("studies/study_fashion_det.yaml")
     spec = load_study(path)
     assert (spec.metric, spec.companions) == ("box_ap", ("mask_ap",))
-    assert list(spec.methods) == ["full", "coarse", "entropy", "random", "split-0.7-objects-d2-policy4-batch"]
+    assert list(spec.methods) == ["full", "coarse", "entropy", "random", RECIPE]
     assert spec.run_config(0, None, "x").model.policy == "full" and len(spec.seeds) >= 2
     assert len({spec.run_config(0, m, "x").train.epochs for m in spec.methods}) == 1  # fine-tuned alike
-    recipe = spec.run_config(0, "split-0.7-objects-d2-policy4-batch", "x")
+    recipe = spec.run_config(0, RECIPE, "x")
     assert recipe.train.teacher_scope == "batch"  # the marks ranked across the batch's canvases
+    assert recipe.model.policy_fine_evidence and recipe.model.policy_feature_grad
     assert recipe.model.fine_aggregation and recipe.model.policy_level_context and recipe.train.target_ratio == 0.7
     assert (recipe.train.teacher, recipe.train.policy_lr_scale, recipe.model.policy_depth) == ("objects", 10.0, 2)
     # the policy's own epochs come after the fine-tune every method shares
@@ -253,7 +255,7 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
         k for k, v in plain.run_config(0, "full", "x").flat().items() if spec.run_config(0, "full", "x").flat()[k] != v
     }
     assert differs == {"data.options.clutter"}  # (its clutter_fraction unset: no clutter to size)
-    coco = load_study(path, scale="gpu").run_config(0, "split-0.7-objects-d2-policy4-batch", "x")
+    coco = load_study(path, scale="gpu").run_config(0, RECIPE, "x")
     assert coco.data.name == "parquet" and coco.model.num_classes == 80 and coco.scaling.use_gpu
 
 
