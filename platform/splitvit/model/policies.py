@@ -56,25 +56,6 @@ class PolicyContext:
     level_features: list[torch.Tensor] | None = None
     fine_embeddings: torch.Tensor | None = None
 
-    def detached(self) -> PolicyContext:
-        """The same context with every feature tensor detached (no gradient reaches
-        what made them); a tensor held twice (the coarse level's features) stays one."""
-        cut: dict[int, torch.Tensor] = {}
-
-        def detach(t: torch.Tensor) -> torch.Tensor:
-            return cut.setdefault(id(t), t.detach())
-
-        def detach_all(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-            return None if tensors is None else [detach(t) for t in tensors]
-
-        return PolicyContext(
-            coarse_features=None if self.coarse_features is None else detach(self.coarse_features),
-            node_embeddings=detach_all(self.node_embeddings),
-            budget=self.budget,
-            level_features=detach_all(self.level_features),
-            fine_embeddings=None if self.fine_embeddings is None else detach(self.fine_embeddings),
-        )
-
 
 class SplitPolicy(nn.Module):
     """Base class. Subclasses implement :meth:`forward` returning per-level scores."""

@@ -653,28 +653,28 @@ class SplitViT(nn.Module):
         budget: float | torch.Tensor | None = None,
         detach_features: bool = False,
     ) -> list[torch.Tensor]:
-        """The policy's per-level scores; ``detach_features``: its features detached
-        whatever ``policy_feature_grad`` says (only the policy's own modules get a gradient)."""
+        """The policy's per-level scores; ``detach_features``: its features computed
+        without a graph whatever ``policy_feature_grad`` says (only the policy's own
+        modules get a gradient, and the blocks that make the features keep no activations)."""
         context = PolicyContext()
         # Policies get the raw [0, 1] images: the entropy policy's grey level is the mean
         # of the channels, which a per-channel normalisation would re-weight (APT's
         # entropy is of pixel intensities); the learned policy sees the model's own
         # (normalised) embeddings through the context.
         if self.policy.learned:
-            own = getattr(self.policy, "own_blocks", False)
-            context.node_embeddings = [embeds[level] for level in range(geometry.levels - 1)]
-            if getattr(self.policy, "level_context", False) and not own:
-                # every scored level through the blocks together: the level context
-                with self.stage("level_context"):
-                    context.level_features = self._levels_context_features(context.node_embeddings)
-                context.coarse_features = context.level_features[0]
-            else:
-                with self.stage("policy_blocks"):
-                    context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
-            if getattr(self.policy, "fine_evidence", False):
-                context.fine_embeddings = embeds[geometry.levels - 1]  # the leaves' own, embedded once
-        if detach_features:
-            context = context.detached()
+            with torch.no_grad() if detach_features else nullcontext():
+                own = getattr(self.policy, "own_blocks", False)
+                context.node_embeddings = [embeds[level] for level in range(geometry.levels - 1)]
+                if getattr(self.policy, "level_context", False) and not own:
+                    # every scored level through the blocks together: the level context
+                    with self.stage("level_context"):
+                        context.level_features = self._levels_context_features(context.node_embeddings)
+                    context.coarse_features = context.level_features[0]
+                else:
+                    with self.stage("policy_blocks"):
+                        context.coarse_features = embeds[0] if own else self._context_features(embeds[0])
+                if getattr(self.policy, "fine_evidence", False):
+                    context.fine_embeddings = embeds[geometry.levels - 1]  # the leaves' own, embedded once
         with self.stage("policy_head"):
             if self.uses_budget:
                 context.budget = self._budget_per_image(budget, images)
