@@ -108,6 +108,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("train.target_ratio_range=[0.2, 0.5, 0.9]", "train.target_ratio_range", "must be [low, high]"),
         ("train.target_ratio_range=0.5", "train.target_ratio_range", "expected list[float] or null"),
         ("train.policy_epochs=-1", "train.policy_epochs", "must be >= 0, got -1"),
+        ("train.policy_lead_epochs=-2", "train.policy_lead_epochs", "must be >= 0, got -2"),
         ("train.teacher_context=-2", "train.teacher_context", "must be >= 0 pixels, got -2"),
         ("train.teacher_context=4", "train.teacher_context", "objects teacher's ring around each instance mask, but"),
         ("model.budget_conditioned=maybe", "model.budget_conditioned", "expected bool"),
@@ -313,11 +314,15 @@ def test_run_training_and_preflight_validate_a_config_built_schema_only(tmp_path
     assert not (tmp_path / "runs").exists()
 
 
-def test_policy_epochs_need_a_learned_policy_and_its_teacher():
+@pytest.mark.parametrize("key", ["train.policy_epochs", "train.policy_lead_epochs"])
+def test_policy_epochs_need_a_learned_policy_and_its_teacher(key):
     for overrides in (["model.policy=entropy"], ["train.teacher_weight=0"]):
         with pytest.raises(ConfigError) as err:
-            load_experiment(SMOKE, ["train.policy_epochs=1", *overrides])
-        assert err.value.key == "train.policy_epochs" and "trains a learned policy with its relevance teacher" in str(
-            err.value
-        )
-    assert load_experiment(SMOKE, ["train.policy_epochs=2", "train.epochs=3"]).train.total_epochs == 5
+            load_experiment(SMOKE, [f"{key}=1", *overrides])
+        assert err.value.key == key and "trains a learned policy with its relevance teacher" in str(err.value)
+    assert load_experiment(SMOKE, [f"{key}=2", "train.epochs=3"]).train.total_epochs == 5
+
+
+def test_total_epochs_count_the_policys_lead_the_fine_tune_and_the_policys_tail():
+    train = load_experiment(SMOKE, ["train.policy_lead_epochs=2", "train.epochs=3", "train.policy_epochs=4"]).train
+    assert train.total_epochs == 9

@@ -282,6 +282,7 @@ def write_detection_study(folder: Path, root: Path) -> Path:
                 "model.policy": "learned",
                 "train.target_ratio": 0.5,
                 "train.policy_epochs": 1,
+                "train.policy_lead_epochs": 1,
                 "train.policy_lr_scale": 10.0,
             },
         },
@@ -302,10 +303,10 @@ def test_splitvit_study_runs_a_detection_study_end_to_end(
 ):
     """`splitvit study` on detectors: box AP ranks the rows, mask AP sits beside it in the
     rows, the parity goal and MLflow, and the speed step times the whole detector and its
-    backbone alone against full resolution's. The SPLIT method ends with an epoch of its
-    policy alone (``train.policy_epochs``): that epoch trains the teacher only, leaves
-    every other weight as it was (its thresholds are calibrated again), and its
-    checkpoint is the one evaluated."""
+    backbone alone against full resolution's. The SPLIT method begins and ends with an
+    epoch of its policy alone (``train.policy_lead_epochs``, ``train.policy_epochs``):
+    such an epoch trains the teacher only, leaves every other weight as it was (its
+    thresholds are calibrated again), and the last one's checkpoint is the one evaluated."""
     from mlflow import MlflowClient
 
     from splitvit.cli import main
@@ -331,15 +332,16 @@ def test_splitvit_study_runs_a_detection_study_end_to_end(
     assert "mask_ap" in printed and "backbone vs full" in printed and "(backbone " in printed
 
     run = next(r for r in data["runs"] if r["method"] == "split")
-    first, last = run["history"]
-    assert "train_task_loss" in first and "train_task_loss" not in last and "train_teacher_loss" in last
-    assert all(e["lr_policy"] == pytest.approx(10 * e["lr"]) for e in (first, last))  # its own group's rate
-    assert run["checkpoint"].endswith("checkpoint_epoch0001")
+    lead, tuned, tail = run["history"]
+    assert "train_task_loss" in tuned and all("train_task_loss" not in e for e in (lead, tail))
+    assert all("train_teacher_loss" in e for e in (lead, tail))
+    assert all(e["lr_policy"] == pytest.approx(10 * e["lr"]) for e in (lead, tuned, tail))  # its own group's rate
+    assert run["checkpoint"].endswith("checkpoint_epoch0002")
     weights = [
         torch.load(Path(run["checkpoint"]).parent / f"checkpoint_epoch000{e}" / "model.pt", weights_only=False)[
             "state_dict"
         ]
-        for e in (0, 1)
+        for e in (1, 2)
     ]
     policy = [k for k in weights[0] if k.startswith("backbone.policy.")]
     assert policy and any(not torch.equal(weights[0][k], weights[1][k]) for k in policy)

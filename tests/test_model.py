@@ -1228,3 +1228,19 @@ def test_the_schedule_restarts_its_cosine_for_the_policys_own_epochs():
     plain, tailed = factors(0), factors(4)
     assert plain[:10] == tailed[:10] and plain[9] < 0.05 and plain[10:] == [0.0] * 6
     assert tailed[10] == 1.0 and tailed[12] == pytest.approx(0.5) and tailed[14:] == [0.0, 0.0]
+
+
+def test_the_policys_lead_epochs_run_their_own_cosine_and_shift_the_fine_tunes_schedule():
+    """``train.policy_lead_epochs``: a cosine from the peak over the lead's steps, then the
+    fine-tune's warm-up and cosine exactly as without a lead, then the tail's."""
+    from splitvit.train.local import warmup_cosine
+
+    def factors(lead: int) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedule = warmup_cosine(optimizer, 2, 10, 4, lead_steps=lead)
+        return [schedule.lr_lambdas[0](step) for step in range(lead + 14)]
+
+    plain, led = factors(0), factors(4)
+    assert led[0] == 1.0 and led[2] == pytest.approx(0.5)
+    assert led[3] == pytest.approx(0.5 * (1 + math.cos(0.75 * math.pi)))
+    assert led[4:] == plain and led[4] == 0.5  # the fine-tune's warm-up starts after the lead

@@ -109,6 +109,37 @@ class RecordPlacement:
 
 
 # ---------------------------------------------------------------------- pieces, without Ray
+def test_split_steps_phases_are_the_policys_lead_the_fine_tune_then_the_policys_tail():
+    """``SplitStep.for_config``: the ``train.policy_lead_epochs`` train the policy alone
+    (the teacher's loss, no other weight's gradient), the fine-tune counts its epochs
+    from the end of the lead (its first is ``warmup_epochs``' random splits, the policy
+    without gradient), and the ``train.policy_epochs`` after it are the policy's again."""
+    from splitvit.train.ray_trainer import SplitStep
+
+    cfg = ExperimentConfig.from_dict(
+        dict(json.loads(json.dumps(TINY)), train=dict(TINY["train"], policy_lead_epochs=1, policy_epochs=1))
+    )
+    assert cfg.train.total_epochs == 4 and cfg.train.warmup_epochs == 1
+    model = build_model(cfg.model)
+    step = SplitStep.for_config(model, cfg.train)
+    images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    policy = {id(p) for p in model.policy.parameters()}
+    phases = []
+    for epoch in range(cfg.train.total_epochs):
+        model.zero_grad(set_to_none=True)
+        loss, stats = step(images, target, epoch, torch.Generator().manual_seed(0))
+        loss.backward()
+        policy_grad = any(p.grad is not None for p in model.policy.parameters())
+        other_grad = any(p.grad is not None for p in model.parameters() if id(p) not in policy)
+        phases.append((set(stats) == {"teacher_loss", "loss"}, policy_grad, other_grad))
+    assert phases == [
+        (True, True, False),  # the lead: the policy alone
+        (False, False, True),  # the fine-tune's warm-up epoch: random splits
+        (False, True, True),  # the fine-tune: everything
+        (True, True, False),  # the tail: the policy alone
+    ]
+
+
 @pytest.mark.parametrize("task", ["classification", "dense"])
 def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
     """The step module runs the whole SPLIT step (policy teacher + model forward) in

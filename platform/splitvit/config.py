@@ -352,6 +352,11 @@ class TrainConfig(SplitLossConfig):
             detached, so nothing else changes; with the objects teacher a step is the
             policy's forward alone (docs/results.md, the detection study: in 564
             fine-tune steps the policy learns less than the detector lets it).
+        policy_lead_epochs: before the ``epochs``, this many that train the learned
+            policy alone, as ``policy_epochs`` do (>= 0; 0: none): the fine-tune's
+            task loss then meets the policy's splits, not an untrained policy's, from its
+            first step. The fine-tune's schedule (learning-rate warm-up, ``warmup_epochs``)
+            starts after them.
         amp: bf16 autocast on CUDA (ignored on CPU).
         max_failures: worker-group failures Ray Train recovers from (resuming from
             the latest checkpoint); -1 for no limit.
@@ -367,13 +372,14 @@ class TrainConfig(SplitLossConfig):
     grad_clip: float = 1.0
     policy_lr_scale: float = 1.0
     policy_epochs: int = 0
+    policy_lead_epochs: int = 0
     amp: bool = True
     max_failures: int = 2
 
     @property
     def total_epochs(self) -> int:
-        """Every epoch a run trains: the fine-tune's ``epochs`` and the policy's own."""
-        return self.epochs + self.policy_epochs
+        """Every epoch a run trains: the policy's own before and after the fine-tune's ``epochs``."""
+        return self.policy_lead_epochs + self.epochs + self.policy_epochs
 
     def loss_config(self) -> SplitLossConfig:
         """The SPLIT objective's settings alone, as a plain :class:`SplitLossConfig`
@@ -770,13 +776,14 @@ def validate(config: ExperimentConfig) -> None:
     m, d, t, s, st, tr = config.model, config.data, config.train, config.scaling, config.storage, config.tracking
     # --- train (the SPLIT objective's ranges are SplitLossConfig's own)
     require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
-    require(t.policy_epochs >= 0, "train.policy_epochs", f"must be >= 0, got {t.policy_epochs}")
-    require(
-        t.policy_epochs == 0 or (m.policy == "learned" and t.teacher_weight > 0),
-        "train.policy_epochs",
-        f"trains a learned policy with its relevance teacher, but model.policy is {m.policy!r} and "
-        f"train.teacher_weight {t.teacher_weight}: set model.policy=learned and a teacher_weight > 0, or remove it",
-    )
+    for key, value in (("policy_epochs", t.policy_epochs), ("policy_lead_epochs", t.policy_lead_epochs)):
+        require(value >= 0, f"train.{key}", f"must be >= 0, got {value}")
+        require(
+            value == 0 or (m.policy == "learned" and t.teacher_weight > 0),
+            f"train.{key}",
+            f"trains a learned policy with its relevance teacher, but model.policy is {m.policy!r} and "
+            f"train.teacher_weight {t.teacher_weight}: set model.policy=learned and a teacher_weight > 0, or remove it",
+        )
     require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")

@@ -347,10 +347,15 @@ def run_study_local(
             f"{spec.source}: model.task=detection: the local study loop trains classifiers and dense models; "
             "run a detection study with `splitvit study` (Ray), on one machine too"
         )
-    phased = [m for m in spec.methods if spec.run_config(spec.seeds[0], m, m).train.policy_epochs]
+
+    def policy_phases(method: str) -> list[str]:
+        train = spec.run_config(spec.seeds[0], method, method).train
+        return [f"train.{key}" for key in ("policy_lead_epochs", "policy_epochs") if getattr(train, key)]
+
+    phased = [f"{m}: {', '.join(policy_phases(m))}" for m in spec.methods if policy_phases(m)]
     if phased:
         raise StudyError(
-            f"{spec.source}: {', '.join(phased)}: train.policy_epochs: the local study loop has no policy-only "
+            f"{spec.source}: {'; '.join(phased)}: the local study loop has no policy-only "
             "epochs; run the study with `splitvit study` (Ray), on one machine too"
         )
     started = time.time() if started is None else started

@@ -26,15 +26,23 @@ log = logging.getLogger(__name__)
 
 
 def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, tail_steps: int = 0
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    tail_steps: int = 0,
+    lead_steps: int = 0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up then cosine decay to zero, stepped once per batch; then, for
-    ``tail_steps`` more (the policy's own epochs), a second cosine from the peak."""
+    """Linear warm-up then cosine decay to zero over ``total_steps``, stepped once per
+    batch; for ``tail_steps`` more after them, and ``lead_steps`` before the warm-up
+    (the policy's own epochs), a cosine of their own from the peak."""
 
     def cosine(done: int, steps: int) -> float:
         return 0.5 * (1 + math.cos(math.pi * min(done / max(steps, 1), 1.0)))
 
     def factor(step: int) -> float:
+        if step < lead_steps:
+            return cosine(step, lead_steps)
+        step -= lead_steps
         if step < warmup_steps:
             return (step + 1) / max(warmup_steps, 1)
         if tail_steps and step >= total_steps:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, redact_uri
+from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, TrainConfig, redact_uri
 from ..data.parquet import training_sampler
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..model.detection import SplitDetector, split_backbone
@@ -529,17 +529,35 @@ class SplitStep(nn.Module):
     Running the whole step inside this module's ``forward`` lets DDP wrap it: every
     pass happens within DDP's forward, so its reducer sees every parameter that
     receives a gradient. A :class:`SplitDetector` takes
-    :func:`~.detection.detection_training_step` (targets: one dict per image). From
-    ``policy_from_epoch`` on (``train.epochs``: the ``train.policy_epochs`` after them), the
-    step is the policy's alone (:func:`~.steps.policy_training_step`,
-    :func:`~.detection.detection_policy_step`).
+    :func:`~.detection.detection_training_step` (targets: one dict per image). In the
+    first ``lead_epochs`` (``train.policy_lead_epochs``) and from ``policy_from_epoch`` on
+    (the ``train.policy_epochs`` after the fine-tune), the step is the policy's alone
+    (:func:`~.steps.policy_training_step`, :func:`~.detection.detection_policy_step`);
+    the fine-tune's steps count their epochs from the end of the lead.
     """
 
-    def __init__(self, model: nn.Module, loss: SplitLossConfig, policy_from_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: SplitLossConfig,
+        policy_from_epoch: int | None = None,
+        lead_epochs: int = 0,
+    ) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
         self.policy_from_epoch = policy_from_epoch
+        self.lead_epochs = lead_epochs
+
+    @classmethod
+    def for_config(cls, model: nn.Module, train: TrainConfig) -> SplitStep:
+        """The step of ``train``'s phases: policy lead, fine-tune, policy epochs."""
+        return cls(
+            model,
+            train.loss_config(),
+            policy_from_epoch=train.policy_lead_epochs + train.epochs,
+            lead_epochs=train.policy_lead_epochs,
+        )
 
     def forward(
         self,
@@ -549,7 +567,9 @@ class SplitStep(nn.Module):
         generator: torch.Generator | None = None,
         step: int = 0,
     ):
-        policy_only = self.policy_from_epoch is not None and epoch >= self.policy_from_epoch
+        tail = self.policy_from_epoch is not None and epoch >= self.policy_from_epoch
+        policy_only = epoch < self.lead_epochs or tail
+        epoch -= self.lead_epochs  # the fine-tune's own epoch (its warm-up phases count from 0)
         if isinstance(self.model, SplitDetector):
             targets = [{k: v.to(images.device) for k, v in t.items()} for t in target]
             if policy_only:
@@ -789,7 +809,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     # random-split warm-up the policy gets none; the dense task never uses the ViT's
     # classifier); the graph walk costs little next to a SPLIT step.
     step = ray.train.torch.prepare_model(
-        SplitStep(model, config.train.loss_config(), policy_from_epoch=config.train.epochs),
+        SplitStep.for_config(model, config.train),
         parallel_strategy_kwargs={"find_unused_parameters": True},
     )
     model = _unwrap(step).model
@@ -891,11 +911,18 @@ def _worker_data(
 
 def _lr_schedule(optimizer: torch.optim.Optimizer, config: ExperimentConfig, steps_per_epoch: int) -> Any:
     """Linear warm-up (``train.lr_warmup_steps``, else ``lr_warmup_epochs``), then cosine
-    decay; the policy's own epochs (``train.policy_epochs``) start a cosine of their own."""
+    decay; the policy's own epochs before and after the fine-tune (``train.policy_lead_epochs``,
+    ``train.policy_epochs``) each run a cosine of their own."""
     tc = config.train
     total_steps = tc.epochs * steps_per_epoch
     warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
-    return warmup_cosine(optimizer, min(warmup, total_steps), total_steps, tc.policy_epochs * steps_per_epoch)
+    return warmup_cosine(
+        optimizer,
+        min(warmup, total_steps),
+        total_steps,
+        tc.policy_epochs * steps_per_epoch,
+        lead_steps=tc.policy_lead_epochs * steps_per_epoch,
+    )
 
 
 def _resume(worker: _Worker, state: dict[str, Any] | None) -> tuple[int, dict[str, float]]:
