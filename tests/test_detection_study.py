@@ -21,7 +21,7 @@ from splitvit.tune.speed import SpeedRecord, time_operating_points
 from .helpers import write_fake_fashion_mnist
 
 CONFIG = Path("jobs/configs/fashion_det.yaml").resolve()
-RECIPE = "split-0.7-objects-d2-policy4-batch-fgrad-fine"  # the shipped study's
+RECIPE = "split-0.7-objects-d2-lead4-policy4-batch-fgrad-fine"  # the shipped study's
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +241,9 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
     assert recipe.model.policy_fine_evidence and recipe.model.policy_feature_grad
     assert recipe.model.fine_aggregation and recipe.model.policy_level_context and recipe.train.target_ratio == 0.7
     assert (recipe.train.teacher, recipe.train.policy_lr_scale, recipe.model.policy_depth) == ("objects", 10.0, 2)
-    # the policy's own epochs come after the fine-tune every method shares
-    assert recipe.train.policy_epochs == 4 and recipe.train.total_epochs == recipe.train.epochs + 4
+    # the policy's own epochs come before and after the fine-tune every method shares
+    assert (recipe.train.policy_lead_epochs, recipe.train.policy_epochs) == (4, 4)
+    assert recipe.train.total_epochs == recipe.train.epochs + 8
     # the classification study's recipe as it is stays a lever, run beside the same control
     lever = load_study(path, methods=["full", "split-0.5-agg-mixed-ctx"]).run_config(0, "split-0.5-agg-mixed-ctx", "x")
     assert lever.train.teacher == "gradient"

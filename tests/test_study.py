@@ -232,7 +232,7 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
         ("study_fashion_seg.yaml", "split-0.7", {"short-finetune": 2, "finetune-8": 8, None: 12}),
         (
             "study_fashion_det.yaml",
-            "split-0.7-objects-d2-policy4-batch-fgrad-fine",
+            "split-0.7-objects-d2-lead4-policy4-batch-fgrad-fine",
             {None: 3, "finetune-6": 6, "finetune-10": 10, "finetune-20": 20},
         ),
     ],
@@ -249,7 +249,10 @@ def test_the_fine_tune_length_lever_lengthens_every_method_the_control_too(name,
 
 @pytest.mark.parametrize(
     ("name", "recipe"),
-    [("study_fashion.yaml", "split-0.7"), ("study_fashion_det.yaml", "split-0.7-objects-d2-policy4-batch-fgrad-fine")],
+    [
+        ("study_fashion.yaml", "split-0.7"),
+        ("study_fashion_det.yaml", "split-0.7-objects-d2-lead4-policy4-batch-fgrad-fine"),
+    ],
 )
 def test_the_learning_rate_lever_doubles_every_methods_rate_the_control_too(name, recipe):
     path = ROOT / "studies" / name
