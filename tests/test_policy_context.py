@@ -5,6 +5,7 @@ not from its own patch embedding and its coarse ancestor alone."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,49 @@ def test_fine_evidence_learns_and_survives_a_checkpoint(tmp_path):
     assert loaded.spec["policy_fine_evidence"] is True and loaded.policy.fine_evidence
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
     assert load_experiment(SMOKE, ["model.policy_fine_evidence=true"]).model.policy_fine_evidence is True
+
+
+@pytest.mark.parametrize("pooling", ["max", "soft"])
+def test_evidence_pooling_reads_each_nodes_patches_and_soft_pooling_spreads_the_gradient(pooling):
+    """``max`` takes a node's most telling patch and passes the gradient to it alone (to
+    the first of tied patches, as at initialisation); ``soft`` is the log-mean-exp of
+    the node's patches: zero where they all are, near the max once they part, and every
+    patch gets its softmax share of the gradient."""
+    policy = LearnedPolicy(8, 3, fine_evidence=True, evidence_pooling=pooling)
+    values = torch.tensor([[0.0, 1.0, 4.0, -2.0], [2.0, -1.0, 0.5, 0.5], [0.0, 0.0, 9.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
+    pooled = policy._pool_evidence(values[None], 2)[0]
+    for row in range(2):
+        for col in range(2):
+            cell = values[2 * row : 2 * row + 2, 2 * col : 2 * col + 2].flatten()
+            expected = cell.max() if pooling == "max" else torch.logsumexp(cell, 0) - math.log(4)
+            assert pooled[row, col] == pytest.approx(float(expected), abs=1e-6)
+    tied = torch.zeros(1, 4, 4, requires_grad=True)
+    out = policy._pool_evidence(tied, 2)
+    assert torch.equal(out, torch.zeros(1, 2, 2))  # nothing added while the evidence is untrained
+    out.sum().backward()
+    if pooling == "max":
+        assert int((tied.grad != 0).sum()) == 4 and tied.grad[0, 0, 0] == 1.0  # each node's first patch
+    else:
+        assert torch.allclose(tied.grad, torch.full((1, 4, 4), 0.25))
+
+
+def test_evidence_pooling_is_checked_and_survives_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="evidence_pooling must be 'max' or 'soft', got 'mean'"):
+        LearnedPolicy(8, 3, fine_evidence=True, evidence_pooling="mean")
+    for overrides, problem in (
+        (["model.policy_evidence_pooling=mean"], "must be one of max, soft, got 'mean'"),
+        (["model.policy_evidence_pooling=soft"], "model.policy_fine_evidence is false"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_experiment(SMOKE, overrides)
+        assert err.value.key == "model.policy_evidence_pooling" and problem in str(err.value)
+    config = load_experiment(SMOKE, ["model.policy_fine_evidence=true", "model.policy_evidence_pooling=soft"])
+    assert config.model.policy_evidence_pooling == "soft"
+    model = tiny_model(policy_level_context=True, policy_fine_evidence=True, policy_evidence_pooling="soft")
+    with torch.no_grad():
+        model.policy.evidence[-1].weight.normal_()  # as if trained: the pooling now matters
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    model.save(tmp_path / "model.pt")
+    loaded = SplitViT.load(tmp_path / "model.pt")
+    assert loaded.spec["policy_evidence_pooling"] == "soft" and loaded.policy.evidence_pooling == "soft"
+    assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))

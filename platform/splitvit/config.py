@@ -72,6 +72,7 @@ TEACHERS = ("gradient", "attention", "objects")
 TEACHER_TARGETS = ("per_level", "nested", "mixed")
 #: What the teacher's marks meet the target ratio over (:func:`splitvit.train.losses.relevance_targets`).
 TEACHER_SCOPES = ("image", "batch")
+EVIDENCE_POOLINGS = ("max", "soft")
 
 
 #: What each task is judged by; a task not named here (``classification``) by ``accuracy``.
@@ -152,6 +153,11 @@ class ModelConfig:
             telling of the finest patches under it (a small MLP on the finest level's
             embeddings, max-pooled to each level's grid, zero at initialisation): a
             node with one patch on an item splits, as the oracle's rule has it.
+        policy_evidence_pooling: how the fine evidence of the patches under a node
+            becomes the node's: ``max`` (the most telling patch's), or ``soft``, their
+            log-mean-exp (zero at initialisation as ``max`` is, tending to the max as the
+            scores part, but passing the gradient to every patch rather than to the
+            first of tied ones).
         length_buckets: the padded attention path only (``attention='padded'`` or
             ``return_attention``): encode variable-length batches in this many length groups.
         init_from: start training from the weights of this splitvit checkpoint (a
@@ -180,6 +186,7 @@ class ModelConfig:
     policy_level_context: bool = False
     policy_feature_grad: bool = False
     policy_fine_evidence: bool = False
+    policy_evidence_pooling: str = "max"
     length_buckets: int = 1
     init_from: str | None = None
 
@@ -844,6 +851,16 @@ def validate(config: ExperimentConfig) -> None:
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
+    require(
+        m.policy_evidence_pooling in EVIDENCE_POOLINGS,
+        "model.policy_evidence_pooling",
+        f"must be one of {', '.join(EVIDENCE_POOLINGS)}, got {m.policy_evidence_pooling!r}",
+    )
+    require(
+        m.policy_evidence_pooling == "max" or m.policy_fine_evidence,
+        "model.policy_evidence_pooling",
+        "pools the learned policy's fine evidence, but model.policy_fine_evidence is false: set it true",
+    )
     require(
         (t.teacher == "objects") == (m.task == "detection") or t.teacher == "gradient",
         "train.teacher",

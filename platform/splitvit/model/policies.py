@@ -200,7 +200,11 @@ class LearnedPolicy(SplitPolicy):
     to the level's grid): a node splits when any patch under it looks like it matters,
     the oracle's own rule, which a node's embedding, a mix of its patches, blurs. Its
     last layer starts at zero, so at initialisation it adds nothing; it costs one MLP on
-    the finest level's embeddings, about a twelfth of a block at full resolution.
+    the finest level's embeddings, about a twelfth of a block at full resolution. With
+    ``evidence_pooling="soft"`` a node takes the log-mean-exp of its patches' scores
+    instead of their maximum: also zero at initialisation and near the maximum once the
+    scores part, but every patch gets a share of the gradient, where the maximum of
+    tied scores passes all of it to the first patch.
 
     With ``budget_conditioned``, an embedding of the target token ratio
     (``context.budget``, :attr:`budget_embed`) is added to the coarse features that
@@ -223,8 +227,12 @@ class LearnedPolicy(SplitPolicy):
         budget_conditioned: bool = False,
         level_context: bool = False,
         fine_evidence: bool = False,
+        evidence_pooling: str = "max",
     ):
         super().__init__()
+        if evidence_pooling not in ("max", "soft"):
+            raise ValueError(f"evidence_pooling must be 'max' or 'soft', got {evidence_pooling!r}")
+        self.evidence_pooling = evidence_pooling
         if level_context and levels < 3:
             raise ValueError(f"level_context needs levels >= 3 (only the coarsest level is scored), got {levels}")
         self.level_context = level_context
@@ -308,12 +316,20 @@ class LearnedPolicy(SplitPolicy):
             with torch.autocast(device_type=feats.device.type, enabled=False):
                 logit = head((feats + node).float()).squeeze(-1)
                 if evidence is not None:
-                    factor = evidence.shape[-1] // logit.shape[-1]
-                    logit = logit + F.max_pool2d(evidence[:, level], factor)
+                    logit = logit + self._pool_evidence(evidence[:, level], evidence.shape[-1] // logit.shape[-1])
                 out.append(logit)
             if level + 1 < len(self.heads):  # carry the ancestor's feature down to the next level's grid
                 feats = repeat_cells(feats, 2, dim=1)
         return out
+
+    def _pool_evidence(self, evidence: torch.Tensor, factor: int) -> torch.Tensor:
+        """Per-patch evidence ``(B, H, W)`` -> each ``factor x factor`` node's ``(B, H/f, W/f)``:
+        the maximum, or with ``soft`` pooling the log-mean-exp."""
+        if self.evidence_pooling == "max":
+            return F.max_pool2d(evidence, factor)
+        b, h, w = evidence.shape
+        cells = evidence.reshape(b, h // factor, factor, w // factor, factor).transpose(2, 3)
+        return torch.logsumexp(cells.reshape(b, h // factor, w // factor, -1), dim=-1) - math.log(factor * factor)
 
     def _fine_evidence(self, fine: torch.Tensor) -> torch.Tensor:
         """Per-patch evidence ``(B, levels - 1, H, W)`` from the finest embeddings

@@ -237,6 +237,7 @@ class SplitViT(nn.Module):
             detaches them whatever this says. Other policies ignore it.
         policy_fine_evidence: the learned policy also scores a node from the most
             telling finest patch under it (``LearnedPolicy``'s ``fine_evidence``).
+        policy_evidence_pooling: ``max`` or ``soft`` (``LearnedPolicy``'s ``evidence_pooling``).
             Other policies ignore it.
     """
 
@@ -262,6 +263,7 @@ class SplitViT(nn.Module):
         policy_level_context: bool = False,
         policy_feature_grad: bool = False,
         policy_fine_evidence: bool = False,
+        policy_evidence_pooling: str = "max",
     ) -> None:
         super().__init__()
         if not isinstance(vit, VisionTransformer):
@@ -323,6 +325,7 @@ class SplitViT(nn.Module):
         self.policy_level_context = policy_level_context
         self.policy_feature_grad = policy_feature_grad
         self.policy_fine_evidence = policy_fine_evidence
+        self.policy_evidence_pooling = policy_evidence_pooling
         self.register_buffer("budget", torch.tensor(DEFAULT_BUDGET), persistent=True)
         self._register_load_state_dict_pre_hook(_keep_budget_if_missing, with_module=True)
         # Zero-initialised level embedding: at init a token means what the timm model's does.
@@ -503,7 +506,7 @@ class SplitViT(nn.Module):
         if self.policy_feature_grad:
             options["detach_features"] = False
         if self.policy_fine_evidence:
-            options["fine_evidence"] = True
+            options.update(fine_evidence=True, evidence_pooling=self.policy_evidence_pooling)
         if self.policy_width is not None:
             options.update(width=self.policy_width, depth=self.policy_depth)
         return build_policy(name, embed_dim=self.embed_dim, levels=self.levels, **options)

@@ -196,6 +196,7 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT 
         policy_level_context=model.policy_level_context,
         policy_feature_grad=model.policy_feature_grad,
         policy_fine_evidence=model.policy_fine_evidence,
+        policy_evidence_pooling=model.policy_evidence_pooling,
         task=model.task,
         length_buckets=model.length_buckets,
     )
