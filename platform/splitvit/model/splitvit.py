@@ -237,8 +237,9 @@ class SplitViT(nn.Module):
             detaches them whatever this says. Other policies ignore it.
         policy_fine_evidence: the learned policy also scores a node from the most
             telling finest patch under it (``LearnedPolicy``'s ``fine_evidence``).
-        policy_evidence_pooling: ``max`` or ``soft`` (``LearnedPolicy``'s ``evidence_pooling``).
             Other policies ignore it.
+        policy_evidence_pooling: ``max`` or ``soft``, how that evidence is pooled to each
+            node (``LearnedPolicy``'s ``evidence_pooling``).
     """
 
     def __init__(

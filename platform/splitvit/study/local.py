@@ -352,7 +352,7 @@ def run_study_local(
         train = spec.run_config(spec.seeds[0], method, method).train
         return [f"train.{key}" for key in ("policy_lead_epochs", "policy_epochs") if getattr(train, key)]
 
-    phased = [f"{m}: {', '.join(policy_phases(m))}" for m in spec.methods if policy_phases(m)]
+    phased = [f"{m}: {', '.join(keys)}" for m in spec.methods if (keys := policy_phases(m))]
     if phased:
         raise StudyError(
             f"{spec.source}: {'; '.join(phased)}: the local study loop has no policy-only "
