@@ -33,9 +33,9 @@ from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.models.detection.roi_heads import RoIHeads, paste_masks_in_image
 from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
-from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
+from .roi_align import MultiScaleRoIAlign
 from .splitvit import SplitOutput, SplitViT, checkpoint_spec, load_checkpoint_state
 
 #: ViTDet's pyramid: the fine map upsampled 4x and 2x, as it is, and pooled 2x.
