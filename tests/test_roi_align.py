@@ -110,3 +110,18 @@ def test_multiscale_pool_matches_torchvisions():
     got = torch.autograd.grad(pooled, list(maps.values()), grad_output)
     for level_want, level_got in zip(want, got):
         torch.testing.assert_close(level_got, level_want, rtol=1e-12, atol=1e-12)
+
+
+def test_rois_in_chunks_give_the_same_gradient(monkeypatch):
+    """A small working-memory bound puts the RoIs through the backward pass a few at a
+    time (a large RoI's window sets every RoI's span): the gradient is the same."""
+    import splitvit.model.roi_align as module
+
+    generator = torch.Generator().manual_seed(11)
+    features = torch.randn(2, 3, 12, 12, dtype=torch.float64, generator=generator, requires_grad=True)
+    rois = random_rois(generator, 2, 9, 12, 12, 0.5)
+    grad_output = torch.randn(9, 3, 7, 7, dtype=torch.float64, generator=generator)
+    (want,) = torch.autograd.grad(torchvision_roi_align(features, rois, (7, 7), 0.5, 2), features, grad_output)
+    monkeypatch.setattr(module, "WINDOW_ELEMENTS", 3 * 12 * 12 * 2)  # 2-5 RoIs per chunk
+    (got,) = torch.autograd.grad(roi_align(features, rois, (7, 7), 0.5, 2), features, grad_output)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

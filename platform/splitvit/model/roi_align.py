@@ -22,6 +22,10 @@ from torchvision.ops import MultiScaleRoIAlign as _TorchvisionMultiScaleRoIAlign
 from torchvision.ops import roi_align as torchvision_roi_align
 from torchvision.ops.poolers import _setup_scales
 
+#: The backward pass's working tensors (RoIs x window x channels) stay below this many
+#: elements (64 MiB in float32): RoIs go through it in chunks.
+WINDOW_ELEMENTS = 1 << 24
+
 
 def roi_align(
     features: Tensor,
@@ -113,15 +117,19 @@ def roi_align_backward(
     weights_x, first_x = _axis_weights(boxes[:, 0], width_, out_w, sampling_ratio, width)
     # each RoI's window gradient, cells last: Ay^T (span_y x out_h) @ G (out_h x out_w) @ Ax (out_w x span_x)
     scaled = (grad_output / (sampling_ratio * sampling_ratio)).permute(0, 2, 3, 1)  # (K, out_h, out_w, C)
-    rows_done = torch.bmm(weights_y.transpose(1, 2), scaled.reshape(rois.shape[0], out_h, -1))
-    rows_done = rows_done.view(rois.shape[0], -1, out_w, channels)  # (K, span_y, out_w, C)
-    window = torch.matmul(weights_x.transpose(1, 2).unsqueeze(1), rows_done)  # (K, span_y, span_x, C)
-    rows = (first_y[:, None] + torch.arange(window.shape[1], device=rois.device)).clamp(max=height - 1)
-    cols = (first_x[:, None] + torch.arange(window.shape[2], device=rois.device)).clamp(max=width - 1)
-    image = rois[:, 0].long()
+    span_y, span_x = weights_y.shape[2], weights_x.shape[2]
+    rows = (first_y[:, None] + torch.arange(span_y, device=rois.device)).clamp(max=height - 1)
+    cols = (first_x[:, None] + torch.arange(span_x, device=rois.device)).clamp(max=width - 1)
     # cells past the map's edge carry zero weight; clamping them keeps their (zero) rows in range
-    index = (image[:, None, None] * height + rows[:, :, None]) * width + cols[:, None, :]
-    grad.index_add_(0, index.flatten(), window.reshape(-1, channels))
+    index = (rois[:, 0].long()[:, None, None] * height + rows[:, :, None]) * width + cols[:, None, :]
+    # RoIs in chunks, so that a large RoI's window (the span is every RoI's) stays within WINDOW_ELEMENTS
+    chunk = max(1, WINDOW_ELEMENTS // (max(span_y, out_h) * max(span_x, out_w) * channels))
+    for start in range(0, rois.shape[0], chunk):
+        part = slice(start, start + chunk)
+        rows_done = torch.bmm(weights_y[part].transpose(1, 2), scaled[part].flatten(2))
+        rows_done = rows_done.view(rows_done.shape[0], span_y, out_w, channels)
+        window = torch.matmul(weights_x[part].transpose(1, 2).unsqueeze(1), rows_done)  # (k, span_y, span_x, C)
+        grad.index_add_(0, index[part].flatten(), window.reshape(-1, channels))
     return grad.view(batch, height, width, channels).permute(0, 3, 1, 2).contiguous()
 
 
