@@ -9,9 +9,9 @@ the bins' interpolation weights over the window's rows, ``Ax`` over its columns,
 the RoI's output gradient), added into the map with one ``index_add_``.
 
 The forward pass is torchvision's own op, so outputs (and evaluation) are unchanged bit
-for bit; the gradient equals torchvision's up to float rounding (tested). Only
-``sampling_ratio > 0`` takes this path (every detector here uses 2); the adaptive
-sampling grid falls back to torchvision's backward.
+for bit; the gradient equals torchvision's up to float rounding (tested). Only float
+CPU tensors with ``sampling_ratio > 0`` take this path (every detector here samples 2x2
+per bin); CUDA, half precision and the adaptive sampling grid keep torchvision's backward.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _axis_weights(start: Tensor, length: Tensor, bins: int, grid: int, size: int
     high = torch.where(at_edge, low, low + 1)
     frac = torch.where(at_edge, torch.zeros_like(coords), coords - low.to(dtype))
     keep = inside.to(dtype)
-    # the window starts at the lowest cell any kept sample reads (0 for an RoI with none)
+    # the window starts at the lowest cell any kept sample reads (the last cell for an RoI with none)
     first = torch.where(inside, low, torch.full_like(low, size)).flatten(1).amin(dim=1).clamp(max=size - 1)
     span = int((torch.where(inside, high, first[:, None, None]) - first[:, None, None]).max()) + 1
     weights = torch.zeros(start.shape[0], bins, span, dtype=dtype, device=device)
