@@ -233,7 +233,7 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
         (
             "study_fashion_det.yaml",
             "split-0.7-objects-d2-lead4-policy4-batch-fgrad-fine",
-            {None: 3, "finetune-6": 6, "finetune-10": 10, "finetune-20": 20},
+            {"finetune-3": 3, "finetune-6": 6, "finetune-10": 10, None: 15, "finetune-20": 20},
         ),
     ],
 )
