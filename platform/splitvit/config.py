@@ -72,7 +72,6 @@ TEACHERS = ("gradient", "attention", "objects")
 TEACHER_TARGETS = ("per_level", "nested", "mixed")
 #: What the teacher's marks meet the target ratio over (:func:`splitvit.train.losses.relevance_targets`).
 TEACHER_SCOPES = ("image", "batch")
-EVIDENCE_POOLINGS = ("max", "soft")
 
 
 #: What each task is judged by; a task not named here (``classification``) by ``accuracy``.
@@ -851,13 +850,8 @@ def validate(config: ExperimentConfig) -> None:
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
-    require(
-        m.policy_evidence_pooling in EVIDENCE_POOLINGS,
-        "model.policy_evidence_pooling",
-        f"must be one of {', '.join(EVIDENCE_POOLINGS)}, got {m.policy_evidence_pooling!r}",
-    )
-    require(
-        m.policy_evidence_pooling == "max" or m.policy_fine_evidence,
+    require(  # the value itself is the model's name to check (train/names.py)
+        m.policy_evidence_pooling != "soft" or m.policy_fine_evidence,
         "model.policy_evidence_pooling",
         "pools the learned policy's fine evidence, but model.policy_fine_evidence is false: set it true",
     )

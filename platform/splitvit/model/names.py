@@ -10,5 +10,7 @@ TASKS = ("classification", "dense")
 DETECTION_TASK = "detection"
 #: ``model.task``: SplitViT's tasks, or detection.
 MODEL_TASKS = (*TASKS, DETECTION_TASK)
+#: How the learned policy's fine evidence pools a node's patches (``model.policy_evidence_pooling``).
+EVIDENCE_POOLINGS = ("max", "soft")
 #: ``normalize`` values of :func:`~splitvit.model.splitvit.input_data_config` (``model.normalize``).
 INPUT_NORMALIZATIONS = ("auto", "timm", "none")

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.models.vision_transformer import Block
 
-from .names import POLICY_NAMES
+from .names import EVIDENCE_POOLINGS, POLICY_NAMES
 from .quadtree import QuadtreeGeometry, repeat_cells
 
 
@@ -230,7 +230,7 @@ class LearnedPolicy(SplitPolicy):
         evidence_pooling: str = "max",
     ):
         super().__init__()
-        if evidence_pooling not in ("max", "soft"):
+        if evidence_pooling not in EVIDENCE_POOLINGS:
             raise ValueError(f"evidence_pooling must be 'max' or 'soft', got {evidence_pooling!r}")
         self.evidence_pooling = evidence_pooling
         if level_context and levels < 3:

@@ -1,6 +1,6 @@
-"""The checks of a config's names (dataset, policy, task, input normalisation) against
-what the data and the model define, and of the task against the dataset's targets,
-without torch: the command line runs them before torch, Ray and MLflow load (a
+"""The checks of a config's names (dataset, policy, task, input normalisation, evidence
+pooling) against what the data and the model define, and of the task against the
+dataset's targets, without torch: the command line runs them before torch, Ray and MLflow load (a
 misspelt name is one line in a second), and
 :func:`~splitvit.train.experiment.validate_experiment` runs them with the rest."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..config import ConfigError, ExperimentConfig, require
 from ..data.names import ANY_TASK_DATASETS, DATASET_NAMES, DETECTION_DATASETS
-from ..model.names import DETECTION_TASK, INPUT_NORMALIZATIONS, MODEL_TASKS, POLICY_NAMES
+from ..model.names import DETECTION_TASK, EVIDENCE_POOLINGS, INPUT_NORMALIZATIONS, MODEL_TASKS, POLICY_NAMES
 
 
 def check_names(config: ExperimentConfig) -> None:
@@ -30,6 +30,11 @@ def check_names(config: ExperimentConfig) -> None:
         m.normalize in INPUT_NORMALIZATIONS,
         "model.normalize",
         f"must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {m.normalize!r}",
+    )
+    require(
+        m.policy_evidence_pooling in EVIDENCE_POOLINGS,
+        "model.policy_evidence_pooling",
+        f"must be one of {', '.join(EVIDENCE_POOLINGS)}, got {m.policy_evidence_pooling!r}",
     )
 
 
