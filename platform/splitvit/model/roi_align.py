@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torchvision.ops import MultiScaleRoIAlign as _TorchvisionMultiScaleRoIAlign
 from torchvision.ops import roi_align as torchvision_roi_align
-from torchvision.ops.poolers import _setup_scales
+from torchvision.ops.poolers import _convert_to_roi_format, _filter_input, _setup_scales
 
 #: The backward pass's working tensors (RoIs x window x channels) stay below this many
 #: elements (64 MiB in float32): RoIs go through it in chunks.
@@ -134,16 +134,18 @@ def roi_align_backward(
 
 
 class MultiScaleRoIAlign(_TorchvisionMultiScaleRoIAlign):
-    """torchvision's ``MultiScaleRoIAlign`` (the same levels, scales and level mapping,
-    the same outputs) pooling with :func:`roi_align`, whose backward pass is vectorised."""
+    """torchvision's ``MultiScaleRoIAlign`` (its own input filter, scales, RoI format and
+    level mapping; the same outputs) pooling with :func:`roi_align`, whose backward pass
+    is vectorised: torchvision's ``_multiscale_roi_align`` calls its module's
+    ``roi_align``, which cannot be swapped without patching torchvision for everyone."""
 
     def forward(self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]) -> Tensor:
-        features = [value for name, value in x.items() if name in self.featmap_names]
+        features = _filter_input(x, self.featmap_names)
         if self.scales is None or self.map_levels is None:
             self.scales, self.map_levels = _setup_scales(
                 features, image_shapes, self.canonical_scale, self.canonical_level
             )
-        rois = torch.cat([torch.cat([torch.full_like(b[:, :1], i), b], dim=1) for i, b in enumerate(boxes)], dim=0)
+        rois = _convert_to_roi_format(boxes)
         output_size = tuple(self.output_size)
         if len(features) == 1:
             return roi_align(features[0], rois, output_size, self.scales[0], self.sampling_ratio)
