@@ -27,7 +27,7 @@ MEASUREMENTS = ROOT / "docs" / "measurements"
 DEFAULT_STUDIES = (
     MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json",
     MEASUREMENTS / "cpu-2026-12-03-seg" / "study_fashion_seg_scratch12.json",
-    MEASUREMENTS / "cpu-2026-12-05-det-ft15" / "study_fashion_det.json",
+    MEASUREMENTS / "cpu-2026-12-05-det-ref28" / "study_fashion_det.json",
 )
 
 

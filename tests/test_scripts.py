@@ -20,7 +20,7 @@ SCRIPTS = ROOT / "scripts"
 MEASUREMENTS = ROOT / "docs" / "measurements"
 CLASSIFICATION = MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json"
 DENSE = MEASUREMENTS / "cpu-2026-12-03-seg" / "study_fashion_seg_scratch12.json"
-DETECTION = MEASUREMENTS / "cpu-2026-12-05-det-ft15" / "study_fashion_det.json"
+DETECTION = MEASUREMENTS / "cpu-2026-12-05-det-ref28" / "study_fashion_det.json"
 RECIPE = "split-0.5-agg-mixed-ctx"
 DETECTION_RECIPE = "split-0.7-objects-d2-lead4-policy4-batch-fgrad-fine"  # policy, fine-tune, policy
 
