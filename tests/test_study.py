@@ -384,6 +384,19 @@ def test_shipped_studies_validate_at_every_scale():
             assert spec.goals.max_minutes == (150 if scale is None else None)  # the 2-core machine's limit
 
 
+def test_the_detection_studys_references_alone_validate_on_more_canvases():
+    """The references' convergence is read from their validation AP: they validate on
+    1,200 canvases, every method on the config's 300; on COCO (gpu) on the whole split."""
+    path = ROOT / "studies" / "study_fashion_det.yaml"
+    spec = load_study(path)
+    reference, method = spec.run_config(0, None, "b"), spec.run_config(0, "full", "m")
+    assert reference.data.options["val_samples"] == 1200 and method.data.options["val_samples"] == 300
+    assert reference.data.options["train_samples"] == method.data.options["train_samples"] == 3000  # one key set
+    assert spec.goals.converge_points == 0.5 and spec.goals.converge_epochs == 3
+    gpu = load_study(path, scale="gpu").run_config(0, None, "b").data.options
+    assert gpu == {"val_samples": None}  # the parquet shards' whole val/ split
+
+
 # ----------------------------------------------------------------- aggregation and goals
 def run(method, policy, seed, points):
     return {

@@ -1,7 +1,7 @@
 """The checks of a config's names (dataset, policy, task, input normalisation, evidence
 pooling) against what the data and the model define, and of the task against the
-dataset's targets, without torch: the command line runs them before torch, Ray and MLflow load (a
-misspelt name is one line in a second), and
+dataset's targets, without torch: the command line runs them before torch, Ray and
+MLflow load (a misspelt name is one line in a second), and
 :func:`~splitvit.train.experiment.validate_experiment` runs them with the rest."""
 
 from __future__ import annotations
