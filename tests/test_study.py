@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,10 @@ from splitvit.study.goals import (
 from splitvit.study.report import lever_lines, reuse_phrase, summary_lines
 from splitvit.study.runs import STUDY_RESULT_FILE, stale_runs, study_run
 from splitvit.study.spec import Goals, load_study
+from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
 from splitvit.train.checkpoints import init_weights
 from splitvit.tune.space import SearchSpaceError
+from splitvit.tune.speed import FullTiming
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -445,6 +448,100 @@ def test_aggregate_and_goals_are_computed_from_the_points():
     assert not matched_point(rows, Goals(match_points=0.0, match_ratio=0.3)).matches_full
 
 
+def _timed_point(method: str, ratio: float, speedup: float) -> StudyTimedPoint:
+    return StudyTimedPoint(
+        index=0,
+        label=f"{method}@{ratio}",
+        checkpoint=f"/runs/{method}-s0",
+        policy="learned",
+        thresholds=[0.4, 0.6],
+        budget=ratio,
+        full="full0",
+        tokens_per_image=64 * ratio,
+        token_ratio=ratio,
+        median_s=0.01 / speedup,
+        min_s=0.009 / speedup,
+        images_per_s=6400.0 * speedup,
+        full_images_per_s=6400.0,
+        speedup_vs_full=speedup,
+        speedup_vs_full_fastest=speedup * 1.1,
+        speedup_vs_full_per_round={"median": speedup, "q1": speedup, "q3": speedup},
+        method=method,
+        target_ratio=ratio,
+        seed=0,
+    )
+
+
+def test_the_matched_point_quotes_the_points_timing_and_is_timed_alone_only_where_it_lacks_it(tmp_path):
+    """One timing per point: where the points' timing has the matched point on its seed the
+    goal line reads its figures (no second timing); where it lacks it, the point is timed alone."""
+    spec = load_study(write_study(tmp_path))
+    runs = [
+        run("full", "full", 0, [(None, 0.90, 1.0)]),
+        run("split", "learned", 0, [(0.25, 0.86, None), (0.5, 0.90, None)]),
+    ]
+    for r in runs:
+        r["checkpoint"] = f"/runs/{r['method']}-s0"
+    rows = aggregate(runs, "accuracy")
+    full = FullTiming(
+        key="full0",
+        checkpoint="/runs/full-s0",
+        policy="full",
+        median_s=0.01,
+        min_s=0.009,
+        images_per_s=6400.0,
+        tokens_per_image=64.0,
+        token_ratio=1.0,
+        speedup_vs_full=1.0,
+    )
+    record = PointSpeed(
+        device="cpu",
+        machine={},
+        batch_size=8,
+        rounds=2,
+        warmup=1,
+        precision="float32",
+        images="the first 8 images of the test split",
+        method="interleaved rounds",
+        full=[full],
+        points=[_timed_point("split", 0.25, 1.7), _timed_point("split", 0.5, 1.3)],
+        other_processes_cpus=0.0,
+        warnings=[],
+        seconds=1.0,
+        full_method="full",
+        seed=0,
+    )
+    assert matched_point(rows, spec.goals).row.target_ratio == 0.5
+
+    def no_second_timing(fn, *args, **kwargs):
+        raise AssertionError("the matched point was timed again")
+
+    speed = matched_speed(spec, rows, runs, record, run=no_second_timing)
+    assert speed.timing == "points" and speed.target_ratio == 0.5 and speed.seed == 0
+    assert (speed.ratio, speed.ratio_fastest_round, speed.split_images_per_s) == (1.3, 1.3 * 1.1, 6400.0 * 1.3)
+    assert speed.thresholds == [0.4, 0.6] and speed.ideal_ratio == 2.0 and speed.backbone_ratio is None
+    assert "as timed beside the other points" in summary_lines(GoalVerdicts("accuracy"), speed, [])[0]
+    assert MatchedSpeed.from_dict(json.loads(json.dumps(speed.to_dict())), "accuracy") == speed
+
+    calls = []
+    alone = SpeedComparison(8, 2, "cpu", [0.5, 0.5], 0.5, 2.0, 7000.0, 6400.0, 1.09, 1.2)
+
+    def timed_alone(fn, *args, **kwargs):
+        calls.append((fn.__name__, args, kwargs["target_ratio"]))
+        return alone
+
+    without = replace(record, points=record.points[:1])  # the 50% point was not timed
+    speed = matched_speed(spec, rows, runs, without, run=timed_alone)
+    assert calls == [("speed_comparison", ("/runs/split-s0", "/runs/full-s0"), 0.5)]
+    assert speed.timing == "own" and speed.ratio == 1.09
+    assert "beside the other points" not in summary_lines(GoalVerdicts("accuracy"), speed, [])[0]
+    assert matched_speed(spec, rows, runs, None, run=timed_alone).timing == "own"
+    # a file written before the field existed reads back to itself
+    legacy = {k: v for k, v in speed.to_dict().items() if k != "timing"}
+    assert MatchedSpeed.from_dict(legacy, "accuracy").timing is None
+    assert MatchedSpeed.from_dict(legacy, "accuracy").to_dict() == legacy
+
+
 # ----------------------------------------------------------------- init_from
 def test_init_weights_carries_the_backbone_across_policies(tmp_path):
     kwargs = dict(
@@ -509,6 +606,19 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
         (reference["curve"][1] - reference["curve"][0]) * 100
     )
     assert data["speed"]["ratio"] > 0 and data["speed"]["ideal_ratio"] >= 1.0
+    # the matched point is one of the timed points: the goal line quotes the table's figure
+    matched = data["speed"]
+    timed_point = next(
+        p
+        for p in data["point_speed"]["points"]
+        if (p["method"], p["target_ratio"]) == (matched["method"], matched["target_ratio"])
+    )
+    assert matched["timing"] == "points" and matched["seed"] == data["point_speed"]["seed"]
+    assert (matched["ratio"], matched["split_images_per_s"], matched["token_fraction"]) == (
+        timed_point["speedup_vs_full"],
+        timed_point["images_per_s"],
+        timed_point["token_ratio"],
+    )
     # every method started from the seed's backbone, and says so in its config
     train = Path(data["study_dir"]) / "train"
     assert all(r["checkpoint"].startswith(str(train)) for r in data["runs"])

@@ -289,14 +289,14 @@ def _speed_step(
     def on_device(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return executor.trainer.evaluate(base, fn, *args, **kwargs)
 
-    speed = matched_speed(spec, rows, runs, run=on_device)
     point_speed = None
     if runs:
         try:
             point_speed = points_speed(spec, runs, run=on_device)
         except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the study
             log.warning("could not time the operating points: %s", exc)
-    return speed, point_speed
+    # the matched point's figures are the points' timing where it timed that point
+    return matched_speed(spec, rows, runs, point_speed, run=on_device), point_speed
 
 
 def _goal_verdicts(

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..tune.speed import FullTiming
 from .goals import GoalVerdicts, LeverRow, ParityVerdict, ReferenceConvergence, StudyRow, StudyTime
-from .speed import MatchedSpeed, PointSpeed, StudyTimedPoint
+from .speed import POINTS_TIMING, MatchedSpeed, PointSpeed, StudyTimedPoint
 
 
 def _gap_text(gap: float, spread: float | None) -> str:
@@ -144,9 +144,11 @@ def _speed_line(s: MatchedSpeed) -> str:
         else f"; backbone alone {s.backbone_split_images_per_s:.0f} vs {s.backbone_full_images_per_s:.0f} "
         f"images/s = {s.backbone_ratio:.2f}x"
     )
+    # the speed table's own figure (below), or a timing of this point alone
+    timing = ", as timed beside the other points" if s.timing == POINTS_TIMING else ""
     return (
         f"speed ({which}: {s.method} @ {s.target_ratio}, seed {s.seed}, batch {s.batch_size} "
-        f"on {s.device}): {s.split_images_per_s:.0f} vs {s.full_images_per_s:.0f} images/s = "
+        f"on {s.device}{timing}): {s.split_images_per_s:.0f} vs {s.full_images_per_s:.0f} images/s = "
         f"{s.ratio:.2f}x{backbone} (ideal {s.ideal_ratio:.2f}x at {s.token_fraction:.1%} tokens)"
     )
 

@@ -1,9 +1,11 @@
-"""The study's speed step, on trained checkpoints: the matched SPLIT point against
-full resolution (:func:`matched_speed`, timed by :func:`speed_comparison`) and every
-method's evaluated points side by side (:func:`points_speed`, timed by
-:func:`~splitvit.tune.speed.time_operating_points`, the timing routine sweeps use too).
-Each result is a dataclass whose ``to_dict()`` is its part of the study's JSON
-(``speed``, ``point_speed``) and whose ``from_dict()`` reads it back.
+"""The study's speed step, on trained checkpoints: every method's evaluated points
+side by side against full resolution (:func:`points_speed`, timed by
+:func:`~splitvit.tune.speed.time_operating_points`, the timing routine sweeps use too)
+and the matched SPLIT point (:func:`matched_speed`): read from that timing where it
+timed the point, so the goal line and the speed table quote one measurement, else
+timed on its own (:func:`speed_comparison`). Each result is a dataclass whose
+``to_dict()`` is its part of the study's JSON (``speed``, ``point_speed``) and whose
+``from_dict()`` reads it back.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from .spec import StudySpec
 
 #: ``run(fn, *args, **kwargs)``: runs a timing where the checkpoints' device is
 Runner = Callable[..., Any]
+
+#: :attr:`MatchedSpeed.timing`: the point's figures are the speed table's (:func:`points_speed`)
+POINTS_TIMING = "points"
+#: :attr:`MatchedSpeed.timing`: the point was timed alone beside full resolution (:func:`speed_comparison`)
+OWN_TIMING = "own"
 
 
 def _here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -61,18 +68,26 @@ class MatchedSpeed(SpeedComparison):
     matches_full: bool  # the point is within the goal's points of full resolution
     metric: str  # the JSON's key for ``quality``
     quality: float  # the point's quality, the mean over seeds
+    # which timing the figures are: POINTS_TIMING or OWN_TIMING (None: a file written
+    # before the field existed, whose point was timed alone)
+    timing: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """As in the study's JSON: the comparison's keys, then the point's."""
+        """As in the study's JSON: the comparison's keys, then the point's (``timing``
+        where known, so that older files read back to themselves)."""
         data = without_unset_backbone(asdict(self))
         del data["metric"], data["quality"]
+        if data["timing"] is None:
+            del data["timing"]
         data[self.metric] = self.quality
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], metric: str) -> MatchedSpeed:
-        """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
-        return cls(**read_speed_fields(cls, {**data, "metric": metric, "quality": data[metric]}))
+        """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``, but for
+        ``timing``, absent from files written before it existed)."""
+        values = {"timing": None, **data, "metric": metric, "quality": data[metric]}
+        return cls(**read_speed_fields(cls, values))
 
 
 @dataclass(frozen=True)
@@ -183,12 +198,21 @@ def _full_method(spec: StudySpec) -> str:
 
 
 def matched_speed(
-    spec: StudySpec, rows: list[StudyRow], runs: list[dict[str, Any]], run: Runner = _here
+    spec: StudySpec,
+    rows: list[StudyRow],
+    runs: list[dict[str, Any]],
+    point_speed: PointSpeed | None = None,
+    run: Runner = _here,
 ) -> MatchedSpeed | None:
-    """:func:`speed_comparison` of the :func:`~splitvit.study.goals.matched_point` against
-    full resolution, on the lowest seed that trained both (``None`` when there is no such
-    pair). ``run(fn, *args, **kwargs)`` runs it where the checkpoints' device is (default:
-    here, on the CPU)."""
+    """The :func:`~splitvit.study.goals.matched_point` against full resolution, on the
+    lowest seed that trained both (``None`` when there is no such pair).
+
+    Where ``point_speed`` (:func:`points_speed`) timed that point on that seed, its
+    figures are that timing's (``timing == POINTS_TIMING``): the goal line quotes the
+    number the speed table shows, not a second timing of the same point, which on a
+    shared CPU differs from the first by its rounds' spread. Otherwise the point is
+    timed alone (:func:`speed_comparison`; ``run(fn, *args, **kwargs)`` runs it where
+    the checkpoints' device is, default here, on the CPU)."""
     point = matched_point(rows, spec.goals)
     if point is None:
         return None
@@ -198,25 +222,58 @@ def matched_speed(
     full = _full_method(spec)
     if (full, seed) not in checkpoints:
         return None
-    timed: SpeedComparison = run(
-        speed_comparison,
-        checkpoints[(row.method, seed)],
-        checkpoints[(full, seed)],
-        target_ratio=row.target_ratio,
-        split=spec.split,
-        batch_size=spec.speed_batch,
-        rounds=spec.speed_rounds,
-        calibration_samples=spec.calibration_samples,
-        seed=seed,
-    )
+    timed = _from_points(point_speed, row.method, row.target_ratio, seed)
+    if timed is None:
+        timed = run(
+            speed_comparison,
+            checkpoints[(row.method, seed)],
+            checkpoints[(full, seed)],
+            target_ratio=row.target_ratio,
+            split=spec.split,
+            batch_size=spec.speed_batch,
+            rounds=spec.speed_rounds,
+            calibration_samples=spec.calibration_samples,
+            seed=seed,
+        )
+        source = OWN_TIMING
+    else:
+        source = POINTS_TIMING
     return MatchedSpeed(
-        **{f.name: getattr(timed, f.name) for f in fields(timed)},
+        **{f.name: getattr(timed, f.name) for f in fields(SpeedComparison)},
         method=row.method,
         target_ratio=row.target_ratio,
         seed=seed,
         matches_full=point.matches_full,
         metric=row.metric,
         quality=row.quality,
+        timing=source,
+    )
+
+
+def _from_points(
+    record: PointSpeed | None, method: str, target_ratio: float | None, seed: int
+) -> SpeedComparison | None:
+    """``method``'s point at ``target_ratio`` as :func:`points_speed` timed it, in
+    :func:`speed_comparison`'s terms (``None`` where it was not timed on ``seed``)."""
+    if record is None or record.seed != seed:
+        return None
+    found = timed_points(record).get((method, target_ratio))
+    if not isinstance(found, StudyTimedPoint) or found.thresholds is None:
+        return None
+    return SpeedComparison(
+        batch_size=record.batch_size,
+        rounds=record.rounds,
+        device=record.device,
+        thresholds=list(found.thresholds),
+        token_fraction=found.token_ratio,
+        ideal_ratio=1.0 / found.token_ratio,
+        split_images_per_s=found.images_per_s,
+        full_images_per_s=found.full_images_per_s,
+        ratio=found.speedup_vs_full,
+        ratio_fastest_round=found.speedup_vs_full_fastest,
+        backbone_split_images_per_s=found.backbone_images_per_s,
+        backbone_full_images_per_s=found.backbone_full_images_per_s,
+        backbone_ratio=found.backbone_speedup_vs_full,
     )
 
 
