@@ -56,6 +56,8 @@ DENSE = (
     _m("cpu-2026-12-02-seg", "study_fashion_seg_long8_50pl.json"),
     _m("cpu-2026-12-03-seg", "study_fashion_seg_ctx.json", "split-0.5-agg-mixed-ctx"),
     _m("cpu-2026-12-03-seg", "study_fashion_seg_scratch12.json"),
+    _m("cpu-2026-12-05-seg-speed", "study_fashion_seg.json", note="rerun 2026-12-05"),
+    _m("cpu-2026-12-05-seg-speed", "study_fashion_seg_t2.json", note="rerun 2026-12-05"),
 )
 # the committed runs, the quality columns' ratios, and whether entropy and random get rows
 STUDIES = {"classification": (CLASSIFICATION, "0.5,0.7", False), "dense": (DENSE, "0.1,0.3,0.5,0.7,0.8", True)}

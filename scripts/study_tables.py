@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = ROOT / "docs" / "measurements"
 DEFAULT_STUDIES = (
     MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json",
-    MEASUREMENTS / "cpu-2026-12-03-seg" / "study_fashion_seg_scratch12.json",
+    MEASUREMENTS / "cpu-2026-12-05-seg-speed" / "study_fashion_seg.json",
     MEASUREMENTS / "cpu-2026-12-05-det-ref28" / "study_fashion_det.json",
 )
 
