@@ -28,7 +28,7 @@ from splitvit.study.goals import (
     reference_convergence,
     study_time,
 )
-from splitvit.study.report import lever_lines, reuse_phrase, summary_lines
+from splitvit.study.report import lever_lines, reuse_phrase, summary_lines, training_pace_line
 from splitvit.study.runs import STUDY_RESULT_FILE, stale_runs, study_run
 from splitvit.study.spec import Goals, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
@@ -542,6 +542,28 @@ def test_the_matched_point_quotes_the_points_timing_and_is_timed_alone_only_wher
     assert MatchedSpeed.from_dict(legacy, "accuracy").to_dict() == legacy
 
 
+def test_the_fine_tune_pace_line_divides_each_methods_median_epoch_by_its_seeds_control():
+    def trained(method, policy, seed, paces, reused=False):
+        history = [{"epoch": i, "train_images_per_s": v} for i, v in enumerate(paces)]
+        return {"method": method, "policy": policy, "seed": seed, "history": history, "reused": reused}
+
+    runs = [
+        trained("full", "full", 0, [100.0, 300.0, 290.0]),  # median 290
+        trained("full", "full", 1, [200.0, 200.0, 210.0], reused=True),  # median 200
+        trained("split", "learned", 0, [261.0, 250.0, 255.0]),  # median 255
+        trained("split", "learned", 1, [220.0, 220.0, 230.0]),
+        trained("coarse", "coarse", 0, [1000.0]),
+        {"method": "entropy", "policy": "entropy", "seed": 0, "history": []},  # no epochs: left out
+    ]
+    line = training_pace_line(runs)
+    assert line.startswith("fine-tune pace vs full")
+    # seed 1's control was trained by an earlier invocation: its ratio is starred
+    assert "split 0.88x, 1.10x*; coarse 3.45x" in line and "entropy" not in line and "earlier invocation" in line
+    assert training_pace_line([r for r in runs if r["method"] != "full"]) is None  # no control
+    assert training_pace_line(runs[:2]) is None  # nothing beside the control
+    assert summary_lines(GoalVerdicts("accuracy"), None, [], None, runs)[-1] == line
+
+
 # ----------------------------------------------------------------- init_from
 def test_init_weights_carries_the_backbone_across_policies(tmp_path):
     kwargs = dict(
@@ -588,7 +610,10 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
     assert all(set(r) == TIMED_ROW_KEYS for r in data["rows"] if r["policy"] in ("learned", "full"))
     assert all(r["speedup_vs_full"] > 0 for r in data["rows"] if r["policy"] == "learned")
     assert next(r for r in data["rows"] if r["policy"] == "full")["speedup_vs_full"] == 1.0
-    assert "timed images/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "timed images/s" in printed
+    # every method's fine-tuning pace beside the control's, from the runs' epoch histories
+    assert "fine-tune pace vs full (median epoch's training images/s, seed by seed): " in printed
     assert all(set(r) == RUN_KEYS for r in data["runs"])
     methods = {(r["method"], r["target_ratio"]) for r in data["rows"]}
     assert methods == {("full", None), ("entropy", 0.25), ("entropy", 0.5), ("split", 0.25), ("split", 0.5)}

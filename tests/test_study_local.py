@@ -144,6 +144,7 @@ def test_second_invocation_through_the_command_line_reuses_every_finished_run(
     assert set(trained) - set(checkpoints) == {out / "train" / "random-s0" / "model.pt"}
     printed = capsys.readouterr().out
     assert "4 runs (3 finished earlier, reused)" in printed and "SPLIT vs full resolution" in printed
+    assert "fine-tune pace vs full" in printed  # the runs reused from the first invocation starred
     client = MlflowClient(mlflow_uri)
     parent = client.get_run(again["mlflow_run_id"])
     assert again["tracking_uri"] == mlflow_uri and parent.info.status == "FINISHED"

@@ -135,7 +135,7 @@ def _print_table(local: LocalStudyResult) -> None:
         )
     for line in lever_lines(result.levers, metric):
         print(line)
-    for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed):
+    for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed, result.runs):
         print(line)
     if result.mlflow_run_id:
         print(f"MLflow: experiment run {result.mlflow_run_id} in {result.tracking_uri}")

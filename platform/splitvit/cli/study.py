@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     for line in lever_lines(result.levers, metric):
         print(line)
-    for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed):
+    for line in summary_lines(result.goals, result.speed, result.failed, result.point_speed, result.runs):
         print(line)
     print(f"MLflow: experiment run {result.mlflow_run_id} in {result.tracking_uri}")
     emit(args, result.to_dict(), tracking_uri=result.tracking_uri, run_id=result.mlflow_run_id)

@@ -1,10 +1,12 @@
 """What a person reads of a study: the lines printed under its table
 (:func:`summary_lines`, :func:`lever_lines`, :func:`point_speed_lines`,
-:func:`reuse_phrase`) and its figures (:func:`study_figure`, :func:`study_speed_figure`).
+:func:`training_pace_line`, :func:`reuse_phrase`) and its figures (:func:`study_figure`,
+:func:`study_speed_figure`).
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from ..tune.speed import FullTiming
@@ -153,11 +155,45 @@ def _speed_line(s: MatchedSpeed) -> str:
     )
 
 
+def training_pace_line(runs: list[dict[str, Any]]) -> str | None:
+    """Each method's fine-tuning pace against the full-resolution control's, seed by seed:
+    the median epoch's training images/s over the control's of the same seed. Runs
+    trained by an earlier invocation (``reused``) are starred: their pace was measured
+    beside other runs. ``None`` without a control or any other run with an epoch history."""
+    pace = {
+        (r["method"], r["seed"]): statistics.median(e["train_images_per_s"] for e in r["history"])
+        for r in runs
+        if r.get("history") and all("train_images_per_s" in e for e in r["history"])
+    }
+    reused = {(r["method"], r["seed"]) for r in runs if r.get("reused")}
+    controls = {r["method"] for r in runs if r.get("policy") == "full"}
+    parts = []
+    for method in dict.fromkeys(r["method"] for r in runs if r["method"] not in controls):
+        ratios = []
+        for seed in sorted({r["seed"] for r in runs if r["method"] == method}, key=int):
+            control = next((pace[(c, seed)] for c in controls if (c, seed) in pace), None)
+            if control is None or (method, seed) not in pace:
+                continue
+            star = "*" if {(method, seed), *((c, seed) for c in controls)} & reused else ""
+            ratios.append(f"{pace[(method, seed)] / control:.2f}x{star}")
+        if ratios:
+            parts.append(f"{method} {', '.join(ratios)}")
+    if not parts:
+        return None
+    note = " (* a run trained by an earlier invocation, beside other runs)" if any("*" in p for p in parts) else ""
+    return "fine-tune pace vs full (median epoch's training images/s, seed by seed): " + "; ".join(parts) + note
+
+
 def summary_lines(
-    goals: GoalVerdicts, speed: MatchedSpeed | None, failed: list[str], point_speed: PointSpeed | None = None
+    goals: GoalVerdicts,
+    speed: MatchedSpeed | None,
+    failed: list[str],
+    point_speed: PointSpeed | None = None,
+    runs: list[dict[str, Any]] | None = None,
 ) -> list[str]:
     """The goals as measured, the speed comparison, the operating points' measured
-    speed-ups (:func:`~splitvit.study.speed.points_speed`) and the failed runs, one line
+    speed-ups (:func:`~splitvit.study.speed.points_speed`), each method's fine-tuning
+    pace (:func:`training_pace_line`, given ``runs``) and the failed runs, one line
     each (``splitvit study`` and the single-GPU runner print these under their table)."""
     lines = []
     if goals.reference_converged is not None:
@@ -182,6 +218,9 @@ def summary_lines(
     if speed:
         lines.append(_speed_line(speed))
     lines += point_speed_lines(point_speed)
+    pace = training_pace_line(runs or [])
+    if pace:
+        lines.append(pace)
     lines += [f"failed: {failure}" for failure in failed]
     return lines
 
