@@ -533,6 +533,11 @@ def test_the_matched_point_quotes_the_points_timing_and_is_timed_alone_only_wher
     without = replace(record, points=record.points[:1])  # the 50% point was not timed
     speed = matched_speed(spec, rows, runs, without, run=timed_alone)
     assert calls == [("speed_comparison", ("/runs/split-s0", "/runs/full-s0"), 0.5)]
+    # timed with the checkpoint's own thresholds (none stored): no thresholds to quote, timed alone
+    own = replace(record, points=[record.points[0], replace(record.points[1], thresholds=None)])
+    assert matched_speed(spec, rows, runs, own, run=timed_alone).timing == "own" and len(calls) == 2
+    # the points' timing of another seed is not this seed's
+    assert matched_speed(spec, rows, runs, replace(record, seed=1), run=timed_alone).timing == "own"
     assert speed.timing == "own" and speed.ratio == 1.09
     assert "beside the other points" not in summary_lines(GoalVerdicts("accuracy"), speed, [])[0]
     assert matched_speed(spec, rows, runs, None, run=timed_alone).timing == "own"

@@ -166,16 +166,15 @@ def training_pace_line(runs: list[dict[str, Any]]) -> str | None:
         if r.get("history") and all("train_images_per_s" in e for e in r["history"])
     }
     reused = {(r["method"], r["seed"]) for r in runs if r.get("reused")}
-    controls = {r["method"] for r in runs if r.get("policy") == "full"}
+    control = {r["seed"]: (r["method"], r["seed"]) for r in runs if r.get("policy") == "full"}
     parts = []
-    for method in dict.fromkeys(r["method"] for r in runs if r["method"] not in controls):
-        ratios = []
-        for seed in sorted({r["seed"] for r in runs if r["method"] == method}, key=int):
-            control = next((pace[(c, seed)] for c in controls if (c, seed) in pace), None)
-            if control is None or (method, seed) not in pace:
-                continue
-            star = "*" if {(method, seed), *((c, seed) for c in controls)} & reused else ""
-            ratios.append(f"{pace[(method, seed)] / control:.2f}x{star}")
+    for method in dict.fromkeys(r["method"] for r in runs if r.get("policy") != "full"):
+        ratios = [
+            f"{pace[(method, seed)] / pace[control[seed]]:.2f}x"
+            + ("*" if {(method, seed), control[seed]} & reused else "")
+            for seed in sorted({r["seed"] for r in runs if r["method"] == method}, key=int)
+            if (method, seed) in pace and control.get(seed) in pace
+        ]
         if ratios:
             parts.append(f"{method} {', '.join(ratios)}")
     if not parts:

@@ -222,8 +222,9 @@ def matched_speed(
     full = _full_method(spec)
     if (full, seed) not in checkpoints:
         return None
-    timed = _from_points(point_speed, row.method, row.target_ratio, seed)
+    timed, source = _from_points(point_speed, row.method, row.target_ratio, seed), POINTS_TIMING
     if timed is None:
+        source = OWN_TIMING
         timed = run(
             speed_comparison,
             checkpoints[(row.method, seed)],
@@ -235,9 +236,6 @@ def matched_speed(
             calibration_samples=spec.calibration_samples,
             seed=seed,
         )
-        source = OWN_TIMING
-    else:
-        source = POINTS_TIMING
     return MatchedSpeed(
         **{f.name: getattr(timed, f.name) for f in fields(SpeedComparison)},
         method=row.method,
