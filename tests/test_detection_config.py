@@ -26,8 +26,10 @@ from .helpers import write_fake_fashion_mnist
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_DET = ROOT / "jobs" / "configs" / "fashion_det.yaml"
-#: a tiny detector on 64-px canvases: 8-px finest patches, two levels
+#: a tiny detector on 64-px canvases: 8-px finest patches, two levels (the library's plain
+#: settings: the detection recipe's level context needs three)
 DETECTION = {
+    "recipe": "none",
     "model": {
         "name": "vit_tiny_patch16_224",
         "timm_kwargs": {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2},

@@ -414,6 +414,8 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
         "data.batch_size": 4,
         "train.epochs": 2,
         "train.warmup_epochs": 1,
+        "train.policy_lead_epochs": 1,  # the recipe's (detection-v1) phases, one epoch each
+        "train.policy_epochs": 1,
         "scaling.num_workers": 2,
         "scaling.resources_per_worker": "{CPU: 1}",
         "storage.path": str(tmp_path / "runs"),
@@ -428,7 +430,7 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert main(["train", "jobs/configs/fashion_det.yaml", *overrides, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     metrics = result["metrics"]
-    assert result["run_status"] == "completed" and metrics["epoch"] == 1
+    assert result["run_status"] == "completed" and metrics["epoch"] == 3  # lead, 2 fine-tune epochs, policy
     for key in ("box_ap", "box_ap50", "mask_ap", "mask_ap50"):
         assert 0.0 <= metrics[key] <= 1.0, key
     assert metrics["val_images"] == 8 and 0 < metrics["token_ratio"] < 1  # the policy's budget, not full resolution
@@ -437,16 +439,24 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
 
     client = MlflowClient(mlflow_uri)
     run_id = result["mlflow_run_id"]
-    assert [m.step for m in client.get_metric_history(run_id, "box_ap")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(run_id, "box_ap")] == [0, 1, 2, 3]
+    # the recipe the file names, as tags and as each key's layer
+    run = client.get_run(run_id)
+    assert run.data.tags["splitvit.recipe"] == "detection-v1" and run.data.tags["splitvit.recipe_version"] == "1"
+    assert run.data.params["recipe"] == "detection-v1"
+    layers = json.loads(Path(client.download_artifacts(run_id, "config_layers.json", str(tmp_path))).read_text())
+    assert layers["recipe"] == "detection-v1"
+    assert layers["keys"]["train.teacher"] == {"value": "objects", "layer": "recipe detection-v1"}
+    assert layers["keys"]["train.policy_epochs"] == {"value": 1, "layer": "--set"}
+    assert layers["keys"]["model.task"]["layer"] == "file jobs/configs/fashion_det.yaml"
     artifacts = {a.path for a in client.list_artifacts(run_id, "per_class_ap")}
-    assert artifacts == {"per_class_ap/epoch_0000.json", "per_class_ap/epoch_0001.json"}
+    assert artifacts == {f"per_class_ap/epoch_{epoch:04d}.json" for epoch in range(4)}
     # each epoch's split maps, the detector's confident detections drawn over them
     assert {a.path for a in client.list_artifacts(run_id, "split_maps")} == {
-        "split_maps/epoch_0000.png",
-        "split_maps/epoch_0001.png",
+        f"split_maps/epoch_{epoch:04d}.png" for epoch in range(4)
     }
     per_class = json.loads(
-        Path(client.download_artifacts(run_id, "per_class_ap/epoch_0001.json", str(tmp_path))).read_text()
+        Path(client.download_artifacts(run_id, "per_class_ap/epoch_0003.json", str(tmp_path))).read_text()
     )
     assert set(per_class["per_class"]) <= set(CLASSES) and set(per_class["area_ranges"]) == {"small", "medium", "large"}
 

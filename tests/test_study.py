@@ -362,13 +362,30 @@ def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
     spec = load_study(write_study(tmp_path))
     storage = tmp_path / "study" / "train"
     config = spec.run_config(0, "split", "split-s0", str(storage)).flat()
-    assert config.pop("model.fine_aggregation") is False  # as an older run stored it
+    assert config.pop("model.policy_fine_evidence") is False  # as an older run stored it
     run = storage / "split-s0"
     run.mkdir(parents=True)
     (run / "study_started.json").write_text(json.dumps({"config": config}, default=float))
     assert stale_runs(spec, str(storage)) == []
-    changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.fine_aggregation": True}))
-    assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.fine_aggregation)"]
+    changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.policy_fine_evidence": True}))
+    assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.policy_fine_evidence)"]
+
+
+def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
+    """A control (full resolution) stored with other learned-policy or budget settings (a
+    base file that moved them into its recipe) is the same run; a learned run is not."""
+    spec = load_study(write_study(tmp_path))
+    storage = tmp_path / "study" / "train"
+    for method, key, value in (("full", "model.policy_depth", 3), ("full", "train.target_ratio", 0.4)):
+        stored = {**spec.run_config(0, method, f"{method}-s0", str(storage)).flat(), key: value}
+        stored.pop("recipe")  # runs made before recipes stored none
+        (storage / f"{method}-s0").mkdir(parents=True, exist_ok=True)
+        (storage / f"{method}-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+        assert stale_runs(spec, str(storage)) == [], key
+    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "model.policy_depth": 3}
+    (storage / "split-s0").mkdir()
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; model.policy_depth)"]
 
 
 def test_shipped_studies_validate_at_every_scale():

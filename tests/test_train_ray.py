@@ -28,8 +28,10 @@ from splitvit.train.ray_trainer import run_training  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A 16x16 image, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens.
+# A 16x16 image, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens (the library's
+# plain settings: the recipes' level context needs three levels)
 TINY = {
+    "recipe": "none",
     "model": {
         "name": "vit_tiny_patch16_224",
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},

@@ -38,7 +38,11 @@ from typing import Any
 
 import yaml
 
+from .recipes import NO_RECIPE, RecipeError, current_recipes, load_recipe, resolve_name
+
 SECTIONS = ("model", "data", "train", "scaling", "storage", "tracking")
+#: the top-level key beside the sections that names a recipe (:mod:`splitvit.recipes`)
+RECIPE_KEY = "recipe"
 DEFAULT_RUNS_DIR = "runs"
 # Keys whose values are never logged, stored in checkpoints or printed. "token" only
 # ends a credential's name (GITHUB_TOKEN, auth_token, accessToken): elsewhere it is a
@@ -478,31 +482,43 @@ class ExperimentConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
+    #: the recipe whose settings lie under this config's (:mod:`splitvit.recipes`), or
+    #: ``none``: the library's defaults (a policy other than ``learned`` never has one)
+    recipe: str = NO_RECIPE
+    #: dotted key -> the layer that set it (:class:`Layer`'s names; ``default`` for none):
+    #: what ``splitvit config`` prints; filled by :func:`resolve_config`
+    layers: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
     @classmethod
     def from_dict(
-        cls, raw: dict[str, Any] | None, overrides: list[str] | None = None, *, default_name: str = "experiment"
+        cls,
+        raw: dict[str, Any] | None,
+        overrides: list[str] | None = None,
+        *,
+        default_name: str = "experiment",
+        source: str = "config",
     ) -> ExperimentConfig:
         """A config from a plain dict plus ``key=value`` overrides, its types and ranges
         checked (:func:`validate`); not the checks that need the model or the data
-        (:func:`splitvit.train.experiment.experiment_from_dict` adds them).
+        (:func:`splitvit.train.experiment.experiment_from_dict` adds them). The dict
+        may name a recipe (``recipe:``); a learned policy that names none gets its
+        task's current one, under the dict's settings (:func:`resolve_config`).
+        ``source`` names the dict's layer (``file jobs/configs/smoke.yaml``).
 
         Raises :class:`ConfigError` naming the first bad key.
         """
-        raw = _deep_copy(raw or {})
-        if not isinstance(raw, dict):
+        if raw is not None and not isinstance(raw, dict):
             raise ConfigError("<root>", f"expected a mapping of sections, got {type(raw).__name__}")
-        for item in overrides or []:
-            apply_override(raw, item)
-        config = build_dataclass(cls, raw)
-        if config.storage.name is None:
-            # the time for people, a random tail so two runs started together never share a folder
-            config.storage.name = f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-        validate(config)
-        return config
+        layers = [Layer(source, raw or {}, nested=True)]
+        if overrides:
+            layers.append(Layer("--set", [parse_override(item) for item in overrides]))
+        return resolve_config(layers, default_name=default_name)
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
-        """Nested plain dict; secret-looking values replaced by ``***`` unless ``redact=False``."""
-        data = dataclasses.asdict(self)
+        """Nested plain dict (the recipe's name, then the six sections); secret-looking
+        values replaced by ``***`` unless ``redact=False``. :meth:`from_dict` reads it
+        back to the same config."""
+        data = {RECIPE_KEY: self.recipe, **{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}}
         return redact_secrets(data) if redact else data
 
     def flat(self, redact: bool = True) -> dict[str, Any]:
@@ -541,7 +557,191 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), f"not valid YAML: {exc}") from None
-    return ExperimentConfig.from_dict(raw, overrides, default_name=path.stem)
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), f"expected a mapping of sections, got {type(raw).__name__}")
+    return ExperimentConfig.from_dict(raw, overrides, default_name=path.stem, source=f"file {path}")
+
+
+# ---------------------------------------------------------------------- layers and recipes
+@dataclass(frozen=True)
+class Layer:
+    """One source of settings, in the order they apply (docs/design.md §3.1): library
+    defaults < recipe < experiment file < study ``config:`` < study stage < method entry
+    < ``--set``.
+
+    Attributes:
+        name: what ``splitvit config`` shows as the key's source (``file x.yaml``, ``--set``).
+        values: a config file's sections (``nested``), or dotted keys and their values
+            (a mapping, or pairs applied in order: ``model.thresholds[0]`` after
+            ``model.thresholds``); ``recipe`` may be among them.
+        nested: ``values`` is a file's mapping of sections, merged key by key into each
+            section; otherwise each dotted key is set (:func:`set_dotted`).
+        without: keys of the recipe this layer drops (a study lever's ``without:``):
+            they keep the library's defaults unless another layer sets them.
+    """
+
+    name: str
+    values: Any
+    nested: bool = False
+    without: tuple[str, ...] = ()
+
+    def apply(self, raw: dict[str, Any]) -> None:
+        """Set this layer's values in ``raw`` (a config being assembled)."""
+        if self.nested:
+            for key, value in self.values.items():
+                if isinstance(value, dict) and isinstance(raw.get(key), dict):
+                    raw[key].update(_deep_copy(value))
+                else:
+                    raw[key] = _deep_copy(value)
+            return
+        items = self.values.items() if isinstance(self.values, dict) else self.values
+        for key, value in items:
+            set_dotted(raw, key, value)
+
+    def keys(self) -> list[str]:
+        """The dotted keys this layer sets (a file's leaves; an index dropped)."""
+        if self.nested:
+            return list(flatten(self.values))
+        items = self.values.items() if isinstance(self.values, dict) else self.values
+        return [".".join(split_key(key)[0]) for key, _ in items]
+
+
+def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> ExperimentConfig:
+    """The config the ``layers`` give, each over the ones before it, over the recipe it
+    names (the last ``recipe:`` among them; for a learned policy that names none, its
+    task's current recipe; ``none``: no recipe), over the library's defaults. A recipe
+    applies to the learned policy only: full resolution, entropy, random and all-coarse
+    ignore it. Every key's layer is kept in ``config.layers``.
+
+    Raises :class:`ConfigError` naming the first bad key, ``recipe`` for an unknown
+    recipe or one of another task.
+    """
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        layer.apply(merged)
+    requested = merged.pop(RECIPE_KEY, None)
+    if requested is not None and not isinstance(requested, str):
+        raise ConfigError(RECIPE_KEY, f"expected a recipe name or none, got {requested!r}")
+    model = merged.get("model") if isinstance(merged.get("model"), dict) else {}
+    task, policy = model.get("task", ModelConfig.task), model.get("policy", ModelConfig.policy)
+    try:
+        # a task no recipe is for (a misspelt one) is left to its own check: it names model.task
+        name = resolve_name(requested, task) if task in current_recipes() else None
+    except RecipeError as exc:
+        raise ConfigError(RECIPE_KEY, str(exc)) from None
+    applied = name if policy == "learned" else None
+    raw: dict[str, Any] = {}
+    stack = list(layers)
+    if applied is not None:
+        settings = load_recipe(applied).settings
+        without = [key for layer in layers for key in layer.without]
+        for key in without:
+            if key not in settings:
+                raise ConfigError(f"without.{key}", f"not a setting of recipe {applied}: {', '.join(settings)}")
+        stack.insert(0, Layer(f"recipe {applied}", {k: v for k, v in settings.items() if k not in without}))
+    for layer in stack:
+        layer.apply(raw)
+    raw.pop(RECIPE_KEY, None)
+    for key in raw:
+        if key not in SECTIONS:
+            close = difflib.get_close_matches(str(key), [*SECTIONS, RECIPE_KEY], n=1)
+            hint = f"did you mean {close[0]}?" if close else f"expected {RECIPE_KEY} or one of {', '.join(SECTIONS)}"
+            raise ConfigError(str(key), f"unknown key; {hint}")
+    config = build_dataclass(ExperimentConfig, raw)
+    config.recipe = applied or NO_RECIPE
+    if config.storage.name is None:
+        # the time for people, a random tail so two runs started together never share a folder
+        config.storage.name = f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    config.layers = _provenance(config, stack)
+    try:
+        validate(config)
+    except ConfigError as exc:
+        raise blame_recipe(exc, config) from None
+    return config
+
+
+def blame_recipe(exc: ConfigError, config: ExperimentConfig) -> ConfigError:
+    """``exc``, saying so where the recipe set the key it names (a key the files may not
+    show), and what to do instead."""
+    if not config.layers.get(exc.key, "").startswith("recipe "):
+        return exc
+    return ConfigError(
+        exc.key,
+        f"{exc.reason} (set by recipe {config.recipe}: set {exc.key} yourself, name another recipe, "
+        "or recipe: none for the library's defaults)",
+    )
+
+
+def _provenance(config: ExperimentConfig, stack: list[Layer]) -> dict[str, str]:
+    """Each of ``config``'s dotted keys -> the last layer of ``stack`` that set it, or a
+    section above it (``data.options`` sets ``data.options.val_samples``); ``default``."""
+    set_by = [(layer.name, set(layer.keys())) for layer in stack]
+    out = {}
+    for key in config.flat(redact=False):
+        if key == RECIPE_KEY:
+            continue
+        prefixes = {".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 2)}
+        out[key] = next((name for name, keys in reversed(set_by) if keys & prefixes), "default")
+    return out
+
+
+def config_layers(config: ExperimentConfig) -> dict[str, Any]:
+    """The config with each key's layer, as ``splitvit config`` shows it and every MLflow
+    training run keeps it (``config_layers.json``): the recipe, then ``key -> {value, layer}``."""
+    flat = config.flat(redact=True)
+    return {
+        RECIPE_KEY: config.recipe,
+        "keys": {k: {"value": v, "layer": config.layers.get(k, "default")} for k, v in flat.items() if k != RECIPE_KEY},
+    }
+
+
+#: settings only the learned policy reads: a run of another policy is the same run
+#: whatever they say (a study's control is not made stale by its recipe's keys)
+LEARNED_POLICY_KEYS = (
+    "model.policy_depth",
+    "model.policy_width",
+    "model.policy_level_context",
+    "model.policy_feature_grad",
+    "model.policy_fine_evidence",
+    "model.policy_evidence_pooling",
+    "model.budget_conditioned",
+    "train.teacher_weight",
+    "train.teacher",
+    "train.teacher_targets",
+    "train.teacher_every",
+    "train.teacher_scope",
+    "train.teacher_context",
+    "train.warmup_epochs",
+    "train.warmup_min_split",
+    "train.policy_epochs",
+    "train.policy_lead_epochs",
+)
+
+
+#: policies that split the same way whatever the budget (every node, or none)
+UNTHRESHOLDED_POLICIES = ("full", "coarse")
+#: settings only a budget reads: the thresholds, the target ratio and the budget penalty
+BUDGET_KEYS = (
+    "model.thresholds",
+    "train.target_ratio",
+    "train.target_ratio_range",
+    "train.lambda_budget",
+    "train.penalty",
+)
+
+
+def inert_keys(flat: dict[str, Any]) -> set[str]:
+    """The keys of a flat config (:meth:`ExperimentConfig.flat`) that its run never
+    reads: the learned policy's own where the policy is another, a budget's where the
+    policy splits every node or none, and the recipe's name (its settings are the keys
+    themselves)."""
+    inert = {RECIPE_KEY}
+    policy = flat.get("model.policy", ModelConfig.policy)
+    if policy != "learned":
+        inert.update(LEARNED_POLICY_KEYS)
+    if policy in UNTHRESHOLDED_POLICIES:
+        inert.update(BUDGET_KEYS)
+    return inert
 
 
 # ---------------------------------------------------------------------- dotted keys

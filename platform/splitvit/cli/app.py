@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import bench, data, demo, evaluate, pareto, stack, study, submit, sweep, train, viz
+from . import bench, config, data, demo, evaluate, pareto, recipes, stack, study, submit, sweep, train, viz
 from .output import Report, envelope, environment, write_json
 
 
@@ -31,7 +31,21 @@ def _tracking_env(uri: str | None) -> contextlib.AbstractContextManager[None]:
 
 
 #: every subcommand's module, in the order ``splitvit --help`` lists them
-COMMANDS: list[ModuleType] = [demo, viz, bench, data, train, evaluate, sweep, study, pareto, submit, stack]
+COMMANDS: list[ModuleType] = [
+    demo,
+    viz,
+    bench,
+    data,
+    recipes,
+    config,
+    train,
+    evaluate,
+    sweep,
+    study,
+    pareto,
+    submit,
+    stack,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

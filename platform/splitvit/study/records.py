@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import config_layers
 from ..tune.speed import FullTiming
 from .goals import GoalVerdicts, ReferenceConvergence
 from .report import study_figure, study_speed_figure
@@ -165,6 +166,9 @@ def _record_run(
     # (a run evaluated again logs its new points at the same steps: the latest value is the current one)
     _record_run_points(client, child.run_id, run, (metric, *spec.companions))
     child.log_dict({"points": run["points"], "checkpoint": run["checkpoint"]}, "study_points.json")
+    # the run's config with the layer of each key (recipe, base file, study sections, method entry)
+    config = spec.run_config(int(run["seed"]), run["method"], Path(run["run_uri"]).name, settings_only=True)
+    child.log_dict(config_layers(config), "config_layers.json")
     child.close("completed")
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, inert_keys
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from .spec import StudySpec
 
@@ -71,10 +71,12 @@ def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | No
                 continue
             # through JSON, as stored (tuples become lists); the backbone's path is checked as the backbone
             now = json.loads(json.dumps(spec.run_config(seed, method, name, storage).flat(), default=float))
+            # keys the run never reads (a control's recipe keys, the recipe's name) are no difference
+            ignored = {"model.init_from"} | inert_keys(now)
             keys = sorted(
                 k
                 for k in set(now) | set(stored["config"])
-                if k != "model.init_from" and now.get(k) != stored["config"].get(k, defaults.get(k))
+                if k not in ignored and now.get(k) != stored["config"].get(k, defaults.get(k))
             )
             if keys:
                 stale.append(f"{name} ({'' if finished else 'unfinished; '}{', '.join(keys)})")

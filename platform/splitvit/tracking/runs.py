@@ -158,6 +158,21 @@ def safe_params(params: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+RECIPE_TAG = "splitvit.recipe"
+RECIPE_VERSION_TAG = "splitvit.recipe_version"
+
+
+def recipe_tags(params: dict[str, Any]) -> dict[str, str]:
+    """The recipe a run's config ran under (its ``recipe`` param), as tags the runs table
+    filters on: ``splitvit.recipe`` (``detection-v1``, or ``none``) and, for a recipe,
+    ``splitvit.recipe_version`` (``1``). None for params without a config's."""
+    name = params.get("recipe")
+    if not isinstance(name, str):
+        return {}
+    version = name.rpartition("-v")[2]
+    return {RECIPE_TAG: name, **({RECIPE_VERSION_TAG: version} if version.isdigit() else {})}
+
+
 def safe_tags(tags: dict[str, Any]) -> dict[str, str]:
     """Tag values as strings: secret-named tags masked, URIs without passwords, long values cut."""
     return {k: REDACTED if is_secret_key(k) else redact_uri(str(v))[:MAX_TAG_LENGTH] for k, v in tags.items()}
@@ -202,7 +217,7 @@ class RunTracker:
             max_results=1,
             order_by=["attributes.start_time DESC"],
         )
-        all_tags = {RUN_URI_TAG: safe_uri, STATUS_TAG: "running", **safe_tags(tags or {})}
+        all_tags = {RUN_URI_TAG: safe_uri, STATUS_TAG: "running", **recipe_tags(params), **safe_tags(tags or {})}
         values = safe_params(params)
         if found:
             run = found[0]

@@ -29,11 +29,14 @@ from ..config import (
     AUTO_THRESHOLDS,
     ConfigError,
     ExperimentConfig,
+    Layer,
     ModelConfig,
+    blame_recipe,
     coerce,
     field_error,
     load_config,
     require,
+    resolve_config,
     validate,
 )
 from ..model import QuadtreeGeometry, SplitDetector, SplitViT, validate_thresholds
@@ -67,6 +70,14 @@ def experiment_from_dict(
     return config
 
 
+def experiment_from_layers(layers: list[Layer], *, default_name: str = "experiment") -> ExperimentConfig:
+    """A fully validated config from its layers (:func:`~splitvit.config.resolve_config`:
+    a study's run, its recipe under them), then :func:`validate_experiment`."""
+    config = resolve_config(layers, default_name=default_name)
+    validate_experiment(config)
+    return config
+
+
 def validate_experiment(config: ExperimentConfig) -> None:
     """Every check of ``config``: its settings' own (:func:`splitvit.config.validate`),
     then the dataset's name against the registry and the model against timm and
@@ -76,9 +87,12 @@ def validate_experiment(config: ExperimentConfig) -> None:
     download), so every check the model makes runs here. Raises
     :class:`~splitvit.config.ConfigError` naming the key.
     """
-    validate(config)
-    check_names(config)
-    _validate_model(config.model)
+    try:
+        validate(config)
+        check_names(config)
+        _validate_model(config.model)
+    except ConfigError as exc:
+        raise blame_recipe(exc, config) from None
 
 
 def _validate_model(m: ModelConfig) -> None:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, TrainConfig, redact_uri
+from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, TrainConfig, config_layers, redact_uri
 from ..data.parquet import training_sampler
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..model.detection import SplitDetector, split_backbone
@@ -247,6 +247,8 @@ def _open_tracker(config: ExperimentConfig) -> RunTracker | None:
         tags={"splitvit.storage": config.storage.resolved_path(), "splitvit.name": config.storage.name},
     )
     tracker.log_dict(config.to_dict(redact=True), "config.json")
+    # what `splitvit config` prints: each key's value and the layer (recipe, file, --set...) that set it
+    tracker.log_dict(config_layers(config), "config_layers.json")
     tracker.log_datasets(config.data)
     return tracker
 

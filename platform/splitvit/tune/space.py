@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from ..config import (
+    RECIPE_KEY,
     SECTIONS,
     ConfigError,
     ExperimentConfig,
@@ -479,7 +480,7 @@ def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
     """One ``--set key=value``: a config key fixes that value, any other key sets the space's own settings."""
     try:
         key, value = parse_override(item)
-        if split_key(key)[0][0] in SECTIONS:
+        if split_key(key)[0][0] in SECTIONS or key == RECIPE_KEY:
             # a config value: fixed for this sweep, whether or not the file searches it
             raw["parameters"][key] = value
         else:
@@ -508,6 +509,8 @@ def _resolve_base(base: Any, root: Path, source: str) -> Path:
 
 
 def _check_key_syntax(name: str, source: str) -> None:
+    if name == RECIPE_KEY:  # the recipe under the config (a name, or categorical over names)
+        return
     parts, _ = split_key(name)  # a malformed index leaves a "[" in a part
     if not all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in parts):
         raise SearchSpaceError(

@@ -1,0 +1,96 @@
+"""A recipe's evidence, read from the study JSON that proved it.
+
+    python scripts/recipe_evidence.py RECIPE            # the evidence block, from its result JSON
+    python scripts/recipe_evidence.py RECIPE --check    # exit 1 where the recipe file says otherwise
+
+The figures a recipe file carries (``evidence.points``: quality, token share, the gap to
+the full-resolution control and its spread over seeds, the speed-up measured by the
+study's speed step) are this script's reading of the committed JSON the file names
+(``evidence.result``); ``tests/test_recipes.py`` checks every shipped recipe with
+:func:`evidence_points`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "platform"))
+
+from study_tables import backbone_speedups, timed_speedups  # noqa: E402
+
+from splitvit.recipes import load_recipe  # noqa: E402
+
+#: the token shares a recipe's evidence is quoted at (the studies' parity goals)
+SHARES = (0.7, 0.5)
+
+
+def evidence_points(data: dict[str, Any], method: str) -> list[dict[str, Any]]:
+    """``method``'s figures at each of :data:`SHARES` in a study's JSON: the lever row
+    the study stored (means over seeds, the gap as control minus method) turned into
+    the recipe's terms (quality and gap in points, positive: above the control), with
+    the speed step's speed-ups (rounded as the tables print them)."""
+    metric = data["metric"]
+    row = next(r for r in data["levers"] if r["method"] == method)
+    whole, backbone = timed_speedups(data), backbone_speedups(data)
+    points = []
+    for share in SHARES:
+        cell = row[f"r{share}"]
+        point = {
+            "share": share,
+            "quality": round(cell[metric], 4),
+            "token_ratio": round(cell["token_ratio"], 4),
+            "vs_control_points": round(-cell["gap_points"], 2),
+            "spread_points": round(cell["gap_std_points"], 2),
+            "speed": _rounded(whole.get((method, share))),
+        }
+        if (method, share) in backbone:
+            point["backbone_speed"] = _rounded(backbone[(method, share)])
+        points.append(point)
+    return points
+
+
+def control_quality(data: dict[str, Any]) -> float:
+    """The full-resolution control's quality, mean over seeds."""
+    return round(next(r for r in data["rows"] if r["method"] == "full")[data["metric"]], 4)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", help="a recipe name (classification-v1 ...)")
+    parser.add_argument("--check", action="store_true", help="exit 1 where the recipe file's figures differ")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe)
+    if recipe.evidence is None:
+        print(f"{recipe.name} carries no evidence")
+        return 1
+    data = json.loads((ROOT / recipe.evidence.result).read_text())
+    measured = {"control": control_quality(data), "points": evidence_points(data, recipe.evidence.method)}
+    if not args.check:
+        print(yaml.safe_dump(measured, sort_keys=False, default_flow_style=None), end="")
+        return 0
+    stated = {
+        "control": recipe.evidence.control,
+        "points": [{k: v for k, v in vars(p).items() if v is not None} for p in recipe.evidence.points],
+    }
+    measured["points"] = [{k: v for k, v in p.items() if v is not None} for p in measured["points"]]
+    if stated != measured:
+        print(f"{recipe.name}: the file says {stated}, {recipe.evidence.result} says {measured}")
+        return 1
+    print(f"{recipe.name}: the evidence matches {recipe.evidence.result}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Recipes: the proven settings by name and version, with their evidence (splitvit.recipes);
+the layering that puts a recipe under every file (config.resolve_config); the commands that
+show them (`splitvit recipes`, `splitvit config`); and the study files written against them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from splitvit import recipes
+from splitvit.cli import main
+from splitvit.config import ConfigError, ExperimentConfig, Layer, load_config, resolve_config
+from splitvit.recipes import load_recipe, recipe_names
+from splitvit.study.spec import load_study
+
+from .helpers import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
+STUDIES = ("studies/study_fashion.yaml", "studies/study_fashion_seg.yaml", "studies/study_fashion_det.yaml")
+#: what each headline ran with, as the study files resolved it before recipes (tests/data)
+HEADLINES = json.loads((Path(__file__).parent / "data" / "study_headline_settings.json").read_text())["studies"]
+#: a 3-level classifier (the recipes' level context needs three levels)
+LEARNED = {
+    "model": {
+        "name": "vit_tiny_patch16_224",
+        "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 2, "num_heads": 1},
+        "image_size": 32,
+        "levels": 3,
+        "policy_depth": 1,
+        "num_classes": 4,
+    },
+    "storage": {"name": "recipes"},
+}
+
+
+def _flat(config: ExperimentConfig) -> dict:
+    """The settings a run trains with: no run name, folder, starting weights or recipe label."""
+    skip = {"storage.name", "storage.path", "model.init_from", "recipe"}
+    return {k: v for k, v in json.loads(json.dumps(config.flat(redact=False))).items() if k not in skip}
+
+
+# ---------------------------------------------------------------------- the files and their evidence
+def test_every_recipe_carries_the_figures_of_its_committed_study_json():
+    evidence = load_script("recipe_evidence.py")
+    assert recipe_names() == ["classification-v1", "dense-v1", "detection-v1"]
+    for name in recipe_names():
+        recipe = load_recipe(name)
+        data = json.loads((ROOT / recipe.evidence.result).read_text())
+        assert data["metric"] == recipe.evidence.metric and len(data["seeds"]) == recipe.evidence.seeds
+        assert recipe.evidence.control == evidence.control_quality(data)
+        stated = [{k: v for k, v in vars(p).items() if v is not None} for p in recipe.evidence.points]
+        measured = [
+            {k: v for k, v in p.items() if v is not None}
+            for p in evidence.evidence_points(data, recipe.evidence.method)
+        ]
+        assert stated == measured, name
+        # the study file's headline is this recipe, under the method name the JSON ran
+        spec = load_study(ROOT / recipe.evidence.study, settings_only=True)
+        assert spec.methods[recipe.evidence.method]["recipe"] == name
+        assert evidence.main([name, "--check"]) == 0
+
+
+def test_splitvit_recipes_lists_them_with_their_evidence(tmp_path, capsys):
+    out = tmp_path / "recipes.json"
+    assert main(["recipes", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    listed = json.loads(out.read_text())["recipes"]
+    assert [r["name"] for r in listed] == recipe_names() and all(r["default"] for r in listed)
+    evidence = load_script("recipe_evidence.py")
+    for record in listed:
+        data = json.loads((ROOT / record["evidence"]["result"]).read_text())
+        at70, at50 = evidence.evidence_points(data, record["evidence"]["method"])
+        line = next(line for line in printed.splitlines() if line.startswith(record["name"]))
+        assert f"{at70['vs_control_points']:+.2f} ± {at70['spread_points']:.2f}" in line
+        assert f"{at50['vs_control_points']:+.2f} ± {at50['spread_points']:.2f}" in line
+        assert f"{at70['speed']:.2f}x" in line and record["evidence"]["commit"] in line
+
+
+def test_recipes_show_prints_every_setting_of_a_recipe_or_a_tasks_current_one(capsys):
+    assert main(["recipes", "show", "detection"]) == 0  # a task: its current recipe
+    printed = capsys.readouterr().out
+    assert printed.startswith("detection-v1 (detection, version 1, the default)")
+    for key, value in load_recipe("detection-v1").settings.items():
+        assert any(line.split() == [key, str(value).lower()] for line in printed.splitlines()), key
+
+
+def test_recipe_files_are_installed_with_the_package(tmp_path):
+    """A wheel (what the Docker image and a pip install get) holds the recipe files."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "platform", source / "platform", ignore=shutil.ignore_patterns("__pycache__"))
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", "dist", "."]
+    subprocess.run(command, cwd=source, check=True, capture_output=True)
+    (wheel,) = (source / "dist").glob("splitvit-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"splitvit/recipes/{name}.yaml" for name in recipe_names()} | {"splitvit/recipes/index.yaml"} <= names
+
+
+# ---------------------------------------------------------------------- the layering
+def test_a_learned_policy_gets_its_tasks_current_recipe_under_the_files_settings():
+    raw = {**LEARNED, "train": {"teacher_targets": "nested"}}
+    config = ExperimentConfig.from_dict(raw, ["train.teacher=gradient"], source="file x.yaml")
+    recipe = load_recipe("classification")
+    assert config.recipe == recipe.name == "classification-v1"
+    assert config.model.fine_aggregation and config.model.policy_level_context  # the recipe's
+    assert config.train.teacher_targets == "nested"  # the file's, over the recipe's mixed
+    assert config.train.teacher == "gradient"  # --set, over the recipe's attention
+    layers = config.layers
+    assert layers["model.fine_aggregation"] == "recipe classification-v1"
+    assert layers["train.teacher_targets"] == "file x.yaml" and layers["model.levels"] == "file x.yaml"
+    assert layers["train.teacher"] == "--set" and layers["train.lr"] == "default"
+    # what to_dict writes reads back to the same config (a checkpoint's, a trial's)
+    again = ExperimentConfig.from_dict(config.to_dict(redact=False))
+    assert again == config and again.recipe == config.recipe
+
+
+def test_recipe_none_gives_the_librarys_defaults_and_other_policies_take_no_recipe():
+    plain = ExperimentConfig.from_dict({**LEARNED, "recipe": "none"})
+    assert plain.recipe == "none" and _flat(plain) == _flat(ExperimentConfig.from_dict({**LEARNED}, ["recipe=none"]))
+    assert not plain.model.fine_aggregation and plain.train.teacher == "gradient"
+    assert not ExperimentConfig.from_dict({**LEARNED, "recipe": "none"}).model.policy_level_context
+    full = ExperimentConfig.from_dict({**LEARNED, "recipe": "classification-v1"}, ["model.policy=full"])
+    assert full.recipe == "none" and not full.model.fine_aggregation  # the recipe is the learned policy's
+    dense = ExperimentConfig.from_dict(LEARNED, ["model.task=dense", "model.num_classes=3"])
+    assert dense.recipe == "dense-v1"
+
+
+def test_without_drops_a_recipe_key_and_must_name_one():
+    lever = Layer("method lever", {"train.target_ratio": 0.7}, without=("model.policy_level_context",))
+    config = resolve_config([Layer("file", LEARNED, nested=True), lever])
+    assert config.recipe == "classification-v1" and config.train.target_ratio == 0.7
+    assert config.model.fine_aggregation and not config.model.policy_level_context
+    assert config.layers["model.policy_level_context"] == "default"
+    with pytest.raises(ConfigError, match="without.train.lr: not a setting of recipe classification-v1"):
+        resolve_config([Layer("file", LEARNED, nested=True), Layer("m", {}, without=("train.lr",))])
+
+
+def test_a_key_the_recipe_set_that_cannot_hold_says_which_recipe_set_it():
+    with pytest.raises(ConfigError) as err:
+        from splitvit.train.experiment import experiment_from_dict
+
+        experiment_from_dict(LEARNED, ["model.levels=2"])
+    assert err.value.key == "model.policy_level_context"
+    assert "set by recipe classification-v1" in str(err.value) and "recipe: none" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("recipe=classification-v7", "no version v7 of the classification recipe; there are classification-v1"),
+        ("recipe=fast", "unknown recipe 'fast'; known: classification-v1, dense-v1, detection-v1"),
+        ("recipe=detection-v1", "detection-v1 is a detection recipe and this config's model.task is classification"),
+        ("recipe=[1]", "expected a recipe name or none"),
+    ],
+)
+def test_a_bad_recipe_is_one_line_naming_the_known_ones_exit_2(setting, message, capsys):
+    assert main(["config", str(SMOKE), "--set", setting]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "config error: recipe" in err
+    assert main(["train", str(SMOKE), "--set", setting, "--set", "storage.path=/nonexistent/never"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_new_version_never_changes_what_an_old_one_resolves_to(tmp_path, monkeypatch):
+    before = _flat(load_config(SMOKE))  # names classification-v1
+    default_before = _flat(load_config(SMOKE, ["recipe=classification"]))
+    folder = tmp_path / "recipes"
+    shutil.copytree(recipes.FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    v2 = yaml.safe_load((folder / "classification-v1.yaml").read_text())
+    v2.update(name="classification-v2", evidence=None)
+    v2["settings"] = {**v2["settings"], "train.teacher_every": 2}
+    (folder / "classification-v2.yaml").write_text(yaml.safe_dump(v2))
+    index = yaml.safe_load((folder / "index.yaml").read_text())
+    index["current"]["classification"] = "classification-v2"
+    (folder / "index.yaml").write_text(yaml.safe_dump(index))
+    monkeypatch.setattr(recipes, "FOLDER", folder)
+    monkeypatch.setattr(recipes, "INDEX_FILE", folder / "index.yaml")
+    for cached in (recipes.current_recipes, recipes._load):
+        cached.cache_clear()
+    try:
+        assert _flat(load_config(SMOKE)) == before  # a file that names v1 keeps v1
+        newer = load_config(SMOKE, ["recipe=classification"])
+        assert newer.recipe == "classification-v2" and newer.train.teacher_every == 2
+        assert _flat(newer) == {**default_before, "train.teacher_every": 2}
+        assert ExperimentConfig.from_dict(LEARNED).recipe == "classification-v2"  # the default moved
+    finally:
+        for cached in (recipes.current_recipes, recipes._load):
+            cached.cache_clear()
+
+
+# ---------------------------------------------------------------------- studies
+@pytest.mark.parametrize("study", STUDIES)
+def test_each_study_headline_resolves_to_the_settings_its_committed_json_ran_with(study):
+    expected = HEADLINES[study]
+    spec = load_study(ROOT / study, settings_only=True)
+    method = expected["method"]
+    assert spec.methods[method]["recipe"] == load_recipe(spec.task).name  # the headline is a recipe
+    for seed, settings in expected["seeds"].items():
+        now = _flat(spec.run_config(int(seed), method, "check", settings_only=True))
+        assert now == {k: v for k, v in settings.items() if k != "recipe"}, (study, seed)
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_no_study_entry_repeats_its_recipes_settings(study):
+    spec = load_study(ROOT / study, settings_only=True)
+    raw = yaml.safe_load((ROOT / study).read_text())
+    levers = raw["levers"]
+    if isinstance(levers, str):
+        levers = yaml.safe_load((ROOT / "studies" / levers).read_text())
+    for name, entry in {**raw["methods"], **levers}.items():
+        recipe = entry.get("recipe")
+        if recipe in (None, "none"):
+            continue
+        settings = load_recipe(recipe).settings
+        repeated = [k for k, v in entry.items() if k in settings and settings[k] == v]
+        assert not repeated, f"{study}: {name} repeats {repeated} of {recipe}"
+        assert all(k in settings for k in entry.get("without", [])), name
+    assert spec.methods  # the file loads
+
+
+def test_splitvit_config_shows_a_study_runs_layers(tmp_path, capsys):
+    out = tmp_path / "config.json"
+    argv = ["config", "--study", "studies/study_fashion_det.yaml", "--method", "split-0.5-objects-d2-ring8"]
+    assert main([*argv, "--set", "train.lr=1e-4", "--json", str(out)]) == 0
+    keys = json.loads(out.read_text())["keys"]
+    assert keys["train.teacher"] == {"value": "objects", "layer": "recipe detection-v1"}
+    assert keys["train.target_ratio"] == {"value": 0.5, "layer": "method split-0.5-objects-d2-ring8"}
+    assert keys["model.policy_fine_evidence"] == {"value": False, "layer": "default"}  # without:
+    assert keys["train.epochs"] == {"value": 15, "layer": "study method"}
+    assert keys["model.image_size"]["layer"] == "study config"
+    assert keys["model.task"]["layer"] == "file jobs/configs/fashion_det.yaml"
+    assert keys["train.lr"] == {"value": 1e-4, "layer": "--set"}
+    assert keys["data.seed"] == {"value": 0, "layer": "study"}
+    capsys.readouterr()
+    assert main(["config", "--study", "studies/study_fashion_det.yaml", "--method", "reference"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("recipe: none (model.policy is full")
+    assert main(["config", "--method", "full"]) == 2
+
+
+def test_every_training_run_tags_its_recipe(tmp_path):
+    from mlflow import MlflowClient
+
+    from splitvit.tracking import RunTracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    for overrides, tags in (
+        ([], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
+        (["recipe=none"], {"splitvit.recipe": "none"}),
+    ):
+        config = load_config(SMOKE, overrides)
+        tracker, _ = RunTracker.open(uri, "recipes", str(tmp_path / "run" / str(overrides)), "r", config.flat())
+        run = MlflowClient(uri).get_run(tracker.run_id)
+        assert {k: v for k, v in run.data.tags.items() if k.startswith("splitvit.recipe")} == tags
+        assert run.data.params["recipe"] == tags["splitvit.recipe"]
