@@ -72,6 +72,18 @@ CASES = (
     Case("viz --count 0", ("viz", "--count", "0"), "--count: must be >= 1, got 0"),
     Case("eval checkpoint missing", ("eval", "{tmp}/no_checkpoint"), "no checkpoint at"),
     Case("pareto store missing", ("pareto", "sweeps", "--tracking-uri", "sqlite:///{tmp}/none.db"), "no MLflow store"),
+    Case("recipe unknown", ("train", "jobs/configs/smoke.yaml", "--set", "recipe=fast"), "unknown recipe 'fast'; known:"),
+    Case(
+        "recipe of another task",
+        ("train", "jobs/configs/fashion_det.yaml", "--set", "recipe=classification-v1"),
+        "classification-v1 is a classification recipe and this config's model.task is detection",
+    ),
+    Case(
+        "recipe version missing",
+        ("sweep", "search_spaces/smoke.yaml", "--set", "recipe=classification-v9"),
+        "no version v9 of the classification recipe",
+    ),
+    Case("recipes show unknown", ("recipes", "show", "detection-v0"), "no version v0 of the detection recipe"),
 )
 
 
