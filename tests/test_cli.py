@@ -99,6 +99,8 @@ EVERY_SUBCOMMAND = [
     ["bench", "data"],
     ["data", "prepare", "synthetic", "--out", "shards"],
     ["data", "push", "shards", "s3://b/p"],
+    ["recipes"],
+    ["config", "cfg.yaml"],
     ["train", "cfg.yaml"],
     ["eval", "ckpt"],
     ["sweep", "space.yaml"],
@@ -152,6 +154,8 @@ def test_commands_without_mlflow_say_the_tracking_uri_is_ignored(capsys):
         ["bench", "forward"],
         ["bench", "parts"],
         ["bench", "data"],
+        ["recipes"],
+        ["config"],
     ):
         with pytest.raises(SystemExit):
             main([*argv, "--help"])

@@ -36,6 +36,7 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
     model_cfg["budget_conditioned"] = budget_conditioned
     config = ExperimentConfig.from_dict(
         {
+            "recipe": "none",  # two levels: the library's plain settings
             "model": model_cfg,
             "data": {
                 "name": "synthetic",

@@ -247,6 +247,7 @@ def test_training_run_is_recorded_in_postgres_and_s3(team_server, ray_local, tmp
     tracking_uri = f"http://{user}:{password}@{host}"
     config = ExperimentConfig.from_dict(
         {
+            "recipe": "none",  # two levels: the recipes' level context needs three
             "model": {
                 "name": "vit_tiny_patch16_224",
                 "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},

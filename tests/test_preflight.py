@@ -35,8 +35,9 @@ from splitvit.data import fashion_mnist as fm
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
-#: a tiny model and data, two workers of one CPU each
+#: a tiny model and data, two workers of one CPU each (two levels: the library's plain settings)
 TINY = [
+    "recipe=none",
     "model.timm_kwargs={patch_size: 4, embed_dim: 16, depth: 1, num_heads: 1}",
     "model.image_size=16",
     "model.levels=2",

@@ -38,8 +38,10 @@ from splitvit.cluster.submit import (  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "jobs/configs/smoke.yaml"
-# smoke.yaml shrunk to seconds: 16x16 images, two levels, one block, two epochs, one worker
+# smoke.yaml shrunk to seconds: 16x16 images, two levels (the library's plain settings), one block,
+# two epochs, one worker
 TINY = [
+    "recipe=none",
     "model.timm_kwargs.embed_dim=16",
     "model.timm_kwargs.depth=1",
     "model.timm_kwargs.num_heads=1",

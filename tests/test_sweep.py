@@ -30,8 +30,10 @@ from mlflow import MlflowClient  # noqa: E402
 from splitvit.cli import main  # noqa: E402
 from splitvit.tune import SweepError, dominates, hypervolume, run_sweep  # noqa: E402
 
-# 16x16 images, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens.
+# 16x16 images, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens (the library's
+# plain settings: the recipes' level context needs three levels)
 BASE = {
+    "recipe": "none",
     "model": {
         "name": "vit_tiny_patch16_224",
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
