@@ -254,12 +254,17 @@ def test_every_training_run_tags_its_recipe(tmp_path):
     from splitvit.tracking import RunTracker
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    for overrides, tags in (
-        ([], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
-        (["recipe=none"], {"splitvit.recipe": "none"}),
+    configs = ROOT / "jobs" / "configs"
+    for path, overrides, tags in (
+        (SMOKE, [], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
+        (configs / "fashion_mnist.yaml", [], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
+        (configs / "fashion_mnist_seg.yaml", [], {"splitvit.recipe": "dense-v1", "splitvit.recipe_version": "1"}),
+        (configs / "fashion_det.yaml", [], {"splitvit.recipe": "detection-v1", "splitvit.recipe_version": "1"}),
+        (SMOKE, ["recipe=none"], {"splitvit.recipe": "none"}),
     ):
-        config = load_config(SMOKE, overrides)
-        tracker, _ = RunTracker.open(uri, "recipes", str(tmp_path / "run" / str(overrides)), "r", config.flat())
+        config = load_config(path, overrides)
+        run_uri = str(tmp_path / "run" / f"{path.stem}{overrides}")
+        tracker, _ = RunTracker.open(uri, "recipes", run_uri, "r", config.flat())
         run = MlflowClient(uri).get_run(tracker.run_id)
         assert {k: v for k, v in run.data.tags.items() if k.startswith("splitvit.recipe")} == tags
         assert run.data.params["recipe"] == tags["splitvit.recipe"]
