@@ -23,7 +23,7 @@ from ..data.common import detection_collate
 from ..data.parquet import ParquetShards, RowGroupSampler
 from ..model.detection import SplitDetector, split_backbone
 from .detection import detection_area_ranges, detection_ground_truth, evaluate_detection_totals
-from .phases import SplitStep, warmup_cosine
+from .phases import SplitStep, phase_schedule
 from .steps import SplitLossConfig, calibrate_thresholds, evaluate
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def fit_local(
     learning rate after the epoch (``lr``; ``lr_policy`` for the policy's own group).
 
     The epochs are the Ray loop's phases, routed by the same :class:`~.phases.SplitStep`
-    on the same schedule (:func:`~.phases.warmup_cosine`): ``lead_epochs`` of the policy
+    on the same schedule (:func:`~.phases.phase_schedule`): ``lead_epochs`` of the policy
     alone (``train.policy_lead_epochs``), the ``epochs`` of the fine-tune, then
     ``policy_epochs`` of the policy alone (``train.policy_epochs``).
     ``on_epoch(epoch, stats)``: called after each epoch; the caller then reports
@@ -107,10 +107,9 @@ def fit_local(
         collate_fn=detection_collate if isinstance(model, SplitDetector) else None,
     )
     optimizer = torch.optim.AdamW(param_groups(model, lr, policy_lr_scale), lr=lr, weight_decay=weight_decay)
-    steps = epochs * len(loader)
-    warmup = min(len(loader), steps // 10) if warmup_steps is None else min(warmup_steps, steps)
-    scheduler = warmup_cosine(
-        optimizer, warmup, steps, policy_epochs * len(loader), lead_steps=lead_epochs * len(loader)
+    warmup = min(len(loader), epochs * len(loader) // 10) if warmup_steps is None else warmup_steps
+    scheduler = phase_schedule(
+        optimizer, len(loader), epochs=epochs, warmup_steps=warmup, lead_epochs=lead_epochs, policy_epochs=policy_epochs
     )
     step = SplitStep(model, cfg, policy_from_epoch=lead_epochs + epochs, lead_epochs=lead_epochs)
     use_amp = amp and device.type == "cuda"

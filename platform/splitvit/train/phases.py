@@ -1,7 +1,7 @@
 """A run's phases, the same on Ray Train and in one process: which step each epoch
 takes (:class:`SplitStep`: the policy's lead epochs, the fine-tune, the policy's
 epochs after it) and the learning-rate schedule over them (:func:`lr_schedule`,
-:func:`warmup_cosine`).
+:func:`phase_schedule`, :func:`warmup_cosine`).
 
 Ray-free: :mod:`.ray_trainer`'s workers and :mod:`.local`'s loop import both, so a
 recipe trains alike on the platform and on one machine.
@@ -55,20 +55,42 @@ def warmup_steps(train: TrainConfig, steps_per_epoch: int) -> int:
     return round(train.lr_warmup_epochs * steps_per_epoch)
 
 
+def phase_schedule(
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    *,
+    epochs: int,
+    warmup_steps: int,
+    lead_epochs: int = 0,
+    policy_epochs: int = 0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule of a run's phases, stepped once per batch: ``lead_epochs`` of the
+    policy alone on a cosine from the peak, then the fine-tune's ``epochs`` (linear
+    warm-up over ``warmup_steps``, at most all of them, then cosine decay), then
+    ``policy_epochs`` of the policy alone on a cosine of their own."""
+    total_steps = epochs * steps_per_epoch
+    return warmup_cosine(
+        optimizer,
+        min(warmup_steps, total_steps),
+        total_steps,
+        policy_epochs * steps_per_epoch,
+        lead_steps=lead_epochs * steps_per_epoch,
+    )
+
+
 def lr_schedule(
     optimizer: torch.optim.Optimizer, train: TrainConfig, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """``train``'s schedule, stepped once per batch: linear warm-up (:func:`warmup_steps`),
-    then cosine decay over the fine-tune's ``train.epochs``; the policy's own epochs
-    before and after it (``train.policy_lead_epochs``, ``train.policy_epochs``) each run a
-    cosine of their own."""
-    total_steps = train.epochs * steps_per_epoch
-    return warmup_cosine(
+    """``train``'s :func:`phase_schedule`: the fine-tune's ``train.epochs`` with
+    :func:`warmup_steps`, the policy's own ``train.policy_lead_epochs`` before them and
+    ``train.policy_epochs`` after them."""
+    return phase_schedule(
         optimizer,
-        min(warmup_steps(train, steps_per_epoch), total_steps),
-        total_steps,
-        train.policy_epochs * steps_per_epoch,
-        lead_steps=train.policy_lead_epochs * steps_per_epoch,
+        steps_per_epoch,
+        epochs=train.epochs,
+        warmup_steps=warmup_steps(train, steps_per_epoch),
+        lead_epochs=train.policy_lead_epochs,
+        policy_epochs=train.policy_epochs,
     )
 
 
