@@ -483,27 +483,16 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert len(json.loads(drawn.read_text())["detections"]) == 2  # detections drawn per image (any may be 0)
 
 
-def test_what_does_not_run_detectors_says_so_in_one_line(tmp_path, capsys):
-    """`bench parts` (a SplitViT's stages) and the local study loop (a classifier's
-    training loop, the single-GPU runner's) refuse a detection config before any work,
-    naming the task; `splitvit study` and `sweep` run detectors
-    (tests/test_detection_study.py)."""
+def test_what_does_not_run_detectors_says_so_in_one_line(capsys):
+    """`bench parts` (a SplitViT's stages) refuses a detection config before any work,
+    naming the task; `splitvit study`, `sweep` (tests/test_detection_study.py) and the
+    local study loop (tests/test_study_local_detection.py) run detectors."""
     from splitvit.cli import main
-    from splitvit.study.local import run_study_local
-    from splitvit.study.spec import StudyError, load_study
 
     config = Path("jobs/configs/fashion_det.yaml").resolve()
     assert main(["bench", "parts", "--config", str(config), "--batch-sizes", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "it times SplitViT models only" in err[0] and "detection" in err[0], err
-
-    study = tmp_path / "study.yaml"
-    study.write_text(
-        f"base: {config}\nseeds: [0]\nmethods:\n  full: {{model.policy: full}}\n  split: {{model.policy: learned}}\n"
-    )
-    with pytest.raises(StudyError, match=r"model.task=detection: the local study loop .* `splitvit study`"):
-        run_study_local(load_study(study), tmp_path / "out", device="cpu")
-    assert not (tmp_path / "out").exists()  # refused before any folder is made
 
 
 def test_letterboxed_coco_images_are_evaluated_in_their_own_pixels(tmp_path):

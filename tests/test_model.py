@@ -1218,7 +1218,7 @@ def test_the_policys_own_epochs_train_the_policy_alone(teacher):
 
 
 def test_the_schedule_restarts_its_cosine_for_the_policys_own_epochs():
-    from splitvit.train.local import warmup_cosine
+    from splitvit.train.phases import warmup_cosine
 
     def factors(tail: int) -> list[float]:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -1233,7 +1233,7 @@ def test_the_schedule_restarts_its_cosine_for_the_policys_own_epochs():
 def test_the_policys_lead_epochs_run_their_own_cosine_and_shift_the_fine_tunes_schedule():
     """``train.policy_lead_epochs``: a cosine from the peak over the lead's steps, then the
     fine-tune's warm-up and cosine exactly as without a lead, then the tail's."""
-    from splitvit.train.local import warmup_cosine
+    from splitvit.train.phases import warmup_cosine
 
     def factors(lead: int) -> list[float]:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

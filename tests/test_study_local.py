@@ -185,19 +185,3 @@ def test_second_invocation_through_the_command_line_reuses_every_finished_run(
     assert plan["train_images"] == TRAIN_IMAGES
     assert runner.main([str(path), "--out", str(out), "--plan", str(result), "--budget-s", "1"]) == 2
     assert "not even one method epoch fits" in capsys.readouterr().err
-
-
-def test_a_method_with_policy_epochs_is_refused_before_any_folder(tmp_path):
-    """The local loop (``fit_local``) has no policy-only epochs: a method that asks for
-    them is one StudyError naming it and the key, before anything is made."""
-    from splitvit.study.spec import StudyError, load_study
-
-    study = tmp_path / "study.yaml"
-    config = ROOT / "jobs" / "configs" / "smoke.yaml"
-    study.write_text(
-        f"base: {config}\nseeds: [0]\nmethods:\n  full: {{model.policy: full}}\n"
-        "  split: {model.policy: learned, train.policy_epochs: 2}\n"
-    )
-    with pytest.raises(StudyError, match=r"split: train.policy_epochs: the local study loop has no policy-only"):
-        run_study_local(load_study(study), tmp_path / "out", device="cpu")
-    assert not (tmp_path / "out").exists()

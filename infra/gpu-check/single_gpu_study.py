@@ -6,9 +6,11 @@ The study is the one ``splitvit study`` runs, on the same code path
 (:func:`splitvit.study.execute.execute_study`: the same file, scale and overrides, runs,
 stored-result reuse, evaluation at matched token ratios, aggregation, goals and speed
 comparison); only the executor differs (:mod:`splitvit.study.local`): each run is
-trained by ``fit_local`` with the config's schedule (bf16 autocast, AdamW, warm-up +
-cosine, gradient clipping, auto thresholds calibrated each epoch), in a pool of
-processes that share the GPU. MLflow only with ``--tracking-uri``. Its JSON has the
+trained by ``fit_local`` with the config's phases and schedule, the Ray loop's own
+(``splitvit.train.phases``: the policy's lead epochs, the fine-tune, the policy's epochs;
+bf16 autocast, AdamW, warm-up + cosine, gradient clipping, auto thresholds calibrated
+each epoch; detectors validated by box and mask AP), in a pool of processes that share
+the GPU. MLflow only with ``--tracking-uri``. Its JSON has the
 shape of ``splitvit study --json`` plus per-run training curves. Running it again on
 the same ``--out`` reuses every finished run.
 

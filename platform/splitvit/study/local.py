@@ -4,9 +4,11 @@ evaluation at matched token ratios, aggregation, goals, speed comparison and res
 with a local executor.
 
 Each run is trained by :func:`fit_config_local`: the plain single-process loop
-(:func:`~splitvit.train.local.fit_local`) with the config's schedule (bf16 autocast
-with ``train.amp``, AdamW, warm-up + cosine, gradient clipping, auto thresholds
-calibrated after every epoch), on one device. :class:`LocalExecutor` runs the runs
+(:func:`~splitvit.train.local.fit_local`) with the config's phases and schedule, from
+the same code as the Ray loop (:mod:`splitvit.train.phases`: the policy's lead epochs,
+the fine-tune, the policy's epochs; bf16 autocast with ``train.amp``, AdamW, warm-up +
+cosine, gradient clipping, auto thresholds calibrated after every epoch; a detector
+validated by COCO's box and mask AP), on one device. :class:`LocalExecutor` runs the runs
 in this process (``workers=1``) or in a pool of spawned processes sharing the device.
 MLflow is optional (a lent GPU machine may have none): pass ``tracking_uri``.
 
@@ -40,11 +42,15 @@ from .spec import StudySpec, load_study
 log = logging.getLogger(__name__)
 
 
-def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
+def fit_config_local(
+    config: ExperimentConfig, device: str, epoch_hook: Callable[[int, Any], None] | None = None
+) -> dict[str, Any]:
     """Train ``config`` in this process on ``device`` (:func:`~splitvit.train.local.fit_local`
-    with the config's schedule) into its run folder (``storage.path``/``storage.name``):
+    with the config's phases and schedule, as the Ray loop runs them: ``train.policy_lead_epochs``,
+    ``train.epochs``, ``train.policy_epochs``) into its run folder (``storage.path``/``storage.name``):
     ``model.pt`` and :data:`~splitvit.train.checkpoints.HISTORY_FILE`. A run whose training finished (both files
-    there) is not trained again.
+    there) is not trained again. A detector (``model.task: detection``) validates by
+    COCO's box and mask AP, as on Ray. ``epoch_hook(epoch, model)``: called before each epoch.
 
     Returns what a :class:`~splitvit.study.runs.RunTrainer` returns, plus ``history``
     (the per-epoch training and validation figures), ``steps`` and ``train_seconds``.
@@ -53,10 +59,13 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from ..config import AUTO_THRESHOLDS
-    from ..data import build_dataset
+    from ..data import build_dataset, detection_collate
+    from ..model.detection import SplitDetector, split_backbone
     from ..train.checkpoints import HISTORY_FILE, MODEL_FILE, init_weights
+    from ..train.detection import detection_ground_truth
     from ..train.experiment import build_model
     from ..train.local import fit_local, validate
+    from ..train.phases import warmup_steps
 
     mc, dc, tc = config.model, config.data, config.train
     folder = Path(config.storage.resolved_path()) / config.storage.name
@@ -76,20 +85,28 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
     if mc.init_from:
         init_weights(model, mc.init_from)
     model.to(device)
-    sizing = dict(image_size=mc.image_size, interpolation=model.data_config["interpolation"])
+    sizing = dict(image_size=mc.image_size, interpolation=split_backbone(model).data_config["interpolation"])
     train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
     val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
-    val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, num_workers=dc.num_workers)
+    detector = isinstance(model, SplitDetector)
+    val_loader = DataLoader(
+        val_set,
+        batch_size=dc.eval_batch_size or dc.batch_size,
+        num_workers=dc.num_workers,
+        collate_fn=detection_collate if detector else None,
+    )
     steps_per_epoch = len(train_set) // dc.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size}")
-    auto = mc.thresholds == AUTO_THRESHOLDS and model.policy.thresholded
+    auto = mc.thresholds == AUTO_THRESHOLDS and split_backbone(model).policy.thresholded
+    ground_truth = detection_ground_truth(val_set) if detector else None  # read once, as the Ray loop's rank 0
     history: list[dict[str, Any]] = []
     epoch_started = [time.perf_counter()]
 
     def after_epoch(epoch: int, stats: dict[str, float]) -> None:
-        # the figures the Ray loop reports: train_* means, then validation after calibrating auto thresholds
-        metrics = {f"train_{k}": v for k, v in stats.items() if k != "epoch"}
+        # the figures the Ray loop reports: train_* means and the learning rates, then validation
+        # after calibrating auto thresholds
+        metrics = {k if k in ("lr", "lr_policy") else f"train_{k}": v for k, v in stats.items() if k != "epoch"}
         metrics.update(
             validate(
                 model,
@@ -99,6 +116,7 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
                 amp=tc.amp,
                 calibrate_to=tc.target_ratio if auto else None,
                 calibration_images=dc.eval_batch_size or dc.batch_size,
+                ground_truth=ground_truth,
             )
         )
         metrics.update({"epoch": epoch, "epoch_time_s": time.perf_counter() - epoch_started[0]})
@@ -112,7 +130,6 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
         )
 
     started = time.time()
-    warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
     fit_local(
         model,
         train_set,
@@ -125,9 +142,12 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
         seed=dc.seed,
         on_epoch=after_epoch,
         amp=tc.amp,
-        warmup_steps=warmup,
+        warmup_steps=warmup_steps(tc, steps_per_epoch),  # the Ray loop's (train.phases.lr_schedule)
         num_workers=dc.num_workers,
         policy_lr_scale=tc.policy_lr_scale,
+        lead_epochs=tc.policy_lead_epochs,
+        policy_epochs=tc.policy_epochs,
+        epoch_hook=epoch_hook,
     )
     loss = history[-1].get("train_loss", 0.0)
     if not math.isfinite(loss):  # fit_local does not stop on a non-finite loss: keep no checkpoint of it
@@ -138,9 +158,10 @@ def fit_config_local(config: ExperimentConfig, device: str) -> dict[str, Any]:
             "message": f"non-finite training loss {loss} in the last epoch",
         }
     model.save(
-        checkpoint, extra={"epoch": tc.epochs - 1, "metrics": history[-1], "config": config.to_dict(redact=True)}
+        checkpoint,
+        extra={"epoch": tc.total_epochs - 1, "metrics": history[-1], "config": config.to_dict(redact=True)},
     )
-    record = {"history": history, "train_seconds": time.time() - started, "steps": tc.epochs * steps_per_epoch}
+    record = {"history": history, "train_seconds": time.time() - started, "steps": tc.total_epochs * steps_per_epoch}
     history_file.write_text(json.dumps(record, default=float))  # last: its presence says training finished
     return {"status": "completed", "metrics": history[-1], "checkpoint": str(checkpoint), "message": "", **record}
 
@@ -332,32 +353,14 @@ def run_study_local(
     figure at ``out``/study.png; MLflow records it only with ``tracking_uri``.
 
     Returns the study's result, the machine, stage times, epochs and the backbones'
-    results; every run carries its training curves (``history``). Raises
-    :class:`~splitvit.study.spec.StudyError` when ``out`` holds runs made with other
-    settings, for a detection study (this loop trains no detector), or for a method
-    with ``train.policy_epochs`` (nor a policy alone).
+    results; every run carries its training curves (``history``). Every recipe runs:
+    detection studies and methods with the policy's own epochs (``train.policy_lead_epochs``,
+    ``train.policy_epochs``) train through the Ray loop's phases (:func:`fit_config_local`).
+    Raises :class:`~splitvit.study.spec.StudyError` when ``out`` holds runs made with
+    other settings.
     """
     import torch
 
-    from ..model.names import DETECTION_TASK
-    from .spec import StudyError
-
-    if spec.task == DETECTION_TASK:  # before any folder or run
-        raise StudyError(
-            f"{spec.source}: model.task=detection: the local study loop trains classifiers and dense models; "
-            "run a detection study with `splitvit study` (Ray), on one machine too"
-        )
-
-    def policy_phases(method: str) -> list[str]:
-        train = spec.run_config(spec.seeds[0], method, method).train
-        return [f"train.{key}" for key in ("policy_lead_epochs", "policy_epochs") if getattr(train, key)]
-
-    phased = [f"{m}: {', '.join(keys)}" for m in spec.methods if (keys := policy_phases(m))]
-    if phased:
-        raise StudyError(
-            f"{spec.source}: {'; '.join(phased)}: the local study loop has no policy-only "
-            "epochs; run the study with `splitvit study` (Ray), on one machine too"
-        )
     started = time.time() if started is None else started
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

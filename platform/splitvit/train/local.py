@@ -1,14 +1,16 @@
 """A plain single-process training loop on the shared SPLIT steps.
 
 Used by ``splitvit demo``, as the plain-PyTorch reference that Ray Train's
-overhead is measured against, and by the single-GPU study runner
-(``infra/gpu-check``).
+overhead is measured against, and by the single-machine study runner
+(``splitvit.study.local``, ``infra/gpu-check``). Its epochs are the Ray loop's
+phases (the policy's lead epochs, the fine-tune, the policy's epochs), routed and
+scheduled by the same code (:mod:`.phases`), for classifiers, dense models and
+detectors alike.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,39 +19,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..data.common import detection_collate
 from ..data.parquet import ParquetShards, RowGroupSampler
-from ..model.detection import split_backbone
-from ..model.splitvit import SplitViT
-from .steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
+from ..model.detection import SplitDetector, split_backbone
+from .detection import detection_area_ranges, detection_ground_truth, evaluate_detection_totals
+from .phases import SplitStep, phase_schedule
+from .steps import SplitLossConfig, calibrate_thresholds, evaluate
 
 log = logging.getLogger(__name__)
-
-
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer,
-    warmup_steps: int,
-    total_steps: int,
-    tail_steps: int = 0,
-    lead_steps: int = 0,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up then cosine decay to zero over ``total_steps``, stepped once per
-    batch; for ``tail_steps`` more after them, and ``lead_steps`` before the warm-up
-    (the policy's own epochs), a cosine of their own from the peak."""
-
-    def cosine(done: int, steps: int) -> float:
-        return 0.5 * (1 + math.cos(math.pi * min(done / max(steps, 1), 1.0)))
-
-    def factor(step: int) -> float:
-        if step < lead_steps:
-            return cosine(step, lead_steps)
-        step -= lead_steps
-        if step < warmup_steps:
-            return (step + 1) / max(warmup_steps, 1)
-        if tail_steps and step >= total_steps:
-            return cosine(step - total_steps, tail_steps)
-        return cosine(step - warmup_steps, total_steps - warmup_steps)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def param_groups(model: nn.Module, lr: float, policy_lr_scale: float = 1.0) -> list[dict[str, Any]]:
@@ -72,7 +49,7 @@ def param_groups(model: nn.Module, lr: float, policy_lr_scale: float = 1.0) -> l
 
 
 def fit_local(
-    model: SplitViT,
+    model: nn.Module,
     dataset: Dataset,
     cfg: SplitLossConfig,
     *,
@@ -87,16 +64,25 @@ def fit_local(
     warmup_steps: int | None = None,
     num_workers: int = 0,
     policy_lr_scale: float = 1.0,
+    lead_epochs: int = 0,
+    policy_epochs: int = 0,
+    epoch_hook: Callable[[int, nn.Module], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Train ``model`` in this process, on the device it is on; returns per-epoch
-    mean statistics.
+    """Train ``model`` (a SplitViT or a :class:`~splitvit.model.detection.SplitDetector`)
+    in this process, on the device it is on; returns per-epoch mean statistics, with the
+    learning rate after the epoch (``lr``; ``lr_policy`` for the policy's own group).
 
+    The epochs are the Ray loop's phases, routed by the same :class:`~.phases.SplitStep`
+    on the same schedule (:func:`~.phases.phase_schedule`): ``lead_epochs`` of the policy
+    alone (``train.policy_lead_epochs``), the ``epochs`` of the fine-tune, then
+    ``policy_epochs`` of the policy alone (``train.policy_epochs``).
     ``on_epoch(epoch, stats)``: called after each epoch; the caller then reports
-    the epoch (without one, this function logs it). ``amp``: bf16 autocast on CUDA
+    the epoch (without one, this function logs it). ``epoch_hook(epoch, model)``: called
+    before each epoch (as the Ray loop's ``epoch_hook``). ``amp``: bf16 autocast on CUDA
     (as the Ray loop with ``train.amp``).
-    ``warmup_steps``: linear learning-rate warm-up (default: an epoch, at most a
-    tenth of the run). ``num_workers``: data-loading processes. ``policy_lr_scale``:
-    see :func:`param_groups`.
+    ``warmup_steps``: the fine-tune's linear learning-rate warm-up (default: an epoch, at
+    most a tenth of the fine-tune). ``num_workers``: data-loading processes.
+    ``policy_lr_scale``: see :func:`param_groups`.
     """
     torch.manual_seed(seed)
     device = next(model.parameters()).device
@@ -117,16 +103,22 @@ def fit_local(
         pin_memory=device.type == "cuda",
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
+        # detection targets are one dict per image: the batch keeps them a list
+        collate_fn=detection_collate if isinstance(model, SplitDetector) else None,
     )
     optimizer = torch.optim.AdamW(param_groups(model, lr, policy_lr_scale), lr=lr, weight_decay=weight_decay)
-    steps = epochs * len(loader)
-    warmup = min(len(loader), steps // 10) if warmup_steps is None else min(warmup_steps, steps)
-    scheduler = warmup_cosine(optimizer, warmup, steps)
+    warmup = min(len(loader), epochs * len(loader) // 10) if warmup_steps is None else warmup_steps
+    scheduler = phase_schedule(
+        optimizer, len(loader), epochs=epochs, warmup_steps=warmup, lead_epochs=lead_epochs, policy_epochs=policy_epochs
+    )
+    step = SplitStep(model, cfg, policy_from_epoch=lead_epochs + epochs, lead_epochs=lead_epochs)
     use_amp = amp and device.type == "cuda"
     generator = torch.Generator().manual_seed(seed + 1)
     history = []
     model.train()
-    for epoch in range(epochs):
+    for epoch in range(lead_epochs + epochs + policy_epochs):
+        if epoch_hook is not None:
+            epoch_hook(epoch, model)
         if sampler is not None:
             sampler.set_epoch(epoch)
         start = time.perf_counter()
@@ -134,9 +126,11 @@ def fit_local(
         counts: dict[str, int] = {}
         seen = 0
         for index, batch in enumerate(loader):
-            images, target = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+            images, target = batch[0].to(device, non_blocking=True), batch[1]
+            if isinstance(target, torch.Tensor):  # a detector's targets (dicts) are moved by the step
+                target = target.to(device, non_blocking=True)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
-                loss, stats = training_step(model, images, target, cfg, epoch, generator, index)
+                loss, stats = step(images, target, epoch, generator, index)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -149,6 +143,10 @@ def fit_local(
         stats = {key: value / counts[key] for key, value in totals.items()}
         stats["epoch"] = epoch
         stats["images_per_s"] = seen / (time.perf_counter() - start)
+        rates = scheduler.get_last_lr()  # as the Ray loop reports them
+        stats["lr"] = rates[0]
+        if len(rates) > 1:  # policy_lr_scale: SplitViT's own modules in a group of their own
+            stats["lr_policy"] = rates[1]
         history.append(stats)
         if on_epoch is not None:
             on_epoch(epoch, stats)  # the caller reports the epoch, with its own validation figures
@@ -158,7 +156,7 @@ def fit_local(
 
 
 def validate(
-    model: SplitViT,
+    model: nn.Module,
     val_set: Dataset,
     val_loader,
     *,
@@ -166,16 +164,33 @@ def validate(
     calibrate_to: float | None = None,
     calibration_images: int = 64,
     amp: bool = False,
+    ground_truth: Any = None,
 ) -> dict[str, float]:
     """End-of-epoch validation of a single-process run: thresholds calibrated to
     ``calibrate_to`` on the first ``calibration_images`` of ``val_set`` (``None``: kept),
     then :func:`~splitvit.train.steps.evaluate` on ``val_loader``, both in the
-    precision training ran in (the Ray loop does the same across its workers)."""
+    precision training ran in (the Ray loop does the same across its workers).
+
+    A :class:`~splitvit.model.detection.SplitDetector` is evaluated as the Ray loop
+    evaluates it: its detections on ``val_loader`` (batches of
+    :func:`~splitvit.data.common.detection_collate`) scored by COCO's evaluation against
+    ``ground_truth`` (default: :func:`~.detection.detection_ground_truth` of ``val_set``,
+    one pass over it: pass it in to validate every epoch), box and mask AP among the
+    figures, with ``val_images``.
+    """
     from ..data import first_images
 
     device = next(model.parameters()).device
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp and device.type == "cuda"):
         if calibrate_to is not None:
+            backbone = split_backbone(model)
             images = first_images(val_set, calibration_images).to(device)
-            model.set_thresholds(calibrate_thresholds(model, images, calibrate_to))
-        return evaluate(model, val_loader, num_classes=num_classes)
+            backbone.set_thresholds(calibrate_thresholds(backbone, images, calibrate_to))
+        if not isinstance(model, SplitDetector):
+            return evaluate(model, val_loader, num_classes=num_classes)
+        totals = evaluate_detection_totals(model, val_loader, [0, *val_set.category_ids], device=device)
+    truth = detection_ground_truth(val_set) if ground_truth is None else ground_truth
+    side = max(model.backbone.geometry.image_size)  # model.image_size: the canvas's side
+    figures = totals.figures(truth, area_ranges=detection_area_ranges(side))
+    figures["val_images"] = float(totals.images)
+    return {k: float(v) for k, v in figures.items() if isinstance(v, (int, float))}  # per class: the Ray loop's MLflow

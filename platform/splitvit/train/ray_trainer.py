@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, TrainConfig, config_layers, redact_uri
+from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, config_layers, redact_uri
 from ..data.parquet import training_sampler
 from ..errors import Interrupted, as_interrupted, error_line, note_signal
 from ..model.detection import SplitDetector, split_backbone
@@ -70,20 +70,12 @@ from .detection import (
     DetectionTotals,
     detection_area_ranges,
     detection_ground_truth,
-    detection_policy_step,
-    detection_training_step,
     evaluate_detection_totals,
 )
 from .experiment import build_model, validate_experiment
-from .local import param_groups, warmup_cosine
-from .steps import (
-    EvalTotals,
-    SplitLossConfig,
-    calibrate_thresholds,
-    evaluate_totals,
-    policy_training_step,
-    training_step,
-)
+from .local import param_groups
+from .phases import SplitStep, lr_schedule  # shared with the local loop (train/local.py)
+from .steps import EvalTotals, calibrate_thresholds, evaluate_totals
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -523,65 +515,6 @@ def _checkpoint_uri(checkpoint, storage_path: str) -> str | None:
 
 
 # ---------------------------------------------------------------------- worker
-class SplitStep(nn.Module):
-    """The SPLIT training step as a module, for DDP.
-
-    ``training_step`` needs the plain SplitViT (``.policy``, ``.relevance``) and, on
-    teacher steps, runs a full-resolution relevance pass beside the model's forward.
-    Running the whole step inside this module's ``forward`` lets DDP wrap it: every
-    pass happens within DDP's forward, so its reducer sees every parameter that
-    receives a gradient. A :class:`SplitDetector` takes
-    :func:`~.detection.detection_training_step` (targets: one dict per image). In the
-    first ``lead_epochs`` (``train.policy_lead_epochs``) and from ``policy_from_epoch`` on
-    (the ``train.policy_epochs`` after the fine-tune), the step is the policy's alone
-    (:func:`~.steps.policy_training_step`, :func:`~.detection.detection_policy_step`);
-    the fine-tune's steps count their epochs from the end of the lead.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        loss: SplitLossConfig,
-        policy_from_epoch: int | None = None,
-        lead_epochs: int = 0,
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.loss = loss
-        self.policy_from_epoch = policy_from_epoch
-        self.lead_epochs = lead_epochs
-
-    @classmethod
-    def for_config(cls, model: nn.Module, train: TrainConfig) -> SplitStep:
-        """The step of ``train``'s phases: policy lead, fine-tune, policy epochs."""
-        return cls(
-            model,
-            train.loss_config(),
-            policy_from_epoch=train.policy_lead_epochs + train.epochs,
-            lead_epochs=train.policy_lead_epochs,
-        )
-
-    def forward(
-        self,
-        images: torch.Tensor,
-        target: torch.Tensor,
-        epoch: int,
-        generator: torch.Generator | None = None,
-        step: int = 0,
-    ):
-        tail = self.policy_from_epoch is not None and epoch >= self.policy_from_epoch
-        policy_only = epoch < self.lead_epochs or tail
-        epoch -= self.lead_epochs  # the fine-tune's own epoch (its warm-up phases count from 0)
-        if isinstance(self.model, SplitDetector):
-            targets = [{k: v.to(images.device) for k, v in t.items()} for t in target]
-            if policy_only:
-                return detection_policy_step(self.model, images, targets, self.loss, generator)
-            return detection_training_step(self.model, images, targets, self.loss, epoch, generator, step)
-        if policy_only:
-            return policy_training_step(self.model, images, target, self.loss, generator)
-        return training_step(self.model, images, target, self.loss, epoch, generator, step)
-
-
 def _calibrate_thresholds(model, val_shard, count: int, target_ratio: float, device: torch.device) -> None:
     """``model.thresholds: auto``: thresholds that meet the token budget on this
     worker's first ``count`` validation images, averaged over workers so every rank
@@ -821,7 +754,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
         weight_decay=config.train.weight_decay,
     )
     data = _worker_data(config, rank, world, device, split_backbone(model).data_config["interpolation"])
-    scheduler = _lr_schedule(optimizer, config, data.steps_per_epoch)
+    scheduler = lr_schedule(optimizer, config.train, data.steps_per_epoch)
     worker = _Worker(
         config=config,
         rank=rank,
@@ -909,22 +842,6 @@ def _worker_data(
         collate_fn=collate,
     )
     return _WorkerData(sampler=sampler, loader=loader, val_set=val_set, val_shard=val_shard, val_loader=val_loader)
-
-
-def _lr_schedule(optimizer: torch.optim.Optimizer, config: ExperimentConfig, steps_per_epoch: int) -> Any:
-    """Linear warm-up (``train.lr_warmup_steps``, else ``lr_warmup_epochs``), then cosine
-    decay; the policy's own epochs before and after the fine-tune (``train.policy_lead_epochs``,
-    ``train.policy_epochs``) each run a cosine of their own."""
-    tc = config.train
-    total_steps = tc.epochs * steps_per_epoch
-    warmup = tc.lr_warmup_steps if tc.lr_warmup_steps is not None else round(tc.lr_warmup_epochs * steps_per_epoch)
-    return warmup_cosine(
-        optimizer,
-        min(warmup, total_steps),
-        total_steps,
-        tc.policy_epochs * steps_per_epoch,
-        lead_steps=tc.policy_lead_epochs * steps_per_epoch,
-    )
 
 
 def _resume(worker: _Worker, state: dict[str, Any] | None) -> tuple[int, dict[str, float]]:
