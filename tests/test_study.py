@@ -577,10 +577,15 @@ def test_the_fine_tune_pace_line_divides_each_methods_median_epoch_by_its_seeds_
         trained("coarse", "coarse", 0, [1000.0]),
         {"method": "entropy", "policy": "entropy", "seed": 0, "history": []},  # no epochs: left out
     ]
+    # the policy's own epochs (no task loss: the policy alone, far faster) are not the fine-tune's pace
+    phases = [{"train_images_per_s": 900.0}, {"train_images_per_s": 250.0, "train_task_loss": 1.0}]
+    phases += [{"train_images_per_s": 270.0, "train_task_loss": 0.9}, {"train_images_per_s": 950.0}]
+    runs.append({"method": "lead", "policy": "learned", "seed": 0, "history": phases})
     line = training_pace_line(runs)
     assert line.startswith("fine-tune pace vs full")
     # seed 1's control was trained by an earlier invocation: its ratio is starred
     assert "split 0.88x, 1.10x*; coarse 3.45x" in line and "entropy" not in line and "earlier invocation" in line
+    assert "lead 0.90x" in line  # the median of 250 and 270 over 290
     assert training_pace_line([r for r in runs if r["method"] != "full"]) is None  # no control
     assert training_pace_line(runs[:2]) is None  # nothing beside the control
     assert summary_lines(GoalVerdicts("accuracy"), None, [], None, runs)[-1] == line

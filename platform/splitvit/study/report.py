@@ -155,13 +155,23 @@ def _speed_line(s: MatchedSpeed) -> str:
     )
 
 
+def fine_tune_epochs(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The epochs of a run's history that trained the task: those with a task loss. The
+    policy's own epochs (``train.policy_lead_epochs``, ``train.policy_epochs``: the policy
+    alone, several times faster) are not the fine-tune's pace. A history whose epochs
+    record no task loss (files written before they did) is taken whole."""
+    tasks = [e for e in history if "train_task_loss" in e]
+    return tasks or history
+
+
 def training_pace_line(runs: list[dict[str, Any]]) -> str | None:
     """Each method's fine-tuning pace against the full-resolution control's, seed by seed:
-    the median epoch's training images/s over the control's of the same seed. Runs
+    the median fine-tune epoch's training images/s (:func:`fine_tune_epochs`) over the
+    control's of the same seed. Runs
     trained by an earlier invocation (``reused``) are starred: their pace was measured
     beside other runs. ``None`` without a control or any other run with an epoch history."""
     pace = {
-        (r["method"], r["seed"]): statistics.median(e["train_images_per_s"] for e in r["history"])
+        (r["method"], r["seed"]): statistics.median(e["train_images_per_s"] for e in fine_tune_epochs(r["history"]))
         for r in runs
         if r.get("history") and all("train_images_per_s" in e for e in r["history"])
     }
