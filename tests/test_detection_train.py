@@ -410,6 +410,7 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     settings = {
         "model.image_size": 64,
         "model.timm_kwargs": "{patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2}",
+        "model.policy_depth": 1,  # the 1-block ViT's (detection-v1's 2 are more than it has)
         "data.options": f"{{root: {root}, val_size: 8, train_samples: 16, val_samples: 8, clutter: true}}",
         "data.batch_size": 4,
         "train.epochs": 2,

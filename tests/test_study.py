@@ -122,7 +122,15 @@ def write_study(folder: Path, **changes) -> Path:
         "speed": {"batch_size": 8, "rounds": 2},
         # parity at 75% too: a share every SPLIT point of this tiny model is under (its 25%
         # point, calibrated on 32 images, may measure more than 25% on the test images)
-        "goals": {"converge_points": 0.3, "converge_epochs": 1, "also_match_at": [0.75], "max_minutes": 60},
+        "goals": {
+            "converge_points": 0.3,
+            "converge_epochs": 1,
+            "match_ratio": 0.5,
+            "also_match_at": [0.75],
+            "beat_range": [0.1, 0.6],
+            "margin_at": 0.25,
+            "max_minutes": 60,
+        },
         "mlflow": {"experiment": "study-e2e"},
     }
     spec.update(changes)

@@ -133,7 +133,10 @@ def benchmark_config(
     """The benchmark's experiment: a timm ViT (``timm_kwargs`` shrink it) as a learned
     SplitViT on the synthetic object-among-clutter task, one warm-up epoch then the
     learned policy; validated like any experiment config."""
+    # no recipe: the step is the one these arguments describe (the teacher, its cadence,
+    # the policy's depth), so that a figure says what it timed
     raw = {
+        "recipe": "none",
         "model": {
             "name": model_name,
             "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},
