@@ -139,7 +139,10 @@ def test_a_detector_starts_from_a_detectors_or_a_classifiers_weights(checkpoints
     """From a detector every tensor but the run's settings loads; from a classifier the
     SplitViT becomes the backbone and the heads keep their initialisation; another
     architecture is refused naming a tensor."""
-    config = load_experiment(CONFIG, [f"model.timm_kwargs={json.dumps(tiny_settings(Path('.'))['model.timm_kwargs'])}"])
+    tiny = tiny_settings(Path("."))
+    config = load_experiment(
+        CONFIG, [f"model.timm_kwargs={json.dumps(tiny['model.timm_kwargs'])}", "model.policy_depth=1"]
+    )
     config.model.image_size = 64
     model = build_model(config.model)
     assert init_weights(model, checkpoints["learned"]) == ["backbone.budget", "backbone.thresholds"]

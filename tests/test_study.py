@@ -712,14 +712,17 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
     # every method's evaluated points timed against the full method, side by side (seed 0)
     ps = data["point_speed"]
     assert ps["seed"] == 0 and ps["device"].startswith("cpu") and ps["batch_size"] == 8 and ps["rounds"] == 2
-    (full_timed,) = ps["full"]
+    # the control, and the recipe's model (fine aggregation: another architecture) at full resolution
+    fulls = {f["key"]: f for f in ps["full"]}
+    full_timed = ps["full"][0]
     assert full_timed["method"] == "full" and full_timed["speedup_vs_full"] == 1.0 and full_timed["images_per_s"] > 0
     assert full_timed["checkpoint"] == next(r["checkpoint"] for r in data["runs"] if r["method"] == "full")
+    assert len(fulls) == 2 and all(f["speedup_vs_full"] == 1.0 and f["policy"] == "full" for f in fulls.values())
     assert {(p["method"], p["target_ratio"]) for p in ps["points"]} == methods - {("full", None)}
     stored = {(r["method"], p["target_ratio"]): p for r in data["runs"] for p in r["points"]}
     for p in ps["points"]:
         assert p["images_per_s"] > 0 and p["speedup_vs_full"] > 0 and 0 < p["token_ratio"] <= 1
-        assert p["speedup_vs_full"] == pytest.approx(full_timed["median_s"] / p["median_s"])
+        assert p["speedup_vs_full"] == pytest.approx(fulls[p["full"]]["median_s"] / p["median_s"])
         assert p["thresholds"] == pytest.approx(
             stored[(p["method"], p["target_ratio"])]["thresholds"]
         )  # the evaluated point
