@@ -6,7 +6,8 @@
 Inside a Ray job ``RAY_ADDRESS`` is set and the sweep joins that cluster; run
 directly, it starts a local Ray. Give the sweep storage every node reaches
 (``--set storage.path=s3://bucket/prefix`` or a shared folder): a job's working
-directory is a temporary copy. Everything else is ``splitvit sweep``.
+directory is a temporary copy. Everything else is ``splitvit sweep``: every trial runs the
+space's recipe (``parameters: {recipe: ...}``) under its searched settings.
 """
 
 import sys

@@ -3,7 +3,9 @@
     ray job submit --working-dir . -- python jobs/train.py jobs/configs/smoke.yaml [--set key=value ...] [--json PATH]
 
 Inside a Ray job ``RAY_ADDRESS`` is set and training joins that cluster; run
-directly, it starts a local Ray. Everything else is ``splitvit train``.
+directly, it starts a local Ray. Everything else is ``splitvit train``: the
+config's recipe (its ``recipe:``, else its task's current one) lies under the file's
+settings; ``--set recipe=none`` trains the library's plain defaults.
 """
 
 import sys
