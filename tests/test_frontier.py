@@ -242,6 +242,7 @@ def test_the_frontier_view_lists_point_runs_with_their_columns():
     )
     assert view["orderByKey"] == "metrics.`accuracy`" and view["orderByAsc"] is False
     assert {"metrics.`accuracy`", "metrics.`tokens_per_image`", "metrics.`token_ratio`"} <= set(view["selectedColumns"])
+    assert view["columnOrder"][:3] == ["metrics.`accuracy`", "metrics.`tokens_per_image`", "metrics.`token_ratio`"]
     link = frontier_link("3", "abc")
     assert link == "#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=splitvit-frontier-abc"
 

@@ -169,7 +169,10 @@ def test_point_runs_carry_datasets_descriptions_and_no_empty_tags(tmp_path):
         names = {d.dataset.name for d in run.inputs.dataset_inputs}
         assert names == {"synthetic/train", "synthetic/val"}
         assert NOTE_TAG in run.data.tags
+    # the thresholds each point was evaluated at: one `thresholds` param on trial and point runs alike
+    assert json.loads(client.get_run(points[0].run_id).data.params["thresholds"]) == [0.5, 0.5]
     point = client.get_run(points[1].run_id)
+    assert json.loads(point.data.params["thresholds"]) == [0.7, 0.6]
     assert point.data.metrics[EVAL_THROUGHPUT] == 321.0 and "images_per_s" not in point.data.metrics
     assert "`sampled.model.thresholds.*`" in point.data.tags[NOTE_TAG]
 

@@ -142,7 +142,7 @@ def point_note(metric: str, kind: str, trial_id: str, thresholds: list[float], p
     if kind == "trial":
         head = (
             f"**Trial `{trial_id}`** of a sweep: trained with the values Optuna sampled (params `sampled.*`), "
-            f"then evaluated at split thresholds {used} (tag `splitvit.thresholds`: as calibrated in training); "
+            f"then evaluated at split thresholds {used} (param `thresholds`: as calibrated in training); "
             f"{points} more threshold points on its checkpoint are its child runs."
         )
         speed = (
@@ -248,8 +248,9 @@ def frontier_view(metric: str, sweep_run_id: str) -> dict[str, Any]:
     behind its *Share* button, kept in the experiment tag ``mlflow.sharedViewState.<key>``):
     the frontier filter, ordered by ``metric`` (a search not ordered by start time lists
     matching child runs as rows of their own instead of under their parents), and the
-    quality, token, speed-up and model columns shown."""
+    quality, token, speed-up, thresholds and model columns shown in that order."""
     columns = [f"metrics.`{m}`" for m in (metric, "tokens_per_image", "token_ratio", "speedup_vs_full")]
+    columns += ["params.`thresholds`", "attributes.`Models`", f"tags.`{ALIAS_TAG}`"]
     return {
         "searchFilter": frontier_filter(sweep_run_id),
         "orderByKey": f"metrics.`{metric}`",
@@ -258,7 +259,8 @@ def frontier_view(metric: str, sweep_run_id: str) -> dict[str, Any]:
         "lifecycleFilter": "Active",
         "datasetsFilter": [],
         "modelVersionFilter": "All Runs",
-        "selectedColumns": [*columns, f"tags.`{ALIAS_TAG}`", "params.`thresholds`", "attributes.`Models`"],
+        "selectedColumns": columns,
+        "columnOrder": columns,  # the figures first, beside the run's name
         "runsExpanded": {},
     }
 
@@ -495,6 +497,10 @@ class SweepRecorder:
         mlflow_client(self.tracking_uri).update_run(tracker.run_id, name=name)
         if data is not None:
             tracker.log_datasets(data)
+        client = mlflow_client(self.tracking_uri)
+        if final.get("thresholds") is not None and "thresholds" not in client.get_run(tracker.run_id).data.params:
+            # the thresholds it was evaluated at, under the threshold points' name: one column for the frontier
+            client.log_param(tracker.run_id, "thresholds", json.dumps(final["thresholds"]))
         tags = {
             "splitvit.thresholds": json.dumps(final.get("thresholds")),
             NOTE_TAG: point_note(self.metric, "trial", trial_id, final.get("thresholds") or [], len(rows)),
