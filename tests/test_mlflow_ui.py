@@ -26,6 +26,7 @@ from splitvit.tune.mlflow_records import (  # noqa: E402
     SHARED_VIEW_PREFIX,
     TIE_TAG,
     SweepRecorder,
+    frontier_link,
     frontier_view_key,
 )
 from splitvit.tune.pareto import Point, annotate, best_point, frontier  # noqa: E402
@@ -116,6 +117,7 @@ def test_frontier_models_are_registered_linked_and_aliased_per_space(tmp_path):
         assert [v["name"] for v in versions] == ["splitvit-smoke"]
         version = client.get_model_version("splitvit-smoke", versions[0]["version"])
         assert version.run_id == p.run_id and "smoke-1" in version.description
+        assert f"version {version.version}" in model.tags[NOTE_TAG]  # the logged model's description
         # a signature: images in, logits and tokens out
         from mlflow.models import get_model_info
 
@@ -176,6 +178,13 @@ def test_point_runs_carry_datasets_descriptions_and_no_empty_tags(tmp_path):
     assert point.data.metrics[EVAL_THROUGHPUT] == 321.0 and "images_per_s" not in point.data.metrics
     assert "`sampled.model.thresholds.*`" in point.data.tags[NOTE_TAG]
 
+    # the sweep's description keeps the frontier's link whole (MLflow's `viewStateShareKey`
+    # looks like a secret's name to the masking), and still masks what is secret
+    link = frontier_link(recorder.experiment_id, recorder.parent_run_id)
+    recorder.describe(f"[the frontier]({link}); data at https://h/b?token=abc123&x=1 read.")
+    note = client.get_run(recorder.parent_run_id).data.tags[NOTE_TAG]
+    assert f"[the frontier]({link})" in note and "abc123" not in note and note.endswith("&x=1 read.")
+
     # the experiment's description links the frontier's saved runs view
     best = best_point(points)
     recorder.describe_experiment("s", 0.5, len(frontier(points)), len(points), best, None)
@@ -198,6 +207,7 @@ def test_point_runs_carry_datasets_descriptions_and_no_empty_tags(tmp_path):
         (["/x/.venv/bin/splitvit", "sweep", "search_spaces/smoke.yaml", "--json", "runs/sweep.json"], "splitvit sweep"),
         (["/x/.venv/bin/splitvit", "-v", "train", "c.yaml"], "splitvit train"),
         (["/r/platform/splitvit/__main__.py", "eval", "models:/m@best"], "splitvit eval"),
+        (["/r/platform/splitvit/cli/__main__.py", "sweep", "s.yaml"], "splitvit sweep"),  # python -m splitvit.cli
         (["jobs/sweep.py", "search_spaces/smoke.yaml"], "sweep.py"),
         ([], "splitvit"),
     ],

@@ -95,7 +95,7 @@ def source_name(argv: list[str] | None = None) -> str:
     if not args or not args[0]:
         return "splitvit"
     program = Path(args[0]).name
-    if program == "splitvit" or (program == "__main__.py" and Path(args[0]).parent.name == "splitvit"):
+    if program == "splitvit" or (program == "__main__.py" and "splitvit" in Path(args[0]).parts):
         command = next((a for a in args[1:] if not a.startswith("-")), None)
         return f"splitvit {command}" if command else "splitvit"
     return program

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import DataConfig, flatten
+from ..config import DataConfig, flatten, redact_uri
 from ..tracking import RunTracker
 from ..tracking.runs import (
     RUN_URI_TAG,
@@ -80,6 +80,8 @@ SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names 
 #: A threshold point's evaluation throughput (its evaluation loop, data loading
 #: included): not the side-by-side timing's ``timed_images_per_s``.
 EVAL_THROUGHPUT = "eval_images_per_s"
+#: Where :meth:`SweepRecorder.describe` holds the frontier's link while the rest is masked.
+NOTE_LINK = "\x00frontier-link\x00"
 #: MLflow shows this tag as the run's markdown description (the run page's "Description").
 NOTE_TAG = "mlflow.note.content"
 #: The longest tag value MLflow's SQL stores keep (``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``).
@@ -166,6 +168,20 @@ def point_note(metric: str, kind: str, trial_id: str, thresholds: list[float], p
             "- `sampled.model.thresholds.*`: the thresholds Optuna sampled for the trial's training to start "
             "from, not the ones evaluated here (calibration and the threshold sweep move them).",
         ]
+    )
+
+
+def model_note(metric: str, sweep_name: str, point: Point, uris: list[str], version: str) -> str:
+    """A frontier model's description on its logged-model page: its point, its
+    registered version and the aliases that load it."""
+    name = uris[0].removeprefix("models:/").split("@", 1)[0] if uris else ""
+    thresholds = "/".join(f"{t:.3f}" for t in point.thresholds) or "-"
+    return (
+        f"Frontier point of sweep `{sweep_name}`: {metric} {point.quality:.4f} at {point.tokens_per_image:.1f} "
+        f"tokens per image ({point.token_ratio:.0%} of full resolution), trial `{point.trial_id}`, split "
+        f"thresholds {thresholds} (set in the model). Registered as `{name}` version {version}; load it with "
+        + ", ".join(f"`{u}`" for u in uris)
+        + "."
     )
 
 
@@ -630,6 +646,11 @@ class SweepRecorder:
             RunTracker(self.tracking_uri, self.experiment_id, p.run_id).set_tags(
                 {ALIAS_TAG: registered.aliases[own[0]]}
             )
+            # the logged model's page reads its description from this tag, as a run's does
+            client.set_logged_model_tags(
+                p.model_uri.removeprefix("models:/"),
+                {NOTE_TAG: model_note(self.metric, sweep_name, p, registered.by_run[p.run_id], version.version)},
+            )
         current = set(registered.aliases)
         for stale in client.get_registered_model(name).aliases:
             if re.fullmatch(r"tokens-[\w-]+", stale) and stale not in current:
@@ -762,11 +783,15 @@ class SweepRecorder:
         mlflow_client(self.tracking_uri).log_text(self.parent_run_id, text, artifact_file)
 
     def describe(self, markdown: str) -> None:
-        """The parent run's description (tag ``mlflow.note.content``), cut to what the
-        store keeps."""
-        if len(markdown) > _MAX_TAG_VALUE:
-            markdown = markdown[: _MAX_TAG_VALUE - 40].rsplit("\n", 1)[0] + "\n\n*(cut to fit the store)*"
-        self.parent.set_tags({NOTE_TAG: markdown})
+        """The parent run's description (tag ``mlflow.note.content``), secrets masked as
+        in every tag, and cut to what the store keeps. The frontier's link is kept whole:
+        MLflow names its query ``viewStateShareKey``, which the masking takes for a secret
+        (a ``*key``), and would mask with the text after it."""
+        link = frontier_link(self.experiment_id, self.parent_run_id)
+        masked = NOTE_LINK.join(redact_uri(part) for part in markdown.split(link)).replace(NOTE_LINK, link)
+        if len(masked) > _MAX_TAG_VALUE:
+            masked = masked[: _MAX_TAG_VALUE - 40].rsplit("\n", 1)[0] + "\n\n*(cut to fit the store)*"
+        mlflow_client(self.tracking_uri).set_tag(self.parent_run_id, NOTE_TAG, masked)
 
     def log_figure(self, figure, artifact_file: str) -> None:
         """A matplotlib figure on the parent."""

@@ -247,13 +247,22 @@ def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality:
             linewidths=0.6,
             label="SPLIT frontier points (timed)",
             zorder=5,
+            clip_on=False,  # whole at an axis' edge (accuracy 1.0)
         )
         for p, x, y in zip(timed, xs, ys):
             ratio = p.extras.get("timed_token_ratio", p.token_ratio)
             ax.annotate(f"{ratio:.0%} tok", (x, y), textcoords="offset points", xytext=(5, -11), fontsize=7)
     if full_quality is not None:
-        ax.scatter([1.0], [full_quality], s=160, marker="*", c="black", label="full resolution (1.0x)", zorder=6)
+        ax.scatter(
+            [1.0], [full_quality], s=160, marker="*", c="black", label="full resolution (1.0x)", zorder=6, clip_on=False
+        )
     ax.axvline(1.0, color="black", lw=0.8, ls=":", zorder=1)
+    qualities = [p.quality for p in timed] + ([full_quality] if full_quality is not None else [])
+    if qualities:  # a fraction's axis stops at 1.0, as the Pareto plot's does
+        ax.set_ylim(*axis_range(qualities, **_bounds(metric)))
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=8, steps=_NICE_STEPS))
     ax.set_xlabel("measured speed-up vs full resolution (median images/s ratio, same run)")
     ax.set_ylabel(metric)
     ax.grid(True, alpha=0.3)
