@@ -197,6 +197,7 @@ def test_point_runs_carry_datasets_descriptions_and_no_empty_tags(tmp_path):
     assert {r.info.run_id for r in found} == {p.run_id for p in frontier(points)}
     note = experiment.tags["mlflow.note.content"]
     assert f"viewStateShareKey={frontier_view_key(recorder.parent_run_id)}" in note
+    assert "&orderByKey=metrics.%60accuracy%60&orderByAsc=false" in note  # the plain search, for older UIs
     links = re.findall(r"\]\((#/[^)]*)\)", note)
     assert len(links) >= 3 and all("workflowType=machine_learning" in link for link in links), links
 

@@ -725,7 +725,9 @@ class SweepRecorder:
             "",
             "**How to read it**",
             f"- The frontier: [its runs]({view}), best {self.metric} first, with their {self.metric}, "
-            "token and speed-up columns. By hand: filter the runs with "
+            f"token and speed-up columns ([the plain search]"
+            f"({frontier_search_link(self.experiment_id, self.parent_run_id, self.metric)}) where a UI keeps no "
+            "shared views: the same rows, MLflow's default columns). By hand: filter the runs with "
             f"`{frontier_filter(self.parent_run_id)}` and sort by `{self.metric}` (sorted by start time, MLflow "
             "nests the points under their sweep: expand it); *Columns* adds "
             f"`{self.metric}`, `tokens_per_image`, `token_ratio`.",
