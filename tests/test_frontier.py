@@ -201,7 +201,9 @@ def test_the_sweep_description_names_the_hypervolume_best_point_baselines_and_li
         trial_status={"completed": 3, "failed": 1},
         experiment_id="7",
         parent_run_id="p1",
+        best_uris=["models:/splitvit-s@best", "models:/splitvit-s@demo-best"],
     )
+    assert "load it as `models:/splitvit-s@best` (also `models:/splitvit-s@demo-best`)" in note
     assert f"Hypervolume {hv:.4g}" in note and "token ratio 1" in note
     assert best.trial_id == "t1" and "Best point" in note and "`t1`" in note and "0.8123" in note
     assert "0.812345678" not in note and "8.123456" not in note  # rounded

@@ -1014,10 +1014,12 @@ def sweep_note(
     parent_run_id: str,
     plot: str | None = PLOT_ARTIFACT,
     top: int = 5,
+    best_uris: list[str] | None = None,
 ) -> str:
     """The parent run's markdown description: the hypervolume, the best points, the
     baselines at matched budgets, links to the plot and the best model, the trials by
-    status. Links are relative to the MLflow UI (``#/experiments/...``, in its *Model
+    status. ``best_uris``: the registry URIs that load the best point's model
+    (``models:/<name>@best`` first). Links are relative to the MLflow UI (``#/experiments/...``, in its *Model
     training* view), so they work on any host that serves the store. The table of the
     largest hypervolume contributions is sorted by contribution, as its heading says."""
     from .pareto import frontier
@@ -1059,7 +1061,8 @@ def sweep_note(
             "",
             f"**Best point** (largest hypervolume contribution): {metric} {best.quality:.4g} at "
             f"{best.tokens_per_image:.1f} tokens per image (token ratio {best.token_ratio:.3g}), trial "
-            f"`{best.trial_id}`, thresholds {[float(f'{t:.3g}') for t in best.thresholds]}.",
+            f"`{best.trial_id}`, thresholds {[float(f'{t:.3g}') for t in best.thresholds]}"
+            + (f"; load it as `{best_uris[0]}` (also `{'`, `'.join(best_uris[1:])}`)." if best_uris else "."),
         ]
     chosen = sorted(front, key=lambda p: -p.hv_contribution)[:top]
     if chosen:

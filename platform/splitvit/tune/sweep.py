@@ -1033,6 +1033,7 @@ def _close_sweep_run(
                 experiment_id=recorder.experiment_id,
                 parent_run_id=recorder.parent_run_id,
                 plot=PLOT_ARTIFACT if result.plot else None,
+                best_uris=sweep.registered.by_run.get(best.run_id or "") if sweep.registered and best else None,
             )
         )
         recorder.describe_experiment(
