@@ -219,3 +219,13 @@ def test_the_source_column_names_the_command_not_its_last_argument(argv, name, m
     assert source_name(argv) == name
     monkeypatch.setattr(sys, "argv", argv or [""])
     assert provenance_tags()[SOURCE_NAME_TAG] == name
+
+
+def test_a_detectors_signature_names_its_detections():
+    """A detector on SPLIT logs a signature too: its images in, an image's detections out."""
+    from splitvit.tune.sweep import model_signature
+    from tests.test_detection_model import tiny_detector
+
+    signature = model_signature(tiny_detector().eval())
+    assert signature.inputs.input_names() == ["images"]
+    assert {"boxes", "labels", "scores"} <= set(signature.outputs.input_names())

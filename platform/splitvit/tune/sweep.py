@@ -1256,7 +1256,11 @@ def model_signature(model: Any) -> Any:
         produced = {"logits": out.logits, "tokens": out.tokens}
     else:  # a detector: per image, its boxes, labels, scores (and masks)
         produced = dict(out.detections[0])
-    outputs = {k: v.detach().float().numpy() for k, v in produced.items() if isinstance(v, torch.Tensor)}
+    outputs = {  # each output's own dtype (numpy has no bfloat16: those as float32)
+        k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
+        for k, v in produced.items()
+        if isinstance(v, torch.Tensor)
+    }
     return infer_signature({"images": images.numpy()}, outputs)
 
 
