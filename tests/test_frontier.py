@@ -480,6 +480,8 @@ def test_the_png_marks_the_best_point_keeps_labels_apart_and_ticks_round():
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         drawn = ("frontier", "trial", "threshold", "best", "full", "entropy", "random")
         assert all(any(text.startswith(MARKERS[k][3]) for text in legend) for k in drawn), legend
+        # in the order the HTML chart's legend lists them
+        assert [next(k for k in drawn if text.startswith(MARKERS[k][3])) for text in legend] == list(MARKERS)
     finally:
         plt.close(fig)
 

@@ -117,14 +117,17 @@ def pareto_figure(
         ax.set_ylim(*axis_range(ys, **_bounds(metric)))
     ax.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=_NICE_STEPS))
     ax.yaxis.set_major_locator(MaxNLocator(nbins=8, steps=_NICE_STEPS))
-    _label_clear(ax, labels)
     if full_tokens:
         top = ax.secondary_xaxis("top", functions=(lambda x: x / full_tokens, lambda r: r * full_tokens))
         top.set_xlabel("token ratio (of full resolution)")
         top.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=_NICE_STEPS))
     ax.set_title(title or f"{metric} vs tokens per image")
-    ax.legend(**_LEGEND_OUTSIDE)
+    handles, texts = ax.get_legend_handles_labels()
+    order = [next((i for i, m in enumerate(MARKERS.values()) if t.startswith(m[3])), len(MARKERS)) for t in texts]
+    ranked = sorted(zip(order, range(len(texts))))  # MARKERS' order: the HTML legend's
+    ax.legend([handles[i] for _, i in ranked], [texts[i] for _, i in ranked], **_LEGEND_OUTSIDE)
     fig.tight_layout()  # makes room on the right for the legend
+    _label_clear(ax, labels)  # placed in the final layout: the pixel boxes it compares are the drawn ones
     return fig
 
 
