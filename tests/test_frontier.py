@@ -511,6 +511,21 @@ def test_the_html_chart_matches_the_png_legend_and_names_best():
     assert len(placed) == 2 and (abs(placed[0][1] - placed[1][1]) > 12 or abs(placed[0][0] - placed[1][0]) > 100)
 
 
+def test_a_quality_in_percent_is_not_cut_at_one():
+    import matplotlib.pyplot as plt
+
+    from splitvit.tune.pareto import Point, annotate
+    from splitvit.tune.plot import pareto_figure
+
+    points = [Point(31.5, 4.0, 0.25, "trial", "a"), Point(40.2, 8.0, 0.5, "trial", "b")]
+    annotate(points)
+    fig = pareto_figure(points, [], metric="box_ap")
+    try:
+        assert fig.axes[0].get_ylim()[1] > 40.2
+    finally:
+        plt.close(fig)
+
+
 def test_nice_ticks_are_round_and_inside_the_range():
     from splitvit.tune.plot import axis_range, nice_ticks, tick_text
 

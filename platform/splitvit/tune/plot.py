@@ -114,7 +114,7 @@ def pareto_figure(
     ys = [p.quality for p in points if p.finite] + [b.quality for b in baselines if _drawable(b)]
     if xs:
         ax.set_xlim(*axis_range(xs, low=0.0))
-        ax.set_ylim(*axis_range(ys, **_bounds(metric)))
+        ax.set_ylim(*axis_range(ys, **_bounds(metric, ys)))
     ax.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=_NICE_STEPS))
     ax.yaxis.set_major_locator(MaxNLocator(nbins=8, steps=_NICE_STEPS))
     if full_tokens:
@@ -174,9 +174,11 @@ def _label_clear(ax, labels: list[tuple[float, float, str]]) -> None:
             note.remove()
 
 
-def _bounds(metric: str) -> dict[str, float]:
-    """The range a quality cannot leave: ``[0, 1]`` for a fraction (:data:`BOUNDED_METRICS`)."""
-    return {"low": 0.0, "high": 1.0} if metric.lower() in BOUNDED_METRICS else {}
+def _bounds(metric: str, values: list[float]) -> dict[str, float]:
+    """The range a quality cannot leave: ``[0, 1]`` for a fraction (:data:`BOUNDED_METRICS`;
+    not for figures recorded in percent, which run past 1)."""
+    fraction = metric.lower() in BOUNDED_METRICS and all(0.0 <= v <= 1.0 for v in values)
+    return {"low": 0.0, "high": 1.0} if fraction else {}
 
 
 def axis_range(
@@ -262,7 +264,7 @@ def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality:
     ax.axvline(1.0, color="black", lw=0.8, ls=":", zorder=1)
     qualities = [p.quality for p in timed] + ([full_quality] if full_quality is not None else [])
     if qualities:  # a fraction's axis stops at 1.0, as the Pareto plot's does
-        ax.set_ylim(*axis_range(qualities, **_bounds(metric)))
+        ax.set_ylim(*axis_range(qualities, **_bounds(metric, qualities)))
     from matplotlib.ticker import MaxNLocator
 
     ax.yaxis.set_major_locator(MaxNLocator(nbins=8, steps=_NICE_STEPS))
@@ -339,7 +341,7 @@ def pareto_html(
     ys = [p.quality for p in usable] + [b.quality for b in rows]
     if not xs:
         return f"<!doctype html><meta charset='utf-8'><title>{escape(title)}</title><p>No finished point to draw.</p>"
-    frame = _SvgFrame(axis_range(xs, low=0.0), axis_range(ys, **_bounds(metric)))
+    frame = _SvgFrame(axis_range(xs, low=0.0), axis_range(ys, **_bounds(metric, ys)))
     uris = {run: [u] if isinstance(u, str) else list(u) for run, u in (model_uris or {}).items()}
     best = best_point(points)
     if best is not None and best.run_id in uris:  # @best first in its tooltip
