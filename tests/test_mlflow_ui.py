@@ -118,6 +118,9 @@ def test_frontier_models_are_registered_linked_and_aliased_per_space(tmp_path):
         version = client.get_model_version("splitvit-smoke", versions[0]["version"])
         assert version.run_id == p.run_id and "smoke-1" in version.description
         assert f"version {version.version}" in model.tags[NOTE_TAG]  # the logged model's description
+        # its figures tied to the data it was evaluated on: the page's "Datasets used"
+        tied = {m.key: m.dataset_name for m in model.metrics if m.dataset_name}
+        assert tied == dict.fromkeys(("accuracy", "tokens_per_image", "token_ratio"), "synthetic/val")
         # a signature: images in, logits and tokens out
         from mlflow.models import get_model_info
 

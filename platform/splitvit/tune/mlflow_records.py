@@ -646,6 +646,7 @@ class SweepRecorder:
             RunTracker(self.tracking_uri, self.experiment_id, p.run_id).set_tags(
                 {ALIAS_TAG: registered.aliases[own[0]]}
             )
+            self._link_model_metrics(p)
             # the logged model's page reads its description from this tag, as a run's does
             client.set_logged_model_tags(
                 p.model_uri.removeprefix("models:/"),
@@ -657,6 +658,38 @@ class SweepRecorder:
                 client.delete_registered_model_alias(name, stale)
         client.update_registered_model(name, description=registry_note(name, sweep_name, self, registered))
         return registered
+
+    def _link_model_metrics(self, point: Point) -> None:
+        """The point's quality and token figures on its logged model, tied to the data it
+        was evaluated on (its run's ``evaluation`` dataset input), at the steps its run
+        holds them: the model's page then lists the dataset under *Datasets used* and in
+        its metrics table. Once: a model whose figures name a dataset is left as it is."""
+        from mlflow.entities import Metric
+
+        client = mlflow_client(self.tracking_uri)
+        model_id = (point.model_uri or "").removeprefix("models:/")
+        if not model_id or any(m.dataset_name for m in client.get_logged_model(model_id).metrics or []):
+            return
+        run = client.get_run(point.run_id or "")
+        evaluated = next(
+            (
+                d.dataset
+                for d in run.inputs.dataset_inputs
+                if any(t.key == "mlflow.data.context" and t.value == "evaluation" for t in d.tags)
+            ),
+            None,
+        )
+        if evaluated is None:
+            return
+        now = int(time.time() * 1000)
+        metrics = []
+        for key in (self.metric, "tokens_per_image", "token_ratio"):
+            history = client.get_metric_history(run.info.run_id, key)
+            if history:
+                last = max(history, key=lambda m: (m.step, m.timestamp))
+                metrics.append(Metric(key, last.value, now, last.step, model_id, evaluated.name, evaluated.digest))
+        if metrics:
+            client.log_batch(run.info.run_id, metrics=metrics)
 
     def _register(self, name: str, point: Point, sweep_name: str) -> Any:
         """One frontier point's logged model as a new version of ``name``
