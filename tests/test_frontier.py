@@ -4,6 +4,7 @@ of the union of each point's dominated box), and its figures at their true MLflo
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -200,17 +201,62 @@ def test_the_sweep_description_names_the_hypervolume_best_point_baselines_and_li
         trial_status={"completed": 3, "failed": 1},
         experiment_id="7",
         parent_run_id="p1",
+        best_uris=["models:/splitvit-s@best", "models:/splitvit-s@demo-best"],
     )
+    assert "load it as `models:/splitvit-s@best` (also `models:/splitvit-s@demo-best`)" in note
     assert f"Hypervolume {hv:.4g}" in note and "token ratio 1" in note
     assert best.trial_id == "t1" and "Best point" in note and "`t1`" in note and "0.8123" in note
     assert "0.812345678" not in note and "8.123456" not in note  # rounded
     assert "| 8.1 | 0.8123 | 0.5 |" in note  # tokens to one decimal, the rest to four digits
-    assert "(#/experiments/7/runs/p1/artifacts/pareto.png)" in note
-    assert "(#/experiments/7/models/m-123)" in note and "(#/experiments/7/runs/r1)" in note
+    # every link opens MLflow 3's model-training view (not its GenAI overview)
+    view = "?workflowType=machine_learning"
+    assert f"(#/experiments/7/runs/p1/artifacts/pareto.png{view})" in note
+    assert f"(#/experiments/7/models/m-123{view})" in note and f"(#/experiments/7/runs/r1{view})" in note
+    links = re.findall(r"\]\((#/[^)]*)\)", note)
+    assert len(links) >= 6 and all("workflowType=machine_learning" in link for link in links), links
+    # the frontier one click away: its saved runs view
+    assert f"(#/experiments/7/runs{view}&viewStateShareKey=splitvit-frontier-p1)" in note
     assert "Trials: 4 (3 completed, 1 failed)" in note
     # random at 8.5 tokens meets the frontier point at 8.1 tokens (0.8123): 0.2123 better
     assert "| random @ 0.50 | 8.5 | 0.6 | 0.8123 | 0.2123 |" in note
     assert len(note) < 8000
+    # the table headed "largest hypervolume contributions" lists them largest first
+    heading = note.index("largest hypervolume contributions")
+    rows = [line for line in note[heading:].split("###")[0].splitlines() if line.startswith("| ") and "---" not in line]
+    header, rows = rows[0].strip("| ").split(" | "), rows[1:]
+    column = header.index("HV contribution")
+    contributions = [float(r.strip("| ").split(" | ")[column]) for r in rows]
+    assert len(contributions) == 3 and contributions == sorted(contributions, reverse=True), contributions
+    assert "@best" in rows[0]  # the best point is the largest contribution
+
+
+def test_the_frontier_view_lists_point_runs_with_their_columns():
+    """The saved view the frontier's link opens: the frontier filter, ordered by the
+    metric (MLflow then lists the child runs as rows, not under their sweep), its
+    figure columns shown; the link carries the model-training view."""
+    from splitvit.tune.mlflow_records import frontier_filter, frontier_link, frontier_view
+
+    view = frontier_view("accuracy", "abc")
+    assert (
+        view["searchFilter"]
+        == frontier_filter("abc")
+        == ("tags.`splitvit.frontier` = 'true' and tags.`splitvit.sweep` = 'abc'")
+    )
+    assert view["orderByKey"] == "metrics.`accuracy`" and view["orderByAsc"] is False
+    assert {"metrics.`accuracy`", "metrics.`tokens_per_image`", "metrics.`token_ratio`"} <= set(view["selectedColumns"])
+    assert view["columnOrder"][:3] == ["metrics.`accuracy`", "metrics.`tokens_per_image`", "metrics.`token_ratio`"]
+    link = frontier_link("3", "abc")
+    assert link == "#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=splitvit-frontier-abc"
+
+
+def test_run_descriptions_tell_apart_figures_of_similar_names():
+    from splitvit.tune.mlflow_records import EVAL_THROUGHPUT, point_note
+
+    point = point_note("accuracy", "threshold_point", "t1", [0.4963, 0.5321])
+    assert "0.496/0.532" in point and f"`{EVAL_THROUGHPUT}`" in point and "`timed_images_per_s`" in point
+    assert "`sampled.model.thresholds.*`" in point and "not the ones evaluated here" in point
+    trial = point_note("accuracy", "trial", "t1", [0.5, 0.5], points=6)
+    assert "`images_per_s`: validation throughput while training" in trial and "6 more threshold points" in trial
 
 
 # Rows as stage_two.baselines returns them plus the trial (what sweep.json held as
@@ -367,8 +413,124 @@ def test_the_interactive_chart_shows_every_point_with_its_details():
     annotate(points)
     full = Baseline("full", "full resolution", 1.0, 16.0, 1.0, [], "a")
     page = pareto_html(points, [full], metric="accuracy", title="s", model_uris={"r1": "models:/m@tokens-25pct"})
-    assert page.count("<circle") == 4 and page.count("<path") == 1  # every point; one step line
+    assert len(re.findall(r"class='point'[^>]*><title>", page)) == 4  # every point, with its hover text
+    assert page.count("<path") == 1  # one step line
     assert "load: models:/m@tokens-25pct" in page and f"ties: {tie.label()}" in page
     assert "full resolution: accuracy 1.0000 at 16.0 tokens" in page
     assert "<script" not in page  # MLflow's artifact view shows it as it is
     assert "No finished point" in pareto_html([Point(float("nan"), 1.0, 0.1)], [], title="empty")
+
+
+def _chart_points():
+    """A frontier whose best point sits at accuracy 1.0, beside baselines at the same
+    budgets (labels that would collide), with odd figures (ticks must still be round)."""
+    from splitvit.tune.pareto import Baseline, Point, annotate
+
+    points = [
+        Point(0.2653, 4.27, 0.0667, "threshold", "a", [0.8, 0.8], run_id="r0"),
+        Point(0.7312, 10.1, 0.158, "trial", "a", [0.6, 0.5], run_id="r1"),
+        Point(1.0, 23.7, 0.37, "threshold", "b", [0.5, 0.4], run_id="r2"),
+        Point(1.0, 45.5, 0.711, "threshold", "b", [0.4, 0.3], run_id="r3"),
+        Point(0.6, 17.6, 0.275, "threshold", "a", [0.5, 0.5], run_id="r4"),
+        Point(0.5, 30.0, 0.47, "trial", "c", [0.5, 0.5], run_id="r5"),  # dominated
+    ]
+    baselines = [
+        Baseline("full", "full resolution", 1.0, 64.0, 1.0, [0.0], "b"),
+        Baseline("entropy", "entropy t=0.9", 0.2653, 4.3, 0.067, [0.9], "b"),
+        Baseline("random", "random @ 0.07", 0.25, 4.27, 0.0667, [0.9], "b", target_ratio=0.07),
+    ]
+    return points, baselines, annotate(points)
+
+
+def _round(value: float) -> bool:
+    """A tick a person would choose: a whole multiple of 1, 2, 2.5 or 5 times a power of ten."""
+    import math
+
+    if value == 0:
+        return True
+    for digits in range(0, 4):
+        scaled = round(value * 10**digits, 9)
+        if abs(scaled - round(scaled)) < 1e-9:
+            return True
+    return math.isclose(value * 4, round(value * 4))
+
+
+def test_the_png_marks_the_best_point_keeps_labels_apart_and_ticks_round():
+    import matplotlib.pyplot as plt
+
+    from splitvit.tune.pareto import best_point
+    from splitvit.tune.plot import MARKERS, pareto_figure
+
+    points, baselines, hv = _chart_points()
+    fig = pareto_figure(points, baselines, hypervolume=hv, full_tokens=64.0)
+    try:
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        assert ax.get_ylim()[1] <= 1.0 and ax.get_xlim()[0] >= 0.0  # inside the metric's range
+        ticks = [t for t in ax.get_yticks() if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
+        assert ticks and all(_round(t) for t in ticks), ticks
+        assert all(_round(t) for t in ax.get_xticks()), ax.get_xticks()
+        labels = [t for t in ax.texts if t.get_text()]
+        assert {t.get_text() for t in labels} == {"@best", "full resolution"}
+        boxes = [t.get_window_extent() for t in labels]
+        assert not boxes[0].overlaps(boxes[1])
+        best = best_point(points)
+        assert labels[[t.get_text() for t in labels].index("@best")].xy == (best.tokens_per_image, best.quality)
+        # one legend, in MARKERS' words, for every kind of mark drawn
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        drawn = ("frontier", "trial", "threshold", "best", "full", "entropy", "random")
+        assert all(any(text.startswith(MARKERS[k][3]) for text in legend) for k in drawn), legend
+        # in the order the HTML chart's legend lists them
+        assert [next(k for k in drawn if text.startswith(MARKERS[k][3])) for text in legend] == list(MARKERS)
+    finally:
+        plt.close(fig)
+
+
+def test_the_html_chart_matches_the_png_legend_and_names_best():
+    from splitvit.tune.plot import MARKERS, pareto_html
+
+    points, baselines, _ = _chart_points()
+    uris = {"r2": ["models:/splitvit-smoke@best", "models:/splitvit-smoke@s1-best"], "r3": ["models:/m@tokens-71pct"]}
+    page = pareto_html(points, baselines, metric="accuracy", title="s", model_uris=uris)
+    # ticks: round, and the accuracy axis stops at 1.0
+    ticks = [float(v) for v in re.findall(r"text-anchor='end'>([-0-9.]+)</text>", page)]
+    assert ticks and max(ticks) <= 1.0 and all(_round(t) for t in ticks), ticks
+    # the best point: ringed, labelled @best, its tooltip names the alias that loads it
+    assert ">@best</text>" in page
+    assert "@best: the largest hypervolume contribution" in page
+    assert "load: models:/splitvit-smoke@best (also @s1-best)" in page
+    # the legend names the marks drawn, in the PNG's words; baselines are in tooltips, not labels
+    for key in ("frontier", "trial", "threshold", "best", "full", "entropy", "random"):
+        assert MARKERS[key][3] in page, key
+    assert "entropy t=0.9: accuracy" in page and ">entropy t=0.9</text>" not in page
+    # labels placed apart (the two labels' boxes do not intersect)
+    placed = [
+        (float(x), float(y))
+        for x, y in re.findall(r"<text x='([0-9.]+)' y='([0-9.]+)' font-size='12' font-weight", page)
+    ]
+    assert len(placed) == 2 and (abs(placed[0][1] - placed[1][1]) > 12 or abs(placed[0][0] - placed[1][0]) > 100)
+
+
+def test_a_quality_in_percent_is_not_cut_at_one():
+    import matplotlib.pyplot as plt
+
+    from splitvit.tune.pareto import Point, annotate
+    from splitvit.tune.plot import pareto_figure
+
+    points = [Point(31.5, 4.0, 0.25, "trial", "a"), Point(40.2, 8.0, 0.5, "trial", "b")]
+    annotate(points)
+    fig = pareto_figure(points, [], metric="box_ap")
+    try:
+        assert fig.axes[0].get_ylim()[1] > 40.2
+    finally:
+        plt.close(fig)
+
+
+def test_nice_ticks_are_round_and_inside_the_range():
+    from splitvit.tune.plot import axis_range, nice_ticks, tick_text
+
+    assert nice_ticks(0.196, 1.0, 6) == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(2.1, 66.0, 8) == [10, 20, 30, 40, 50, 60]
+    assert tick_text(0.25, 0.25) == "0.25" and tick_text(10.0, 10.0) == "10"
+    assert axis_range([0.25, 1.0], low=0.0, high=1.0)[1] == 1.0
+    assert axis_range([1.0, 1.0], low=0.0, high=1.0) == pytest.approx((0.95, 1.0))  # one value: room below it

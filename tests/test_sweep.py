@@ -228,6 +228,8 @@ def test_sweep_console_is_one_line_per_trial_event_without_rays_boxes(sweep):
 
 
 def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
+    from splitvit.tracking.provenance import source_name
+
     data, client = sweep["json"], sweep["client"]
     assert sweep["code"] == 0
     runs = runs_of(client, "sweep-e2e")
@@ -254,6 +256,16 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
             assert point.data.tags["splitvit.kind"] == "threshold_point" and point.info.status == "FINISHED"
             assert {"accuracy", "tokens_per_image"} <= set(point.data.metrics)
             assert 0.0 <= float(point.data.params["threshold_level_0"]) <= 1.0
+        # MLflow's own records: the trial's data as dataset inputs (trials train with tracking
+        # off: the sweep logs them), the command in the Source column, no empty tag
+        for run in [trial_run, *points]:
+            assert {d.dataset.name for d in client.get_run(run.info.run_id).inputs.dataset_inputs} == {
+                "synthetic/train",
+                "synthetic/val",
+            }
+            # the driver made it (splitvit sweep), or the resume this test ran in-process
+            assert run.data.tags["mlflow.source.name"] in ("splitvit sweep", source_name()), run.data.tags
+            assert all(v != "" for v in run.data.tags.values()), run.data.tags
     assert len(data["points"]) == 3 * (1 + 2)
     # every point's configuration: the base config plus its searched values
     assert data["base_config"]["train.epochs"] == 1 and data["base_config"]["tracking.experiment"]
@@ -329,12 +341,21 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
             run.info.run_name
         )
     registered = data["registered_models"]
-    assert registered["name"] == f"splitvit-{data['name']}"
+    assert registered["name"] == "splitvit-space"  # one name per search space (space.yaml), every sweep of it
     assert set(registered["aliases"]) == {"best", f"tokens-{best['token_ratio'] * 100:.0f}pct"}
     version = client.get_model_version_by_alias(registered["name"], "best")
     # the version is the best point's logged model (a SQL store reads it back by its source, not model_id)
     assert version.run_id == best_run and logged[0].split("/", 1)[1] in (version.model_id or version.source)
     assert registered["aliases"]["best"] == f"models:/{registered['name']}@best"
+    assert set(registered["sweep_aliases"]) == {f"e2e-{a}" for a in registered["aliases"]}
+    # registered as MLflow registers: the logged model's page names its version; a signature
+    model = client.get_logged_model(logged[0].split("/", 1)[1])
+    linked = json.loads(model.tags["mlflow.modelVersions"])
+    assert linked == [{"name": registered["name"], "version": int(version.version)}]
+    from mlflow.models import get_model_info
+
+    signature = get_model_info(logged[0]).signature
+    assert signature.inputs.input_names() == ["images"] and "logits" in signature.outputs.input_names()
     # a budget is loaded by its alias: `splitvit eval models:/...@best` evaluates the best
     # point's checkpoint at the thresholds its model was registered with
     out = tmp_path / "eval.json"
@@ -352,12 +373,18 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     assert experiment.tags["splitvit.latest_sweep_run"] == parent.info.run_id
     assert experiment.tags["splitvit.registered_model"] == registered["name"]
     description = experiment.tags["mlflow.note.content"]
-    assert data["name"] in description and "tags.splitvit.frontier = 'true'" in description
+    assert data["name"] in description and "tags.`splitvit.frontier` = 'true'" in description
+    # the frontier one click away: the link opens a saved view of the frontier's point runs
+    assert data["mlflow"]["frontier_url"].endswith(f"viewStateShareKey=splitvit-frontier-{parent.info.run_id}")
+    view = json.loads(experiment.tags[f"mlflow.sharedViewState.splitvit-frontier-{parent.info.run_id}"])
+    listed = client.search_runs([parent.info.experiment_id], filter_string=view["searchFilter"])
+    assert {r.info.run_id for r in listed} == frontier_ids
     assert f"models:/{registered['name']}@" in description
     # the interactive chart: one hover title per point, the best point's alias in its title
     chart = Path(client.download_artifacts(parent.info.run_id, "pareto.html", str(tmp_path))).read_text()
-    assert chart.count("<circle") == len([p for p in data["points"] if math.isfinite(p["accuracy"])])
-    assert f"load: models:/{registered['name']}@tokens-" in chart
+    marks = re.findall(r"class='point'[^>]*><title>", chart)
+    assert len(marks) == len([p for p in data["points"] if math.isfinite(p["accuracy"])])
+    assert f"load: models:/{registered['name']}@best (also @tokens-" in chart
 
     # the parent reads at a glance: a handful of params, the space as one YAML file,
     # a markdown description with the hypervolume, the best point and the links

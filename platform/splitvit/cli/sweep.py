@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), "
         f"parent run {result.parent_run_id}"
     )
-    print("                the frontier's runs: filter with tags.splitvit.frontier = 'true'")
+    print(f"                the frontier's runs: {result.frontier_url()}")
     command = result.mlflow_ui_command()
     if command.startswith("mlflow ui"):
         print(f"open the UI:    {command}")

@@ -25,7 +25,7 @@ GIT_COMMIT_TAG = "mlflow.source.git.commit"
 GIT_DIRTY_TAG = "splitvit.git_dirty"  # "true": the run's code differs from the commit
 VERSION_TAG = "splitvit.version"
 COMMAND_TAG = "splitvit.command"  # the command line that made the run (secrets masked)
-SOURCE_NAME_TAG = "mlflow.source.name"  # the UI's "Source" column
+SOURCE_NAME_TAG = "mlflow.source.name"  # the UI's "Source" column: the command (splitvit sweep)
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the package: its repository, in a checkout
 
 
@@ -85,12 +85,28 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(safe)
 
 
+def source_name(argv: list[str] | None = None) -> str:
+    """The command that made a run, as MLflow's *Source* column shows it: ``splitvit
+    sweep`` (the program and its subcommand), a script's file name (``sweep.py``), or
+    the program's name. The UI shows a local source's last path part, so a whole
+    command line would read as its last argument there (``sweep.json``); the command
+    line itself is the ``splitvit.command`` tag."""
+    args = list(sys.argv if argv is None else argv)
+    if not args or not args[0]:
+        return "splitvit"
+    program = Path(args[0]).name
+    if program == "splitvit" or (program == "__main__.py" and "splitvit" in Path(args[0]).parts):
+        command = next((a for a in args[1:] if not a.startswith("-")), None)
+        return f"splitvit {command}" if command else "splitvit"
+    return program
+
+
 def provenance_tags() -> dict[str, str]:
-    """``mlflow.source.*`` (the source named by the command line), ``mlflow.user``, the
-    command line, the git commit and ``splitvit.version``."""
+    """``mlflow.source.*`` (the source named by the command: :func:`source_name`),
+    ``mlflow.user``, the command line, the git commit and ``splitvit.version``."""
     tags = dict(_mlflow_context_tags())
     tags[COMMAND_TAG] = command_line()
-    tags[SOURCE_NAME_TAG] = tags[COMMAND_TAG][:500]
+    tags[SOURCE_NAME_TAG] = source_name()
     if os.environ.get(GIT_COMMIT_ENV):
         tags[GIT_COMMIT_TAG] = os.environ[GIT_COMMIT_ENV]
         if os.environ.get(GIT_DIRTY_ENV):

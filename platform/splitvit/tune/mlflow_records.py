@@ -16,11 +16,19 @@ Tags: ``splitvit.kind`` (``sweep``, ``trial``, ``threshold_point``),
 ``splitvit.sweep`` (the parent run id), ``splitvit.trial_id``, ``splitvit.metric``
 and MLflow's ``mlflow.parentRunId`` (the UI nests children under it). When the sweep
 ends every point run gets ``splitvit.frontier`` (``true``/``false``, so the runs table
-filters to the frontier with ``tags.splitvit.frontier = 'true'``; a point tied with a
-frontier point names it in ``splitvit.frontier_tie_of``), and the frontier's models are
-registered in the Model Registry under one name per sweep (:func:`registered_model_name`)
-with an alias per point (``best``, ``tokens-42pct``): a budget is picked and loaded by
-alias, ``models:/<name>@tokens-42pct``.
+filters to the frontier with ``tags.splitvit.frontier = 'true'``; only a point tied with
+a frontier point carries ``splitvit.frontier_tie_of``, naming it), and the frontier's
+models are registered in the Model Registry through ``mlflow.register_model`` (which
+links each logged model to its version) under one name per search space
+(:func:`registered_model_name`, stable across the space's sweeps) with aliases per
+sweep (``<sweep>-best``, ``<sweep>-tokens-42pct``) and the newest sweep's bare ones
+(``best``, ``tokens-42pct``): a budget is picked and loaded by alias,
+``models:/<name>@tokens-42pct``.
+
+Every link written here opens MLflow 3's *Model training* view
+(``workflowType=machine_learning``); the frontier's link opens a saved runs view
+(:func:`frontier_view`): the frontier's point runs as top-level rows, best first, with
+their quality, token and speed-up columns.
 """
 
 from __future__ import annotations
@@ -34,9 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import flatten
+from ..config import DataConfig, flatten, redact_uri
 from ..tracking import RunTracker
-from ..tracking.runs import RUN_URI_TAG, STATUS_TAG, describe_experiment, missing_store, mlflow_client
+from ..tracking.runs import (
+    RUN_URI_TAG,
+    STATUS_TAG,
+    UI_VIEW_QUERY,
+    describe_experiment,
+    missing_store,
+    mlflow_client,
+)
 
 if TYPE_CHECKING:
     from .pareto import Baseline, Point
@@ -54,11 +69,19 @@ SPEED_TIMING_TAG = "splitvit.speed_timing"  # how: batch, rounds, precision
 #: Metrics of a timed frontier point's run (see :mod:`splitvit.tune.speed`).
 SPEED_METRICS = ("speedup_vs_full", "timed_images_per_s", "timed_token_ratio")
 FRONTIER_TAG = "splitvit.frontier"  # "true" on a frontier point's run, "false" on the other points
-TIE_TAG = "splitvit.frontier_tie_of"  # on a point tied with a frontier point: that point's run id
-ALIAS_TAG = "splitvit.model_alias"  # the registry alias of a frontier point's model
+TIE_TAG = "splitvit.frontier_tie_of"  # only on a point tied with a frontier point: that point's run id
+ALIAS_TAG = "splitvit.model_alias"  # the registry alias of a frontier point's model (its sweep's, never moved)
+#: MLflow's UI keeps a runs view (filter, order, columns) shared by link as an experiment
+#: tag ``mlflow.sharedViewState.<key>``, opened by ``?viewStateShareKey=<key>``.
+SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
 PARENT_TAG = "mlflow.parentRunId"
 SAMPLED_PREFIX = "sampled."
 SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
+#: A threshold point's evaluation throughput (its evaluation loop, data loading
+#: included): not the side-by-side timing's ``timed_images_per_s``.
+EVAL_THROUGHPUT = "eval_images_per_s"
+#: Where :meth:`SweepRecorder.describe` holds the frontier's link while the rest is masked.
+NOTE_LINK = "\x00frontier-link\x00"
 #: MLflow shows this tag as the run's markdown description (the run page's "Description").
 NOTE_TAG = "mlflow.note.content"
 #: The longest tag value MLflow's SQL stores keep (``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``).
@@ -114,9 +137,70 @@ def point_run_name(trial_id: str, token_ratio: float | None, thresholds: list[fl
     return " · ".join(parts)
 
 
-def registered_model_name(sweep_name: str) -> str:
-    """The Model Registry name of a sweep's frontier models: ``splitvit-<sweep>``."""
-    return f"splitvit-{sweep_name}"
+def point_note(metric: str, kind: str, trial_id: str, thresholds: list[float], points: int = 0) -> str:
+    """A trial's or a threshold point's run description: what it is and which of its
+    figures is which (figures of one name that mean different things, told apart)."""
+    used = "/".join(f"{t:.3f}" for t in thresholds) or "-"
+    if kind == "trial":
+        head = (
+            f"**Trial `{trial_id}`** of a sweep: trained with the values Optuna sampled (params `sampled.*`), "
+            f"then evaluated at split thresholds {used} (param `thresholds`: as calibrated in training); "
+            f"{points} more threshold points on its checkpoint are its child runs."
+        )
+        speed = (
+            "`images_per_s`: validation throughput while training (per epoch, the training loop's "
+            "evaluation with its data loading)."
+        )
+    else:
+        head = (
+            f"**Threshold point** of trial `{trial_id}`: its trained checkpoint evaluated at split thresholds "
+            f"{used} (params `thresholds`, `threshold_level_<i>`), chosen by the sweep's second stage."
+        )
+        speed = f"`{EVAL_THROUGHPUT}`: this evaluation's throughput (its loop, data loading included)."
+    return "\n".join(
+        [
+            head,
+            "",
+            f"- `{metric}`, `tokens_per_image`, `token_ratio`: on the validation images at these thresholds.",
+            f"- {speed}",
+            "- `timed_images_per_s`, `speedup_vs_full` (frontier points only): the side-by-side timing against "
+            "full resolution (one fixed batch, interleaved rounds, medians): the figures to compare speed by.",
+            "- `sampled.model.thresholds.*`: the thresholds Optuna sampled for the trial's training to start "
+            "from, not the ones evaluated here (calibration and the threshold sweep move them).",
+        ]
+    )
+
+
+def model_note(metric: str, sweep_name: str, point: Point, uris: list[str], version: str) -> str:
+    """A frontier model's description on its logged-model page: its point, its
+    registered version and the aliases that load it."""
+    name = uris[0].removeprefix("models:/").split("@", 1)[0] if uris else ""
+    thresholds = "/".join(f"{t:.3f}" for t in point.thresholds) or "-"
+    return (
+        f"Frontier point of sweep `{sweep_name}`: {metric} {point.quality:.4f} at {point.tokens_per_image:.1f} "
+        f"tokens per image ({point.token_ratio:.0%} of full resolution), trial `{point.trial_id}`, split "
+        f"thresholds {thresholds} (set in the model). Registered as `{name}` version {version}; load it with "
+        + ", ".join(f"`{u}`" for u in uris)
+        + "."
+    )
+
+
+def registered_model_name(space_name: str) -> str:
+    """The Model Registry name of the frontier models of a search space's sweeps:
+    ``splitvit-<space>`` (``search_spaces/smoke.yaml`` -> ``splitvit-smoke``), one name
+    that every sweep of the space adds versions to."""
+    return f"splitvit-{_alias_safe(space_name)}"
+
+
+def _alias_safe(text: str) -> str:
+    """``text`` as the registry takes it in a name or an alias (letters, digits, ``_``, ``-``)."""
+    return re.sub(r"[^\w-]+", "-", text).strip("-") or "sweep"
+
+
+def sweep_alias(sweep_name: str, alias: str) -> str:
+    """A sweep's own alias of a frontier model (``<sweep>-best``, ``<sweep>-tokens-42pct``):
+    it never moves, unlike the bare ``best`` that follows the newest sweep."""
+    return f"{_alias_safe(sweep_name)}-{alias}"
 
 
 def budget_aliases(points: list[Point]) -> list[str]:
@@ -143,13 +227,95 @@ class RegisteredFrontier:
 
     Attributes:
         name: the registered model (:func:`registered_model_name`).
-        aliases: alias (``best``, ``tokens-42pct``) -> ``models:/<name>@<alias>``.
-        by_run: a frontier point's run id -> the URI of its budget alias.
+        aliases: alias (``best``, ``tokens-42pct``, ``<sweep>-best``...) -> ``models:/<name>@<alias>``.
+        by_run: a frontier point's run id -> the URIs that load its model: the bare
+            aliases first (``@best`` on the best point), then the sweep's own.
     """
 
     name: str
     aliases: dict[str, str] = field(default_factory=dict)
-    by_run: dict[str, str] = field(default_factory=dict)
+    by_run: dict[str, list[str]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- links
+def run_link(experiment_id: str, run_id: str) -> str:
+    """A run's page, relative to the MLflow UI, in its *Model training* view."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}{UI_VIEW_QUERY}"
+
+
+def artifact_link(experiment_id: str, run_id: str, path: str) -> str:
+    """A run's artifact in the UI's artifact viewer, in its *Model training* view."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}/artifacts/{path}{UI_VIEW_QUERY}"
+
+
+def frontier_view_key(sweep_run_id: str) -> str:
+    """The shared-view key of a sweep's frontier (:func:`frontier_view`)."""
+    return f"splitvit-frontier-{sweep_run_id}"
+
+
+def frontier_filter(sweep_run_id: str | None = None) -> str:
+    """The runs search that lists a sweep's frontier (every sweep's, without one)."""
+    where = f"tags.`{FRONTIER_TAG}` = 'true'"
+    return where + (f" and tags.`{SWEEP_TAG}` = '{sweep_run_id}'" if sweep_run_id else "")
+
+
+def frontier_view(metric: str, sweep_run_id: str) -> dict[str, Any]:
+    """A runs view of a sweep's frontier as MLflow's UI saves a shared view (the state
+    behind its *Share* button, kept in the experiment tag ``mlflow.sharedViewState.<key>``):
+    the frontier filter, ordered by ``metric`` (a search not ordered by start time lists
+    matching child runs as rows of their own instead of under their parents), and the
+    quality, token, speed-up, thresholds and model columns shown in that order."""
+    columns = [f"metrics.`{m}`" for m in (metric, "tokens_per_image", "token_ratio", "speedup_vs_full")]
+    columns += ["params.`thresholds`", "attributes.`Models`", f"tags.`{ALIAS_TAG}`"]
+    return {
+        "searchFilter": frontier_filter(sweep_run_id),
+        "orderByKey": f"metrics.`{metric}`",
+        "orderByAsc": False,
+        "startTime": "ALL",
+        "lifecycleFilter": "Active",
+        "datasetsFilter": [],
+        "modelVersionFilter": "All Runs",
+        "selectedColumns": columns,
+        "columnOrder": columns,  # the figures first, beside the run's name
+        "runsExpanded": {},
+    }
+
+
+def frontier_link(experiment_id: str, sweep_run_id: str) -> str:
+    """The frontier's runs view (:func:`frontier_view`, saved on the experiment by
+    :meth:`SweepRecorder.describe_experiment`), relative to the MLflow UI."""
+    from urllib.parse import quote
+
+    return (
+        f"#/experiments/{experiment_id}/runs{UI_VIEW_QUERY}&viewStateShareKey={quote(frontier_view_key(sweep_run_id))}"
+    )
+
+
+def frontier_search_link(experiment_id: str, sweep_run_id: str, metric: str) -> str:
+    """The frontier's runs as a plain search URL (no saved columns): the filter and the
+    order in the query, the frontier's runs listed as rows of their own."""
+    from urllib.parse import quote
+
+    return (
+        f"#/experiments/{experiment_id}/runs{UI_VIEW_QUERY}&searchFilter={quote(frontier_filter(sweep_run_id))}"
+        f"&orderByKey={quote(f'metrics.`{metric}`')}&orderByAsc=false"
+    )
+
+
+def registry_note(name: str, sweep_name: str, recorder: SweepRecorder, registered: RegisteredFrontier) -> str:
+    """The registered model's description: what its versions are, the aliases, and links
+    to the newest sweep and its frontier."""
+    exp, parent = recorder.experiment_id, recorder.parent_run_id
+    some = next((a for a in registered.aliases if a.startswith("tokens-")), "best")
+    return (
+        f"The Pareto frontiers ({recorder.metric} against tokens per image) of the sweeps of one search space: "
+        "one version per frontier point. Aliases: `best` and `tokens-<pct>pct` are the newest sweep's points "
+        f"(now [{sweep_name}]({run_link(exp, parent)})); `<sweep>-best` and `<sweep>-tokens-<pct>pct` keep each "
+        f"sweep's own. Load one: `splitvit eval models:/{name}@best`, "
+        f"`mlflow.pytorch.load_model('models:/{name}@{some}')`. "
+        f"[The newest sweep's frontier runs]({frontier_link(exp, parent)}) "
+        f"(or filter the runs: `{frontier_filter(parent)}`)."
+    )
 
 
 @dataclass
@@ -241,8 +407,11 @@ class SweepRecorder:
         sampled: dict[str, Any],
         config_params: dict[str, Any],
         live: set[str] | None = None,
+        data: DataConfig | None = None,
     ) -> str:
-        """Open (or re-open) the trial's child run; returns its id.
+        """Open (or re-open) the trial's child run, with the trial's ``data`` as its
+        dataset inputs (the trial trains with tracking off: the sweep records them);
+        returns its id.
 
         A driver killed between starting a trial and saving Tune's state leaves a run
         for a trial the restored Tuner never heard of; the restored searcher then
@@ -259,7 +428,10 @@ class SweepRecorder:
                 )
                 mlflow_client(self.tracking_uri).update_run(orphan.info.run_id, name=f"trial-{trial_id}")
                 log.info("trial %s takes over the run of trial %s, lost when the driver stopped", trial_id, old)
-        return self._trial_tracker(trial_id, run_uri, sampled, config_params).run_id
+        tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)
+        if data is not None:
+            tracker.log_datasets(data)
+        return tracker.run_id
 
     def _orphans(self, live: set[str]) -> list:
         """Trial runs of this sweep, never finished, whose trials the Tuner does not know."""
@@ -304,9 +476,16 @@ class SweepRecorder:
         )
 
     def trial_completed(
-        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any], final: dict[str, Any]
+        self,
+        trial_id: str,
+        run_uri: str,
+        sampled: dict[str, Any],
+        config_params: dict[str, Any],
+        final: dict[str, Any],
+        data: DataConfig | None = None,
     ) -> tuple[str, list[str]]:
-        """Record a finished trial and its threshold points; returns the run ids
+        """Record a finished trial and its threshold points (each with ``data`` as its
+        dataset inputs and a description of its figures); returns the run ids
         ``(trial run, [threshold point runs])``. Idempotent."""
         from .trial import threshold_points
 
@@ -329,16 +508,22 @@ class SweepRecorder:
         )
         point_ids = []
         for i, point in enumerate(rows):
-            point_ids.append(self._threshold_point(trial_id, run_uri, tracker.run_id, i, point, sampled))
+            point_ids.append(self._threshold_point(trial_id, run_uri, tracker.run_id, i, point, sampled, data))
         name = point_run_name(trial_id, final.get("token_ratio"), final.get("thresholds"))
         mlflow_client(self.tracking_uri).update_run(tracker.run_id, name=name)
-        tracker.close(
-            "completed",
-            tags={
-                "splitvit.checkpoint": final.get("checkpoint") or "",
-                "splitvit.thresholds": json.dumps(final.get("thresholds")),
-            },
-        )
+        if data is not None:
+            tracker.log_datasets(data)
+        client = mlflow_client(self.tracking_uri)
+        if final.get("thresholds") is not None and "thresholds" not in client.get_run(tracker.run_id).data.params:
+            # the thresholds it was evaluated at, under the threshold points' name: one column for the frontier
+            client.log_param(tracker.run_id, "thresholds", json.dumps(final["thresholds"]))
+        tags = {
+            "splitvit.thresholds": json.dumps(final.get("thresholds")),
+            NOTE_TAG: point_note(self.metric, "trial", trial_id, final.get("thresholds") or [], len(rows)),
+        }
+        if final.get("checkpoint"):
+            tags["splitvit.checkpoint"] = final["checkpoint"]
+        tracker.close("completed", tags=tags)
         return tracker.run_id, point_ids
 
     def _point_runs(self, trial_run_id: str) -> list[str]:
@@ -350,7 +535,14 @@ class SweepRecorder:
         return [r.info.run_id for r in sorted(runs, key=lambda r: r.data.tags.get(RUN_URI_TAG, ""))]
 
     def _threshold_point(
-        self, trial_id: str, run_uri: str, trial_run_id: str, index: int, point: dict[str, Any], sampled: dict[str, Any]
+        self,
+        trial_id: str,
+        run_uri: str,
+        trial_run_id: str,
+        index: int,
+        point: dict[str, Any],
+        sampled: dict[str, Any],
+        data: DataConfig | None = None,
     ) -> str:
         thresholds = point.get("thresholds") or []
         params = {
@@ -372,9 +564,15 @@ class SweepRecorder:
                 TRIAL_TAG: trial_id,
                 METRIC_TAG: self.metric,
                 SAMPLED_TAG: json.dumps(sampled, sort_keys=True),
+                NOTE_TAG: point_note(self.metric, "threshold_point", trial_id, thresholds),
             },
         )
-        self._log_metrics(tracker.run_id, _numbers(point), 0)
+        figures = _numbers(point)
+        if "images_per_s" in figures:  # not the side-by-side timing's timed_images_per_s: named apart
+            figures[EVAL_THROUGHPUT] = figures.pop("images_per_s")
+        self._log_metrics(tracker.run_id, figures, 0)
+        if data is not None:
+            tracker.log_datasets(data)
         tracker.close("completed")
         return tracker.run_id
 
@@ -397,54 +595,132 @@ class SweepRecorder:
 
     # ------------------------------------------------------------------ the frontier
     def mark_frontier(self, points: list[Point]) -> None:
-        """Tag every point run ``splitvit.frontier`` true or false (ties name the
-        frontier point they tie with), so the UI filters to the frontier. Runs the
-        points of a resumed sweep again: the tags follow the frontier as it is now."""
+        """Tag every point run ``splitvit.frontier`` true or false, so the UI filters to
+        the frontier; a point tied with a frontier point names it in ``splitvit.frontier_tie_of``
+        (no other run carries that tag: one a resumed sweep's earlier frontier left is
+        deleted). Runs the points of a resumed sweep again: the tags follow the frontier
+        as it is now."""
         run_of = {p.label(): p.run_id for p in points}
+        client = mlflow_client(self.tracking_uri)
         for p in points:
             if not p.run_id:
                 continue
-            tags = {FRONTIER_TAG: "true" if p.on_frontier else "false", TIE_TAG: ""}
+            tags = {FRONTIER_TAG: "true" if p.on_frontier else "false"}
             if p.tie_of:
                 tags[TIE_TAG] = run_of.get(p.tie_of) or p.tie_of
-            RunTracker(self.tracking_uri, self.experiment_id, p.run_id).set_tags(tags)
+            tracker = RunTracker(self.tracking_uri, self.experiment_id, p.run_id)
+            tracker.set_tags(tags)
+            if not p.tie_of and TIE_TAG in client.get_run(p.run_id).data.tags:
+                client.delete_tag(p.run_id, TIE_TAG)
 
-    def register_frontier(self, sweep_name: str, front: list[Point], best: Point | None) -> RegisteredFrontier | None:
-        """Register the frontier points' logged models as versions of one registered
-        model per sweep, aliased ``tokens-<pct>pct`` and ``best``. A point already
-        registered (a resumed sweep) keeps its version. ``None`` when no point has a
-        logged model."""
+    def register_frontier(
+        self, space_name: str, sweep_name: str, front: list[Point], best: Point | None
+    ) -> RegisteredFrontier | None:
+        """Register the frontier points' logged models as versions of the space's one
+        registered model (:func:`registered_model_name`), through ``mlflow.register_model``:
+        MLflow links each logged model to its version (the ``mlflow.modelVersions`` tag
+        its page reads), as a tracking server would. Aliases: the sweep's own
+        (``<sweep>-tokens-42pct``, ``<sweep>-best``) and the bare ones of the newest sweep
+        (``tokens-42pct``, ``best``), moved here from an older sweep's points; a bare
+        budget alias this sweep has no point for is removed, so the bare aliases are one
+        sweep's frontier. A point already registered (a resumed sweep) keeps its version.
+        ``None`` when no point has a logged model."""
         client = mlflow_client(self.tracking_uri)
-        name = registered_model_name(sweep_name)
+        name = registered_model_name(space_name)
         logged = [p for p in front if p.model_uri and p.run_id]
         if not logged:
             return None
         if not client.search_registered_models(filter_string=f"name = '{_quote(name)}'"):
-            client.create_registered_model(
-                name,
-                tags={SWEEP_TAG: self.parent_run_id, METRIC_TAG: self.metric},
-                description=f"The Pareto frontier of sweep {sweep_name} ({self.metric} against tokens): one "
-                "version per frontier point; aliases `best` and `tokens-<pct>pct` pick a budget.",
-            )
+            client.create_registered_model(name, tags={METRIC_TAG: self.metric})
         versions = {v.run_id: v for v in client.search_model_versions(f"name = '{_quote(name)}'")}
         registered = RegisteredFrontier(name)
         for p, alias in zip(logged, budget_aliases(logged)):
-            version = versions.get(p.run_id)
-            if version is None:
-                version = client.create_model_version(
-                    name,
-                    source=p.model_uri,
-                    run_id=p.run_id,
-                    model_id=p.model_uri.removeprefix("models:/"),
-                    tags={"token_ratio": f"{p.token_ratio:.4f}", self.metric: f"{p.quality:.4f}"},
-                    description=point_run_name(p.trial_id, p.token_ratio, p.thresholds),
-                )
-            for a in [alias] + (["best"] if p is best else []):
+            version = versions.get(p.run_id) or self._register(name, p, sweep_name)
+            own = [sweep_alias(sweep_name, alias)] + ([sweep_alias(sweep_name, "best")] if p is best else [])
+            bare = [alias] + (["best"] if p is best else [])
+            for a in own + bare:
                 client.set_registered_model_alias(name, a, version.version)
                 registered.aliases[a] = f"models:/{name}@{a}"
-            registered.by_run[p.run_id] = registered.aliases[alias]
-            RunTracker(self.tracking_uri, self.experiment_id, p.run_id).set_tags({ALIAS_TAG: registered.aliases[alias]})
+            # the bare alias first (what people type), then the sweep's own (which never moves)
+            registered.by_run[p.run_id] = [registered.aliases[a] for a in (bare[::-1] + own[::-1])]
+            RunTracker(self.tracking_uri, self.experiment_id, p.run_id).set_tags(
+                {ALIAS_TAG: registered.aliases[own[0]]}
+            )
+            self._link_model_metrics(p)
+            # the logged model's page reads its description from this tag, as a run's does
+            client.set_logged_model_tags(
+                p.model_uri.removeprefix("models:/"),
+                {NOTE_TAG: model_note(self.metric, sweep_name, p, registered.by_run[p.run_id], version.version)},
+            )
+        current = set(registered.aliases)
+        for stale in client.get_registered_model(name).aliases:
+            if re.fullmatch(r"tokens-[\w-]+", stale) and stale not in current:
+                client.delete_registered_model_alias(name, stale)
+        client.update_registered_model(name, description=registry_note(name, sweep_name, self, registered))
         return registered
+
+    def _link_model_metrics(self, point: Point) -> None:
+        """The point's quality and token figures on its logged model, tied to the data it
+        was evaluated on (its run's ``evaluation`` dataset input), at the steps its run
+        holds them: the model's page then lists the dataset under *Datasets used* and in
+        its metrics table. Once: a model whose figures name a dataset is left as it is."""
+        from mlflow.entities import Metric
+
+        client = mlflow_client(self.tracking_uri)
+        model_id = (point.model_uri or "").removeprefix("models:/")
+        if not model_id or any(m.dataset_name for m in client.get_logged_model(model_id).metrics or []):
+            return
+        run = client.get_run(point.run_id or "")
+        evaluated = next(
+            (
+                d.dataset
+                for d in run.inputs.dataset_inputs
+                if any(t.key == "mlflow.data.context" and t.value == "evaluation" for t in d.tags)
+            ),
+            None,
+        )
+        if evaluated is None:
+            return
+        now = int(time.time() * 1000)
+        metrics = []
+        for key in (self.metric, "tokens_per_image", "token_ratio"):
+            history = client.get_metric_history(run.info.run_id, key)
+            if history:
+                last = max(history, key=lambda m: (m.step, m.timestamp))
+                metrics.append(Metric(key, last.value, now, last.step, model_id, evaluated.name, evaluated.digest))
+        if metrics:
+            client.log_batch(run.info.run_id, metrics=metrics)
+
+    def _register(self, name: str, point: Point, sweep_name: str) -> Any:
+        """One frontier point's logged model as a new version of ``name``
+        (``mlflow.register_model``, against this recorder's store)."""
+        import contextlib
+        import io
+
+        import mlflow
+
+        # mlflow.register_model resolves its store from the global tracking URI
+        # (as mlflow.pytorch.log_model does, see RunTracker.log_model)
+        mlflow.set_tracking_uri(self.tracking_uri)
+        with contextlib.redirect_stderr(io.StringIO()):  # its "Created version ..." lines
+            version = mlflow.register_model(
+                point.model_uri,
+                name,
+                tags={
+                    "token_ratio": f"{point.token_ratio:.4f}",
+                    self.metric: f"{point.quality:.4f}",
+                    "sweep": sweep_name,
+                    SWEEP_TAG: self.parent_run_id,
+                },
+            )
+        mlflow_client(self.tracking_uri).update_model_version(
+            name,
+            version.version,
+            description=f"Sweep `{sweep_name}`: {point_run_name(point.trial_id, point.token_ratio, point.thresholds)}; "
+            f"{self.metric} {point.quality:.4f} at {point.tokens_per_image:.1f} tokens per image. "
+            f"[Its run]({run_link(self.experiment_id, point.run_id or '')}).",
+        )
+        return version
 
     def describe_experiment(
         self,
@@ -456,14 +732,22 @@ class SweepRecorder:
         registered: RegisteredFrontier | None,
     ) -> None:
         """The experiment's description and tags: what it holds, its latest sweep, and
-        how to read it in the UI (filter to the frontier, the chart, loading a budget)."""
-        run_link = f"#/experiments/{self.experiment_id}/runs/{self.parent_run_id}"
+        how to read it in the UI (a link to the frontier's runs view, the chart, loading
+        a budget). The frontier's view is saved as the experiment's shared view
+        (:func:`frontier_view`), which the link opens."""
+        client = mlflow_client(self.tracking_uri)
+        client.set_experiment_tag(
+            self.experiment_id,
+            SHARED_VIEW_PREFIX + frontier_view_key(self.parent_run_id),
+            json.dumps(frontier_view(self.metric, self.parent_run_id)),
+        )
+        view = frontier_link(self.experiment_id, self.parent_run_id)
         lines = [
             "**SPLIT sweeps**: multi-objective searches (Ray Tune + Optuna) of split thresholds and "
             f"token-budget penalties, {self.metric} up and tokens down, recorded by `splitvit sweep`.",
             "",
-            f"**Latest sweep:** [{sweep_name}]({run_link}): {frontier_size} frontier points of {points}, "
-            f"hypervolume {hypervolume:.4f}.",
+            f"**Latest sweep:** [{sweep_name}]({run_link(self.experiment_id, self.parent_run_id)}): "
+            f"[{frontier_size} frontier points]({view}) of {points}, hypervolume {hypervolume:.4f}.",
         ]
         if best is not None:
             lines.append(
@@ -473,17 +757,23 @@ class SweepRecorder:
         lines += [
             "",
             "**How to read it**",
-            f"- The frontier: filter the runs with `tags.{FRONTIER_TAG} = 'true'` "
-            f"(and ``tags.{SWEEP_TAG} = '{self.parent_run_id}'`` for this sweep alone); "
-            f"columns `metrics.{self.metric}`, `metrics.token_ratio`, `metrics.tokens_per_image`.",
-            f"- The chart: the sweep run's artifacts `{CHART_ARTIFACT}` (hover a point) and `{PLOT_ARTIFACT}`; "
-            "the table is `frontier.json`.",
+            f"- The frontier: [its runs]({view}), best {self.metric} first, with their {self.metric}, "
+            f"token and speed-up columns ([the plain search]"
+            f"({frontier_search_link(self.experiment_id, self.parent_run_id, self.metric)}) where a UI keeps no "
+            "shared views: the same rows, MLflow's default columns). By hand: filter the runs with "
+            f"`{frontier_filter(self.parent_run_id)}` and sort by `{self.metric}` (sorted by start time, MLflow "
+            "nests the points under their sweep: expand it); *Columns* adds "
+            f"`{self.metric}`, `tokens_per_image`, `token_ratio`.",
+            f"- The chart: the sweep run's artifacts [`{CHART_ARTIFACT}`]"
+            f"({artifact_link(self.experiment_id, self.parent_run_id, CHART_ARTIFACT)}) (hover a point) and "
+            f"`{PLOT_ARTIFACT}`; the table is `frontier.json`.",
         ]
         if registered is not None:
-            some = next(a for a in registered.aliases if a != "best")
+            some = next((a for a in registered.aliases if a.startswith("tokens-")), "best")
             lines.append(
-                f"- Models: registered model `{registered.name}`, one version per frontier point; "
-                f"load a budget by alias: `mlflow.pytorch.load_model('models:/{registered.name}@{some}')`, "
+                f"- Models: registered model `{registered.name}` (every sweep of this space), one version per "
+                f"frontier point; `@best` and `@tokens-<pct>pct` are the latest sweep's: "
+                f"`mlflow.pytorch.load_model('models:/{registered.name}@{some}')`, "
                 f"or `splitvit eval models:/{registered.name}@best`."
             )
         tags = {
@@ -528,11 +818,15 @@ class SweepRecorder:
         mlflow_client(self.tracking_uri).log_text(self.parent_run_id, text, artifact_file)
 
     def describe(self, markdown: str) -> None:
-        """The parent run's description (tag ``mlflow.note.content``), cut to what the
-        store keeps."""
-        if len(markdown) > _MAX_TAG_VALUE:
-            markdown = markdown[: _MAX_TAG_VALUE - 40].rsplit("\n", 1)[0] + "\n\n*(cut to fit the store)*"
-        self.parent.set_tags({NOTE_TAG: markdown})
+        """The parent run's description (tag ``mlflow.note.content``), secrets masked as
+        in every tag, and cut to what the store keeps. The frontier's link is kept whole:
+        MLflow names its query ``viewStateShareKey``, which the masking takes for a secret
+        (a ``*key``), and would mask with the text after it."""
+        link = frontier_link(self.experiment_id, self.parent_run_id)
+        masked = NOTE_LINK.join(redact_uri(part) for part in markdown.split(link)).replace(NOTE_LINK, link)
+        if len(masked) > _MAX_TAG_VALUE:
+            masked = masked[: _MAX_TAG_VALUE - 40].rsplit("\n", 1)[0] + "\n\n*(cut to fit the store)*"
+        mlflow_client(self.tracking_uri).set_tag(self.parent_run_id, NOTE_TAG, masked)
 
     def log_figure(self, figure, artifact_file: str) -> None:
         """A matplotlib figure on the parent."""
@@ -753,31 +1047,41 @@ def sweep_note(
     parent_run_id: str,
     plot: str | None = PLOT_ARTIFACT,
     top: int = 5,
+    best_uris: list[str] | None = None,
 ) -> str:
     """The parent run's markdown description: the hypervolume, the best points, the
     baselines at matched budgets, links to the plot and the best model, the trials by
-    status. Links are relative to the MLflow UI (``#/experiments/...``), so they work
-    on any host that serves the store."""
+    status. ``best_uris``: the registry URIs that load the best point's model
+    (``models:/<name>@best`` first). Links are relative to the MLflow UI (``#/experiments/...``, in its *Model
+    training* view), so they work on any host that serves the store. The table of the
+    largest hypervolume contributions is sorted by contribution, as its heading says."""
     from .pareto import frontier
 
     front = frontier(points)
     lines = [f"## Sweep `{name}`: {metric} vs tokens per image", ""]
     lines.append(
         f"**Hypervolume {hypervolume:.4g}** (reference point: {metric} {reference[0]:g}, token ratio "
-        f"{reference[1]:g}); {len(front)} of {len(points)} points on the frontier."
+        f"{reference[1]:g}); [{len(front)} of {len(points)} points on the frontier]"
+        f"({frontier_link(experiment_id, parent_run_id)})."
     )
     trials = ", ".join(f"{n} {status}" for status, n in sorted(trial_status.items()))
     lines += ["", f"Trials: {sum(trial_status.values())} ({trials or 'none'})."]
-    run_page = f"#/experiments/{experiment_id}/runs"
     links = []
     if plot:
-        links.append(f"[the frontier plot]({run_page}/{parent_run_id}/artifacts/{plot}) (`{plot}`)")
+        links.append(f"[the frontier plot]({artifact_link(experiment_id, parent_run_id, plot)}) (`{plot}`)")
+        links.append(
+            f"[the interactive chart]({artifact_link(experiment_id, parent_run_id, CHART_ARTIFACT)}) "
+            f"(`{CHART_ARTIFACT}`)"
+        )
     if best is not None and best.model_uri and best.model_uri.startswith("models:/"):
         model_id = best.model_uri.split("/", 1)[1].strip("/")
-        links.append(f"[the best point's model](#/experiments/{experiment_id}/models/{model_id}) (`{best.model_uri}`)")
+        links.append(
+            f"[the best point's model](#/experiments/{experiment_id}/models/{model_id}{UI_VIEW_QUERY}) "
+            f"(`{best.model_uri}`)"
+        )
     if best is not None and best.run_id:
-        links.append(f"[the best point's run]({run_page}/{best.run_id})")
-    links.append(f"[the frontier table]({run_page}/{parent_run_id}/artifacts/frontier.json)")
+        links.append(f"[the best point's run]({run_link(experiment_id, best.run_id)})")
+    links.append(f"[the frontier table]({artifact_link(experiment_id, parent_run_id, 'frontier.json')})")
     lines += ["", "See " + ", ".join(links) + "."]
     # MLflow keeps chart layouts in the browser, not in the store: say how, in three clicks
     lines += [
@@ -790,11 +1094,16 @@ def sweep_note(
             "",
             f"**Best point** (largest hypervolume contribution): {metric} {best.quality:.4g} at "
             f"{best.tokens_per_image:.1f} tokens per image (token ratio {best.token_ratio:.3g}), trial "
-            f"`{best.trial_id}`, thresholds {[float(f'{t:.3g}') for t in best.thresholds]}.",
+            f"`{best.trial_id}`, thresholds {[float(f'{t:.3g}') for t in best.thresholds]}"
+            + (f"; load it as `{best_uris[0]}` (also `{'`, `'.join(best_uris[1:])}`)." if best_uris else "."),
         ]
     chosen = sorted(front, key=lambda p: -p.hv_contribution)[:top]
     if chosen:
-        lines += ["", f"### Frontier points with the largest hypervolume contributions (top {len(chosen)})", ""]
+        lines += [
+            "",
+            f"### Frontier points with the largest hypervolume contributions (top {len(chosen)}, largest first)",
+            "",
+        ]
         lines += _md_table(
             [
                 {
@@ -804,10 +1113,10 @@ def sweep_note(
                     "HV contribution": p.hv_contribution,
                     "trial": p.trial_id,
                     "kind": p.kind,
-                    "best": "best" if p is best else "",
+                    "best": "@best" if p is best else "",
                     "model logged": "yes" if p.model_uri else "",
                 }
-                for p in sorted(chosen, key=lambda p: p.tokens_per_image)
+                for p in chosen  # by contribution, largest first: the heading's order
             ]
         )
     matched = _matched_baselines(baselines, front, metric)

@@ -164,6 +164,14 @@ class SweepResult:
             host = redact_uri(self.tracking_uri).rstrip("/")
         return ui_url(host, self.experiment_id, self.parent_run_id)
 
+    def frontier_url(self, host: str = "http://127.0.0.1:5000") -> str:
+        """The frontier's runs view in the MLflow UI (a local ``mlflow ui``, or the server):
+        its point runs, best quality first, with their figure columns."""
+        from .mlflow_records import frontier_link
+
+        page = self.mlflow_url(host).split("#", 1)[0]
+        return page + frontier_link(self.experiment_id, self.parent_run_id)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
         return {
@@ -186,6 +194,7 @@ class SweepResult:
                 "parent_run_id": self.parent_run_id,
                 "ui": self.mlflow_ui_command(),
                 "url": self.mlflow_url(),
+                "frontier_url": self.frontier_url(),
             },
             "plot": self.plot,
             "frontier_csv": self.frontier_csv,
@@ -294,6 +303,7 @@ def _callback_class():
                 sampled,
                 self._config_params(trial),
                 {t.trial_id for t in trials},
+                _trial_data(self.plan, sampled, trial.trial_id),
             )
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
@@ -349,6 +359,7 @@ def _callback_class():
                 self.plan.space.decode(trial.config),
                 self._config_params(trial),
                 final,
+                _trial_data(self.plan, self.plan.space.decode(trial.config), trial.trial_id),
             )
 
         def on_trial_error(self, iteration, trials, trial, **info):
@@ -388,6 +399,15 @@ def _trial_error(trial) -> str:
 
 def _short(params: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def _trial_data(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> Any:
+    """The trial's data config (its runs' MLflow dataset inputs); ``None`` when its
+    config does not build (the trial fails the same way and says why)."""
+    try:
+        return plan.trial_config(sampled, trial_id).data
+    except ValueError:
+        return None
 
 
 def _config_params(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> dict[str, Any]:
@@ -821,7 +841,12 @@ def _completed_trial_points(
     """A finished trial's point and its stage-two threshold points, each with its MLflow run."""
     metric = sweep.metric
     run_id, point_ids = sweep.recorder.trial_completed(
-        trial.trial_id, sweep.plan.run_uri(trial.trial_id), trial.params, config_params, final
+        trial.trial_id,
+        sweep.plan.run_uri(trial.trial_id),
+        trial.params,
+        config_params,
+        final,
+        _trial_data(sweep.plan, trial.params, trial.trial_id),
     )
     trial.run_id = run_id
     points = [
@@ -877,7 +902,12 @@ def _stopped_trial_point(
         "checkpoint": trial.checkpoint,
     }
     run_id, _ = sweep.recorder.trial_completed(
-        trial.trial_id, plan.run_uri(trial.trial_id), trial.params, config_params, final
+        trial.trial_id,
+        plan.run_uri(trial.trial_id),
+        trial.params,
+        config_params,
+        final,
+        _trial_data(plan, trial.params, trial.trial_id),
     )
     trial.run_id = run_id
     return Point(
@@ -1003,6 +1033,7 @@ def _close_sweep_run(
                 experiment_id=recorder.experiment_id,
                 parent_run_id=recorder.parent_run_id,
                 plot=PLOT_ARTIFACT if result.plot else None,
+                best_uris=sweep.registered.by_run.get(best.run_id or "") if sweep.registered and best else None,
             )
         )
         recorder.describe_experiment(
@@ -1193,6 +1224,7 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point],
                     "policy": backbone.policy.name,
                 },
             )
+            _set_signature(point.model_uri, model)
             log.info(
                 "logged frontier model %d/%d: %s (%s %.4f at %.1f tokens/image)",
                 i + 1,
@@ -1206,18 +1238,74 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point],
             log.warning("could not log the model of point %s: %s", point.run_id, exc)
 
 
-def _register_frontier(sweep: _Sweep, result: SweepResult, front: list[Point], best: Point) -> None:
-    """The frontier's models in the Model Registry (one name per sweep, an alias per
-    budget); the name and the aliases' ``models:/`` URIs in ``result.extras``."""
+def model_signature(model: Any) -> Any:
+    """The MLflow signature of a SPLIT model (or a detector on one), inferred from a
+    forward pass over two blank images of its input size: ``images`` float32
+    ``(-1, C, H, W)`` in; ``logits`` and ``tokens`` (a detector: its first image's
+    detections) out."""
+    import torch
+    from mlflow.models import infer_signature
+
+    from ..model.detection import split_backbone
+
+    channels, height, width = split_backbone(model).data_config["input_size"]
+    images = torch.zeros(2, channels, height, width)
+    with torch.no_grad():
+        out = model.eval()(images)
+    if hasattr(out, "logits"):
+        produced = {"logits": out.logits, "tokens": out.tokens}
+    else:  # a detector: per image, its boxes, labels, scores (and masks)
+        produced = dict(out.detections[0])
+    outputs = {  # each output's own dtype (numpy has no bfloat16: those as float32)
+        k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
+        for k, v in produced.items()
+        if isinstance(v, torch.Tensor)
+    }
+    return infer_signature({"images": images.numpy()}, outputs)
+
+
+def _set_signature(model_uri: str, model: Any) -> None:
+    """Write ``model``'s signature (:func:`model_signature`) into its logged model, whose
+    page then shows its inputs and outputs. The store is the global tracking URI that
+    :meth:`~splitvit.tracking.RunTracker.log_model` set."""
+    from mlflow.models import set_signature
+
     try:
-        registered = sweep.recorder.register_frontier(result.name, front, best)
+        set_signature(model_uri, model_signature(model))
+    except Exception as exc:  # noqa: BLE001 - a model without its signature still loads
+        log.warning("could not set the signature of %s: %s", model_uri, exc)
+
+
+def _alias_prefix(sweep_name: str) -> str:
+    from .mlflow_records import sweep_alias
+
+    return sweep_alias(sweep_name, "").rstrip("-")
+
+
+def _register_frontier(sweep: _Sweep, result: SweepResult, front: list[Point], best: Point) -> None:
+    """The frontier's models in the Model Registry (one name per search space, aliases
+    per budget: the sweep's own and the newest sweep's bare ones); the name and the
+    aliases' ``models:/`` URIs in ``result.extras``."""
+    try:
+        registered = sweep.recorder.register_frontier(Path(sweep.space.source).stem, result.name, front, best)
     except Exception as exc:  # noqa: BLE001 - a registry that refuses must not lose the frontier
         log.warning("could not register the frontier's models: %s", exc)
         return
     if registered is not None:
-        result.extras["registered_models"] = {"name": registered.name, "aliases": registered.aliases}
+        own = f"{_alias_prefix(result.name)}-"
+        result.extras["registered_models"] = {
+            "name": registered.name,
+            # the newest sweep's (best, tokens-42pct) and this sweep's own, which never move
+            "aliases": {a: u for a, u in registered.aliases.items() if not a.startswith(own)},
+            "sweep_aliases": {a: u for a, u in registered.aliases.items() if a.startswith(own)},
+        }
         sweep.registered = registered
-        log.info("frontier models registered as %s (aliases: %s)", registered.name, ", ".join(registered.aliases))
+        log.info(
+            "frontier models registered as %s (aliases: %s; this sweep's own: %s*)",
+            registered.name,
+            ", ".join(result.extras["registered_models"]["aliases"]),
+            own,
+        )
 
 
 def _log_best_split_map(space: SearchSpace, recorder: SweepRecorder, best: Point, local_dir: Path) -> str | None:
