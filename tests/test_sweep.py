@@ -398,6 +398,11 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     )
     assert set(stored["parameters"]) >= {"train.lambda_budget", "model.thresholds[0]", "train.lr"}
     assert stored["search"]["num_samples"] == 5
+    # the base point's config, each key with its layer: this space's base file says recipe: none
+    layers = json.loads(
+        Path(client.download_artifacts(parent.info.run_id, "config_layers.json", str(tmp_path))).read_text()
+    )
+    assert layers["recipe"] == "none" and layers["keys"]["model.levels"]["layer"].endswith("/base.yaml")
     note = parent.data.tags["mlflow.note.content"]
     assert f"Hypervolume {hv:.4g}" in note and f"`{best['trial_id']}`" in note
     assert f"runs/{parent.info.run_id}/artifacts/pareto.png" in note and logged[0] in note

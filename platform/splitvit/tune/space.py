@@ -45,10 +45,12 @@ from ..config import (
     SECTIONS,
     ConfigError,
     ExperimentConfig,
+    Layer,
     build_dataclass,
     companion_metrics,
     parse_override,
     quality_metric,
+    resolve_config,
     set_dotted,
     split_key,
 )
@@ -305,7 +307,7 @@ class SearchSpace:
         settings_only: bool = False,
     ) -> ExperimentConfig:
         """The fully validated experiment config of one point of the space
-        (:func:`~splitvit.train.experiment.experiment_from_dict`).
+        (:func:`~splitvit.train.experiment.experiment_from_layers` of :meth:`layers`).
 
         ``params`` holds sampled values by parameter name (decoded: what the config
         takes); the fixed values always apply. ``settings_only``: the checks of the
@@ -313,16 +315,30 @@ class SearchSpace:
         :func:`~splitvit.train.names.check_names`), without those that need timm and
         the model. Raises :class:`ConfigError`.
         """
+        layers = self.layers(params, overrides)
         if settings_only:
             from ..train.names import check_names
 
-            config = ExperimentConfig.from_dict(self.raw_config(params), overrides, default_name=name)
+            config = resolve_config(layers, default_name=name)
             check_names(config)
             return config
         # imported here: it loads torch and timm, which the settings' own checks do not need
-        from ..train.experiment import experiment_from_dict
+        from ..train.experiment import experiment_from_layers
 
-        return experiment_from_dict(self.raw_config(params), overrides, default_name=name)
+        return experiment_from_layers(layers, default_name=name)
+
+    def layers(self, params: dict[str, Any] | None = None, overrides: list[str] | None = None) -> list[Layer]:
+        """A point's config layers, lowest first: the base file, the space's fixed
+        values, the sampled ``params``, ``--set`` overrides (the recipe goes under them:
+        :func:`~splitvit.config.resolve_config`)."""
+        stack = [
+            Layer(f"file {self.base}", self.base_raw, nested=True),
+            Layer(f"space {self.source}", self.fixed),
+            Layer("sampled", params or {}),
+        ]
+        if overrides:
+            stack.append(Layer("--set", [parse_override(item) for item in overrides]))
+        return stack
 
     def decode(self, sampled: dict[str, Any]) -> dict[str, Any]:
         """Optuna's (or Tune's) sampled values -> config values, by parameter name."""

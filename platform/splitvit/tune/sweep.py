@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ExperimentConfig, redact_uri
+from ..config import ExperimentConfig, config_layers, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
 from ..tracking.runs import ui_url
 from .console import Progress, ray_console, ray_output_shown, tune_verbosity
@@ -671,6 +671,8 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
     )
     close_stale_runs(recorder.parent)  # left RUNNING by a dead driver: KILLED (a resumed trial re-opens its own)
     recorder.log_text(search_space_yaml(space), SPACE_ARTIFACT)
+    # the base point's config with each key's layer (recipe, base file, the space's fixed values)
+    recorder.parent.log_dict(config_layers(setup.base), "config_layers.json")
     log.info(
         "sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s",
         setup.name,
