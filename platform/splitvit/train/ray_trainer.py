@@ -37,7 +37,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -173,9 +173,59 @@ def init_ray(address: str | None = None, *, worker_logs: bool | None = None) -> 
         # V2 also watches its controller through the dashboard's state API). "local",
         # not ray.init()'s default: that joins the last `ray start` cluster on the
         # machine (/tmp/ray/ray_current_cluster), someone else's maybe.
-        ray.init(address="local", log_to_driver=worker_logs, logging_level=level)
+        with local_ray_start():
+            ray.init(address="local", log_to_driver=worker_logs, logging_level=level)
     if callable(sigterm) and getattr(sigterm, "__module__", "").startswith("splitvit"):
         signal.signal(signal.SIGTERM, sigterm)
+
+
+#: Ray's switch for its single-machine mode (named for the platforms where it is the
+#: default): the node's address is 127.0.0.1 and every Ray server binds loopback
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def local_ray_start() -> Iterator[None]:
+    """While a local Ray instance starts (``ray.init(address="local")``): its servers
+    listen on 127.0.0.1 only, and its processes run in a session of their own.
+
+    Loopback: Ray resolves a node address of 127.0.0.1 to the machine's routable
+    address (``_node_ip_address`` alone does not help) and its gRPC servers listen on
+    all interfaces, unless its single-machine mode is on; the switch is read by the
+    processes Ray starts (from the environment) and by this one (a constant Ray read
+    on import). A multi-node cluster (``--address``, ``RAY_ADDRESS``) is not started
+    here and keeps its configured addresses.
+
+    A session of their own: a signal to the driver's process group (``timeout``, a
+    batch scheduler, Ctrl-C in a terminal) reaches the driver only. Ray's GCS,
+    raylet and workers would otherwise die of the group's SIGTERM at once, and the
+    driver could neither stop its Train controller cleanly nor read what was kept
+    (it waited 60 s on a dead controller). They still end with the driver: Ray ties
+    them to it (``PR_SET_PDEATHSIG``) and ``ray.shutdown`` stops them.
+    """
+    import ray._private.ray_constants as ray_constants
+    import ray._private.services as services
+
+    saved = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER, services.ConsolePopen
+    base = saved[2]
+
+    class OwnSession(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    os.environ[LOOPBACK_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop(LOOPBACK_ENV, None)
+        else:
+            os.environ[LOOPBACK_ENV] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        services.ConsolePopen = base
 
 
 def run_training(
