@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from .options import TRACKING_HELP, add_set_option, common_options, overrides
+from .options import TRACKING_HELP, add_set_option, check_address, common_options, folder_name, overrides
 from .output import emit, fail, print_table
 
 
@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--name",
+        type=folder_name,
         help="the study's folder under the storage path (default: study-<file>); an existing "
         "study of this name is finished, not repeated",
     )
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     """Run (or finish) the study, print its table, levers, goals and speed comparison."""
     # run_study checks the file, the settings and --references-from first, before Ray
     # and torch load (check_study): a mistake is one line in a second
+    check_address(args)  # its form, before torch and Ray load (whether it answers: the preflight)
     from ..study.ray_executor import run_study
     from ..study.report import lever_lines, reuse_phrase, summary_lines
     from ..tune.console import show_ray_output

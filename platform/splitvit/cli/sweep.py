@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
-from .options import TRACKING_HELP, add_set_option, common_options, overrides
+from .options import TRACKING_HELP, add_set_option, check_address, common_options, folder_name, overrides
 from .output import emit, fail, frontier_table, print_table
 
 
@@ -24,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--name",
+        type=folder_name,
         help="the sweep's folder under the storage path (default: the space's name and a timestamp; "
         "with --resume, the latest sweep of this space)",
     )
@@ -45,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from ..tune.space import load_space
 
     # the space file's and the settings' mistakes, before Ray, torch and MLflow load
-    load_space(args.space, overrides(args), settings_only=True)  # run_sweep makes the full check
+    space = load_space(args.space, overrides(args), settings_only=True)  # run_sweep makes the full check
+    check_before_ray(args, space)
     import ray
 
     from ..tune import SweepError, run_sweep
@@ -133,3 +136,22 @@ def run(args: argparse.Namespace) -> int:
     if result.status != "completed":
         return fail(args, "no trial completed, so there is no frontier")
     return 0
+
+
+def check_before_ray(args: argparse.Namespace, space) -> None:
+    """What the settings and the files alone show, before torch, Ray and MLflow load:
+    the base config's tracking URI, storage path and annotation files
+    (:func:`~splitvit.train.names.check_locations`), the Ray address's form, and, for
+    ``--resume`` on local storage, that there is a sweep to resume."""
+    from ..train.names import check_locations
+
+    base = space.config(settings_only=True)
+    check_locations(base)
+    check_address(args)
+    if args.resume and not base.storage.is_remote:
+        storage = Path(base.storage.resolved_path())
+        if args.name is not None:
+            if not (storage / args.name / "tuner.pkl").is_file():
+                raise FileNotFoundError(f"--resume: {storage / args.name} holds no sweep to resume")
+        elif not any((p / "tuner.pkl").is_file() for p in storage.glob(f"{Path(space.source).stem}-*")):
+            raise FileNotFoundError(f"--resume: no sweep of {space.source} under {storage} to resume")
