@@ -7,6 +7,8 @@
 * a checkpoint ``eval`` cannot read is one line naming the file, exit 2;
 * a run that diverged in its first epoch prints what happened, not a TypeError;
 * labels outside ``model.num_classes`` stop training with that key named;
+* a deterministic error (a corrupt image read with ``strict=true``) ends the run on
+  its first attempt, whatever ``train.max_failures`` allows (issue #61);
 * Ctrl-C / SIGTERM on ``splitvit train``: exit 130 / 143, the kept checkpoint named,
   the MLflow run KILLED; a re-run resumes from the checkpoint;
 * a resumed sweep or study ends the runs a dead driver left RUNNING.
@@ -615,3 +617,110 @@ def test_a_sweep_stopped_with_unfinished_trials_is_an_interruption():
     assert "3 of 8 trials started and 2 unfinished" in str(stopped) and "--resume --name s1" in str(stopped)
     short = stopped_early("s1", started=5, unfinished=0, planned=8)
     assert isinstance(short, SweepError) and "--resume --name s1" in str(short)
+
+
+# ---------------------------------------------------------------------- deterministic errors: one attempt
+def _image_folder(root: Path, corrupt: str) -> Path:
+    """An imagefolder dataset of 4 classes x 4 PNGs per split; one training image
+    (``corrupt``, under class ``c0``) holds bytes no decoder reads."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in range(4):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (16, 16), (40 * c, 10 * i, 0)).save(folder / f"{i}.png")
+    (root / "train" / "c0" / corrupt).write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    return root
+
+
+class CountAttempts:
+    """An epoch hook that appends a line to ``path`` each time a worker starts epoch 0:
+    one line per attempt of the run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, epoch, rank, model):
+        if epoch == 0:
+            with open(self.path, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
+
+def test_a_strict_data_error_ends_the_run_on_its_first_attempt(ray_local, mlflow_uri, tmp_path):
+    """A corrupt image read with strict=true would fail every retry the same way: with
+    train.max_failures=2 the run still makes one attempt; the line names the file."""
+    from mlflow import MlflowClient
+
+    from splitvit.config import ExperimentConfig
+    from splitvit.train.ray_trainer import run_training
+    from tests.test_train_ray import TINY
+
+    root = _image_folder(tmp_path / "images", "broken.png")
+    raw = json.loads(json.dumps(TINY))
+    raw["data"] = {"name": "imagefolder", "options": {"root": str(root), "strict": True}, "batch_size": 4}
+    raw["storage"] = {"path": str(tmp_path / "runs"), "name": "strictdata"}
+    raw["tracking"]["tracking_uri"] = mlflow_uri
+    cfg = ExperimentConfig.from_dict(
+        raw,
+        [
+            "train.epochs=1",
+            "train.max_failures=2",
+            "scaling.num_workers=1",
+            "tracking.split_map_images=0",
+            "tracking.log_model=false",
+        ],
+    )
+    attempts = tmp_path / "attempts.txt"
+    started = time.monotonic()
+    with pytest.raises(TrainingError) as info:
+        run_training(cfg, epoch_hook=CountAttempts(str(attempts)))
+    elapsed = time.monotonic() - started
+    assert len(attempts.read_text().splitlines()) == 1  # not 3 (1 + max_failures)
+    line = str(info.value)
+    assert f"corrupt or unreadable data in {root / 'train' / 'c0' / 'broken.png'}" in line, line
+    assert line.endswith("(not retried: it would fail the same way)"), line
+    assert elapsed < 60, elapsed  # three attempts took 115 s on the 2-core machine
+    run = MlflowClient(mlflow_uri).search_runs(
+        [MlflowClient(mlflow_uri).get_experiment_by_name("tests").experiment_id],
+        filter_string="tags.`splitvit.name` = 'strictdata'",
+    )[0]
+    assert run.info.status == "FAILED" and "broken.png" in run.data.tags["splitvit.error"]
+
+
+@pytest.mark.parametrize(
+    ("make", "deterministic"),
+    [
+        (lambda: CorruptDataError("/d/a.png", "not a recognised image format"), True),
+        (lambda: CorruptDataError("/d/a.png", "EIO", deterministic=False), False),
+        (lambda: ValueError("x"), False),
+    ],
+)
+def test_is_deterministic_sees_through_ray_wrappers_and_pickling(make, deterministic):
+    """The flag survives pickling (Ray sends a worker's error to the controller) and is
+    found under Ray's wrappers; torch's DataLoader re-raising a loader process's error
+    (with its traceback as the one argument) keeps the type, the file and the flag."""
+    from ray.train import WorkerGroupError
+
+    from splitvit.errors import is_deterministic
+
+    exc = pickle.loads(pickle.dumps(make()))
+    wrapped = WorkerGroupError("workers failed", {0: exc})
+    assert is_deterministic(exc) is deterministic and is_deterministic(wrapped) is deterministic
+    assert is_deterministic(TrainingError("training x failed")) is False
+
+
+def test_a_loader_process_error_keeps_its_file_and_flag(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from splitvit.data import build_dataset
+    from splitvit.errors import is_deterministic
+
+    root = _image_folder(tmp_path / "images", "broken.png")
+    data = build_dataset("imagefolder", "train", seed=0, image_size=16, root=str(root), strict=True)
+    with pytest.raises(CorruptDataError) as info:
+        list(DataLoader(data, batch_size=17, num_workers=1))
+    assert info.value.source == str(root / "train" / "c0" / "broken.png")
+    assert info.value.reason == "OSError: Truncated File Read"  # the PNG signature, then nothing
+    assert is_deterministic(info.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from typing import Any
 
 import numpy as np
@@ -17,16 +18,40 @@ log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 
-class CorruptDataError(ValueError):
-    """A file (image or shard) could not be read; ``source`` names it."""
+_MESSAGE = re.compile(r"corrupt or unreadable data in (?P<source>.+?): (?P<reason>.*)")
 
-    def __init__(self, source: str, reason: str) -> None:
+
+class CorruptDataError(ValueError):
+    """A file (image or shard) could not be read; ``source`` names it.
+
+    ``deterministic`` (the flag :func:`splitvit.errors.is_deterministic` reads; this
+    package may not import that module): reading it again would fail the same way (a
+    file that does not decode, is missing or unreadable), so training does not retry
+    (``strict=true``). False for an I/O error that may pass (a disk or network hiccup).
+    """
+
+    def __init__(self, source: str, reason: str | None = None, *, deterministic: bool = True) -> None:
+        if reason is None:
+            # one argument: torch's DataLoader re-raising a loader worker's error passes
+            # the worker's traceback; its last line is the original message
+            source, reason = _parse_message(source)
         super().__init__(f"corrupt or unreadable data in {source}: {reason}")
         self.source = source
         self.reason = reason
+        self.deterministic = deterministic
 
     def __reduce__(self):  # Ray pickles a worker's exception: rebuild from source and reason
         return (type(self), (self.source, self.reason), dict(self.__dict__))
+
+
+def _parse_message(text: str) -> tuple[str, str]:
+    """``(source, reason)`` from the last line of a message or traceback holding
+    CorruptDataError's message; ``("data", text)`` when none does."""
+    for line in reversed(text.strip().splitlines()):
+        match = _MESSAGE.search(line)
+        if match:
+            return match.group("source"), match.group("reason")
+    return "data", text.strip()
 
 
 def decode_image(data: bytes, source: str, mode: str = "RGB", *, min_size: int | None = None) -> Image.Image:
@@ -54,7 +79,9 @@ def read_file(path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise CorruptDataError(path, str(exc)) from None
+        # a missing or forbidden file stays so on a retry; other I/O errors may pass
+        lasting = isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError))
+        raise CorruptDataError(path, str(exc), deterministic=lasting) from None
 
 
 def read_image_file(path: str, mode: str = "RGB", *, min_size: int | None = None) -> Image.Image:

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, TrainConfig, redact_uri
 from ..data.parquet import training_sampler
-from ..errors import Interrupted, as_interrupted, error_line, note_signal
+from ..errors import Interrupted, as_interrupted, error_line, is_deterministic, note_signal
 from ..model.detection import SplitDetector, split_backbone
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -313,10 +313,12 @@ def _torch_trainer(
     from ray.train.torch import TorchTrainer
 
     from ..storage import ray_storage
+    from .failures import use_policy
 
     scaling = config.scaling
     # s3:// storage goes through a filesystem with the project's S3 settings, not one Ray builds
     ray_path, ray_filesystem = ray_storage(storage_path)
+    failure_config = ray.train.FailureConfig(max_failures=config.train.max_failures)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config, "tracker": tracker, "epoch_hook": epoch_hook},
@@ -330,11 +332,12 @@ def _torch_trainer(
             name=config.storage.name,
             storage_path=ray_path,
             storage_filesystem=ray_filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
+            failure_config=failure_config,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.storage.num_to_keep),
             callbacks=list(callbacks or []),
         ),
     )
+    use_policy(trainer, failure_config)  # a deterministic error (strict data) is not retried
     log.info(
         "training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path)
     )
@@ -410,7 +413,9 @@ def _fit(trainer: Any, config: ExperimentConfig, tracker: RunTracker | None) -> 
             finally:
                 stopper.restore()
     except ray.train.TrainingFailedError as exc:
-        raise TrainingError(f"training {config.storage.name} failed: {error_line(exc)}") from exc
+        deterministic = config.train.max_failures != 0 and is_deterministic(exc)
+        retries = " (not retried: it would fail the same way)" if deterministic else ""
+        raise TrainingError(f"training {config.storage.name} failed: {error_line(exc)}{retries}") from exc
 
 
 def _rank0_outcome(result: Any) -> dict[str, Any]:
