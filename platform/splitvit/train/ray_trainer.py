@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,9 +58,13 @@ from .checkpoints import (
     METRICS_FILE,
     MODEL_FILE,
     STATE_FILE,
+    CheckpointError,
     checkpoint_dir_name,
+    checkpoint_problem,
+    earlier_checkpoints,
     init_weights,
     latest_checkpoint,
+    read_training_checkpoint,
     rng_file,
     rng_state,
     set_rng_state,
@@ -256,6 +261,7 @@ def run_training(
     validate_experiment(config)  # for callers that built the config themselves: before Ray, cheap (meta device)
     init_ray(ray_address)
     _warn_if_storage_is_temporary(config)
+    _warn_if_resume_checkpoint_is_unreadable(config)
     tracker = _open_tracker(config)
     storage_path = config.storage.resolved_path()
     trainer = _torch_trainer(config, storage_path, tracker, epoch_hook, callbacks)
@@ -541,6 +547,29 @@ def _interrupted(
             log.warning("could not tag MLflow run %s: %s", tracker.run_id, err)
     log.info("%s: %s", stopped, kept)  # the caller says it (splitvit train: one line)
     return Interrupted(signum, kept)
+
+
+def _warn_if_resume_checkpoint_is_unreadable(config: ExperimentConfig) -> None:
+    """On the console, before the workers start: the checkpoint a re-run would resume
+    from has a truncated or missing file, so the workers resume from the newest intact
+    one before it (:func:`_load_checkpoint`; the workers' own log is not on the console)."""
+    latest = latest_checkpoint(config.storage.run_uri())
+    problem = checkpoint_problem(latest) if latest else None
+    if problem is None:
+        return
+    from ..storage import filesystem_for
+
+    fs, path = filesystem_for(latest)
+    intact = next((p for p in earlier_checkpoints(path, fs) if checkpoint_problem(_rejoin(latest, p)) is None), None)
+    if intact is None:
+        log.warning("%s; no intact checkpoint before it", problem)
+    else:
+        log.warning("%s; resuming from the newest intact checkpoint, %s", problem, _rejoin(latest, intact))
+
+
+def _rejoin(uri: str, path: str) -> str:
+    """``path`` (a filesystem path) with ``uri``'s scheme, when it has one."""
+    return f"{uri.split('://', 1)[0]}://{path.lstrip('/')}" if "://" in uri else path
 
 
 def _warn_if_storage_is_temporary(config: ExperimentConfig) -> None:
@@ -850,7 +879,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     torch.manual_seed(seed)  # before the model is built: its initial weights come from it
     generator = torch.Generator().manual_seed(seed + 1)
     model = build_model(config.model)
-    state = _load_checkpoint(model, rank, generator)
+    state = _load_checkpoint(model, rank, generator, config.storage.resolved_path())
     if state is None and config.model.init_from:
         fresh = init_weights(model, config.model.init_from)
         if rank == 0:
@@ -891,25 +920,47 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     return worker, state
 
 
-def _load_checkpoint(model: nn.Module, rank: int, generator: torch.Generator) -> dict[str, Any] | None:
+def _load_checkpoint(
+    model: nn.Module, rank: int, generator: torch.Generator, storage_path: str
+) -> dict[str, Any] | None:
     """Load the weights of the checkpoint Ray Train resumes from into ``model`` and this
     rank's random state into ``generator``; return the checkpoint's training state
-    (optimizer, schedule, epoch, metrics), or ``None`` when there is no checkpoint."""
+    (optimizer, schedule, epoch, metrics), or ``None`` when there is no checkpoint.
+
+    A checkpoint with an unreadable file is named (a warning) and the newest intact one
+    before it is resumed from instead; with none intact, :class:`CheckpointError`
+    (deterministic: not retried) names the file."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as folder:
-        folder = Path(folder)
-        payload = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=False)
+    # an unreadable checkpoint (a truncated train_state.pt: the disk filled, the copy
+    # was cut) is named and passed over for the newest intact one before it; its epochs
+    # are trained again and their folders written anew
+    candidates = [checkpoint.path, *earlier_checkpoints(checkpoint.path, checkpoint.filesystem)]
+    unreadable: list[CheckpointError] = []
+    for path in candidates:
+        source = _checkpoint_uri(SimpleNamespace(path=path), storage_path) or path
+        try:
+            with ray.train.Checkpoint(path, filesystem=checkpoint.filesystem).as_directory() as folder:
+                payload, state, rng = read_training_checkpoint(Path(folder), rank, source)
+        except CheckpointError as exc:
+            unreadable.append(exc)
+            continue
+        if unreadable and rank == 0:
+            log.warning(
+                "%s; resuming from %s, the newest intact checkpoint (epoch %d)", unreadable[0], source, state["epoch"]
+            )
         model.load_state_dict(payload["state_dict"])
-        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
-        own = folder / rng_file(rank)
-        rng = torch.load(own, map_location="cpu", weights_only=False) if own.is_file() else None
-    if rng is not None:
-        set_rng_state(rng, generator)
-    return state
+        if rng is not None:
+            set_rng_state(rng, generator)
+        return state
+    run_folder = _checkpoint_uri(SimpleNamespace(path=str(Path(checkpoint.path).parent)), storage_path)
+    raise CheckpointError(
+        unreadable[0].source,
+        f"{unreadable[0].reason}; no intact checkpoint before it to resume from (remove {run_folder} to start over)",
+    )
 
 
 def _worker_data(
