@@ -176,6 +176,25 @@ CASES = (
         "not a multiple of the coarsest patch 16",
     ),
     Case(
+        "image size the named patch misses",
+        (
+            "train",
+            "jobs/configs/smoke.yaml",
+            *("model.timm_kwargs={embed_dim: 32, depth: 2, num_heads: 2}", "model.image_size=48"),
+        ),
+        "coarsest patch 64 (patch_size 16",  # vit_tiny_patch16_224: 16 * 2**(3-1)
+    ),
+    Case(
+        "study storage under a file",
+        ("study", "studies/study_fashion.yaml", "--set", "storage.path=/dev/null/runs"),
+        "storage.path: cannot write to /dev/null/runs",
+    ),
+    Case(
+        "train: MLflow server down",
+        ("train", "jobs/configs/smoke.yaml", "--tracking-uri", "{dead}", "--set", "storage.path={tmp}/runs"),
+        "no MLflow server answers at http://127.0.0.1:",
+    ),
+    Case(
         "storage path under a file",
         ("train", "jobs/configs/smoke.yaml", "storage.path=/dev/null/runs"),
         "storage.path: cannot write to /dev/null/runs",

@@ -160,6 +160,22 @@ def check_address(args: argparse.Namespace) -> None:
         check_ray_address_form(address, source)
 
 
+def check_run_settings(config, *, tracked: bool | None = None) -> None:
+    """What a run's settings and files alone show, before torch loads: where it writes,
+    its annotation files, its tracking URI's scheme
+    (:func:`~splitvit.train.names.check_locations`), and an MLflow server that does not
+    answer (one request, seconds; the preflight asks again once torch has loaded).
+    ``tracked``: whether the command logs to the config's store (default: its
+    ``tracking.enabled``; a study's parent run logs where its runs do not)."""
+    from ..cluster.preflight import check_tracking
+    from ..train.names import check_locations, tracking_key
+
+    check_locations(config)
+    if config.tracking.enabled if tracked is None else tracked:
+        # the scheme (again, when enabled); a server: one request
+        check_tracking(config.tracking_uri(), tracking_key(config), write=False)
+
+
 def checked_tracking_uri(args: argparse.Namespace) -> str:
     """The MLflow store a command that reads MLflow uses (``--tracking-uri``, else
     ``$MLFLOW_TRACKING_URI``, else the default config's), checked before MLflow loads:

@@ -6,7 +6,15 @@ import argparse
 import logging
 from pathlib import Path
 
-from .options import TRACKING_HELP, add_set_option, check_address, common_options, folder_name, overrides
+from .options import (
+    TRACKING_HELP,
+    add_set_option,
+    check_address,
+    check_run_settings,
+    common_options,
+    folder_name,
+    overrides,
+)
 from .output import emit, fail, frontier_table, print_table
 
 
@@ -140,13 +148,11 @@ def run(args: argparse.Namespace) -> int:
 
 def check_before_ray(args: argparse.Namespace, space) -> None:
     """What the settings and the files alone show, before torch, Ray and MLflow load:
-    the base config's tracking URI, storage path and annotation files
-    (:func:`~splitvit.train.names.check_locations`), the Ray address's form, and, for
+    the base config's tracking URI and server, storage path and annotation files
+    (:func:`.options.check_run_settings`), the Ray address's form, and, for
     ``--resume`` on local storage, that there is a sweep to resume."""
-    from ..train.names import check_locations
-
     base = space.config(settings_only=True)
-    check_locations(base)
+    check_run_settings(base)
     check_address(args)
     if args.resume and not base.storage.is_remote:
         storage = Path(base.storage.resolved_path())

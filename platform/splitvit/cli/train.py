@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import TRACKING_HELP, add_set_option, check_address, common_options, overrides
+from .options import TRACKING_HELP, add_set_option, check_address, check_run_settings, common_options, overrides
 from .output import emit, fail, print_table
 
 
@@ -32,13 +32,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Check the config and the cluster, train, print the final metrics; exit 1 unless completed."""
     from ..config import load_config
-    from ..train.names import check_locations, check_names
+    from ..train.names import check_names
 
     # the file's, the settings' and the names' mistakes, where the run writes, the
-    # dataset's annotation files and the Ray address's form: before torch loads
+    # dataset's annotation files, the MLflow server and the Ray address's form: before torch loads
     settings = load_config(args.config, overrides(args))
     check_names(settings)
-    check_locations(settings)
+    check_run_settings(settings)
     check_address(args)
     from ..train.experiment import load_experiment
     from ..train.ray_trainer import run_training
