@@ -164,6 +164,12 @@ CASES = (
         ("sweep", "search_spaces/smoke.yaml", "--resume", "--name", "never", "--set", "storage.path={tmp}"),
         "never holds no sweep to resume",
     ),
+    Case(
+        "sweep --name of a sweep there",
+        ("sweep", "search_spaces/smoke.yaml", "--name", "taken", "--set", "storage.path={tmp}"),
+        "already exists: pass --resume to continue it",
+        (("taken/tuner.pkl", ""),),
+    ),
     Case("study --name a/b", ("study", "studies/study_fashion.yaml", "--name", "a/b"), "--name: must be one folder"),
     Case(
         "thresholds per level wrong",
@@ -218,6 +224,7 @@ def dead_url() -> str:
 def write_files(case: Case, tmp: str) -> None:
     """The case's own files into ``tmp`` (``{tmp}`` in their text filled in)."""
     for name, text in case.files:
+        (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
         (Path(tmp) / name).write_text(text.replace("{tmp}", tmp))
 
 
@@ -228,7 +235,9 @@ def argv_of(case: Case, tmp: str, dead: str = "http://127.0.0.1:9") -> list[str]
 
 def left_behind(case: Case, tmp: str) -> list[str]:
     """What is in ``tmp`` beyond the case's own files: what the command left behind."""
-    return sorted(p.name for p in Path(tmp).iterdir() if p.name not in dict(case.files))
+    own = {Path(tmp, name) for name in dict(case.files)}
+    own |= {parent for path in own for parent in path.parents}
+    return sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*") if p not in own)
 
 
 def run_case(case: Case, tmp: str) -> tuple[float, int, str]:

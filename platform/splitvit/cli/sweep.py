@@ -149,15 +149,23 @@ def run(args: argparse.Namespace) -> int:
 def check_before_ray(args: argparse.Namespace, space) -> None:
     """What the settings and the files alone show, before torch, Ray and MLflow load:
     the base config's tracking URI and server, storage path and annotation files
-    (:func:`.options.check_run_settings`), the Ray address's form, and, for
-    ``--resume`` on local storage, that there is a sweep to resume."""
+    (:func:`.options.check_run_settings`), the Ray address's form, and, on local
+    storage, that ``--resume`` has a sweep to resume and that ``--name`` without it
+    names no sweep there already (the words of ``tune.sweep``'s own check, which reads
+    the same ``tuner.pkl`` once Ray has loaded)."""
     base = space.config(settings_only=True)
     check_run_settings(base)
     check_address(args)
-    if args.resume and not base.storage.is_remote:
-        storage = Path(base.storage.resolved_path())
-        if args.name is not None:
-            if not (storage / args.name / "tuner.pkl").is_file():
-                raise FileNotFoundError(f"--resume: {storage / args.name} holds no sweep to resume")
-        elif not any((p / "tuner.pkl").is_file() for p in storage.glob(f"{Path(space.source).stem}-*")):
+    if base.storage.is_remote:
+        return
+    storage = Path(base.storage.resolved_path())
+    restorable = args.name is not None and (storage / args.name / "tuner.pkl").is_file()
+    if args.resume and args.name is not None and not restorable:
+        raise FileNotFoundError(f"--resume: {storage / args.name} holds no sweep to resume")
+    if args.resume and args.name is None:
+        if not any((p / "tuner.pkl").is_file() for p in storage.glob(f"{Path(space.source).stem}-*")):
             raise FileNotFoundError(f"--resume: no sweep of {space.source} under {storage} to resume")
+    if not args.resume and restorable:
+        raise FileExistsError(
+            f"sweep {storage / args.name} already exists: pass --resume to continue it, or another --name"
+        )
