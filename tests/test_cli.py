@@ -440,3 +440,45 @@ def test_mlflow_tracking_schemes_are_checked_before_mlflow_loads():
         why = tracking_uri_problem(uri)
         assert why and f"scheme {scheme!r}" in why, uri
     assert "secret" not in tracking_uri_problem("foo://user:secret@host")  # passwords never printed
+
+
+def test_the_checks_before_torch_read_the_settings_as_the_model_and_storage_do(tmp_path, monkeypatch):
+    """The torch-free checks of splitvit.train.names agree with what the model and the
+    storage later refuse: the patch from timm_kwargs or the timm name, the storage
+    schemes, a COCO file's shape (large and s3:// files left to the dataset)."""
+    from splitvit.config import ConfigError, ExperimentConfig
+    from splitvit.data import coco_format
+    from splitvit.data.coco_format import CocoFormatError, check_coco_file
+    from splitvit.train.names import check_model_shape, finest_patch, storage_path_problem
+
+    def model(**settings):
+        return ExperimentConfig.from_dict({"model": settings}).model
+
+    assert finest_patch(model(name="vit_small_patch16_224")) == 16
+    assert finest_patch(model(name="vit_small_patch16_224", timm_kwargs={"patch_size": [8, 8]})) == 8
+    assert finest_patch(model(name="some_vit")) is None  # timm decides; the full check follows
+    check_model_shape(model(name="vit_small_patch16_224", image_size=64, levels=3))  # 16 * 4 divides 64
+    with pytest.raises(ConfigError, match="coarsest patch 64"):
+        check_model_shape(model(name="vit_small_patch16_224", image_size=96, levels=3))
+    check_model_shape(model(name="some_vit", image_size=33, levels=3))  # no patch known: not judged here
+    with pytest.raises(ConfigError, match="expected 1 values"):
+        check_model_shape(model(levels=2, thresholds=[0.5, 0.5]))
+
+    assert storage_path_problem(str(tmp_path / "new" / "runs")) is None
+    assert not (tmp_path / "new").exists()  # checked, not created
+    assert storage_path_problem(f"file://{tmp_path}") is None and storage_path_problem("s3://bucket/runs") is None
+    assert "names no bucket" in storage_path_problem("s3:///runs")
+    assert "unsupported storage URI" in storage_path_problem("gs://bucket/runs")
+
+    good = tmp_path / "good.json"
+    good.write_text('{"images": [], "annotations": [], "categories": []}')
+    check_coco_file(str(good), "data.options.train_annotations")
+    for text, words in (("[1, 2]", "top level is a list"), ("{", "not valid JSON"), ("{}", "missing top-level key")):
+        good.write_text(text)
+        with pytest.raises(CocoFormatError, match=f"data.options.val_annotations: {good}: .*{words}"):
+            check_coco_file(str(good), "data.options.val_annotations")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_coco_file(str(tmp_path / "none.json"), "--option train_annotations")
+    check_coco_file("s3://bucket/instances.json", "k")  # read when the dataset opens
+    monkeypatch.setattr(coco_format, "EARLY_CHECK_MAX_BYTES", 1)
+    check_coco_file(str(good), "k")  # too large to read twice: the dataset's own check reads it
