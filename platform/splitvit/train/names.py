@@ -1,8 +1,14 @@
-"""The checks of a config's names (dataset, policy, task, input normalisation, evidence
-pooling) against what the data and the model define, and of the task against the
-dataset's targets, without torch: the command line runs them before torch, Ray and
-MLflow load (a misspelt name is one line in a second), and
-:func:`~splitvit.train.experiment.validate_experiment` runs them with the rest."""
+"""The checks of a config that need no torch, run by the command line before torch, Ray
+and MLflow load (a mistake is one line in a second):
+
+* :func:`check_names`: the names (dataset, policy, task, input normalisation, evidence
+  pooling) against what the data and the model define, the task against the dataset's
+  targets, and the model's shape (:func:`check_model_shape`: one threshold per
+  non-finest level, an image side the coarsest patch divides).
+  :func:`~splitvit.train.experiment.validate_experiment` runs them with the rest;
+* :func:`check_locations`: where a run reads and writes, as far as the files tell
+  (the tracking URI's scheme, ``storage.path``, a COCO dataset's annotation files);
+  the network (a server, a bucket) is the preflight's."""
 
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ from ..model.names import DETECTION_TASK, EVIDENCE_POOLINGS, INPUT_NORMALIZATION
 
 def check_names(config: ExperimentConfig) -> None:
     """Raise :class:`~splitvit.config.ConfigError` naming the key whose name is unknown,
-    or ``data.name`` where the dataset's targets are not the task's (detection data
-    serves ``model.task: detection`` only, and that task no other data)."""
+    ``data.name`` where the dataset's targets are not the task's (detection data
+    serves ``model.task: detection`` only, and that task no other data), or the model
+    key :func:`check_model_shape` refuses."""
     d, m = config.data, config.model
     require(
         d.name in DATASET_NAMES, "data.name", f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}"
