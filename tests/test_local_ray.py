@@ -90,3 +90,36 @@ def test_the_tests_shared_ray_listens_on_loopback(ray_local):
 
     assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [("127.0.0.1:6379", True), ("localhost:6379", True), ("ray://127.0.0.1:10001", True), ("[::1]:6379", True)],
+)
+def test_loopback_addresses_are_told_apart(address, loopback):
+    from splitvit.train.ray_trainer import _is_loopback
+
+    assert _is_loopback(address) is loopback
+    assert _is_loopback(address.replace("127.0.0.1", "10.0.0.7").replace("localhost", "head")) is ("::1" in address)
+
+
+def test_a_driver_joins_a_ray_on_loopback(ray_local, tmp_path):
+    """A second driver (a `splitvit train` with RAY_ADDRESS, as the interrupt tests
+    start) finds the loopback cluster: Ray alone would look for it on the machine's
+    address and wait forever."""
+    import ray
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env.update(
+        PYTHONPATH=str(ROOT / "platform"),
+        RAY_ADDRESS=ray.get_runtime_context().gcs_address,
+        MLFLOW_DISABLE_TELEMETRY="true",
+    )
+    probe = (
+        "import ray; from splitvit.train.ray_trainer import init_ray; init_ray(); "
+        "print(ray.get(ray.remote(lambda: ray.util.get_node_ip_address()).remote()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "127.0.0.1", proc.stderr[-2000:]
