@@ -87,4 +87,7 @@ EPOCH_FIGURES = ("train_loss", *QUALITY_FIGURES, *TOKEN_FIGURES)
 def print_epoch(epoch: int, metrics: dict[str, Any]) -> None:
     """One line per committed epoch: ``epoch 2: train_loss 0.913, accuracy 0.662, ...``."""
     shown = [f"{k} {metrics[k]:.4g}" for k in EPOCH_FIGURES if isinstance(metrics.get(k), (int, float))]
+    skipped = int(metrics.get("train_skipped_items") or 0) + int(metrics.get("val_skipped_items") or 0)
+    if skipped:  # corrupt files passed over (named in the workers' log; the epoch's metrics count them)
+        shown.append(f"{skipped} corrupt item{'s' if skipped > 1 else ''} skipped")
     print(f"epoch {epoch}: {', '.join(shown)}", flush=True)

@@ -319,6 +319,14 @@ class CocoDetection(SkippingDataset):
         super().__init__(strict=strict)
         self.image_root = str(image_root)
         self.index = load_coco_index(annotation_file, self.image_root)
+        if not any(self.index.annotations.values()):
+            # nothing to learn from or to evaluate against: a detector "trained" on it
+            # ran to exit 0 without a word
+            raise _fail(
+                self.index.annotation_file,
+                f"has no annotations (its {len(self.index.images)} images have no objects): "
+                "nothing to train on or evaluate against; is it an image-info file, or the wrong split's?",
+            )
         self.image_size = image_size
         self.resample = pil_resample(interpolation)
         self.annotation_file = self.index.annotation_file
