@@ -337,6 +337,8 @@ def test_a_truncated_train_state_is_named_and_the_resume_takes_the_intact_one_be
     torch.load(state, weights_only=False)  # written anew by the re-trained epoch 1
     run = MlflowClient(mlflow_uri).get_run(again.mlflow_run_id)
     assert run.info.status == "FINISHED"
+    tag = run.data.tags["splitvit.unreadable_checkpoint"]
+    assert str(state) in tag and "resumed from" in tag and "checkpoint_epoch0000" in tag
     steps = [m.step for m in MlflowClient(mlflow_uri).get_metric_history(again.mlflow_run_id, "epoch")]
     assert sorted(set(steps)) == [0, 1, 2]
 

@@ -922,7 +922,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     torch.manual_seed(seed)  # before the model is built: its initial weights come from it
     generator = torch.Generator().manual_seed(seed + 1)
     model = build_model(config.model)
-    state = _load_checkpoint(model, rank, generator, config.storage.resolved_path())
+    state = _load_checkpoint(model, rank, generator, config.storage.resolved_path(), tracker if rank == 0 else None)
     if state is None and config.model.init_from:
         fresh = init_weights(model, config.model.init_from)
         if rank == 0:
@@ -964,14 +964,15 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
 
 
 def _load_checkpoint(
-    model: nn.Module, rank: int, generator: torch.Generator, storage_path: str
+    model: nn.Module, rank: int, generator: torch.Generator, storage_path: str, tracker: RunTracker | None = None
 ) -> dict[str, Any] | None:
     """Load the weights of the checkpoint Ray Train resumes from into ``model`` and this
     rank's random state into ``generator``; return the checkpoint's training state
     (optimizer, schedule, epoch, metrics), or ``None`` when there is no checkpoint.
 
     A checkpoint with an unreadable file is named (a warning) and the newest intact one
-    before it is resumed from instead; with none intact, :class:`CheckpointError`
+    before it is resumed from instead (rank 0 tags the MLflow run
+    ``splitvit.unreadable_checkpoint``); with none intact, :class:`CheckpointError`
     (deterministic: not retried) names the file."""
     import ray.train
 
@@ -992,9 +993,10 @@ def _load_checkpoint(
             unreadable.append(exc)
             continue
         if unreadable and rank == 0:
-            log.warning(
-                "%s; resuming from %s, the newest intact checkpoint (epoch %d)", unreadable[0], source, state["epoch"]
-            )
+            passed = f"{unreadable[0]}; resumed from {source}, the newest intact checkpoint (epoch {state['epoch']})"
+            log.warning("%s", passed)
+            if tracker is not None:  # the run says why its epochs after that one were trained twice
+                tracker.set_tags({"splitvit.unreadable_checkpoint": passed[:2000]})
         model.load_state_dict(payload["state_dict"])
         if rng is not None:
             set_rng_state(rng, generator)
