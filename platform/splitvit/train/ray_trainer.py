@@ -14,13 +14,16 @@ Ray, and runs a ``TorchTrainer`` whose workers execute :func:`train_loop_per_wor
   ``ray.train.report(metrics, checkpoint)``; rank 0 then logs the epoch to MLflow
   with a split-map image;
 * a worker failure restarts the group from the latest checkpoint (Ray's
-  ``FailureConfig``); a re-run under the same name resumes too;
+  ``FailureConfig``), unless it is marked deterministic (a strict corrupt file, an
+  unreadable checkpoint: :mod:`.failures`); a re-run under the same name resumes too,
+  past an unreadable checkpoint to the newest intact one;
 * a non-finite loss, gradient or split probability stops every worker at once,
   with status ``diverged``; the last good checkpoint stays the run's checkpoint;
 * a label outside ``model.num_classes`` stops every worker at once too (not
   retried: it would fail again) and raises :class:`TrainingError` in the driver;
 * Ctrl-C or SIGTERM in the driver aborts Ray Train's controller (which stops the
-  workers), ends the MLflow run ``KILLED`` and raises
+  workers), logs the kept checkpoint's epochs the MLflow run lacks, ends it ``KILLED``
+  and raises
   :class:`~splitvit.errors.Interrupted` naming the last checkpoint, which a
   re-run under the same name resumes from.
 """
