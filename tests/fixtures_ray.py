@@ -32,7 +32,11 @@ class RaySession:
             # disk-space warning, say) into whichever test's captured stderr is open,
             # which broke a check of an error's first line in CI; it stays in the
             # session's log files under /tmp/ray
-            ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+            # local_ray_start: loopback only, as the platform's own local Ray
+            from splitvit.train.ray_trainer import local_ray_start
+
+            with local_ray_start():
+                ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
             self.starts += 1
 
     def shutdown(self) -> None:

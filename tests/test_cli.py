@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,10 +237,11 @@ def test_a_failed_sweep_writes_its_json(tmp_path):
             str(out),
         ]
     )
-    assert code == 1
+    assert code == 2  # bad input, found before Ray starts
     data = json.loads(out.read_text())
     assert data["command"] == "sweep" and data["status"] == "failed"
     assert "holds no sweep to resume" in data["error"]
+    assert not store.exists()  # nothing made: no store, no sweep folder
     assert data["mlflow"]["tracking_uri"] == f"sqlite:///{store}/mlflow.db"
 
 
@@ -373,3 +377,112 @@ def test_pareto_on_a_missing_store_fails_in_the_envelope_and_creates_nothing(tmp
     data = json.loads(out.read_text())
     assert data["status"] == "failed" and "no MLflow store" in data["error"]
     assert not db.parent.exists()
+
+
+# ---------------------------------------------------------------------- MLflow that does not answer
+@contextlib.contextmanager
+def silent_server():
+    """``http://127.0.0.1:PORT`` of a socket that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # the kernel completes the handshakes; nothing ever reads or replies
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "models:/smoke-sweep@best"],
+        ["viz", "--checkpoint", "runs:/0123456789abcdef"],
+        ["pareto", "smoke-sweep"],
+    ],
+    ids=["eval", "viz", "pareto"],
+)
+def test_commands_that_read_mlflow_check_the_server_in_seconds(argv, tmp_path, capsys):
+    """eval, viz and pareto against a server that does not answer: one line, exit 2, in
+    seconds (one request, no retries), not MLflow's minutes of back-off; a dead port
+    (refused at once) and a server that accepts but never replies (a 4 s read timeout)."""
+    from splitvit.cluster.stack import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with silent_server() as silent:
+        for url, bound in ((dead, 3.0), (silent, 10.0)):
+            start = time.monotonic()
+            code = main([*argv, "--tracking-uri", url, "--json", str(tmp_path / "out.json")])
+            seconds = time.monotonic() - start
+            err = capsys.readouterr().err.strip().splitlines()
+            assert code == 2 and seconds < bound, (seconds, err)
+            assert len(err) == 1 and f"--tracking-uri: no MLflow server answers at {url}" in err[0], err
+            data = json.loads((tmp_path / "out.json").read_text())
+            assert data["status"] == "failed" and "no MLflow server answers" in data["error"]
+
+
+def test_mlflow_tracking_schemes_are_checked_before_mlflow_loads():
+    """MLflow's own schemes pass (paths, file, the SQL databases with or without a
+    driver, http(s), databricks); anything else is one line naming the scheme."""
+    from splitvit.train.names import tracking_uri_problem
+
+    for uri in (
+        "runs/mlruns",
+        "/abs/mlruns",
+        "file:///tmp/mlruns",
+        "sqlite:///runs/mlflow.db",
+        "postgresql://u:p@db:5432/mlflow",
+        "postgresql+psycopg2://db/mlflow",
+        "mysql+pymysql://db/mlflow",
+        "mssql://db/mlflow",
+        "http://127.0.0.1:5000",
+        "https://mlflow.example.org/prefix",
+        "databricks",
+        "databricks://profile",
+    ):
+        assert tracking_uri_problem(uri) is None, uri
+    for uri, scheme in (("foo://bar", "foo"), ("s3://bucket/mlruns", "s3"), ("sqlite+a+b:///x.db", "sqlite+a+b")):
+        why = tracking_uri_problem(uri)
+        assert why and f"scheme {scheme!r}" in why, uri
+    assert "secret" not in tracking_uri_problem("foo://user:secret@host")  # passwords never printed
+
+
+def test_the_checks_before_torch_read_the_settings_as_the_model_and_storage_do(tmp_path, monkeypatch):
+    """The torch-free checks of splitvit.train.names agree with what the model and the
+    storage later refuse: the patch from timm_kwargs or the timm name, the storage
+    schemes, a COCO file's shape (large and s3:// files left to the dataset)."""
+    from splitvit.config import ConfigError, ExperimentConfig
+    from splitvit.data import coco_format
+    from splitvit.data.coco_format import CocoFormatError, check_coco_file
+    from splitvit.train.names import check_model_shape, finest_patch, storage_path_problem
+
+    def model(**settings):
+        return ExperimentConfig.from_dict({"model": settings}).model
+
+    assert finest_patch(model(name="vit_small_patch16_224")) == 16
+    assert finest_patch(model(name="vit_small_patch16_224", timm_kwargs={"patch_size": [8, 8]})) == 8
+    assert finest_patch(model(name="some_vit")) is None  # timm decides; the full check follows
+    check_model_shape(model(name="vit_small_patch16_224", image_size=64, levels=3))  # 16 * 4 divides 64
+    with pytest.raises(ConfigError, match="coarsest patch 64"):
+        check_model_shape(model(name="vit_small_patch16_224", image_size=96, levels=3))
+    check_model_shape(model(name="some_vit", image_size=33, levels=3))  # no patch known: not judged here
+    with pytest.raises(ConfigError, match="expected 1 values"):
+        check_model_shape(model(levels=2, thresholds=[0.5, 0.5]))
+
+    assert storage_path_problem(str(tmp_path / "new" / "runs")) is None
+    assert not (tmp_path / "new").exists()  # checked, not created
+    assert storage_path_problem(f"file://{tmp_path}") is None and storage_path_problem("s3://bucket/runs") is None
+    assert "names no bucket" in storage_path_problem("s3:///runs")
+    assert "unsupported storage URI" in storage_path_problem("gs://bucket/runs")
+
+    good = tmp_path / "good.json"
+    good.write_text('{"images": [], "annotations": [], "categories": []}')
+    check_coco_file(str(good), "data.options.train_annotations")
+    for text, words in (("[1, 2]", "top level is a list"), ("{", "not valid JSON"), ("{}", "missing top-level key")):
+        good.write_text(text)
+        with pytest.raises(CocoFormatError, match=f"data.options.val_annotations: {good}: .*{words}"):
+            check_coco_file(str(good), "data.options.val_annotations")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_coco_file(str(tmp_path / "none.json"), "--option train_annotations")
+    check_coco_file("s3://bucket/instances.json", "k")  # read when the dataset opens
+    monkeypatch.setattr(coco_format, "EARLY_CHECK_MAX_BYTES", 1)
+    check_coco_file(str(good), "k")  # too large to read twice: the dataset's own check reads it

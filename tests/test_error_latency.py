@@ -5,6 +5,7 @@ exit statuses and what each one must not start."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,29 +22,42 @@ error_latency = load_script("error_latency.py")
 @pytest.mark.parametrize("case", error_latency.CASES, ids=lambda c: c.name)
 def test_a_mistake_is_one_line_and_exit_2(case, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
+    error_latency.write_files(case, str(tmp_path))
     try:
-        code = main(error_latency.argv_of(case, str(tmp_path)))
+        code = main(error_latency.argv_of(case, str(tmp_path), error_latency.dead_url()))
     except SystemExit as exc:  # argparse's own usage errors exit from the parser
         code = exc.code
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert case.message in err[-1], err
-    assert list(tmp_path.iterdir()) == []  # nothing written: no store, no run folder, no JSON
+    # one line: the usage argparse prints above its own error is the parser's, not a traceback
+    assert not any("Traceback" in line for line in err), err
+    # nothing written beside the case's own files: no store, no run or shard folder, no JSON
+    assert error_latency.left_behind(case, str(tmp_path)) == []
 
 
-def test_the_checks_run_before_torch_ray_and_mlflow_load():
-    # a fresh interpreter: a study's misspelt method and a space's bad setting are
-    # reported without importing the heavy libraries at all
+def test_the_checks_run_before_torch_ray_and_mlflow_load(tmp_path):
+    # a fresh interpreter: every case is reported without importing the heavy libraries
+    # at all (a study's misspelt method, an empty config, a malformed COCO file, a dead
+    # MLflow server, ...)
+    argvs = []
+    for i, case in enumerate(error_latency.CASES):
+        folder = tmp_path / f"case{i}"
+        folder.mkdir()
+        error_latency.write_files(case, str(folder))
+        argvs.append(error_latency.argv_of(case, str(folder), error_latency.dead_url()))
     code = (
-        "import sys; from splitvit.cli import main\n"
-        "codes = [main(['study', 'studies/study_fashion.yaml', '--methods', 'ful']),\n"
-        "         main(['sweep', 'search_spaces/smoke.yaml', '--set', 'search.num_samples=0']),\n"
-        "         main(['train', 'jobs/configs/smoke.yaml', 'train.epochs=-1']),\n"
-        "         main(['train', 'jobs/configs/smoke.yaml', 'data.name=synthetc'])]\n"
-        "print(codes, sorted(m for m in ('torch', 'ray', 'mlflow', 'timm') if m in sys.modules))\n"
+        "import json, sys; from splitvit.cli import main\n"
+        "def run(argv):\n"
+        "    try:\n"
+        "        return main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        return exc.code\n"
+        f"codes = [run(argv) for argv in json.loads({json.dumps(json.dumps(argvs))})]\n"
+        "print(sorted(set(codes)), sorted(m for m in ('torch', 'ray', 'mlflow', 'timm') if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip().splitlines()[-1] == "[2, 2, 2, 2] []", done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[2] []", done.stdout + done.stderr
 
 
 def test_the_script_reports_a_wrong_case(monkeypatch, capsys):

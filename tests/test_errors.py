@@ -7,6 +7,8 @@
 * a checkpoint ``eval`` cannot read is one line naming the file, exit 2;
 * a run that diverged in its first epoch prints what happened, not a TypeError;
 * labels outside ``model.num_classes`` stop training with that key named;
+* a deterministic error (a corrupt image read with ``strict=true``) ends the run on
+  its first attempt, whatever ``train.max_failures`` allows (issue #61);
 * Ctrl-C / SIGTERM on ``splitvit train``: exit 130 / 143, the kept checkpoint named,
   the MLflow run KILLED; a re-run resumes from the checkpoint;
 * a resumed sweep or study ends the runs a dead driver left RUNNING.
@@ -532,14 +534,103 @@ def _wait_for_commit(folder: Path, new: set[str], timeout: float = 30.0) -> None
     raise AssertionError(f"Ray committed none of {sorted(new)} in {folder} after {timeout:.0f} s")
 
 
+#: how long `splitvit train` may take to end after SIGINT or SIGTERM (issue #61); it
+#: took 4-6 s on the busy 2-core machine, 61 s before Ray left the driver's group
+STOP_WITHIN_S = 15.0
+
+
 def _stop(proc: subprocess.Popen, signum: int, tmp_path: Path, name: str) -> tuple[int, str]:
-    proc.send_signal(signum)
+    """Send ``signum`` to the driver's process group, as ``timeout`` and schedulers do;
+    the driver must end within :data:`STOP_WITHIN_S`."""
+    sent = time.monotonic()
+    os.killpg(proc.pid, signum)
     try:
         status = proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    return status, (tmp_path / f"{name}.err").read_text()
+    elapsed = time.monotonic() - sent
+    err = (tmp_path / f"{name}.err").read_text()
+    assert elapsed < STOP_WITHIN_S, f"{signal.Signals(signum).name}: ended {elapsed:.1f} s after it\n{err}"
+    return status, err
+
+
+def _assert_kept_epoch_logged(client, run, kept: str) -> None:
+    """The kept checkpoint's epoch is in the MLflow run with its figures (rank 0 logs
+    an epoch only after its commit: a stop in between left it out)."""
+    metrics = json.loads((Path(kept) / "metrics.json").read_text())
+    epoch = int(metrics["epoch"])
+    assert epoch in {m.step for m in client.get_metric_history(run.info.run_id, "epoch")}
+    accuracy = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "accuracy")}
+    assert accuracy.get(epoch) == pytest.approx(metrics["accuracy"]), (epoch, accuracy, metrics)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_group_of_a_run_with_its_own_ray_ends_it_within_15_s(mlflow_uri, tmp_path):
+    """`splitvit train` starting its own local Ray, SIGTERM to its process group (what
+    `timeout` and schedulers send): Ray's processes are out of that group, so the
+    driver stops the workers, exits 143 within 15 s, the MLflow run is KILLED with the
+    kept epoch's figures, and Ray's processes end with it."""
+    from mlflow import MlflowClient
+
+    config = _tiny_yaml(
+        tmp_path,
+        "grouprun",
+        train={"epochs": 40, "max_failures": 0},
+        data={"options": {"train_samples": 256, "val_samples": 16, "object_size": 4}},
+        scaling={"num_workers": 1, "resources_per_worker": {"CPU": 1}},
+        tracking={"experiment": "tests", "split_map_images": 0, "log_model": False, "tracking_uri": mlflow_uri},
+    )
+    run_dir = tmp_path / "runs" / "grouprun"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env.update(MLFLOW_DISABLE_TELEMETRY="true", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5", PYTHONUNBUFFERED="1")
+    env.update(PYTHONPATH=str(ROOT / "platform"))
+    with open(tmp_path / "group.out", "w") as out, open(tmp_path / "group.err", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "splitvit.cli", "train", str(config)],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,  # a group of its own, as a job under `timeout` or a scheduler
+        )
+    _wait_for_commit(run_dir, _wait_for_new_checkpoint(run_dir, set(), proc))
+    ray_pids = _ray_children(proc.pid)
+    assert ray_pids, "the driver started no GCS or raylet of its own"
+    assert all(os.getpgid(pid) != proc.pid for pid in ray_pids)  # out of the group the signal goes to
+    status, err = _stop(proc, signal.SIGTERM, tmp_path, "group")
+    assert status == 143, err
+    line = [line for line in err.splitlines() if line.startswith("splitvit train:")]
+    assert len(line) == 1 and "interrupted by SIGTERM" in line[0] and "kept its last checkpoint" in line[0], err
+    assert "did not stop" not in err and "GCS" not in err, err
+    kept = line[0].split("kept its last checkpoint ", 1)[1].split(" ", 1)[0]
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("tests").experiment_id
+    (run,) = client.search_runs([experiment], filter_string="tags.`splitvit.name` = 'grouprun'")
+    assert run.info.status == "KILLED" and run.data.tags["splitvit.checkpoint"] == kept
+    _assert_kept_epoch_logged(client, run, kept)
+    # Ray's processes, out of the driver's group, still ended with it
+    deadline = time.time() + 10
+    while time.time() < deadline and [pid for pid in ray_pids if Path(f"/proc/{pid}").exists()]:
+        time.sleep(0.5)
+    assert not [pid for pid in ray_pids if Path(f"/proc/{pid}").exists()]
+
+
+def _ray_children(driver_pid: int) -> list[int]:
+    """The GCS and raylet processes the driver ``driver_pid`` started (``/proc``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == driver_pid and cmd.rsplit("/", 1)[-1] in ("gcs_server", "raylet"):
+            found.append(int(entry.name))
+    return found
 
 
 @pytest.mark.slow
@@ -593,6 +684,7 @@ def test_ctrl_c_and_sigterm_stop_training_and_a_rerun_resumes(ray_local, mlflow_
         assert run.info.status == "KILLED", run.info.status
         assert run.data.tags["splitvit.status"] == "interrupted"
         assert run.data.tags["splitvit.checkpoint"] == kept[-1]
+        _assert_kept_epoch_logged(client, run, kept[-1])
 
     # the last kept checkpoint is where a re-run starts
     last_epoch = int(kept[-1].rsplit("checkpoint_epoch", 1)[1])
@@ -615,3 +707,110 @@ def test_a_sweep_stopped_with_unfinished_trials_is_an_interruption():
     assert "3 of 8 trials started and 2 unfinished" in str(stopped) and "--resume --name s1" in str(stopped)
     short = stopped_early("s1", started=5, unfinished=0, planned=8)
     assert isinstance(short, SweepError) and "--resume --name s1" in str(short)
+
+
+# ---------------------------------------------------------------------- deterministic errors: one attempt
+def _image_folder(root: Path, corrupt: str) -> Path:
+    """An imagefolder dataset of 4 classes x 4 PNGs per split; one training image
+    (``corrupt``, under class ``c0``) holds bytes no decoder reads."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in range(4):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (16, 16), (40 * c, 10 * i, 0)).save(folder / f"{i}.png")
+    (root / "train" / "c0" / corrupt).write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    return root
+
+
+class CountAttempts:
+    """An epoch hook that appends a line to ``path`` each time a worker starts epoch 0:
+    one line per attempt of the run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, epoch, rank, model):
+        if epoch == 0:
+            with open(self.path, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
+
+def test_a_strict_data_error_ends_the_run_on_its_first_attempt(ray_local, mlflow_uri, tmp_path):
+    """A corrupt image read with strict=true would fail every retry the same way: with
+    train.max_failures=2 the run still makes one attempt; the line names the file."""
+    from mlflow import MlflowClient
+
+    from splitvit.config import ExperimentConfig
+    from splitvit.train.ray_trainer import run_training
+    from tests.test_train_ray import TINY
+
+    root = _image_folder(tmp_path / "images", "broken.png")
+    raw = json.loads(json.dumps(TINY))
+    raw["data"] = {"name": "imagefolder", "options": {"root": str(root), "strict": True}, "batch_size": 4}
+    raw["storage"] = {"path": str(tmp_path / "runs"), "name": "strictdata"}
+    raw["tracking"]["tracking_uri"] = mlflow_uri
+    cfg = ExperimentConfig.from_dict(
+        raw,
+        [
+            "train.epochs=1",
+            "train.max_failures=2",
+            "scaling.num_workers=1",
+            "tracking.split_map_images=0",
+            "tracking.log_model=false",
+        ],
+    )
+    attempts = tmp_path / "attempts.txt"
+    started = time.monotonic()
+    with pytest.raises(TrainingError) as info:
+        run_training(cfg, epoch_hook=CountAttempts(str(attempts)))
+    elapsed = time.monotonic() - started
+    assert len(attempts.read_text().splitlines()) == 1  # not 3 (1 + max_failures)
+    line = str(info.value)
+    assert f"corrupt or unreadable data in {root / 'train' / 'c0' / 'broken.png'}" in line, line
+    assert line.endswith("(not retried: it would fail the same way)"), line
+    assert elapsed < 60, elapsed  # three attempts took 115 s on the 2-core machine
+    run = MlflowClient(mlflow_uri).search_runs(
+        [MlflowClient(mlflow_uri).get_experiment_by_name("tests").experiment_id],
+        filter_string="tags.`splitvit.name` = 'strictdata'",
+    )[0]
+    assert run.info.status == "FAILED" and "broken.png" in run.data.tags["splitvit.error"]
+
+
+@pytest.mark.parametrize(
+    ("make", "deterministic"),
+    [
+        (lambda: CorruptDataError("/d/a.png", "not a recognised image format"), True),
+        (lambda: CorruptDataError("/d/a.png", "EIO", deterministic=False), False),
+        (lambda: ValueError("x"), False),
+    ],
+)
+def test_is_deterministic_sees_through_ray_wrappers_and_pickling(make, deterministic):
+    """The flag survives pickling (Ray sends a worker's error to the controller) and is
+    found under Ray's wrappers; torch's DataLoader re-raising a loader process's error
+    (with its traceback as the one argument) keeps the type, the file and the flag."""
+    from ray.train import WorkerGroupError
+
+    from splitvit.errors import is_deterministic
+
+    exc = pickle.loads(pickle.dumps(make()))
+    wrapped = WorkerGroupError("workers failed", {0: exc})
+    assert is_deterministic(exc) is deterministic and is_deterministic(wrapped) is deterministic
+    assert is_deterministic(TrainingError("training x failed")) is False
+
+
+def test_a_loader_process_error_keeps_its_file_and_flag(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from splitvit.data import build_dataset
+    from splitvit.errors import is_deterministic
+
+    root = _image_folder(tmp_path / "images", "broken.png")
+    data = build_dataset("imagefolder", "train", seed=0, image_size=16, root=str(root), strict=True)
+    with pytest.raises(CorruptDataError) as info:
+        list(DataLoader(data, batch_size=17, num_workers=1))
+    assert info.value.source == str(root / "train" / "c0" / "broken.png")
+    assert info.value.reason == "OSError: Truncated File Read"  # the PNG signature, then nothing
+    assert is_deterministic(info.value)

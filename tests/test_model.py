@@ -387,6 +387,30 @@ def test_calibrated_thresholds_hit_a_budget():
     assert abs(ratio - 0.5) < 0.1
 
 
+def test_calibration_lands_at_or_under_its_target(monkeypatch):
+    """Where the ratio nearest the target lies just over it, calibration takes the one
+    under it: a point quoted at a budget never spends more on its calibration images
+    (a 50% point at 50.52% missed a "<= 50%" goal)."""
+    from splitvit.model.quadtree import token_counts, top_down_decisions
+
+    model = tiny_model("entropy", levels=2).eval()  # 4x4 coarse cells of 8 px; 64 tokens when all split
+    images = torch.rand(1, 3, 32, 32)
+    # sixteen distinct scores: splitting k cells spends 16 + 3k of 64 tokens
+    scores = [torch.linspace(0.02, 0.98, 16).reshape(1, 4, 4)]
+    monkeypatch.setattr(model, "split_scores", lambda images: scores)
+
+    def ratio(thresholds):
+        decisions = top_down_decisions([s > t for s, t in zip(scores, thresholds)])
+        return float(token_counts(decisions).float().mean()) / 64
+
+    # 0.52: 6 splits give 34/64 = 0.531 (nearest, over), 5 give 31/64 = 0.484 (under)
+    assert ratio(calibrate_thresholds(model, images, 0.52)) == 31 / 64
+    assert ratio(calibrate_thresholds(model, images, 34 / 64)) == 34 / 64  # exactly reachable: met
+    assert ratio(calibrate_thresholds(model, images, 1.0)) == 1.0
+    # below the fewest tokens the model can spend (every cell coarse): that fewest
+    assert ratio(calibrate_thresholds(model, images, 0.1)) == 16 / 64
+
+
 def test_save_and_load_round_trip(tmp_path):
     model = SplitViT.from_timm(
         "vit_tiny_patch16_224",

@@ -313,6 +313,67 @@ def test_run_training_hands_its_callbacks_to_ray_train(monkeypatch, tmp_path):
     assert made[1]["run_config"].callbacks == []
 
 
+def test_a_truncated_train_state_is_named_and_the_resume_takes_the_intact_one_before(
+    ray_local, mlflow_uri, tmp_path, caplog
+):
+    """Issue #61: a re-run whose latest checkpoint has a truncated train_state.pt names
+    the file and resumes from the newest intact checkpoint; the MLflow run finishes."""
+    import logging
+
+    from splitvit.train.checkpoints import STATE_FILE
+
+    overrides = ["scaling.num_workers=1", "train.max_failures=0", "tracking.split_map_images=0"]
+    overrides.append("tracking.log_model=false")
+    first = run_training(tiny_config(tmp_path, mlflow_uri, "truncated", ["train.epochs=2", *overrides]))
+    assert first.status == "completed" and first.checkpoint_uri.endswith("checkpoint_epoch0001")
+    state = Path(first.checkpoint_uri) / STATE_FILE
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # the disk filled mid-copy
+
+    with caplog.at_level(logging.WARNING, logger="splitvit.train.ray_trainer"):
+        again = run_training(tiny_config(tmp_path, mlflow_uri, "truncated", ["train.epochs=3", *overrides]))
+    warned = [r.getMessage() for r in caplog.records if str(state) in r.getMessage()]
+    assert warned and "checkpoint_epoch0000" in warned[0], caplog.text
+    assert again.status == "completed" and again.start_epoch == 1  # epoch 1 trained again, then 2
+    assert again.mlflow_run_id == first.mlflow_run_id
+    assert again.checkpoint_uri.endswith("checkpoint_epoch0002")
+    torch.load(state, weights_only=False)  # written anew by the re-trained epoch 1
+    run = MlflowClient(mlflow_uri).get_run(again.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    tag = run.data.tags["splitvit.unreadable_checkpoint"]
+    assert str(state) in tag and "resumed from" in tag and "checkpoint_epoch0000" in tag
+    steps = [m.step for m in MlflowClient(mlflow_uri).get_metric_history(again.mlflow_run_id, "epoch")]
+    assert sorted(set(steps)) == [0, 1, 2]
+
+
+def test_a_checkpoint_with_every_file_unreadable_is_named(tmp_path):
+    """The reads a resume makes name the unreadable file by its URI and size."""
+    from splitvit.errors import is_deterministic
+    from splitvit.train.checkpoints import (
+        MODEL_FILE,
+        STATE_FILE,
+        CheckpointError,
+        checkpoint_problem,
+        read_training_checkpoint,
+    )
+
+    model = build_model(ExperimentConfig.from_dict(json.loads(json.dumps(TINY))).model)
+    folder = tmp_path / "checkpoint_epoch0003"
+    folder.mkdir()
+    model.save(folder / MODEL_FILE)
+    torch.save({"epoch": 3}, folder / STATE_FILE)
+    assert checkpoint_problem(str(folder)) is None
+    payload, state, rng = read_training_checkpoint(folder, 0, "s3://b/runs/x/checkpoint_epoch0003")
+    assert state == {"epoch": 3} and rng is None and "state_dict" in payload
+    (folder / STATE_FILE).write_bytes(b"PK\x03\x04 cut")
+    with pytest.raises(CheckpointError) as info:
+        read_training_checkpoint(folder, 0, "s3://b/runs/x/checkpoint_epoch0003")
+    assert info.value.source == f"s3://b/runs/x/checkpoint_epoch0003/{STATE_FILE}"
+    assert "(8 bytes; truncated" in info.value.reason and is_deterministic(info.value)
+    assert checkpoint_problem(str(folder)).startswith(f"{folder}/{STATE_FILE} is not a readable torch file (8 bytes)")
+    (folder / MODEL_FILE).unlink()
+    assert checkpoint_problem(str(folder)) == f"{folder}/{MODEL_FILE} is missing"
+
+
 @pytest.fixture
 def fake_ray_init(monkeypatch):
     """``ray.init`` recording its keyword arguments instead of starting Ray."""

@@ -554,9 +554,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), f"not valid YAML: {exc}") from None
+    if raw is None:  # empty or comments only: not an experiment (it would train the defaults)
+        raise ConfigError(str(path), "the file is empty (or only comments): it configures no experiment")
     if not isinstance(raw, dict):
         raise ConfigError(str(path), f"expected a mapping of sections, got {type(raw).__name__}")
     return ExperimentConfig.from_dict(raw, overrides, default_name=path.stem, source=f"file {path}")

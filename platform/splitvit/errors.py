@@ -12,6 +12,10 @@ stop``, a batch scheduler) raise in ``splitvit``: a ``KeyboardInterrupt``, so ev
 ``except KeyboardInterrupt`` cleanup runs (an MLflow run ends ``KILLED``), with the
 exit status a shell expects (130, 143) and what was kept.
 
+:class:`DeterministicError` marks a failure a retry would repeat (the same input
+fails the same way): Ray Train restarts the workers on none of them
+(:func:`is_deterministic`); the run ends on its first attempt with one line.
+
 The project's exceptions all survive pickling (Ray pickles a worker's exception to
 send it to the driver): one with ``__init__`` arguments other than its message
 defines ``__reduce__``.
@@ -60,6 +64,31 @@ class Interrupted(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return f"interrupted by {self.signal_name}" + (f"; {self.kept}" if self.kept else "")
+
+
+class DeterministicError(Exception):
+    """A failure that a retry would repeat: the same input fails the same way (a
+    corrupt image read with ``strict=true``, a file that is no checkpoint). Training
+    ends on the first attempt instead of spending ``train.max_failures`` restarts on it.
+
+    Parts that may not import this module (``splitvit.data``) mark their exceptions
+    the same way with a ``deterministic = True`` attribute (:func:`is_deterministic`).
+    """
+
+    deterministic = True
+
+
+def is_deterministic(exc: BaseException) -> bool:
+    """True when ``exc``, or the exception under Ray's and the project's wrappers,
+    is marked deterministic (a :class:`DeterministicError`, or ``deterministic`` true)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if getattr(current, "deterministic", False) is True:
+            return True
+        current = _inner(current, project=True)
+    return False
 
 
 _last_signal: list[int] = []

@@ -11,8 +11,9 @@ share are added by the ``_add_*`` helpers, which take each benchmark's defaults.
 from __future__ import annotations
 
 import argparse
+import os
 
-from .options import add_set_option, common_options, number_list
+from .options import add_set_option, checked_tracking_uri, common_options, number_list
 from .output import emit
 
 #: the benchmarks, in the order ``splitvit bench --help`` lists them
@@ -358,6 +359,8 @@ def _add_train(kinds: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """``bench train``: time the training steps (part A) and Ray Train against the plain loop (B)."""
+    if args.tracking and (args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        checked_tracking_uri(args)  # a server that does not answer: one line in seconds, before torch loads
     from ..bench.training import benchmark_config, format_train_report, run_train_benchmark
 
     config = benchmark_config(

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from .options import common_options
+from .options import common_options, non_negative_int, positive_int
 from .output import emit
 
 
@@ -31,7 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--split", default="train", choices=["train", "val", "test"])
     prep.add_argument("--out", required=True, help="output folder or s3://bucket/prefix")
     prep.add_argument(
-        "--image-size", type=int, default=64, help="side of the stored images (detection: the model's canvas)"
+        "--image-size",
+        type=positive_int,
+        default=64,
+        help="side of the stored images in pixels, >= 1 (detection: the model's canvas)",
     )
     prep.add_argument(
         "--interpolation",
@@ -47,9 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="extra dataset option, repeatable (e.g. clutter_fraction=0.5, val_annotations=FILE)",
     )
-    prep.add_argument("--limit", type=int, help="write only the first N items")
-    prep.add_argument("--rows-per-shard", type=int, default=1000)
-    prep.add_argument("--workers", type=int, default=0, help="DataLoader workers that decode items in parallel")
+    prep.add_argument("--limit", type=positive_int, help="write only the first N items (>= 1)")
+    prep.add_argument("--rows-per-shard", type=positive_int, default=1000)
+    prep.add_argument(
+        "--workers",
+        type=non_negative_int,
+        default=0,
+        help="DataLoader workers that decode items in parallel (0: in this process)",
+    )
     prep.add_argument("--strict", action="store_true", help="stop at a corrupt file instead of skipping it")
     prep.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
     prep.add_argument("--json", help="write the figures to this JSON file")
@@ -61,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     push.add_argument("source", help="local folder")
     push.add_argument("destination", help="s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL)")
-    push.add_argument("--workers", type=int, default=8, help="files uploaded at once (default 8)")
+    push.add_argument("--workers", type=positive_int, default=8, help="files uploaded at once (default 8)")
     push.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -74,8 +82,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Write a dataset split as parquet shards and report rows, shards and bytes."""
-    from ..data import build_dataset, write_shards
-
     options: dict[str, Any] = {}
     for text in args.option:
         key, sep, value = text.partition("=")
@@ -89,6 +95,9 @@ def run_prepare(args: argparse.Namespace) -> int:
         options["uri" if args.dataset == "parquet" else "root"] = args.root
     if args.strict and args.dataset in ("imagefolder", "ade20k", "parquet"):
         options["strict"] = True
+    _check_before_loading(args, options)
+    from ..data import build_dataset, write_shards
+
     dataset = build_dataset(
         args.dataset,
         args.split,
@@ -125,6 +134,21 @@ def run_prepare(args: argparse.Namespace) -> int:
     print(f"manifest: {result.manifest}")
     emit(args, payload)
     return 0
+
+
+def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    """What the command line and the files alone show, before torch loads: an unknown
+    dataset, and a COCO annotation file that is missing or not COCO's shape (its
+    entries are checked when the dataset opens)."""
+    from ..data.coco_format import check_coco_file
+    from ..data.names import DATASET_NAMES
+
+    if args.dataset not in DATASET_NAMES:
+        raise ValueError(f"unknown dataset {args.dataset!r}; expected one of {', '.join(DATASET_NAMES)}")
+    if args.dataset == "coco":
+        key = f"{args.split}_annotations"
+        if isinstance(options.get(key), str) and options[key]:
+            check_coco_file(options[key], f"--option {key}")
 
 
 def run_push(args: argparse.Namespace) -> int:

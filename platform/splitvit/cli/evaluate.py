@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from .options import TRACKING_HELP, common_options, model_source
+from .options import (
+    TRACKING_HELP,
+    check_device,
+    check_policy,
+    common_options,
+    model_source,
+    non_negative_int,
+    positive_int,
+)
 from .output import emit, print_table
 
 
@@ -34,16 +42,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--oracle-context",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="PX",
         help="with --oracle: grow the instance masks by PX pixels first, so that the fine tokens also "
         "cover the items' surroundings (default 0)",
     )
     p.add_argument("--split", default="val", choices=["val", "test"], help="data split of the experiment's dataset")
-    p.add_argument("--batch-size", type=int, help="evaluation batch size (default: the experiment's)")
-    p.add_argument("--samples", type=int, help="number of images (default: the experiment's split size)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-size", type=positive_int, help="evaluation batch size (>= 1; default: the experiment's)")
+    p.add_argument("--samples", type=positive_int, help="number of images (>= 1; default: the experiment's split size)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default cpu)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(func=run)
 
@@ -54,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--oracle splits where the annotations' instances are: it takes no --thresholds or --policy")
     if args.oracle_context and not args.oracle:
         raise ValueError("--oracle-context grows the masks the oracle splits on: it goes with --oracle")
-    if args.oracle_context < 0:
-        raise ValueError(f"--oracle-context must be >= 0 pixels, got {args.oracle_context}")
+    check_policy("--policy", args.policy)  # the options' own mistakes: before torch loads
+    check_device(args.device)
     checkpoint, thresholds = model_source(args, args.checkpoint)  # a mistyped path: before torch loads
     from ..cluster.preflight import preflight_eval
     from ..train.evaluation import evaluate_checkpoint

@@ -1,9 +1,13 @@
 """Parser pieces the subcommands share: ``-v`` and ``--tracking-uri`` (a parent parser),
-``--set`` overrides, and the comma-separated lists some options take."""
+``--set`` overrides, the comma-separated lists and numbers some options take, and the
+checks of options that run before torch, Ray and MLflow load (a tracking store that
+does not answer, a Ray address of the wrong form, a policy name)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from pathlib import Path
 
 
@@ -50,14 +54,18 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 
 def parse_thresholds(text: str | None) -> list[float] | None:
-    """``"0.4,0.6"`` -> ``[0.4, 0.6]``; a clear error for anything else."""
+    """``"0.4,0.6"`` -> ``[0.4, 0.6]``; a clear error for anything else (a value outside [0, 1] too)."""
     if text is None:
         return None
     try:
-        return [float(t) for t in text.split(",")]
+        values = [float(t) for t in text.split(",")]
     except ValueError:
         # bad input: exit 2 with one line, and the envelope written, as for any other bad option
         raise ValueError(f"--thresholds: expected comma-separated numbers in [0, 1], got {text!r}") from None
+    for i, value in enumerate(values):
+        if not 0.0 <= value <= 1.0:  # NaN too
+            raise ValueError(f"--thresholds: thresholds[{i}] = {value} is outside [0, 1]")
+    return values
 
 
 def number_list(option: str, text: str | None, kind: type = float) -> tuple | None:
@@ -86,9 +94,7 @@ def model_source(args: argparse.Namespace, source: str | None) -> tuple[str | No
             # before torch loads: a mistyped path is one line in a second
             raise FileNotFoundError(f"no checkpoint at {source} (a checkpoint folder holding model.pt, or the file)")
         return source, thresholds
-    from ..config import ExperimentConfig
-
-    resolved = resolve_model_uri(source, args.tracking_uri or ExperimentConfig().tracking_uri())
+    resolved = resolve_model_uri(source, checked_tracking_uri(args))
     print(f"{source}: run {resolved.run_id}, checkpoint {resolved.checkpoint}")
     return resolved.checkpoint, thresholds if thresholds is not None else resolved.thresholds
 
@@ -102,3 +108,87 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0 (``--workers -2`` is bad input, said at once)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def folder_name(text: str) -> str:
+    """An argparse type: a name that is one folder under the storage path (``--name`` of
+    a sweep or a study): no ``/``, not ``.`` or ``..``, so that it cannot reach outside
+    it or make a tree of folders."""
+    if not text.strip() or "/" in text or "\\" in text or text in (".", "..") or not text.isprintable():
+        raise argparse.ArgumentTypeError(
+            f"must be one folder name (letters, digits, '-', '_', '.'; no '/', not '.' or '..'), got {text!r}"
+        )
+    return text
+
+
+def check_policy(option: str, name: str | None) -> None:
+    """A ``--policy`` that names no split policy: one line before torch loads."""
+    from ..model.names import POLICY_NAMES
+
+    if name is not None and name not in POLICY_NAMES:
+        raise ValueError(f"{option}: unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+
+
+#: ``--device`` values torch takes here: the CPU, a CUDA GPU (by index), Apple's GPU.
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?|mps")
+
+
+def check_device(device: str) -> None:
+    """A ``--device`` torch would refuse (``gpu``, ``cuda:x``): one line before it loads."""
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"--device: expected cpu, cuda, cuda:N or mps, got {device!r}")
+
+
+def check_address(args: argparse.Namespace) -> None:
+    """``--address`` (else ``$RAY_ADDRESS``) has the form of a Ray cluster's address:
+    said before torch and Ray load; whether the cluster answers is the preflight's."""
+    from ..cluster.preflight import check_ray_address_form, resolve_ray_address
+
+    address, source = resolve_ray_address(getattr(args, "address", None))
+    if address:
+        check_ray_address_form(address, source)
+
+
+def check_run_settings(config, *, tracked: bool | None = None) -> None:
+    """What a run's settings and files alone show, before torch loads: where it writes,
+    its annotation files, its tracking URI's scheme
+    (:func:`~splitvit.train.names.check_locations`), and an MLflow server that does not
+    answer (one request, seconds; the preflight asks again once torch has loaded).
+    ``tracked``: whether the command logs to the config's store (default: its
+    ``tracking.enabled``; a study's parent run logs where its runs do not)."""
+    from ..cluster.preflight import check_tracking
+    from ..train.names import check_locations, tracking_key
+
+    check_locations(config)
+    if config.tracking.enabled if tracked is None else tracked:
+        # the scheme (again, when enabled); a server: one request
+        check_tracking(config.tracking_uri(), tracking_key(config), write=False)
+
+
+def checked_tracking_uri(args: argparse.Namespace) -> str:
+    """The MLflow store a command that reads MLflow uses (``--tracking-uri``, else
+    ``$MLFLOW_TRACKING_URI``, else the default config's), checked before MLflow loads:
+    its scheme is one MLflow has a store for, and a server answers within seconds (one
+    request, no retries: MLflow's own client retries for minutes). A local store's
+    existence is the caller's to check (:func:`splitvit.tracking.runs.missing_store`).
+    Raises ``ValueError`` naming the setting."""
+    from ..cluster.preflight import check_tracking
+    from ..config import ExperimentConfig
+
+    uri = args.tracking_uri or ExperimentConfig().tracking_uri()
+    key = "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI"
+    if not args.tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI"):
+        key = "the default MLflow store"
+    check_tracking(uri, key, write=False)  # the scheme; a server: one request, seconds
+    return uri

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import common_options
+from .options import checked_tracking_uri, common_options
 from .output import emit, frontier_table
 
 
@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tracking_uri and (missing := missing_store(args.tracking_uri)):
         raise FileNotFoundError(missing)  # before Ray and MLflow load; nothing is created
+    checked_tracking_uri(args)  # a server that does not answer: one line in seconds, not minutes of retries
     from ..tune import frontier_from_mlflow
 
     data = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep, all_sweeps=args.all_sweeps)

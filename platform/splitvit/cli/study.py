@@ -6,7 +6,15 @@ import argparse
 import logging
 import sys
 
-from .options import TRACKING_HELP, add_set_option, common_options, overrides
+from .options import (
+    TRACKING_HELP,
+    add_set_option,
+    check_address,
+    check_run_settings,
+    common_options,
+    folder_name,
+    overrides,
+)
 from .output import emit, fail, print_table
 
 
@@ -30,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--name",
+        type=folder_name,
         help="the study's folder under the storage path (default: study-<file>); an existing "
         "study of this name is finished, not repeated",
     )
@@ -51,9 +60,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run (or finish) the study, print its table, levers, goals and speed comparison."""
-    # run_study checks the file, the settings and --references-from first, before Ray
-    # and torch load (check_study): a mistake is one line in a second
-    from ..study.ray_executor import run_study
+    from ..study.ray_executor import check_study, run_study
+
+    # the file's and the settings' mistakes (check_study), where the runs write, the
+    # MLflow server and the Ray address's form: one line in a second, before torch and
+    # Ray load (run_study checks the file again, as for any caller)
+    spec = check_study(
+        args.study,
+        overrides(args),
+        scale=args.scale,
+        name=args.name,
+        methods=args.methods,
+        references_from=args.references_from,
+    )
+    # the study's parent run logs to the base config's store, whatever its runs do
+    check_run_settings(spec.run_config(spec.seeds[0], None, "base", settings_only=True), tracked=True)
+    check_address(args)
     from ..study.report import lever_lines, reuse_phrase, summary_lines
     from ..tune.console import show_ray_output
 

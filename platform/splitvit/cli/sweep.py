@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
-from .options import TRACKING_HELP, add_set_option, common_options, overrides
+from .options import (
+    TRACKING_HELP,
+    add_set_option,
+    check_address,
+    check_run_settings,
+    common_options,
+    folder_name,
+    overrides,
+)
 from .output import emit, fail, frontier_table, print_table
 
 
@@ -24,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--name",
+        type=folder_name,
         help="the sweep's folder under the storage path (default: the space's name and a timestamp; "
         "with --resume, the latest sweep of this space)",
     )
@@ -45,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from ..tune.space import load_space
 
     # the space file's and the settings' mistakes, before Ray, torch and MLflow load
-    load_space(args.space, overrides(args), settings_only=True)  # run_sweep makes the full check
+    space = load_space(args.space, overrides(args), settings_only=True)  # run_sweep makes the full check
+    check_before_ray(args, space)
     import ray
 
     from ..tune import SweepError, run_sweep
@@ -133,3 +144,28 @@ def run(args: argparse.Namespace) -> int:
     if result.status != "completed":
         return fail(args, "no trial completed, so there is no frontier")
     return 0
+
+
+def check_before_ray(args: argparse.Namespace, space) -> None:
+    """What the settings and the files alone show, before torch, Ray and MLflow load:
+    the base config's tracking URI and server, storage path and annotation files
+    (:func:`.options.check_run_settings`), the Ray address's form, and, on local
+    storage, that ``--resume`` has a sweep to resume and that ``--name`` without it
+    names no sweep there already (the words of ``tune.sweep``'s own check, which reads
+    the same ``tuner.pkl`` once Ray has loaded)."""
+    base = space.config(settings_only=True)
+    check_run_settings(base)
+    check_address(args)
+    if base.storage.is_remote:
+        return
+    storage = Path(base.storage.resolved_path())
+    restorable = args.name is not None and (storage / args.name / "tuner.pkl").is_file()
+    if args.resume and args.name is not None and not restorable:
+        raise FileNotFoundError(f"--resume: {storage / args.name} holds no sweep to resume")
+    if args.resume and args.name is None:
+        if not any((p / "tuner.pkl").is_file() for p in storage.glob(f"{Path(space.source).stem}-*")):
+            raise FileNotFoundError(f"--resume: no sweep of {space.source} under {storage} to resume")
+    if not args.resume and restorable:
+        raise FileExistsError(
+            f"sweep {storage / args.name} already exists: pass --resume to continue it, or another --name"
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import TRACKING_HELP, add_set_option, common_options, overrides
+from .options import TRACKING_HELP, add_set_option, check_address, check_run_settings, common_options, overrides
 from .output import emit, fail, print_table
 
 
@@ -34,8 +34,12 @@ def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..train.names import check_names
 
-    # the file's, the settings' and the names' mistakes, before torch loads
-    check_names(load_config(args.config, overrides(args)))
+    # the file's, the settings' and the names' mistakes, where the run writes, the
+    # dataset's annotation files, the MLflow server and the Ray address's form: before torch loads
+    settings = load_config(args.config, overrides(args))
+    check_names(settings)
+    check_run_settings(settings)
+    check_address(args)
     from ..train.experiment import load_experiment
     from ..train.ray_trainer import run_training
 
@@ -83,4 +87,7 @@ EPOCH_FIGURES = ("train_loss", *QUALITY_FIGURES, *TOKEN_FIGURES)
 def print_epoch(epoch: int, metrics: dict[str, Any]) -> None:
     """One line per committed epoch: ``epoch 2: train_loss 0.913, accuracy 0.662, ...``."""
     shown = [f"{k} {metrics[k]:.4g}" for k in EPOCH_FIGURES if isinstance(metrics.get(k), (int, float))]
+    skipped = int(metrics.get("train_skipped_items") or 0) + int(metrics.get("val_skipped_items") or 0)
+    if skipped:  # corrupt files passed over (named in the workers' log; the epoch's metrics count them)
+        shown.append(f"{skipped} corrupt item{'s' if skipped > 1 else ''} skipped")
     print(f"epoch {epoch}: {', '.join(shown)}", flush=True)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from .options import TRACKING_HELP, common_options, model_source, positive_int
+from .options import TRACKING_HELP, check_policy, common_options, model_source, parse_thresholds, positive_int
 from .output import emit
 
 
@@ -33,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Draw the split maps of ``--count`` images and report their token counts."""
+    check_options(args)  # the options' own mistakes: before torch loads
     checkpoint, thresholds = model_source(args, args.checkpoint)  # a mistyped path: before torch loads
     import torch
 
@@ -81,3 +83,25 @@ def run(args: argparse.Namespace) -> int:
         result["detections"] = drawn
     emit(args, result)
     return 0
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """What the options alone show, one line before torch loads: a policy or dataset
+    that does not exist, thresholds outside [0, 1], a ``--root`` folder that is not
+    there, an ``--out`` whose folder is missing or whose suffix is no image format."""
+    from PIL import Image
+
+    from ..data.names import DATASET_NAMES
+
+    check_policy("--policy", args.policy)
+    if args.dataset not in DATASET_NAMES:
+        raise ValueError(f"--dataset: unknown dataset {args.dataset!r}; expected one of {', '.join(DATASET_NAMES)}")
+    parse_thresholds(args.thresholds)
+    if args.root and "://" not in args.root and not Path(args.root).expanduser().exists():
+        raise FileNotFoundError(f"--root: {args.root} does not exist")
+    out = Path(args.out).expanduser()
+    Image.init()  # the formats PIL writes, by suffix
+    if out.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(f"--out: {args.out} has no image suffix PIL writes (e.g. .png)")
+    if not out.absolute().parent.is_dir():
+        raise FileNotFoundError(f"--out: folder {out.absolute().parent} does not exist")

@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import socket
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -52,7 +51,7 @@ from urllib.parse import urlparse
 
 from ..config import ExperimentConfig, redact_uri
 from ..model.names import DETECTION_TASK
-from ..train.experiment import validate_experiment
+from ..train.names import tracking_key, tracking_uri_problem, writable_folder_problem
 
 log = logging.getLogger(__name__)
 
@@ -290,12 +289,14 @@ def _tcp_check(host: str, port: int, timeout: float) -> str | None:
         return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
-def check_ray_address(address: str, source: str, timeout: float = NETWORK_TIMEOUT_S) -> str:
-    """Raise :class:`PreflightError` unless the Ray cluster at ``address`` answers;
-    returns the address Ray will join (``auto`` resolved)."""
+def check_ray_address_form(address: str, source: str) -> tuple[str, int] | None:
+    """Raise :class:`PreflightError` unless ``address`` has the form of a Ray cluster's
+    address (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``, ``local``): what the address
+    alone decides, said before Ray (or torch) loads. Returns ``(host, port)``, or None
+    for ``auto`` and ``local`` (they are resolved by Ray)."""
     key = source
-    if address == "local":
-        return address
+    if address in ("local", "auto"):
+        return None
     if address.startswith(("http://", "https://")):
         raise PreflightError(
             key,
@@ -303,6 +304,24 @@ def check_ray_address(address: str, source: str, timeout: float = NETWORK_TIMEOU
             "its GCS address (HOST:6379) or ray://HOST:10001. To run on a cluster through its job "
             "server, use `splitvit submit` (it reads RAY_API_SERVER_ADDRESS or --address)",
         )
+    return _host_port(address, address, key)
+
+
+def _host_port(target: str, address: str, key: str) -> tuple[str, int]:
+    rest = target[len("ray://") :] if target.startswith("ray://") else target
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PreflightError(key, f"{address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT or auto)")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def check_ray_address(address: str, source: str, timeout: float = NETWORK_TIMEOUT_S) -> str:
+    """Raise :class:`PreflightError` unless the Ray cluster at ``address`` answers;
+    returns the address Ray will join (``auto`` resolved)."""
+    key = source
+    if address == "local":
+        return address
+    check_ray_address_form(address, source)
     target = address
     if address == "auto":
         try:
@@ -317,12 +336,8 @@ def check_ray_address(address: str, source: str, timeout: float = NETWORK_TIMEOU
                 "'auto': no Ray cluster was started on this machine (`ray start --head` or "
                 "`splitvit stack up`); unset it to start a local Ray",
             )
-    rest = target[len("ray://") :] if target.startswith("ray://") else target
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit():
-        raise PreflightError(key, f"{address!r} is not a Ray address (HOST:PORT, ray://HOST:PORT or auto)")
-    host = host.strip("[]") or "127.0.0.1"
-    reason = _tcp_check(host, int(port), timeout)
+    host, port = _host_port(target, address, key)
+    reason = _tcp_check(host, port, timeout)
     if reason:
         raise PreflightError(
             key,
@@ -333,40 +348,24 @@ def check_ray_address(address: str, source: str, timeout: float = NETWORK_TIMEOU
 
 
 # ---------------------------------------------------------------------- MLflow
-def _tracking_key(config: ExperimentConfig) -> str:
-    if config.tracking.tracking_uri:
-        return "tracking.tracking_uri"
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return "MLFLOW_TRACKING_URI"
-    return "storage.path"
+_tracking_key = tracking_key
+#: the check of a local folder: it exists and is writable, or can be created (shared
+#: with the command line's checks before torch loads, :mod:`splitvit.train.names`)
+_writable_folder = writable_folder_problem
 
 
-def _writable_folder(folder: Path) -> str | None:
-    """None when ``folder`` exists and is writable, or can be created (its nearest
-    existing ancestor is a writable folder); else why not."""
-    probe = folder
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{probe} is not a folder"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable" + ("" if probe == folder else f" (so {folder} cannot be created)")
-    # permissions can say yes where the file system says no (/proc, a read-only mount):
-    # a folder made and removed again is the real test
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".splitvit-preflight-", dir=probe))
-    except OSError as exc:
-        return f"{probe} cannot hold new folders ({exc.strerror or exc})"
-    return None
-
-
-def check_tracking(uri: str, key: str, timeout: float = NETWORK_TIMEOUT_S) -> str:
+def check_tracking(uri: str, key: str, timeout: float = NETWORK_TIMEOUT_S, *, write: bool = True) -> str:
     """Raise :class:`PreflightError` unless the MLflow store at ``uri`` answers
     (an ``http(s)`` server: one GET with a ``timeout``, no retries) or can be
-    written (a SQLite file or local folder)."""
+    written (a SQLite file or local folder; ``write=False``: a command that only
+    reads, such as ``eval`` of a ``models:/`` URI, checks a server alone, and a
+    local store is the missing-store check's, :func:`splitvit.tracking.runs.missing_store`).
+    A scheme MLflow has no store for is refused first (MLflow's own answer is a
+    traceback after its import)."""
     shown = redact_uri(uri)
+    unsupported = tracking_uri_problem(uri)
+    if unsupported:
+        raise PreflightError(key, unsupported)
     scheme = urlparse(uri).scheme
     if scheme in ("http", "https"):
         import requests
@@ -407,6 +406,8 @@ def check_tracking(uri: str, key: str, timeout: float = NETWORK_TIMEOUT_S) -> st
             f"{shown} answers, but not as an MLflow tracking server (GET "
             f"/api/2.0/mlflow/experiments/get-by-name: HTTP {response.status_code})",
         )
+    if not write:
+        return f"MLflow: {shown} not written (read only)"
     if uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///") :]).expanduser()
         if db.exists() and (not db.is_file() or not os.access(db, os.R_OK | os.W_OK)):
@@ -672,6 +673,10 @@ def preflight(
     cluster. Raises :class:`~splitvit.config.ConfigError` for a bad config (checked
     first, in well under a second), else :class:`PreflightError`.
     """
+    # imported here: it loads torch and timm, which the command line's own checks of an
+    # address, a store or a folder (this module's other functions) do not need
+    from ..train.experiment import validate_experiment
+
     start = time.monotonic()
     validate_experiment(config)
     report = PreflightReport()

@@ -14,7 +14,6 @@ COCO's evaluation ignores detections on crowd regions, training drops them.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import posixpath
@@ -27,18 +26,14 @@ import torch
 from pycocotools import mask as mask_utils
 
 from ..storage import is_s3, join_uri, list_files, read_bytes
+from .coco_format import REQUIRED_KEYS, coco_entries_of, coco_error, parse_coco_document
+from .coco_format import CocoFormatError as CocoFormatError  # raised here; imported from here too
 from .common import CorruptDataError, SkippingDataset, decode_image, image_to_tensor, pil_resample
 
 log = logging.getLogger(__name__)
 
-#: Top-level keys every COCO instances file has.
-REQUIRED_KEYS = ("images", "annotations", "categories")
 #: Rounding slack (pixels) allowed when a bbox reaches past its image's edge.
 BBOX_SLACK = 1.0
-
-
-class CocoFormatError(ValueError):
-    """An annotation file that is not valid COCO instances data; the message names the file and the id."""
 
 
 @dataclass
@@ -63,17 +58,8 @@ class CocoIndex:
         return {cid: k + 1 for k, cid in enumerate(self.category_ids)}
 
 
-def _fail(source: str, what: str) -> CocoFormatError:
-    return CocoFormatError(f"{source}: {what}")
-
-
-def _entries(data: dict[str, Any], key: str, source: str) -> list[dict[str, Any]]:
-    if key not in data:
-        raise _fail(source, f"missing top-level key {key!r} (a COCO instances file has {', '.join(REQUIRED_KEYS)})")
-    value = data[key]
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise _fail(source, f"top-level key {key!r} must be a list of objects, got {type(value).__name__}")
-    return value
+_fail = coco_error
+_entries = coco_entries_of
 
 
 def _require(entry: dict[str, Any], keys: tuple[str, ...], where: str, source: str) -> None:
@@ -147,15 +133,7 @@ def load_coco_index(annotation_file: str | os.PathLike, image_root: str | os.Pat
     missing from ``image_root``.
     """
     source = str(annotation_file)
-    raw = read_bytes(source)
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise _fail(source, f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except UnicodeDecodeError as exc:
-        raise _fail(source, f"not valid JSON: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    if not isinstance(data, dict):
-        raise _fail(source, f"not a COCO instances file: the top level is a {type(data).__name__}, not an object")
+    data = parse_coco_document(read_bytes(source), source)  # the shape: what the early check reads
     image_list, ann_list, cat_list = (_entries(data, key, source) for key in REQUIRED_KEYS)
 
     names: dict[int, str] = {}
@@ -341,6 +319,14 @@ class CocoDetection(SkippingDataset):
         super().__init__(strict=strict)
         self.image_root = str(image_root)
         self.index = load_coco_index(annotation_file, self.image_root)
+        if not any(self.index.annotations.values()):
+            # nothing to learn from or to evaluate against: a detector "trained" on it
+            # ran to exit 0 without a word
+            raise _fail(
+                self.index.annotation_file,
+                f"has no annotations (its {len(self.index.images)} images have no objects): "
+                "nothing to train on or evaluate against; is it an image-info file, or the wrong split's?",
+            )
         self.image_size = image_size
         self.resample = pil_resample(interpolation)
         self.annotation_file = self.index.annotation_file

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import logging
+import multiprocessing
+import re
 from typing import Any
 
 import numpy as np
@@ -17,16 +19,40 @@ log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 
 
-class CorruptDataError(ValueError):
-    """A file (image or shard) could not be read; ``source`` names it."""
+_MESSAGE = re.compile(r"corrupt or unreadable data in (?P<source>.+?): (?P<reason>.*)")
 
-    def __init__(self, source: str, reason: str) -> None:
+
+class CorruptDataError(ValueError):
+    """A file (image or shard) could not be read; ``source`` names it.
+
+    ``deterministic`` (the flag :func:`splitvit.errors.is_deterministic` reads; this
+    package may not import that module): reading it again would fail the same way (a
+    file that does not decode, is missing or unreadable), so training does not retry
+    (``strict=true``). False for an I/O error that may pass (a disk or network hiccup).
+    """
+
+    def __init__(self, source: str, reason: str | None = None, *, deterministic: bool = True) -> None:
+        if reason is None:
+            # one argument: torch's DataLoader re-raising a loader worker's error passes
+            # the worker's traceback; its last line is the original message
+            source, reason = _parse_message(source)
         super().__init__(f"corrupt or unreadable data in {source}: {reason}")
         self.source = source
         self.reason = reason
+        self.deterministic = deterministic
 
     def __reduce__(self):  # Ray pickles a worker's exception: rebuild from source and reason
         return (type(self), (self.source, self.reason), dict(self.__dict__))
+
+
+def _parse_message(text: str) -> tuple[str, str]:
+    """``(source, reason)`` from the last line of a message or traceback holding
+    CorruptDataError's message; ``("data", text)`` when none does."""
+    for line in reversed(text.strip().splitlines()):
+        match = _MESSAGE.search(line)
+        if match:
+            return match.group("source"), match.group("reason")
+    return "data", text.strip()
 
 
 def decode_image(data: bytes, source: str, mode: str = "RGB", *, min_size: int | None = None) -> Image.Image:
@@ -54,7 +80,9 @@ def read_file(path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise CorruptDataError(path, str(exc)) from None
+        # a missing or forbidden file stays so on a retry; other I/O errors may pass
+        lasting = isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError))
+        raise CorruptDataError(path, str(exc), deterministic=lasting) from None
 
 
 def read_image_file(path: str, mode: str = "RGB", *, min_size: int | None = None) -> Image.Image:
@@ -149,6 +177,33 @@ def detection_collate(
     return torch.stack(images), [target for _, target in batch]
 
 
+class SkipCounter:
+    """How many items were passed over for being corrupt, counted across the
+    DataLoader processes this one starts (forked ones inherit the shared count,
+    spawned ones are handed it as they start); a plain pickle gets a count of its own."""
+
+    def __init__(self) -> None:
+        self._shared = multiprocessing.Value("q", 0)
+
+    def add(self, n: int = 1) -> None:
+        with self._shared.get_lock():
+            self._shared.value += n
+
+    @property
+    def value(self) -> int:
+        """The count so far."""
+        return int(self._shared.value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        from multiprocessing.context import get_spawning_popen
+
+        # shared memory travels only to a process being started (multiprocessing refuses otherwise)
+        return {"shared": self._shared if get_spawning_popen() is not None else None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._shared = state["shared"] if state["shared"] is not None else multiprocessing.Value("q", 0)
+
+
 class SkippingDataset(Dataset):
     """Base of the file-backed datasets: corrupt items are skipped and counted.
 
@@ -158,7 +213,10 @@ class SkippingDataset(Dataset):
     warning naming the file once and counts it in ``skipped`` / ``skipped_files``;
     with ``strict=True`` the error propagates instead.
 
-    The count is per process: inside DataLoader workers each worker counts its own.
+    The files are counted per process: inside DataLoader workers each worker counts
+    its own. ``skips`` counts every item asked for that was corrupt (again in each
+    later epoch) across this process and its DataLoader workers: training reads
+    it before and after each epoch and reports the difference (``train_skipped``).
     ``verify()`` decodes everything up front in this process, drops corrupt items
     from the index and so gives an exact count before training.
     """
@@ -166,6 +224,7 @@ class SkippingDataset(Dataset):
     def __init__(self, *, strict: bool = False) -> None:
         self.strict = strict
         self.skipped_files: list[str] = []
+        self.skips = SkipCounter()
         self._bad_raw: set[int] = set()
         self._keep: np.ndarray | None = None
 
@@ -210,10 +269,14 @@ class SkippingDataset(Dataset):
             if raw in self._bad_raw:
                 continue
             try:
-                return self.load_raw(raw)
+                item = self.load_raw(raw)
             except CorruptDataError as exc:
                 self._bad_raw.add(raw)
                 self.record_corrupt(exc)
+                continue
+            if offset:  # item `index` was corrupt: another took its place
+                self.skips.add()
+            return item
         raise RuntimeError(
             f"every one of the {n} items of {type(self).__name__} is corrupt; first: {self.skipped_files[:1]}"
         )

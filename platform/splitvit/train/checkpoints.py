@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import DeterministicError
+
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.json"
@@ -40,8 +42,9 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 PAYLOAD_KEYS = ("spec", "state_dict")
 
 
-class CheckpointError(ValueError):
-    """A file that is no readable SplitViT checkpoint; ``source`` names it, ``reason`` says why."""
+class CheckpointError(DeterministicError, ValueError):
+    """A file that is no readable SplitViT checkpoint; ``source`` names it, ``reason``
+    says why. Deterministic: reading it again fails the same way (no retry)."""
 
     def __init__(self, source: str, reason: str) -> None:
         super().__init__(f"checkpoint {source}: {reason}")
@@ -172,11 +175,24 @@ def load_payload(uri: str | Path) -> dict[str, Any]:
 def read_payload(path: str | Path, source: str | None = None) -> dict[str, Any]:
     """Read a local ``model.pt`` and check it is a SplitViT checkpoint (``source``: the
     name errors give, default ``path``); see :func:`load_payload`."""
+    source = source or str(path)
+    payload = torch_load(path, source)
+    check_payload(payload, source)
+    return payload
+
+
+def torch_load(path: str | Path, source: str | None = None) -> Any:
+    """``torch.load`` of a local file onto the CPU; a file torch cannot read raises
+    :class:`CheckpointError` naming ``source`` (default ``path``) and its size.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: a truncated or foreign file.
+    """
     from ..errors import describe
 
-    source = source or str(path)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to unpickle: the file is not a checkpoint
@@ -185,10 +201,85 @@ def read_payload(path: str | Path, source: str | None = None) -> dict[str, Any]:
         except OSError:
             size = "size unknown"
         raise CheckpointError(
-            source, f"not a readable torch file ({size}; truncated, or not written by torch.save?): {describe(exc)}"
+            source or str(path),
+            f"not a readable torch file ({size}; truncated, or not written by torch.save?): {describe(exc)}",
         ) from exc
-    check_payload(payload, source)
-    return payload
+
+
+def read_training_checkpoint(folder: Path, rank: int, source: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """What a resumed worker needs from the local checkpoint ``folder`` (``source``: its
+    URI, for errors): the model payload, the training state and rank ``rank``'s RNG
+    state (``None`` when the checkpoint has none for it, e.g. more workers now).
+
+    Raises:
+        CheckpointError: a file is missing, truncated or not torch's, named by its URI.
+    """
+    loaded = []
+    for name in (MODEL_FILE, STATE_FILE):
+        try:
+            loaded.append(torch_load(folder / name, f"{source}/{name}"))
+        except FileNotFoundError:
+            raise CheckpointError(f"{source}/{name}", "missing") from None
+    payload, state = loaded
+    check_payload(payload, f"{source}/{MODEL_FILE}")
+    own = folder / rng_file(rank)
+    rng = torch_load(own, f"{source}/{own.name}") if own.is_file() else None
+    return payload, state, rng
+
+
+def earlier_checkpoints(path: str, filesystem: Any) -> list[str]:
+    """The epoch checkpoint folders beside checkpoint folder ``path`` (on pyarrow
+    ``filesystem``) that sort before it, newest first: where a resume falls back to
+    when ``path`` is unreadable. ``[]`` when the folder cannot be listed."""
+    import posixpath
+
+    import pyarrow.fs as pafs
+
+    parent, own = posixpath.split(path.rstrip("/"))
+    try:
+        infos = filesystem.get_file_info(pafs.FileSelector(parent, recursive=False, allow_not_found=True))
+    except (OSError, ValueError):
+        return []
+    names = sorted(
+        i.base_name
+        for i in infos
+        if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_epoch") and i.base_name < own
+    )
+    return [posixpath.join(parent, name) for name in reversed(names)]
+
+
+def checkpoint_problem(checkpoint_uri: str) -> str | None:
+    """Why checkpoint folder ``checkpoint_uri`` (local or ``s3://``) cannot be resumed
+    from, found cheaply (its files present, each a whole zip archive as ``torch.save``
+    writes: a truncated file has no end record), else None. A cheap look for the
+    driver's warning before training; the worker's full read decides."""
+    import zipfile
+
+    from ..storage import filesystem_for
+
+    try:
+        fs, path = filesystem_for(checkpoint_uri)
+    except (OSError, ValueError) as exc:
+        return f"{checkpoint_uri}: {exc}"
+    path = path.rstrip("/")
+    for name in (MODEL_FILE, STATE_FILE):
+        try:
+            with fs.open_input_file(f"{path}/{name}") as f:
+                zipfile.ZipFile(f).close()  # reads the archive's directory at its end
+        except FileNotFoundError:
+            return f"{checkpoint_uri.rstrip('/')}/{name} is missing"
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            size = size_of(fs, path, name)
+            return f"{checkpoint_uri.rstrip('/')}/{name} is not a readable torch file ({size}): {exc}"
+    return None
+
+
+def size_of(fs: Any, path: str, name: str) -> str:
+    """``"N bytes"`` of ``path/name`` on ``fs``, or ``"size unknown"``."""
+    try:
+        return f"{fs.get_file_info(f'{path}/{name}').size} bytes"
+    except (OSError, ValueError, TypeError):
+        return "size unknown"
 
 
 def check_payload(payload: Any, source: str) -> None:

@@ -14,20 +14,25 @@ Ray, and runs a ``TorchTrainer`` whose workers execute :func:`train_loop_per_wor
   ``ray.train.report(metrics, checkpoint)``; rank 0 then logs the epoch to MLflow
   with a split-map image;
 * a worker failure restarts the group from the latest checkpoint (Ray's
-  ``FailureConfig``); a re-run under the same name resumes too;
+  ``FailureConfig``), unless it is marked deterministic (a strict corrupt file, an
+  unreadable checkpoint: :mod:`.failures`); a re-run under the same name resumes too,
+  past an unreadable checkpoint to the newest intact one;
 * a non-finite loss, gradient or split probability stops every worker at once,
   with status ``diverged``; the last good checkpoint stays the run's checkpoint;
 * a label outside ``model.num_classes`` stops every worker at once too (not
   retried: it would fail again) and raises :class:`TrainingError` in the driver;
 * Ctrl-C or SIGTERM in the driver aborts Ray Train's controller (which stops the
-  workers), ends the MLflow run ``KILLED`` and raises
+  workers), logs the kept checkpoint's epochs the MLflow run lacks, ends it ``KILLED``
+  and raises
   :class:`~splitvit.errors.Interrupted` naming the last checkpoint, which a
   re-run under the same name resumes from.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -37,9 +42,10 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +55,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, config_layers, redact_uri
 from ..data.parquet import training_sampler
-from ..errors import Interrupted, as_interrupted, error_line, note_signal
+from ..errors import Interrupted, as_interrupted, error_line, is_deterministic, note_signal
 from ..model.detection import SplitDetector, split_backbone
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -57,9 +63,14 @@ from .checkpoints import (
     METRICS_FILE,
     MODEL_FILE,
     STATE_FILE,
+    CheckpointError,
     checkpoint_dir_name,
+    checkpoint_problem,
+    earlier_checkpoints,
     init_weights,
     latest_checkpoint,
+    read_history,
+    read_training_checkpoint,
     rng_file,
     rng_state,
     set_rng_state,
@@ -159,15 +170,76 @@ def init_ray(address: str | None = None, *, worker_logs: bool | None = None) -> 
     # level: shown with -v (INFO), else only Ray's errors
     level = logging.INFO if logging.getLogger().isEnabledFor(logging.INFO) else logging.ERROR
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or "auto", log_to_driver=worker_logs, logging_level=level)
+        # a cluster on loopback (the tests', a local one started the same way) is
+        # reached on loopback: Ray would turn 127.0.0.1 into the machine's address
+        joining = local_ray_start() if _is_loopback(address or os.environ["RAY_ADDRESS"]) else contextlib.nullcontext()
+        with joining:
+            ray.init(address=address or "auto", log_to_driver=worker_logs, logging_level=level)
     else:
         # the embedded default: Ray on this machine, dashboard on 127.0.0.1 (Ray Train
         # V2 also watches its controller through the dashboard's state API). "local",
         # not ray.init()'s default: that joins the last `ray start` cluster on the
         # machine (/tmp/ray/ray_current_cluster), someone else's maybe.
-        ray.init(address="local", log_to_driver=worker_logs, logging_level=level)
+        with local_ray_start():
+            ray.init(address="local", log_to_driver=worker_logs, logging_level=level)
     if callable(sigterm) and getattr(sigterm, "__module__", "").startswith("splitvit"):
         signal.signal(signal.SIGTERM, sigterm)
+
+
+#: Ray's switch for its single-machine mode (named for the platforms where it is the
+#: default): the node's address is 127.0.0.1 and every Ray server binds loopback
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def local_ray_start() -> Iterator[None]:
+    """While a local Ray instance starts (``ray.init(address="local")``): its servers
+    listen on 127.0.0.1 only, and its processes run in a session of their own. Also
+    while a driver joins a cluster on loopback (it must look for its node there).
+
+    Loopback: Ray resolves a node address of 127.0.0.1 to the machine's routable
+    address (``_node_ip_address`` alone does not help) and its gRPC servers listen on
+    all interfaces, unless its single-machine mode is on; the switch is read by the
+    processes Ray starts (from the environment) and by this one (a constant Ray read
+    on import). A multi-node cluster (``--address``, ``RAY_ADDRESS``) is not started
+    here and keeps its configured addresses.
+
+    A session of their own: a signal to the driver's process group (``timeout``, a
+    batch scheduler, Ctrl-C in a terminal) reaches the driver only. Ray's GCS,
+    raylet and workers would otherwise die of the group's SIGTERM at once, and the
+    driver could neither stop its Train controller cleanly nor read what was kept
+    (it waited 60 s on a dead controller). They still end with the driver: Ray ties
+    them to it (``PR_SET_PDEATHSIG``) and ``ray.shutdown`` stops them.
+    """
+    import ray._private.ray_constants as ray_constants
+    import ray._private.services as services
+
+    saved = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER, services.ConsolePopen
+    base = saved[2]
+
+    class OwnSession(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    os.environ[LOOPBACK_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop(LOOPBACK_ENV, None)
+        else:
+            os.environ[LOOPBACK_ENV] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        services.ConsolePopen = base
+
+
+def _is_loopback(address: str) -> bool:
+    """True for a Ray address (``host:port``, ``ray://host:port``) on this machine's loopback."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def run_training(
@@ -198,6 +270,7 @@ def run_training(
     validate_experiment(config)  # for callers that built the config themselves: before Ray, cheap (meta device)
     init_ray(ray_address)
     _warn_if_storage_is_temporary(config)
+    _warn_if_resume_checkpoint_is_unreadable(config)
     tracker = _open_tracker(config)
     storage_path = config.storage.resolved_path()
     trainer = _torch_trainer(config, storage_path, tracker, epoch_hook, callbacks)
@@ -257,10 +330,12 @@ def _torch_trainer(
     from ray.train.torch import TorchTrainer
 
     from ..storage import ray_storage
+    from .failures import use_policy
 
     scaling = config.scaling
     # s3:// storage goes through a filesystem with the project's S3 settings, not one Ray builds
     ray_path, ray_filesystem = ray_storage(storage_path)
+    failure_config = ray.train.FailureConfig(max_failures=config.train.max_failures)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config, "tracker": tracker, "epoch_hook": epoch_hook},
@@ -274,11 +349,12 @@ def _torch_trainer(
             name=config.storage.name,
             storage_path=ray_path,
             storage_filesystem=ray_filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
+            failure_config=failure_config,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.storage.num_to_keep),
             callbacks=list(callbacks or []),
         ),
     )
+    use_policy(trainer, failure_config)  # a deterministic error (strict data) is not retried
     log.info(
         "training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path)
     )
@@ -354,7 +430,9 @@ def _fit(trainer: Any, config: ExperimentConfig, tracker: RunTracker | None) -> 
             finally:
                 stopper.restore()
     except ray.train.TrainingFailedError as exc:
-        raise TrainingError(f"training {config.storage.name} failed: {error_line(exc)}") from exc
+        deterministic = config.train.max_failures != 0 and is_deterministic(exc)
+        retries = " (not retried: it would fail the same way)" if deterministic else ""
+        raise TrainingError(f"training {config.storage.name} failed: {error_line(exc)}{retries}") from exc
 
 
 def _rank0_outcome(result: Any) -> dict[str, Any]:
@@ -436,25 +514,49 @@ class _SignalStop:
             except Exception as exc:  # noqa: BLE001 - the controller may be gone already
                 log.debug("could not ask the Ray Train controller to abort: %s", exc)
 
-    def wait(self, timeout_s: float = 60.0) -> None:
-        """Abort the controller (once) and wait until it has stopped the workers."""
+    def wait(self, timeout_s: float = 5.0) -> None:
+        """Abort the controller (once) and wait until it has stopped the workers: 1-2 s
+        on the busy 2-core machine. Bounded well inside the 15 s a stop may take: a
+        controller signalled itself (a scheduler that signals every process of the
+        job) never answers, and a Ray whose GCS or raylet exited is not waited on."""
         import ray
 
         self.request_abort()
         if self.abort_ref is None:
             return
-        try:
-            ray.get(self.abort_ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            log.warning("Ray Train's controller did not stop within %.0f s", timeout_s)
-        except Exception:  # noqa: BLE001 - the controller exits once it has aborted (RayActorError)
-            pass
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get(self.abort_ref, timeout=0.5)
+                return
+            except ray.exceptions.GetTimeoutError:
+                if _local_ray_gone():  # signalled too (every process of the job): no one left to answer
+                    log.warning("the local Ray stopped before Ray Train's controller answered")
+                    return
+                if time.monotonic() > deadline:
+                    log.warning("Ray Train's controller did not stop within %.0f s", timeout_s)
+                    return
+            except Exception:  # noqa: BLE001 - the controller exits once it has aborted (RayActorError)
+                return
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self.previous.clear()
+
+
+def _local_ray_gone() -> bool:
+    """True when the GCS or the raylet of the Ray this driver started has exited (a
+    scheduler that signals every process of the job); False for a joined cluster."""
+    import ray._private.worker as ray_worker
+
+    processes = getattr(getattr(ray_worker, "_global_node", None), "all_processes", None) or {}
+    for kind in ("gcs_server", "raylet"):
+        for info in processes.get(kind, []):
+            if getattr(info, "process", None) is not None and info.process.poll() is not None:
+                return True
+    return False
 
 
 def _interrupted(
@@ -466,6 +568,13 @@ def _interrupted(
     stopper.wait()  # the workers stop before their folder is read
     checkpoint = latest_checkpoint(config.storage.run_uri())
     stopped = Interrupted(signum)
+    if tracker is not None and checkpoint:
+        _log_kept_epochs(tracker, checkpoint)
+    # The driver's exit then costs Python's last garbage collection over torch's, Ray's
+    # and MLflow's objects: 5-7 s of the 11-14 s a stop took on the 2-core machine.
+    # Nothing is left to collect that matters (the run is ended, Ray shut down at exit):
+    # frozen objects are skipped.
+    atexit.register(gc.freeze)
     if checkpoint:
         kept = (
             f"training {config.storage.name} stopped; kept its last checkpoint {redact_uri(checkpoint)} "
@@ -480,6 +589,45 @@ def _interrupted(
             log.warning("could not tag MLflow run %s: %s", tracker.run_id, err)
     log.info("%s: %s", stopped, kept)  # the caller says it (splitvit train: one line)
     return Interrupted(signum, kept)
+
+
+def _log_kept_epochs(tracker: RunTracker, checkpoint: str) -> None:
+    """Log to MLflow the epochs of the kept ``checkpoint`` it lacks: rank 0 logs an
+    epoch only after Ray Train committed its checkpoint, so a stop in between left the
+    last epoch on the console (its ``metrics.json``) and in the checkpoint, not in the
+    run (a resumed run wrote it later)."""
+    try:
+        history = read_history(checkpoint)
+        logged = tracker.logged_epochs()
+        for metrics in history:
+            epoch = metrics.get("epoch")
+            if isinstance(epoch, (int, float)) and int(epoch) not in logged:
+                tracker.log_epoch(int(epoch), metrics)
+    except Exception as err:  # noqa: BLE001 - the stop goes on; a resumed run logs them
+        log.warning("could not log the kept epochs to MLflow run %s: %s", tracker.run_id, err)
+
+
+def _warn_if_resume_checkpoint_is_unreadable(config: ExperimentConfig) -> None:
+    """On the console, before the workers start: the checkpoint a re-run would resume
+    from has a truncated or missing file, so the workers resume from the newest intact
+    one before it (:func:`_load_checkpoint`; the workers' own log is not on the console)."""
+    latest = latest_checkpoint(config.storage.run_uri())
+    problem = checkpoint_problem(latest) if latest else None
+    if problem is None:
+        return
+    from ..storage import filesystem_for
+
+    fs, path = filesystem_for(latest)
+    intact = next((p for p in earlier_checkpoints(path, fs) if checkpoint_problem(_rejoin(latest, p)) is None), None)
+    if intact is None:
+        log.warning("%s; no intact checkpoint before it", problem)
+    else:
+        log.warning("%s; resuming from the newest intact checkpoint, %s", problem, _rejoin(latest, intact))
+
+
+def _rejoin(uri: str, path: str) -> str:
+    """``path`` (a filesystem path) with ``uri``'s scheme, when it has one."""
+    return f"{uri.split('://', 1)[0]}://{path.lstrip('/')}" if "://" in uri else path
 
 
 def _warn_if_storage_is_temporary(config: ExperimentConfig) -> None:
@@ -618,6 +766,7 @@ class _WorkerData:
 
     sampler: DistributedSampler
     loader: Any  # a DataLoader, as prepare_data_loader returns it
+    train_set: Any
     val_set: Any
     val_shard: Subset
     val_loader: DataLoader
@@ -693,12 +842,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         if hook is not None:
             hook(epoch, worker.rank, worker.model)
         started = time.perf_counter()
+        skips = _skip_counts(worker)
         trained = _train_one_epoch(worker, epoch)
         if trained.stop is not None:
             stop = trained.stop
             break
         metrics = _training_metrics(worker, trained)
         metrics.update(_evaluate_epoch(worker))
+        metrics.update(_skipped_in_epoch(worker, skips))
         metrics["epoch"] = epoch
         metrics["epoch_time_s"] = time.perf_counter() - started
         worker.history.append(metrics)
@@ -730,7 +881,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     torch.manual_seed(seed)  # before the model is built: its initial weights come from it
     generator = torch.Generator().manual_seed(seed + 1)
     model = build_model(config.model)
-    state = _load_checkpoint(model, rank, generator)
+    state = _load_checkpoint(model, rank, generator, config.storage.resolved_path(), tracker if rank == 0 else None)
     if state is None and config.model.init_from:
         fresh = init_weights(model, config.model.init_from)
         if rank == 0:
@@ -771,25 +922,49 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     return worker, state
 
 
-def _load_checkpoint(model: nn.Module, rank: int, generator: torch.Generator) -> dict[str, Any] | None:
+def _load_checkpoint(
+    model: nn.Module, rank: int, generator: torch.Generator, storage_path: str, tracker: RunTracker | None = None
+) -> dict[str, Any] | None:
     """Load the weights of the checkpoint Ray Train resumes from into ``model`` and this
     rank's random state into ``generator``; return the checkpoint's training state
-    (optimizer, schedule, epoch, metrics), or ``None`` when there is no checkpoint."""
+    (optimizer, schedule, epoch, metrics), or ``None`` when there is no checkpoint.
+
+    A checkpoint with an unreadable file is named (a warning) and the newest intact one
+    before it is resumed from instead (rank 0 tags the MLflow run
+    ``splitvit.unreadable_checkpoint``); with none intact, :class:`CheckpointError`
+    (deterministic: not retried) names the file."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as folder:
-        folder = Path(folder)
-        payload = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=False)
+    # an unreadable checkpoint (a truncated train_state.pt: the disk filled, the copy
+    # was cut) is named and passed over for the newest intact one before it; its epochs
+    # are trained again and their folders written anew
+    candidates = [checkpoint.path, *earlier_checkpoints(checkpoint.path, checkpoint.filesystem)]
+    unreadable: list[CheckpointError] = []
+    for path in candidates:
+        source = _checkpoint_uri(SimpleNamespace(path=path), storage_path) or path
+        try:
+            with ray.train.Checkpoint(path, filesystem=checkpoint.filesystem).as_directory() as folder:
+                payload, state, rng = read_training_checkpoint(Path(folder), rank, source)
+        except CheckpointError as exc:
+            unreadable.append(exc)
+            continue
+        if unreadable and rank == 0:
+            passed = f"{unreadable[0]}; resumed from {source}, the newest intact checkpoint (epoch {state['epoch']})"
+            log.warning("%s", passed)
+            if tracker is not None:  # the run says why its epochs after that one were trained twice
+                tracker.set_tags({"splitvit.unreadable_checkpoint": passed[:2000]})
         model.load_state_dict(payload["state_dict"])
-        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
-        own = folder / rng_file(rank)
-        rng = torch.load(own, map_location="cpu", weights_only=False) if own.is_file() else None
-    if rng is not None:
-        set_rng_state(rng, generator)
-    return state
+        if rng is not None:
+            set_rng_state(rng, generator)
+        return state
+    run_folder = _checkpoint_uri(SimpleNamespace(path=str(Path(checkpoint.path).parent)), storage_path)
+    raise CheckpointError(
+        unreadable[0].source,
+        f"{unreadable[0].reason}; no intact checkpoint before it to resume from (remove {run_folder} to start over)",
+    )
 
 
 def _worker_data(
@@ -841,7 +1016,9 @@ def _worker_data(
         num_workers=dc.num_workers,
         collate_fn=collate,
     )
-    return _WorkerData(sampler=sampler, loader=loader, val_set=val_set, val_shard=val_shard, val_loader=val_loader)
+    return _WorkerData(
+        sampler=sampler, loader=loader, train_set=train_set, val_set=val_set, val_shard=val_shard, val_loader=val_loader
+    )
 
 
 def _resume(worker: _Worker, state: dict[str, Any] | None) -> tuple[int, dict[str, float]]:
@@ -944,6 +1121,24 @@ def _training_metrics(worker: _Worker, trained: _EpochPass) -> dict[str, float]:
     if len(rates) > 1:  # train.policy_lr_scale: SplitViT's own modules in a group of their own
         metrics["lr_policy"] = rates[1]
     return metrics
+
+
+def _skip_counts(worker: _Worker) -> list[int] | None:
+    """Items the training and validation sets passed over as corrupt so far (their
+    ``skips``, loader processes included); None for sets made without files."""
+    counters = [getattr(ds, "skips", None) for ds in (worker.data.train_set, worker.data.val_set)]
+    return [c.value for c in counters] if all(c is not None for c in counters) else None
+
+
+def _skipped_in_epoch(worker: _Worker, before: list[int] | None) -> dict[str, float]:
+    """``train_skipped_items`` and ``val_skipped_items``: corrupt items passed over in
+    this epoch over all workers (a skipped image was otherwise only in Ray's worker
+    logs); nothing for sets made without files."""
+    after = _skip_counts(worker)
+    if before is None or after is None:
+        return {}
+    train, val = _all_reduce([float(after[0] - before[0]), float(after[1] - before[1])], device=worker.device)
+    return {"train_skipped_items": train, "val_skipped_items": val}
 
 
 def _evaluate_epoch(worker: _Worker) -> dict[str, float]:

@@ -375,8 +375,12 @@ def calibrate_thresholds(
     model: SplitViT, images: torch.Tensor, target_ratio: float, iterations: int = 30
 ) -> list[float]:
     """One threshold for every level such that the mean token ratio on ``images`` is
-    as close to ``target_ratio`` as the policy's scores allow (bisection: a higher
-    threshold never adds tokens).
+    at or under ``target_ratio``, as close to it as the policy's scores allow
+    (bisection: a higher threshold never adds tokens). Never over: a point quoted at
+    a budget spends no more than that budget on the images it was calibrated on (the
+    nearest ratio may lie just over it: 50.52% for a 50% target would miss a "<= 50%"
+    goal). Only when even the highest threshold (every region coarse) spends more is
+    the result over the target: the fewest tokens the model can spend.
 
     Side effect: a budget-conditioned model is first told this budget
     (``model.set_budget(target_ratio)``), so that its scores, and so its evaluation
@@ -396,13 +400,13 @@ def calibrate_thresholds(
         decisions = top_down_decisions([s > t for s in scores])
         return float(token_counts(decisions).float().mean()) / geometry.full_tokens
 
-    lo, hi = 0.0, 1.0  # ratio(lo) >= ratio(hi)
+    lo, hi = 0.0, 1.0  # ratio(lo) > target_ratio >= ratio(hi), once either has moved
     for _ in range(iterations):
         mid = (lo + hi) / 2
         if ratio(mid) > target_ratio:
             lo = mid
         else:
             hi = mid
-    best = min((lo, hi), key=lambda t: abs(ratio(t) - target_ratio))
+    # hi is the lowest threshold found at or under the target: the most tokens within it
     model.train(was_training)
-    return [best] * (model.levels - 1)
+    return [hi] * (model.levels - 1)
