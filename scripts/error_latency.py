@@ -166,7 +166,7 @@ CASES = (
         (
             "train",
             "jobs/configs/smoke.yaml",
-            *("data.name=coco", "model.task=detection", COCO_OPTIONS, "storage.path={tmp}/runs"),
+            *("data.name=coco", "model.task=detection", "recipe=detection", COCO_OPTIONS, "storage.path={tmp}/runs"),
         ),
         "bad.json: top-level key 'images' must be a list of objects",
         (("bad.json", BAD_COCO),),
