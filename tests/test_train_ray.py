@@ -606,8 +606,10 @@ def test_eval_command_on_the_checkpoint(trained, capsys):
     assert "--oracle splits where the annotations' instances are" in capsys.readouterr().err
     assert main(["eval", ckpt, "--oracle-context", "4"]) == 2
     assert "it goes with --oracle" in capsys.readouterr().err
-    assert main(["eval", ckpt, "--oracle", "--oracle-context", "-1"]) == 2
-    assert "--oracle-context must be >= 0 pixels, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # the parser's own check: before anything loads
+        main(["eval", ckpt, "--oracle", "--oracle-context", "-1"])
+    assert stopped.value.code == 2
+    assert "argument --oracle-context: must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_bad_input_errors_before_ray_and_keeps_earlier_results(trained, monkeypatch, capsys):
