@@ -403,6 +403,11 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
         Path(client.download_artifacts(parent.info.run_id, "config_layers.json", str(tmp_path))).read_text()
     )
     assert layers["recipe"] == "none" and layers["keys"]["model.levels"]["layer"].endswith("/base.yaml")
+    trial_run = next(r for r in runs if r.data.tags.get("splitvit.kind") == "trial")
+    trial_layers = json.loads(
+        Path(client.download_artifacts(trial_run.info.run_id, "config_layers.json", str(tmp_path))).read_text()
+    )
+    assert trial_layers["keys"]["train.lambda_budget"]["layer"] == "sampled"
     note = parent.data.tags["mlflow.note.content"]
     assert f"Hypervolume {hv:.4g}" in note and f"`{best['trial_id']}`" in note
     assert f"runs/{parent.info.run_id}/artifacts/pareto.png" in note and logged[0] in note

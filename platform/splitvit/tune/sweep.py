@@ -295,7 +295,7 @@ def _callback_class():
         def on_trial_start(self, iteration, trials, trial, **info):
             sampled = self.plan.space.decode(trial.config)
             self.progress.log(log, logging.INFO, "trial %s started: %s", trial.trial_id, _short(sampled))
-            self._safe(
+            run_id = self._safe(
                 f"trial {trial.trial_id}",
                 self.recorder.trial_started,
                 trial.trial_id,
@@ -305,6 +305,20 @@ def _callback_class():
                 {t.trial_id for t in trials},
                 _trial_data(self.plan, sampled, trial.trial_id),
             )
+            if run_id:
+                self._safe(f"trial {trial.trial_id}'s config layers", self._log_layers, run_id, sampled, trial)
+
+        def _log_layers(self, run_id: str, sampled: dict[str, Any], trial) -> None:
+            """The trial's config with each key's layer (recipe, base file, the space's
+            fixed values, sampled): ``config_layers.json``, as a training run has it."""
+            from ..tracking import RunTracker
+
+            try:
+                config = self.plan.trial_config(sampled, trial.trial_id)
+            except ValueError:  # the trial fails the same way and says why
+                return
+            tracker = RunTracker(self.recorder.tracking_uri, self.recorder.experiment_id, run_id)
+            tracker.log_dict(config_layers(config), "config_layers.json")
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if result.get(FINAL_KEY):
