@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -99,26 +100,26 @@ def model_source(args: argparse.Namespace, source: str | None) -> tuple[str | No
     return resolved.checkpoint, thresholds if thresholds is not None else resolved.thresholds
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (``--count 0`` is bad input, said at once)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``least``; anything else is bad input, said at
+    once, before anything loads."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse type: a whole number >= 0 (``--workers -2`` is bad input, said at once)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+#: ``--count 0``, ``--samples -3``: a whole number >= 1
+positive_int = int_at_least(1)
+#: ``--workers -2``: a whole number >= 0
+non_negative_int = int_at_least(0)
 
 
 def folder_name(text: str) -> str:
