@@ -601,9 +601,15 @@ class Layer:
             set_dotted(raw, key, value)
 
     def keys(self) -> list[str]:
-        """The dotted keys this layer sets (a file's leaves; an index dropped)."""
+        """The dotted keys this layer sets, as :meth:`apply` sets them: a file's keys one
+        level into each section (``model.timm_kwargs`` replaces the whole mapping), dotted
+        keys without their index."""
         if self.nested:
-            return list(flatten(self.values))
+            return [
+                f"{section}.{key}" if isinstance(values, dict) else section
+                for section, values in self.values.items()
+                for key in (values if isinstance(values, dict) else [None])
+            ]
         items = self.values.items() if isinstance(self.values, dict) else self.values
         return [".".join(split_key(key)[0]) for key, _ in items]
 
@@ -618,13 +624,13 @@ def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> 
     Raises :class:`ConfigError` naming the first bad key, ``recipe`` for an unknown
     recipe or one of another task.
     """
-    merged: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
     for layer in layers:
-        layer.apply(merged)
-    requested = merged.pop(RECIPE_KEY, None)
+        layer.apply(raw)
+    requested = raw.pop(RECIPE_KEY, None)
     if requested is not None and not isinstance(requested, str):
         raise ConfigError(RECIPE_KEY, f"expected a recipe name or none, got {requested!r}")
-    model = merged.get("model") if isinstance(merged.get("model"), dict) else {}
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     task, policy = model.get("task", ModelConfig.task), model.get("policy", ModelConfig.policy)
     try:
         # a task no recipe is for (a misspelt one) is left to its own check: it names model.task
@@ -632,7 +638,6 @@ def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> 
     except RecipeError as exc:
         raise ConfigError(RECIPE_KEY, str(exc)) from None
     applied = name if policy == "learned" else None
-    raw: dict[str, Any] = {}
     stack = list(layers)
     if applied is not None:
         settings = load_recipe(applied).settings
@@ -640,10 +645,11 @@ def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> 
         for key in without:
             if key not in settings:
                 raise ConfigError(f"without.{key}", f"not a setting of recipe {applied}: {', '.join(settings)}")
-        stack.insert(0, Layer(f"recipe {applied}", {k: v for k, v in settings.items() if k not in without}))
-    for layer in stack:
-        layer.apply(raw)
-    raw.pop(RECIPE_KEY, None)
+        recipe = Layer(f"recipe {applied}", {k: v for k, v in settings.items() if k not in without})
+        # under every layer: a recipe key goes in only where no layer set it or a section above it
+        set_by_layers = {key for layer in layers for key in layer.keys()}
+        Layer(recipe.name, {k: v for k, v in recipe.values.items() if not _prefixes(k) & set_by_layers}).apply(raw)
+        stack.insert(0, recipe)
     for key in raw:
         if key not in SECTIONS:
             close = difflib.get_close_matches(str(key), [*SECTIONS, RECIPE_KEY], n=1)
@@ -678,18 +684,23 @@ def _provenance(config: ExperimentConfig, stack: list[Layer]) -> dict[str, str]:
     """Each of ``config``'s dotted keys -> the last layer of ``stack`` that set it, or a
     section above it (``data.options`` sets ``data.options.val_samples``); ``default``."""
     set_by = [(layer.name, set(layer.keys())) for layer in stack]
-    out = {}
-    for key in config.flat(redact=False):
-        if key == RECIPE_KEY:
-            continue
-        prefixes = {".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 2)}
-        out[key] = next((name for name, keys in reversed(set_by) if keys & prefixes), "default")
-    return out
+    return {
+        key: next((name for name, keys in reversed(set_by) if keys & _prefixes(key)), "default")
+        for key in config.flat(redact=False)
+        if key != RECIPE_KEY
+    }
+
+
+def _prefixes(key: str) -> set[str]:
+    """``data.options.val_samples`` -> itself and the sections above it (``data``, ``data.options``)."""
+    parts = key.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def config_layers(config: ExperimentConfig) -> dict[str, Any]:
-    """The config with each key's layer, as ``splitvit config`` shows it and every MLflow
-    training run keeps it (``config_layers.json``): the recipe, then ``key -> {value, layer}``."""
+    """The config with each key's layer, as ``splitvit config`` shows it and MLflow's
+    training, trial and study runs keep it (``config_layers.json``): the recipe, then
+    ``key -> {value, layer}``."""
     flat = config.flat(redact=True)
     return {
         RECIPE_KEY: config.recipe,
