@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .options import add_set_option, common_options
-from .output import emit, print_table
+from .output import emit, print_table, yaml_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,18 +32,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the config's layers (files only: no torch), print each key's value and layer."""
+    from ..config import config_layers
+
     config = _resolve(args)
-    layers = config.layers
+    resolved = config_layers(config)
     rows = [
-        {"key": key, "value": _text(value), "set by": layers.get(key, "default")}
-        for key, value in config.flat(redact=True).items()
-        if key != "recipe" and not (args.changed and layers.get(key, "default") == "default")
+        {"key": key, "value": yaml_text(entry["value"]), "set by": entry["layer"]}
+        for key, entry in resolved["keys"].items()
+        if not (args.changed and entry["layer"] == "default")
     ]
     print(f"recipe: {_recipe_line(config)}")
     print_table(rows, ["key", "value", "set by"])
-    from ..config import config_layers
-
-    emit(args, {**config_layers(config), "config": config.to_dict(redact=True)})
+    emit(args, {**resolved, "config": config.to_dict(redact=True)})
     return 0
 
 
@@ -80,9 +80,3 @@ def _recipe_line(config: Any) -> str:
     if config.model.policy != "learned":
         return f"none (model.policy is {config.model.policy}: recipes are the learned policy's)"
     return "none (the library's defaults)"
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "null" if value is None else str(value)

@@ -146,6 +146,13 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
 
 
+def yaml_text(value: Any) -> str:
+    """A setting's value as a YAML file writes it (``true``, ``null``, ``0.5``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"

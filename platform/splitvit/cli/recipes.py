@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .options import common_options
-from .output import emit, print_table
+from .output import emit, print_table, yaml_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,7 +79,7 @@ def _show(recipe: Any) -> None:
     print("settings (over the library's defaults; a config's own keys win):")
     width = max(len(key) for key in recipe.settings)
     for key, value in recipe.settings.items():
-        print(f"  {key.ljust(width)}  {_yaml(value)}")
+        print(f"  {key.ljust(width)}  {yaml_text(value)}")
     evidence = recipe.evidence
     if evidence is None:
         print("evidence: none recorded")
@@ -95,12 +95,6 @@ def _show(recipe: Any) -> None:
             f"{point.quality:.4f}, {point.vs_control_points:+.2f} ± {point.spread_points:.2f} points vs the control, "
             f"speed {_speed(point)}"
         )
-
-
-def _yaml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def _record(recipe: Any) -> dict[str, Any]:
