@@ -486,3 +486,13 @@ def test_the_checks_before_torch_read_the_settings_as_the_model_and_storage_do(t
     check_coco_file("s3://bucket/instances.json", "k")  # read when the dataset opens
     monkeypatch.setattr(coco_format, "EARLY_CHECK_MAX_BYTES", 1)
     check_coco_file(str(good), "k")  # too large to read twice: the dataset's own check reads it
+
+
+def test_output_cut_short_by_its_reader_ends_quietly():
+    """``splitvit recipes | head``: a reader that leaves early gets no error line."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "splitvit.cli", "recipes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    child.stdout.close()  # gone before the first line: every write meets a closed pipe
+    err = child.stderr.read().decode()
+    assert child.wait() == 141 and err == ""

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nsplitvit {name}: {stopped}", file=sys.stderr)
         args.report.error = str(stopped)
         code = stopped.exit_code
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a SIGPIPE'd tool does
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python's own flush at exit would fail again
+        code = 128 + signal.SIGPIPE
     except Exception as exc:  # noqa: BLE001 - bad input, storage, errors from Ray's workers
         status = _exit_status(exc)
         if status is None:  # a bug: the envelope says so, then the traceback in full
