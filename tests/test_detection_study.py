@@ -118,7 +118,7 @@ def test_a_detectors_matched_point_reports_the_backbones_speed_too(checkpoints):
 
 
 def test_a_detectors_points_are_evaluated_at_matched_ratios_with_box_and_mask_ap(checkpoints):
-    from splitvit.study.runs import evaluate_points
+    from splitvit.train.evaluation import evaluate_points
 
     points = evaluate_points(
         checkpoints["learned"],

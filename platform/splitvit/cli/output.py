@@ -175,14 +175,19 @@ def frontier_table(points: list[dict[str, Any]], metric: str) -> None:
         }
         row.update({k: v for k, v in (p.get("params") or {}).items()})
         row["ties"] = f"+{len(p['ties'])}" if p.get("ties") else ""
-        speedup = (p.get("extras") or {}).get("speedup_vs_full")
+        extras = p.get("extras") or {}
+        speedup = extras.get("speedup_vs_full")
         row["speed-up"] = f"{speedup:.2f}x" if speedup is not None else "-"
+        row[f"test {metric}"] = extras.get(f"test_{metric}", "-")
+        row["test ratio"] = extras.get("test_token_ratio", "-")
         rows.append(row)
     timed = any((p.get("extras") or {}).get("speedup_vs_full") is not None for p in points)
+    held_out = any(f"test_{metric}" in (p.get("extras") or {}) for p in points)
     columns = [
         "tokens/image",
         metric,
         "token ratio",
+        *([f"test {metric}", "test ratio"] if held_out else []),
         *(["speed-up"] if timed else []),
         "kind",
         "trial",

@@ -91,13 +91,19 @@ def run(args: argparse.Namespace) -> int:
         f"hypervolume {result.hypervolume:.4f} (reference point: {metric} {result.reference_point['quality']:g}, "
         f"token ratio {result.reference_point['token_ratio']:g})"
     )
-    print(f"\nPareto frontier ({metric} vs tokens per image; searched parameters as columns):")
+    if result.reference is not None:
+        print(f"every trial fine-tuned from the reference: {result.reference.source} ({result.reference.checkpoint})")
+    held_out = f"; test columns: the {result.held_out_split} split" if result.held_out_split else ""
+    print(f"\nPareto frontier ({metric} vs tokens per image on validation{held_out}; searched parameters as columns):")
     if data["frontier"]:
         frontier_table(data["frontier"], metric)
     else:
         print("  (empty: no trial completed)")
     if result.baselines:
-        print(f"\nbaselines on trial {result.baselines[0].trial_id}'s backbone, same data:")
+        tuned = result.reference is not None
+        where = "fine-tuned from the same reference" if tuned else f"on trial {result.baselines[0].trial_id}'s backbone"
+        print(f"\nbaselines {where}, same data:")
+        test = [f"test {metric}", "test ratio"] if any(b.held_out for b in result.baselines) else []
         print_table(
             [
                 {
@@ -105,10 +111,12 @@ def run(args: argparse.Namespace) -> int:
                     "tokens/image": b.tokens_per_image,
                     metric: b.quality,
                     "token ratio": b.token_ratio,
+                    f"test {metric}": (b.held_out or {}).get(f"test_{metric}", "-"),
+                    "test ratio": (b.held_out or {}).get("test_token_ratio", "-"),
                 }
                 for b in result.baselines
             ],
-            ["baseline", "tokens/image", metric, "token ratio"],
+            ["baseline", "tokens/image", metric, "token ratio", *test],
         )
     for trial in result.trials:
         if trial.status in ("failed", "diverged"):

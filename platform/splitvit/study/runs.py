@@ -3,7 +3,7 @@
 A run is seed ``s``'s backbone (``backbone-s<s>``) or one method trained from it
 (``<method>-s<s>``), in its own folder under the study's ``train/``. :func:`study_run`
 trains it with a :class:`RunTrainer` (:class:`RayTrainer` on the platform) and, for a
-method, evaluates it at every matched token ratio (:func:`evaluate_points`). A finished
+method, evaluates it at every matched token ratio (:func:`~splitvit.train.evaluation.evaluate_points`). A finished
 run's result is stored in its folder (:data:`STUDY_RESULT_FILE`) and reused by a later
 invocation; :func:`stale_runs` and :func:`begun_runs` read what earlier invocations left.
 """
@@ -239,7 +239,9 @@ def _same_evaluation(spec: StudySpec, stored: dict[str, Any]) -> bool:
 def _evaluate_run(
     spec: StudySpec, config: ExperimentConfig, trainer: RunTrainer, checkpoint: str, method: str, seed: int
 ) -> list[dict[str, Any]]:
-    """A method run's points (:func:`evaluate_points`), where ``config`` trains."""
+    """A method run's points (:func:`~splitvit.train.evaluation.evaluate_points`), where ``config`` trains."""
+    from ..train.evaluation import evaluate_points  # torch: only for a run that evaluates
+
     policy = spec.policy(method)
     return trainer.evaluate(
         config,
@@ -252,42 +254,3 @@ def _evaluate_run(
         calibration_samples=spec.calibration_samples,
         seed=seed,
     )
-
-
-def evaluate_points(
-    checkpoint: str,
-    *,
-    policy: str,
-    ratios: list[float],
-    split: str,
-    samples: int | None,
-    calibration_samples: int,
-    seed: int,
-    device: str = "cpu",
-) -> list[dict[str, Any]]:
-    """Quality, tokens per image and images/s of ``checkpoint`` on ``split``: one point
-    for ``full``/``coarse``, else one per token ratio, its thresholds calibrated on the
-    first ``calibration_samples`` validation images (never on the evaluated ones)."""
-    import torch
-
-    from ..train.evaluation import CheckpointEvaluator
-
-    evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
-    if not ratios:
-        return [{"target_ratio": None, **evaluator.evaluate(None)}]
-    calibration = evaluator.first_images(calibration_samples, split="val")
-    points = []
-    for ratio in ratios:
-        # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
-        torch.manual_seed(seed * 1009 + round(ratio * 1000))
-        thresholds = evaluator.calibrate(calibration, ratio)
-        points.append({"target_ratio": ratio, **evaluator.evaluate(thresholds)})
-        log.info(
-            "%s @ %.2f: %s %.4f at %.1f tokens/image",
-            policy,
-            ratio,
-            "quality",
-            points[-1]["quality"],
-            points[-1]["tokens_per_image"],
-        )
-    return points

@@ -239,3 +239,40 @@ def evaluate_checkpoint(
         "policy": "oracle" if oracle else evaluator.backbone.policy.name,
         "split": split,
     }
+
+
+def evaluate_points(
+    checkpoint: str,
+    *,
+    policy: str,
+    ratios: list[float],
+    split: str,
+    samples: int | None,
+    calibration_samples: int,
+    seed: int,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """Quality, tokens per image and images/s of ``checkpoint`` on ``split``: one point
+    for ``full``/``coarse``, else one per token ratio, its thresholds calibrated on the
+    first ``calibration_samples`` validation images (never on the evaluated ones, unless
+    ``split`` is ``val`` itself: a sweep's baselines are chosen on validation like its points).
+    A study's method runs and a sweep's fine-tuned baselines are evaluated with it."""
+    evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
+    if not ratios:
+        return [{"target_ratio": None, **evaluator.evaluate(None)}]
+    calibration = evaluator.first_images(calibration_samples, split="val")
+    points = []
+    for ratio in ratios:
+        # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
+        torch.manual_seed(seed * 1009 + round(ratio * 1000))
+        thresholds = evaluator.calibrate(calibration, ratio)
+        points.append({"target_ratio": ratio, **evaluator.evaluate(thresholds)})
+        log.info(
+            "%s @ %.2f: %s %.4f at %.1f tokens/image",
+            policy,
+            ratio,
+            "quality",
+            points[-1]["quality"],
+            points[-1]["tokens_per_image"],
+        )
+    return points

@@ -792,6 +792,12 @@ class SweepRecorder:
         entries = mlflow_client(self.tracking_uri).list_artifacts(run_id or self.parent_run_id, folder or None)
         return any(e.path == path or e.path.rsplit("/", 1)[-1] == name and not e.is_dir for e in entries)
 
+    def tag_run(self, run_id: str, tags: dict[str, str]) -> None:
+        """Tags on a run of the sweep (a fine-tuned baseline's ``splitvit.baseline``)."""
+        client = mlflow_client(self.tracking_uri)
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+
     def log_run_metrics(self, run_id: str, values: dict[str, float]) -> None:
         """Figures measured after a run ended (a frontier point's speed-up), at step 0."""
         self._log_metrics(run_id, _numbers(values), 0)

@@ -109,6 +109,8 @@ class Baseline:
         target_ratio: ``random`` only: the token ratio its thresholds were calibrated to.
         fine_on_object: on data with object masks, the share of fine tokens on the object.
         object_coverage: on data with object masks, the share of the object kept fine.
+        held_out: its figures on the held-out split (``test_<metric>``,
+            ``test_tokens_per_image``, ``test_token_ratio``), where evaluated there.
     """
 
     baseline: str
@@ -123,6 +125,7 @@ class Baseline:
     target_ratio: float | None = None
     fine_on_object: float | None = None
     object_coverage: float | None = None
+    held_out: dict[str, float] | None = None
 
     def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
         """JSON-ready dict (``baselines`` of ``sweep.json``, ``baselines.json``), keys in
@@ -142,6 +145,7 @@ class Baseline:
             "thresholds": self.thresholds,
             "quality": self.quality,
             "trial_id": self.trial_id,
+            **(self.held_out or {}),
         }
         return {k: v for k, v in data.items() if v is not None or k not in _OPTIONAL_BASELINE_FIGURES}
 

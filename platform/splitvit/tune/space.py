@@ -59,7 +59,20 @@ DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
 SAMPLERS = ("tpe", "nsga2", "random")
 STAGE_TWO_SAMPLERS = ("tpe", "nsga2", "random", "qmc")
 SCHEDULERS = ("asha",)
-TOP_LEVEL = ("base", "description", "parameters", "search", "stage_two", "baselines", "pareto", "speed", "mlflow")
+TOP_LEVEL = (
+    "base",
+    "description",
+    "reference",
+    "parameters",
+    "search",
+    "stage_two",
+    "baselines",
+    "evaluation",
+    "pareto",
+    "speed",
+    "mlflow",
+)
+BASELINE_POLICIES = ("full", "entropy", "random")
 
 
 class SearchSpaceError(ValueError):
@@ -204,19 +217,83 @@ class StageTwoSettings:
 
 
 @dataclass(frozen=True)
+class ReferenceSettings:
+    """The converged full-resolution model every trial fine-tunes from (``reference:``).
+
+    Exactly one of ``checkpoint``, ``study`` or ``train`` names it:
+
+    Attributes:
+        checkpoint: a splitvit checkpoint (a run's checkpoint folder or its ``model.pt``,
+            local or ``s3://``), or an MLflow model (``models:/<name>@<alias>``,
+            ``runs:/<run id>``).
+        study: a finished study's reference (``splitvit study``) under the base config's
+            storage path, by the study's name; ``seed`` picks the seed's reference.
+        seed: the study seed whose reference is used.
+        train: settings (dotted config keys) over the base config for a reference
+            trained here, once: full resolution (``model.policy: full``), no recipe.
+            A later sweep whose reference settings are the same reuses it (it lives
+            under ``<storage path>/references/``).
+        converge_epochs, converge_points: the convergence check of a reference with a
+            recorded curve (trained here, or a study's): converged when its validation
+            quality gained less than ``converge_points`` points over its last
+            ``converge_epochs`` epochs. The verdict is printed and recorded on the
+            sweep's MLflow run.
+    """
+
+    checkpoint: str | None = None
+    study: str | None = None
+    seed: int = 0
+    train: dict[str, Any] | None = None
+    converge_epochs: int = 3
+    converge_points: float = 0.3
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the space names a reference at all (trials otherwise train from the base config's start)."""
+        return self.checkpoint is not None or self.study is not None or self.train is not None
+
+
+@dataclass(frozen=True)
 class BaselineSettings:
-    """Baselines evaluated on the reference trial's backbone and data.
+    """The baselines: full resolution, entropy (APT-style) and random splitting.
+
+    With a ``reference:`` each baseline is a trial of its own: fine-tuned from the
+    reference like the searched trials (the base config's own settings, its policy
+    changed), then evaluated at ``ratios`` (thresholds calibrated on validation
+    images). Without one, the baselines are the best point's backbone evaluated under
+    the other policies (no training).
 
     Attributes:
         enabled: evaluate baselines at all.
-        entropy_thresholds: thresholds of the entropy (APT-style) policy, one curve point each.
-        random_budgets: random splitting at the token ratios of this many frontier points.
+        target_ratio: with a reference: the token ratio entropy and random splitting
+            fine-tune at (their thresholds calibrated to it during training).
+        ratios: with a reference: the token ratios entropy and random are evaluated at.
+        entropy_thresholds: without a reference: thresholds of the entropy policy, one
+            curve point each.
+        random_budgets: without a reference: random splitting at the token ratios of this
+            many frontier points.
         samples: evaluation images (default: the experiment's validation split).
     """
 
     enabled: bool = True
+    target_ratio: float = 0.6
+    ratios: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     entropy_thresholds: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     random_budgets: int = 3
+    samples: int | None = None
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """The frontier on held-out data: points are chosen on validation images; at the
+    end the frontier points and the baselines are evaluated once on ``split``.
+
+    Attributes:
+        split: the held-out split (``test``); ``null``: no held-out evaluation.
+        samples: its images (default: all of them).
+    """
+
+    split: str | None = "test"
     samples: int | None = None
 
 
@@ -282,9 +359,11 @@ class SearchSpace:
     base_raw: dict[str, Any]
     parameters: dict[str, Parameter]
     fixed: dict[str, Any]
+    reference: ReferenceSettings = field(default_factory=ReferenceSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
     stage_two: StageTwoSettings = field(default_factory=StageTwoSettings)
     baselines: BaselineSettings = field(default_factory=BaselineSettings)
+    evaluation: EvaluationSettings = field(default_factory=EvaluationSettings)
     pareto: ParetoSettings = field(default_factory=ParetoSettings)
     mlflow: MlflowSettings = field(default_factory=MlflowSettings)
     speed: SpeedSettings = field(default_factory=SpeedSettings)
@@ -374,9 +453,11 @@ class SearchSpace:
                 for k, p in self.parameters.items()
             },
             "fixed": self.fixed,
+            "reference": dataclasses.asdict(self.reference),
             "search": dataclasses.asdict(self.search),
             "stage_two": dataclasses.asdict(self.stage_two),
             "baselines": dataclasses.asdict(self.baselines),
+            "evaluation": dataclasses.asdict(self.evaluation),
             "pareto": dataclasses.asdict(self.pareto),
             "speed": dataclasses.asdict(self.speed),
             "mlflow": dataclasses.asdict(self.mlflow),
@@ -455,9 +536,11 @@ def space_from_dict(
         base_raw=base_raw,
         parameters=parameters,
         fixed=fixed,
+        reference=_reference(raw.get("reference"), source),
         search=_settings(SearchSettings, raw.get("search"), "search", source),
         stage_two=_settings(StageTwoSettings, raw.get("stage_two"), "stage_two", source),
         baselines=_settings(BaselineSettings, raw.get("baselines"), "baselines", source),
+        evaluation=_settings(EvaluationSettings, raw.get("evaluation"), "evaluation", source),
         pareto=_pareto(raw.get("pareto"), source),
         mlflow=_settings(MlflowSettings, raw.get("mlflow"), "mlflow", source),
         speed=_settings(SpeedSettings, raw.get("speed"), "speed", source),
@@ -627,6 +710,46 @@ def _settings(cls: type, raw: Any, section: str, source: str) -> Any:
         raise SearchSpaceError(source, exc.key, exc.reason) from None
 
 
+def _reference(raw: Any, source: str) -> ReferenceSettings:
+    """The ``reference:`` section: one of ``checkpoint``, ``study`` (with ``seed``) or ``train``."""
+    if raw is None:
+        return ReferenceSettings()
+    if not isinstance(raw, dict):
+        raise SearchSpaceError(
+            source, "reference", "expected {checkpoint: URI}, {study: NAME, seed: S} or {train: {KEY: VALUE}}"
+        )
+    settings = _settings(ReferenceSettings, raw, "reference", source)
+    named = [k for k in ("checkpoint", "study", "train") if getattr(settings, k) is not None]
+    if len(named) != 1:
+        raise SearchSpaceError(
+            source,
+            "reference",
+            f"name the reference one way: checkpoint, study or train (got {', '.join(named) or 'none of them'})",
+        )
+    if "seed" in raw and settings.study is None:
+        raise SearchSpaceError(source, "reference.seed", "picks a study's reference: give it with reference.study")
+    if settings.seed < 0:
+        raise SearchSpaceError(source, "reference.seed", f"must be >= 0, got {settings.seed}")
+    for key in ("checkpoint", "study"):
+        value = getattr(settings, key)
+        if value is not None and not value.strip():
+            raise SearchSpaceError(source, f"reference.{key}", "must not be empty")
+    if settings.converge_epochs < 1 or settings.converge_points <= 0:
+        key = "converge_epochs" if settings.converge_epochs < 1 else "converge_points"
+        raise SearchSpaceError(source, f"reference.{key}", "converge_epochs must be >= 1 and converge_points > 0")
+    if settings.train is not None:
+        for key in settings.train:
+            _check_key_syntax(str(key), source)
+            parts = split_key(str(key))[0]
+            if str(key) == RECIPE_KEY or parts[0] not in SECTIONS or len(parts) < 2:
+                raise SearchSpaceError(
+                    source,
+                    f"reference.train.{key}",
+                    "expected a dotted config key such as train.epochs (the reference trains without a recipe)",
+                )
+    return settings
+
+
 def _pareto(raw: Any, source: str) -> ParetoSettings:
     if raw is None:
         return ParetoSettings()
@@ -714,6 +837,16 @@ def _validate_settings(space: SearchSpace) -> None:
             raise SearchSpaceError(src, f"baselines.entropy_thresholds[{i}]", f"{value} is outside [0, 1]")
     if b.random_budgets < 0:
         raise SearchSpaceError(src, "baselines.random_budgets", f"must be >= 0, got {b.random_budgets}")
+    if not 0.0 < b.target_ratio <= 1.0:
+        raise SearchSpaceError(src, "baselines.target_ratio", f"must be in (0, 1], got {b.target_ratio}")
+    for i, value in enumerate(b.ratios):
+        if not 0.0 < value <= 1.0:
+            raise SearchSpaceError(src, f"baselines.ratios[{i}]", f"{value} is outside (0, 1]")
+    e = space.evaluation
+    if e.split is not None and e.split not in ("train", "val", "test"):
+        raise SearchSpaceError(src, "evaluation.split", f"expected test (or val, train) or null, got {e.split!r}")
+    if e.samples is not None and e.samples < 1:
+        raise SearchSpaceError(src, "evaluation.samples", f"must be >= 1 or null (every image), got {e.samples}")
     p = space.pareto
     if not 0.0 <= p.quality <= 1.0:
         raise SearchSpaceError(src, "pareto.reference_point.quality", f"must be in [0, 1], got {p.quality}")

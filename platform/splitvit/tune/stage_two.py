@@ -126,6 +126,30 @@ def baselines(
     return rows
 
 
+def held_out(
+    checkpoint: str,
+    evaluations: list[tuple[str | None, list[float] | None]],
+    *,
+    split: str,
+    samples: int | None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """``checkpoint`` on the held-out ``split`` once per ``(policy, thresholds)`` in
+    ``evaluations`` (policy ``None``: the checkpoint's own; thresholds ``None``: its
+    own), its data loaded once. A random policy's draws are seeded, so a rerun repeats
+    its figures."""
+    evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
+    models: dict[str | None, Any] = {}
+    rows = []
+    for policy, thresholds in evaluations:
+        if policy not in models:
+            models[policy] = None if policy is None else evaluator.build(policy)
+        torch.manual_seed(seed + 1)
+        rows.append(evaluator.evaluate(thresholds, model=models[policy]))
+    return rows
+
+
 def _stage_two_sampler(name: str, seed: int, points: int):
     import optuna
 

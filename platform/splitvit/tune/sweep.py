@@ -80,8 +80,10 @@ from .mlflow_records import (
     sweep_params,
 )
 from .pareto import Baseline, Point, annotate, best_point, frontier, round_figures
-from .space import SearchSpace, load_space
+from .reference import Reference, check_reference, convergence_line, locate_reference, train_reference
+from .space import BASELINE_POLICIES, SearchSpace, load_space
 from .trial import (
+    BASELINE_KEY,
     FINAL_KEY,
     SweepPlan,
     TrialDiverged,
@@ -108,6 +110,9 @@ class TrialSummary:
         params: the sampled parameters (config values).
         error: what went wrong, for failed trials.
         run_id: its MLflow child run.
+        checkpoint: its last checkpoint.
+        baseline: a fine-tuned baseline's policy (``full``, ``entropy``, ``random``);
+            empty for a searched trial.
     """
 
     trial_id: str
@@ -116,6 +121,7 @@ class TrialSummary:
     error: str = ""
     run_id: str | None = None
     checkpoint: str | None = None
+    baseline: str = ""
 
 
 @dataclass
@@ -141,6 +147,8 @@ class SweepResult:
     wall_time_s: float = 0.0
     resumed: bool = False
     status: str = "completed"
+    reference: Reference | None = None
+    held_out_split: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def frontier(self) -> list[Point]:
@@ -186,6 +194,8 @@ class SweepResult:
             "points": [p.to_dict(self.metric) for p in self.points],
             "frontier": [p.to_dict(self.metric) for p in self.frontier()],
             "baselines": [b.to_dict(self.metric) for b in self.baselines],
+            "reference": self.reference.to_dict() if self.reference is not None else None,
+            "held_out_split": self.held_out_split,
             "trials": [asdict(t) for t in self.trials],
             "mlflow": {
                 "tracking_uri": redact_uri(self.tracking_uri),
@@ -542,6 +552,8 @@ class _SweepSetup:
         name: the sweep's name (its folder under the storage path).
         sweep_dir: the sweep's folder (Tune's experiment folder).
         storage: the storage path, as Ray gets it.
+        reference: the reference the trials fine-tune from, where it exists already
+            (``None``: none, or a ``train`` reference still to train).
     """
 
     space: SearchSpace
@@ -551,6 +563,7 @@ class _SweepSetup:
     name: str
     sweep_dir: str
     storage: str
+    reference: Reference | None = None
 
 
 @dataclass
@@ -624,9 +637,10 @@ def run_sweep(
             grid = tuner.fit()
     trials, raw = _collect(grid, sweep.space, setup.sweep_dir)
     unfinished = [t for t in trials if t.status == "unfinished"]
-    if unfinished or len(trials) < sweep.space.search.num_samples:
+    planned = sweep.space.search.num_samples + len(fine_tuned_baselines(sweep.space))
+    if unfinished or len(trials) < planned:
         sweep.recorder.close("interrupted")
-        raise stopped_early(sweep.name, len(trials), len(unfinished), sweep.space.search.num_samples)
+        raise stopped_early(sweep.name, len(trials), len(unfinished), planned)
     with sweep.recorder.parent.closed_on_error():
         return _finish(sweep, trials, raw)
 
@@ -648,6 +662,9 @@ def _settle_sweep(
         base, tracking_uri, experiment = _build_tracking(space)
     storage = base.storage.resolved_path()
     _warn_if_temporary(storage)
+    reference = locate_reference(space, base, tracking_uri)
+    if reference is not None:
+        check_reference(space, base, reference)  # the same ViT, before any trial starts
     return _SweepSetup(
         space=space,
         base=base,
@@ -656,6 +673,7 @@ def _settle_sweep(
         name=name,
         sweep_dir=sweep_dir,
         storage=storage,
+        reference=reference,
     )
 
 
@@ -666,8 +684,18 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
     from ..train.ray_trainer import init_ray
 
     space = setup.space
-    plan = SweepPlan(space=space, train_storage=join_uri(setup.sweep_dir, "train"), name=setup.name)
     init_ray(ray_address, worker_logs=ray_output_shown())
+    if setup.reference is None and space.reference.train is not None:
+        setup.reference = train_reference(space, setup.base)
+        check_reference(space, setup.base, setup.reference)
+    if setup.reference is not None:
+        log.info(convergence_line(space, setup.reference))
+    plan = SweepPlan(
+        space=space,
+        train_storage=join_uri(setup.sweep_dir, "train"),
+        name=setup.name,
+        reference=setup.reference.checkpoint if setup.reference is not None else None,
+    )
     reference = (space.pareto.quality, space.pareto.token_ratio)
     recorder, reopened = SweepRecorder.open(
         setup.tracking_uri,
@@ -681,6 +709,7 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
             "splitvit.space": space.source,
             "splitvit.sweep_dir": setup.sweep_dir,
             REFERENCE_TAG: json.dumps(list(reference)),
+            **reference_tags(setup.reference, space),
         },
     )
     close_stale_runs(recorder.parent)  # left RUNNING by a dead driver: KILLED (a resumed trial re-opens its own)
@@ -720,12 +749,18 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
         return tune.Tuner.restore(
             setup.sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
         )
+    baselines = fine_tuned_baselines(space)
+    search = _searcher(space)
+    if baselines:
+        from .baseline_search import BaselinesFirst  # imports Ray
+
+        search = BaselinesFirst(search, baselines)
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
-            search_alg=_searcher(space),
+            search_alg=search,
             scheduler=_scheduler(space, setup.base.train.total_epochs),
-            num_samples=space.search.num_samples,
+            num_samples=space.search.num_samples + len(baselines),
             max_concurrent_trials=space.search.max_concurrent,
             trial_dirname_creator=trial_dirname,
             # a trial's driver function only waits on its TorchTrainer: keep its
@@ -743,6 +778,28 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
             verbose=tune_verbosity(),
         ),
     )
+
+
+def fine_tuned_baselines(space: SearchSpace) -> list[str]:
+    """The baseline trials a sweep runs besides its search: with a reference, each
+    baseline policy fine-tunes from it like the searched trials; without one, none (the
+    baselines are evaluations of the best point's backbone)."""
+    return list(BASELINE_POLICIES) if space.reference.enabled and space.baselines.enabled else []
+
+
+def reference_tags(reference: Reference | None, space: SearchSpace) -> dict[str, str]:
+    """The sweep parent's tags on its reference: the checkpoint, where it came from, its
+    MLflow run (the UI links it) and the convergence verdict."""
+    if reference is None:
+        return {}
+    tags = {
+        "splitvit.reference_checkpoint": reference.checkpoint,
+        "splitvit.reference_source": reference.source,
+        "splitvit.reference_convergence": convergence_line(space, reference),
+    }
+    if reference.run_id:
+        tags["splitvit.reference_run"] = reference.run_id
+    return tags
 
 
 def stopped_early(name: str, started: int, unfinished: int, planned: int) -> Exception:
@@ -769,19 +826,23 @@ def _collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummar
         result = grid[i]
         trial_id = Path(str(result.path)).name
         metrics = dict(result.metrics or {})
-        params = space.decode({k: v for k, v in _sampled_config(result).items() if k in space.parameters})
+        sampled = _sampled_config(result)
+        params = space.decode({k: v for k, v in sampled.items() if k in space.parameters})
+        baseline = str(sampled.get(BASELINE_KEY) or "")
         if result.error is not None:
             text = str(result.error)
             status = "diverged" if ("diverged:" in text or isinstance(result.error, TrialDiverged)) else "failed"
-            trials.append(TrialSummary(trial_id, status, params, error=text[-2000:]))
+            trials.append(TrialSummary(trial_id, status, params, error=text[-2000:], baseline=baseline))
         elif metrics.get(FINAL_KEY):
-            trials.append(TrialSummary(trial_id, "completed", params, checkpoint=metrics.get("checkpoint")))
+            trials.append(
+                TrialSummary(trial_id, "completed", params, checkpoint=metrics.get("checkpoint"), baseline=baseline)
+            )
         elif metric in metrics and metrics.get("checkpoint_path"):
             trials.append(
                 TrialSummary(trial_id, "stopped", params, checkpoint=_full_uri(metrics["checkpoint_path"], sweep_dir))
             )
         else:
-            trials.append(TrialSummary(trial_id, "unfinished", params))
+            trials.append(TrialSummary(trial_id, "unfinished", params, baseline=baseline))
         raw[trial_id] = metrics
     return sorted(trials, key=lambda t: t.trial_id), raw
 
@@ -807,7 +868,7 @@ def _full_uri(path: str, sweep_dir: str) -> str:
 def _finish(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, Any]]) -> SweepResult:
     """Stage-two points, frontier, hypervolume, baselines, plot and MLflow records."""
     space, recorder = sweep.space, sweep.recorder
-    points = _record_trials(sweep, trials, raw)
+    points, tuned_baselines = _record_trials(sweep, trials, raw)
     superseded = recorder.close_orphans({t.trial_id for t in trials})
     if superseded:
         log.info("closed %d run(s) of trials lost with a stopped driver: %s", len(superseded), ", ".join(superseded))
@@ -825,9 +886,11 @@ def _finish(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, 
         sweep.reference[0],
         sweep.reference[1],
     )
-    baselines: list[Baseline] = []
-    if best is not None and space.baselines.enabled:
+    baselines: list[Baseline] = tuned_baselines
+    if best is not None and space.baselines.enabled and not fine_tuned_baselines(space):
         baselines = _run_baselines(space, sweep.plan, best, front)
+    if space.evaluation.split is not None and front:
+        _evaluate_held_out(sweep, front, baselines, {t.trial_id: t.checkpoint for t in trials if t.checkpoint})
     speed = _time_frontier(space, sweep.plan, front, best) if front and space.speed.enabled else None
     result = _sweep_result(sweep, trials, points, baselines, hv)
     speed_metrics = _log_sweep_artifacts(sweep, result, front=front, best=best, speed=speed, local_dir=local_dir)
@@ -835,20 +898,110 @@ def _finish(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, 
     return result
 
 
-def _record_trials(sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, Any]]) -> list[Point]:
+def _record_trials(
+    sweep: _Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, Any]]
+) -> tuple[list[Point], list[Baseline]]:
     """Make each trial's MLflow run whole (completed with its stage-two points, stopped
     early, or failed) and set its ``run_id``; returns the points of the completed and
-    stopped trials."""
+    stopped trials, and the fine-tuned baselines' figures."""
     points: list[Point] = []
+    baselines: list[Baseline] = []
     for trial in trials:
-        config_params = _config_params(sweep.plan, trial.params, trial.trial_id)
-        if trial.status == "completed":
+        sampled = {BASELINE_KEY: trial.baseline} if trial.baseline else trial.params
+        config_params = _config_params(sweep.plan, sampled, trial.trial_id)
+        if trial.status == "completed" and trial.baseline:
+            baselines += _baseline_trial_rows(sweep, trial, raw[trial.trial_id], config_params)
+        elif trial.status == "completed":
             points += _completed_trial_points(sweep, trial, raw[trial.trial_id], config_params)
         elif trial.status == "stopped":
             points.append(_stopped_trial_point(sweep, trial, raw[trial.trial_id], config_params))
         else:
             _record_failed_trial(sweep, trial, config_params)
-    return points
+    return points, baselines
+
+
+def _baseline_trial_rows(
+    sweep: _Sweep, trial: TrialSummary, final: dict[str, Any], config_params: dict[str, Any]
+) -> list[Baseline]:
+    """A fine-tuned baseline's MLflow run (tagged ``splitvit.baseline``) and its figures:
+    full resolution's last validation, or entropy's and random's at each ratio."""
+    metric = sweep.metric
+    record = {**final, "threshold_points": "[]"}  # its ratio points are the parent's baselines, not point runs
+    run_id, _ = sweep.recorder.trial_completed(
+        trial.trial_id,
+        sweep.plan.run_uri(trial.trial_id),
+        {BASELINE_KEY: trial.baseline},
+        config_params,
+        record,
+        _trial_data(sweep.plan, {BASELINE_KEY: trial.baseline}, trial.trial_id),
+    )
+    trial.run_id = run_id
+    sweep.recorder.tag_run(run_id, {"splitvit.baseline": trial.baseline})
+    if trial.baseline == "full":
+        rows = [{metric: final[metric], **{k: final[k] for k in ("tokens_per_image", "token_ratio", "thresholds")}}]
+        labels = ["full resolution (fine-tuned)"]
+    else:
+        rows = threshold_points(final)
+        labels = [f"{trial.baseline} @ {row['token_ratio']:.2f} (fine-tuned)" for row in rows]
+    return [
+        Baseline(
+            baseline=trial.baseline,
+            label=label,
+            quality=float(row[metric]),
+            tokens_per_image=float(row["tokens_per_image"]),
+            token_ratio=float(row["token_ratio"]),
+            thresholds=list(row.get("thresholds") or []),
+            trial_id=trial.trial_id,
+            images_per_s=row.get("images_per_s"),
+        )
+        for row, label in zip(rows, labels)
+    ]
+
+
+def _evaluate_held_out(
+    sweep: _Sweep, front: list[Point], baselines: list[Baseline], checkpoints: dict[str, str]
+) -> None:
+    """The frontier points and the baselines, evaluated once on the held-out split
+    (``evaluation.split``) at the thresholds they were chosen with on validation: each
+    gets ``test_<metric>``, ``test_tokens_per_image`` and ``test_token_ratio`` (in a
+    point's ``extras``, a baseline's ``held_out``), and each point's MLflow run the same
+    metrics."""
+    from .stage_two import held_out
+
+    e, metric = sweep.space.evaluation, sweep.metric
+    jobs: dict[str, list[tuple[Any, str | None, list[float] | None]]] = {}
+    for p in front:
+        if p.checkpoint:
+            jobs.setdefault(p.checkpoint, []).append((p, None, p.thresholds or None))
+    for b in baselines:
+        checkpoint = checkpoints.get(b.trial_id)
+        if checkpoint:
+            # a fine-tuned baseline on its own checkpoint; else the best point's backbone under its policy
+            own = bool(fine_tuned_baselines(sweep.space))
+            jobs.setdefault(checkpoint, []).append((b, None if own else b.baseline, b.thresholds or None))
+    log.info("evaluating %d frontier points and %d baselines on the %s split", len(front), len(baselines), e.split)
+    for checkpoint, items in jobs.items():
+        rows = run_evaluation(
+            sweep.plan.trial_config({}, "held-out"),
+            held_out,
+            checkpoint,
+            [(policy, thresholds) for _, policy, thresholds in items],
+            split=e.split,
+            samples=e.samples,
+            seed=sweep.space.search.seed,
+        )
+        for (item, _, _), row in zip(items, rows):
+            figures = {
+                f"test_{metric}": float(row["quality"]),
+                "test_tokens_per_image": float(row["tokens_per_image"]),
+                "test_token_ratio": float(row["token_ratio"]),
+            }
+            if isinstance(item, Point):
+                item.extras.update(figures)
+                if item.run_id:
+                    sweep.recorder.log_run_metrics(item.run_id, figures)
+            else:
+                item.held_out = figures
 
 
 def _completed_trial_points(
@@ -974,6 +1127,8 @@ def _sweep_result(
         parent_run_id=recorder.parent_run_id,
         resumed=sweep.resumed,
         status="completed" if points else "failed",
+        reference=sweep.setup.reference,
+        held_out_split=sweep.space.evaluation.split,
         # a point's whole configuration is this plus its searched ``params``
         extras={"base_config": setup.base.flat(redact=True)},
     )
@@ -1400,6 +1555,8 @@ class FrontierRow:
         timed: the sweep timed its frontier, so the table has the measured columns
             (``speedup_vs_full``, ``timed_images_per_s``, ``timed_token_ratio``: a
             timed point's ``extras``; ``None`` for a point left untimed).
+        held_out: its figures on the held-out split (``test_<metric>``,
+            ``test_tokens_per_image``, ``test_token_ratio``), where evaluated there.
     """
 
     rank: int
@@ -1417,6 +1574,7 @@ class FrontierRow:
     speedup_vs_full: float | None = None
     timed_images_per_s: float | None = None
     timed_token_ratio: float | None = None
+    held_out: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self, metric: str) -> dict[str, Any]:
         """The table row: the quality named ``metric``, the thresholds and list or dict
@@ -1426,6 +1584,7 @@ class FrontierRow:
             "tokens_per_image": self.tokens_per_image,
             metric: self.quality,
             "token_ratio": self.token_ratio,
+            **self.held_out,
             "kind": self.kind,
             "trial_id": self.trial_id,
             "thresholds": json.dumps([round(t, 4) for t in self.thresholds]),
@@ -1465,6 +1624,7 @@ def frontier_rows(points: list[Point]) -> list[FrontierRow]:
             speedup_vs_full=p.extras.get("speedup_vs_full"),
             timed_images_per_s=p.extras.get("timed_images_per_s"),
             timed_token_ratio=p.extras.get("timed_token_ratio"),
+            held_out={k: v for k, v in p.extras.items() if k.startswith("test_")},
         )
         for rank, p in enumerate(frontier(points))
     ]

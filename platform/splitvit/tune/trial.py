@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 TRIAL_RESULT_FILE = "sweep_trial.json"
 #: Keys of the final report that only the final report has.
 FINAL_KEY = "splitvit_final"
+#: A baseline trial's Tune config: ``{BASELINE_KEY: "entropy"}`` (not a searched point).
+BASELINE_KEY = "baseline"
 
 
 class TrialDiverged(RuntimeError):
@@ -56,19 +58,41 @@ class SweepPlan:
         space: the validated search space.
         train_storage: where the trials' Train runs go: ``<sweep dir>/train``.
         name: the sweep's name.
+        reference: the checkpoint every trial fine-tunes from (``None``: trials start
+            from the base config's own initialisation).
     """
 
     space: SearchSpace
     train_storage: str
     name: str
+    reference: str | None = None
 
     def trial_config(self, sampled: dict[str, Any], trial_id: str) -> ExperimentConfig:
-        """The experiment config of one trial: the space's point, with MLflow off
-        (the driver records the trial) and the Train run under the sweep."""
-        params = self.space.decode({k: v for k, v in sampled.items() if k in self.space.parameters})
+        """The experiment config of one trial: the space's point (a baseline trial's:
+        :meth:`baseline_params`), with MLflow off (the driver records the trial), the
+        Train run under the sweep, and the reference's weights to start from."""
+        if sampled.get(BASELINE_KEY):
+            params = self.baseline_params(str(sampled[BASELINE_KEY]))
+        else:
+            params = self.space.decode({k: v for k, v in sampled.items() if k in self.space.parameters})
         # set as values, not key=value text: a storage path is not parsed as YAML
         params.update({"tracking.enabled": False, "storage.path": self.train_storage, "storage.name": trial_id})
+        if self.reference is not None:
+            # a new run starts from the reference; a resumed one from its own checkpoint
+            params["model.init_from"] = self.reference
         return self.space.config(params, name=trial_id)
+
+    def baseline_params(self, policy: str) -> dict[str, Any]:
+        """A fine-tuned baseline's settings: the config's own point (the first initial
+        point, else the base config's values) with ``policy``; entropy and random
+        splitting fine-tune at ``baselines.target_ratio`` (thresholds calibrated to it)."""
+        space = self.space
+        first = space.search.initial_points[0] if space.search.initial_points else {}
+        params = space.decode({k: space.parameters[k].encode(v) for k, v in first.items()})
+        params["model.policy"] = policy
+        if policy != "full":
+            params.update({"train.target_ratio": space.baselines.target_ratio, "model.thresholds": "auto"})
+        return params
 
     def run_uri(self, trial_id: str) -> str:
         """The trial's Train run folder (local path or URI)."""
@@ -155,6 +179,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     config = plan.trial_config(sampled, trial_id)
     space = plan.space
     metric = space.quality_metric
+    baseline = sampled.get(BASELINE_KEY)
     started = time.time()
     trained = fit_trial(config)
     if trained["status"] != "completed":
@@ -170,7 +195,9 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
 
     points: list[dict[str, Any]] = []
     stage = space.stage_two
-    if stage.points > 0:
+    if baseline:
+        points = _baseline_points(plan, config, str(baseline), trained["checkpoint"])
+    elif stage.points > 0:
         # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
         # sampled values are not, for a seeded sampler)
         seed = space.search.seed * 100_003 + (
@@ -206,6 +233,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "threshold_points": json.dumps([_point_row(p, metric, companions) for p in points]),
         "train_seconds": train_seconds,
         "trial_seconds": time.time() - started,
+        BASELINE_KEY: str(baseline or ""),
         FINAL_KEY: True,
     }
     write_bytes(result_uri, json.dumps(final, sort_keys=True).encode())
@@ -216,6 +244,29 @@ def threshold_points(final: dict[str, Any]) -> list[dict[str, Any]]:
     """The stage-two points of a trial's final result (stored as JSON text)."""
     points = final.get("threshold_points") or []
     return json.loads(points) if isinstance(points, str) else list(points)
+
+
+def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, checkpoint: str) -> list[dict[str, Any]]:
+    """A fine-tuned entropy or random baseline at each of ``baselines.ratios``, its
+    thresholds calibrated on validation images and evaluated there, like the searched
+    points (full resolution has one point: its training's last validation)."""
+    if policy == "full":
+        return []
+    from ..train.evaluation import evaluate_points
+
+    b = plan.space.baselines
+    rows = run_evaluation(
+        config,
+        evaluate_points,
+        checkpoint,
+        policy=policy,
+        ratios=list(b.ratios),
+        split="val",
+        samples=b.samples,
+        calibration_samples=config.data.eval_batch_size or config.data.batch_size,
+        seed=plan.space.search.seed,
+    )
+    return [{**row, "thresholds": row.get("thresholds") or []} for row in rows]
 
 
 def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:

@@ -1,0 +1,212 @@
+"""The reference a sweep's trials fine-tune from: a search space's ``reference:`` section.
+
+The studies showed what makes SPLIT accurate: a full-resolution model trained once
+until it stops improving, then every method fine-tuned from it (APT's protocol). A
+sweep does the same: every trial, and every fine-tuned baseline, starts from the
+reference's weights (``model.init_from``); a trial Tune starts again continues its
+own checkpoint instead (Ray Train V2's idiom: the run's own checkpoint first, the
+base weights only for a new run).
+
+The reference is named one of three ways (:class:`~splitvit.tune.space.ReferenceSettings`):
+a checkpoint or MLflow model URI, a finished study's reference by study name and
+seed, or settings to train one here. A trained one lives under
+``<storage path>/references/reference-<digest of its settings>`` and is reused by
+every later sweep whose reference settings are the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ExperimentConfig
+from ..storage import exists, join_uri, read_bytes, write_bytes
+from .space import SearchSpace, SearchSpaceError
+
+log = logging.getLogger(__name__)
+
+REFERENCE_FILE = "reference.json"  # a trained reference's record, in its run folder
+STUDY_RESULT_FILE = "study_result.json"  # a study run's stored result (splitvit.study.runs)
+POINTS = 100.0  # a quality fraction in points
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A resolved reference.
+
+    Attributes:
+        checkpoint: the checkpoint every trial starts from (local path or ``s3://``).
+        source: where it came from, for people (``study study_fashion, seed 0``...).
+        run_id: its MLflow run, where one is known (the sweep's parent links it).
+        history: its per-epoch validation figures, where recorded.
+        converged: the convergence check's verdict (``None``: no curve to judge).
+        gain_points: its quality's gain over the last ``converge_epochs`` epochs, in points.
+        trained: trained by this sweep (not reused).
+    """
+
+    checkpoint: str
+    source: str
+    run_id: str | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    converged: bool | None = None
+    gain_points: float | None = None
+    trained: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (``sweep.json``'s ``reference``), without the curve's other figures."""
+        return {
+            "checkpoint": self.checkpoint,
+            "source": self.source,
+            "run_id": self.run_id,
+            "converged": self.converged,
+            "gain_points": self.gain_points,
+            "epochs": len(self.history),
+            "trained": self.trained,
+        }
+
+
+def reference_config(space: SearchSpace, storage_root: str, experiment: str) -> ExperimentConfig:
+    """The config a ``reference: {train: ...}`` trains: the base config with the space's
+    fixed values and the section's settings, at full resolution and without a recipe,
+    in its own run folder under ``<storage_root>/references`` (named by its settings)."""
+    settings = dict(space.reference.train or {})
+    layer = {**settings, "recipe": "none", "model.policy": "full", "tracking.experiment": experiment}
+    config = space.config(layer, name="reference")
+    digest = _digest(config)
+    return space.config(
+        {
+            **layer,
+            "storage.path": join_uri(storage_root, "references"),
+            "storage.name": f"reference-{digest}",
+        },
+        name=f"reference-{digest}",
+    )
+
+
+def _digest(config: ExperimentConfig) -> str:
+    """12 hex digits of the settings that make the reference what it is (not where it is
+    stored, nor where it is recorded)."""
+    flat = {k: v for k, v in config.flat().items() if not k.startswith(("storage.", "tracking.")) and k != "name"}
+    text = json.dumps(flat, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def locate_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: str) -> Reference | None:
+    """The reference the space names, found without training: a checkpoint, an MLflow
+    model, a study's reference, or a reference an earlier sweep trained with the same
+    settings. ``None`` for a ``train`` reference not trained yet. Before Ray starts.
+
+    Raises :class:`SearchSpaceError` naming the ``reference`` key when it names nothing
+    usable.
+    """
+    r = space.reference
+    if not r.enabled:
+        return None
+    root = base.storage.resolved_path()
+    if r.checkpoint is not None:
+        return _from_checkpoint(space, r.checkpoint, tracking_uri)
+    if r.study is not None:
+        return _from_study(space, root, r.study, r.seed)
+    config = reference_config(space, root, base.tracking.experiment)
+    stored = join_uri(config.storage.run_uri(), REFERENCE_FILE)
+    if not exists(stored):
+        return None
+    record = json.loads(read_bytes(stored))
+    return _judged(space, record["checkpoint"], f"trained earlier ({config.storage.run_uri()})", record)
+
+
+def train_reference(space: SearchSpace, base: ExperimentConfig) -> Reference:
+    """Train the space's ``reference: {train: ...}`` with Ray Train (its own MLflow run
+    in the sweep's experiment) and record it for later sweeps. An interrupted one
+    resumes from its latest checkpoint. Raises ``RuntimeError`` when it does not
+    complete."""
+    from ..train.checkpoints import read_history
+    from ..train.ray_trainer import run_training
+
+    config = reference_config(space, base.storage.resolved_path(), base.tracking.experiment)
+    log.info("training the reference (full resolution, %d epochs) in %s", config.train.epochs, config.storage.run_uri())
+    result = run_training(config)
+    if result.status != "completed" or result.checkpoint_uri is None:
+        raise RuntimeError(f"the reference did not complete ({result.status}): {result.message}")
+    record = {
+        "checkpoint": result.checkpoint_uri,
+        "run_id": result.mlflow_run_id,
+        "history": read_history(result.checkpoint_uri),
+        "config": config.flat(redact=True),
+    }
+    write_bytes(join_uri(config.storage.run_uri(), REFERENCE_FILE), json.dumps(record, default=str).encode())
+    reference = _judged(space, result.checkpoint_uri, f"trained here ({config.storage.run_uri()})", record)
+    return Reference(**{**reference.__dict__, "trained": True})
+
+
+def check_reference(space: SearchSpace, base: ExperimentConfig, reference: Reference) -> None:
+    """The trials' model takes the reference's weights (the same ViT): checked by
+    loading them into the base point's model, before any trial starts. Raises
+    :class:`SearchSpaceError` naming the reference."""
+    from ..train.checkpoints import init_weights
+    from ..train.experiment import build_model
+
+    model = build_model(base.model, pretrained=False)
+    try:
+        init_weights(model, reference.checkpoint)
+    except (ValueError, OSError, KeyError) as exc:
+        raise SearchSpaceError(
+            space.source, "reference", f"{reference.source}: does not fit the trials' model: {exc}"
+        ) from None
+
+
+def _from_checkpoint(space: SearchSpace, uri: str, tracking_uri: str) -> Reference:
+    from ..tracking.model_uris import is_model_uri, resolve_model_uri
+
+    if is_model_uri(uri):
+        try:
+            resolved = resolve_model_uri(uri, tracking_uri)
+        except ValueError as exc:
+            raise SearchSpaceError(space.source, "reference.checkpoint", str(exc)) from None
+        return Reference(resolved.checkpoint, uri, run_id=resolved.run_id)
+    if not exists(uri):
+        raise SearchSpaceError(
+            space.source, "reference.checkpoint", f"no checkpoint at {uri} (a checkpoint folder holding model.pt)"
+        )
+    return Reference(uri, uri)
+
+
+def _from_study(space: SearchSpace, root: str, study: str, seed: int) -> Reference:
+    stored = join_uri(root, study, "train", f"backbone-s{seed}", STUDY_RESULT_FILE)
+    if not exists(stored):
+        raise SearchSpaceError(
+            space.source,
+            "reference.study",
+            f"no finished reference of study {study!r} for seed {seed} under {root} ({stored} does not exist): "
+            f"run `splitvit study STUDY.yaml --name {study}` with this storage path first, or name a checkpoint",
+        )
+    record = json.loads(read_bytes(stored))
+    return _judged(space, record["checkpoint"], f"study {study}, seed {seed}", record)
+
+
+def _judged(space: SearchSpace, checkpoint: str, source: str, record: dict[str, Any]) -> Reference:
+    """A reference with its curve and the convergence check's verdict."""
+    history = list(record.get("history") or [])
+    metric = space.quality_metric
+    k = space.reference.converge_epochs
+    curve = [float(h[metric]) for h in history if metric in h]
+    gain = (curve[-1] - curve[-1 - k]) * POINTS if len(curve) > k else None
+    converged = None if gain is None else gain < space.reference.converge_points
+    return Reference(
+        checkpoint, source, run_id=record.get("run_id"), history=history, converged=converged, gain_points=gain
+    )
+
+
+def convergence_line(space: SearchSpace, reference: Reference) -> str:
+    """One line on the reference's convergence, for the console and the MLflow run."""
+    r = space.reference
+    if reference.gain_points is None:
+        return f"reference {reference.source}: no recorded curve to judge its convergence by"
+    verdict = "converged" if reference.converged else "NOT converged (fine-tuning from it measures less)"
+    return (
+        f"reference {reference.source}: {verdict}: {reference.gain_points:+.2f} points of "
+        f"{space.quality_metric} over its last {r.converge_epochs} epochs (goal < {r.converge_points:g})"
+    )
