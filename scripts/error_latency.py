@@ -69,6 +69,16 @@ CASES = (
         "search.num_samples: must be >= 1",
     ),
     Case(
+        "sweep asks for ASHA",
+        ("sweep", "search_spaces/smoke.yaml", "--set", "search.scheduler=asha"),
+        "search.scheduler: ASHA is refused",
+    ),
+    Case(
+        "sweep NSGA-II never evolves",
+        ("sweep", "search_spaces/smoke.yaml", "--set", "search.sampler=nsga2"),
+        "never evolves: that is random search",
+    ),
+    Case(
         "sweep fixes a misspelt key",
         ("sweep", "search_spaces/smoke.yaml", "--set", "train.lrr=0.1"),
         "train.lrr: unknown key; did you mean train.lr?",

@@ -140,7 +140,7 @@ def test_shipped_spaces_load(name, metric, searched):
         assert 0 < space.search.trial_resources["CPU"] < 1
     else:
         cfg = space.config()
-        assert cfg.scaling.use_gpu and space.search.sampler == "nsga2" and space.search.max_concurrent > 1
+        assert cfg.scaling.use_gpu and space.search.sampler == "auto" and space.search.max_concurrent > 1
 
 
 def test_a_point_of_the_space_becomes_a_config(tmp_path):
@@ -210,6 +210,108 @@ def test_settings_are_typed_by_the_config_loader(tmp_path):
     )
     assert space.baselines.entropy_thresholds == (0.0, 0.5) and isinstance(space.baselines.entropy_thresholds[0], float)
     assert space.search.trial_resources == {"CPU": 1.0} and isinstance(space.search.state_period_s, float)
+
+
+# ---------------------------------------------------------------------- samplers and first points
+NUMERIC = {k: v for k, v in VALID["parameters"].items() if k not in ("train.penalty", "model.timm_kwargs")}
+
+
+@pytest.mark.parametrize(
+    "parameters,overrides,expected",
+    [
+        (NUMERIC, [], "gp"),  # every parameter a number, few trials
+        (VALID["parameters"], [], "tpe"),  # a categorical parameter
+        (NUMERIC, ["search.num_samples=250"], "nsga2"),  # a large budget
+        (VALID["parameters"], ["search.num_samples=250"], "nsga2"),
+        (VALID["parameters"], ["search.sampler=gp"], "gp"),  # named: as named
+        (NUMERIC, ["search.sampler=random"], "random"),
+    ],
+)
+def test_auto_picks_the_sampler_by_optunas_rule(tmp_path, parameters, overrides, expected):
+    from splitvit.tune.space import resolve_sampler
+
+    space = load_space(write_space(tmp_path, variant(parameters=parameters)), overrides, settings_only=True)
+    assert space.search.sampler == ("auto" if not any("sampler" in o for o in overrides) else expected)
+    assert resolve_sampler(space) == expected
+
+
+def test_the_built_samplers_fit_the_budget(tmp_path):
+    """The GP starts modelling after a third of a small budget (Optuna's 10 random
+    trials would be the whole of an 8-trial sweep); TPE is multivariate."""
+    import optuna
+
+    from splitvit.tune.sweep import build_sampler
+
+    path = write_space(tmp_path, variant(parameters=NUMERIC))
+    for trials, startup in ((4, 2), (8, 2), (24, 8), (64, 10)):
+        sampler = build_sampler(load_space(path, [f"search.num_samples={trials}"], settings_only=True))
+        assert isinstance(sampler, optuna.samplers.GPSampler) and sampler._n_startup_trials == startup
+    tpe = build_sampler(load_space(write_space(tmp_path, VALID), ["search.num_samples=24"], settings_only=True))
+    assert isinstance(tpe, optuna.samplers.TPESampler) and tpe._multivariate and tpe._n_startup_trials == 8
+    nsga2 = build_sampler(load_space(path, ["search.num_samples=300"], settings_only=True))
+    assert isinstance(nsga2, optuna.samplers.NSGAIISampler) and nsga2._population_size == 50
+
+
+def test_the_config_own_point_is_evaluated_first(tmp_path, caplog):
+    """With no ``initial_points`` the first point is the base config's own values of
+    the searched parameters; a value no range holds (``auto`` thresholds) is left to
+    the sampler, and said so. ``initial_points: []`` evaluates none first."""
+    from splitvit.tune.space import first_points
+
+    base = dict(TINY_BASE, train={"epochs": 1, "lambda_budget": 2.0, "target_ratio": 0.4, "penalty": "hinge"})
+    path = write_space(tmp_path, VALID, base=base)
+    space = load_space(path, settings_only=True)
+    assert space.search.initial_points is None
+    own = {
+        "train.lambda_budget": 2.0,
+        "train.target_ratio": 0.4,
+        "train.warmup_epochs": space.config().train.warmup_epochs,
+        "train.penalty": "hinge",
+        "model.timm_kwargs": TINY_BASE["model"]["timm_kwargs"],
+    }
+    with caplog.at_level(logging.INFO, logger="splitvit.tune.space"):
+        assert first_points(space) == [own]  # the thresholds are auto: the sampler picks them
+    assert "model.thresholds[1] = 'auto'" in caplog.text
+    # a threshold in range joins the point; one off the step grid does not
+    for thresholds, joins in ((0.5, True), ([0.4, 0.45], False)):
+        space = load_space(
+            write_space(tmp_path, VALID, base=dict(base, model=dict(base["model"], thresholds=thresholds))),
+            settings_only=True,
+        )
+        assert ("model.thresholds[1]" in first_points(space)[0]) is joins
+    # a value outside its range is the sampler's too
+    low = load_space(
+        write_space(tmp_path, VALID, base=dict(base, train=dict(base["train"], lambda_budget=50.0))),
+        settings_only=True,
+    )
+    assert "train.lambda_budget" not in first_points(low)[0] and "train.target_ratio" in first_points(low)[0]
+    # initial_points: [] evaluates none first; given points come first as given
+    assert first_points(load_space(write_space(tmp_path, variant(search={"initial_points": []})))) == []
+    given = dict(own, **{"model.thresholds[1]": 0.6})
+    assert first_points(load_space(write_space(tmp_path, variant(search={"initial_points": [given]}), base=base))) == [
+        given
+    ]
+
+
+def test_the_searcher_asks_the_config_own_point_first(tmp_path):
+    """The partial point (thresholds left to the sampler) is the first trial Optuna
+    proposes through Tune's searcher, its missing values sampled in range."""
+    from splitvit.tune.space import first_points
+    from splitvit.tune.sweep import _searcher
+
+    base = dict(TINY_BASE, train={"epochs": 1, "lambda_budget": 2.0, "target_ratio": 0.4})
+    space = load_space(write_space(tmp_path, variant(parameters=NUMERIC), base=base), settings_only=True)
+    searcher = _searcher(space)
+    first = searcher.suggest("t0")
+    assert first["train.lambda_budget"] == 2.0 and first["train.target_ratio"] == 0.4
+    assert space.parameters["model.thresholds[1]"].contains(first["model.thresholds[1]"])
+    # a whole point goes through Tune's own points_to_evaluate
+    full = dict(first_points(space)[0], **{"model.thresholds[1]": 0.5})
+    space = load_space(
+        write_space(tmp_path, variant(parameters=NUMERIC, search={"initial_points": [full]}), base=base),
+        settings_only=True,
+    )
+    assert _searcher(space)._points_to_evaluate == [full]
 
 
 # ---------------------------------------------------------------------- invalid spaces
@@ -295,6 +397,33 @@ INVALID = [
         r"stage_two: thresholds need 0 <= low <= high <= 1",
     ),
     ("unknown sampler", variant(search={"sampler": "cmaes"}), r"search\.sampler: unknown sampler 'cmaes'"),
+    (
+        "NSGA-II population at the trial count",
+        variant(search={"num_samples": 16, "sampler": "nsga2", "population_size": 16}),
+        r"search\.population_size: an NSGA-II population of 16 at or above the 16 trials never evolves: "
+        r"that is random search; use sampler: auto",
+    ),
+    (
+        "NSGA-II's default population above the trial count",
+        variant(search={"num_samples": 50, "sampler": "nsga2"}),
+        r"search\.sampler: an NSGA-II population of 50 \(NSGA-II's default population is 50\) at or above the 50",
+    ),
+    (
+        "a population for another sampler",
+        variant(search={"num_samples": 64, "population_size": 16}),
+        r"search\.population_size: a setting of NSGA-II, and the sampler auto picks tpe for this space; remove it$",
+    ),
+    (
+        "ASHA with two objectives",
+        variant(search={"scheduler": "asha"}),
+        r"search\.scheduler: ASHA is refused: it ranks one metric, .* truncated accuracy as a finished point "
+        r"on the frontier; remove it$",
+    ),
+    (
+        "an ASHA setting",
+        variant(search={"grace_period": 2}),
+        r"search\.grace_period: a setting of the ASHA scheduler, which the sweep no longer has: remove it$",
+    ),
     ("zero trials", variant(search={"num_samples": 0}), r"search\.num_samples: must be >= 1, got 0"),
     (
         "empty trial resources",

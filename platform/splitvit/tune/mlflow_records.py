@@ -964,11 +964,20 @@ def sweep_params(space: SearchSpace) -> dict[str, Any]:
         "space_file": _short_path(space.source),
         "base_config": _short_path(space.base),
         "num_samples": space.search.num_samples,
-        "sampler": space.search.sampler,
+        # auto as the sampler it resolved to (``gp (auto)``): what a reader compares
+        "sampler": _sampler_name(space),
         "metric": space.quality_metric,
         "reference_point": f"{space.quality_metric} {space.pareto.quality:g}, token ratio {space.pareto.token_ratio:g}",
         "searched": ", ".join(space.parameters),
     }
+
+
+def _sampler_name(space: SearchSpace) -> str:
+    """``search.sampler``, ``auto`` with the sampler it picked: ``gp (auto)``."""
+    from .space import resolve_sampler
+
+    resolved = resolve_sampler(space)
+    return f"{resolved} (auto)" if space.search.sampler == "auto" else resolved
 
 
 def _short_path(path: str) -> str:

@@ -12,7 +12,7 @@ distribution with bounds, or a fixed value that passes through unchanged::
       train.warmup_epochs: {distribution: int, low: 1, high: 3}
       train.penalty:       {distribution: categorical, choices: [squared, hinge]}
       train.epochs: 3                                                    # fixed
-    search:     {num_samples: 8, max_concurrent: 2, sampler: nsga2, seed: 0}
+    search:     {num_samples: 8, max_concurrent: 2, sampler: auto, seed: 0}
     stage_two:  {points: 4}            # threshold points per finished trial
     baselines:  {entropy_thresholds: [0.3, 0.5, 0.7], random_budgets: 3}
     pareto:     {reference_point: {quality: 0.0, token_ratio: 1.0}}
@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -55,10 +56,11 @@ from ..config import (
     split_key,
 )
 
+log = logging.getLogger(__name__)
+
 DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
-SAMPLERS = ("tpe", "nsga2", "random")
+SAMPLERS = ("auto", "gp", "tpe", "nsga2", "random")
 STAGE_TWO_SAMPLERS = ("tpe", "nsga2", "random", "qmc")
-SCHEDULERS = ("asha",)
 TOP_LEVEL = (
     "base",
     "description",
@@ -73,6 +75,12 @@ TOP_LEVEL = (
     "mlflow",
 )
 BASELINE_POLICIES = ("full", "entropy", "random")
+#: Optuna's own rule (``AutoSampler``): NSGA-II only from this many trials on
+NSGA2_MIN_TRIALS = 250
+#: NSGA-II's population when the space names none (Optuna's default)
+NSGA2_DEFAULT_POPULATION = 50
+#: settings of the ASHA scheduler the sweep no longer has: a file naming one is told why
+REMOVED_SEARCH_KEYS = ("grace_period", "reduction_factor")
 
 
 class SearchSpaceError(ValueError):
@@ -152,6 +160,10 @@ class Parameter:
             return False
         if self.distribution == "int" and int(value) != value:
             return False
+        if self.step and self.distribution in ("uniform", "int"):
+            steps = (value - self.low) / self.step
+            if abs(steps - round(steps)) > 1e-8:  # off the grid: Optuna would not take it
+                return False
         return self.low <= value <= self.high
 
     def describe(self) -> str:
@@ -169,32 +181,43 @@ class SearchSettings:
     Attributes:
         num_samples: trials to run.
         max_concurrent: trials running at once (Tune's concurrency limit).
-        sampler: Optuna sampler, ``nsga2`` (needs a population of trials to evolve),
-            ``tpe`` (multi-objective TPE) or ``random``.
-        population_size: NSGA-II population (default: Optuna's, 50).
+        sampler: Optuna sampler. ``auto`` (the default) follows Optuna's own
+            ``AutoSampler`` rule (:func:`resolve_sampler`): ``nsga2`` from 250 trials
+            on, else ``tpe`` when a parameter is categorical, else ``gp``. ``gp``:
+            Gaussian-process Bayesian optimisation (log expected hypervolume
+            improvement), the best use of a small budget over numbers; ``tpe``:
+            multivariate TPE; ``nsga2``: NSGA-II, which needs generations to evolve;
+            ``random``.
+        population_size: NSGA-II population (default: Optuna's, 50). A population
+            at or above ``num_samples`` never evolves (it is random search), so such
+            a space is refused; so is a population with a sampler other than NSGA-II.
         seed: sampler seed.
-        scheduler: ``None`` or ``asha`` (early stopping on the quality metric; see
-            :mod:`splitvit.tune.sweep` for its caveat with multi-objective search).
-        grace_period, reduction_factor: ASHA settings, in reported epochs.
+        scheduler: ``null`` only: every trial runs its epochs. ``asha`` is refused:
+            ASHA ranks one metric, and with the sweep's two objectives Optuna would
+            record a stopped trial's truncated accuracy as a finished point, on the
+            frontier. (Its settings ``grace_period`` and ``reduction_factor`` are
+            gone too; a file naming them is told so.)
         trial_resources: Ray resources of each trial's driver function (the training
             workers ask for their own, from the config's ``scaling`` section). The
             function mostly waits, so a fraction of a CPU is enough; Tune cannot
             schedule an empty request.
-        initial_points: full parameter settings evaluated first (Optuna enqueues them).
+        initial_points: parameter settings evaluated first (Optuna enqueues them),
+            each giving every searched parameter a value. Unset (or ``null``): the
+            config's own point first, the base config's values of the searched
+            parameters (:func:`config_point`; a value outside its parameter's range
+            is left to the sampler). ``[]``: no point first.
         state_period_s: how often (at most) Tune saves the sweep's state for
             ``--resume``; Tune's own default waits at least 10 s.
     """
 
     num_samples: int = 8
     max_concurrent: int = 2
-    sampler: str = "tpe"
+    sampler: str = "auto"
     population_size: int | None = None
     seed: int = 0
     scheduler: str | None = None
-    grace_period: int = 1
-    reduction_factor: int = 2
     trial_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
-    initial_points: tuple[dict[str, Any], ...] = ()
+    initial_points: tuple[dict[str, Any], ...] | None = None
     state_period_s: float = 1.0
 
 
@@ -530,6 +553,12 @@ def space_from_dict(
     if not parameters:
         raise SearchSpaceError(source, "parameters", "nothing to search: give at least one parameter a distribution")
 
+    search = raw.get("search")
+    for key in REMOVED_SEARCH_KEYS:
+        if isinstance(search, dict) and key in search:
+            raise SearchSpaceError(
+                source, f"search.{key}", "a setting of the ASHA scheduler, which the sweep no longer has: remove it"
+            )
     space = SearchSpace(
         source=source,
         base=str(base_path),
@@ -553,6 +582,8 @@ def space_from_dict(
 
 def _normalize_points(space: SearchSpace) -> None:
     """Initial points with numbers written as YAML 1.1 reads them (``1e-3`` is text) made numeric."""
+    if space.search.initial_points is None:
+        return
     points = []
     for point in space.search.initial_points:
         if isinstance(point, dict):
@@ -777,18 +808,21 @@ def _validate_settings(space: SearchSpace) -> None:
         )
     if s.population_size is not None and s.population_size < 2:
         raise SearchSpaceError(src, "search.population_size", f"must be >= 2, got {s.population_size}")
-    if s.scheduler is not None and s.scheduler not in SCHEDULERS:
+    _check_population(space)
+    if s.scheduler == "asha":
         raise SearchSpaceError(
-            src, "search.scheduler", f"unknown scheduler {s.scheduler!r}; expected null or {', '.join(SCHEDULERS)}"
+            src,
+            "search.scheduler",
+            "ASHA is refused: it ranks one metric, and with the sweep's two objectives (quality and "
+            "tokens_per_image) Optuna would record a stopped trial's truncated accuracy as a finished "
+            "point on the frontier; remove it",
+        )
+    if s.scheduler is not None:
+        raise SearchSpaceError(
+            src, "search.scheduler", f"unknown scheduler {s.scheduler!r}; expected null (every trial runs its epochs)"
         )
     if s.state_period_s < 0:
         raise SearchSpaceError(src, "search.state_period_s", f"must be >= 0, got {s.state_period_s}")
-    if s.grace_period < 1 or s.reduction_factor < 2:
-        raise SearchSpaceError(
-            src,
-            "search.grace_period" if s.grace_period < 1 else "search.reduction_factor",
-            "grace_period must be >= 1 and reduction_factor >= 2",
-        )
     for name, amount in s.trial_resources.items():
         if _number(amount) is None or amount < 0:
             raise SearchSpaceError(src, f"search.trial_resources.{name}", f"must be a number >= 0, got {amount!r}")
@@ -800,7 +834,7 @@ def _validate_settings(space: SearchSpace) -> None:
             "ask for some resource, e.g. {CPU: 0.5}: the trial's driver function only waits "
             "for its training workers, so a fraction of a CPU is enough",
         )
-    for i, point in enumerate(s.initial_points):
+    for i, point in enumerate(s.initial_points or ()):
         key = f"search.initial_points[{i}]"
         if not isinstance(point, dict):
             raise SearchSpaceError(src, key, "expected a mapping of parameter name to value")
@@ -871,6 +905,91 @@ def _validate_settings(space: SearchSpace) -> None:
         raise SearchSpaceError(src, "mlflow.experiment", "must not be empty")
 
 
+def _check_population(space: SearchSpace) -> None:
+    """NSGA-II only where it has generations to evolve; a population only for NSGA-II."""
+    s, src = space.search, space.source
+    sampler = resolve_sampler(space)
+    if sampler != "nsga2":
+        if s.population_size is not None:
+            picked = f"sampler auto picks {sampler} for this space" if s.sampler == "auto" else f"sampler is {sampler}"
+            raise SearchSpaceError(src, "search.population_size", f"a setting of NSGA-II, and the {picked}; remove it")
+        return
+    population = s.population_size or NSGA2_DEFAULT_POPULATION
+    if population >= s.num_samples:
+        given = "" if s.population_size else f" (NSGA-II's default population is {NSGA2_DEFAULT_POPULATION})"
+        raise SearchSpaceError(
+            src,
+            "search.population_size" if s.population_size else "search.sampler",
+            f"an NSGA-II population of {population}{given} at or above the {s.num_samples} trials never "
+            "evolves: that is random search; use sampler: auto, or a population well below num_samples",
+        )
+
+
+def resolve_sampler(space: SearchSpace) -> str:
+    """The sampler the sweep uses: ``search.sampler``, with ``auto`` resolved by Optuna's
+    ``AutoSampler`` rule for two objectives. NSGA-II only for large budgets (from
+    :data:`NSGA2_MIN_TRIALS` trials: below that, a population of 50 gets too few
+    generations); multivariate TPE where a parameter is categorical (the GP's kernel
+    is for numbers); else the GP (log expected hypervolume improvement), the most out
+    of a small budget over numeric parameters."""
+    sampler = space.search.sampler
+    if sampler != "auto":
+        return sampler
+    if space.search.num_samples >= NSGA2_MIN_TRIALS:
+        return "nsga2"
+    if any(p.distribution == "categorical" for p in space.parameters.values()):
+        return "tpe"
+    return "gp"
+
+
+def _config_value(data: Any, name: str) -> Any:
+    """The value of the dotted, optionally indexed key ``name`` in a nested config dict
+    (``None`` where it has none). One number for an indexed list (``model.thresholds``
+    as one threshold for every level) is that number."""
+    parts, index = split_key(name)
+    for part in parts:
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    if index is None:
+        return data
+    if isinstance(data, (list, tuple)):
+        return data[index] if index < len(data) else None
+    return data  # one number for every level (or ``auto``, which no range holds)
+
+
+def config_point(space: SearchSpace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The base config's own point: ``(inside, outside)``, its values of the searched
+    parameters (after the recipe, the base file and the space's fixed values), split
+    into those each parameter's range holds and the rest (``auto`` thresholds, a value
+    out of bounds or off the step), which the sampler picks instead."""
+    data = json.loads(json.dumps(space.config(settings_only=True).to_dict(redact=False), default=str))
+    inside: dict[str, Any] = {}
+    outside: dict[str, Any] = {}
+    for name, param in space.parameters.items():
+        value = _config_value(data, name)
+        if param.distribution in ("uniform", "loguniform") and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        (inside if param.contains(value) else outside)[name] = value
+    return inside, outside
+
+
+def first_points(space: SearchSpace) -> list[dict[str, Any]]:
+    """The points the sweep evaluates first (config values, by parameter name): the
+    space's ``initial_points``, or, where it sets none, the config's own point
+    (:func:`config_point`; its keys outside their range are logged and left to the
+    sampler, and none inside gives no point)."""
+    if space.search.initial_points is not None:
+        return [dict(p) for p in space.search.initial_points]
+    inside, outside = config_point(space)
+    if outside:
+        log.info(
+            "the config's own point, evaluated first, leaves to the sampler %s (outside the searched range)",
+            ", ".join(f"{k} = {v!r}" for k, v in outside.items()),
+        )
+    return [inside] if inside else []
+
+
 def _owner(space: SearchSpace, config_key: str, candidates: list[str], reason: str = "") -> str | None:
     """The parameter (or fixed key) a ConfigError's key belongs to. Several indexed
     parameters of one list (``model.thresholds[0]``, ``[1]``) are told apart by the
@@ -934,7 +1053,7 @@ def _validate_against_config(space: SearchSpace, settings_only: bool = False) ->
         for name, param in categorical.items():
             for choice in param.choices[1:]:
                 check({**lows, **first_choice, name: choice}, [name], f"choice {choice!r}", only)
-        for i, point in enumerate(space.search.initial_points):
+        for i, point in enumerate(space.search.initial_points or ()):
             check(
                 space.decode({k: space.parameters[k].encode(v) for k, v in point.items()}),
                 list(point),

@@ -9,7 +9,9 @@ every checkpoint, the Pareto frontier of quality versus tokens in MLflow.
    a driver function that launches a ``TorchTrainer`` per trial (Ray's Train V2 +
    Tune pattern; never ``Tuner(trainer)``). ``OptunaSearch`` proposes the
    parameters with a two-objective metric (quality max, ``tokens_per_image`` min)
-   and an NSGA-II, TPE or random sampler, behind Tune's concurrency limit.
+   and the sampler ``search.sampler`` names (``auto``: Optuna's own rule, GP for a
+   small budget over numbers, multivariate TPE with categorical parameters, NSGA-II
+   from 250 trials), behind Tune's concurrency limit; the config's own point first.
 3. **Stage two** — each finished trial sweeps its per-level split thresholds with
    Optuna on its own checkpoint (evaluation only), adding points cheaply.
 4. **Frontier** — non-dominated points over every trial and threshold point (Optuna's
@@ -38,13 +40,11 @@ the MLflow runs found by their storage keys are re-used, never duplicated. A tri
 that raises or diverges (non-finite loss) is recorded as failed (its child run says
 ``failed`` or ``diverged``), the sweep goes on, and the frontier excludes it.
 
-**Early stopping caveat.** ``search.scheduler: asha`` stops trials on the quality
-metric alone — a scheduler ranks one metric, and Tune offers no multi-objective
-one. Under a multi-objective search this biases the sweep toward high-token (more
-accurate, slower) configurations: trials that trade accuracy for fewer tokens are
-exactly the ones stopped first. A stopped trial enters the frontier with its last
-reported epoch (no stage two) and Optuna learns from those truncated objectives.
-Use it only when most configurations are clearly bad early on.
+**No early stopping.** ``search.scheduler: asha`` is refused when the space loads. A
+scheduler ranks one metric (Tune offers no multi-objective one), and with the sweep's
+two objectives ``OptunaSearch`` ignores intermediate results: a trial ASHA stopped
+early would be told to Optuna as finished, with its truncated accuracy, and land on
+the frontier.
 """
 
 from __future__ import annotations
@@ -81,7 +81,14 @@ from .mlflow_records import (
 )
 from .pareto import Baseline, Point, annotate, best_point, frontier, round_figures
 from .reference import Reference, check_reference, convergence_line, locate_reference, train_reference
-from .space import BASELINE_POLICIES, SearchSpace, load_space
+from .space import (
+    BASELINE_POLICIES,
+    NSGA2_DEFAULT_POPULATION,
+    SearchSpace,
+    first_points,
+    load_space,
+    resolve_sampler,
+)
 from .trial import (
     BASELINE_KEY,
     FINAL_KEY,
@@ -235,42 +242,67 @@ def _build_tracking(space: SearchSpace) -> tuple[ExperimentConfig, str, str]:
     return base, base.tracking_uri(), experiment
 
 
-def _searcher(space: SearchSpace):
+def startup_trials(num_samples: int) -> int:
+    """Trials the GP (or TPE) sampler draws at random before it models the objectives.
+
+    Optuna's default, 10, would leave a sweep of up to 10 trials pure random search;
+    a third of the budget (at least 2, for a first model to fit; at most Optuna's 10)
+    leaves most trials to the model. The points evaluated first (the config's own)
+    are finished trials, so they count toward it."""
+    return max(2, min(10, num_samples // 3))
+
+
+def build_sampler(space: SearchSpace):
+    """The Optuna sampler of stage one: :func:`~splitvit.tune.space.resolve_sampler`'s
+    choice (``auto`` resolved), seeded by ``search.seed``."""
+    import warnings
+
     import optuna
-    from ray.tune.search.optuna import OptunaSearch
 
     s = space.search
-    if s.sampler == "nsga2":
-        sampler = optuna.samplers.NSGAIISampler(population_size=s.population_size or 50, seed=s.seed)
-    elif s.sampler == "random":
-        sampler = optuna.samplers.RandomSampler(seed=s.seed)
-    else:
-        sampler = optuna.samplers.TPESampler(seed=s.seed)
-    points = [{k: space.parameters[k].encode(v) for k, v in p.items()} for p in s.initial_points]
-    return OptunaSearch(
+    name = resolve_sampler(space)
+    if name == "nsga2":
+        return optuna.samplers.NSGAIISampler(population_size=s.population_size or NSGA2_DEFAULT_POPULATION, seed=s.seed)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=s.seed)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=s.seed, n_startup_trials=startup_trials(s.num_samples))
+    with warnings.catch_warnings():  # multivariate TPE is "experimental" in Optuna, and Optuna's recommendation
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(
+            multivariate=True, seed=s.seed, n_startup_trials=startup_trials(s.num_samples)
+        )
+
+
+def _searcher(space: SearchSpace):
+    from ray.tune.search.optuna import OptunaSearch
+
+    name = resolve_sampler(space)
+    if space.search.sampler == "auto":
+        log.info("sampler auto: %s for %d trials over %s", name, space.search.num_samples, _parameter_kinds(space))
+    points = [{k: space.parameters[k].encode(v) for k, v in p.items()} for p in first_points(space)]
+    complete = [p for p in points if len(p) == len(space.parameters)]
+    searcher = OptunaSearch(
         space=space.optuna_space(),
         metric=[space.quality_metric, "tokens_per_image"],
         mode=["max", "min"],
-        sampler=sampler,
-        points_to_evaluate=points or None,
+        sampler=build_sampler(space),
+        points_to_evaluate=complete or None,
     )
+    if len(complete) < len(points):
+        # the config's own point without the values outside their range: Ray refuses a
+        # partial point, Optuna takes one (the sampler fills in the rest), so it goes to
+        # the study directly, as Ray does with its points_to_evaluate
+        for point in points:
+            if len(point) < len(space.parameters):
+                searcher._ot_study.enqueue_trial(point)
+    return searcher
 
 
-def _scheduler(space: SearchSpace, epochs: int):
-    if space.search.scheduler != "asha":
-        return None
-    from ray.tune.schedulers import ASHAScheduler
-
-    # every epoch is one report, and the final result (after stage two) one more:
-    # max_t past them all, so ASHA never cuts a trial that reached its last epoch
-    return ASHAScheduler(
-        metric=space.quality_metric,
-        mode="max",
-        time_attr="training_iteration",
-        max_t=epochs + 2,
-        grace_period=space.search.grace_period,
-        reduction_factor=space.search.reduction_factor,
-    )
+def _parameter_kinds(space: SearchSpace) -> str:
+    """``4 numeric parameters``, ``7 numeric and 1 categorical parameters``."""
+    kinds = Counter("categorical" if p.distribution == "categorical" else "numeric" for p in space.parameters.values())
+    return " and ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), reverse=True)) + " parameters"
 
 
 def _callback_class():
@@ -759,7 +791,6 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=search,
-            scheduler=_scheduler(space, setup.base.train.total_epochs),
             num_samples=space.search.num_samples + len(baselines),
             max_concurrent_trials=space.search.max_concurrent,
             trial_dirname_creator=trial_dirname,
