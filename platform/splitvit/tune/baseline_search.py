@@ -10,9 +10,6 @@ the settings it chose.
 
 from __future__ import annotations
 
-import pickle
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from ray.tune.search import Searcher
@@ -55,19 +52,12 @@ class BaselinesFirst(Searcher):
         if trial_id not in self.baseline_trials:
             self.searcher.on_trial_complete(trial_id, result=result, error=error)
 
-    def save(self, checkpoint_path: str) -> None:
-        """One file (Tune renames it into place): the search's saved state, and which
-        baselines were handed out."""
-        self.searcher.save(checkpoint_path)
-        inner = Path(checkpoint_path).read_bytes()
-        state = {"search": inner, "pending": self.pending, "baseline_trials": self.baseline_trials}
-        Path(checkpoint_path).write_bytes(pickle.dumps(state))
+    def get_state(self) -> dict:
+        """Which baselines are still to hand out, and which trials were baselines. Tune
+        saves a wrapper's state (this) apart from the search's own (``searcher``)."""
+        return {"pending": list(self.pending), "baseline_trials": sorted(self.baseline_trials)}
 
-    def restore(self, checkpoint_path: str) -> None:
-        """Back to the saved state: a resumed sweep hands out no baseline twice."""
-        state = pickle.loads(Path(checkpoint_path).read_bytes())
-        with tempfile.TemporaryDirectory() as folder:
-            inner = Path(folder) / "search.pkl"
-            inner.write_bytes(state["search"])
-            self.searcher.restore(str(inner))
-        self.pending, self.baseline_trials = state["pending"], state["baseline_trials"]
+    def set_state(self, state: dict) -> None:
+        """Back to a saved state: a resumed sweep hands out no baseline twice."""
+        self.pending = list(state["pending"])
+        self.baseline_trials = set(state["baseline_trials"])

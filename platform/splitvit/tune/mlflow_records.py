@@ -1063,13 +1063,16 @@ def sweep_note(
     plot: str | None = PLOT_ARTIFACT,
     top: int = 5,
     best_uris: list[str] | None = None,
+    reference_note: str | None = None,
 ) -> str:
     """The parent run's markdown description: the hypervolume, the best points, the
     baselines at matched budgets, links to the plot and the best model, the trials by
     status. ``best_uris``: the registry URIs that load the best point's model
-    (``models:/<name>@best`` first). Links are relative to the MLflow UI (``#/experiments/...``, in its *Model
-    training* view), so they work on any host that serves the store. The table of the
-    largest hypervolume contributions is sorted by contribution, as its heading says."""
+    (``models:/<name>@best`` first). ``reference_note``: a markdown line on the reference
+    every trial fine-tuned from (with a link to its run where it has one). Links are
+    relative to the MLflow UI (``#/experiments/...``, in its *Model training* view), so
+    they work on any host that serves the store. The table of the largest hypervolume
+    contributions is sorted by contribution, as its heading says."""
     from .pareto import frontier
 
     front = frontier(points)
@@ -1081,6 +1084,8 @@ def sweep_note(
     )
     trials = ", ".join(f"{n} {status}" for status, n in sorted(trial_status.items()))
     lines += ["", f"Trials: {sum(trial_status.values())} ({trials or 'none'})."]
+    if reference_note:
+        lines += ["", reference_note]
     links = []
     if plot:
         links.append(f"[the frontier plot]({artifact_link(experiment_id, parent_run_id, plot)}) (`{plot}`)")

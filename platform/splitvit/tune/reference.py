@@ -86,6 +86,11 @@ def reference_config(space: SearchSpace, storage_root: str, experiment: str) -> 
     )
 
 
+def _experiment(space: SearchSpace, base: ExperimentConfig) -> str:
+    """The sweep's MLflow experiment: a reference trained here is recorded beside its trials."""
+    return space.mlflow.experiment or base.tracking.experiment
+
+
 def _digest(config: ExperimentConfig) -> str:
     """12 hex digits of the settings that make the reference what it is (not where it is
     stored, nor where it is recorded)."""
@@ -110,7 +115,7 @@ def locate_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: s
         return _from_checkpoint(space, r.checkpoint, tracking_uri)
     if r.study is not None:
         return _from_study(space, root, r.study, r.seed)
-    config = reference_config(space, root, base.tracking.experiment)
+    config = reference_config(space, root, _experiment(space, base))
     stored = join_uri(config.storage.run_uri(), REFERENCE_FILE)
     if not exists(stored):
         return None
@@ -126,7 +131,7 @@ def train_reference(space: SearchSpace, base: ExperimentConfig) -> Reference:
     from ..train.checkpoints import read_history
     from ..train.ray_trainer import run_training
 
-    config = reference_config(space, base.storage.resolved_path(), base.tracking.experiment)
+    config = reference_config(space, base.storage.resolved_path(), _experiment(space, base))
     log.info("training the reference (full resolution, %d epochs) in %s", config.train.epochs, config.storage.run_uri())
     result = run_training(config)
     if result.status != "completed" or result.checkpoint_uri is None:
@@ -200,13 +205,18 @@ def _judged(space: SearchSpace, checkpoint: str, source: str, record: dict[str, 
     )
 
 
-def convergence_line(space: SearchSpace, reference: Reference) -> str:
-    """One line on the reference's convergence, for the console and the MLflow run."""
+def convergence_verdict(space: SearchSpace, reference: Reference) -> str:
+    """The convergence check's verdict on the reference, in words."""
     r = space.reference
     if reference.gain_points is None:
-        return f"reference {reference.source}: no recorded curve to judge its convergence by"
+        return "no recorded curve to judge its convergence by"
     verdict = "converged" if reference.converged else "NOT converged (fine-tuning from it measures less)"
     return (
-        f"reference {reference.source}: {verdict}: {reference.gain_points:+.2f} points of "
-        f"{space.quality_metric} over its last {r.converge_epochs} epochs (goal < {r.converge_points:g})"
+        f"{verdict}: {reference.gain_points:+.2f} points of {space.quality_metric} over its last "
+        f"{r.converge_epochs} epochs (goal < {r.converge_points:g})"
     )
+
+
+def convergence_line(space: SearchSpace, reference: Reference) -> str:
+    """One line on the reference and its convergence, for the console and the MLflow run."""
+    return f"reference {reference.source}: {convergence_verdict(space, reference)}"

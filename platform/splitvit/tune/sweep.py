@@ -80,7 +80,14 @@ from .mlflow_records import (
     sweep_params,
 )
 from .pareto import Baseline, Point, annotate, best_point, frontier, round_figures
-from .reference import Reference, check_reference, convergence_line, locate_reference, train_reference
+from .reference import (
+    Reference,
+    check_reference,
+    convergence_line,
+    convergence_verdict,
+    locate_reference,
+    train_reference,
+)
 from .space import (
     BASELINE_POLICIES,
     NSGA2_DEFAULT_POPULATION,
@@ -973,7 +980,7 @@ def _baseline_trial_rows(
         labels = ["full resolution (fine-tuned)"]
     else:
         rows = threshold_points(final)
-        labels = [f"{trial.baseline} @ {row['token_ratio']:.2f} (fine-tuned)" for row in rows]
+        labels = [f"{trial.baseline} @ {row.get('target_ratio', row['token_ratio']):.2f} (fine-tuned)" for row in rows]
     return [
         Baseline(
             baseline=trial.baseline,
@@ -984,6 +991,7 @@ def _baseline_trial_rows(
             thresholds=list(row.get("thresholds") or []),
             trial_id=trial.trial_id,
             images_per_s=row.get("images_per_s"),
+            target_ratio=row.get("target_ratio"),
         )
         for row, label in zip(rows, labels)
     ]
@@ -1236,6 +1244,7 @@ def _close_sweep_run(
                 parent_run_id=recorder.parent_run_id,
                 plot=PLOT_ARTIFACT if result.plot else None,
                 best_uris=sweep.registered.by_run.get(best.run_id or "") if sweep.registered and best else None,
+                reference_note=_reference_note(sweep),
             )
         )
         recorder.describe_experiment(
@@ -1250,6 +1259,28 @@ def _close_sweep_run(
         recorder.close("completed", tags={"splitvit.best_run": (best.run_id or "") if best else ""})
     else:
         recorder.close("failed", tags={"splitvit.error": "no trial completed"})
+
+
+def _reference_note(sweep: _Sweep) -> str | None:
+    """The parent description's line on the reference: where it came from, a link to its
+    MLflow run (in whichever experiment holds it), its convergence."""
+    from ..tracking.runs import mlflow_client
+    from .mlflow_records import run_link
+
+    reference = sweep.setup.reference
+    if reference is None:
+        return None
+    where = f"`{reference.source}`"
+    if reference.run_id:
+        try:
+            experiment_id = mlflow_client(sweep.recorder.tracking_uri).get_run(reference.run_id).info.experiment_id
+            where = f"[{reference.source}]({run_link(experiment_id, reference.run_id)})"
+        except Exception as exc:  # noqa: BLE001 - a run the store lost: name it without a link
+            log.warning("the reference's MLflow run %s: %s", reference.run_id, exc)
+    return (
+        f"**Every trial fine-tuned from the reference** {where} (`{reference.checkpoint}`): "
+        f"{convergence_verdict(sweep.space, reference)}."
+    )
 
 
 def _run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[Baseline]:

@@ -283,6 +283,8 @@ def _point_row(result: dict[str, Any], metric: str, companions: tuple[str, ...] 
         "token_ratio": float(result["token_ratio"]),
         "images_per_s": float(result.get("images_per_s", 0.0)),
         "thresholds": [float(t) for t in result["thresholds"]],
+        # a baseline's point: the ratio its thresholds were calibrated to
+        **({"target_ratio": float(result["target_ratio"])} if result.get("target_ratio") is not None else {}),
     }
 
 

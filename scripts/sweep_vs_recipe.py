@@ -1,0 +1,171 @@
+"""A sweep's frontier on held-out data beside the hand-picked recipe and the
+full-resolution control of a study, both fine-tuned from the same reference.
+
+    python scripts/sweep_vs_recipe.py SWEEP.json STUDY.json [--seed 0] [--json OUT.json]
+
+For each token ratio 0.2, 0.3, ..., 0.8: the best held-out accuracy at or below that
+ratio among the sweep's frontier points (chosen on validation, evaluated once on the
+test split: their ``test_*`` figures) and among the study recipe's points (thresholds
+calibrated to each ratio), and the control's accuracy. "At or below" allows half a
+point of token share (0.005) for both alike: calibration lands a point a hair above
+its target. Then the goal lines of issue 58 and the hypervolume of both curves over
+token ratios 0.1-0.8 (the area under the best-accuracy-at-or-below curve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+RATIOS = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+SLACK = 0.005  # token share a calibrated point may land above its ratio
+POINTS = 100.0
+
+
+def sweep_curve(sweep: dict[str, Any]) -> list[tuple[float, float]]:
+    """``(test token ratio, test quality)`` of the sweep's frontier points."""
+    metric = sweep["metric"]
+    key = f"test_{metric}"
+    curve = [
+        (p["extras"]["test_token_ratio"], p["extras"][key]) for p in sweep["frontier"] if key in (p.get("extras") or {})
+    ]
+    if not curve:
+        raise SystemExit(f"{sweep['name']}: no frontier point has held-out figures ({key}): evaluation.split was off?")
+    return curve
+
+
+def study_runs(study: dict[str, Any], method: str, seed: int) -> dict[str, Any]:
+    """The study's run of ``method`` for ``seed``."""
+    for run in study["runs"]:
+        if run.get("method") == method and int(run.get("seed", -1)) == seed:
+            return run
+    raise SystemExit(f"{study.get('name')}: no run of method {method!r} for seed {seed}")
+
+
+def best_at(curve: list[tuple[float, float]], ratio: float) -> float | None:
+    """The best quality at or below ``ratio`` (with :data:`SLACK`), or ``None``."""
+    inside = [q for r, q in curve if r <= ratio + SLACK]
+    return max(inside) if inside else None
+
+
+def hypervolume(curve: list[tuple[float, float]], low: float = 0.1, high: float = 0.8) -> float:
+    """The area under the best-quality-at-or-below curve from ``low`` to ``high``
+    (quality times token share; a point below ``low`` counts from ``low``)."""
+    steps = sorted((max(r, low), q) for r, q in curve if r <= high + SLACK)
+    area, best = 0.0, 0.0
+    edges = [r for r, _ in steps] + [high]
+    for (start, quality), end in zip(steps, edges[1:]):
+        best = max(best, quality)
+        area += best * max(min(end, high) - min(start, high), 0.0)
+    return area
+
+
+def compare(sweep: dict[str, Any], study: dict[str, Any], method: str, control: str, seed: int) -> dict[str, Any]:
+    """The table's rows, the goal lines and both hypervolumes."""
+    swept = sweep_curve(sweep)
+    recipe_run = study_runs(study, method, seed)
+    recipe = [(p["token_ratio"], p["quality"]) for p in recipe_run["points"]]
+    full = study_runs(study, control, seed)["points"][0]["quality"]
+    rows = []
+    for ratio in RATIOS:
+        s, r = best_at(swept, ratio), best_at(recipe, ratio)
+        rows.append({"ratio": ratio, "sweep": s, "recipe": r, "control": full})
+    goals = []
+
+    def gap(row: dict[str, Any], other: str) -> float | None:
+        return None if row["sweep"] is None or row[other] is None else (row["sweep"] - row[other]) * POINTS
+
+    for row in rows:
+        g = gap(row, "recipe")
+        goals.append(
+            {
+                "goal": f"at {row['ratio']:.1f}: at or above the recipe minus 0.3 points",
+                "points": g,
+                "met": g is not None and g >= -0.3,
+            }
+        )
+        if row["ratio"] <= 0.3 + 1e-9:
+            goals.append(
+                {
+                    "goal": f"at {row['ratio']:.1f}: at least 1.0 point above the recipe",
+                    "points": g,
+                    "met": g is not None and g >= 1.0,
+                }
+            )
+    half = next(r for r in rows if abs(r["ratio"] - 0.5) < 1e-9)
+    g = gap(half, "control")
+    goals.append({"goal": "at 0.5: at or above the control", "points": g, "met": g is not None and g >= 0.0})
+    hv_sweep, hv_recipe = hypervolume(swept), hypervolume(recipe)
+    goals.append(
+        {
+            "goal": "hypervolume over token ratios 0.1-0.8 above the recipe's",
+            "points": (hv_sweep - hv_recipe) * POINTS,
+            "met": hv_sweep > hv_recipe,
+        }
+    )
+    return {
+        "sweep": sweep["name"],
+        "study": study.get("name"),
+        "seed": seed,
+        "method": method,
+        "control": control,
+        "metric": sweep["metric"],
+        "slack": SLACK,
+        "rows": rows,
+        "hypervolume": {"sweep": hv_sweep, "recipe": hv_recipe, "ratios": [0.1, 0.8]},
+        "goals": goals,
+        "met": all(g["met"] for g in goals),
+    }
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value * POINTS:.2f}"
+
+
+def print_comparison(result: dict[str, Any]) -> None:
+    """The table and the goal lines, as markdown."""
+    metric = result["metric"]
+    print(
+        f"sweep {result['sweep']} vs study {result['study']} ({result['method']}, control {result['control']}), "
+        f"seed {result['seed']}: best held-out {metric} (%) at or below each token ratio\n"
+    )
+    print("| token ratio | the sweep | the recipe | full resolution (control) | sweep - recipe |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in result["rows"]:
+        diff = (
+            "-" if row["sweep"] is None or row["recipe"] is None else f"{(row['sweep'] - row['recipe']) * POINTS:+.2f}"
+        )
+        cells = [f"{row['ratio']:.1f}", _cell(row["sweep"]), _cell(row["recipe"]), _cell(row["control"]), diff]
+        print("| " + " | ".join(cells) + " |")
+    hv = result["hypervolume"]
+    print(f"\nhypervolume over token ratios 0.1-0.8: the sweep {hv['sweep']:.4f}, the recipe {hv['recipe']:.4f}\n")
+    for goal in result["goals"]:
+        figure = "-" if goal["points"] is None else f"{goal['points']:+.2f} points"
+        print(f"* {goal['goal']}: {figure}: {'met' if goal['met'] else 'NOT met'}")
+    print(f"\nevery goal line: {'met' if result['met'] else 'NOT met'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the comparison (and write it with ``--json``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", help="the sweep's JSON (splitvit sweep --json)")
+    parser.add_argument("study", help="the study's JSON (splitvit study --json), fine-tuned from the same reference")
+    parser.add_argument("--seed", type=int, default=0, help="the study seed whose reference the sweep used")
+    parser.add_argument("--method", default="split-0.5-agg-mixed-ctx", help="the study's recipe method")
+    parser.add_argument("--control", default="full", help="the study's full-resolution control")
+    parser.add_argument("--json", help="write the comparison to this JSON file")
+    args = parser.parse_args(argv)
+    sweep = json.loads(Path(args.sweep).read_text())
+    study = json.loads(Path(args.study).read_text())
+    result = compare(sweep, study, args.method, args.control, args.seed)
+    print_comparison(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
