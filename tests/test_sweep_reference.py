@@ -1,0 +1,251 @@
+"""A sweep that fine-tunes from a reference, end to end on the local Ray and MLflow.
+
+One sweep, killed and resumed: its reference (full resolution, no recipe) is trained
+once by the driver; three searched trials and three fine-tuned baselines (full,
+entropy, random) start from its weights; the driver is killed (SIGKILL, as a crash)
+while a trial is between epochs, and ``--resume`` finishes the sweep, that trial
+continuing its own checkpoint. At the end the frontier and the baselines are
+evaluated once on the test split. Models are tiny (16-pixel images, one ViT block).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from mlflow import MlflowClient  # noqa: E402
+
+from splitvit.cli import main  # noqa: E402
+
+BASE = {
+    "recipe": "none",
+    "model": {
+        "name": "vit_tiny_patch16_224",
+        "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        "image_size": 16,
+        "levels": 2,
+        "policy_depth": 1,
+        "num_classes": 4,
+        "thresholds": "auto",
+    },
+    "data": {
+        "name": "synthetic",
+        "options": {"train_samples": 1024, "val_samples": 64, "test_samples": 64, "object_size": 4},
+        "batch_size": 16,
+    },
+    "train": {"epochs": 3, "warmup_epochs": 0, "lr": 0.003, "max_failures": 0},
+    "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 0.5}},
+    "tracking": {"split_map_images": 0},
+}
+# a learning rate this small leaves every fine-tuned weight within 1e-4 of where it
+# started: the trials' weights show which model they started from
+FINE_TUNE_LR = 1.0e-7
+
+
+def write_space(folder: Path, mlflow_uri: str) -> Path:
+    base = json.loads(json.dumps(BASE))
+    base["storage"] = {"path": str(folder / "runs"), "num_to_keep": 5}
+    base["tracking"]["tracking_uri"] = mlflow_uri
+    (folder / "base.yaml").write_text(yaml.safe_dump(base))
+    space = {
+        "base": "base.yaml",
+        "reference": {"train": {"train.epochs": 2, "train.lr": 0.003}},
+        "parameters": {
+            "train.lambda_budget": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
+            "train.target_ratio": {"distribution": "uniform", "low": 0.3, "high": 0.7},
+            "train.lr": FINE_TUNE_LR,
+            "train.weight_decay": 0.0,
+        },
+        "search": {
+            "num_samples": 3,
+            "max_concurrent": 2,
+            "sampler": "random",
+            "seed": 0,
+            "trial_resources": {"CPU": 0.25},
+        },
+        "stage_two": {"points": 2, "sampler": "random"},
+        "baselines": {"ratios": [0.5]},
+        "evaluation": {"split": "test", "samples": 32},
+        "speed": {"enabled": False},
+        "mlflow": {"experiment": "sweep-reference", "log_models": 1, "split_map_images": 0},
+    }
+    path = folder / "space.yaml"
+    path.write_text(yaml.safe_dump(space, sort_keys=False))
+    return path
+
+
+def cli(argv: list[str]) -> int:
+    """``splitvit`` in this process, its logging handler removed afterwards."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        return main(argv)
+    finally:
+        root.handlers[:] = before
+
+
+def _between_epochs(train: Path) -> Path | None:
+    """A trial's run folder that has its first epoch's checkpoint but is unfinished,
+    begun long enough ago that Tune has saved its state (so a resume keeps its id)."""
+    for run in sorted(train.glob("*")) if train.exists() else []:
+        first = run / "checkpoint_epoch0000"
+        if (first / "model.pt").exists() and not (run / "sweep_trial.json").exists():
+            if time.time() - first.stat().st_mtime > 1.5 and not (run / "checkpoint_epoch0002").exists():
+                return run
+    return None
+
+
+@pytest.fixture(scope="module")
+def sweep(ray_session, mlflow_uri, tmp_path_factory):
+    """The sweep, killed between a trial's epochs and resumed (see the module docstring)."""
+    import ray
+
+    folder = tmp_path_factory.mktemp("sweep-reference")
+    space = write_space(folder, mlflow_uri)
+    log_path = folder / "driver.log"
+    killed_run = None
+    with open(log_path, "w") as log_file:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "splitvit.cli", "sweep", str(space), "--name", "ref"]
+            + ["--address", ray.get_runtime_context().gcs_address],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=folder,
+            start_new_session=True,
+            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"),
+        )
+        deadline = time.time() + 300
+        try:
+            while time.time() < deadline and driver.poll() is None and killed_run is None:
+                killed_run = _between_epochs(folder / "runs" / "ref" / "train")
+                time.sleep(0.2)
+        finally:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    assert killed_run is not None, log_path.read_text()[-5000:]
+    before = {p.relative_to(killed_run): p.stat().st_mtime_ns for p in killed_run.rglob("*") if p.is_file()}
+    time.sleep(2)  # the killed driver's actors end
+    out = folder / "sweep.json"
+    code = cli(["sweep", str(space), "--name", "ref", "--resume", "--json", str(out)])
+    return {
+        "code": code,
+        "json": json.loads(out.read_text()),
+        "folder": folder,
+        "space": space,
+        "killed_run": killed_run,
+        "before": before,
+        "client": MlflowClient(mlflow_uri),
+        "uri": mlflow_uri,
+    }
+
+
+def _backbone(checkpoint: str) -> dict:
+    from splitvit.train.checkpoints import load_payload
+
+    state = load_payload(checkpoint)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("vit.blocks.")}
+
+
+def test_trials_and_baselines_start_from_the_reference(sweep):
+    """Every trial and fine-tuned baseline ends within 1e-4 of the reference's block
+    weights (it fine-tuned from them at a tiny learning rate), while a fresh model of
+    the same shape is far from them."""
+    import torch
+
+    from splitvit.train.experiment import build_model, load_experiment
+
+    data = sweep["json"]
+    assert sweep["code"] == 0 and data["resumed"]
+    reference = data["reference"]
+    # trained by the killed driver, found by the resumed one (a later sweep would reuse it too)
+    assert reference["source"].startswith("trained ") and reference["epochs"] == 2
+    ref = _backbone(reference["checkpoint"])
+    trials = data["trials"]
+    assert sorted(t["baseline"] for t in trials) == ["", "", "", "entropy", "full", "random"]
+    assert all(t["status"] == "completed" for t in trials)
+    for trial in trials:
+        weights = _backbone(trial["checkpoint"])
+        assert weights.keys() == ref.keys()
+        assert max((weights[k] - ref[k]).abs().max().item() for k in ref) < 1e-4, trial
+    config = load_experiment(sweep["folder"] / "base.yaml")
+    fresh = {k: v for k, v in build_model(config.model, pretrained=False).state_dict().items() if k in ref}
+    assert max((fresh[k] - ref[k]).abs().max().item() for k in ref) > 1e-2
+    assert all(isinstance(v, torch.Tensor) for v in fresh.values())
+
+
+def test_a_resumed_trial_continues_its_own_checkpoint(sweep):
+    """The trial killed between epochs kept its first epoch's checkpoint untouched and
+    trained the rest: every epoch once in its history, none trained twice."""
+    from splitvit.train.checkpoints import read_history
+
+    run, before = sweep["killed_run"], sweep["before"]
+    data = sweep["json"]
+    trial = next(t for t in data["trials"] if t["trial_id"] == run.name)
+    assert trial["status"] == "completed" and trial["checkpoint"].endswith("checkpoint_epoch0002")
+    first = {p: m for p, m in before.items() if p.parts[0] == "checkpoint_epoch0000"}
+    assert first and all((run / p).stat().st_mtime_ns == m for p, m in first.items())
+    assert [h["epoch"] for h in read_history(trial["checkpoint"])] == [0, 1, 2]
+
+
+def test_the_frontier_and_baselines_are_evaluated_on_the_test_split(sweep):
+    """Test-split figures beside the validation ones: in the JSON (frontier points and
+    baselines), on each frontier point's MLflow run, and in the frontier table."""
+    data, client = sweep["json"], sweep["client"]
+    assert data["held_out_split"] == "test"
+    front = data["frontier"]
+    assert front and all({"test_accuracy", "test_token_ratio"} <= set(p["extras"]) for p in front)
+    assert all(0.0 <= p["extras"]["test_accuracy"] <= 1.0 for p in front)
+    baselines = {b["baseline"] for b in data["baselines"]}
+    assert baselines == {"full", "entropy", "random"}
+    assert all("test_accuracy" in b for b in data["baselines"])
+    full = next(b for b in data["baselines"] if b["baseline"] == "full")
+    assert full["test_token_ratio"] == pytest.approx(1.0)
+    for point in front:
+        metrics = client.get_run(point["run_id"]).data.metrics
+        assert metrics["test_accuracy"] == pytest.approx(point["extras"]["test_accuracy"])
+    table = (Path(data["frontier_csv"])).read_text().splitlines()[0]
+    assert "test_accuracy" in table and "test_token_ratio" in table
+    # baseline trials are never frontier points (Optuna never heard of them either)
+    baseline_ids = {t["trial_id"] for t in data["trials"] if t["baseline"]}
+    assert not baseline_ids & {p["trial_id"] for p in data["points"]}
+
+
+def test_the_parent_run_links_its_reference_and_a_later_sweep_reuses_it(sweep):
+    """The reference is an MLflow run of its own in the sweep's experiment, linked from
+    the parent (tag and description); a later sweep with the same reference settings
+    finds it without training."""
+    from splitvit.tune.reference import locate_reference
+    from splitvit.tune.space import load_space
+
+    data, client = sweep["json"], sweep["client"]
+    parent = client.get_run(data["mlflow"]["parent_run_id"])
+    ref_run_id = parent.data.tags["splitvit.reference_run"]
+    assert ref_run_id == data["reference"]["run_id"]
+    ref_run = client.get_run(ref_run_id)
+    assert ref_run.info.status == "FINISHED" and ref_run.info.experiment_id == parent.info.experiment_id
+    assert ref_run.data.params["model.policy"] == "full"
+    assert f"runs/{ref_run_id}" in parent.data.tags["mlflow.note.content"]
+    assert parent.data.tags["splitvit.reference_checkpoint"] == data["reference"]["checkpoint"]
+    baseline_runs = [
+        r
+        for r in client.search_runs([parent.info.experiment_id], max_results=100)
+        if r.data.tags.get("splitvit.baseline")
+    ]
+    assert sorted(r.data.tags["splitvit.baseline"] for r in baseline_runs) == ["entropy", "full", "random"]
+
+    space = load_space(sweep["space"])
+    again = locate_reference(space, space.config(), sweep["uri"])
+    assert again is not None and again.source.startswith("trained earlier")
+    assert again.checkpoint == data["reference"]["checkpoint"] and again.run_id == ref_run_id
