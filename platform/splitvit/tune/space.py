@@ -577,6 +577,7 @@ def space_from_dict(
     )
     _validate_settings(space)
     _validate_against_config(space, settings_only)
+    _validate_reference_config(space)
     return space
 
 
@@ -638,22 +639,24 @@ def _resolve_base(base: Any, root: Path, source: str) -> Path:
     return candidate
 
 
-def _check_key_syntax(name: str, source: str) -> None:
+def _check_key_syntax(name: str, source: str, section: str = "parameters") -> None:
+    """A dotted config key's syntax; errors name ``<section>.<name>`` (a parameter's, or
+    a ``reference.train`` setting's)."""
     if name == RECIPE_KEY:  # the recipe under the config (a name, or categorical over names)
         return
     parts, _ = split_key(name)  # a malformed index leaves a "[" in a part
     if not all(re.fullmatch(r"[A-Za-z_]\w*", p) for p in parts):
         raise SearchSpaceError(
-            source, f"parameters.{name}", "not a dotted config key (like train.lr or model.thresholds[0])"
+            source, f"{section}.{name}", "not a dotted config key (like train.lr or model.thresholds[0])"
         )
     if parts[0] not in SECTIONS:
         raise SearchSpaceError(
             source,
-            f"parameters.{name}",
+            f"{section}.{name}",
             f"unknown config key: {parts[0]} is not a config section{_did_you_mean(parts[0], SECTIONS)}",
         )
     if len(parts) < 2:
-        raise SearchSpaceError(source, f"parameters.{name}", "name a key inside the section, like train.lr")
+        raise SearchSpaceError(source, f"{section}.{name}", "name a key inside the section, like train.lr")
 
 
 _SPEC_KEYS = {
@@ -770,7 +773,7 @@ def _reference(raw: Any, source: str) -> ReferenceSettings:
         raise SearchSpaceError(source, f"reference.{key}", "converge_epochs must be >= 1 and converge_points > 0")
     if settings.train is not None:
         for key in settings.train:
-            _check_key_syntax(str(key), source)
+            _check_key_syntax(str(key), source, "reference.train")
             parts = split_key(str(key))[0]
             if str(key) == RECIPE_KEY or parts[0] not in SECTIONS or len(parts) < 2:
                 raise SearchSpaceError(
@@ -1007,6 +1010,21 @@ def _owner(space: SearchSpace, config_key: str, candidates: list[str], reason: s
         if index is not None and f"[{index}]" in f"{config_key} {reason}":
             return name
     return matches[0] if matches else None
+
+
+def _validate_reference_config(space: SearchSpace) -> None:
+    """A ``reference: {train: ...}``'s settings through the config's own checks (as
+    :func:`~splitvit.tune.reference.reference_config` applies them: full resolution,
+    no recipe), so that a wrong key or value stops the space here, naming the section."""
+    train = space.reference.train
+    if not train:
+        return
+    try:
+        space.config({**train, RECIPE_KEY: "none", "model.policy": "full"}, name="reference", settings_only=True)
+    except ConfigError as exc:
+        owner = next((k for k in train if ".".join(split_key(str(k))[0]) == exc.key), None)
+        where = f"reference.train.{owner}" if owner is not None else "reference.train"
+        raise SearchSpaceError(space.source, where, f"{exc.key}: {exc.reason}") from None
 
 
 def _validate_against_config(space: SearchSpace, settings_only: bool = False) -> None:

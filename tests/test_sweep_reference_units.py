@@ -1,0 +1,530 @@
+"""A sweep's reference and fine-tuned baselines, unit by unit (no Ray cluster, no
+training): the ``reference:``/``evaluation:`` sections and their refusals, finding a
+reference (study, checkpoint, MLflow URI) and judging its convergence, checking that
+its weights fit the trials' model, the config a trained reference gets and its
+digest, the trials' configs, the searcher that hands out the baselines first, and
+``scripts/sweep_vs_recipe.py``'s figures."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.tune.search import Searcher
+
+from splitvit.train.experiment import build_model
+from splitvit.tune.baseline_search import BaselinesFirst
+from splitvit.tune.reference import (
+    STUDY_RESULT_FILE,
+    Reference,
+    check_reference,
+    convergence_verdict,
+    locate_reference,
+    reference_config,
+)
+from splitvit.tune.space import SearchSpace, SearchSpaceError, space_from_dict
+from splitvit.tune.trial import BASELINE_KEY, SweepPlan
+from tests.helpers import load_script
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+# 32x32 images, 4-pixel base patches, three levels; no recipe named: the task's current
+# recipe applies to the learned policy (it sets model.fine_aggregation)
+BASE = {
+    "model": {
+        "name": "vit_tiny_patch16_224",
+        "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
+        "image_size": 32,
+        "levels": 3,
+        "policy_depth": 1,
+        "num_classes": 4,
+    },
+    "data": {
+        "name": "synthetic",
+        "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
+        "batch_size": 16,
+    },
+    "train": {"epochs": 1, "lr": 0.002},
+}
+PARAMETERS = {
+    "train.lambda_budget": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
+    "train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 0.8},
+    "model.thresholds[1]": {"distribution": "uniform", "low": 0.3, "high": 0.7},
+}
+FIRST_POINT = {"train.lambda_budget": 2.0, "train.target_ratio": 0.4, "model.thresholds[1]": 0.45}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A folder holding the base config; its storage path is ``runs`` inside it."""
+    path = tmp_path_factory.mktemp("reference")
+    base = {**copy.deepcopy(BASE), "storage": {"path": str(path / "runs")}}
+    (path / "base.yaml").write_text(yaml.safe_dump(base))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(folder) -> str:
+    """A checkpoint of the base config's model (trials need one that exists)."""
+    return str(save_model(folder / "reference" / "checkpoint_000003", make_space(folder).config().model))
+
+
+def make_space(folder: Path, base: str = "base.yaml", **sections) -> SearchSpace:
+    """A space over the base config in ``folder`` with ``sections`` (``reference=...``)."""
+    raw = {"base": base, "parameters": copy.deepcopy(PARAMETERS), **copy.deepcopy(sections)}
+    return space_from_dict(raw, source="space.yaml", root=folder)
+
+
+def refused(folder: Path, **sections) -> SearchSpaceError:
+    with pytest.raises(SearchSpaceError) as info:
+        make_space(folder, **sections)
+    return info.value
+
+
+def save_model(folder: Path, model_config) -> Path:
+    """A checkpoint folder holding ``model.pt`` of a freshly built model (what
+    ``SplitViT.save`` writes, as ``init_weights`` reads it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    build_model(model_config, pretrained=False).save(folder / "model.pt")
+    return folder
+
+
+# ---------------------------------------------------------------------- the sections
+@pytest.mark.parametrize(
+    "sections,key",
+    [
+        ({"reference": {}}, "reference"),  # named no way
+        ({"reference": {"converge_epochs": 2}}, "reference"),
+        ({"reference": {"checkpoint": "/x", "study": "s"}}, "reference"),  # two ways
+        ({"reference": {"study": "s", "train": {"train.epochs": 2}}}, "reference"),
+        ({"reference": "study_fashion"}, "reference"),  # not a mapping
+        ({"reference": {"checkpoint": "/x", "seed": 1}}, "reference.seed"),  # a seed without a study
+        ({"reference": {"study": "s", "seed": -1}}, "reference.seed"),
+        ({"reference": {"study": " "}}, "reference.study"),
+        ({"reference": {"train": {"epochs": 3}}}, "reference.train.epochs"),  # not dotted
+        ({"reference": {"train": {"recipe": "none"}}}, "reference.train.recipe"),  # no recipe
+        ({"reference": {"train": {"train": {"epochs": 3}}}}, "reference.train.train"),  # a section, not a key
+        ({"reference": {"train": {"optim.lr": 0.1}}}, "reference.train.optim.lr"),  # no such section
+        ({"reference": {"train": {"train.bogus": 3}}}, "reference.train.train.bogus"),  # not a config key
+        ({"reference": {"train": {"train.epochs": 0}}}, "reference.train.train.epochs"),  # not a valid value
+        ({"reference": {"study": "s", "converge_epochs": 0}}, "reference.converge_epochs"),
+        ({"reference": {"study": "s", "converge_points": 0}}, "reference.converge_points"),
+        ({"reference": {"study": "s", "bogus": 1}}, "reference.bogus"),
+        ({"evaluation": {"split": "bogus"}}, "evaluation.split"),
+        ({"evaluation": {"samples": 0}}, "evaluation.samples"),
+        ({"baselines": {"ratios": [0.5, 1.5]}}, "baselines.ratios[1]"),
+        ({"baselines": {"ratios": [0.0]}}, "baselines.ratios[0]"),
+        ({"baselines": {"target_ratio": 0}}, "baselines.target_ratio"),
+        ({"baselines": {"target_ratio": 1.2}}, "baselines.target_ratio"),
+    ],
+)
+def test_each_refusal_names_its_key(folder, sections, key):
+    error = refused(folder, **sections)
+    assert error.key == key, str(error)
+    assert str(error).startswith(f"search space space.yaml: {key}: ")
+    assert "\n" not in str(error)
+
+
+def test_a_valid_reference_section_loads_and_is_recorded(folder):
+    space = make_space(
+        folder,
+        reference={"study": "study_fashion", "seed": 2, "converge_epochs": 4, "converge_points": 0.5},
+        evaluation={"split": "val", "samples": 16},
+        baselines={"target_ratio": 0.5, "ratios": [0.3, 0.6]},
+    )
+    assert space.reference.enabled
+    recorded = space.to_dict()
+    assert recorded["reference"] == {
+        "checkpoint": None,
+        "study": "study_fashion",
+        "seed": 2,
+        "train": None,
+        "converge_epochs": 4,
+        "converge_points": 0.5,
+    }
+    assert recorded["evaluation"] == {"split": "val", "samples": 16}
+    assert recorded["baselines"]["target_ratio"] == 0.5
+    assert list(recorded["baselines"]["ratios"]) == [0.3, 0.6]
+    json.dumps(recorded)  # JSON-ready, as sweep.json stores it
+    # no reference, no held-out split: both are settings a space may leave off
+    plain = make_space(folder, evaluation={"split": None})
+    assert not plain.reference.enabled and plain.evaluation.split is None
+    assert plain.to_dict()["reference"]["train"] is None
+    trained = make_space(folder, reference={"train": {"train.epochs": 4, "model.timm_kwargs.depth": 1}})
+    assert trained.reference.train == {"train.epochs": 4, "model.timm_kwargs.depth": 1}
+
+
+# ---------------------------------------------------------------------- finding a reference
+def write_study(root: Path, study: str, seed: int, checkpoint: str, curve: list[float]) -> Path:
+    """A finished study's backbone record, where ``splitvit study`` stores it."""
+    run = root / study / "train" / f"backbone-s{seed}"
+    run.mkdir(parents=True, exist_ok=True)
+    history = [{"epoch": i, "accuracy": a, "loss": 1.0 - a} for i, a in enumerate(curve)]
+    record = {"seed": seed, "checkpoint": checkpoint, "history": history, "run_id": "abc123"}
+    (run / STUDY_RESULT_FILE).write_text(json.dumps(record))
+    return run
+
+
+def test_a_missing_study_is_refused_naming_the_path(folder):
+    space = make_space(folder, reference={"study": "never_ran", "seed": 1})
+    base = space.config()
+    with pytest.raises(SearchSpaceError) as info:
+        locate_reference(space, base, "sqlite:///unused.db")
+    assert info.value.key == "reference.study"
+    expected = str(folder / "runs" / "never_ran" / "train" / "backbone-s1" / STUDY_RESULT_FILE)
+    assert expected in info.value.reason
+
+
+@pytest.mark.parametrize(
+    "curve,converged,gain",
+    [
+        ([0.50, 0.70, 0.800, 0.801, 0.802, 0.8025], True, 0.25),  # flat over the last 3 epochs
+        ([0.50, 0.70, 0.800, 0.801, 0.802, 0.8050], False, 0.5),  # the goal is under 0.3 points
+        ([0.50, 0.60, 0.700, 0.750, 0.800, 0.850], False, 15.0),  # still rising
+        ([0.50, 0.60, 0.700, 0.690, 0.680, 0.670], True, -3.0),  # falling is converged too
+        ([0.50, 0.60, 0.700], None, None),  # three epochs: no curve over the last three to judge
+        ([], None, None),
+    ],
+)
+def test_a_study_reference_and_its_convergence(tmp_path, curve, converged, gain):
+    base_file = {**copy.deepcopy(BASE), "storage": {"path": str(tmp_path / "runs")}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base_file))
+    space = make_space(tmp_path, reference={"study": "study_fashion", "seed": 3})
+    checkpoint = str(tmp_path / "runs" / "study_fashion" / "train" / "backbone-s3" / "checkpoint_000009")
+    write_study(tmp_path / "runs", "study_fashion", 3, checkpoint, curve)
+    reference = locate_reference(space, space.config(), "sqlite:///unused.db")
+    assert isinstance(reference, Reference)
+    assert reference.checkpoint == checkpoint
+    assert reference.source == "study study_fashion, seed 3"
+    assert reference.run_id == "abc123"
+    assert len(reference.history) == len(curve)
+    assert reference.converged is converged
+    if gain is None:
+        assert reference.gain_points is None
+        assert convergence_verdict(space, reference) == "no recorded curve to judge its convergence by"
+    else:
+        assert reference.gain_points == pytest.approx(gain)
+        verdict = convergence_verdict(space, reference)
+        assert verdict.startswith("converged" if converged else "NOT converged"), verdict
+        assert f"{gain:+.2f} points of accuracy over its last 3 epochs (goal < 0.3)" in verdict
+
+
+def test_a_checkpoint_that_does_not_exist_is_refused(folder):
+    missing = str(folder / "nowhere" / "checkpoint_000001")
+    space = make_space(folder, reference={"checkpoint": missing})
+    with pytest.raises(SearchSpaceError) as info:
+        locate_reference(space, space.config(), "sqlite:///unused.db")
+    assert info.value.key == "reference.checkpoint"
+    assert missing in info.value.reason
+
+
+def test_an_existing_checkpoint_is_the_reference(folder):
+    checkpoint = save_model(folder / "given" / "checkpoint_000002", make_space(folder).config().model)
+    space = make_space(folder, reference={"checkpoint": str(checkpoint)})
+    reference = locate_reference(space, space.config(), "sqlite:///unused.db")
+    assert reference == Reference(str(checkpoint), str(checkpoint))
+    assert reference.converged is None  # a bare checkpoint has no curve
+
+
+def test_an_unknown_mlflow_run_is_refused(folder, tmp_path):
+    from splitvit.tracking import ensure_experiment
+
+    space = make_space(folder, reference={"checkpoint": "runs:/0123456789abcdef"})
+    base = space.config()
+    # no store at all: refused without MLflow creating one
+    absent = f"sqlite:///{tmp_path}/absent.db"
+    with pytest.raises(SearchSpaceError) as info:
+        locate_reference(space, base, absent)
+    assert info.value.key == "reference.checkpoint"
+    assert "no MLflow store" in info.value.reason
+    assert not (tmp_path / "absent.db").exists()
+    # a fresh store that does not know the run
+    fresh = f"sqlite:///{tmp_path}/fresh.db"
+    ensure_experiment(fresh, "tests")
+    with pytest.raises(SearchSpaceError) as info:
+        locate_reference(space, base, fresh)
+    assert info.value.key == "reference.checkpoint"
+    assert info.value.reason.startswith("runs:/0123456789abcdef: not found in MLflow store")
+
+
+# ---------------------------------------------------------------------- does it fit?
+def test_a_reference_of_another_shape_is_refused_and_the_same_shape_passes(folder):
+    space = make_space(folder, reference={"checkpoint": "/unused"})
+    base = space.config()
+    same = save_model(folder / "same", base.model)
+    check_reference(space, base, Reference(str(same), "same shape"))
+    wider = dataclasses.replace(base.model, timm_kwargs={**base.model.timm_kwargs, "embed_dim": 32, "num_heads": 2})
+    other = save_model(folder / "wider", wider)
+    with pytest.raises(SearchSpaceError) as info:
+        check_reference(space, base, Reference(str(other), "a wider ViT"))
+    assert info.value.key == "reference"
+    assert info.value.reason.startswith("a wider ViT: does not fit the trials' model: ")
+    assert "a different architecture?" in info.value.reason
+    with pytest.raises(SearchSpaceError) as info:
+        check_reference(space, base, Reference(str(folder / "gone"), "gone"))
+    assert info.value.key == "reference"
+
+
+# ---------------------------------------------------------------------- a trained reference
+def test_a_trained_reference_is_full_resolution_without_a_recipe(folder):
+    space = make_space(folder, reference={"train": {"train.epochs": 4, "train.lr": 0.01}})
+    base = space.config()
+    assert base.recipe != "none" and base.model.fine_aggregation  # the trials' recipe
+    config = reference_config(space, base.storage.resolved_path(), "the-sweep")
+    assert config.recipe == "none"
+    assert config.model.policy == "full"
+    assert config.model.fine_aggregation is False  # the library's default, not the recipe's
+    assert (config.train.epochs, config.train.lr) == (4, 0.01)
+    assert config.tracking.experiment == "the-sweep"
+    assert config.model.timm_kwargs == base.model.timm_kwargs  # the same ViT as the trials
+    run = config.storage.run_uri()
+    assert re.fullmatch(re.escape(str(folder / "runs" / "references")) + r"/reference-[0-9a-f]{12}", run), run
+    # a second call names the same folder (reused by a later sweep)
+    assert reference_config(space, base.storage.resolved_path(), "the-sweep").storage.run_uri() == run
+    # not trained yet: nothing to locate (the sweep trains it)
+    assert locate_reference(space, base, "sqlite:///unused.db") is None
+
+
+def test_the_digest_follows_the_training_settings_only(tmp_path):
+    made = []
+
+    def digest(storage: str, tracking: dict, lr: float, experiment: str = "e") -> str:
+        made.append(storage)
+        name = f"base-{len(made)}.yaml"
+        base = {**copy.deepcopy(BASE), "storage": {"path": storage}, "tracking": tracking}
+        (tmp_path / name).write_text(yaml.safe_dump(base))
+        space = make_space(tmp_path, base=name, reference={"train": {"train.epochs": 4, "train.lr": lr}})
+        config = reference_config(space, str(tmp_path / "root"), experiment)
+        return config.storage.name.removeprefix("reference-")
+
+    first = digest(str(tmp_path / "a"), {"split_map_images": 0}, 0.01)
+    assert re.fullmatch(r"[0-9a-f]{12}", first)
+    # where it is stored and recorded is not what it is
+    assert digest(str(tmp_path / "b"), {"split_map_images": 4, "tracking_uri": "sqlite:///x.db"}, 0.01) == first
+    assert digest(str(tmp_path / "a"), {"split_map_images": 0}, 0.01, experiment="other") == first
+    # another training setting is another reference
+    assert digest(str(tmp_path / "a"), {"split_map_images": 0}, 0.02) != first
+
+
+# ---------------------------------------------------------------------- the trials
+def test_every_trial_fine_tunes_from_the_reference(folder, checkpoint):
+    space = make_space(
+        folder,
+        reference={"checkpoint": "/unused"},
+        search={"initial_points": [FIRST_POINT]},
+        baselines={"target_ratio": 0.35},
+    )
+    plan = SweepPlan(space=space, train_storage=str(folder / "sweep" / "train"), name="s", reference=checkpoint)
+    searched = plan.trial_config({"train.lambda_budget": 1.5, "train.target_ratio": 0.3}, "t1")
+    assert searched.model.init_from == checkpoint
+    assert searched.train.lambda_budget == 1.5 and searched.model.policy == "learned"
+    assert searched.storage.run_uri() == str(folder / "sweep" / "train" / "t1")
+    assert searched.tracking.enabled is False
+    for policy in ("full", "entropy", "random"):
+        config = plan.trial_config({BASELINE_KEY: policy}, f"b-{policy}")
+        assert config.model.init_from == checkpoint
+        assert config.model.policy == policy
+        assert config.storage.run_uri() == str(folder / "sweep" / "train" / f"b-{policy}")
+    # without a reference, trials start from the base config's own initialisation
+    bare = SweepPlan(space=space, train_storage=str(folder / "sweep" / "train"), name="s")
+    assert bare.trial_config({"train.lambda_budget": 1.5}, "t2").model.init_from is None
+
+
+def test_baseline_params_are_the_first_point_with_the_policy(folder, checkpoint):
+    space = make_space(
+        folder,
+        reference={"checkpoint": "/unused"},
+        search={"initial_points": [FIRST_POINT]},
+        baselines={"target_ratio": 0.35},
+    )
+    plan = SweepPlan(space=space, train_storage=str(folder / "train"), name="s", reference=checkpoint)
+    assert plan.baseline_params("full") == {**FIRST_POINT, "model.policy": "full"}
+    for policy in ("entropy", "random"):
+        params = plan.baseline_params(policy)
+        assert params == {
+            **FIRST_POINT,
+            "model.policy": policy,
+            "train.target_ratio": 0.35,
+            "model.thresholds": "auto",
+        }
+        config = plan.trial_config({BASELINE_KEY: policy}, policy)
+        assert config.train.target_ratio == 0.35 and config.model.thresholds == "auto"
+    full = plan.trial_config({BASELINE_KEY: "full"}, "full")
+    assert full.train.target_ratio == 0.4  # the first point's, not the baselines'
+    assert full.model.thresholds != "auto"
+    # no initial points: the base config's own values
+    plain = SweepPlan(space=make_space(folder, reference={"checkpoint": "/unused"}), train_storage="x", name="s")
+    assert plain.baseline_params("full") == {"model.policy": "full"}
+
+
+# ---------------------------------------------------------------------- baselines first
+class Recording(Searcher):
+    """A searcher that hands out ``{"x": n}`` and records what it is told."""
+
+    def __init__(self) -> None:
+        super().__init__(metric="accuracy", mode="max")
+        self.suggested: list[str] = []
+        self.results: list[str] = []
+        self.completed: list[str] = []
+        self.properties: list[tuple] = []
+        self.concurrency: list[int] = []
+
+    def suggest(self, trial_id: str) -> dict:
+        self.suggested.append(trial_id)
+        return {"x": len(self.suggested)}
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        self.results.append(trial_id)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        self.completed.append(trial_id)
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        self.properties.append((metric, mode, config))
+        return True
+
+    def set_max_concurrency(self, max_concurrent: int) -> bool:
+        self.concurrency.append(max_concurrent)
+        return True
+
+
+def test_baselines_come_first_and_never_reach_the_search():
+    inner = Recording()
+    search = BaselinesFirst(inner, ["full", "entropy", "random"])
+    assert (search.metric, search.mode) == ("accuracy", "max")
+    assert search.set_search_properties("accuracy", "max", {"a": 1}) is True
+    assert search.set_max_concurrency(2) is True
+    assert inner.properties == [("accuracy", "max", {"a": 1})] and inner.concurrency == [2]
+    given = [search.suggest(f"t{i}") for i in range(5)]
+    assert given == [{BASELINE_KEY: "full"}, {BASELINE_KEY: "entropy"}, {BASELINE_KEY: "random"}, {"x": 1}, {"x": 2}]
+    assert inner.suggested == ["t3", "t4"]  # the search is asked only once the baselines are out
+    for trial in ("t0", "t1", "t2", "t3", "t4"):
+        search.on_trial_result(trial, {"accuracy": 0.5})
+    search.on_trial_complete("t1", {"accuracy": 0.6})
+    search.on_trial_complete("t3", {"accuracy": 0.7})
+    search.on_trial_complete("t0", None, error=True)
+    assert inner.results == ["t3", "t4"]
+    assert inner.completed == ["t3"]
+
+
+def test_a_restored_wrapper_hands_out_no_baseline_twice():
+    search = BaselinesFirst(Recording(), ["full", "entropy", "random"])
+    assert search.suggest("t0") == {BASELINE_KEY: "full"}
+    state = json.loads(json.dumps(search.get_state()))  # what Tune saves, as data
+    assert state == {"pending": ["entropy", "random"], "baseline_trials": ["t0"]}
+    inner = Recording()
+    restored = BaselinesFirst(inner, ["full", "entropy", "random"])
+    restored.set_state(state)
+    given = [restored.suggest(f"r{i}") for i in range(3)]
+    assert given == [{BASELINE_KEY: "entropy"}, {BASELINE_KEY: "random"}, {"x": 1}]
+    # the baseline handed out before the restart is still kept from the search
+    restored.on_trial_complete("t0", {"accuracy": 0.9})
+    restored.on_trial_complete("r1", {"accuracy": 0.9})
+    restored.on_trial_complete("r2", {"accuracy": 0.9})
+    assert inner.completed == ["r2"]
+    assert restored.get_state() == {"pending": [], "baseline_trials": ["r0", "r1", "t0"]}
+
+
+# ---------------------------------------------------------------------- sweep_vs_recipe.py
+@pytest.fixture(scope="module")
+def script():
+    return load_script("sweep_vs_recipe.py")
+
+
+def test_best_at_allows_half_a_point_of_token_share(script):
+    curve = [(0.205, 0.70), (0.21, 0.90), (0.45, 0.80), (0.5, 0.75)]
+    assert script.best_at(curve, 0.2) == 0.70  # 0.205 is within the slack, 0.21 is not
+    assert script.best_at(curve, 0.3) == 0.90
+    assert script.best_at(curve, 0.5) == 0.90
+    assert script.best_at(curve, 0.1) is None
+
+
+def test_hypervolume_is_the_area_under_the_best_staircase(script):
+    assert script.hypervolume([(0.2, 0.5), (0.5, 0.7)]) == pytest.approx(0.5 * 0.3 + 0.7 * 0.3)
+    # a dominated point adds nothing; one below 0.1 counts from 0.1; one above 0.8 not at all
+    assert script.hypervolume([(0.2, 0.5), (0.5, 0.7), (0.6, 0.6), (0.9, 0.99)]) == pytest.approx(0.36)
+    assert script.hypervolume([(0.05, 0.4)]) == pytest.approx(0.4 * 0.7)
+    assert script.hypervolume([]) == 0.0
+
+
+def sweep_json(points: list[tuple[float, float]]) -> dict:
+    frontier = [{"extras": {"test_accuracy": q, "test_token_ratio": r}} for r, q in points]
+    frontier.append({"extras": {}})  # a point without held-out figures is left out
+    return {"name": "sw", "metric": "accuracy", "frontier": frontier}
+
+
+STUDY = {
+    "name": "st",
+    "runs": [
+        {"method": "full", "seed": 0, "points": [{"token_ratio": 1.0, "quality": 0.80}]},
+        {"method": "full", "seed": 1, "points": [{"token_ratio": 1.0, "quality": 0.99}]},
+        {
+            "method": "recipe",
+            "seed": 0,
+            "points": [{"token_ratio": r, "quality": q} for r, q in ((0.2, 0.60), (0.3, 0.70), (0.5, 0.79))],
+        },
+    ],
+}
+
+
+def test_compare_reports_each_goal_line(script):
+    # above the recipe by 2 points at 0.2 and 0.3, 0.1 point below it at 0.5, below the control at 0.5
+    sweep = sweep_json([(0.2, 0.62), (0.3, 0.72), (0.5, 0.789)])
+    result = script.compare(sweep, STUDY, "recipe", "full", 0)
+    rows = {row["ratio"]: row for row in result["rows"]}
+    assert rows[0.2] == {"ratio": 0.2, "sweep": 0.62, "recipe": 0.60, "control": 0.80}
+    assert rows[0.8]["sweep"] == 0.789 and rows[0.8]["recipe"] == 0.79
+    goals = {g["goal"]: g for g in result["goals"]}
+    met = goals["at 0.2: at least 1.0 point above the recipe"]
+    assert met["met"] and met["points"] == pytest.approx(2.0)
+    near = goals["at 0.5: at or above the recipe minus 0.3 points"]
+    assert near["met"] and near["points"] == pytest.approx(-0.1)
+    control = goals["at 0.5: at or above the control"]
+    assert not control["met"] and control["points"] == pytest.approx(-1.1)
+    assert "at 0.5: at least 1.0 point above the recipe" not in goals  # only at 0.2 and 0.3
+    hv = result["hypervolume"]
+    assert hv["sweep"] == pytest.approx(0.62 * 0.1 + 0.72 * 0.2 + 0.789 * 0.3)
+    assert hv["recipe"] == pytest.approx(0.60 * 0.1 + 0.70 * 0.2 + 0.79 * 0.3)
+    assert goals["hypervolume over token ratios 0.1-0.8 above the recipe's"]["met"]
+    assert result["met"] is False
+    # a sweep with no point at or below 0.2 misses that ratio's goals
+    late = script.compare(sweep_json([(0.3, 0.9), (0.5, 0.9)]), STUDY, "recipe", "full", 0)
+    first = {g["goal"]: g for g in late["goals"]}["at 0.2: at or above the recipe minus 0.3 points"]
+    assert first == {"goal": "at 0.2: at or above the recipe minus 0.3 points", "points": None, "met": False}
+    with pytest.raises(SystemExit, match="no run of method 'recipe' for seed 1"):
+        script.compare(sweep, STUDY, "recipe", "full", 1)
+    with pytest.raises(SystemExit, match="no frontier point has held-out figures"):
+        script.compare(sweep_json([]), STUDY, "recipe", "full", 0)
+
+
+def test_main_prints_the_table_and_writes_json(script, tmp_path, capsys):
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep_json([(0.2, 0.62), (0.3, 0.72), (0.5, 0.81)])))
+    (tmp_path / "study.json").write_text(json.dumps(STUDY))
+    out = tmp_path / "out.json"
+    code = script.main(
+        [
+            str(tmp_path / "sweep.json"),
+            str(tmp_path / "study.json"),
+            "--method",
+            "recipe",
+            "--control",
+            "full",
+            "--json",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "| token ratio | the sweep | the recipe | full resolution (control) | sweep - recipe |" in printed
+    assert "| 0.2 | 62.00 | 60.00 | 80.00 | +2.00 |" in printed
+    assert "| 0.5 | 81.00 | 79.00 | 80.00 | +2.00 |" in printed
+    assert "* at 0.5: at or above the control: +1.00 points: met" in printed
+    assert "every goal line: met" in printed
+    written = json.loads(out.read_text())
+    assert written["met"] is True and written["sweep"] == "sw" and written["study"] == "st"
