@@ -78,14 +78,21 @@ def variant(**changes) -> dict:
 
 
 # ---------------------------------------------------------------------- the shipped spaces
+STUDY_SUFFIX = {"classification": "", "dense": "_seg", "detection": "_det"}
+
+
 @pytest.mark.parametrize(
     "name,metric,searched",
     [
-        (
-            "smoke",
-            "accuracy",
-            {"train.lambda_budget", "train.target_ratio", "model.thresholds[0]", "model.thresholds[1]"},
-        ),
+        ("smoke", "accuracy", {"train.lambda_budget", "train.target_ratio", "train.lr"}),
+        *[
+            (name, metric, {"train.target_ratio", "train.lambda_budget", "train.lr", "train.epochs"})
+            for name, metric in (
+                ("classification_cpu", "accuracy"),
+                ("dense_cpu", "miou"),
+                ("detection_cpu", "box_ap"),
+            )
+        ],
         (
             "classification",
             "accuracy",
@@ -133,11 +140,20 @@ def test_shipped_spaces_load(name, metric, searched):
     assert set(space.parameters) == searched
     assert space.quality_metric == metric
     assert Path(space.base).is_file()
+    # every shipped sweep fine-tunes from a reference, its baselines too, and ends on the test split
+    assert space.reference.enabled and space.baselines.enabled and space.evaluation.split == "test"
+    assert space.config().train.warmup_epochs == 0  # trials start from a trained model
     if name == "smoke":
         # the demo: CPU-only, small, and the trial driver asks for a fraction of a CPU
         cfg = space.config()
         assert cfg.data.name == "synthetic" and not cfg.scaling.use_gpu and cfg.scaling.num_workers == 1
         assert 0 < space.search.trial_resources["CPU"] < 1
+        assert space.reference.train is not None  # a tiny reference, trained by the demo
+    elif name.endswith("_cpu"):
+        # a study's CPU scale: its seed-0 reference, the recipe as the study ran it first
+        cfg = space.config()
+        assert not cfg.scaling.use_gpu and space.reference.study == f"study_fashion{STUDY_SUFFIX[space.task]}"
+        assert space.search.num_samples >= 8 and space.search.initial_points
     else:
         cfg = space.config()
         assert cfg.scaling.use_gpu and space.search.sampler == "auto" and space.search.max_concurrent > 1

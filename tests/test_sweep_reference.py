@@ -249,3 +249,20 @@ def test_the_parent_run_links_its_reference_and_a_later_sweep_reuses_it(sweep):
     again = locate_reference(space, space.config(), sweep["uri"])
     assert again is not None and again.source.startswith("trained earlier")
     assert again.checkpoint == data["reference"]["checkpoint"] and again.run_id == ref_run_id
+
+
+def test_the_best_registered_model_evaluates_on_the_test_split_to_the_recorded_figure(sweep, tmp_path):
+    """``splitvit eval models:/<space>@best --split test`` loads the frontier's best model
+    at its thresholds and measures the test figure the sweep recorded for that point."""
+    data = sweep["json"]
+    best = max(data["frontier"], key=lambda p: p["hv_contribution"])
+    out = tmp_path / "eval.json"
+    code = cli(
+        ["eval", "models:/splitvit-space@best", "--split", "test", "--samples", "32"]
+        + ["--tracking-uri", sweep["uri"], "--json", str(out)]
+    )
+    assert code == 0
+    figures = json.loads(out.read_text())
+    assert figures["split"] == "test"
+    assert figures["accuracy"] == pytest.approx(best["extras"]["test_accuracy"])
+    assert figures["token_ratio"] == pytest.approx(best["extras"]["test_token_ratio"])

@@ -476,7 +476,7 @@ class SearchSpace:
                 for k, p in self.parameters.items()
             },
             "fixed": self.fixed,
-            "reference": dataclasses.asdict(self.reference),
+            "reference": _reference_dict(self.reference),
             "search": dataclasses.asdict(self.search),
             "stage_two": dataclasses.asdict(self.stage_two),
             "baselines": dataclasses.asdict(self.baselines),
@@ -742,6 +742,18 @@ def _settings(cls: type, raw: Any, section: str, source: str) -> Any:
         return build_dataclass(cls, raw, f"{section}.")
     except ConfigError as exc:
         raise SearchSpaceError(source, exc.key, exc.reason) from None
+
+
+def _reference_dict(reference: ReferenceSettings) -> dict[str, Any] | None:
+    """The ``reference:`` section as a file writes it (what :func:`_reference` reads back):
+    ``None`` without a reference; the seed only beside a study."""
+    if not reference.enabled:
+        return None
+    return {
+        k: v
+        for k, v in dataclasses.asdict(reference).items()
+        if v is not None and not (k == "seed" and reference.study is None)
+    }
 
 
 def _reference(raw: Any, source: str) -> ReferenceSettings:
