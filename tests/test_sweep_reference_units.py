@@ -176,6 +176,30 @@ def test_a_missing_study_is_refused_naming_the_path(folder):
     assert expected in info.value.reason
 
 
+def test_a_study_reference_links_the_study_run_that_recorded_it(tmp_path):
+    """A study's stored result names no MLflow run: the reference's run is found by its
+    storage location in the tracking store (the study's parent run, which holds every
+    seed's reference curve, when the study recorded no run of the reference itself)."""
+    from splitvit.tracking.runs import RunTracker
+
+    base = {**copy.deepcopy(BASE), "storage": {"path": str(tmp_path / "runs")}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    space = make_space(tmp_path, reference={"study": "study_x", "seed": 0})
+    run = write_study(tmp_path / "runs", "study_x", 0, str(tmp_path / "ckpt"), [0.5, 0.6, 0.7, 0.7])
+    record = json.loads((run / STUDY_RESULT_FILE).read_text())
+    del record["run_id"]  # as splitvit study stores it
+    (run / STUDY_RESULT_FILE).write_text(json.dumps(record))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert locate_reference(space, space.config(), uri).run_id is None  # no store yet: none made
+    parent, _ = RunTracker.open(uri, "study-x", str(tmp_path / "runs" / "study_x"), "study_x", params={})
+    parent.close("completed")
+    assert locate_reference(space, space.config(), uri).run_id == parent.run_id
+    own, _ = RunTracker.open(uri, "other", str(run), "backbone-s0", params={})
+    own.close("completed")
+    assert locate_reference(space, space.config(), uri).run_id == own.run_id  # its own run first
+    assert not (tmp_path / "unused.db").exists()
+
+
 @pytest.mark.parametrize(
     "curve,converged,gain",
     [

@@ -114,7 +114,7 @@ def locate_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: s
     if r.checkpoint is not None:
         return _from_checkpoint(space, r.checkpoint, tracking_uri)
     if r.study is not None:
-        return _from_study(space, root, r.study, r.seed)
+        return _from_study(space, root, r.study, r.seed, tracking_uri)
     config = reference_config(space, root, _experiment(space, base))
     stored = join_uri(config.storage.run_uri(), REFERENCE_FILE)
     if not exists(stored):
@@ -179,8 +179,9 @@ def _from_checkpoint(space: SearchSpace, uri: str, tracking_uri: str) -> Referen
     return Reference(uri, uri)
 
 
-def _from_study(space: SearchSpace, root: str, study: str, seed: int) -> Reference:
-    stored = join_uri(root, study, "train", f"backbone-s{seed}", STUDY_RESULT_FILE)
+def _from_study(space: SearchSpace, root: str, study: str, seed: int, tracking_uri: str) -> Reference:
+    run_uri = join_uri(root, study, "train", f"backbone-s{seed}")
+    stored = join_uri(run_uri, STUDY_RESULT_FILE)
     if not exists(stored):
         raise SearchSpaceError(
             space.source,
@@ -189,7 +190,29 @@ def _from_study(space: SearchSpace, root: str, study: str, seed: int) -> Referen
             f"run `splitvit study STUDY.yaml --name {study}` with this storage path first, or name a checkpoint",
         )
     record = json.loads(read_bytes(stored))
-    return _judged(space, record["checkpoint"], f"study {study}, seed {seed}", record)
+    # the MLflow run that records the reference: its own, where the study recorded one,
+    # else the study's parent run (which holds every seed's reference curve)
+    run_id = record.get("run_id") or _run_at(tracking_uri, run_uri) or _run_at(tracking_uri, join_uri(root, study))
+    return _judged(space, record["checkpoint"], f"study {study}, seed {seed}", {**record, "run_id": run_id})
+
+
+def _run_at(tracking_uri: str, run_uri: str) -> str | None:
+    """The MLflow run keyed by storage location ``run_uri`` (tag ``splitvit.run_uri``), in
+    any experiment of the store; ``None`` when there is none (or no store to ask)."""
+    from ..config import redact_uri
+    from ..tracking.runs import RUN_URI_TAG, missing_store, mlflow_client
+
+    if missing_store(tracking_uri):
+        return None
+    quoted = redact_uri(run_uri).replace("\\", "\\\\").replace("'", "\\'")  # as RunTracker.open keys it
+    try:
+        client = mlflow_client(tracking_uri)
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(experiments, filter_string=f"tags.`{RUN_URI_TAG}` = '{quoted}'", max_results=1)
+    except Exception as exc:  # noqa: BLE001 - a store that cannot answer: the reference without its run
+        log.warning("could not look up the reference's MLflow run in %s: %s", tracking_uri, exc)
+        return None
+    return runs[0].info.run_id if runs else None
 
 
 def _judged(space: SearchSpace, checkpoint: str, source: str, record: dict[str, Any]) -> Reference:
