@@ -217,6 +217,9 @@ def test_the_frontier_and_baselines_are_evaluated_on_the_test_split(sweep):
         assert metrics["test_accuracy"] == pytest.approx(point["extras"]["test_accuracy"])
     table = (Path(data["frontier_csv"])).read_text().splitlines()[0]
     assert "test_accuracy" in table and "test_token_ratio" in table
+    # the parent's description: the best point's and the baselines' held-out figures
+    note = client.get_run(data["mlflow"]["parent_run_id"]).data.tags["mlflow.note.content"]
+    assert "on the held-out split: accuracy" in note and "| test accuracy | test ratio |" in note
     # baseline trials are never frontier points (Optuna never heard of them either)
     baseline_ids = {t["trial_id"] for t in data["trials"] if t["baseline"]}
     assert not baseline_ids & {p["trial_id"] for p in data["points"]}
