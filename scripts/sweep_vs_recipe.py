@@ -1,12 +1,20 @@
 """A sweep's frontier on held-out data beside the hand-picked recipe and the
-full-resolution control of a study, both fine-tuned from the same reference.
+full-resolution control, all fine-tuned from the same reference.
 
-    python scripts/sweep_vs_recipe.py SWEEP.json STUDY.json [--seed 0] [--json OUT.json]
+    python scripts/sweep_vs_recipe.py SWEEP.json --recipe-points RECIPE.json [--json OUT.json]
+    python scripts/sweep_vs_recipe.py SWEEP.json --study STUDY.json [--seed 0] [--json OUT.json]
+
+The recipe and the control come from the sweep itself (``--recipe-points``): its trial
+at the first initial point (the recipe exactly as the study fine-tunes it, from the
+study's reference), evaluated the way a study evaluates its methods
+(``evaluate_points``: thresholds calibrated on 512 validation canvases to each ratio,
+then the sweep's held-out split), those points kept in RECIPE.json (evaluated once,
+read back after); and its full-resolution baseline, fine-tuned like the control. Or
+from a study run from the same reference (``--study``).
 
 For each token ratio 0.2, 0.3, ..., 0.8: the best held-out accuracy at or below that
 ratio among the sweep's frontier points (chosen on validation, evaluated once on the
-test split: their ``test_*`` figures) and among the study recipe's points (thresholds
-calibrated to each ratio), and the control's accuracy. "At or below" allows half a
+test split: their ``test_*`` figures) and among the recipe's points, and the control's. "At or below" allows half a
 point of token share (0.005) for both alike: calibration lands a point a hair above
 its target. Then the goal lines of issue 58 and the hypervolume of both curves over
 token ratios 0.1-0.8 (the area under the best-accuracy-at-or-below curve).
@@ -63,12 +71,65 @@ def hypervolume(curve: list[tuple[float, float]], low: float = 0.1, high: float 
     return area
 
 
-def compare(sweep: dict[str, Any], study: dict[str, Any], method: str, control: str, seed: int) -> dict[str, Any]:
-    """The table's rows, the goal lines and both hypervolumes."""
-    swept = sweep_curve(sweep)
-    recipe_run = study_runs(study, method, seed)
-    recipe = [(p["token_ratio"], p["quality"]) for p in recipe_run["points"]]
+def from_study(study: dict[str, Any], method: str, control: str, seed: int) -> tuple[list, float, str]:
+    """The recipe's ``(token ratio, quality)`` points, the control's quality and where
+    they came from, out of a study's JSON."""
+    recipe = [(p["token_ratio"], p["quality"]) for p in study_runs(study, method, seed)["points"]]
     full = study_runs(study, control, seed)["points"][0]["quality"]
+    return recipe, full, f"study {study.get('name')} ({method}, control {control}), seed {seed}"
+
+
+def recipe_trial(sweep: dict[str, Any], space_file: str | None = None) -> dict[str, Any]:
+    """The sweep's trial at its first initial point: the recipe as the study runs it."""
+    import yaml
+
+    space = yaml.safe_load(Path(space_file or sweep["space"]).read_text())
+    first = (space.get("search") or {}).get("initial_points") or []
+    if not first:
+        raise SystemExit(f"{space_file or sweep['space']}: no search.initial_points: which trial is the recipe?")
+    wanted = {k: float(v) for k, v in first[0].items()}
+    for trial in sweep["trials"]:
+        if not trial.get("baseline") and {k: float(v) for k, v in trial["params"].items()} == wanted:
+            return trial
+    raise SystemExit(f"{sweep['name']}: no trial at the first initial point {first[0]}")
+
+
+def from_sweep(sweep: dict[str, Any], recipe_points: Path, space_file: str | None = None) -> tuple[list, float, str]:
+    """The recipe's points (its trial evaluated as a study evaluates a method, cached in
+    ``recipe_points``), the fine-tuned full-resolution baseline's held-out quality and
+    where they came from."""
+    metric = sweep["metric"]
+    if not recipe_points.exists():
+        trial = recipe_trial(sweep, space_file)
+        import yaml
+
+        from splitvit.train.evaluation import evaluate_points  # torch: only to evaluate
+
+        space = yaml.safe_load(Path(space_file or sweep["space"]).read_text())
+        samples = (space.get("evaluation") or {}).get("samples")  # the frontier's held-out images
+        points = evaluate_points(
+            trial["checkpoint"],
+            policy="learned",
+            ratios=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
+            split=sweep.get("held_out_split") or "test",
+            samples=samples,
+            calibration_samples=512,
+            seed=0,
+        )
+        record = {"trial_id": trial["trial_id"], "checkpoint": trial["checkpoint"], "params": trial["params"]}
+        recipe_points.write_text(json.dumps({**record, "samples": samples, "points": points}, indent=2) + "\n")
+    recorded = json.loads(recipe_points.read_text())
+    recipe = [(p["token_ratio"], p["quality"]) for p in recorded["points"]]
+    full = next((b for b in sweep["baselines"] if b["baseline"] == "full"), None)
+    if full is None or f"test_{metric}" not in full:
+        raise SystemExit(f"{sweep['name']}: no fine-tuned full-resolution baseline with held-out figures")
+    return recipe, full[f"test_{metric}"], f"the sweep's recipe trial {recorded['trial_id']} and full baseline"
+
+
+def compare(sweep: dict[str, Any], recipe: list[tuple[float, float]], full: float, source: str) -> dict[str, Any]:
+    """The table's rows, the goal lines and both hypervolumes: the sweep's held-out
+    frontier against the ``recipe`` curve and the control's quality ``full``."""
+    swept = sweep_curve(sweep)
     rows = []
     for ratio in RATIOS:
         s, r = best_at(swept, ratio), best_at(recipe, ratio)
@@ -108,10 +169,7 @@ def compare(sweep: dict[str, Any], study: dict[str, Any], method: str, control: 
     )
     return {
         "sweep": sweep["name"],
-        "study": study.get("name"),
-        "seed": seed,
-        "method": method,
-        "control": control,
+        "source": source,
         "metric": sweep["metric"],
         "slack": SLACK,
         "rows": rows,
@@ -129,8 +187,8 @@ def print_comparison(result: dict[str, Any]) -> None:
     """The table and the goal lines, as markdown."""
     metric = result["metric"]
     print(
-        f"sweep {result['sweep']} vs study {result['study']} ({result['method']}, control {result['control']}), "
-        f"seed {result['seed']}: best held-out {metric} (%) at or below each token ratio\n"
+        f"sweep {result['sweep']} against the recipe and the control from {result['source']}: "
+        f"best held-out {metric} (%) at or below each token ratio\n"
     )
     print("| token ratio | the sweep | the recipe | full resolution (control) | sweep - recipe |")
     print("| --- | --- | --- | --- | --- |")
@@ -152,15 +210,22 @@ def main(argv: list[str] | None = None) -> int:
     """Print the comparison (and write it with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", help="the sweep's JSON (splitvit sweep --json)")
-    parser.add_argument("study", help="the study's JSON (splitvit study --json), fine-tuned from the same reference")
+    parser.add_argument("--recipe-points", help="the sweep's recipe trial's points (written on first use)")
+    parser.add_argument("--space", help="the sweep's search space (default: the path its JSON names)")
+    parser.add_argument("--study", help="a study's JSON (splitvit study --json), fine-tuned from the same reference")
     parser.add_argument("--seed", type=int, default=0, help="the study seed whose reference the sweep used")
     parser.add_argument("--method", default="split-0.5-agg-mixed-ctx", help="the study's recipe method")
     parser.add_argument("--control", default="full", help="the study's full-resolution control")
     parser.add_argument("--json", help="write the comparison to this JSON file")
     args = parser.parse_args(argv)
     sweep = json.loads(Path(args.sweep).read_text())
-    study = json.loads(Path(args.study).read_text())
-    result = compare(sweep, study, args.method, args.control, args.seed)
+    if args.study:
+        curves = from_study(json.loads(Path(args.study).read_text()), args.method, args.control, args.seed)
+    elif args.recipe_points:
+        curves = from_sweep(sweep, Path(args.recipe_points), args.space)
+    else:
+        parser.error("give --recipe-points (the sweep's own recipe trial) or --study")
+    result = compare(sweep, *curves)
     print_comparison(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

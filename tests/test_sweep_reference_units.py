@@ -495,7 +495,7 @@ STUDY = {
 def test_compare_reports_each_goal_line(script):
     # above the recipe by 2 points at 0.2 and 0.3, 0.1 point below it at 0.5, below the control at 0.5
     sweep = sweep_json([(0.2, 0.62), (0.3, 0.72), (0.5, 0.789)])
-    result = script.compare(sweep, STUDY, "recipe", "full", 0)
+    result = script.compare(sweep, *script.from_study(STUDY, "recipe", "full", 0))
     rows = {row["ratio"]: row for row in result["rows"]}
     assert rows[0.2] == {"ratio": 0.2, "sweep": 0.62, "recipe": 0.60, "control": 0.80}
     assert rows[0.8]["sweep"] == 0.789 and rows[0.8]["recipe"] == 0.79
@@ -513,13 +513,13 @@ def test_compare_reports_each_goal_line(script):
     assert goals["hypervolume over token ratios 0.1-0.8 above the recipe's"]["met"]
     assert result["met"] is False
     # a sweep with no point at or below 0.2 misses that ratio's goals
-    late = script.compare(sweep_json([(0.3, 0.9), (0.5, 0.9)]), STUDY, "recipe", "full", 0)
+    late = script.compare(sweep_json([(0.3, 0.9), (0.5, 0.9)]), *script.from_study(STUDY, "recipe", "full", 0))
     first = {g["goal"]: g for g in late["goals"]}["at 0.2: at or above the recipe minus 0.3 points"]
     assert first == {"goal": "at 0.2: at or above the recipe minus 0.3 points", "points": None, "met": False}
     with pytest.raises(SystemExit, match="no run of method 'recipe' for seed 1"):
-        script.compare(sweep, STUDY, "recipe", "full", 1)
+        script.from_study(STUDY, "recipe", "full", 1)
     with pytest.raises(SystemExit, match="no frontier point has held-out figures"):
-        script.compare(sweep_json([]), STUDY, "recipe", "full", 0)
+        script.compare(sweep_json([]), *script.from_study(STUDY, "recipe", "full", 0))
 
 
 def test_main_prints_the_table_and_writes_json(script, tmp_path, capsys):
@@ -529,6 +529,7 @@ def test_main_prints_the_table_and_writes_json(script, tmp_path, capsys):
     code = script.main(
         [
             str(tmp_path / "sweep.json"),
+            "--study",
             str(tmp_path / "study.json"),
             "--method",
             "recipe",
@@ -546,4 +547,36 @@ def test_main_prints_the_table_and_writes_json(script, tmp_path, capsys):
     assert "* at 0.5: at or above the control: +1.00 points: met" in printed
     assert "every goal line: met" in printed
     written = json.loads(out.read_text())
-    assert written["met"] is True and written["sweep"] == "sw" and written["study"] == "st"
+    assert written["met"] is True and written["sweep"] == "sw" and written["source"].startswith("study st (recipe")
+
+
+def test_the_recipe_and_control_from_the_sweep_itself(script, tmp_path, capsys):
+    """Without a study: the recipe is the sweep's trial at its first initial point (its
+    points cached in a file, read back), the control its fine-tuned full baseline."""
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"search": {"initial_points": [{"train.lr": 3.0e-4, "train.epochs": 10}]}}))
+    sweep = sweep_json([(0.2, 0.62), (0.5, 0.81)])
+    sweep["space"] = str(space)
+    sweep["trials"] = [
+        {"trial_id": "b1", "baseline": "full", "params": {}},
+        {"trial_id": "t1", "baseline": "", "params": {"train.lr": 5.0e-4, "train.epochs": 6}},
+        {"trial_id": "t2", "baseline": "", "params": {"train.lr": 0.0003, "train.epochs": 10}},
+    ]
+    sweep["baselines"] = [
+        {"baseline": "entropy", "test_accuracy": 0.4},
+        {"baseline": "full", "test_accuracy": 0.8, "test_token_ratio": 1.0},
+    ]
+    assert script.recipe_trial(sweep)["trial_id"] == "t2"
+    cached = tmp_path / "recipe.json"
+    cached.write_text(json.dumps({"trial_id": "t2", "points": [{"token_ratio": 0.2, "quality": 0.6}]}))
+    recipe, full, source = script.from_sweep(sweep, cached)
+    assert recipe == [(0.2, 0.6)] and full == 0.8 and "recipe trial t2" in source
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    assert script.main([str(tmp_path / "sweep.json"), "--recipe-points", str(cached)]) == 0
+    assert "| 0.2 | 62.00 | 60.00 | 80.00 | +2.00 |" in capsys.readouterr().out
+    sweep["baselines"] = sweep["baselines"][:1]
+    with pytest.raises(SystemExit, match="no fine-tuned full-resolution baseline"):
+        script.from_sweep(sweep, cached)
+    sweep["trials"] = sweep["trials"][:2]
+    with pytest.raises(SystemExit, match="no trial at the first initial point"):
+        script.recipe_trial(sweep)
