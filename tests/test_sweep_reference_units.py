@@ -580,3 +580,39 @@ def test_the_recipe_and_control_from_the_sweep_itself(script, tmp_path, capsys):
     sweep["trials"] = sweep["trials"][:2]
     with pytest.raises(SystemExit, match="no trial at the first initial point"):
         script.recipe_trial(sweep)
+
+
+def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, caplog):
+    """The held-out evaluation runs after every trial finished: a checkpoint it cannot
+    evaluate there (a dataset without that split) is logged and skipped, the other
+    points keep their figures, and nothing raises."""
+    from types import SimpleNamespace
+
+    import splitvit.tune.sweep as sweep_module
+    from splitvit.tune.pareto import Point
+
+    def evaluate(config, fn, checkpoint, evaluations, **kwargs):
+        if checkpoint == "no-test-split":
+            raise ValueError("dataset coco has no split 'test'")
+        return [{"quality": 0.7, "tokens_per_image": 10.0, "token_ratio": 0.5} for _ in evaluations]
+
+    monkeypatch.setattr(sweep_module, "run_evaluation", evaluate)
+    logged: list = []
+    sweep = SimpleNamespace(
+        space=SimpleNamespace(
+            evaluation=SimpleNamespace(split="test", samples=None),
+            search=SimpleNamespace(seed=0),
+            reference=SimpleNamespace(enabled=False),
+            baselines=SimpleNamespace(enabled=True),
+        ),
+        metric="accuracy",
+        plan=SimpleNamespace(trial_config=lambda sampled, trial_id: None),
+        recorder=SimpleNamespace(log_run_metrics=lambda run_id, figures: logged.append((run_id, figures))),
+    )
+    good = Point(0.6, 10.0, 0.5, trial_id="a", checkpoint="ok", run_id="r1", thresholds=[0.5])
+    bad = Point(0.5, 8.0, 0.4, trial_id="b", checkpoint="no-test-split", run_id="r2", thresholds=[0.6])
+    with caplog.at_level("WARNING", logger="splitvit.tune.sweep"):
+        sweep_module._evaluate_held_out(sweep, [good, bad], [], {})
+    assert good.extras["test_accuracy"] == 0.7 and "test_accuracy" not in bad.extras
+    assert logged == [("r1", {"test_accuracy": 0.7, "test_tokens_per_image": 10.0, "test_token_ratio": 0.5})]
+    assert "could not evaluate no-test-split on the test split" in caplog.text

@@ -1020,15 +1020,19 @@ def _evaluate_held_out(
             jobs.setdefault(checkpoint, []).append((b, None if own else b.baseline, b.thresholds or None))
     log.info("evaluating %d frontier points and %d baselines on the %s split", len(front), len(baselines), e.split)
     for checkpoint, items in jobs.items():
-        rows = run_evaluation(
-            sweep.plan.trial_config({}, "held-out"),
-            held_out,
-            checkpoint,
-            [(policy, thresholds) for _, policy, thresholds in items],
-            split=e.split,
-            samples=e.samples,
-            seed=sweep.space.search.seed,
-        )
+        try:
+            rows = run_evaluation(
+                sweep.plan.trial_config({}, "held-out"),
+                held_out,
+                checkpoint,
+                [(policy, thresholds) for _, policy, thresholds in items],
+                split=e.split,
+                samples=e.samples,
+                seed=sweep.space.search.seed,
+            )
+        except Exception as exc:  # noqa: BLE001 - a split the data lacks must not lose the finished sweep
+            log.warning("could not evaluate %s on the %s split (evaluation.split): %s", checkpoint, e.split, exc)
+            continue
         for (item, _, _), row in zip(items, rows):
             figures = {
                 f"test_{metric}": float(row["quality"]),
