@@ -302,6 +302,12 @@ def test_a_trained_reference_is_full_resolution_without_a_recipe(folder):
     assert (config.train.epochs, config.train.lr) == (4, 0.01)
     assert config.tracking.experiment == "the-sweep"
     assert config.model.timm_kwargs == base.model.timm_kwargs  # the same ViT as the trials
+    # recorded in the sweep's store, not the default one of its own storage folder (where the
+    # parent's link to its run would find nothing)
+    assert config.tracking_uri() != base.tracking_uri()
+    store = "sqlite:////elsewhere/mlflow.db"
+    in_store = reference_config(space, base.storage.resolved_path(), "the-sweep", store)
+    assert in_store.tracking_uri() == store and in_store.storage.run_uri() == config.storage.run_uri()
     run = config.storage.run_uri()
     assert re.fullmatch(re.escape(str(folder / "runs" / "references")) + r"/reference-[0-9a-f]{12}", run), run
     # a second call names the same folder (reused by a later sweep)

@@ -68,12 +68,18 @@ class Reference:
         }
 
 
-def reference_config(space: SearchSpace, storage_root: str, experiment: str) -> ExperimentConfig:
+def reference_config(
+    space: SearchSpace, storage_root: str, experiment: str, tracking_uri: str | None = None
+) -> ExperimentConfig:
     """The config a ``reference: {train: ...}`` trains: the base config with the space's
     fixed values and the section's settings, at full resolution and without a recipe,
-    in its own run folder under ``<storage_root>/references`` (named by its settings)."""
+    in its own run folder under ``<storage_root>/references`` (named by its settings),
+    recorded in the sweep's MLflow store (``tracking_uri``; its own folder's otherwise)
+    and experiment."""
     settings = dict(space.reference.train or {})
     layer = {**settings, "recipe": "none", "model.policy": "full", "tracking.experiment": experiment}
+    if tracking_uri is not None:
+        layer["tracking.tracking_uri"] = tracking_uri
     config = space.config(layer, name="reference")
     digest = _digest(config)
     return space.config(
@@ -115,7 +121,7 @@ def locate_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: s
         return _from_checkpoint(space, r.checkpoint, tracking_uri)
     if r.study is not None:
         return _from_study(space, root, r.study, r.seed, tracking_uri)
-    config = reference_config(space, root, _experiment(space, base))
+    config = reference_config(space, root, _experiment(space, base), tracking_uri)
     stored = join_uri(config.storage.run_uri(), REFERENCE_FILE)
     if not exists(stored):
         return None
@@ -123,15 +129,15 @@ def locate_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: s
     return _judged(space, record["checkpoint"], f"trained earlier ({config.storage.run_uri()})", record)
 
 
-def train_reference(space: SearchSpace, base: ExperimentConfig) -> Reference:
+def train_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: str) -> Reference:
     """Train the space's ``reference: {train: ...}`` with Ray Train (its own MLflow run
-    in the sweep's experiment) and record it for later sweeps. An interrupted one
+    in the sweep's store ``tracking_uri`` and experiment) and record it for later sweeps. An interrupted one
     resumes from its latest checkpoint. Raises ``RuntimeError`` when it does not
     complete."""
     from ..train.checkpoints import read_history
     from ..train.ray_trainer import run_training
 
-    config = reference_config(space, base.storage.resolved_path(), _experiment(space, base))
+    config = reference_config(space, base.storage.resolved_path(), _experiment(space, base), tracking_uri)
     log.info("training the reference (full resolution, %d epochs) in %s", config.train.epochs, config.storage.run_uri())
     result = run_training(config)
     if result.status != "completed" or result.checkpoint_uri is None:

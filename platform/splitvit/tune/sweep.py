@@ -725,7 +725,7 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
     space = setup.space
     init_ray(ray_address, worker_logs=ray_output_shown())
     if setup.reference is None and space.reference.train is not None:
-        setup.reference = train_reference(space, setup.base)
+        setup.reference = train_reference(space, setup.base, setup.tracking_uri)
         check_reference(space, setup.base, setup.reference)
     if setup.reference is not None:
         log.info(convergence_line(space, setup.reference))
