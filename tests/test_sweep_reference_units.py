@@ -291,7 +291,8 @@ def test_a_reference_of_another_shape_is_refused_and_the_same_shape_passes(folde
 
 
 # ---------------------------------------------------------------------- a trained reference
-def test_a_trained_reference_is_full_resolution_without_a_recipe(folder):
+def test_a_trained_reference_is_full_resolution_without_a_recipe(folder, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # each config's own default store
     space = make_space(folder, reference={"train": {"train.epochs": 4, "train.lr": 0.01}})
     base = space.config()
     assert base.recipe != "none" and base.model.fine_aggregation  # the trials' recipe
