@@ -327,7 +327,7 @@ def _callback_class():
             self.plan = plan
             self._params: dict[str, dict[str, Any]] = {}
             # a bar over the trials on a terminal; the lines below are the record elsewhere
-            self.progress = Progress("trials", plan.space.search.num_samples)
+            self.progress = Progress("trials", planned_trials(plan.space))
 
         def _config_params(self, trial) -> dict[str, Any]:
             if trial.trial_id not in self._params:
@@ -395,7 +395,7 @@ def _callback_class():
         def on_trial_complete(self, iteration, trials, trial, **info):
             final = trial.last_result or {}
             done = sum(t.status in ("TERMINATED", "ERROR") for t in trials) + 1
-            total = self.plan.space.search.num_samples
+            total = planned_trials(self.plan.space)
             if not final.get(FINAL_KEY):
                 self.progress.log(log, logging.INFO, "trial %s stopped early (%d/%d)", trial.trial_id, done, total)
                 self.progress.update(done)
@@ -676,7 +676,7 @@ def run_sweep(
             grid = tuner.fit()
     trials, raw = _collect(grid, sweep.space, setup.sweep_dir)
     unfinished = [t for t in trials if t.status == "unfinished"]
-    planned = sweep.space.search.num_samples + len(fine_tuned_baselines(sweep.space))
+    planned = planned_trials(sweep.space)
     if unfinished or len(trials) < planned:
         sweep.recorder.close("interrupted")
         raise stopped_early(sweep.name, len(trials), len(unfinished), planned)
@@ -756,10 +756,11 @@ def _start_sweep(setup: _SweepSetup, *, ray_address: str | None, started: float,
     # the base point's config with each key's layer (recipe, base file, the space's fixed values)
     recorder.parent.log_dict(config_layers(setup.base), "config_layers.json")
     log.info(
-        "sweep %s: %s, %d trials (%d at a time), MLflow run %s in %s",
+        "sweep %s: %s, %d trials%s (%d at a time), MLflow run %s in %s",
         setup.name,
         setup.sweep_dir,
         space.search.num_samples,
+        f" and {len(fine_tuned_baselines(space))} fine-tuned baselines" if fine_tuned_baselines(space) else "",
         space.search.max_concurrent,
         recorder.parent_run_id,
         redact_uri(setup.tracking_uri),
@@ -798,7 +799,7 @@ def _tuner(sweep: _Sweep, trainable: Any, *, resume: bool) -> Any:
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=search,
-            num_samples=space.search.num_samples + len(baselines),
+            num_samples=planned_trials(space),
             max_concurrent_trials=space.search.max_concurrent,
             trial_dirname_creator=trial_dirname,
             # a trial's driver function only waits on its TorchTrainer: keep its
@@ -823,6 +824,11 @@ def fine_tuned_baselines(space: SearchSpace) -> list[str]:
     baseline policy fine-tunes from it like the searched trials; without one, none (the
     baselines are evaluations of the best point's backbone)."""
     return list(BASELINE_POLICIES) if space.reference.enabled and space.baselines.enabled else []
+
+
+def planned_trials(space: SearchSpace) -> int:
+    """The Tune trials a sweep runs: the searched ones and the fine-tuned baselines."""
+    return space.search.num_samples + len(fine_tuned_baselines(space))
 
 
 def reference_tags(reference: Reference | None, space: SearchSpace) -> dict[str, str]:
