@@ -95,3 +95,18 @@ def write_fake_fashion_mnist(root: Path, train: int, test: int) -> Path:
         write_idx(root / f"{part}-images-idx3-ubyte", images, gz=False)
         write_idx(root / f"{part}-labels-idx1-ubyte", labels, gz=False)
     return root
+
+
+def run_cli(argv: list[str]) -> int:
+    """``splitvit ARGV`` in this process; the logging handler main() installs (on
+    pytest's captured stream of the moment) is removed afterwards."""
+    import logging
+
+    from splitvit.cli import main
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        return main(argv)
+    finally:
+        root.handlers[:] = before

@@ -29,6 +29,7 @@ from mlflow import MlflowClient  # noqa: E402
 
 from splitvit.cli import main  # noqa: E402
 from splitvit.tune import SweepError, dominates, hypervolume, run_sweep  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
 
 # 16x16 images, 4-pixel base patches, two levels: 4 coarse or 16 fine tokens (the library's
 # plain settings: the recipes' level context needs three levels)
@@ -95,19 +96,6 @@ def write_space(folder: Path, mlflow_uri: str, experiment: str, points: list[dic
     path = folder / "space.yaml"
     path.write_text(yaml.safe_dump(space, sort_keys=False))
     return path
-
-
-def cli(argv: list[str]) -> int:
-    """``splitvit`` in this process; the logging handler main() installs (on pytest's
-    captured stream of the moment) is removed afterwards."""
-    import logging
-
-    root = logging.getLogger()
-    before = list(root.handlers)
-    try:
-        return main(argv)
-    finally:
-        root.handlers[:] = before
 
 
 def runs_of(client: MlflowClient, experiment: str) -> list:
@@ -201,7 +189,7 @@ def sweep(ray_session, mlflow_uri, tmp_path_factory):
     }
 
     out = folder / "sweep.json"
-    code = cli(["sweep", str(space), "--name", "e2e", "--resume", "--json", str(out)])
+    code = run_cli(["sweep", str(space), "--name", "e2e", "--resume", "--json", str(out)])
     return {
         "code": code,
         "json": json.loads(out.read_text()),
@@ -425,7 +413,7 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
 
     # `splitvit pareto` prints the same frontier from MLflow
     out = tmp_path / "pareto.json"
-    assert cli(["pareto", "sweep-e2e", "--tracking-uri", sweep["uri"], "--json", str(out)]) == 0
+    assert run_cli(["pareto", "sweep-e2e", "--tracking-uri", sweep["uri"], "--json", str(out)]) == 0
     again = json.loads(out.read_text())
     assert {p["run_id"] for p in again["frontier"]} == frontier_ids
     assert again["hypervolume"] == pytest.approx(hv)
@@ -501,7 +489,7 @@ def test_frontier_is_timed_against_full_resolution_and_read_back(sweep, tmp_path
     # `splitvit pareto` reads the speed-ups back from MLflow and prints them beside the tokens
     out = tmp_path / "pareto.json"
     capsys.readouterr()
-    assert cli(["pareto", "sweep-e2e", "--tracking-uri", sweep["uri"], "--json", str(out)]) == 0
+    assert run_cli(["pareto", "sweep-e2e", "--tracking-uri", sweep["uri"], "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     again = json.loads(out.read_text())
     assert {p["run_id"]: p["extras"]["speedup_vs_full"] for p in again["frontier"]} == pytest.approx(
@@ -542,7 +530,7 @@ def test_pareto_says_when_a_sweep_recorded_no_speed_ups(tmp_path, capsys):
         for key, value in (("accuracy", accuracy), ("tokens_per_image", tokens), ("token_ratio", tokens / 16)):
             client.log_metric(run.info.run_id, key, value)
     out = tmp_path / "pareto.json"
-    assert cli(["pareto", "old-sweep", "--tracking-uri", uri, "--json", str(out)]) == 0
+    assert run_cli(["pareto", "old-sweep", "--tracking-uri", uri, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "speed-up: not recorded" in printed
     head = next(line for line in printed.splitlines() if line.startswith("tokens/image"))

@@ -1018,11 +1018,11 @@ def _evaluate_held_out(
     for p in front:
         if p.checkpoint:
             jobs.setdefault(p.checkpoint, []).append((p, None, p.thresholds or None))
+    # a fine-tuned baseline runs on its own checkpoint; else on the best point's backbone under its policy
+    own = bool(fine_tuned_baselines(sweep.space))
     for b in baselines:
         checkpoint = checkpoints.get(b.trial_id)
         if checkpoint:
-            # a fine-tuned baseline on its own checkpoint; else the best point's backbone under its policy
-            own = bool(fine_tuned_baselines(sweep.space))
             jobs.setdefault(checkpoint, []).append((b, None if own else b.baseline, b.thresholds or None))
     log.info("evaluating %d frontier points and %d baselines on the %s split", len(front), len(baselines), e.split)
     for checkpoint, items in jobs.items():
