@@ -165,6 +165,30 @@ def test_resuming_a_sweep_saved_before_speed_settings_existed(tmp_path):
         _check_plan(space, str(tmp_path), None, resume=True)
 
 
+def test_a_sweep_resumes_from_another_checkout_of_the_same_files_but_not_from_another_base(tmp_path):
+    """The plan keeps the base config's contents: a resume from a moved checkout (the
+    base at another path, the same settings) continues; a changed base is refused."""
+    import shutil
+
+    from splitvit.tune.sweep import SweepError, _check_plan
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for checkout in (first, second):
+        shutil.copytree(ROOT / "search_spaces", checkout / "search_spaces")
+        shutil.copytree(ROOT / "jobs" / "configs", checkout / "jobs" / "configs")
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    started = load_space(first / "search_spaces" / "smoke.yaml")
+    _check_plan(started, str(sweep_dir), None, resume=False)
+    moved = load_space(second / "search_spaces" / "smoke.yaml")
+    assert moved.base != started.base
+    assert _check_plan(moved, str(sweep_dir), None, resume=True) is moved
+    base = Path(moved.base)
+    base.write_text(base.read_text().replace("seed: 0", "seed: 7", 1))
+    with pytest.raises(SweepError, match=r"differs .* \(in base\)"):
+        _check_plan(load_space(second / "search_spaces" / "smoke.yaml"), str(sweep_dir), None, resume=True)
+
+
 def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(tmp_path):
     """The thresholds of a budget-conditioned model were calibrated with the policy told
     the target ratio; timing the point with the checkpoint's own budget instead would

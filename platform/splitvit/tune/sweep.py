@@ -522,7 +522,12 @@ def _check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None,
         write_bytes(
             plan_uri,
             json.dumps(
-                {"space": current, "overrides": overrides or [], "source": space.source},
+                {
+                    "space": current,
+                    "overrides": overrides or [],
+                    "source": space.source,
+                    "base_config": space.base_raw,
+                },
                 indent=2,
                 sort_keys=True,
                 default=str,
@@ -540,6 +545,11 @@ def _check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None,
     normal = json.loads(json.dumps(current, sort_keys=True, default=str))
     if "speed" not in stored:
         normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
+    if "base_config" in saved:
+        # the base config by what it says, not by where the checkout lies: a sweep resumes
+        # from a moved or fresh clone of the same files
+        stored = {**stored, "base": saved["base_config"]}
+        normal["base"] = json.loads(json.dumps(space.base_raw, sort_keys=True, default=str))
     if normal != stored:
         changed = sorted(k for k in set(normal) | set(stored) if normal.get(k) != stored.get(k))
         raise SweepError(
