@@ -150,6 +150,37 @@ def ceiling_speedup(full_s: float, stages_s: Mapping[str, float]) -> float:
     return full_s / arithmetic
 
 
+def split_figures_across_runs(
+    full_s: Sequence[float], model_s: Sequence[float], stages_s: Sequence[Mapping[str, float]]
+) -> dict[str, Any]:
+    """A split model's speed-up, arithmetic ceiling and share of it, from its runs.
+
+    Args:
+        full_s: full resolution's whole-pass median in each run.
+        model_s: the split model's whole-pass median in each run.
+        stages_s: the split model's per-stage medians in each run.
+
+    Returns:
+        ``speedup_vs_full``, ``ceiling_speedup`` and ``share_of_ceiling``: the medians of
+        the per-run figures (each run's share is its own speed-up over its own ceiling);
+        ``speedup_range``, ``ceiling_range``, ``share_range``: their ``[min, max]``;
+        ``runs``: the per-run figures themselves.
+    """
+    if not len(full_s) == len(model_s) == len(stages_s):
+        raise ValueError(f"one figure per run each: {len(full_s)}, {len(model_s)} and {len(stages_s)} runs")
+    runs: dict[str, list[float]] = {
+        "speedup_vs_full": [f / m for f, m in zip(full_s, model_s)],
+        "ceiling_speedup": [ceiling_speedup(f, stages) for f, stages in zip(full_s, stages_s)],
+    }
+    runs["share_of_ceiling"] = [m / c for m, c in zip(runs["speedup_vs_full"], runs["ceiling_speedup"])]
+    figures: dict[str, Any] = {}
+    for key, prefix in (("speedup_vs_full", "speedup"), ("ceiling_speedup", "ceiling"), ("share_of_ceiling", "share")):
+        summary = across_runs(runs[key])
+        figures[key] = summary["median"]
+        figures[f"{prefix}_range"] = [summary["min"], summary["max"]]
+    return {**figures, "runs": runs}
+
+
 def across_runs(values: Sequence[float]) -> dict[str, float]:
     """One figure over the runs: their median, and their spread as minimum and maximum."""
     if not values:
@@ -293,23 +324,18 @@ def _time_batch(
             "token_ratio": tokens[name],
             "median_s": summary["median_s"],
             "images_per_s": summary["images_per_s"],
-            "speedup_vs_full": 1.0,
+            "speedup_vs_full": 1.0,  # full resolution's; a split model's is its runs' median, below
             "stages_s": _medians(rounds[name]),
             "runs": {"median_s": [run[name]["median_s"] for run in per_run]},
         }
     for name in points:
-        runs = figures[name]["runs"]
-        runs["speedup_vs_full"] = [run["full"]["median_s"] / run[name]["median_s"] for run in per_run]
-        runs["ceiling_speedup"] = [ceiling_speedup(run["full"]["median_s"], run[name]["stages_s"]) for run in per_run]
-        runs["share_of_ceiling"] = [m / c for m, c in zip(runs["speedup_vs_full"], runs["ceiling_speedup"])]
-        for key, prefix in (
-            ("speedup_vs_full", "speedup"),
-            ("ceiling_speedup", "ceiling"),
-            ("share_of_ceiling", "share"),
-        ):
-            summary = across_runs(runs[key])
-            figures[name][key] = summary["median"]
-            figures[name][f"{prefix}_range"] = [summary["min"], summary["max"]]
+        split = split_figures_across_runs(
+            figures["full"]["runs"]["median_s"],
+            figures[name]["runs"]["median_s"],
+            [run[name]["stages_s"] for run in per_run],
+        )
+        figures[name]["runs"].update(split.pop("runs"))
+        figures[name].update(split)
     others = max(others_runs) if others_runs else None
     warnings = []
     if others is not None and others > OTHER_LOAD_WARNING:
