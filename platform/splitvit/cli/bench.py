@@ -218,7 +218,7 @@ def _add_parts(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--scale", help="with --study: the study's scale (e.g. gpu)")
     add_set_option(p, "with --study or --config: a config setting of the model (e.g. model.image_size=96)")
     p.add_argument(
-        "--batch-sizes", default="1,8,64,256", help="images per forward pass, each timed on its own (default %(default)s)"
+        "--batch-sizes", default="1,8,64,256", help="images per forward pass, each timed apart (default %(default)s)"
     )
     p.add_argument("--ratios", default="0.5,0.7", help="token ratios to calibrate the model to (default %(default)s)")
     p.add_argument("--repeats", type=int, default=20, help="timed interleaved rounds per run (default %(default)s)")
