@@ -4,11 +4,22 @@ fixed-cost changes it guided, each pinned to the computation it replaced."""
 from __future__ import annotations
 
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from splitvit.bench.parts import (
+    ARITHMETIC_STAGES,
+    PartsSettings,
+    across_runs,
+    ceiling_speedup,
+    format_parts_report,
+    run_parts_benchmark,
+    split_figures_across_runs,
+)
 from splitvit.model.quadtree import repeat_cells, upsample_to_children
 from splitvit.model.splitvit import _area_downsample
 from splitvit.model.stages import STAGES, StageClock
@@ -114,20 +125,25 @@ def test_bench_parts_times_a_study_methods_model_stage_by_stage(tmp_path, capsys
 
     out = tmp_path / "parts.json"
     argv = ["bench", "parts", "--study", "studies/study_fashion.yaml", "--method", "split-0.5-agg-mixed-ctx"]
-    argv += ["--batch-sizes", "1,4", "--ratios", "0.5", "--repeats", "2", "--threads", "1", "--json", str(out)]
+    argv += ["--batch-sizes", "1,4", "--ratios", "0.5", "--repeats", "2", "--runs", "2", "--threads", "1"]
+    argv += ["--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "studies/study_fashion.yaml method split-0.5-agg-mixed-ctx, random weights" in printed
     assert "batch 1" in printed and "batch 4" in printed and "level_context ms" in printed
+    assert "median (min-max) of 2 runs of 2 interleaved rounds each" in printed
     data = json.loads(out.read_text())
     assert data["model"]["fine_aggregation"] and data["model"]["policy_level_context"]
     assert data["model"]["timm_kwargs"]["embed_dim"] == 96  # the study's config, not the base's
     assert [b["batch_size"] for b in data["batches"]] == [1, 4]
+    assert data["settings"]["runs"] == 2
     for entry in data["batches"]:
         full, split = entry["models"]["full"], entry["models"]["split@0.50"]
         assert full["token_ratio"] == 1.0 and full["speedup_vs_full"] == 1.0
         assert 0.0 < split["token_ratio"] < 1.0
-        assert split["speedup_vs_full"] == pytest.approx(full["median_s"] / split["median_s"])
+        per_run = [f / s for f, s in zip(full["runs"]["median_s"], split["runs"]["median_s"], strict=True)]
+        assert len(per_run) == 2 and split["runs"]["speedup_vs_full"] == pytest.approx(per_run)
+        assert split["speedup_vs_full"] == pytest.approx(statistics.median(per_run))
         assert set(split["stages_s"]) >= SPLIT_STAGES - {"gather"}
         assert not {"aggregation", "level_context"} & set(full["stages_s"])  # full resolution runs no policy blocks
         # the stages are a breakdown of one pass: together no longer than a few passes
@@ -140,6 +156,7 @@ def test_bench_parts_times_a_trained_checkpoint(tmp_path, capsys):
     path = tmp_path / "model.pt"
     tiny_model(**RECIPE).save(path)
     argv = ["bench", "parts", "--checkpoint", str(path), "--batch-sizes", "2", "--repeats", "1", "--ratios", "0.6"]
+    argv += ["--threads", "1"]  # torch's threads contend on a busy machine, and --runs 3 (the default) triples it
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert f"splitvit bench parts: {path}" in printed and "split@0.60" in printed
@@ -194,6 +211,7 @@ def test_bench_parts_compiled_and_bf16_compiles_every_side_and_says_so(tmp_path,
         (["--study", "studies/study_fashion.yaml", "--method", "nope"], "nope"),
         (["--config", "jobs/configs/fashion_mnist.yaml", "--token-buckets", "2"], "use them with compile"),
         (["--config", "jobs/configs/fashion_mnist.yaml", "--compile", "--token-buckets", "-1"], "token buckets"),
+        (["--config", "jobs/configs/fashion_mnist.yaml", "--runs", "0"], "runs must be >= 1"),
     ],
 )
 def test_bench_parts_bad_input_is_one_line(extra, message, capsys):
@@ -202,6 +220,95 @@ def test_bench_parts_bad_input_is_one_line(extra, message, capsys):
     assert main(["bench", "parts", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_the_ceiling_counts_the_arithmetic_stages_only():
+    """Full resolution's pass over the arithmetic stages' time: the policy's heads,
+    decisions, gather and packing count as free; a stage the model does not run, as 0."""
+    stages = {"embedding": 1.0, "aggregation": 2.0, "policy_blocks": 3.0, "level_context": 4.0, "blocks": 10.0}
+    stages |= {"head": 5.0, "policy_head": 100.0, "decision": 100.0, "gather": 100.0, "packing": 100.0}
+    assert ceiling_speedup(50.0, stages) == pytest.approx(50.0 / 25.0)
+    assert ceiling_speedup(8.0, {"blocks": 3.0, "head": 1.0, "decision": 7.0}) == pytest.approx(2.0)
+    assert set(ARITHMETIC_STAGES) == set(STAGES) - {"policy_head", "decision", "gather", "packing"}
+    with pytest.raises(ValueError, match="arithmetic stages"):
+        ceiling_speedup(1.0, {"decision": 1.0, "gather": 1.0})
+
+
+def test_runs_are_summarised_by_their_median_and_spread():
+    assert across_runs([1.3, 1.21, 1.33]) == {"median": 1.3, "min": 1.21, "max": 1.33}
+    assert across_runs([4.0, 1.0, 10.0, 2.0]) == {"median": 3.0, "min": 1.0, "max": 10.0}
+    with pytest.raises(ValueError):
+        across_runs([])
+
+
+def test_a_split_models_figures_are_per_run_then_their_median():
+    """Each run's speed-up, ceiling and share from that run alone; the figure is their
+    median (the median share 0.75 is not the median speed-up over the median ceiling, 0.8)."""
+    full, model = [10.0, 12.0, 11.0], [5.0, 8.0, 4.4]  # speed-ups 2, 1.5, 2.5
+    stages = [
+        {"blocks": 2.0, "embedding": 0.5, "decision": 9.0},  # arithmetic 2.5: ceiling 4
+        {"blocks": 5.0, "head": 1.0, "gather": 3.0},  # 6: ceiling 2
+        {"blocks": 4.0, "level_context": 0.4, "packing": 1.0},  # 4.4: ceiling 2.5
+    ]
+    figures = split_figures_across_runs(full, model, stages)
+    assert figures["runs"]["speedup_vs_full"] == pytest.approx([2.0, 1.5, 2.5])
+    assert figures["runs"]["ceiling_speedup"] == pytest.approx([4.0, 2.0, 2.5])
+    assert figures["runs"]["share_of_ceiling"] == pytest.approx([0.5, 0.75, 1.0])
+    assert figures["speedup_vs_full"] == pytest.approx(2.0) and figures["speedup_range"] == pytest.approx([1.5, 2.5])
+    assert figures["ceiling_speedup"] == pytest.approx(2.5) and figures["ceiling_range"] == pytest.approx([2.0, 4.0])
+    assert figures["share_of_ceiling"] == pytest.approx(0.75) and figures["share_range"] == pytest.approx([0.5, 1.0])
+    with pytest.raises(ValueError, match="one figure per run"):
+        split_figures_across_runs(full, model[:2], stages)
+
+
+def test_parts_settings_need_at_least_one_run():
+    assert PartsSettings(runs=1).runs == 1
+    with pytest.raises(ValueError, match="runs must be >= 1, got 0"):
+        PartsSettings(runs=0)
+
+
+def test_bench_parts_reports_the_ceiling_and_the_spread_of_its_runs():
+    """Two runs of one round each on the tiny recipe: every split model has its ceiling,
+    its share of it and the runs' spread, in the JSON and in the printout; full
+    resolution has neither."""
+    settings = PartsSettings(batch_sizes=(2,), ratios=(0.5,), repeats=1, warmup=0, runs=2, threads=1)
+    result = run_parts_benchmark(tiny_model(**RECIPE), settings, "tiny")
+    assert result["settings"]["runs"] == 2
+    models = result["batches"][0]["models"]
+    full, split = models["full"], models["split@0.50"]
+    assert len(full["runs"]["median_s"]) == 2 and "ceiling_speedup" not in full and "share_of_ceiling" not in full
+    runs = split["runs"]
+    assert {"median_s", "speedup_vs_full", "ceiling_speedup", "share_of_ceiling"} <= set(runs)
+    assert all(len(values) == 2 for values in runs.values())
+    assert split["ceiling_speedup"] >= 0.05  # full resolution's pass over a fraction of a split pass
+    assert split["ceiling_speedup"] == pytest.approx(statistics.median(runs["ceiling_speedup"]))
+    assert runs["share_of_ceiling"] == pytest.approx(
+        [m / c for m, c in zip(runs["speedup_vs_full"], runs["ceiling_speedup"])]
+    )
+    low, high = split["share_range"]
+    assert low == min(runs["share_of_ceiling"]) and high == max(runs["share_of_ceiling"]) and low > 0
+    assert split["speedup_range"] == [min(runs["speedup_vs_full"]), max(runs["speedup_vs_full"])]
+    printed = format_parts_report(result)
+    ceiling_row = next(line for line in printed.splitlines() if line.startswith("ceiling vs full"))
+    assert ceiling_row.split()[3:] == ["-", f"{split['ceiling_speedup']:.2f}x"]
+    share_row = next(line for line in printed.splitlines() if line.startswith("share of ceiling"))
+    assert f"{split['share_of_ceiling']:.0%} ({low * 100:.0f}-{high:.0%})" in share_row
+    speed_row = next(line for line in printed.splitlines() if line.startswith("speed-up vs full"))
+    assert (
+        f"{split['speedup_vs_full']:.2f}x ({split['speedup_range'][0]:.2f}-{split['speedup_range'][1]:.2f})"
+        in speed_row
+    )
+
+
+def test_a_result_written_before_runs_and_the_ceiling_prints_as_it_did():
+    """A committed measurement (one run, no ceiling) formats to the text committed beside
+    it, with no ceiling rows."""
+    folder = Path(__file__).resolve().parents[1] / "docs/measurements/cpu-2026-12-05-seg-speed"
+    result = json.loads((folder / "parts_study_fashion.json").read_text())
+    assert "runs" not in result["settings"]
+    printed = format_parts_report(result)
+    assert printed == (folder / "parts_study_fashion.txt").read_text().rstrip("\n")
+    assert "ceiling" not in printed and "medians of 20 interleaved rounds" in printed
 
 
 def test_identity_normalisation_is_skipped_and_noticed_when_the_buffers_change():

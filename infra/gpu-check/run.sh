@@ -77,16 +77,16 @@ case "$stage" in
     fi
     bench vitb16_forward 90 forward --device "$dev" --image-size 256 --batch-size "$batch" --repeats "$repeats" \
       --policies learned_shared --fine-aggregation --level-context --policy-depth 1 --no-memory
-    bench parts_vitb16 90 parts --study studies/study_fashion.yaml $recipe $vitb --batch-sizes "1,64,$batch" \
+    bench parts_vitb16 150 parts --study studies/study_fashion.yaml $recipe $vitb --batch-sizes "1,64,$batch" \
       --ratios 0.5,0.7 --repeats "$repeats"
     for s in study_fashion study_fashion_seg; do
-      bench "parts_$s" 90 parts --study "studies/$s.yaml" $recipe --batch-sizes "1,8,64,$batch" \
+      bench "parts_$s" 150 parts --study "studies/$s.yaml" $recipe --batch-sizes "1,8,64,$batch" \
         --ratios 0.5,0.7,0.8 --repeats "$repeats"
     done
     bench vitb16_forward_compiled 120 forward --device "$dev" --image-size 256 --batch-size "$batch" \
       --repeats "$repeats" --policies learned_shared --fine-aggregation --level-context --policy-depth 1 \
       --no-memory --token-buckets 4 --compile
-    bench parts_study_fashion_compiled 120 parts --study studies/study_fashion.yaml $recipe --batch-sizes "$batch" \
+    bench parts_study_fashion_compiled 200 parts --study studies/study_fashion.yaml $recipe --batch-sizes "$batch" \
       --ratios 0.5,0.7,0.8 --repeats "$repeats" --compile --token-buckets 4
     ;;
   study)

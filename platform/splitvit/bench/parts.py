@@ -4,7 +4,8 @@ The model is one a user trains: a study's method (the study file's config and th
 method's settings, random weights), an experiment config, or a trained checkpoint.
 Its full-resolution counterpart is the same model with the ``full`` policy (every
 node splits: the studies' control architecture, the sweeps' baseline). At every
-batch size, in one interleaved run (:func:`~splitvit.bench.timing.time_beside_others`):
+batch size, in ``runs`` interleaved runs (:func:`~splitvit.bench.timing.time_beside_others`,
+each run every model in turn, round after round):
 
 * ``full``: the full-resolution forward pass;
 * ``split@R``: the model at token ratio ``R``, its thresholds calibrated once, on
@@ -14,10 +15,19 @@ batch size, in one interleaved run (:func:`~splitvit.bench.timing.time_beside_ot
   policy's blocks, level context, the policy's heads, decisions, gather, packing,
   blocks, head (:data:`~splitvit.model.stages.STAGES`).
 
-Speed-ups are ratios of medians of the unclocked passes; images are
-:func:`~splitvit.bench.forward.benchmark_images` (an object among clutter) with the
-model's channel count. Nothing is judged against a target here: the figures are
-printed as measured, with the machine's description and a warning when other
+Each run gives every model a speed-up, full resolution's median over the model's (of
+the unclocked passes); the speed-up reported is the median of the runs' and its spread
+their minimum and maximum, so that one run's drift shows instead of passing for the
+figure. Beside it, the **arithmetic ceiling** (:func:`ceiling_speedup`): the speed-up
+the recipe would have if everything but its arithmetic (:data:`ARITHMETIC_STAGES`)
+were free, full resolution's whole-pass median over the model's arithmetic stages'
+medians; and the measured speed-up's **share of the ceiling**, how much of what the
+recipe's arithmetic allows the implementation delivers. Both are computed per run and
+reported as the runs' median (with the share's spread).
+
+Images are :func:`~splitvit.bench.forward.benchmark_images` (an object among clutter)
+with the model's channel count. Nothing is judged against a target here: the figures
+are printed as measured, with the machine's description and a warning when other
 processes competed for the cores.
 """
 
@@ -27,7 +37,7 @@ import copy
 import itertools
 import logging
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +68,12 @@ DEFAULT_BATCH_SIZES = (1, 8, 64, 256)
 #: Successive calls of a model take the next of up to this many batches (of the
 #: calibration images), so a small batch's time is that of typical images, not of one.
 ROTATION_BATCHES = 16
+#: The stages the arithmetic ceiling counts: the computation the recipe cannot do
+#: without (patch embeddings, fine aggregation, the policy's blocks, level context, the
+#: ViT's blocks, the head). The policy's heads, the decisions, gather and packing only
+#: choose and arrange tokens (a few small layers, thresholds, index work): the overhead
+#: that could in principle cost nothing, and so the ceiling counts it as free.
+ARITHMETIC_STAGES = ("embedding", "aggregation", "policy_blocks", "level_context", "blocks", "head")
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,9 @@ class PartsSettings:
     Attributes:
         batch_sizes: images per forward pass, one interleaved run each.
         ratios: token ratios (fractions of ``N_full``) the model is calibrated to.
-        repeats, warmup: timed and untimed interleaved rounds per batch size.
+        repeats, warmup: timed and untimed interleaved rounds per batch size and run.
+        runs: interleaved runs per batch size; speed-ups, ceilings and shares are the
+            runs' medians, with their spread.
         threads: torch's CPU threads while timing (``None``: torch's default).
         device: where the models run.
         bf16: bf16 autocast for every pass and the calibration.
@@ -82,6 +100,7 @@ class PartsSettings:
     ratios: tuple[float, ...] = (0.5, 0.7)
     repeats: int = 20
     warmup: int = 3
+    runs: int = 3
     threads: int | None = None
     device: str = "cpu"
     bf16: bool = False
@@ -96,6 +115,8 @@ class PartsSettings:
             raise ValueError(f"ratios must be token fractions in (0, 1], got {list(self.ratios)}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.runs < 1:
+            raise ValueError(f"runs must be >= 1, got {self.runs}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.token_buckets < 0:
@@ -113,6 +134,60 @@ def point_name(ratio: float) -> str:
     return f"split@{ratio:.2f}"
 
 
+def ceiling_speedup(full_s: float, stages_s: Mapping[str, float]) -> float:
+    """The speed-up a split model would have if everything but its arithmetic were free.
+
+    Args:
+        full_s: full resolution's whole-pass seconds (unclocked).
+        stages_s: the split model's seconds per stage (a stage it does not run may be absent).
+
+    Returns:
+        ``full_s`` over the split model's :data:`ARITHMETIC_STAGES` seconds together.
+    """
+    arithmetic = sum(stages_s.get(stage, 0.0) for stage in ARITHMETIC_STAGES)
+    if arithmetic <= 0.0:
+        raise ValueError(f"no time in the arithmetic stages {list(ARITHMETIC_STAGES)}: {dict(stages_s)}")
+    return full_s / arithmetic
+
+
+def split_figures_across_runs(
+    full_s: Sequence[float], model_s: Sequence[float], stages_s: Sequence[Mapping[str, float]]
+) -> dict[str, Any]:
+    """A split model's speed-up, arithmetic ceiling and share of it, from its runs.
+
+    Args:
+        full_s: full resolution's whole-pass median in each run.
+        model_s: the split model's whole-pass median in each run.
+        stages_s: the split model's per-stage medians in each run.
+
+    Returns:
+        ``speedup_vs_full``, ``ceiling_speedup`` and ``share_of_ceiling``: the medians of
+        the per-run figures (each run's share is its own speed-up over its own ceiling);
+        ``speedup_range``, ``ceiling_range``, ``share_range``: their ``[min, max]``;
+        ``runs``: the per-run figures themselves.
+    """
+    if not len(full_s) == len(model_s) == len(stages_s):
+        raise ValueError(f"one figure per run each: {len(full_s)}, {len(model_s)} and {len(stages_s)} runs")
+    runs: dict[str, list[float]] = {
+        "speedup_vs_full": [f / m for f, m in zip(full_s, model_s)],
+        "ceiling_speedup": [ceiling_speedup(f, stages) for f, stages in zip(full_s, stages_s)],
+    }
+    runs["share_of_ceiling"] = [m / c for m, c in zip(runs["speedup_vs_full"], runs["ceiling_speedup"])]
+    figures: dict[str, Any] = {}
+    for key, prefix in (("speedup_vs_full", "speedup"), ("ceiling_speedup", "ceiling"), ("share_of_ceiling", "share")):
+        summary = across_runs(runs[key])
+        figures[key] = summary["median"]
+        figures[f"{prefix}_range"] = [summary["min"], summary["max"]]
+    return {**figures, "runs": runs}
+
+
+def across_runs(values: Sequence[float]) -> dict[str, float]:
+    """One figure over the runs: their median, and their spread as minimum and maximum."""
+    if not values:
+        raise ValueError("no runs to summarise")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -> dict[str, Any]:
     """Time ``model`` at every ratio and batch size beside its full-resolution self.
 
@@ -123,7 +198,9 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
 
     Returns:
         A JSON-ready result: the model, the machine, the calibrated thresholds, and per
-        batch size every model's images/s, speed-up, token ratio and per-stage medians.
+        batch size every model's images/s, speed-up, token ratio and per-stage medians;
+        for every split model also its arithmetic ceiling and share of it (see
+        :func:`_time_batch` for the keys).
     """
     dev = checked_device(settings.device)
     previous_threads = torch.get_num_threads()
@@ -157,6 +234,7 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
             "ratios": list(settings.ratios),
             "repeats": settings.repeats,
             "warmup": settings.warmup,
+            "runs": settings.runs,
             "calibration_images": CALIBRATION_IMAGES,
             "bf16": settings.bf16,
             "compile": settings.compile,
@@ -199,7 +277,15 @@ def _rotation(images: torch.Tensor, batch: int) -> list[torch.Tensor]:
 def _time_batch(
     full: SplitViT, points: dict[str, SplitViT], batches: list[torch.Tensor], settings: PartsSettings, dev: torch.device
 ) -> dict[str, Any]:
-    """One batch size: every model plain and clocked, interleaved; medians and stages."""
+    """One batch size: every model plain and clocked, interleaved, in ``settings.runs`` runs.
+
+    Every model's ``median_s``, ``images_per_s`` and ``stages_s`` are medians over all the
+    runs' timed rounds together (one pool of samples); ``runs.median_s`` holds each run's
+    median. A split model's ``speedup_vs_full``, ``ceiling_speedup`` and
+    ``share_of_ceiling`` are the medians of the per-run figures (``runs.*``), each with
+    its ``*_range`` (the runs' minimum and maximum). ``others_cores`` is the most CPUs
+    other processes used on average in any one run.
+    """
     batch = batches[0].shape[0]
     sync = synchronizer(dev)
     models = {"full": full, **points}
@@ -208,27 +294,60 @@ def _time_batch(
     for name, model in models.items():
         fns[name] = _rotating(model, batches)
         fns[f"{name}/stages"] = _clocked(model, batches, sync, stage_samples[name])
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    cpu: dict[str, list[float]] = {name: [] for name in models}
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+    per_run: list[dict[str, dict[str, Any]]] = []  # per run, per model: its median and stage medians
+    others_runs: list[float] = []
     with torch.inference_mode(), settings.autocast(dev):
         tokens = {name: statistics.fmean(float(m(b).token_ratio.mean()) for b in batches) for name, m in models.items()}
-        samples, cpu, others = time_beside_others(fns, repeats=settings.repeats, warmup=settings.warmup, sync=sync)
-    full_median = statistics.median(samples["full"])
+        for _ in range(settings.runs):
+            for clocked in stage_samples.values():
+                clocked.clear()
+            run_samples, run_cpu, others = time_beside_others(
+                fns, repeats=settings.repeats, warmup=settings.warmup, sync=sync
+            )
+            if others is not None:
+                others_runs.append(others)
+            figures_of_run = {}
+            for name in models:
+                timed = stage_samples[name][-settings.repeats :]  # the timed rounds, not the warm-up
+                samples[name] += run_samples[name]
+                cpu[name] += run_cpu[name]
+                rounds[name] += timed
+                figures_of_run[name] = {"median_s": statistics.median(run_samples[name]), "stages_s": _medians(timed)}
+            per_run.append(figures_of_run)
     figures = {}
     for name in models:
         summary = timing_summary(samples[name], cpu[name], batch)
-        rounds = stage_samples[name][-settings.repeats :]  # the timed rounds, not the warm-up
-        stages = {s: statistics.median(r.get(s, 0.0) for r in rounds) for s in STAGES}
         figures[name] = {
             "token_ratio": tokens[name],
             "median_s": summary["median_s"],
             "images_per_s": summary["images_per_s"],
-            "speedup_vs_full": full_median / summary["median_s"],
-            "stages_s": {s: v for s, v in stages.items() if any(r.get(s) for r in rounds)},
+            "speedup_vs_full": 1.0,  # full resolution's; a split model's is its runs' median, below
+            "stages_s": _medians(rounds[name]),
+            "runs": {"median_s": [run[name]["median_s"] for run in per_run]},
         }
+    for name in points:
+        split = split_figures_across_runs(
+            figures["full"]["runs"]["median_s"],
+            figures[name]["runs"]["median_s"],
+            [run[name]["stages_s"] for run in per_run],
+        )
+        figures[name]["runs"].update(split.pop("runs"))
+        figures[name].update(split)
+    others = max(others_runs) if others_runs else None
     warnings = []
     if others is not None and others > OTHER_LOAD_WARNING:
         warnings.append(f"batch {batch}: other processes used {others:.2f} CPUs while timing; figures are noisy")
     log.info("bench parts: batch %d timed", batch)
     return {"batch_size": batch, "models": figures, "others_cores": others, "warnings": warnings}
+
+
+def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Per stage, the median seconds over ``rounds`` (a round that did not run it: 0), for
+    the stages some round ran."""
+    return {s: statistics.median(r.get(s, 0.0) for r in rounds) for s in STAGES if any(r.get(s) for r in rounds)}
 
 
 def _rotating(model: SplitViT, batches: list[torch.Tensor]) -> Callable[[], Any]:
@@ -256,12 +375,17 @@ def _clocked(
 
 
 def format_parts_report(result: dict[str, Any]) -> str:
-    """The result as text: per batch size, every model's speed and its stages in ms."""
+    """The result as text: per batch size, every model's speed, its arithmetic ceiling and
+    share of it, and its stages in ms. Files written before ``runs`` (one run, no ceiling)
+    print as they did then."""
+    settings = result["settings"]
+    runs = settings.get("runs")
+    rounds = f"{settings['repeats']} interleaved rounds"
+    timed = f"speed-ups: median (min-max) of {runs} runs of {rounds} each" if runs else f"medians of {rounds}"
     lines = [
         f"splitvit bench parts: {result['source']}",
         f"{device_label(result['machine'])}, {result['machine']['torch_threads']} torch threads, "
-        f"{_precision(result['settings'])}; medians of {result['settings']['repeats']} interleaved rounds; "
-        f"thresholds calibrated on {result['settings']['calibration_images']} images",
+        f"{_precision(settings)}; {timed}; thresholds calibrated on {settings['calibration_images']} images",
     ]
     for entry in result["batches"]:
         models = entry["models"]
@@ -270,14 +394,37 @@ def format_parts_report(result: dict[str, Any]) -> str:
             ["tokens / full", *(f"{models[n]['token_ratio']:.2f}" for n in names)],
             ["forward ms", *(f"{models[n]['median_s'] * 1e3:.2f}" for n in names)],
             ["images/s", *(f"{models[n]['images_per_s']:.0f}" for n in names)],
-            ["speed-up vs full", *(f"{models[n]['speedup_vs_full']:.2f}x" for n in names)],
+            [
+                "speed-up vs full",
+                *(_times(models[n]["speedup_vs_full"], models[n].get("speedup_range")) for n in names),
+            ],
         ]
+        if any("ceiling_speedup" in models[n] for n in names):
+            rows.append(["ceiling vs full", *(_ceiling(models[n]) for n in names)])
+            rows.append(["share of ceiling", *(_share(models[n]) for n in names)])
         for stage in result["stages"]:
             if any(stage in models[n]["stages_s"] for n in names):
                 rows.append([f"  {stage} ms", *(_ms(models[n]["stages_s"].get(stage)) for n in names)])
         lines += ["", f"batch {entry['batch_size']}", *text_table(["", *names], rows)]
     lines += [f"warning: {w}" for w in result["warnings"]]
     return "\n".join(lines)
+
+
+def _times(value: float, spread: list[float] | None) -> str:
+    """``1.28x``, or ``1.28x (1.21-1.33)`` with the runs' spread."""
+    return f"{value:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
+
+
+def _ceiling(figures: dict[str, Any]) -> str:
+    return f"{figures['ceiling_speedup']:.2f}x" if "ceiling_speedup" in figures else "-"
+
+
+def _share(figures: dict[str, Any]) -> str:
+    """``67% (63-70%)``: the median share of the ceiling and the runs' spread."""
+    if "share_of_ceiling" not in figures:
+        return "-"
+    low, high = figures["share_range"]
+    return f"{figures['share_of_ceiling']:.0%} ({low * 100:.0f}-{high:.0%})"
 
 
 def _precision(settings: dict[str, Any]) -> str:

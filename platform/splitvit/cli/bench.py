@@ -218,10 +218,16 @@ def _add_parts(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--scale", help="with --study: the study's scale (e.g. gpu)")
     add_set_option(p, "with --study or --config: a config setting of the model (e.g. model.image_size=96)")
     p.add_argument(
-        "--batch-sizes", default="1,8,64,256", help="images per forward pass, one run each (default %(default)s)"
+        "--batch-sizes", default="1,8,64,256", help="images per forward pass, each timed apart (default %(default)s)"
     )
     p.add_argument("--ratios", default="0.5,0.7", help="token ratios to calibrate the model to (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=20, help="timed interleaved rounds (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=20, help="timed interleaved rounds per run (default %(default)s)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="interleaved runs per batch size; speed-ups are the runs' median, with their spread (default %(default)s)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's default here)")
     p.add_argument("--device", default="cpu", help="torch device (default %(default)s)")
     _add_bf16_option(p)
@@ -256,6 +262,7 @@ def run_parts(args: argparse.Namespace) -> int:
         batch_sizes=number_list("--batch-sizes", args.batch_sizes, int),
         ratios=number_list("--ratios", args.ratios),
         repeats=args.repeats,
+        runs=args.runs,
         threads=args.threads,
         device=args.device,
         bf16=_bf16(args),
