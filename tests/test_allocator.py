@@ -136,6 +136,9 @@ def test_a_preloaded_library_is_found_in_the_process_maps(tmp_path):
     )
     assert loaded_library("jemalloc", str(maps)) == "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
     assert loaded_library("tcmalloc", str(maps)) is None
+    # a library preloaded through its symlink is mapped under the versioned file's name
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 125   /usr/lib/libtcmalloc_minimal.so.4.5.10\n")
+    assert loaded_library("tcmalloc", str(maps)) == "/usr/lib/libtcmalloc_minimal.so.4.5.10"
     assert loaded_library("glibc-keep", str(maps)) is None
     env = {"PATH": "/bin", "LD_PRELOAD": "x.so", "MALLOC_ARENA_MAX": "2", "MALLOC_CONF": "y"}
     assert strip_allocator_env(env) == {"PATH": "/bin"}
@@ -175,3 +178,24 @@ def test_a_real_tiny_run_under_two_allocators(tmp_path, monkeypatch):
     json.dumps(result)  # the --json envelope takes it
     report = "\n".join(format_allocator_lines(result))
     assert "glibc-keep  split" in report and "peak RSS MiB" in report
+
+
+@pytest.mark.parametrize("name", ["jemalloc", "tcmalloc"])
+def test_the_workers_preload_by_file_name_loads_the_library(name):
+    """What a Ray worker gets (:func:`worker_env_vars`) preloads the library where it is
+    installed: a fresh process finds it mapped (skipped where it is not installed)."""
+    import os
+    import subprocess
+    import sys
+
+    from splitvit.train.allocator import find_library, get_allocator
+
+    if find_library(get_allocator(name)) is None:
+        pytest.skip(f"{name} is not installed here")
+    import splitvit
+
+    env = {**strip_allocator_env(dict(os.environ)), **worker_env_vars(name)}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(splitvit.__file__))  # this checkout's package
+    code = f"from splitvit.train.allocator import loaded_library; print(loaded_library({name!r}))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert os.path.basename(out.strip()).startswith(get_allocator(name).libraries[0])

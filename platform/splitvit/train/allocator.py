@@ -161,7 +161,8 @@ def loaded_library(name: str, maps: str = "/proc/self/maps") -> str | None:
     for line in text.splitlines():
         fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (if any)
         path = fields[5].strip() if len(fields) == 6 else ""
-        if os.path.basename(path) in allocator.libraries:
+        # the maps name the file behind the symlink (libtcmalloc_minimal.so.4.5.10 for .so.4)
+        if os.path.basename(path).startswith(allocator.libraries):
             return path
     return None
 
