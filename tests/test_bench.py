@@ -364,6 +364,8 @@ def test_each_benchmarks_defaults_are_its_librarys():
     for option in ("repeats", "ray_rounds", "threads", "skip_epochs", "tracking", "storage", "device"):
         assert train[option] == run[named.get(option, option)], option
     assert tuple(train["parts"].split(",")) == run["parts"]
+    assert tuple(train["allocators"].split(",")) == run["allocators"]
+    assert train["allocator_rounds"] == run["allocator_rounds"]
 
     data = vars(parser.parse_args(["bench", "data"]))
     settings = {f.name: f.default for f in dataclasses.fields(DataBenchSettings)}

@@ -129,6 +129,7 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("data.batch_size=0", "data.batch_size", "must be >= 1, got 0"),
         ("scaling.num_workers=0", "scaling.num_workers", "must be >= 1, got 0"),
         ("scaling.resources_per_worker.CPU=-1", "scaling.resources_per_worker.CPU", "must be >= 0"),
+        ("scaling.allocator=mimalloc", "scaling.allocator", "unknown allocator 'mimalloc'"),
         ("storage.path=gs://bucket/x", "storage.path", "must be a local folder or s3://bucket/prefix"),
         ("storage.name=a/b", "storage.name", "plain folder name"),
         ("tracking.split_map_images=-1", "tracking.split_map_images", "must be >= 0"),

@@ -390,6 +390,21 @@ def test_dockerfile_installs_the_project_on_the_official_ray_image():
     assert {".venv", ".git", "runs"} <= set(ignored)
 
 
+def test_dockerfile_installs_every_preloaded_allocator_and_sets_none():
+    """``scaling.allocator`` preloads a library on every worker node: the image has each
+    one the allocator table names, and chooses none itself (the config does)."""
+    from splitvit.train.allocator import ALLOCATORS
+
+    steps = _dockerfile(INFRA / "docker" / "Dockerfile")
+    runs = " ".join(a for i, a in steps if i == "RUN")
+    install = re.search(r"apt-get install -y --no-install-recommends ([^&]+)", runs)
+    assert install, "the Dockerfile installs no packages with apt-get"
+    packages = set(install.group(1).split())
+    assert {a.package for a in ALLOCATORS.values() if a.preloads} <= packages
+    settings = " ".join(a for i, a in steps if i in ("ENV", "ARG"))
+    assert "LD_PRELOAD" not in settings and "MALLOC_" not in settings
+
+
 def _constraints() -> dict[str, Requirement]:
     """constraints.txt: the exact builds `make`, the image and the cluster's nodes install."""
     lines = (ROOT / "constraints.txt").read_text().splitlines()

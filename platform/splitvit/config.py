@@ -406,12 +406,19 @@ class ScalingConfig:
         use_gpu: one GPU per worker (NCCL); CPU training uses gloo.
         resources_per_worker: Ray resources per worker, e.g. ``{CPU: 4, GPU: 1}``.
         placement_strategy: Ray placement group strategy (``PACK``, ``SPREAD``...).
+        allocator: the memory allocator of the training workers, set through their Ray
+            runtime environment: ``glibc`` (the default: nothing set), ``glibc-keep``
+            (glibc keeping freed memory), ``jemalloc`` or ``tcmalloc`` (preloaded: every
+            node needs the library, as the Docker image has). The names and what each
+            sets: ``splitvit.train.allocator``; ``splitvit bench train --parts
+            allocators`` measures them.
     """
 
     num_workers: int = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     placement_strategy: str = "PACK"
+    allocator: str = "glibc"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``splitvit bench train``: SPLIT's training throughput and Ray Train's overhead, side by side.
+"""``splitvit bench train``: SPLIT's training throughput, Ray Train's overhead and the allocators, side by side.
 
 One experiment config (:class:`~splitvit.config.ExperimentConfig`: model, synthetic
 data, batch size, seed) drives both parts, measured in one run on one machine, with
@@ -59,6 +59,11 @@ loaders use no worker processes in either. With ``rounds`` > 1 the two runs
 alternate (plain, Ray, Ray, plain, ...). When this benchmark starts Ray, it shuts
 it down after every Ray run, so the plain loop never shares the machine with an
 idle Ray; under an existing Ray (a Ray job, the tests) it cannot, and says so.
+
+**C. The memory allocator** (``parts`` ``allocators``, not run by default): the plain
+loop trains the full-resolution control and the SPLIT config from scratch under each
+allocator, each run in a child process started with that allocator
+(:mod:`splitvit.bench.allocators`).
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ from ..config import AUTO_THRESHOLDS, ExperimentConfig
 from ..model import SplitViT
 from ..model.quadtree import expected_tokens
 from ..train.experiment import build_model, experiment_from_dict
+from .allocators import choose_allocators, format_allocator_lines, run_allocator_benchmark
 from .report import device_label, make_target, target_table, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
@@ -108,6 +114,8 @@ log = logging.getLogger(__name__)
 #: fraction of the plain single-process loop's on the same model and data.
 RAY_OVERHEAD_TARGET = 0.9
 STEP_NAMES = ("timm", "full", "split_warmup", "split_learned", "split_learned_every_step", "teacher")
+#: ``bench train``'s parts: A (training steps), B (Ray Train's overhead), C (allocators)
+TRAIN_PARTS = ("steps", "ray", "allocators")
 
 
 # ---------------------------------------------------------------------- config
@@ -1016,16 +1024,22 @@ def run_train_benchmark(
     storage: str | None = None,
     ray_address: str | None = None,
     autocast_bf16: bool = False,
+    allocators: tuple[str, ...] = ("all",),
+    allocator_rounds: int = 3,
 ) -> dict[str, Any]:
-    """Both parts on one config (default :func:`benchmark_config`); ``parts`` picks
-    ``steps`` (A) and/or ``ray`` (B); ``threads`` (default: this process's torch
-    threads) holds for both; ``autocast_bf16`` applies to part A's steps. A
-    JSON-serialisable dict: ``model``, ``machine``, ``steps`` (part A),
-    ``ray_overhead`` (part B), ``targets``, ``warnings``."""
+    """The parts on one config (default :func:`benchmark_config`); ``parts`` picks
+    ``steps`` (A), ``ray`` (B) and ``allocators`` (C,
+    :func:`~splitvit.bench.allocators.run_allocator_benchmark`: ``allocators`` in
+    ``allocator_rounds`` rounds); ``threads`` (default: this process's torch threads)
+    holds for all; ``autocast_bf16`` applies to part A's steps. A JSON-serialisable
+    dict: ``model``, ``machine``, ``steps`` (part A), ``ray_overhead`` (part B),
+    ``allocators`` (part C), ``targets``, ``warnings``."""
     config = config or benchmark_config()
-    unknown = set(parts) - {"steps", "ray"}
+    unknown = set(parts) - set(TRAIN_PARTS)
     if unknown or not parts:
-        raise ValueError(f"parts must be some of steps, ray; got {', '.join(parts) or 'none'}")
+        raise ValueError(f"parts must be some of {', '.join(TRAIN_PARTS)}; got {', '.join(parts) or 'none'}")
+    if "allocators" in parts:  # every allocator's library found before anything is timed
+        choose_allocators(allocators)
     dev = torch.device(device)
     result: dict[str, Any] = {
         "benchmark": "train",
@@ -1053,11 +1067,23 @@ def run_train_benchmark(
                 storage=storage,
                 ray_address=ray_address,
             )
+        if "allocators" in parts:
+            result["allocators"] = run_allocator_benchmark(
+                config,
+                allocators=allocators,
+                rounds=allocator_rounds,
+                threads=threads,
+                skip_epochs=skip_epochs,
+                device=device,
+            )
         result["machine"] = machine_info(dev)
     finally:
         torch.set_num_threads(own_threads)
     result["targets"] = [result["ray_overhead"]["target"]] if "ray_overhead" in result else []
-    result["warnings"] = [w for key in ("steps", "ray_overhead") for w in result.get(key, {}).get("warnings", [])]
+    result["targets"] += result.get("allocators", {}).get("targets", [])
+    result["warnings"] = [
+        w for key in ("steps", "ray_overhead", "allocators") for w in result.get(key, {}).get("warnings", [])
+    ]
     return result
 
 
@@ -1257,5 +1283,7 @@ def format_train_report(result: dict[str, Any]) -> str:
         lines += _steps_lines(result)
     if "ray_overhead" in result:
         lines += _ray_runs_lines(result["ray_overhead"]) + _ray_summary_lines(result["ray_overhead"])
+    if "allocators" in result:
+        lines += format_allocator_lines(result["allocators"])
     lines += [f"WARNING: {warning}" for warning in result.get("warnings", [])]
     return "\n".join(lines)

@@ -345,7 +345,24 @@ def _add_train(kinds: argparse._SubParsersAction) -> None:
         default=1,
         help="leading epochs left out of steady-state images/s (default %(default)s)",
     )
-    p.add_argument("--parts", default="steps,ray", help="steps, ray or steps,ray (default %(default)s)")
+    p.add_argument(
+        "--parts",
+        default="steps,ray",
+        help="some of steps (A: training steps), ray (B: Ray Train's overhead), allocators (C: the plain "
+        "loop under each memory allocator), comma-separated (default %(default)s)",
+    )
+    p.add_argument(
+        "--allocators",
+        default="all",
+        help="part C's allocators, comma-separated: glibc, glibc-keep, jemalloc, tcmalloc, or all (those "
+        "not installed skipped); glibc, the default, always runs (default %(default)s)",
+    )
+    p.add_argument(
+        "--allocator-rounds",
+        type=int,
+        default=3,
+        help="part C's rounds of every allocator and model, alternating order (default %(default)s)",
+    )
     p.add_argument("--tracking", action="store_true", help="MLflow logging in the Ray run")
     p.add_argument("--storage", help="Ray storage path (default: a temporary folder)")
     p.add_argument(
@@ -365,7 +382,8 @@ def _add_train(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """``bench train``: time the training steps (part A) and Ray Train against the plain loop (B)."""
+    """``bench train``: time the training steps (part A), Ray Train against the plain loop (B)
+    and the plain loop under each memory allocator (C)."""
     if args.tracking and (args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
         checked_tracking_uri(args)  # a server that does not answer: one line in seconds, before torch loads
     from ..bench.training import benchmark_config, format_train_report, run_train_benchmark
@@ -396,6 +414,8 @@ def run_train(args: argparse.Namespace) -> int:
         tracking=args.tracking,
         storage=args.storage,
         autocast_bf16=_bf16(args),
+        allocators=tuple(a.strip() for a in args.allocators.split(",") if a.strip()),
+        allocator_rounds=args.allocator_rounds,
     )
     print(format_train_report(result))
     emit(args, result)

@@ -2,9 +2,10 @@
 and MLflow load (a mistake is one line in a second):
 
 * :func:`check_names`: the names (dataset, policy, task, input normalisation, evidence
-  pooling) against what the data and the model define, the task against the dataset's
-  targets, and the model's shape (:func:`check_model_shape`: one threshold per
-  non-finest level, an image side the coarsest patch divides).
+  pooling, the workers' allocator) against what the data, the model and the allocator
+  table define, the task against the dataset's targets, and the model's shape
+  (:func:`check_model_shape`: one threshold per non-finest level, an image side the
+  coarsest patch divides).
   :func:`~splitvit.train.experiment.validate_experiment` runs them with the rest;
 * :func:`check_locations`: where a run reads and writes, as far as the files tell
   (the tracking URI's scheme, ``storage.path``, a COCO dataset's annotation files);
@@ -22,6 +23,7 @@ from ..config import ConfigError, ExperimentConfig, ModelConfig, redact_uri, req
 from ..data.coco_format import check_coco_file
 from ..data.names import ANY_TASK_DATASETS, DATASET_NAMES, DETECTION_DATASETS
 from ..model.names import DETECTION_TASK, EVIDENCE_POOLINGS, INPUT_NORMALIZATIONS, MODEL_TASKS, POLICY_NAMES
+from .allocator import ALLOCATORS
 
 
 def check_names(config: ExperimentConfig) -> None:
@@ -51,6 +53,11 @@ def check_names(config: ExperimentConfig) -> None:
         f"must be one of {', '.join(EVIDENCE_POOLINGS)}, got {m.policy_evidence_pooling!r}",
     )
     check_model_shape(m)
+    require(
+        config.scaling.allocator in ALLOCATORS,
+        "scaling.allocator",
+        f"unknown allocator {config.scaling.allocator!r}; expected one of {', '.join(ALLOCATORS)}",
+    )
 
 
 def check_task_data(dataset: str, task: str) -> None:

@@ -59,6 +59,7 @@ from ..errors import Interrupted, as_interrupted, error_line, is_deterministic, 
 from ..model.detection import SplitDetector, split_backbone
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
+from .allocator import get_allocator, loaded_library, worker_env_vars
 from .checkpoints import (
     METRICS_FILE,
     MODEL_FILE,
@@ -352,6 +353,7 @@ def _torch_trainer(
             failure_config=failure_config,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.storage.num_to_keep),
             callbacks=list(callbacks or []),
+            worker_runtime_env=worker_runtime_env(config),
         ),
     )
     use_policy(trainer, failure_config)  # a deterministic error (strict data) is not retried
@@ -359,6 +361,16 @@ def _torch_trainer(
         "training %s: %d worker(s), storage %s", config.storage.name, scaling.num_workers, redact_uri(storage_path)
     )
     return trainer
+
+
+def worker_runtime_env(config: ExperimentConfig) -> dict[str, Any] | None:
+    """The training workers' own Ray runtime environment: ``scaling.allocator``'s
+    environment variables (:func:`~splitvit.train.allocator.worker_env_vars`), None
+    with the default allocator, so that the workers start as they always did. Ray
+    merges them into the job's runtime environment; only the workers get them, not the
+    driver nor Ray Train's controller."""
+    env_vars = worker_env_vars(config.scaling.allocator)
+    return {"env_vars": env_vars} if env_vars else None
 
 
 class EpochWatcher:
@@ -877,6 +889,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
 
     rank, world = _world()
     device = ray.train.torch.get_device()
+    _check_allocator(config.scaling.allocator, rank)
     seed = config.data.seed * 1000 + rank
     torch.manual_seed(seed)  # before the model is built: its initial weights come from it
     generator = torch.Generator().manual_seed(seed + 1)
@@ -920,6 +933,22 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
         data=data,
     )
     return worker, state
+
+
+def _check_allocator(name: str, rank: int) -> None:
+    """Warn where ``scaling.allocator``'s library is not loaded in this worker: its node
+    lacks it, and the dynamic linker ignored ``LD_PRELOAD`` (saying so only on stderr)."""
+    allocator = get_allocator(name)
+    if allocator.preloads and loaded_library(name) is None:
+        log.warning(
+            "worker %d: scaling.allocator=%s, but %s is not loaded (LD_PRELOAD=%s): this node lacks it "
+            "(install %s); the worker runs on glibc's malloc",
+            rank,
+            name,
+            allocator.libraries[0],
+            os.environ.get("LD_PRELOAD", ""),
+            allocator.package,
+        )
 
 
 def _load_checkpoint(
