@@ -381,7 +381,8 @@ def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
 
 def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
     """A control (full resolution) stored with other learned-policy or budget settings (a
-    base file that moved them into its recipe) is the same run; a learned run is not."""
+    base file that moved them into its recipe) is the same run, and so is a run under
+    another memory allocator; a learned run with another policy depth is not."""
     spec = load_study(write_study(tmp_path))
     storage = tmp_path / "study" / "train"
     for method, key, value in (("full", "model.policy_depth", 3), ("full", "train.target_ratio", 0.4)):
@@ -390,8 +391,11 @@ def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
         (storage / f"{method}-s0").mkdir(parents=True, exist_ok=True)
         (storage / f"{method}-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
         assert stale_runs(spec, str(storage)) == [], key
-    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "model.policy_depth": 3}
+    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "scaling.allocator": "jemalloc"}
     (storage / "split-s0").mkdir()
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == []  # the allocator sets the pace, not the result
+    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "model.policy_depth": 3}
     (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
     assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; model.policy_depth)"]
 

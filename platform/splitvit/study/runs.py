@@ -72,7 +72,8 @@ def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | No
             # through JSON, as stored (tuples become lists); the backbone's path is checked as the backbone
             now = json.loads(json.dumps(spec.run_config(seed, method, name, storage).flat(), default=float))
             # keys the run never reads (a control's recipe keys, the recipe's name) are no difference
-            ignored = {"model.init_from"} | inert_keys(now)
+            # and the workers' allocator changes a run's pace, not its results
+            ignored = {"model.init_from", "scaling.allocator"} | inert_keys(now)
             keys = sorted(
                 k
                 for k in set(now) | set(stored["config"])
