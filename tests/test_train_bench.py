@@ -140,3 +140,18 @@ def test_validation_and_each_benchmarks_own_options(capsys):
     with pytest.raises(SystemExit) as stopped:
         build_parser().parse_args(["bench"])
     assert stopped.value.code == 2 and "required: {forward,parts,train,data}" in capsys.readouterr().err
+
+
+def test_the_benchmark_config_takes_a_recipes_settings_only_when_named():
+    """By default the step is the one the options describe (no recipe); a recipe's name
+    adds its settings where the options leave them; a dense recipe on the classification
+    benchmark is one error naming the recipe key."""
+    from splitvit.config import ConfigError
+
+    plain = benchmark_config(levels=3, teacher="attention")
+    assert plain.recipe == "none" and not plain.model.fine_aggregation and not plain.model.policy_level_context
+    recipe = benchmark_config(levels=3, teacher="attention", recipe="classification-v1")
+    assert recipe.model.fine_aggregation and recipe.model.policy_level_context
+    assert recipe.train.teacher_targets == "mixed" and recipe.train.teacher == "attention"
+    with pytest.raises(ConfigError, match="recipe"):
+        benchmark_config(recipe="dense-v1")

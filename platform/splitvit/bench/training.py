@@ -137,14 +137,16 @@ def benchmark_config(
     val_samples: int = 64,
     target_ratio: float = 0.5,
     seed: int = 0,
+    recipe: str = "none",
 ) -> ExperimentConfig:
     """The benchmark's experiment: a timm ViT (``timm_kwargs`` shrink it) as a learned
     SplitViT on the synthetic object-among-clutter task, one warm-up epoch then the
-    learned policy; validated like any experiment config."""
-    # no recipe: the step is the one these arguments describe (the teacher, its cadence,
-    # the policy's depth), so that a figure says what it timed
+    learned policy; validated like any experiment config. ``recipe``: none by default,
+    so that the step is the one these arguments describe (the teacher, its cadence, the
+    policy's depth) and a figure says what it timed; a recipe's name adds its settings
+    where these arguments leave a key unset (fine aggregation, level context, targets)."""
     raw = {
-        "recipe": "none",
+        "recipe": recipe,
         "model": {
             "name": model_name,
             "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},

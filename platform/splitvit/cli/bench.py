@@ -377,6 +377,12 @@ def _add_train(kinds: argparse._SubParsersAction) -> None:
         default=1,
         help="the relevance teacher on every k-th policy step (default %(default)s)",
     )
+    p.add_argument(
+        "--recipe",
+        default="none",
+        help="a recipe's settings where the options above leave them (e.g. dense-v1; default %(default)s: "
+        "the step the options describe)",
+    )
     _add_json_option(p)
     p.set_defaults(func=run_train)
 
@@ -398,6 +404,7 @@ def run_train(args: argparse.Namespace) -> int:
         policy_width=args.policy_width,
         teacher=args.teacher,
         teacher_every=args.teacher_every,
+        recipe=args.recipe,
         batch_size=args.batch_size,
         epochs=args.epochs,
         train_samples=args.samples,
