@@ -529,6 +529,16 @@ def test_compare_reports_each_goal_line(script):
         script.compare(sweep_json([]), *script.from_study(STUDY, "recipe", "full", 0))
 
 
+def test_a_gap_exactly_on_a_goal_line_meets_it(script):
+    """3688 and 3703 of 5,000 test images: 0.3 points below, exactly the line (the
+    classification sweep's 0.7 row); float subtraction gives -0.30000000000000027."""
+    gap = (3688 / 5000 - 3703 / 5000) * script.POINTS
+    assert gap < -0.3  # what a plain comparison would refuse
+    assert script.at_least(gap, -0.3)
+    assert not script.at_least(gap - 0.02, -0.3)  # one image fewer misses it
+    assert not script.at_least(None, -0.3)
+
+
 def test_main_prints_the_table_and_writes_json(script, tmp_path, capsys):
     (tmp_path / "sweep.json").write_text(json.dumps(sweep_json([(0.2, 0.62), (0.3, 0.72), (0.5, 0.81)])))
     (tmp_path / "study.json").write_text(json.dumps(STUDY))
