@@ -232,3 +232,28 @@ def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_outside
         "other.md#nope: no heading with anchor #nope",
         "https://example.org: points outside the repository",
     ]
+
+
+def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json():
+    """The classification CPU sweep's committed JSON and recipe points give the committed
+    comparison: its rows, goal lines and hypervolumes (no evaluation: the recipe's
+    points are read back, not computed again)."""
+    folder = ROOT / "docs" / "measurements" / "cpu-2026-12-06-sweep"
+    committed = json.loads((folder / "comparison.json").read_text())
+    output = run_script(
+        "sweep_vs_recipe.py",
+        str(folder / "sweep_classification_cpu.json"),
+        "--recipe-points",
+        str(folder / "recipe_points.json"),
+    )
+    for row in committed["rows"]:
+        gap = (row["sweep"] - row["recipe"]) * 100
+        assert (
+            f"| {row['ratio']:.1f} | {row['sweep'] * 100:.2f} | {row['recipe'] * 100:.2f} | "
+            f"{row['control'] * 100:.2f} | {gap:+.2f} |" in output
+        )
+    for goal in committed["goals"]:
+        assert f"* {goal['goal']}: {goal['points']:+.2f} points: {'met' if goal['met'] else 'NOT met'}" in output
+    hv = committed["hypervolume"]
+    assert f"the sweep {hv['sweep']:.4f}, the recipe {hv['recipe']:.4f}" in output
+    assert f"every goal line: {'met' if committed['met'] else 'NOT met'}" in output
