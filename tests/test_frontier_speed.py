@@ -229,3 +229,48 @@ def test_an_evaluation_reads_the_samples_asked_for_even_where_the_config_sets_nu
     assert evaluate_checkpoint(str(folder), samples=8)["images"] == 8
     assert len(CheckpointEvaluator(str(folder), samples=5).dataset) == 5
     assert evaluate_checkpoint(str(folder))["images"] == 24  # without --samples, the config's count
+
+
+def test_stage_two_calibrates_every_checkpoint_to_the_ratios_asked_for(tmp_path):
+    """``stage_two.ratios``: one point per ratio, its thresholds calibrated on validation
+    images, each keeping the ratio it was calibrated to, before the Optuna points (which
+    the calibrated points seed); without ratios and points, nothing is evaluated."""
+    from splitvit.train.evaluation import CheckpointEvaluator
+    from splitvit.tune.stage_two import stage_two
+
+    folder = checkpoint(tmp_path / "c")
+    rows = stage_two(
+        folder,
+        points=2,
+        low=0.0,
+        high=1.0,
+        sampler="qmc",
+        seed=0,
+        samples=16,
+        ratios=[0.3, 0.9],
+        calibration_samples=16,
+    )
+    assert len(rows) == 4 and [r.get("target_ratio") for r in rows] == [0.3, 0.9, None, None]
+    evaluator = CheckpointEvaluator(folder, samples=16, cache=False)
+    for row in rows[:2]:
+        thresholds = evaluator.calibrate(evaluator.first_images(16), row["target_ratio"])
+        assert row["thresholds"] == pytest.approx(thresholds)
+        assert row["token_ratio"] == pytest.approx(evaluator.evaluate(thresholds)["token_ratio"])
+    assert rows[0]["token_ratio"] < rows[1]["token_ratio"]  # calibrated to 30% and to 90%
+    assert stage_two(folder, points=0, low=0.0, high=1.0, sampler="qmc", seed=0, samples=16) == []
+
+
+def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes(tmp_path):
+    from splitvit.tune.sweep import PLAN_FILE, SweepError, _check_plan
+
+    with pytest.raises(SearchSpaceError) as err:
+        load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5,0]"])
+    assert err.value.key == "stage_two.ratios[1]"
+    space = load_space(ROOT / "search_spaces" / "smoke.yaml")
+    saved = json.loads(json.dumps({k: v for k, v in space.to_dict().items() if k != "source"}, default=str))
+    del saved["stage_two"]["ratios"]  # as a sweep started before the key existed stored it
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"space": saved, "overrides": [], "source": space.source}))
+    assert _check_plan(space, str(tmp_path), None, resume=True) is space
+    asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5]"])
+    with pytest.raises(SweepError, match="stage_two"):
+        _check_plan(asked, str(tmp_path), None, resume=True)

@@ -74,7 +74,7 @@ def write_space(folder: Path, mlflow_uri: str) -> Path:
             "seed": 0,
             "trial_resources": {"CPU": 0.25},
         },
-        "stage_two": {"points": 2, "sampler": "random"},
+        "stage_two": {"points": 2, "sampler": "random", "ratios": [0.5]},
         "baselines": {"ratios": [0.5]},
         "evaluation": {"split": "test", "samples": 32},
         "speed": {"enabled": False},
@@ -208,6 +208,10 @@ def test_the_frontier_and_baselines_are_evaluated_on_the_test_split(sweep):
     # the parent's description: the best point's and the baselines' held-out figures
     note = client.get_run(data["mlflow"]["parent_run_id"]).data.tags["mlflow.note.content"]
     assert "on the held-out split: accuracy" in note and "| test accuracy | test ratio |" in note
+    # stage two calibrated every searched trial to the ratio asked for (stage_two.ratios)
+    searched = {t["trial_id"] for t in data["trials"] if not t["baseline"]}
+    calibrated = [p for p in data["points"] if (p.get("extras") or {}).get("target_ratio") == 0.5]
+    assert searched and {p["trial_id"] for p in calibrated} == searched
     # baseline trials are never frontier points (Optuna never heard of them either)
     baseline_ids = {t["trial_id"] for t in data["trials"] if t["baseline"]}
     assert not baseline_ids & {p["trial_id"] for p in data["points"]}

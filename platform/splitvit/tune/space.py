@@ -230,6 +230,10 @@ class StageTwoSettings:
         low, high: bounds of every level's threshold.
         sampler: ``tpe``, ``nsga2``, ``random`` or ``qmc`` (even coverage for few points).
         samples: evaluation images (default: the experiment's validation split).
+        ratios: token ratios each finished trial is also evaluated at, its thresholds
+            calibrated to each on validation images (as the baselines and a study's
+            methods are): every trial then has a point at each ratio a user asks about,
+            which a few quasi-random thresholds need not give.
     """
 
     points: int = 4
@@ -237,6 +241,7 @@ class StageTwoSettings:
     high: float = 1.0
     sampler: str = "tpe"
     samples: int | None = None
+    ratios: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -873,6 +878,9 @@ def _validate_settings(space: SearchSpace) -> None:
         raise SearchSpaceError(
             src, "stage_two", f"thresholds need 0 <= low <= high <= 1, got low {t.low}, high {t.high}"
         )
+    for i, value in enumerate(t.ratios):
+        if not 0.0 < value <= 1.0:
+            raise SearchSpaceError(src, f"stage_two.ratios[{i}]", f"{value} is outside (0, 1]")
     if t.sampler not in STAGE_TWO_SAMPLERS:
         raise SearchSpaceError(
             src, "stage_two.sampler", f"unknown sampler {t.sampler!r}; expected one of {', '.join(STAGE_TWO_SAMPLERS)}"

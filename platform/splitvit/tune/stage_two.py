@@ -30,37 +30,44 @@ def stage_two(
     seed: int,
     samples: int | None,
     known: list[tuple[list[float], float, float]] | None = None,
+    ratios: list[float] | None = None,
+    calibration_samples: int = 256,
     device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Optuna over ``checkpoint``'s per-level thresholds, evaluation only.
 
-    Each of ``points`` Optuna trials picks one threshold per non-finest level in
-    ``[low, high]`` and evaluates the checkpoint with them on ``samples`` validation
-    images; the study maximises quality and minimises tokens per image. ``known``
-    results (thresholds, quality, tokens), e.g. the trial's own stage-one point, seed
-    the study. Returns one result dict per evaluated point. A plain function, so a
-    trial can run it as a Ray task on the training resources.
+    First, one point per token ratio in ``ratios``: thresholds calibrated to it on the
+    first ``calibration_samples`` validation images, as a study's method and a sweep's
+    baselines are evaluated, so that every trial has a point at each ratio a user asks
+    about (a few quasi-random thresholds leave gaps). Then each of ``points`` Optuna
+    trials picks one threshold per non-finest level in ``[low, high]`` and evaluates the
+    checkpoint with them on ``samples`` validation images; the study maximises quality
+    and minimises tokens per image. ``known`` results (thresholds, quality, tokens),
+    e.g. the trial's own stage-one point, and the calibrated points seed the study.
+    Returns one result dict per evaluated point. A plain function, so a trial can run
+    it as a Ray task on the training resources.
     """
     import optuna
     from optuna.distributions import FloatDistribution
 
-    if points <= 0:
+    if points <= 0 and not ratios:
         return []
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device)
     names = [f"t{level}" for level in range(evaluator.levels - 1)]
     dist = {n: FloatDistribution(low, high) for n in names}
+    results = _calibrated_points(evaluator, ratios or [], calibration_samples)
+    known = [*(known or []), *((r["thresholds"], r["quality"], r["tokens_per_image"]) for r in results)]
     with quiet_optuna():
         study = optuna.create_study(
             directions=["maximize", "minimize"], sampler=_stage_two_sampler(sampler, seed, points)
         )
-        for thresholds, quality, tokens in known or []:
+        for thresholds, quality, tokens in known:
             if all(low <= t <= high for t in thresholds) and math.isfinite(quality) and math.isfinite(tokens):
                 study.add_trial(
                     optuna.trial.create_trial(
                         params=dict(zip(names, thresholds)), distributions=dist, values=[quality, tokens]
                     )
                 )
-        results = []
         for i in range(points):
             trial = study.ask(dist)
             thresholds = [float(trial.params[n]) for n in names]
@@ -76,6 +83,26 @@ def stage_two(
                 result["tokens_per_image"],
             )
     return results
+
+
+def _calibrated_points(evaluator: CheckpointEvaluator, ratios: list[float], count: int) -> list[dict[str, Any]]:
+    """One validation point per token ratio, its thresholds calibrated on the first
+    ``count`` validation images; each keeps the ratio it was calibrated to."""
+    if not ratios:
+        return []
+    calibration = evaluator.first_images(count)
+    rows = []
+    for ratio in ratios:
+        thresholds = evaluator.calibrate(calibration, float(ratio))
+        rows.append({"target_ratio": float(ratio), **evaluator.evaluate(thresholds)})
+        log.info(
+            "calibrated point @ %.2f: thresholds %s -> quality %.4f, %.1f tokens/image",
+            ratio,
+            [round(t, 3) for t in thresholds],
+            rows[-1]["quality"],
+            rows[-1]["tokens_per_image"],
+        )
+    return rows
 
 
 def baselines(

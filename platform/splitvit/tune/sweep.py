@@ -545,6 +545,8 @@ def _check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None,
     normal = json.loads(json.dumps(current, sort_keys=True, default=str))
     if "speed" not in stored:
         normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
+    if "ratios" not in stored.get("stage_two", {}) and not normal["stage_two"].get("ratios"):
+        normal["stage_two"].pop("ratios", None)  # started before calibrated points: none asked for
     if "base_config" in saved:
         # the base config by what it says, not by where the checkout lies: a sweep resumes
         # from a moved or fresh clone of the same files
@@ -1103,7 +1105,12 @@ def _completed_trial_points(
                 trial.params,
                 final["checkpoint"],
                 point_id,
-                extras={"images_per_s": row.get("images_per_s", 0.0), **_companions(sweep, row)},
+                extras={
+                    "images_per_s": row.get("images_per_s", 0.0),
+                    **_companions(sweep, row),
+                    # a point calibrated to a ratio (stage_two.ratios) says which
+                    **({"target_ratio": row["target_ratio"]} if "target_ratio" in row else {}),
+                },
             )
         )
     return points

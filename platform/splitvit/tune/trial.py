@@ -197,7 +197,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     stage = space.stage_two
     if baseline:
         points = _baseline_points(plan, config, str(baseline), trained["checkpoint"])
-    elif stage.points > 0:
+    elif stage.points > 0 or stage.ratios:
         # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
         # sampled values are not, for a seeded sampler)
         seed = space.search.seed * 100_003 + (
@@ -214,6 +214,8 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
             seed=seed,
             samples=stage.samples,
             known=[(thresholds, float(quality), float(tokens))],
+            ratios=list(stage.ratios),
+            calibration_samples=config.data.eval_batch_size or config.data.batch_size,
         )
 
     companions = space.companion_metrics
