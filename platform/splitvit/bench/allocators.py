@@ -295,8 +295,8 @@ def run_allocator_benchmark(
         raise ValueError(f"skip_epochs must be in [0, train.epochs) = [0, {config.train.epochs}), got {skip_epochs}")
     threads = int(threads or torch.get_num_threads())
     chosen = choose_allocators(allocators, search_dirs)  # every library found before anything runs
-    for line in chosen["skipped"]:
-        print(f"bench train allocators: {line}", flush=True)
+    for line in chosen["skipped"]:  # said now, before the runs; the report lists them again
+        log.warning("bench train allocators: %s", line)
     configs = model_configs(config)
     order = [(a, m) for a in chosen["env"] for m in ALLOCATOR_MODELS]
     load_start = list(os.getloadavg())
