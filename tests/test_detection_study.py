@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
+from splitvit.bench.speed import SpeedRecord, time_operating_points
 from splitvit.study.goals import CompanionGap, GoalVerdicts, ParityVerdict, StudyRow, aggregate, check_goals
 from splitvit.study.spec import Goals
 from splitvit.train.checkpoints import init_weights
 from splitvit.train.experiment import build_model, load_experiment
-from splitvit.tune.speed import SpeedRecord, time_operating_points
 
 from .helpers import write_fake_fashion_mnist
 

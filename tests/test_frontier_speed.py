@@ -1,4 +1,4 @@
-"""Operating points timed against full resolution (``splitvit.tune.speed``) on tiny
+"""Operating points timed against full resolution (``splitvit.bench.speed``) on tiny
 models: the structure and consistency of the figures, never a speed-up target."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from splitvit.bench.speed import SpeedRecord, spread, time_operating_points
 from splitvit.config import ExperimentConfig
 from splitvit.model import SplitViT
 from splitvit.tune.pareto import Point
 from splitvit.tune.space import SearchSpaceError, load_space
-from splitvit.tune.speed import SpeedRecord, spread, time_operating_points
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -58,7 +58,7 @@ def test_the_code_keeps_every_contract():
         ("bench/timing.py", "from ..cluster import stack", "layers"),  # between independent parts
         ("data/common.py", "from ..errors import Interrupted", "data"),  # data: storage only
         ("tracking/split_maps.py", "from ..model.splitvit import TASKS", "tracking"),  # the quadtree only
-        ("tune/pareto.py", "from ..bench import report", "tune"),  # bench's timer only
+        ("tune/pareto.py", "from ..bench import report", "tune"),  # bench's timing of operating points only
         ("tune/pareto.py", "from ..cluster import stack", "tune"),  # cluster's preflight only
     ],
 )

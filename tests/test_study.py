@@ -14,6 +14,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from splitvit.bench.speed import FullTiming
 from splitvit.cli import main as cli
 from splitvit.config import ConfigError
 from splitvit.model import SplitViT
@@ -34,7 +35,6 @@ from splitvit.study.spec import Goals, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
 from splitvit.train.checkpoints import init_weights
 from splitvit.tune.space import SearchSpaceError
-from splitvit.tune.speed import FullTiming
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"

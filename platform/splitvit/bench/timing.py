@@ -10,7 +10,7 @@ timing taken beside more than :data:`OTHER_LOAD_WARNING` busy CPUs is noisy, and
 benchmarks say so. :func:`machine_info` describes what a timing ran on.
 
 Used by ``splitvit bench`` (forward and train) and by the sweeps' and studies'
-speed measurements (:mod:`splitvit.tune.speed`), so a figure means the same everywhere.
+speed measurements (:mod:`splitvit.bench.speed`), so a figure means the same everywhere.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from ..study.report import lever_lines, reuse_phrase, summary_lines
     from ..tune.console import show_ray_output
 
-    for logger in ("splitvit.study", "splitvit.tune"):
+    # the speed step's line (bench.speed: the timing routine sweeps share) shows as the study's own
+    for logger in ("splitvit.study", "splitvit.tune", "splitvit.bench.speed"):
         logging.getLogger(logger).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
     ours = not _ray_running()

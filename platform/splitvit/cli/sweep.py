@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     # progress of the sweep (trials starting, epochs, trials finishing) is shown by
     # default, as the project's lines; Ray Tune's own console only with -v
-    logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for logger in ("splitvit.tune", "splitvit.bench.speed"):  # the frontier's timing (bench.speed) too
+        logging.getLogger(logger).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
     ours = not ray.is_initialized()
     try:

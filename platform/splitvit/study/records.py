@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..bench.speed import FullTiming
 from ..config import config_layers
-from ..tune.speed import FullTiming
 from .goals import GoalVerdicts, ReferenceConvergence
 from .report import study_figure, study_speed_figure
 from .spec import StudySpec

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..tune.speed import FullTiming
+from ..bench.speed import FullTiming
 from .goals import GoalVerdicts, LeverRow, ParityVerdict, ReferenceConvergence, StudyRow, StudyTime
 from .speed import POINTS_TIMING, MatchedSpeed, PointSpeed, StudyTimedPoint
 

@@ -1,6 +1,6 @@
 """The study's speed step, on trained checkpoints: every method's evaluated points
 side by side against full resolution (:func:`points_speed`, timed by
-:func:`~splitvit.tune.speed.time_operating_points`, the timing routine sweeps use too)
+:func:`~splitvit.bench.speed.time_operating_points`, the timing routine sweeps use too)
 and the matched SPLIT point (:func:`matched_speed`): read from that timing where it
 timed the point, so the goal line and the speed table quote one measurement, else
 timed on its own (:func:`speed_comparison`). Each result is a dataclass whose
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..tune.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
+from ..bench.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
 from .goals import StudyRow, matched_point
 from .spec import StudySpec
 
@@ -146,9 +146,9 @@ def speed_comparison(
     trained full-resolution checkpoint, timed interleaved on the same batch."""
     import torch
 
+    from ..bench.speed import backbone_call, split_output
     from ..bench.timing import time_interleaved
     from ..train.evaluation import CheckpointEvaluator
-    from ..tune.speed import backbone_call, split_output
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
     full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
@@ -277,7 +277,7 @@ def _from_points(
 
 def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _here) -> PointSpeed | None:
     """Every method's evaluated operating points timed against full resolution, side
-    by side in one interleaved run (:func:`~splitvit.tune.speed.time_operating_points`).
+    by side in one interleaved run (:func:`~splitvit.bench.speed.time_operating_points`).
 
     What is timed, to stay within a bounded time: one seed (the lowest that trained
     the ``full`` method); the ``full`` method's checkpoint is the full-resolution
@@ -294,7 +294,7 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     Returns the timing record, its points labelled with their method, target ratio and
     seed (``None`` when there is no full-resolution run or nothing to time).
     """
-    from ..tune.speed import spread, time_operating_points
+    from ..bench.speed import spread, time_operating_points
 
     full = _full_method(spec)
     seeds = sorted(int(r["seed"]) for r in runs if r["method"] == full)

@@ -66,7 +66,7 @@ METRIC_TAG = "splitvit.metric"
 REFERENCE_TAG = "splitvit.reference_point"  # JSON [quality, token_ratio]
 SPEED_DEVICE_TAG = "splitvit.speed_device"  # where the frontier was timed (e.g. "cuda:0 (NVIDIA H200)")
 SPEED_TIMING_TAG = "splitvit.speed_timing"  # how: batch, rounds, precision
-#: Metrics of a timed frontier point's run (see :mod:`splitvit.tune.speed`).
+#: Metrics of a timed frontier point's run (see :mod:`splitvit.bench.speed`).
 SPEED_METRICS = ("speedup_vs_full", "timed_images_per_s", "timed_token_ratio")
 FRONTIER_TAG = "splitvit.frontier"  # "true" on a frontier point's run, "false" on the other points
 TIE_TAG = "splitvit.frontier_tie_of"  # only on a point tied with a frontier point: that point's run id

@@ -344,7 +344,7 @@ class ParetoSettings:
 class SpeedSettings:
     """The frontier in measured speed: after the frontier is known, each of its points
     and the full-resolution model are timed side by side, interleaved, on the device
-    the sweep evaluated on (:func:`splitvit.tune.speed.time_operating_points`).
+    the sweep evaluated on (:func:`splitvit.bench.speed.time_operating_points`).
 
     Attributes:
         enabled: time the frontier at all.

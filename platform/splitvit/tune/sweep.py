@@ -26,7 +26,7 @@ every checkpoint, the Pareto frontier of quality versus tokens in MLflow.
    frontier points' models.
 7. **Speed** — the frontier points (at most ``speed.max_points``) and the
    full-resolution model timed side by side, interleaved, on the device the sweep
-   evaluated on (:func:`~splitvit.tune.speed.time_operating_points`; the space's
+   evaluated on (:func:`~splitvit.bench.speed.time_operating_points`; the space's
    ``speed`` section, on by default). Each point's ``speedup_vs_full`` goes to the
    frontier table, its run's metrics and the JSON (``frontier_speed``); the parent
    gets ``pareto_speed.png`` (quality against measured speed-up),
@@ -1342,14 +1342,14 @@ def _time_frontier(
 ) -> dict[str, Any] | None:
     """Time the frontier points (at most ``speed.max_points``, spread by tokens) against
     the full-resolution model in one interleaved run, on the device the sweep
-    evaluated on (:func:`~splitvit.tune.speed.time_operating_points`). Each timed
+    evaluated on (:func:`~splitvit.bench.speed.time_operating_points`). Each timed
     point gets ``speedup_vs_full``, ``timed_images_per_s`` and ``timed_token_ratio``
     in its ``extras``. The full-resolution model is the reference backbone (the best
     point's checkpoint, on which the baselines ran) with the ``full`` policy.
-    Returns the timing record's JSON (:meth:`~splitvit.tune.speed.SpeedRecord.to_dict`, each
+    Returns the timing record's JSON (:meth:`~splitvit.bench.speed.SpeedRecord.to_dict`, each
     point labelled with its ``run_id``, ``trial_id`` and ``kind``), or ``None`` when nothing
     could be timed (logged)."""
-    from .speed import spread, time_operating_points
+    from ..bench.speed import spread, time_operating_points
 
     s = space.speed
     chosen = spread([p for p in front if p.checkpoint], s.max_points)

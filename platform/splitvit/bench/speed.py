@@ -252,8 +252,8 @@ def time_operating_points(
     """
     import torch
 
-    from ..bench.timing import machine_info
     from ..train.checkpoints import load_payload
+    from .timing import machine_info
 
     if not points:
         raise ValueError("no operating points to time")
@@ -414,7 +414,7 @@ def _time_calls(
     """Every full-resolution model and point timed in the same interleaved rounds: the
     seconds per round and the figures (:func:`~splitvit.bench.timing.timing_summary`)
     by name (``full<i>``, ``point<i>``), and the CPUs other processes used meanwhile."""
-    from ..bench.timing import synchronizer, time_beside_others, timing_summary
+    from .timing import synchronizer, time_beside_others, timing_summary
 
     log.info(
         "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
@@ -471,7 +471,7 @@ def _full_timing(
 
 def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, dict[str, Any]]) -> TimedPoint:
     """A point's figures beside its full-resolution model's, from the same rounds."""
-    from ..bench.timing import quartiles
+    from .timing import quartiles
 
     name = f"point{point.index}"
     t, f = timings[name], timings[point.full]
@@ -508,7 +508,7 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
 
 def _load_warnings(others: float | None, machine: dict[str, Any]) -> list[str]:
     """What made the figures noisy: other processes busy on the CPUs meanwhile."""
-    from ..bench.timing import OTHER_LOAD_WARNING
+    from .timing import OTHER_LOAD_WARNING
 
     if others is not None and others > OTHER_LOAD_WARNING:
         return [
