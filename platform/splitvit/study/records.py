@@ -42,8 +42,7 @@ def open_study_run(
     reopened): the study's settings as params; runs a driver that died left RUNNING end
     KILLED."""
     from ..tracking import RunTracker
-    from ..tracking.runs import close_stale_runs
-    from ..tune.mlflow_records import KIND_TAG, METRIC_TAG, flat_params
+    from ..tracking.runs import KIND_TAG, METRIC_TAG, close_stale_runs, flat_params
 
     params = {
         **flat_params(
@@ -140,7 +139,7 @@ def _record_run(
     """One method run's child: its timed speed-ups and, unless an earlier invocation
     recorded them (and the run was not evaluated again), its points."""
     from ..tracking import RunTracker
-    from ..tune.mlflow_records import KIND_TAG, METRIC_TAG, PARENT_TAG
+    from ..tracking.runs import KIND_TAG, METRIC_TAG, PARENT_TAG
 
     child, _ = RunTracker.open(
         tracking_uri,
@@ -262,7 +261,7 @@ def _record_reference_curves(client: MlflowClient, run_id: str, reference: Refer
 def _record_point_speed(client: MlflowClient, run_id: str, ps: PointSpeed, timed: Timed) -> dict[str, float]:
     """The timing's device and setting as tags, its record as ``point_speed.json``; returns
     the speed-up metrics (one per method and ratio, and full resolution's images/s)."""
-    from ..tune.mlflow_records import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
+    from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
 
     metrics = {"speed_full_images_per_s": ps.full_timing.images_per_s}
     for (method, ratio), row in timed.items():

@@ -42,15 +42,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import DataConfig, flatten, redact_uri
+from ..config import DataConfig, redact_uri
 from ..tracking import RunTracker
 from ..tracking.runs import (
+    KIND_TAG,
+    METRIC_TAG,
+    PARENT_TAG,
     RUN_URI_TAG,
+    SPEED_DEVICE_TAG,
+    SPEED_TIMING_TAG,
     STATUS_TAG,
     UI_VIEW_QUERY,
     describe_experiment,
     missing_store,
     mlflow_client,
+    param_name,
 )
 
 if TYPE_CHECKING:
@@ -59,13 +65,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KIND_TAG = "splitvit.kind"
 SWEEP_TAG = "splitvit.sweep"
 TRIAL_TAG = "splitvit.trial_id"
-METRIC_TAG = "splitvit.metric"
 REFERENCE_TAG = "splitvit.reference_point"  # JSON [quality, token_ratio]
-SPEED_DEVICE_TAG = "splitvit.speed_device"  # where the frontier was timed (e.g. "cuda:0 (NVIDIA H200)")
-SPEED_TIMING_TAG = "splitvit.speed_timing"  # how: batch, rounds, precision
 #: Metrics of a timed frontier point's run (see :mod:`splitvit.bench.speed`).
 SPEED_METRICS = ("speedup_vs_full", "timed_images_per_s", "timed_token_ratio")
 FRONTIER_TAG = "splitvit.frontier"  # "true" on a frontier point's run, "false" on the other points
@@ -74,7 +76,6 @@ ALIAS_TAG = "splitvit.model_alias"  # the registry alias of a frontier point's m
 #: MLflow's UI keeps a runs view (filter, order, columns) shared by link as an experiment
 #: tag ``mlflow.sharedViewState.<key>``, opened by ``?viewStateShareKey=<key>``.
 SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
-PARENT_TAG = "mlflow.parentRunId"
 SAMPLED_PREFIX = "sampled."
 SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
 #: A threshold point's evaluation throughput (its evaluation loop, data loading
@@ -114,11 +115,6 @@ def _numbers(data: dict[str, Any]) -> dict[str, float]:
         for k, v in data.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _TUNE_KEYS and math.isfinite(float(v))
     }
-
-
-def param_name(key: str) -> str:
-    """A parameter name MLflow accepts: ``model.thresholds[0]`` -> ``model.thresholds.0``."""
-    return re.sub(r"\[(\d+)\]", r".\1", key)
 
 
 def _sampled_params(sampled: dict[str, Any]) -> dict[str, Any]:
@@ -948,11 +944,6 @@ def points_from_mlflow(
         "points": points,
         "speed": speed,
     }
-
-
-def flat_params(data: dict[str, Any]) -> dict[str, Any]:
-    """A nested settings dict as MLflow params (``search.num_samples``...)."""
-    return {param_name(k): json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in flatten(data).items()}
 
 
 # ---------------------------------------------------------------------- readable records

@@ -64,15 +64,13 @@ from typing import Any
 
 from ..config import ExperimentConfig, config_layers, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
-from ..tracking.runs import ui_url
+from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG, ui_url
 from .console import Progress, ray_console, ray_output_shown, tune_verbosity
 from .mlflow_records import (
     CHART_ARTIFACT,
     PLOT_ARTIFACT,
     REFERENCE_TAG,
     SPACE_ARTIFACT,
-    SPEED_DEVICE_TAG,
-    SPEED_TIMING_TAG,
     RegisteredFrontier,
     SweepRecorder,
     search_space_yaml,
