@@ -278,7 +278,7 @@ def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
     """A run interrupted mid-training resumes from its checkpoint when the study runs
     again: if the study file changed meanwhile, that would train on with the old
     settings, so the stale check names it like a finished one."""
-    from splitvit.tune.trial import TrialFailed
+    from splitvit.train.trial import TrialFailed
 
     class Interrupted:  # a trainer stopped before its run finished
         def train(self, config):
@@ -1012,7 +1012,7 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
 
     from splitvit.errors import Interrupted
     from splitvit.study.ray_executor import _tune_grid
-    from splitvit.tune.console import RAY_TUNE_LOGGER
+    from splitvit.train.console import RAY_TUNE_LOGGER
 
     spec = load_study(write_study(tmp_path))
     driver = os.getpid()
@@ -1048,7 +1048,7 @@ def test_a_grid_returns_each_runs_result_in_order_and_a_failed_run_as_its_causes
     from ray import tune
 
     from splitvit.study.ray_executor import RUN_KEY, _tune_grid
-    from splitvit.tune.trial import TrialFailed
+    from splitvit.train.trial import TrialFailed
 
     spec = load_study(write_study(tmp_path))
 

@@ -621,7 +621,7 @@ def test_a_trial_trains_through_run_training(monkeypatch, tmp_path):
     from splitvit.config import ExperimentConfig
     from splitvit.train.checkpoints import write_history
     from splitvit.train.ray_trainer import TrainingError, TrainResult
-    from splitvit.tune.trial import TrialFailed, fit_trial
+    from splitvit.train.trial import TrialFailed, fit_trial
 
     calls: list[dict] = []
     checkpoint = tmp_path / "t" / "checkpoint_epoch0000"

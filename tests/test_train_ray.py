@@ -412,8 +412,8 @@ def test_a_sweep_keeps_ray_worker_output_off_the_console_unless_verbose(fake_ray
     ``init_ray`` follows the process's level (INFO: ``-v``), as ``splitvit train``'s does."""
     import logging
 
+    from splitvit.train.console import ray_output_shown, show_ray_output
     from splitvit.train.ray_trainer import init_ray
-    from splitvit.tune.console import ray_output_shown, show_ray_output
 
     if env:
         monkeypatch.setenv("RAY_ADDRESS", env)
@@ -436,7 +436,7 @@ def test_a_study_keeps_ray_worker_output_its_epoch_lines_come_from(fake_ray_init
     """A study's runs train inside its Tune trials: their per-epoch lines reach the
     console only as Ray's forwarded worker output, so a study keeps it, -v or not."""
     from splitvit.study.ray_executor import TuneExecutor
-    from splitvit.tune.console import show_ray_output
+    from splitvit.train.console import show_ray_output
 
     for verbose in (False, True):
         show_ray_output(verbose)

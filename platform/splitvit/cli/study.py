@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     check_run_settings(spec.run_config(spec.seeds[0], None, "base", settings_only=True), tracked=True)
     check_address(args)
     from ..study.report import lever_lines, reuse_phrase, summary_lines
-    from ..tune.console import show_ray_output
+    from ..train.console import show_ray_output
 
     # the speed step's line (bench.speed: the timing routine sweeps share) shows as the study's own
     for logger in ("splitvit.study", "splitvit.tune", "splitvit.bench.speed"):

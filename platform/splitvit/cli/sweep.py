@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     check_before_ray(args, space)
     import ray
 
+    from ..train.console import show_ray_output
     from ..tune import SweepError, run_sweep
-    from ..tune.console import show_ray_output
 
     # progress of the sweep (trials starting, epochs, trials finishing) is shown by
     # default, as the project's lines; Ray Tune's own console only with -v

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import error_line
 from ..storage import join_uri
-from ..tune.console import Progress, ray_console, tune_verbosity
+from ..train.console import Progress, ray_console, tune_verbosity
 from .execute import StudyResult, execute_study, study_name
 from .runs import RayTrainer, RunTrainer, study_run
 from .spec import StudyError, StudySpec, load_study

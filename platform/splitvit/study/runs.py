@@ -114,18 +114,18 @@ class RunTrainer(Protocol):
 
 @dataclass(frozen=True)
 class RayTrainer:
-    """Ray Train, inside a Tune trial (:func:`~splitvit.tune.trial.fit_trial`); evaluations
-    where training ran (:func:`~splitvit.tune.trial.run_evaluation`: a GPU task for GPU runs)."""
+    """Ray Train, inside a Tune trial (:func:`~splitvit.train.trial.fit_trial`); evaluations
+    where training ran (:func:`~splitvit.train.trial.run_evaluation`: a GPU task for GPU runs)."""
 
     def train(self, config: ExperimentConfig) -> dict[str, Any]:
-        """:func:`~splitvit.tune.trial.fit_trial`."""
-        from ..tune.trial import fit_trial
+        """:func:`~splitvit.train.trial.fit_trial`."""
+        from ..train.trial import fit_trial
 
         return fit_trial(config)
 
     def evaluate(self, config: ExperimentConfig, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """:func:`~splitvit.tune.trial.run_evaluation`."""
-        from ..tune.trial import run_evaluation
+        """:func:`~splitvit.train.trial.run_evaluation`."""
+        from ..train.trial import run_evaluation
 
         return run_evaluation(config, fn, *args, **kwargs)
 
@@ -147,10 +147,10 @@ def study_run(
     evaluated again from its checkpoint (``reevaluated``), not trained again.
 
     Returns the stored result with ``reused`` (finished earlier: its training times are
-    that invocation's) and ``reevaluated``. Raises :class:`~splitvit.tune.trial.TrialFailed` when training
+    that invocation's) and ``reevaluated``. Raises :class:`~splitvit.train.trial.TrialFailed` when training
     does not complete with a checkpoint.
     """
-    from ..tune.trial import TrialFailed
+    from ..train.trial import TrialFailed
 
     seed, method = _run_of(params)
     name = run_name(seed, method)

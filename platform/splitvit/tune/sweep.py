@@ -65,7 +65,8 @@ from typing import Any
 from ..config import ExperimentConfig, config_layers, redact_uri
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
 from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG, ui_url
-from .console import Progress, ray_console, ray_output_shown, tune_verbosity
+from ..train.console import Progress, ray_console, ray_output_shown, tune_verbosity
+from ..train.trial import run_evaluation
 from .mlflow_records import (
     CHART_ARTIFACT,
     PLOT_ARTIFACT,
@@ -99,7 +100,6 @@ from .trial import (
     FINAL_KEY,
     SweepPlan,
     TrialDiverged,
-    run_evaluation,
     sweep_trial,
     threshold_points,
     trained_thresholds,

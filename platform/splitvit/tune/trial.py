@@ -6,7 +6,7 @@ function, its own resources ``search.trial_resources``); it launches a
 same fit as ``splitvit train``) whose workers ask for the config's ``scaling`` resources and whose
 per-epoch reports reach Tune through ``TuneReportCallback`` (so an early-stopping
 scheduler can act on them). After training, stage two runs a threshold sweep on the
-trial's checkpoint (on a GPU where training had them, see :func:`run_evaluation`),
+trial's checkpoint (on a GPU where training had them, see :func:`~splitvit.train.trial.run_evaluation`),
 and the trial reports once more: its stage-one objectives, its checkpoint and its
 threshold points.
 
@@ -26,11 +26,12 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import ExperimentConfig
 from ..storage import exists, join_uri, read_bytes, write_bytes
+from ..train.trial import TrialFailed, fit_trial, run_evaluation
 from .space import SearchSpace
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ BASELINE_KEY = "baseline"
 
 class TrialDiverged(RuntimeError):
     """Training stopped on a non-finite loss, gradient or split probability: the trial has no valid point."""
-
-
-class TrialFailed(RuntimeError):
-    """Training failed (an exception on the workers, after Ray Train's retries)."""
 
 
 @dataclass
@@ -97,63 +94,6 @@ class SweepPlan:
     def run_uri(self, trial_id: str) -> str:
         """The trial's Train run folder (local path or URI)."""
         return join_uri(self.train_storage, trial_id)
-
-
-def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
-    """Train ``config`` with :func:`~splitvit.train.ray_trainer.run_training`, its
-    epochs reported to Tune (``TuneReportCallback``).
-
-    Returns ``{"status", "metrics", "checkpoint", "message", "history"}`` (``history``:
-    every epoch's figures, from the last checkpoint). Raises :class:`TrialFailed` when
-    Ray Train gives up.
-    """
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from ..train.checkpoints import read_history
-    from ..train.ray_trainer import TrainingError, run_training
-
-    # trials never write to MLflow (docs/design.md §3.4: only the Tune driver does), whatever the
-    # config says; Ray is up already (this runs inside Tune), so run_training joins it
-    if config.tracking.enabled:
-        config = replace(config, tracking=replace(config.tracking, enabled=False))
-    try:
-        result = run_training(config, callbacks=[TuneReportCallback()])
-    except TrainingError as exc:
-        # Ray Train's own error, as before: the sweep records this message
-        raise TrialFailed(f"training failed: {exc.__cause__ or exc}") from exc
-    return {
-        "status": result.status,
-        "metrics": result.metrics,
-        "checkpoint": result.checkpoint_uri,
-        "message": result.message,
-        "history": read_history(result.checkpoint_uri) if result.checkpoint_uri else [],
-    }
-
-
-def eval_resources(config: ExperimentConfig) -> tuple[dict[str, Any], str]:
-    """Ray task options (and the torch device) for evaluation on one training worker's
-    kind of resources: its CPUs, and one GPU where training uses GPUs."""
-    per_worker = dict(config.scaling.resources_per_worker)
-    gpus = float(per_worker.pop("GPU", 1.0 if config.scaling.use_gpu else 0.0))
-    cpus = float(per_worker.pop("CPU", 1.0))
-    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": min(gpus, 1.0)}
-    if per_worker:
-        options["resources"] = per_worker
-    return options, ("cuda" if gpus > 0 else "cpu")
-
-
-def run_evaluation(config: ExperimentConfig, fn, *args: Any, **kwargs: Any) -> Any:
-    """Run an evaluation function where the training ran: GPU training evaluates in a
-    Ray task with one GPU (outside the caller's placement group, which Tune sized for
-    the trial's driver function); CPU training evaluates in this process, which has
-    torch loaded already and saves starting a worker process per evaluation."""
-    if not config.scaling.use_gpu:
-        return fn(*args, device="cpu", **kwargs)
-    import ray
-
-    options, device = eval_resources(config)
-    task = ray.remote(fn).options(scheduling_strategy="DEFAULT", **options)
-    return ray.get(task.remote(*args, device=device, **kwargs))
 
 
 def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
