@@ -327,3 +327,17 @@ def test_policy_epochs_need_a_learned_policy_and_its_teacher(key):
 def test_total_epochs_count_the_policys_lead_the_fine_tune_and_the_policys_tail():
     train = load_experiment(SMOKE, ["train.policy_lead_epochs=2", "train.epochs=3", "train.policy_epochs=4"]).train
     assert train.total_epochs == 9
+
+
+def test_a_base_config_is_resolved_beside_the_file_that_names_it(tmp_path):
+    """The ``base`` of a search space or a study: relative to the naming file's folder
+    (or the working directory), or absolute; a missing one is a BaseConfigError on ``base``."""
+    from splitvit.config import BaseConfigError, resolve_base_config
+
+    (tmp_path / "base.yaml").write_text("train: {epochs: 1}\n")
+    assert resolve_base_config("base.yaml", tmp_path) == (tmp_path / "base.yaml").resolve()
+    assert resolve_base_config(str(tmp_path / "base.yaml"), Path("/")) == tmp_path / "base.yaml"
+    for base, reason in ((None, "name the experiment config"), ("nowhere.yaml", "nowhere.yaml not found")):
+        with pytest.raises(BaseConfigError, match=reason) as err:
+            resolve_base_config(base, tmp_path)
+        assert isinstance(err.value, ConfigError) and err.value.key == "base"

@@ -31,10 +31,9 @@ from splitvit.study.goals import (
 )
 from splitvit.study.report import lever_lines, reuse_phrase, summary_lines, training_pace_line
 from splitvit.study.runs import STUDY_RESULT_FILE, stale_runs, study_run
-from splitvit.study.spec import Goals, load_study
+from splitvit.study.spec import Goals, StudyError, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
 from splitvit.train.checkpoints import init_weights
-from splitvit.tune.space import SearchSpaceError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -168,7 +167,7 @@ def write_study(folder: Path, **changes) -> Path:
     ],
 )
 def test_bad_study_files_are_named(tmp_path, change, key, message):
-    with pytest.raises(SearchSpaceError) as err:
+    with pytest.raises(StudyError) as err:
         load_study(write_study(tmp_path, **change))
     assert key in str(err.value) and message in str(err.value)
 
@@ -177,7 +176,7 @@ def test_bad_config_in_a_method_names_the_key_before_ray_starts(tmp_path):
     methods = {"full": {"model.policy": "full"}, "split": {"model.policy": "learned", "train.lambda_budget": -1}}
     with pytest.raises(ConfigError, match="train.lambda_budget"):
         load_study(write_study(tmp_path, methods=methods))
-    with pytest.raises(SearchSpaceError, match="no scale 'gpu'"):
+    with pytest.raises(StudyError, match="no scale 'gpu'"):
         load_study(write_study(tmp_path), scale="gpu")
     assert cli(["study", str(write_study(tmp_path)), "--set", "train.epochs=-2"]) == 2
 
@@ -186,13 +185,13 @@ def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
     path = write_study(tmp_path)
     spec = load_study(path, methods=["split", "full"])
     assert sorted(spec.methods) == ["full", "split"]  # the rest dropped
-    with pytest.raises(SearchSpaceError, match="no method 'splt'") as err:
+    with pytest.raises(StudyError, match="no method 'splt'") as err:
         load_study(path, methods=["full", "splt"])
     assert all(name in str(err.value).split("the file has")[1] for name in ("full", "entropy", "split"))
-    with pytest.raises(SearchSpaceError, match="model.policy: full"):
+    with pytest.raises(StudyError, match="model.policy: full"):
         load_study(path, methods=["entropy", "split"])  # nothing left to compare against
     assert cli(["study", str(path), "--methods", "full,splt"]) == 2
-    with pytest.raises(SearchSpaceError, match="--methods names no method"):
+    with pytest.raises(StudyError, match="--methods names no method"):
         load_study(path, methods=[])  # not "every method": an empty list is a slip
     assert cli(["study", str(path), "--methods", " , "]) == 2
 
@@ -205,10 +204,10 @@ def test_levers_run_only_when_named(tmp_path):
     spec = load_study(path, methods=["split-kd", "full"])
     assert list(spec.methods) == ["full", "split-kd"]  # the file's order, headline first
     assert spec.run_config(0, "split-kd", "x").train.distill_weight == 1.0
-    with pytest.raises(SearchSpaceError, match="no method 'split-k'") as err:
+    with pytest.raises(StudyError, match="no method 'split-k'") as err:
         load_study(path, methods=["full", "split-k"])
     assert "split-kd" in str(err.value)
-    with pytest.raises(SearchSpaceError, match="model.policy: full"):
+    with pytest.raises(StudyError, match="model.policy: full"):
         load_study(path, methods=["split-kd"])  # a lever still needs its control
 
 

@@ -1117,6 +1117,34 @@ def validate(config: ExperimentConfig) -> None:
         )
 
 
+# ---------------------------------------------------------------------- base configs
+class BaseConfigError(ConfigError):
+    """The ``base`` of a search space or a study file names no experiment config file
+    (``key`` is ``base``). The space and the study report it as their own file's mistake."""
+
+
+def resolve_base_config(base: Any, root: Path) -> Path:
+    """The experiment config file a search space or a study file names as its ``base``:
+    a path relative to ``root`` (the naming file's folder), else to the working
+    directory, or an absolute one. Raises :class:`BaseConfigError`."""
+    if not base or not isinstance(base, str):
+        raise BaseConfigError(
+            "base", "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml"
+        )
+    candidate = Path(base).expanduser()
+    if not candidate.is_absolute():
+        # relative to the space file; a path relative to the working directory also works
+        for option in (root / candidate, candidate):
+            if option.is_file():
+                return option.resolve()
+        raise BaseConfigError(
+            "base", f"experiment config {base} not found (relative to {root} or the working directory)"
+        )
+    if not candidate.is_file():
+        raise BaseConfigError("base", f"experiment config {base} not found")
+    return candidate
+
+
 # ---------------------------------------------------------------------- flattening
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""

@@ -208,7 +208,7 @@ def check_study(
     """What the command line, the study file and the storage show, checked in a
     second (torch, Ray and MLflow not loaded): the file, its scale and methods, every
     run's settings, and the study ``references_from`` names. Raises ``ValueError``s
-    (:class:`StudyError`, :class:`SearchSpaceError`, ``ConfigError``) naming the key."""
+    (:class:`StudyError`, ``ConfigError``) naming the key."""
     from ..storage import exists
 
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods, settings_only=True)

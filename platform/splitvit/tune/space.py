@@ -44,6 +44,7 @@ import yaml
 from ..config import (
     RECIPE_KEY,
     SECTIONS,
+    BaseConfigError,
     ConfigError,
     ExperimentConfig,
     Layer,
@@ -51,6 +52,7 @@ from ..config import (
     companion_metrics,
     parse_override,
     quality_metric,
+    resolve_base_config,
     resolve_config,
     set_dotted,
     split_key,
@@ -538,7 +540,10 @@ def space_from_dict(
         if key not in TOP_LEVEL:
             raise SearchSpaceError(source, str(key), f"unknown section{_did_you_mean(key, TOP_LEVEL)}")
 
-    base_path = _resolve_base(raw.get("base"), Path(root), source)
+    try:
+        base_path = resolve_base_config(raw.get("base"), Path(root))
+    except BaseConfigError as exc:
+        raise SearchSpaceError(source, exc.key, exc.reason) from None
     try:
         base_raw = yaml.safe_load(base_path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -623,25 +628,6 @@ def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
             set_dotted(raw, key, value)
     except ConfigError as exc:
         raise SearchSpaceError(source, exc.key, exc.reason) from None
-
-
-def _resolve_base(base: Any, root: Path, source: str) -> Path:
-    if not base or not isinstance(base, str):
-        raise SearchSpaceError(
-            source, "base", "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml"
-        )
-    candidate = Path(base).expanduser()
-    if not candidate.is_absolute():
-        # relative to the space file; a path relative to the working directory also works
-        for option in (root / candidate, candidate):
-            if option.is_file():
-                return option.resolve()
-        raise SearchSpaceError(
-            source, "base", f"experiment config {base} not found (relative to {root} or the working directory)"
-        )
-    if not candidate.is_file():
-        raise SearchSpaceError(source, "base", f"experiment config {base} not found")
-    return candidate
 
 
 def _check_key_syntax(name: str, source: str, section: str = "parameters") -> None:
