@@ -35,6 +35,9 @@ The modules, by what they do:
 * :mod:`.execute` — :func:`~.execute.execute_study` and its result;
 * :mod:`.ray_executor`, :mod:`.local` — the two executors.
 
-The study imports :mod:`splitvit.tune` (the timing routine, the trial launcher, the
-console); :mod:`splitvit.tune` never imports the study.
+The study and the sweep (:mod:`splitvit.tune`) never import each other: what they
+share lies below both, in :mod:`splitvit.bench.speed` (the timing of operating
+points), :mod:`splitvit.train.trial` and :mod:`splitvit.train.console` (a run fitted
+inside a Tune trial, and what a person sees meanwhile), :mod:`splitvit.tracking.runs`
+(the MLflow tags both write) and :func:`splitvit.config.resolve_base_config`.
 """
