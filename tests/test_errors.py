@@ -700,7 +700,8 @@ def test_a_sweep_stopped_with_unfinished_trials_is_an_interruption():
     """Ray Tune's own Ctrl-C handler makes ``Tuner.fit`` return with trials unfinished:
     the sweep raises ``Interrupted`` (exit 130) saying how to resume, not an error."""
     from splitvit.errors import Interrupted
-    from splitvit.tune.sweep import SweepError, stopped_early
+    from splitvit.tune.state import SweepError
+    from splitvit.tune.sweep import stopped_early
 
     stopped = stopped_early("s1", started=3, unfinished=2, planned=8)
     assert isinstance(stopped, Interrupted) and stopped.exit_code in (130, 143)

@@ -332,8 +332,8 @@ def test_frontier_rows_are_the_table_of_the_frontier():
 def test_logged_models_are_named_by_their_point():
     from mlflow.utils.validation import _validate_logged_model_name
 
+    from splitvit.tune.artifacts import model_name
     from splitvit.tune.pareto import Point
-    from splitvit.tune.sweep import model_name
 
     best = Point(0.9, 6.7, 0.4183, "threshold", "abc_00002")
     other = Point(0.7, 2.0, 0.125, "trial", "abc_00001")

@@ -149,20 +149,21 @@ def test_search_space_speed_settings_are_validated_by_key():
 
 
 def test_resuming_a_sweep_saved_before_speed_settings_existed(tmp_path):
-    from splitvit.tune.sweep import PLAN_FILE, SweepError, _check_plan
+    from splitvit.tune.location import PLAN_FILE, check_plan
+    from splitvit.tune.state import SweepError
 
     space = load_space(ROOT / "search_spaces" / "smoke.yaml")
     saved = {k: v for k, v in space.to_dict().items() if k not in ("source", "speed")}
     (tmp_path / PLAN_FILE).write_text(
         json.dumps({"space": saved, "overrides": [], "source": space.source}, default=str)
     )
-    assert _check_plan(space, str(tmp_path), None, resume=True) is space
+    assert check_plan(space, str(tmp_path), None, resume=True) is space
     changed = {**saved, "speed": {**space.to_dict()["speed"], "rounds": 99}}
     (tmp_path / PLAN_FILE).write_text(
         json.dumps({"space": changed, "overrides": [], "source": space.source}, default=str)
     )
     with pytest.raises(SweepError, match="speed"):
-        _check_plan(space, str(tmp_path), None, resume=True)
+        check_plan(space, str(tmp_path), None, resume=True)
 
 
 def test_a_sweep_resumes_from_another_checkout_of_the_same_files_but_not_from_another_base(tmp_path):
@@ -170,7 +171,8 @@ def test_a_sweep_resumes_from_another_checkout_of_the_same_files_but_not_from_an
     base at another path, the same settings) continues; a changed base is refused."""
     import shutil
 
-    from splitvit.tune.sweep import SweepError, _check_plan
+    from splitvit.tune.location import check_plan
+    from splitvit.tune.state import SweepError
 
     first, second = tmp_path / "first", tmp_path / "second"
     for checkout in (first, second):
@@ -179,14 +181,14 @@ def test_a_sweep_resumes_from_another_checkout_of_the_same_files_but_not_from_an
     sweep_dir = tmp_path / "sweep"
     sweep_dir.mkdir()
     started = load_space(first / "search_spaces" / "smoke.yaml")
-    _check_plan(started, str(sweep_dir), None, resume=False)
+    check_plan(started, str(sweep_dir), None, resume=False)
     moved = load_space(second / "search_spaces" / "smoke.yaml")
     assert moved.base != started.base
-    assert _check_plan(moved, str(sweep_dir), None, resume=True) is moved
+    assert check_plan(moved, str(sweep_dir), None, resume=True) is moved
     base = Path(moved.base)
     base.write_text(base.read_text().replace("seed: 0", "seed: 7", 1))
     with pytest.raises(SweepError, match=r"differs .* \(in base\)"):
-        _check_plan(load_space(second / "search_spaces" / "smoke.yaml"), str(sweep_dir), None, resume=True)
+        check_plan(load_space(second / "search_spaces" / "smoke.yaml"), str(sweep_dir), None, resume=True)
 
 
 def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(tmp_path):
@@ -261,7 +263,8 @@ def test_stage_two_calibrates_every_checkpoint_to_the_ratios_asked_for(tmp_path)
 
 
 def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes(tmp_path):
-    from splitvit.tune.sweep import PLAN_FILE, SweepError, _check_plan
+    from splitvit.tune.location import PLAN_FILE, check_plan
+    from splitvit.tune.state import SweepError
 
     with pytest.raises(SearchSpaceError) as err:
         load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5,0]"])
@@ -270,7 +273,7 @@ def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes
     saved = json.loads(json.dumps({k: v for k, v in space.to_dict().items() if k != "source"}, default=str))
     del saved["stage_two"]["ratios"]  # as a sweep started before the key existed stored it
     (tmp_path / PLAN_FILE).write_text(json.dumps({"space": saved, "overrides": [], "source": space.source}))
-    assert _check_plan(space, str(tmp_path), None, resume=True) is space
+    assert check_plan(space, str(tmp_path), None, resume=True) is space
     asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5]"])
     with pytest.raises(SweepError, match="stage_two"):
-        _check_plan(asked, str(tmp_path), None, resume=True)
+        check_plan(asked, str(tmp_path), None, resume=True)

@@ -93,7 +93,7 @@ def _sweep(uri: str, root, name: str, figures: list[tuple[float, float]]) -> tup
 
 def _log_models(recorder: SweepRecorder, front: list[Point], best: Point | None) -> None:
     from splitvit.tracking import RunTracker
-    from splitvit.tune.sweep import _set_signature, model_name
+    from splitvit.tune.artifacts import _set_signature, model_name
 
     model = _tiny_model()
     for p in front:
@@ -226,7 +226,7 @@ def test_the_source_column_names_the_command_not_its_last_argument(argv, name, m
 
 def test_a_detectors_signature_names_its_detections():
     """A detector on SPLIT logs a signature too: its images in, an image's detections out."""
-    from splitvit.tune.sweep import model_signature
+    from splitvit.tune.artifacts import model_signature
     from tests.test_detection_model import tiny_detector
 
     signature = model_signature(tiny_detector().eval())

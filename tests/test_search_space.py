@@ -256,7 +256,7 @@ def test_the_built_samplers_fit_the_budget(tmp_path):
     trials would be the whole of an 8-trial sweep); TPE is multivariate."""
     import optuna
 
-    from splitvit.tune.sweep import build_sampler
+    from splitvit.tune.search import build_sampler
 
     path = write_space(tmp_path, variant(parameters=NUMERIC))
     for trials, startup in ((4, 2), (8, 2), (24, 8), (64, 10)):
@@ -312,12 +312,12 @@ def test_the_config_own_point_is_evaluated_first(tmp_path, caplog):
 def test_the_searcher_asks_the_config_own_point_first(tmp_path):
     """The partial point (thresholds left to the sampler) is the first trial Optuna
     proposes through Tune's searcher, its missing values sampled in range."""
+    from splitvit.tune.search import build_searcher
     from splitvit.tune.space import first_points
-    from splitvit.tune.sweep import _searcher
 
     base = dict(TINY_BASE, train={"epochs": 1, "lambda_budget": 2.0, "target_ratio": 0.4})
     space = load_space(write_space(tmp_path, variant(parameters=NUMERIC), base=base), settings_only=True)
-    searcher = _searcher(space)
+    searcher = build_searcher(space)
     first = searcher.suggest("t0")
     assert first["train.lambda_budget"] == 2.0 and first["train.target_ratio"] == 0.4
     assert space.parameters["model.thresholds[1]"].contains(first["model.thresholds[1]"])
@@ -327,7 +327,7 @@ def test_the_searcher_asks_the_config_own_point_first(tmp_path):
         write_space(tmp_path, variant(parameters=NUMERIC, search={"initial_points": [full]}), base=base),
         settings_only=True,
     )
-    assert _searcher(space)._points_to_evaluate == [full]
+    assert build_searcher(space)._points_to_evaluate == [full]
 
 
 # ---------------------------------------------------------------------- invalid spaces

@@ -605,7 +605,7 @@ def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, cap
     points keep their figures, and nothing raises."""
     from types import SimpleNamespace
 
-    import splitvit.tune.sweep as sweep_module
+    import splitvit.tune.frontier_eval as frontier_eval
     from splitvit.tune.pareto import Point
 
     def evaluate(config, fn, checkpoint, evaluations, **kwargs):
@@ -613,7 +613,7 @@ def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, cap
             raise ValueError("dataset coco has no split 'test'")
         return [{"quality": 0.7, "tokens_per_image": 10.0, "token_ratio": 0.5} for _ in evaluations]
 
-    monkeypatch.setattr(sweep_module, "run_evaluation", evaluate)
+    monkeypatch.setattr(frontier_eval, "run_evaluation", evaluate)
     logged: list = []
     sweep = SimpleNamespace(
         space=SimpleNamespace(
@@ -628,8 +628,8 @@ def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, cap
     )
     good = Point(0.6, 10.0, 0.5, trial_id="a", checkpoint="ok", run_id="r1", thresholds=[0.5])
     bad = Point(0.5, 8.0, 0.4, trial_id="b", checkpoint="no-test-split", run_id="r2", thresholds=[0.6])
-    with caplog.at_level("WARNING", logger="splitvit.tune.sweep"):
-        sweep_module._evaluate_held_out(sweep, [good, bad], [], {})
+    with caplog.at_level("WARNING", logger="splitvit.tune.frontier_eval"):
+        frontier_eval.evaluate_held_out(sweep, [good, bad], [], {})
     assert good.extras["test_accuracy"] == 0.7 and "test_accuracy" not in bad.extras
     assert logged == [("r1", {"test_accuracy": 0.7, "test_tokens_per_image": 10.0, "test_token_ratio": 0.5})]
     assert "could not evaluate no-test-split on the test split" in caplog.text
