@@ -6,7 +6,6 @@ baselines).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,8 +16,6 @@ from .pareto import Baseline, Point, frontier
 from .reference import Reference
 from .space import BASELINE_POLICIES, SearchSpace
 from .trial import SweepPlan
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

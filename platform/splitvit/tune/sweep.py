@@ -95,11 +95,6 @@ from .trial import SweepPlan, sweep_trial
 log = logging.getLogger(__name__)
 
 
-def trial_dirname(trial) -> str:
-    """Trial folders are named by trial id (the Train run and MLflow keys use it too)."""
-    return trial.trial_id
-
-
 def run_sweep(
     space_path: str | Path,
     overrides: list[str] | None = None,
@@ -240,6 +235,11 @@ def _start_sweep(setup: SweepSetup, *, ray_address: str | None, started: float, 
     return Sweep(
         setup=setup, plan=plan, recorder=recorder, reference=reference, started=started, resumed=resume or reopened
     )
+
+
+def trial_dirname(trial) -> str:
+    """Trial folders are named by trial id (the Train run and MLflow keys use it too)."""
+    return trial.trial_id
 
 
 def _trainable(sweep: Sweep) -> Any:
