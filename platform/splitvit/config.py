@@ -23,6 +23,7 @@ dotted-key setter (:func:`set_dotted`) are the ones search spaces use too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import logging
@@ -32,7 +33,7 @@ import time
 import types
 import typing
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -605,9 +606,10 @@ class ExperimentConfig:
         """
         if raw is not None and not isinstance(raw, dict):
             raise ConfigError("<root>", f"expected a mapping of sections, got {type(raw).__name__}")
-        layers = [Layer(source, raw or {}, nested=True)]
-        if overrides:
-            layers.append(Layer("--set", [parse_override(item) for item in overrides]))
+        with legacy_warnings(source):
+            layers = [Layer(source, raw or {}, nested=True)]
+            if overrides:
+                layers.append(Layer("--set", [parse_override(item) for item in overrides]))
         return resolve_config(layers, default_name=default_name)
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
@@ -700,13 +702,16 @@ SUBSECTIONS = ("model.policy", "train.budget", "train.teacher", "train.distill",
 log = logging.getLogger(__name__)
 #: (source, renames) already warned of: a study resolves the same layers for every run
 _WARNED: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+#: the renames :func:`legacy_warnings` gathers into one line (None: each source warns itself)
+_GATHERED: list[tuple[str, str]] | None = None
 
 
 def _legacy_target(key: str, value: Any) -> str | None:
     """The new key of the old dotted ``key`` (no index), or None: ``model.policy`` and
     ``train.teacher`` are old only where their value is not a mapping (the new section)."""
     new = LEGACY_KEYS.get(key)
-    if new is None or (new.endswith(".kind") and isinstance(value, dict)):
+    # a mapping there is the section, unless it is a search space's distribution
+    if new is None or (new.endswith(".kind") and isinstance(value, dict) and "distribution" not in value):
         return None
     return new
 
@@ -715,6 +720,9 @@ def warn_legacy(source: str, renames: list[tuple[str, str]]) -> None:
     """One deprecation line for ``source``'s old keys (``old -> new`` each), once per
     source and keys; none for the library's own recipes (versioned records, never edited)."""
     if not renames or source.startswith("recipe "):
+        return
+    if _GATHERED is not None:
+        _GATHERED.extend(r for r in renames if r not in _GATHERED)
         return
     marker = (source, tuple(renames))
     if marker in _WARNED:
@@ -725,6 +733,23 @@ def warn_legacy(source: str, renames: list[tuple[str, str]]) -> None:
         source,
         ", ".join(f"{old} -> {new}" for old, new in renames),
     )
+
+
+@contextlib.contextmanager
+def legacy_warnings(source: str) -> Iterator[None]:
+    """The old keys of everything read inside (a file and its ``--set`` items, a study's
+    sections and methods) warned of in one line naming ``source``."""
+    global _GATHERED
+    if _GATHERED is not None:  # already gathering: the outer one warns
+        yield
+        return
+    _GATHERED = []
+    try:
+        yield
+        renames = _GATHERED
+    finally:
+        _GATHERED = None
+    warn_legacy(source, renames)
 
 
 def _both_spellings(old: str, new: str, source: str) -> ConfigError:

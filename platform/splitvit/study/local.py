@@ -298,7 +298,7 @@ def load_local_study(
     held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)
     if backbone_epochs is not None:
-        spec.backbone.update({"train.epochs": backbone_epochs, "train.warmup_epochs": backbone_epochs})
+        spec.backbone.update({"train.epochs": backbone_epochs, "train.policy.warmup_epochs": backbone_epochs})
     if method_epochs is not None:
         spec.method["train.epochs"] = method_epochs
     if eval_samples is not None:

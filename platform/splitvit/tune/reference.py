@@ -77,7 +77,7 @@ def reference_config(
     recorded in the sweep's MLflow store (``tracking_uri``; its own folder's otherwise)
     and experiment."""
     settings = dict(space.reference.train or {})
-    layer = {**settings, "recipe": "none", "model.policy": "full", "tracking.experiment": experiment}
+    layer = {**settings, "recipe": "none", "model.policy.kind": "full", "tracking.experiment": experiment}
     if tracking_uri is not None:
         layer["tracking.tracking_uri"] = tracking_uri
     config = space.config(layer, name="reference")
