@@ -311,7 +311,7 @@ def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, ca
 
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
     models = build_benchmark_models(vit, levels=levels, policy_width=16, level_context=True)
-    assert {k for k, m in models.items() if m.policy_level_context} == {"learned", "learned_shared"}
+    assert {k for k, m in models.items() if m.policy.level_context} == {"learned", "learned_shared"}
     assert models["learned"].policy.level_context and models["learned_shared"].policy.level_context
 
     out = tmp_path / "forward.json"

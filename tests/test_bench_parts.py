@@ -188,11 +188,11 @@ def test_bench_parts_compiled_and_bf16_compiles_every_side_and_says_so(tmp_path,
     out = tmp_path / "parts.json"
     argv = ["bench", "parts", "--study", "studies/study_fashion.yaml", "--method", "split-0.5-agg-mixed-ctx"]
     argv += ["--batch-sizes", "4", "--ratios", "0.5,0.7", "--repeats", "1", "--threads", "1"]
-    argv += ["--bf16", "--compile", "--token-buckets", "2", "--set", "model.policy_depth=1", "--json", str(out)]
+    argv += ["--bf16", "--compile", "--token-buckets", "2", "--set", "model.policy.depth=1", "--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "bf16 autocast, torch.compile (2 token buckets)" in printed
-    assert "split-0.5-agg-mixed-ctx with model.policy_depth=1, random weights" in printed  # the --set named
+    assert "split-0.5-agg-mixed-ctx with model.policy.depth=1, random weights" in printed  # the --set named
     data = json.loads(out.read_text())
     assert data["settings"]["bf16"] and data["settings"]["compile"] and data["settings"]["token_buckets"] == 2
     depth = data["model"]["timm_kwargs"]["depth"]

@@ -163,7 +163,7 @@ def test_training_step_draws_a_target_ratio_per_batch(monkeypatch):
         out = forward(images, budget=drawn)  # expected tokens come from the probabilities, not the samples
     expected_ratio = out.expected_tokens / out.full_tokens
     assert stats["budget_penalty"] == pytest.approx(float(budget_penalty(expected_ratio, drawn)), rel=1e-5)
-    assert stats["budget_penalty"] != pytest.approx(float(budget_penalty(expected_ratio, cfg.target_ratio)))
+    assert stats["budget_penalty"] != pytest.approx(float(budget_penalty(expected_ratio, cfg.budget.target_ratio)))
 
 
 def test_training_step_without_a_range_or_in_warm_up_draws_nothing():

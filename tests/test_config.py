@@ -56,7 +56,7 @@ def test_train_section_is_the_split_loss_settings_and_more():
     assert issubclass(TrainConfig, SplitLossConfig)
     declared = set(vars(TrainConfig).get("__annotations__", {}))  # TrainConfig's own fields
     assert not declared & {f.name for f in dataclasses.fields(SplitLossConfig)}, "re-declared in TrainConfig"
-    cfg = load_config(SMOKE, ["train.warmup_min_split=0.6", "train.teacher_weight=0.25", "train.teacher_every=3"])
+    cfg = load_config(SMOKE, ["train.policy.warmup_min_split=0.6", "train.teacher.weight=0.25", "train.teacher.every=3"])
     loss = cfg.train.loss_config()
     assert type(loss) is SplitLossConfig
     assert (loss.warmup_min_split, loss.teacher_weight, loss.teacher_every) == (0.6, 0.25, 3)
@@ -79,19 +79,19 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
 @pytest.mark.parametrize(
     "override, key, text",
     [
-        ("train.lambda_budget=-1", "train.lambda_budget", "must be >= 0, got -1.0"),
-        ("train.teacher_weight=-0.5", "train.teacher_weight", "must be >= 0, got -0.5"),
-        ("train.target_ratio=1.5", "train.target_ratio", "must be in (0, 1], got 1.5"),
-        ("train.penalty=linear", "train.penalty", "must be one of"),
-        ("train.teacher=oracle", "train.teacher", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
-        ("train.policy_lr_scale=0", "train.policy_lr_scale", "must be > 0, got 0"),
+        ("train.budget.weight=-1", "train.budget.weight", "must be >= 0, got -1.0"),
+        ("train.teacher.weight=-0.5", "train.teacher.weight", "must be >= 0, got -0.5"),
+        ("train.budget.target_ratio=1.5", "train.budget.target_ratio", "must be in (0, 1], got 1.5"),
+        ("train.budget.penalty=linear", "train.budget.penalty", "must be one of"),
+        ("train.teacher.kind=oracle", "train.teacher.kind", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
+        ("train.policy.lr_scale=0", "train.policy.lr_scale", "must be > 0, got 0"),
         (
-            "train.teacher_targets=joint",
-            "train.teacher_targets",
+            "train.teacher.targets=joint",
+            "train.teacher.targets",
             "must be one of ('per_level', 'nested', 'mixed'), got 'joint'",
         ),
-        ("train.teacher_scope=canvas", "train.teacher_scope", "must be one of ('image', 'batch'), got 'canvas'"),
-        ("train.warmup_min_split=2", "train.warmup_min_split", "must be in [0, 1]"),
+        ("train.teacher.scope=canvas", "train.teacher.scope", "must be one of ('image', 'batch'), got 'canvas'"),
+        ("train.policy.warmup_min_split=2", "train.policy.warmup_min_split", "must be in [0, 1]"),
         ("train.epoch=3", "train.epoch", "unknown key; did you mean train.epochs?"),
         ("trian.epochs=3", "trian", "unknown key; did you mean train?"),
         ("train.epochs=three", "train.epochs", "expected int, got str 'three'"),
@@ -102,26 +102,26 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("model.image_size=40", "model.image_size", "image size 40x40 is not a multiple of the coarsest patch 16"),
         ("model.timm_kwargs.patch_size=3", "model.image_size", "not a multiple of the coarsest patch 12"),
         ("model.levels=1", "model.levels", "must be >= 2"),
-        ("train.distill_weight=-0.5", "train.distill_weight", "must be >= 0, got -0.5"),
-        ("train.distill_temperature=0", "train.distill_temperature", "must be > 0, got 0.0"),
-        ("train.target_ratio_range=[0.8, 0.3]", "train.target_ratio_range", "0 < low <= high <= 1, got [0.8, 0.3]"),
-        ("train.target_ratio_range=[0.2, 0.5, 0.9]", "train.target_ratio_range", "must be [low, high]"),
-        ("train.target_ratio_range=0.5", "train.target_ratio_range", "expected list[float] or null"),
-        ("train.policy_epochs=-1", "train.policy_epochs", "must be >= 0, got -1"),
-        ("train.policy_lead_epochs=-2", "train.policy_lead_epochs", "must be >= 0, got -2"),
-        ("train.teacher_context=-2", "train.teacher_context", "must be >= 0 pixels, got -2"),
-        ("train.teacher_context=4", "train.teacher_context", "objects teacher's ring around each instance mask, but"),
-        ("model.budget_conditioned=maybe", "model.budget_conditioned", "expected bool"),
+        ("train.distill.weight=-0.5", "train.distill.weight", "must be >= 0, got -0.5"),
+        ("train.distill.temperature=0", "train.distill.temperature", "must be > 0, got 0.0"),
+        ("train.budget.ratio_range=[0.8, 0.3]", "train.budget.ratio_range", "0 < low <= high <= 1, got [0.8, 0.3]"),
+        ("train.budget.ratio_range=[0.2, 0.5, 0.9]", "train.budget.ratio_range", "must be [low, high]"),
+        ("train.budget.ratio_range=0.5", "train.budget.ratio_range", "expected list[float] or null"),
+        ("train.policy.epochs=-1", "train.policy.epochs", "must be >= 0, got -1"),
+        ("train.policy.lead_epochs=-2", "train.policy.lead_epochs", "must be >= 0, got -2"),
+        ("train.teacher.context=-2", "train.teacher.context", "must be >= 0 pixels, got -2"),
+        ("train.teacher.context=4", "train.teacher.context", "objects teacher's ring around each instance mask, but"),
+        ("model.policy.budget_conditioned=maybe", "model.policy.budget_conditioned", "expected bool"),
         ("model.fine_aggregation=maybe", "model.fine_aggregation", "expected bool"),
-        ("model.policy_level_context=maybe", "model.policy_level_context", "expected bool"),
+        ("model.policy.level_context=maybe", "model.policy.level_context", "expected bool"),
         ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none, got 'imagenet'"),
-        ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
+        ("model.policy.kind=smart", "model.policy.kind", "unknown policy 'smart'"),
         ("model.task=segmentation", "model.task", "must be one of classification, dense, detection"),
-        ("model.policy_depth=3", "model.policy_depth", "must be in [0, 2]"),
-        ("train.teacher_every=0", "train.teacher_every", "must be >= 1, got 0"),
-        ("model.policy_width=129", "model.policy_width", "positive multiple of its 2 attention head(s)"),
-        ("model.policy_width=0", "model.policy_width", "positive multiple"),
-        ("model.policy_width=wide", "model.policy_width", "expected int"),
+        ("model.policy.depth=3", "model.policy.depth", "must be in [0, 2]"),
+        ("train.teacher.every=0", "train.teacher.every", "must be >= 1, got 0"),
+        ("model.policy.width=129", "model.policy.width", "positive multiple of its 2 attention head(s)"),
+        ("model.policy.width=0", "model.policy.width", "positive multiple"),
+        ("model.policy.width=wide", "model.policy.width", "expected int"),
         ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
         ("model.timm_kwargs.bogus=1", "model.timm_kwargs.bogus", "unexpected keyword argument 'bogus'"),
         ("model.checkpoint_path=/nonexistent/w.pth", "model.checkpoint_path", "does not exist"),
@@ -207,10 +207,10 @@ def test_cli_config_error_comes_before_any_ray_work(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(ray, "init", forbidden)
     monkeypatch.setattr(ray.train.torch.TorchTrainer, "fit", forbidden)
     runs = tmp_path / "runs"
-    rc = main(["train", str(SMOKE), f"storage.path={runs}", "train.lambda_budget=-1"])
+    rc = main(["train", str(SMOKE), f"storage.path={runs}", "train.budget.weight=-1"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "config error: train.lambda_budget: must be >= 0, got -1.0" in err
+    assert "config error: train.budget.weight: must be >= 0, got -1.0" in err
     assert not runs.exists()
 
 
@@ -239,7 +239,7 @@ def test_config_module_needs_no_model_data_or_torch():
     "override, key, text",
     [
         ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
-        ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
+        ("model.policy.kind=smart", "model.policy.kind", "unknown policy 'smart'"),
         ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none"),  # the model's values
         ("model.image_size=40", "model.image_size", "not a multiple of the coarsest patch 16"),
         ("model.thresholds=[0.5]", "model.thresholds", "expected 2 values"),
@@ -308,16 +308,16 @@ def test_run_training_and_preflight_validate_a_config_built_schema_only(tmp_path
     monkeypatch.setattr(ray, "init", forbidden)
     monkeypatch.setattr(ray_trainer, "init_ray", forbidden)
     monkeypatch.setattr(pf, "resolve_ray_address", forbidden)
-    cfg = load_config(SMOKE, ["model.policy=smart", f"storage.path={tmp_path / 'runs'}"])
+    cfg = load_config(SMOKE, ["model.policy.kind=smart", f"storage.path={tmp_path / 'runs'}"])
     for run in (ray_trainer.run_training, pf.preflight):
-        with pytest.raises(ConfigError, match="model.policy: unknown policy 'smart'"):
+        with pytest.raises(ConfigError, match="model.policy.kind: unknown policy 'smart'"):
             run(cfg)
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("key", ["train.policy_epochs", "train.policy_lead_epochs"])
+@pytest.mark.parametrize("key", ["train.policy.epochs", "train.policy.lead_epochs"])
 def test_policy_epochs_need_a_learned_policy_and_its_teacher(key):
-    for overrides in (["model.policy=entropy"], ["train.teacher_weight=0"]):
+    for overrides in (["model.policy.kind=entropy"], ["train.teacher.weight=0"]):
         with pytest.raises(ConfigError) as err:
             load_experiment(SMOKE, [f"{key}=1", *overrides])
         assert err.value.key == key and "trains a learned policy with its relevance teacher" in str(err.value)
@@ -325,5 +325,5 @@ def test_policy_epochs_need_a_learned_policy_and_its_teacher(key):
 
 
 def test_total_epochs_count_the_policys_lead_the_fine_tune_and_the_policys_tail():
-    train = load_experiment(SMOKE, ["train.policy_lead_epochs=2", "train.epochs=3", "train.policy_epochs=4"]).train
+    train = load_experiment(SMOKE, ["train.policy.lead_epochs=2", "train.epochs=3", "train.policy.epochs=4"]).train
     assert train.total_epochs == 9

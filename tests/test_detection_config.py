@@ -153,17 +153,17 @@ def test_the_shipped_detection_config_validates():
         ),
         (["model.num_classes=0"], "model.num_classes", "must be >= 1, got 0"),
         (
-            ["train.teacher=attention"],
-            "train.teacher",
+            ["train.teacher.kind=attention"],
+            "train.teacher.kind",
             "attention is not a teacher of a detection model: a detector has no class token to attend from; "
             "its teachers are gradient and objects",
         ),
         (
-            ["model.task=classification", "data.name=synthetic", "train.teacher=objects"],
-            "train.teacher",
+            ["model.task=classification", "data.name=synthetic", "train.teacher.kind=objects"],
+            "train.teacher.kind",
             "objects is not a teacher of a classification model: objects reads instance annotations",
         ),
-        (["train.teacher=boxes"], "train.teacher", "must be one of ('gradient', 'attention', 'objects'), got 'boxes'"),
+        (["train.teacher.kind=boxes"], "train.teacher.kind", "must be one of ('gradient', 'attention', 'objects'), got 'boxes'"),
         (["model.task=segmentation"], "model.task", "must be one of classification, dense, detection"),
         # the dataset's targets and the task, both ways
         (

@@ -274,7 +274,7 @@ def test_the_oracle_splits_every_node_over_an_instance_and_needs_masks():
 
 
 def test_the_objects_teachers_context_ring_ranks_an_items_surroundings_next_nearest_first():
-    """``train.teacher_context``: on a 32-px canvas with one 3-px item in the bottom-left
+    """``train.teacher.context``: on a 32-px canvas with one 3-px item in the bottom-left
     corner (4-px finest cells, 8-px and 16-px nodes), the ring falls linearly over the
     context's pixels; nodes rank item first, then the ring's nearest, then the
     untouched; without context the ring is absent."""
@@ -302,7 +302,7 @@ def test_the_objects_teachers_context_ring_ranks_an_items_surroundings_next_near
 
 @pytest.mark.parametrize("teacher, passes", [("objects", 0), ("gradient", 1)])
 def test_a_detectors_policy_epochs_train_its_policy_alone(coco_set, teacher, passes):
-    """``train.policy_epochs`` on a detector (:func:`detection_policy_step`): the teacher
+    """``train.policy.epochs`` on a detector (:func:`detection_policy_step`): the teacher
     alone, so only the policy's weights get gradients; the objects teacher runs no
     detector pass at all, the gradient teacher its full-resolution one."""
     from splitvit.train.detection import detection_policy_step
@@ -410,13 +410,13 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     settings = {
         "model.image_size": 64,
         "model.timm_kwargs": "{patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2}",
-        "model.policy_depth": 1,  # the 1-block ViT's (detection-v1's 2 are more than it has)
+        "model.policy.depth": 1,  # the 1-block ViT's (detection-v1's 2 are more than it has)
         "data.options": f"{{root: {root}, val_size: 8, train_samples: 16, val_samples: 8, clutter: true}}",
         "data.batch_size": 4,
         "train.epochs": 2,
-        "train.warmup_epochs": 1,
-        "train.policy_lead_epochs": 1,  # the recipe's (detection-v1) phases, one epoch each
-        "train.policy_epochs": 1,
+        "train.policy.warmup_epochs": 1,
+        "train.policy.lead_epochs": 1,  # the recipe's (detection-v1) phases, one epoch each
+        "train.policy.epochs": 1,
         "scaling.num_workers": 2,
         "scaling.resources_per_worker": "{CPU: 1}",
         "storage.path": str(tmp_path / "runs"),
@@ -450,8 +450,8 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert run.data.params["recipe"] == "detection-v1"
     layers = json.loads(Path(client.download_artifacts(run_id, "config_layers.json", str(tmp_path))).read_text())
     assert layers["recipe"] == "detection-v1"
-    assert layers["keys"]["train.teacher"] == {"value": "objects", "layer": "recipe detection-v1"}
-    assert layers["keys"]["train.policy_epochs"] == {"value": 1, "layer": "--set"}
+    assert layers["keys"]["train.teacher.kind"] == {"value": "objects", "layer": "recipe detection-v1"}
+    assert layers["keys"]["train.policy.epochs"] == {"value": 1, "layer": "--set"}
     assert layers["keys"]["model.task"]["layer"] == "file jobs/configs/fashion_det.yaml"
     artifacts = {a.path for a in client.list_artifacts(run_id, "per_class_ap")}
     assert artifacts == {f"per_class_ap/epoch_{epoch:04d}.json" for epoch in range(4)}
@@ -620,7 +620,7 @@ def test_a_classifiers_checkpoint_is_not_loaded_as_a_detector(tmp_path):
 
 
 def test_the_objects_teacher_marks_the_annotated_items_without_a_forward_pass(coco_set):
-    """``train.teacher: objects``: each node's relevance is the instance masks' share of
+    """``train.teacher.kind: objects``: each node's relevance is the instance masks' share of
     its area (boxes a tenth, noise below 1e-4), so the nested targets at the items' own
     share mark exactly the nodes on an item; a training step with it has a teacher loss
     and runs the detector once."""
@@ -653,12 +653,12 @@ def test_the_objects_teacher_marks_the_annotated_items_without_a_forward_pass(co
         calls.clear()
         _, stats = detection_training_step(model, images, targets, SplitLossConfig(teacher=teacher), epoch=5)
         assert "teacher_loss" in stats and len(calls) == passes, teacher
-    with pytest.raises(ValueError, match="train.teacher: a detector's teachers are gradient and objects"):
+    with pytest.raises(ValueError, match="train.teacher.kind: a detector's teachers are gradient and objects"):
         detection_training_step(model, images, targets, SplitLossConfig(teacher="attention"), epoch=5)
 
 
 def test_policy_lr_scale_gives_splitvits_own_modules_their_own_learning_rate():
-    """``train.policy_lr_scale``: the policy, fine aggregation and level embeddings in a
+    """``train.policy.lr_scale``: the policy, fine aggregation and level embeddings in a
     group at ``lr * scale`` (a classifier's and a detector's), every other parameter in
     the other at ``lr``; at 1, one group, the layout saved optimizers have."""
     from splitvit.train.local import param_groups

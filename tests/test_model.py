@@ -913,7 +913,7 @@ def test_teacher_runs_on_every_kth_policy_step_only(monkeypatch):
 
 @pytest.mark.parametrize("method", ["attention", "gradient"])
 def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
-    """``train.teacher_targets: nested``: the nodes of all levels ranked together by
+    """``train.teacher.targets: nested``: the nodes of all levels ranked together by
     relevance mass are a tree (nothing marked under an unmarked node) whose tokens are
     the target ratio's (``N_min + f (N_full - N_min)``) on every image. (Per-level marks
     rank each level alone; on these images their tree had 22-31 tokens where 34 were
@@ -1225,7 +1225,7 @@ def test_geometry_cache_is_per_model_and_lets_the_model_go():
 
 @pytest.mark.parametrize("teacher", ["gradient", "attention"])
 def test_the_policys_own_epochs_train_the_policy_alone(teacher):
-    """``train.policy_epochs``' step (:func:`policy_training_step`): the teacher's loss on
+    """``train.policy.epochs``' step (:func:`policy_training_step`): the teacher's loss on
     the policy's scores and nothing else, so every weight outside the policy gets no
     gradient and the policy's do."""
     from splitvit.train.steps import policy_training_step
@@ -1255,7 +1255,7 @@ def test_the_schedule_restarts_its_cosine_for_the_policys_own_epochs():
 
 
 def test_the_policys_lead_epochs_run_their_own_cosine_and_shift_the_fine_tunes_schedule():
-    """``train.policy_lead_epochs``: a cosine from the peak over the lead's steps, then the
+    """``train.policy.lead_epochs``: a cosine from the peak over the lead's steps, then the
     fine-tune's warm-up and cosine exactly as without a lead, then the tail's."""
     from splitvit.train.phases import warmup_cosine
 

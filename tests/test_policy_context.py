@@ -123,8 +123,8 @@ def test_bad_level_context_settings_name_the_problem():
     with pytest.raises(ValueError, match="level_features"):
         policy(torch.zeros(1, 3, 32, 32), None, context)
     with pytest.raises(ConfigError) as err:
-        load_experiment(SMOKE, ["model.levels=2", "model.image_size=32", "model.policy_level_context=true"])
-    assert err.value.key == "model.policy_level_context"
+        load_experiment(SMOKE, ["model.levels=2", "model.image_size=32", "model.policy.level_context=true"])
+    assert err.value.key == "model.policy.level_context"
     assert "needs model.levels >= 3" in str(err.value)
 
 
@@ -152,15 +152,15 @@ def test_policy_feature_grad_trains_the_blocks_its_features_come_from(level_cont
 
 
 def test_policy_feature_grad_is_a_model_setting_that_survives_a_checkpoint(tmp_path):
-    config = load_experiment(SMOKE, ["model.policy_feature_grad=true"])
-    assert config.model.policy_feature_grad is True
+    config = load_experiment(SMOKE, ["model.policy.feature_grad=true"])
+    assert config.model.policy.feature_grad is True
     model = tiny_model(policy_feature_grad=True)
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
     assert loaded.spec["policy_feature_grad"] is True and loaded.policy.detach_features is False
     with pytest.raises(ConfigError) as err:
-        load_experiment(SMOKE, ["model.policy_feature_grad=maybe"])
-    assert err.value.key == "model.policy_feature_grad"
+        load_experiment(SMOKE, ["model.policy.feature_grad=maybe"])
+    assert err.value.key == "model.policy.feature_grad"
 
 
 def test_fine_evidence_adds_nothing_at_initialisation():
@@ -216,7 +216,7 @@ def test_fine_evidence_learns_and_survives_a_checkpoint(tmp_path):
     loaded = SplitViT.load(tmp_path / "model.pt")
     assert loaded.spec["policy_fine_evidence"] is True and loaded.policy.fine_evidence
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
-    assert load_experiment(SMOKE, ["model.policy_fine_evidence=true"]).model.policy_fine_evidence is True
+    assert load_experiment(SMOKE, ["model.policy.fine_evidence=true"]).model.policy.fine_evidence is True
 
 
 @pytest.mark.parametrize("pooling", ["max", "soft"])
@@ -247,14 +247,14 @@ def test_evidence_pooling_is_checked_and_survives_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="evidence_pooling must be 'max' or 'soft', got 'mean'"):
         LearnedPolicy(8, 3, fine_evidence=True, evidence_pooling="mean")
     for overrides, problem in (
-        (["model.policy_evidence_pooling=mean"], "must be one of max, soft, got 'mean'"),
-        (["model.policy_evidence_pooling=soft"], "model.policy_fine_evidence is false"),
+        (["model.policy.evidence_pooling=mean"], "must be one of max, soft, got 'mean'"),
+        (["model.policy.evidence_pooling=soft"], "model.policy.fine_evidence is false"),
     ):
         with pytest.raises(ConfigError) as err:
             load_experiment(SMOKE, overrides)
-        assert err.value.key == "model.policy_evidence_pooling" and problem in str(err.value)
-    config = load_experiment(SMOKE, ["model.policy_fine_evidence=true", "model.policy_evidence_pooling=soft"])
-    assert config.model.policy_evidence_pooling == "soft"
+        assert err.value.key == "model.policy.evidence_pooling" and problem in str(err.value)
+    config = load_experiment(SMOKE, ["model.policy.fine_evidence=true", "model.policy.evidence_pooling=soft"])
+    assert config.model.policy.evidence_pooling == "soft"
     model = tiny_model(policy_level_context=True, policy_fine_evidence=True, policy_evidence_pooling="soft")
     with torch.no_grad():
         model.policy.evidence[-1].weight.normal_()  # as if trained: the pooling now matters

@@ -62,8 +62,8 @@ def write_space(folder: Path, mlflow_uri: str) -> Path:
         "base": "base.yaml",
         "reference": {"train": {"train.epochs": 2, "train.lr": 0.003}},
         "parameters": {
-            "train.lambda_budget": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
-            "train.target_ratio": {"distribution": "uniform", "low": 0.3, "high": 0.7},
+            "train.budget.weight": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
+            "train.budget.target_ratio": {"distribution": "uniform", "low": 0.3, "high": 0.7},
             "train.lr": FINE_TUNE_LR,
             "train.weight_decay": 0.0,
         },
@@ -230,7 +230,7 @@ def test_the_parent_run_links_its_reference_and_a_later_sweep_reuses_it(sweep):
     assert ref_run_id == data["reference"]["run_id"]
     ref_run = client.get_run(ref_run_id)
     assert ref_run.info.status == "FINISHED" and ref_run.info.experiment_id == parent.info.experiment_id
-    assert ref_run.data.params["model.policy"] == "full"
+    assert ref_run.data.params["model.policy.kind"] == "full"
     assert f"runs/{ref_run_id}" in parent.data.tags["mlflow.note.content"]
     assert parent.data.tags["splitvit.reference_checkpoint"] == data["reference"]["checkpoint"]
     baseline_runs = [

@@ -795,6 +795,14 @@ def upgrade_flat(flat: dict[str, Any]) -> dict[str, Any]:
     return upgrade_dotted(flat, "record", warn=False)
 
 
+def legacy_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat settings dict under the old key names (:data:`LEGACY_KEYS` backwards): for
+    a digest of settings that must stay what it was (a sweep's reference folder is
+    named by one, and a trained reference is found again by it)."""
+    old_names = {new: old for old, new in LEGACY_KEYS.items()}
+    return {old_names.get(key, key): value for key, value in flat.items()}
+
+
 def upgrade_sections(raw: dict[str, Any], source: str = "config", *, warn: bool = True) -> dict[str, Any]:
     """A config file's sections (``{model: {policy: learned, policy_depth: 3}}``) with
     every old key moved to its new section (``{model: {policy: {kind: learned, depth:

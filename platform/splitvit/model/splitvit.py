@@ -259,7 +259,7 @@ class SplitViT(nn.Module):
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         built = policy if isinstance(policy, SplitPolicy) else None
-        #: the policy's settings (``model.policy``); a given SplitPolicy's name, the rest at their defaults
+        #: the policy's settings (``model.policy.kind``); a given SplitPolicy's name, the rest at their defaults
         self.policy_config = policy_settings(built.name if built is not None else policy)
         settings = self.policy_config
         if settings.width is None and not 0 <= settings.depth <= len(vit.blocks):

@@ -7,7 +7,7 @@ A study file names an experiment config (``base``) and:
 * ``backbone``: a warm-up run per seed (full resolution first, then random splits
   at every rate, docs/design.md §3.2) that every method of that seed starts from, so methods
   differ only in what they do after it;
-* ``methods``: name -> config overrides (at least ``model.policy``); every method
+* ``methods``: name -> config overrides (at least ``model.policy.kind``); every method
   trains ``method`` epochs from its seed's backbone (``model.init_from``). These are
   the headline, what a plain invocation runs;
 * ``levers`` (optional): more methods in the same form, the recipe's ablation: each
@@ -472,7 +472,7 @@ def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[
 
 
 def _entry(name: str, settings: Any, section: str, source: str) -> dict[str, Any]:
-    """A method entry, checked: config keys, among them ``model.policy`` (an entry that
+    """A method entry, checked: config keys, among them ``model.policy.kind`` (an entry that
     names a recipe is the learned policy's) and ``recipe``, and ``without``: keys of the
     recipe this method leaves at the library's defaults (checked against the recipe
     when the run's config is built)."""
