@@ -38,7 +38,7 @@ def test_smoke_config_loads_with_overrides():
     assert cfg.storage.name == "abc"
     assert cfg.data.options == {"train_samples": 64, "val_samples": 128, "object_size": 8}
     loss = cfg.train.loss_config()
-    assert (loss.lambda_budget, loss.target_ratio, loss.penalty) == (1.0, 0.5, "squared")
+    assert (loss.budget.weight, loss.budget.target_ratio, loss.budget.penalty) == (1.0, 0.5, "squared")
     flat = cfg.flat()
     assert flat["train.epochs"] == 5 and flat["model.timm_kwargs.embed_dim"] == 48
     # the model it describes builds and has the configured geometry
@@ -56,10 +56,12 @@ def test_train_section_is_the_split_loss_settings_and_more():
     assert issubclass(TrainConfig, SplitLossConfig)
     declared = set(vars(TrainConfig).get("__annotations__", {}))  # TrainConfig's own fields
     assert not declared & {f.name for f in dataclasses.fields(SplitLossConfig)}, "re-declared in TrainConfig"
-    cfg = load_config(SMOKE, ["train.policy.warmup_min_split=0.6", "train.teacher.weight=0.25", "train.teacher.every=3"])
+    cfg = load_config(
+        SMOKE, ["train.policy.warmup_min_split=0.6", "train.teacher.weight=0.25", "train.teacher.every=3"]
+    )
     loss = cfg.train.loss_config()
     assert type(loss) is SplitLossConfig
-    assert (loss.warmup_min_split, loss.teacher_weight, loss.teacher_every) == (0.6, 0.25, 3)
+    assert (loss.policy.warmup_min_split, loss.teacher.weight, loss.teacher.every) == (0.6, 0.25, 3)
     assert {f.name for f in dataclasses.fields(SplitLossConfig)} <= set(cfg.to_dict()["train"])  # flat YAML keys
 
 
@@ -83,7 +85,11 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("train.teacher.weight=-0.5", "train.teacher.weight", "must be >= 0, got -0.5"),
         ("train.budget.target_ratio=1.5", "train.budget.target_ratio", "must be in (0, 1], got 1.5"),
         ("train.budget.penalty=linear", "train.budget.penalty", "must be one of"),
-        ("train.teacher.kind=oracle", "train.teacher.kind", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
+        (
+            "train.teacher.kind=oracle",
+            "train.teacher.kind",
+            "must be one of ('gradient', 'attention', 'objects'), got 'oracle'",
+        ),
         ("train.policy.lr_scale=0", "train.policy.lr_scale", "must be > 0, got 0"),
         (
             "train.teacher.targets=joint",

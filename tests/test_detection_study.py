@@ -244,7 +244,9 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
     recipe = spec.run_config(0, RECIPE, "x")
     assert recipe.train.teacher.scope == "batch"  # the marks ranked across the batch's canvases
     assert recipe.model.policy.fine_evidence and recipe.model.policy.feature_grad
-    assert recipe.model.fine_aggregation and recipe.model.policy.level_context and recipe.train.budget.target_ratio == 0.7
+    assert (
+        recipe.model.fine_aggregation and recipe.model.policy.level_context and recipe.train.budget.target_ratio == 0.7
+    )
     assert (recipe.train.teacher.kind, recipe.train.policy.lr_scale, recipe.model.policy.depth) == ("objects", 10.0, 2)
     # the policy's own epochs come before and after the fine-tune every method shares
     assert (recipe.train.policy.lead_epochs, recipe.train.policy.epochs) == (4, 4)

@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from splitvit.config import ConfigError, SplitLossConfig
+from splitvit.config import (
+    BudgetConfig,
+    ConfigError,
+    DistillConfig,
+    PolicyConfig,
+    PolicyTrainingConfig,
+    SplitLossConfig,
+    TeacherConfig,
+)
 from splitvit.data.coco import CocoDetection
 from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.data.fashion_mnist import CLASSES
@@ -38,14 +46,13 @@ def detector(policy: str = "learned", seed: int = 0) -> SplitDetector:
     torch.manual_seed(seed)
     return SplitDetector.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(kind=policy, depth=1),
         num_classes=10,
         pyramid_channels=32,
         detector_options=SMALL_HEADS,
         timm_kwargs=dict(patch_size=8, embed_dim=48, depth=2, num_heads=2),
         levels=LEVELS,
-        policy=policy,
         image_size=CANVAS,
-        policy_depth=1,
         thresholds=0.5,
     )
 
@@ -78,7 +85,11 @@ def coco_set(tmp_path_factory):
 def test_warm_up_trains_at_full_resolution_first_then_the_policy_with_budget_and_teacher(coco_set):
     model = detector("learned").train()
     images, targets = collate([coco_set[i] for i in range(2)])
-    cfg = SplitLossConfig(warmup_epochs=2, target_ratio=0.5, lambda_budget=1.0, teacher_weight=1.0)
+    cfg = SplitLossConfig(
+        policy=PolicyTrainingConfig(warmup_epochs=2),
+        budget=BudgetConfig(target_ratio=0.5, weight=1.0),
+        teacher=TeacherConfig(weight=1.0),
+    )
     _, stats = detection_training_step(model, images, targets, cfg, epoch=0)
     assert stats["token_ratio"] == 1.0 and "budget_penalty" not in stats and "teacher_loss" not in stats
     assert {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_mask"} <= set(stats)
@@ -93,7 +104,9 @@ def test_warm_up_trains_at_full_resolution_first_then_the_policy_with_budget_and
     assert policy_grads and all(g is not None for g in policy_grads)
     assert sum(float(g.abs().sum()) for g in policy_grads) > 0  # the policy learns from budget and teacher
     # the teacher runs on every teacher_every-th step only
-    _, stats = detection_training_step(model, images, targets, SplitLossConfig(teacher_every=2), epoch=5, step=1)
+    _, stats = detection_training_step(
+        model, images, targets, SplitLossConfig(teacher=TeacherConfig(every=2)), epoch=5, step=1
+    )
     assert "teacher_loss" not in stats and "budget_penalty" in stats
 
 
@@ -117,7 +130,7 @@ def test_self_distillation_teaches_the_split_fine_map_the_full_resolution_one(co
     backbone's full-resolution fine map (relative squared error, the teacher detached);
     not in warm-up, not under the full policy."""
     images, targets = collate([coco_set[i] for i in range(2)])
-    cfg = SplitLossConfig(warmup_epochs=1, distill_weight=2.0)
+    cfg = SplitLossConfig(policy=PolicyTrainingConfig(warmup_epochs=1), distill=DistillConfig(weight=2.0))
     model = detector("coarse").train()
     loss, stats = detection_training_step(model, images, targets, cfg, epoch=1)
     backbone = model.backbone
@@ -312,7 +325,7 @@ def test_a_detectors_policy_epochs_train_its_policy_alone(coco_set, teacher, pas
     calls = []
     encode = model.backbone.fine_features
     model.backbone.fine_features = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
-    cfg = SplitLossConfig(teacher=teacher, teacher_context=4 if teacher == "objects" else 0)
+    cfg = SplitLossConfig(teacher=TeacherConfig(kind=teacher, context=4 if teacher == "objects" else 0))
     loss, stats = detection_policy_step(model, images, targets, cfg)
     assert set(stats) == {"teacher_loss", "loss"} and len(calls) == passes
     loss.backward()
@@ -603,10 +616,10 @@ def test_a_classifiers_checkpoint_is_not_loaded_as_a_detector(tmp_path):
 
     classifier = SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(depth=1),
         levels=2,
         image_size=32,
         num_classes=4,
-        policy_depth=1,
         timm_kwargs=dict(patch_size=8, embed_dim=32, depth=1, num_heads=2),
     )
     classifier.save(tmp_path / "model.pt")
@@ -651,10 +664,14 @@ def test_the_objects_teacher_marks_the_annotated_items_without_a_forward_pass(co
     model.backbone.fine_features = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
     for teacher, passes in (("objects", 1), ("gradient", 2)):  # the gradient's: a full-resolution pass more
         calls.clear()
-        _, stats = detection_training_step(model, images, targets, SplitLossConfig(teacher=teacher), epoch=5)
+        _, stats = detection_training_step(
+            model, images, targets, SplitLossConfig(teacher=TeacherConfig(kind=teacher)), epoch=5
+        )
         assert "teacher_loss" in stats and len(calls) == passes, teacher
     with pytest.raises(ValueError, match="train.teacher.kind: a detector's teachers are gradient and objects"):
-        detection_training_step(model, images, targets, SplitLossConfig(teacher="attention"), epoch=5)
+        detection_training_step(
+            model, images, targets, SplitLossConfig(teacher=TeacherConfig(kind="attention")), epoch=5
+        )
 
 
 def test_policy_lr_scale_gives_splitvits_own_modules_their_own_learning_rate():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splitvit.config import ExperimentConfig
+from splitvit.config import ExperimentConfig, PolicyConfig
 from splitvit.model import SplitViT
 from splitvit.tune.pareto import Point
 from splitvit.tune.space import SearchSpaceError, load_space
@@ -47,13 +47,11 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
     )
     model = SplitViT.from_timm(
         MODEL["name"],
+        policy=PolicyConfig(kind="learned", depth=1, budget_conditioned=budget_conditioned),
         levels=2,
         image_size=16,
         num_classes=4,
-        policy="learned",
-        policy_depth=1,
         timm_kwargs=model_cfg["timm_kwargs"],
-        budget_conditioned=budget_conditioned,
     )
     if budget_conditioned:
         import torch

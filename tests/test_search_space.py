@@ -175,7 +175,9 @@ def test_a_point_of_the_space_becomes_a_config(tmp_path):
         "model.timm_kwargs": dists["model.timm_kwargs"].choices[1],
     }
     cfg = space.config(space.decode(sampled))
-    assert cfg.train.budget.weight == 2.5 and cfg.train.budget.penalty == "hinge" and cfg.train.policy.warmup_epochs == 1
+    assert (
+        cfg.train.budget.weight == 2.5 and cfg.train.budget.penalty == "hinge" and cfg.train.policy.warmup_epochs == 1
+    )
     assert cfg.model.thresholds == [0.5, 0.6]  # one number expanded per level, then level 1 set
     assert cfg.model.timm_kwargs["embed_dim"] == 32
     assert cfg.train.epochs == 2  # a fixed value passes through
@@ -370,7 +372,9 @@ INVALID = [
     ),
     (
         "categorical choice the config rejects",
-        variant(**{"parameters/train.budget.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}),
+        variant(
+            **{"parameters/train.budget.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}
+        ),
         r"parameters\.train\.penalty: choice 'linear' is not a valid config value",
     ),
     (

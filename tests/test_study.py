@@ -146,7 +146,11 @@ def write_study(folder: Path, **changes) -> Path:
         ({"colour": 1}, "colour", "unknown key"),
         ({"seeds": [0, 0]}, "seeds", "distinct"),
         ({"seeds": "zero"}, "seeds", "non-negative integers"),
-        ({"methods": {"full": {"model.policy.kind": "full"}, "x": {"train.lr": 1.0}}}, "methods.x", "needs model.policy.kind"),
+        (
+            {"methods": {"full": {"model.policy.kind": "full"}, "x": {"train.lr": 1.0}}},
+            "methods.x",
+            "needs model.policy.kind",
+        ),
         ({"methods": {"split": {"model.policy.kind": "learned"}}}, "methods", "model.policy.kind: full"),
         ({"levers": {"split-x": {"train.lr": 1.0}}}, "levers.split-x", "needs model.policy.kind"),
         ({"levers": {"split": {"model.policy.kind": "learned"}}}, "levers.split", "also under methods"),
@@ -174,7 +178,10 @@ def test_bad_study_files_are_named(tmp_path, change, key, message):
 
 
 def test_bad_config_in_a_method_names_the_key_before_ray_starts(tmp_path):
-    methods = {"full": {"model.policy.kind": "full"}, "split": {"model.policy.kind": "learned", "train.budget.weight": -1}}
+    methods = {
+        "full": {"model.policy.kind": "full"},
+        "split": {"model.policy.kind": "learned", "train.budget.weight": -1},
+    }
     with pytest.raises(ConfigError, match="train.budget.weight"):
         load_study(write_study(tmp_path, methods=methods))
     with pytest.raises(SearchSpaceError, match="no scale 'gpu'"):
