@@ -88,15 +88,15 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         (
             "train.teacher.kind=oracle",
             "train.teacher.kind",
-            "must be one of ('gradient', 'attention', 'objects'), got 'oracle'",
+            "must be one of gradient, attention, objects, got 'oracle'",
         ),
         ("train.policy.lr_scale=0", "train.policy.lr_scale", "must be > 0, got 0"),
         (
             "train.teacher.targets=joint",
             "train.teacher.targets",
-            "must be one of ('per_level', 'nested', 'mixed'), got 'joint'",
+            "must be one of per_level, nested, mixed, got 'joint'",
         ),
-        ("train.teacher.scope=canvas", "train.teacher.scope", "must be one of ('image', 'batch'), got 'canvas'"),
+        ("train.teacher.scope=canvas", "train.teacher.scope", "must be one of image, batch, got 'canvas'"),
         ("train.policy.warmup_min_split=2", "train.policy.warmup_min_split", "must be in [0, 1]"),
         ("train.epoch=3", "train.epoch", "unknown key; did you mean train.epochs?"),
         ("trian.epochs=3", "trian", "unknown key; did you mean train?"),
@@ -121,7 +121,11 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("model.fine_aggregation=maybe", "model.fine_aggregation", "expected bool"),
         ("model.policy.level_context=maybe", "model.policy.level_context", "expected bool"),
         ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none, got 'imagenet'"),
-        ("model.policy.kind=smart", "model.policy.kind", "unknown policy 'smart'"),
+        (
+            "model.policy.kind=smart",
+            "model.policy.kind",
+            "must be one of learned, entropy, random, full, coarse, got 'smart'",
+        ),
         ("model.task=segmentation", "model.task", "must be one of classification, dense, detection"),
         ("model.policy.depth=3", "model.policy.depth", "must be in [0, 2]"),
         ("train.teacher.every=0", "train.teacher.every", "must be >= 1, got 0"),
@@ -245,8 +249,6 @@ def test_config_module_needs_no_model_data_or_torch():
     "override, key, text",
     [
         ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
-        ("model.policy.kind=smart", "model.policy.kind", "unknown policy 'smart'"),
-        ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none"),  # the model's values
         ("model.image_size=40", "model.image_size", "not a multiple of the coarsest patch 16"),
         ("model.thresholds=[0.5]", "model.thresholds", "expected 2 values"),
         ("data.name=imagenet21k", "data.name", "unknown dataset 'imagenet21k'"),
@@ -265,26 +267,49 @@ def test_validate_experiment_checks_what_the_schema_cannot(override, key, text):
 
 
 @pytest.mark.parametrize(
-    "field, value, text",
+    "section, field, value, text",
     [
-        ("lambda_budget", -1.0, "must be >= 0, got -1.0"),
-        ("teacher", "oracle", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
-        ("teacher_weight", -0.5, "must be >= 0, got -0.5"),
-        ("teacher_every", 0, "must be >= 1, got 0"),
+        ("budget", "weight", -1.0, "must be >= 0, got -1.0"),
+        ("teacher", "kind", "oracle", "must be one of gradient, attention, objects, got 'oracle'"),
+        ("teacher", "weight", -0.5, "must be >= 0, got -0.5"),
+        ("teacher", "every", 0, "must be >= 1, got 0"),
+        ("policy", "lr_scale", 0.0, "must be > 0, got 0.0"),
     ],
 )
-def test_loss_setting_errors_name_train_keys(field, value, text):
-    """SplitLossConfig's own range checks name ``train.<field>``: when the section is
-    built, and when a built config was changed afterwards."""
+def test_loss_setting_errors_name_train_keys(section, field, value, text):
+    """The SPLIT objective's sections' own checks name ``train.<section>.<field>``: when
+    the section is built, and when a built config was changed afterwards."""
+    key = f"train.{section}.{field}"
     with pytest.raises(ConfigError) as built:
-        ExperimentConfig.from_dict({"train": {field: value}})
-    assert str(built.value) == f"config error: train.{field}: {built.value.reason}" and text in built.value.reason
+        ExperimentConfig.from_dict({"train": {section: {field: value}}})
+    assert str(built.value) == f"config error: {key}: {built.value.reason}" and text in built.value.reason
     cfg = ExperimentConfig.from_dict({})
-    setattr(cfg.train, field, value)
+    setattr(getattr(cfg.train, section), field, value)
     for check in (validate, validate_experiment):
         with pytest.raises(ConfigError) as changed:
             check(cfg)
-        assert changed.value.key == f"train.{field}" and text in changed.value.reason
+        assert changed.value.key == key and text in changed.value.reason
+
+
+@pytest.mark.parametrize(
+    "override, key, allowed, close",
+    [
+        ("model.policy.kind=lerned", "model.policy.kind", "learned, entropy, random, full, coarse", "learned"),
+        ("model.task=dens", "model.task", "classification, dense, detection", "dense"),
+        ("model.normalize=imagenet", "model.normalize", "auto, timm, none", None),
+        ("model.policy.evidence_pooling=mean", "model.policy.evidence_pooling", "max, soft", None),
+        ("train.budget.penalty=hinj", "train.budget.penalty", "squared, hinge", "hinge"),
+        ("train.teacher.targets=nest", "train.teacher.targets", "per_level, nested, mixed", "nested"),
+        ("train.teacher.scope=batches", "train.teacher.scope", "image, batch", "batch"),
+    ],
+)
+def test_a_name_is_its_fields_type_checked_as_the_config_loads(override, key, allowed, close):
+    """The allowed names are the fields' Literal types: the schema refuses another
+    (load_config, before torch), listing them, with the closest as a did-you-mean."""
+    with pytest.raises(ConfigError) as err:
+        load_config(SMOKE, [override])
+    assert err.value.key == key and f"must be one of {allowed}, got " in err.value.reason
+    assert (f"did you mean {close}?" in err.value.reason) if close else "did you mean" not in err.value.reason
 
 
 def test_overrides_index_into_lists():
@@ -314,9 +339,10 @@ def test_run_training_and_preflight_validate_a_config_built_schema_only(tmp_path
     monkeypatch.setattr(ray, "init", forbidden)
     monkeypatch.setattr(ray_trainer, "init_ray", forbidden)
     monkeypatch.setattr(pf, "resolve_ray_address", forbidden)
-    cfg = load_config(SMOKE, ["model.policy.kind=smart", f"storage.path={tmp_path / 'runs'}"])
+    cfg = load_config(SMOKE, [f"storage.path={tmp_path / 'runs'}"])
+    cfg.model.policy.kind = "smart"  # changed after the schema's check
     for run in (ray_trainer.run_training, pf.preflight):
-        with pytest.raises(ConfigError, match="model.policy.kind: unknown policy 'smart'"):
+        with pytest.raises(ConfigError, match="model.policy.kind: must be one of learned, entropy"):
             run(cfg)
     assert not (tmp_path / "runs").exists()
 

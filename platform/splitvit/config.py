@@ -1173,7 +1173,7 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
         hint_text = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(key, f"unknown value {value!r}; expected one of {', '.join(map(str, allowed))}{hint_text}")
+        raise ConfigError(key, f"must be one of {', '.join(map(str, allowed))}, got {value!r}{hint_text}")
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(hint):
             try:
@@ -1315,16 +1315,12 @@ def validate(config: ExperimentConfig) -> None:
     )
     require(t.lr_warmup_epochs >= 0, "train.lr_warmup_epochs", f"must be >= 0, got {t.lr_warmup_epochs}")
     require(t.max_failures >= -1, "train.max_failures", f"must be >= 0, or -1 for no limit, got {t.max_failures}")
-    # the sections check their ranges when built; again for a config changed since
+    # the sections check their types, names and ranges when built; again for a config changed since
     for where, section in (
         ("model.policy", m.policy),
         *((f"train.{f.name}", getattr(t, f.name)) for f in dataclasses.fields(SplitLossConfig)),
     ):
-        try:
-            dataclasses.replace(section)
-        except ValueError as exc:
-            names = [f.name for f in dataclasses.fields(section)]
-            raise field_error(exc, names, f"{where}.", where) from None
+        build_dataclass(type(section), dataclasses.asdict(section), f"{where}.")
     # --- data
     require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
     require(
