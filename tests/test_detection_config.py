@@ -126,7 +126,7 @@ def test_the_shipped_detection_config_validates():
         10,
         128,
     )
-    assert cfg.model.detector["pyramid_channels"] == 64 and cfg.model.policy == "learned"
+    assert cfg.model.detector["pyramid_channels"] == 64 and cfg.model.policy.kind == "learned"
 
 
 @pytest.mark.parametrize(
@@ -169,7 +169,7 @@ def test_the_shipped_detection_config_validates():
         (
             ["train.teacher.kind=boxes"],
             "train.teacher.kind",
-            "must be one of ('gradient', 'attention', 'objects'), got 'boxes'",
+            "must be one of gradient, attention, objects, got 'boxes'",
         ),
         (["model.task=segmentation"], "model.task", "must be one of classification, dense, detection"),
         # the dataset's targets and the task, both ways

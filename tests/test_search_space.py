@@ -358,7 +358,8 @@ INVALID = [
     (
         "bound outside the config's range",
         variant(**{"parameters/train.budget.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 1.5}}),
-        r"parameters\.train\.target_ratio: its high bound is not a valid config value: train\.target_ratio: .*\(0, 1\]",
+        r"parameters\.train\.budget\.target_ratio: its high bound is not a valid config value: "
+        r"train\.budget\.target_ratio: .*\(0, 1\]",
     ),
     (
         "threshold bound outside [0, 1]",
@@ -375,7 +376,7 @@ INVALID = [
         variant(
             **{"parameters/train.budget.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}
         ),
-        r"parameters\.train\.penalty: choice 'linear' is not a valid config value",
+        r"parameters\.train\.budget\.penalty: choice 'linear' is not a valid config value",
     ),
     (
         "loguniform from zero",
@@ -400,7 +401,7 @@ INVALID = [
     (
         "empty categorical",
         variant(**{"parameters/train.budget.penalty": {"distribution": "categorical", "choices": []}}),
-        r"parameters\.train\.penalty\.choices: a categorical parameter needs a non-empty list",
+        r"parameters\.train\.budget\.penalty\.choices: a categorical parameter needs a non-empty list",
     ),
     ("unknown section", variant(searchh={"num_samples": 2}), r"searchh: unknown section; did you mean search\?"),
     ("missing base", {k: v for k, v in VALID.items() if k != "base"}, r"base: name the experiment config"),
@@ -466,7 +467,7 @@ INVALID = [
                 ]
             }
         ),
-        r"search\.initial_points\[0\]\.train\.lambda_budget: 50\.0 is outside loguniform\[0\.1, 10\.0\]",
+        r"search\.initial_points\[0\]\.train\.budget\.weight: 50\.0 is outside loguniform\[0\.1, 10\.0\]",
     ),
     (
         "reference point out of range",
@@ -491,7 +492,8 @@ INVALID = [
     (
         "choice only the model rejects",  # the space's points are fully validated, model included
         variant(**{"parameters/model.policy.kind": {"distribution": "categorical", "choices": ["learned", "smart"]}}),
-        r"parameters\.model\.policy: choice 'smart' is not a valid config value: model\.policy: unknown policy 'smart'",
+        r"parameters\.model\.policy\.kind: choice 'smart' is not a valid config value: model\.policy\.kind: "
+        r"must be one of learned, entropy, random, full, coarse, got 'smart'",
     ),
 ]
 
