@@ -26,7 +26,7 @@ from splitvit.model.stages import STAGES, StageClock
 
 from .helpers import tiny_model
 
-RECIPE = dict(fine_aggregation=True, policy_level_context=True)
+RECIPE = dict(fine_aggregation=True, level_context=True)  # the policy's level_context: tiny_model's policy section
 SPLIT_STAGES = {"embedding", "aggregation", "level_context", "policy_head", "decision", "gather", "blocks", "head"}
 
 
@@ -133,7 +133,7 @@ def test_bench_parts_times_a_study_methods_model_stage_by_stage(tmp_path, capsys
     assert "batch 1" in printed and "batch 4" in printed and "level_context ms" in printed
     assert "median (min-max) of 2 runs of 2 interleaved rounds each" in printed
     data = json.loads(out.read_text())
-    assert data["model"]["fine_aggregation"] and data["model"]["policy_level_context"]
+    assert data["model"]["fine_aggregation"] and data["model"]["policy"]["level_context"]
     assert data["model"]["timm_kwargs"]["embed_dim"] == 96  # the study's config, not the base's
     assert [b["batch_size"] for b in data["batches"]] == [1, 4]
     assert data["settings"]["runs"] == 2

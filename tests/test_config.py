@@ -71,7 +71,7 @@ def test_default_name_is_config_stem_and_time():
 
 
 def test_ints_become_floats_but_not_the_reverse(tmp_path):
-    cfg = ExperimentConfig.from_dict({"train": {"lr": 1, "lambda_budget": 0}})
+    cfg = ExperimentConfig.from_dict({"train": {"lr": 1, "budget": {"weight": 0}}})
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
     with pytest.raises(ConfigError) as err:
         ExperimentConfig.from_dict({"train": {"epochs": 2.5}})

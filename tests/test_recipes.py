@@ -34,8 +34,8 @@ LEARNED = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 2, "num_heads": 1},
         "image_size": 32,
         "levels": 3,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "storage": {"name": "recipes"},
 }
@@ -108,7 +108,7 @@ def test_recipe_files_are_installed_with_the_package(tmp_path):
 
 # ---------------------------------------------------------------------- the layering
 def test_a_learned_policy_gets_its_tasks_current_recipe_under_the_files_settings():
-    raw = {**LEARNED, "train": {"teacher_targets": "nested"}}
+    raw = {**LEARNED, "train": {"teacher": {"targets": "nested"}}}
     config = ExperimentConfig.from_dict(raw, ["train.teacher.kind=gradient"], source="file x.yaml")
     recipe = load_recipe("classification")
     assert config.recipe == recipe.name == "classification-v1"

@@ -25,8 +25,8 @@ TINY_BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 32,
         "levels": 3,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",
@@ -276,7 +276,7 @@ def test_the_config_own_point_is_evaluated_first(tmp_path, caplog):
     the sampler, and said so. ``initial_points: []`` evaluates none first."""
     from splitvit.tune.space import first_points
 
-    base = dict(TINY_BASE, train={"epochs": 1, "lambda_budget": 2.0, "target_ratio": 0.4, "penalty": "hinge"})
+    base = dict(TINY_BASE, train={"epochs": 1, "budget": {"weight": 2.0, "target_ratio": 0.4, "penalty": "hinge"}})
     path = write_space(tmp_path, VALID, base=base)
     space = load_space(path, settings_only=True)
     assert space.search.initial_points is None
@@ -299,7 +299,11 @@ def test_the_config_own_point_is_evaluated_first(tmp_path, caplog):
         assert ("model.thresholds[1]" in first_points(space)[0]) is joins
     # a value outside its range is the sampler's too
     low = load_space(
-        write_space(tmp_path, VALID, base=dict(base, train=dict(base["train"], lambda_budget=50.0))),
+        write_space(
+            tmp_path,
+            VALID,
+            base=dict(base, train=dict(base["train"], budget=dict(base["train"]["budget"], weight=50.0))),
+        ),
         settings_only=True,
     )
     assert "train.budget.weight" not in first_points(low)[0] and "train.budget.target_ratio" in first_points(low)[0]
@@ -317,7 +321,7 @@ def test_the_searcher_asks_the_config_own_point_first(tmp_path):
     from splitvit.tune.space import first_points
     from splitvit.tune.sweep import _searcher
 
-    base = dict(TINY_BASE, train={"epochs": 1, "lambda_budget": 2.0, "target_ratio": 0.4})
+    base = dict(TINY_BASE, train={"epochs": 1, "budget": {"weight": 2.0, "target_ratio": 0.4}})
     space = load_space(write_space(tmp_path, variant(parameters=NUMERIC), base=base), settings_only=True)
     searcher = _searcher(space)
     first = searcher.suggest("t0")

@@ -40,8 +40,8 @@ BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 16,
         "levels": 2,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",
@@ -50,7 +50,7 @@ BASE = {
     },
     # one epoch of random-split warm-up: a learning rate of 1e30 then gives a non-finite
     # loss (the diverged path; in the policy phase NaN split probabilities end the same way)
-    "train": {"epochs": 1, "warmup_epochs": 1, "lr": 0.002, "max_failures": 0},
+    "train": {"epochs": 1, "lr": 0.002, "max_failures": 0, "policy": {"warmup_epochs": 1}},
     # half a logical CPU per worker and a quarter per trial driver: the session's 4
     # logical CPUs run all five trials of a sweep at once (they mostly start processes)
     "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 0.5}},

@@ -34,9 +34,9 @@ BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 16,
         "levels": 2,
-        "policy_depth": 1,
         "num_classes": 4,
         "thresholds": "auto",
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",
@@ -44,7 +44,7 @@ BASE = {
         "options": {"train_samples": 8192, "val_samples": 64, "test_samples": 64, "object_size": 4},
         "batch_size": 16,
     },
-    "train": {"epochs": 4, "warmup_epochs": 0, "lr": 0.003, "max_failures": 0},
+    "train": {"epochs": 4, "lr": 0.003, "max_failures": 0, "policy": {"warmup_epochs": 0}},
     "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 0.5}},
     "tracking": {"split_map_images": 0},
 }

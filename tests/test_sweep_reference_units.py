@@ -42,8 +42,8 @@ BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 32,
         "levels": 3,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",

@@ -37,16 +37,15 @@ TINY = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 16,
         "levels": 2,
-        "policy_depth": 1,
         "num_classes": 4,
-        "policy": "learned",
+        "policy": {"kind": "learned", "depth": 1},
     },
     "data": {
         "name": "synthetic",
         "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
         "batch_size": 16,
     },
-    "train": {"epochs": 2, "lr": 0.002, "warmup_epochs": 1, "max_failures": 2},
+    "train": {"epochs": 2, "lr": 0.002, "max_failures": 2, "policy": {"warmup_epochs": 1}},
     "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
     "tracking": {"experiment": "tests", "split_map_images": 4},
 }
@@ -119,7 +118,10 @@ def test_split_steps_phases_are_the_policys_lead_the_fine_tune_then_the_policys_
     from splitvit.train.ray_trainer import SplitStep
 
     cfg = ExperimentConfig.from_dict(
-        dict(json.loads(json.dumps(TINY)), train=dict(TINY["train"], policy_lead_epochs=1, policy_epochs=1))
+        dict(
+            json.loads(json.dumps(TINY)),
+            train=dict(TINY["train"], policy={**TINY["train"]["policy"], "lead_epochs": 1, "epochs": 1}),
+        )
     )
     assert cfg.train.total_epochs == 4 and cfg.train.policy.warmup_epochs == 1
     model = build_model(cfg.model)

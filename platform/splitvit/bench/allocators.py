@@ -94,7 +94,7 @@ def model_configs(config: ExperimentConfig) -> dict[str, dict[str, Any]]:
         raise ValueError(f"the allocators' SPLIT run needs model.policy.kind learned, got {config.model.policy.kind!r}")
     split = config.to_dict(redact=False)
     full = json.loads(json.dumps(split))
-    full["model"]["policy"] = "full"
+    full["model"]["policy"]["kind"] = "full"
     experiment_from_dict(full)  # validated here, not in a child
     return {"full": full, "split": split}
 
