@@ -24,9 +24,8 @@ def _pair(policy: str, **kwargs) -> tuple[SplitViT, SplitViT]:
     """Packed and padded models sharing weights and policy, on the GPU."""
     vit = tiny_vit(32, embed_dim=64, num_heads=2, **kwargs)
     packed = SplitViT(vit, policy=PolicyConfig(kind=policy, depth=1), levels=3, image_size=32)
-    padded = SplitViT(
-        vit, policy=PolicyConfig(kind=packed.policy, depth=1), levels=3, image_size=32, attention="padded"
-    )
+    padded = SplitViT(vit, policy=packed.policy_config, levels=3, image_size=32, attention="padded")
+    padded.policy = packed.policy  # the same policy module: the same decisions
     padded.level_embed = packed.level_embed
     return packed.to(CUDA), padded.to(CUDA)
 

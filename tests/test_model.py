@@ -605,13 +605,14 @@ def _pair(policy: str, buckets: int = 1, vit_kwargs: dict | None = None, **kwarg
     )
     padded = SplitViT(
         vit,
-        policy=PolicyConfig(kind=packed_model.policy, depth=1),
+        policy=packed_model.policy_config,
         levels=3,
         image_size=32,
         length_buckets=buckets,
         attention="padded",
         **kwargs,
     )
+    padded.policy = packed_model.policy  # the same policy module: the same decisions
     padded.level_embed = packed_model.level_embed
     padded.dense_head = packed_model.dense_head
     return packed_model, padded

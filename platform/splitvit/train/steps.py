@@ -7,17 +7,17 @@ Training has two phases (docs/design.md §3.2):
 
 * warm-up (``epoch < warmup_epochs``): splits are drawn at random, at a per-image
   split rate, so the backbone learns every scale; the rate's lower bound anneals
-  from 1 (full resolution: learn the task first) to ``warmup_min_split``;
+  from 1 (full resolution: learn the task first) to ``train.policy.warmup_min_split``;
 * policy: the learned policy decides (sampled hard decisions, straight-through
   gradients to its probabilities), under the budget penalty.
 
-With ``target_ratio_range``, every policy-phase batch draws its target ratio from
+With ``train.budget.ratio_range``, every policy-phase batch draws its target ratio from
 that range (budget-conditioned training); a budget-conditioned policy is told it.
 
 After warm-up the learned policy is also taught by the model's own relevance at
 full resolution, pooled per node (gradient x input saliency of the true class by
 default; see ``SplitViT.relevance``): the policy learns to rank nodes as the model
-does (``teacher_weight``). Measured on the synthetic task, gradient saliency put its
+does (``train.teacher.weight``). Measured on the synthetic task, gradient saliency put its
 top node on the object 88% of the time, last-block class attention 59%.
 """
 
