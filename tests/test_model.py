@@ -12,7 +12,14 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from splitvit.config import BudgetConfig, DistillConfig, PolicyConfig, PolicyTrainingConfig, TeacherConfig
+from splitvit.config import (
+    BudgetConfig,
+    DistillConfig,
+    PolicyConfig,
+    PolicyTrainingConfig,
+    TeacherConfig,
+    build_dataclass,
+)
 from splitvit.model import GeometryError, QuadtreeGeometry, SplitViT, expected_tokens, token_counts, top_down_decisions
 from splitvit.model.policies import EntropyPolicy, PolicyContext
 from splitvit.train.losses import budget_penalty, distillation_loss, feature_distillation_loss
@@ -351,14 +358,16 @@ def test_bad_thresholds(thresholds, message):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(lambda_budget=-1.0), "lambda_budget must be >= 0, got -1.0"),
+        (dict(weight=-1.0), "weight must be >= 0, got -1.0"),
         (dict(target_ratio=0.0), "target_ratio must be in"),
-        (dict(penalty="linear"), "penalty must be one of"),
+        (dict(penalty="linear"), r"train\.budget\.penalty: must be one of squared, hinge"),
     ],
 )
 def test_bad_penalty_settings(kwargs, message):
+    """The budget section refuses a bad value as it is built (a name: its Literal type, as
+    the config builds it)."""
     with pytest.raises(ValueError, match=message):
-        SplitLossConfig(**kwargs)
+        build_dataclass(BudgetConfig, kwargs, "train.budget.") if "penalty" in kwargs else BudgetConfig(**kwargs)
 
 
 def test_unknown_policy_names_choices():
