@@ -7,7 +7,7 @@ overrides (``train.epochs=3``, ``model.timm_kwargs.embed_dim=64``,
 settings alone can tell. Any problem raises :class:`ConfigError`, whose message
 names the key::
 
-    config error: train.lambda_budget: must be >= 0, got -1.0
+    config error: train.budget.weight: must be >= 0, got -1.0
 
 This module imports neither torch nor timm, the model nor the data. The checks that
 need them (the timm model, the policy, the quadtree geometry, the thresholds, a build
@@ -1262,12 +1262,12 @@ def build_dataclass(cls: type, raw: Any, prefix: str = "") -> Any:
 
 def field_error(exc: ValueError, names: Iterable[str], prefix: str, where: str) -> ConfigError:
     """A ``ValueError`` whose message starts with one of ``names``
-    (``"lambda_budget must be >= 0, got -1"``) as a :class:`ConfigError` on that key,
-    ``prefix`` first (``train.lambda_budget: must be >= 0, got -1``); any other
+    (``"weight must be >= 0, got -1"``) as a :class:`ConfigError` on that key,
+    ``prefix`` first (``train.budget.weight: must be >= 0, got -1``); any other
     message on the key ``where``."""
     message = str(exc)
     for name in names:
-        if re.match(rf"{re.escape(name)}\b", message):  # \b: "teacher" is not "teacher_weight"
+        if re.match(rf"{re.escape(name)}\b", message):  # \b: a name is not the start of a longer one
             return ConfigError(f"{prefix}{name}", _strip_name(message, name))
     return ConfigError(where, message)
 
@@ -1280,7 +1280,7 @@ def require(ok: bool, key: str, reason: str) -> None:
 
 
 def _strip_name(message: str, name: str) -> str:
-    """``"lambda_budget must be >= 0"`` -> ``"must be >= 0"`` (the key says the name)."""
+    """``"weight must be >= 0"`` -> ``"must be >= 0"`` (the key says the name)."""
     for prefix in (f"{name}: ", f"{name} "):
         if message.startswith(prefix):
             return message[len(prefix) :]

@@ -13,12 +13,12 @@ step, as ``fit_local`` and the Ray loop run it: ``training_step`` (train/steps.p
 
 * ``full``: full resolution (policy ``full``), the baseline of every ratio;
 * ``split_warmup``: SPLIT's random-split warm-up step at its last warm-up epoch
-  (each image draws its split rate in ``[warmup_min_split, 1]``);
+  (each image draws its split rate in ``[train.policy.warmup_min_split, 1]``);
 * ``split_learned``: the learned-policy step: sampled decisions with straight-through
   gates, the budget penalty and the relevance teacher (a full-resolution
   gradient-saliency pass) on every ``train.teacher.every``-th step: each timed call
   runs that many consecutive steps (one teacher step and the rest without) and
-  counts as their mean; with ``teacher_every > 1``, ``split_learned_every_step``
+  counts as their mean; with ``train.teacher.every > 1``, ``split_learned_every_step``
   times the step with the teacher on every step beside it;
 * ``timm``: the plain timm ViT's step (forward, cross-entropy, backward, clip, AdamW),
   a check on ``full``;

@@ -263,7 +263,7 @@ class SplitViT(nn.Module):
         self.policy_config = policy_settings(built.name if built is not None else policy)
         settings = self.policy_config
         if settings.width is None and not 0 <= settings.depth <= len(vit.blocks):
-            raise ValueError(f"policy_depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {settings.depth}")
+            raise ValueError(f"policy.depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {settings.depth}")
         if length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {length_buckets}")
         if token_buckets < 0:
