@@ -239,7 +239,7 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
     spec = load_study(path)
     assert (spec.metric, spec.companions) == ("box_ap", ("mask_ap",))
     assert list(spec.methods) == ["full", "coarse", "entropy", "random", RECIPE]
-    assert spec.run_config(0, None, "x").model.policy == "full" and len(spec.seeds) >= 2
+    assert spec.run_config(0, None, "x").model.policy.kind == "full" and len(spec.seeds) >= 2
     assert len({spec.run_config(0, m, "x").train.epochs for m in spec.methods}) == 1  # fine-tuned alike
     recipe = spec.run_config(0, RECIPE, "x")
     assert recipe.train.teacher.scope == "batch"  # the marks ranked across the batch's canvases

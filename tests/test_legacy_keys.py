@@ -261,3 +261,26 @@ def test_an_old_checkpoint_spec_with_flat_policy_keys_loads(tmp_path):
     assert checkpoint_spec(payload, {"policy": "entropy"})["policy"] == {**settings, "kind": "entropy"}
     entropy = SplitViT.load(path, policy="entropy")
     assert entropy.policy.name == "entropy" and entropy.policy_config.depth == settings["depth"]
+
+
+def test_a_sweep_plan_saved_under_the_old_names_resumes_as_the_same_space():
+    """A sweep's saved plan (its space's parameters, fixed values and initial points)
+    from before the keys were grouped compares with today's space by the new names."""
+    from splitvit.tune.sweep import _upgrade_plan
+
+    old = {
+        "parameters": {
+            "train.lambda_budget": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
+            "model.policy": {"distribution": "categorical", "choices": ["learned", "entropy"]},
+        },
+        "fixed": {"train.warmup_epochs": 0, "train.teacher": "attention", "train.epochs": 3},
+        "search": {"num_samples": 4, "initial_points": [{"train.lambda_budget": 2.0, "model.policy": "learned"}]},
+    }
+    assert _upgrade_plan(old) == {
+        "parameters": {
+            "train.budget.weight": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
+            "model.policy.kind": {"distribution": "categorical", "choices": ["learned", "entropy"]},
+        },
+        "fixed": {"train.policy.warmup_epochs": 0, "train.teacher.kind": "attention", "train.epochs": 3},
+        "search": {"num_samples": 4, "initial_points": [{"train.budget.weight": 2.0, "model.policy.kind": "learned"}]},
+    }

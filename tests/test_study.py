@@ -407,6 +407,25 @@ def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
     assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; model.policy.depth)"]
 
 
+def test_a_run_stored_under_the_old_key_names_is_the_same_run(tmp_path):
+    """A run stored before the settings were grouped (``train.lambda_budget``,
+    ``model.policy: learned``...) compares with today's settings by the legacy map: not
+    stale while they agree, stale by the new key's name once one differs."""
+    from splitvit.config import legacy_flat
+
+    spec = load_study(write_study(tmp_path))
+    storage = tmp_path / "study" / "train"
+    now = spec.run_config(0, "split", "split-s0", str(storage)).flat()
+    stored = legacy_flat(now)
+    assert "train.lambda_budget" in stored and stored["model.policy"] == "learned"
+    (storage / "split-s0").mkdir(parents=True)
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == []
+    stored["train.lambda_budget"] = stored["train.lambda_budget"] + 1.0
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; train.budget.weight)"]
+
+
 def test_shipped_studies_validate_at_every_scale():
     for name in ("study_fashion", "study_fashion_seg"):
         for scale in (None, "one-gpu", "gpu"):
@@ -417,7 +436,7 @@ def test_shipped_studies_validate_at_every_scale():
             config = spec.run_config(1, next(iter(spec.methods)), "x")
             assert config.data.seed == 1
             # the reference protocol: a full-resolution backbone whose convergence is checked
-            assert spec.run_config(0, None, "b").model.policy == "full" and spec.goals.converge_points == 0.3
+            assert spec.run_config(0, None, "b").model.policy.kind == "full" and spec.goals.converge_points == 0.3
             assert spec.goals.match_ratio == 0.7 and 0.8 in spec.ratios and 0.7 in spec.ratios
             assert spec.run_config(0, "full", "x").scaling.use_gpu == (scale is not None)  # GPU scales use GPUs
             assert spec.goals.max_minutes == (150 if scale is None else None)  # the 2-core machine's limit
@@ -865,7 +884,7 @@ def test_backbone_policy_and_method_warm_up_follow_the_study_file(tmp_path):
     """The backbone is the learned policy's warm-up unless the study names its policy;
     methods skip the warm-up unless the study gives them one."""
     legacy = load_study(write_study(tmp_path, backbone={"train.epochs": 1, "train.policy.warmup_epochs": 1}))
-    assert legacy.run_config(0, None, "b").model.policy == "learned"
+    assert legacy.run_config(0, None, "b").model.policy.kind == "learned"
     assert legacy.run_config(0, None, "b").train.policy.warmup_epochs == 1
     assert legacy.run_config(0, "split", "m").train.policy.warmup_epochs == 0
     methods = {
@@ -873,7 +892,7 @@ def test_backbone_policy_and_method_warm_up_follow_the_study_file(tmp_path):
         "split": {"model.policy.kind": "learned", "train.policy.warmup_epochs": 1},
     }
     spec = load_study(write_study(tmp_path, methods=methods))
-    assert spec.run_config(0, None, "b").model.policy == "full"
+    assert spec.run_config(0, None, "b").model.policy.kind == "full"
     assert spec.run_config(0, "split", "m").train.policy.warmup_epochs == 1
     assert spec.run_config(0, "full", "m").train.policy.warmup_epochs == 0
 

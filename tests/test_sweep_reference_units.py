@@ -298,7 +298,7 @@ def test_a_trained_reference_is_full_resolution_without_a_recipe(folder, monkeyp
     assert base.recipe != "none" and base.model.fine_aggregation  # the trials' recipe
     config = reference_config(space, base.storage.resolved_path(), "the-sweep")
     assert config.recipe == "none"
-    assert config.model.policy == "full"
+    assert config.model.policy.kind == "full"
     assert config.model.fine_aggregation is False  # the library's default, not the recipe's
     assert (config.train.epochs, config.train.lr) == (4, 0.01)
     assert config.tracking.experiment == "the-sweep"
@@ -349,13 +349,13 @@ def test_every_trial_fine_tunes_from_the_reference(folder, checkpoint):
     plan = SweepPlan(space=space, train_storage=str(folder / "sweep" / "train"), name="s", reference=checkpoint)
     searched = plan.trial_config({"train.budget.weight": 1.5, "train.budget.target_ratio": 0.3}, "t1")
     assert searched.model.init_from == checkpoint
-    assert searched.train.budget.weight == 1.5 and searched.model.policy == "learned"
+    assert searched.train.budget.weight == 1.5 and searched.model.policy.kind == "learned"
     assert searched.storage.run_uri() == str(folder / "sweep" / "train" / "t1")
     assert searched.tracking.enabled is False
     for policy in ("full", "entropy", "random"):
         config = plan.trial_config({BASELINE_KEY: policy}, f"b-{policy}")
         assert config.model.init_from == checkpoint
-        assert config.model.policy == policy
+        assert config.model.policy.kind == policy
         assert config.storage.run_uri() == str(folder / "sweep" / "train" / f"b-{policy}")
     # without a reference, trials start from the base config's own initialisation
     bare = SweepPlan(space=space, train_storage=str(folder / "sweep" / "train"), name="s")
