@@ -313,8 +313,8 @@ def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, ca
     from splitvit.cli import main
 
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
-    models = build_benchmark_models(vit, policy=PolicyConfig(width=16), levels=levels, level_context=True)
-    assert {k for k, m in models.items() if m.policy.level_context} == {"learned", "learned_shared"}
+    models = build_benchmark_models(vit, policy=PolicyConfig(width=16, level_context=True), levels=levels)
+    assert {k for k, m in models.items() if m.policy_config.level_context} == {"learned", "learned_shared"}
     assert models["learned"].policy.level_context and models["learned_shared"].policy.level_context
 
     out = tmp_path / "forward.json"
