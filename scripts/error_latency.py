@@ -59,7 +59,7 @@ CASES = (
     Case("dataset name misspelt", ("train", "jobs/configs/smoke.yaml", "data.name=synthetc"), "unknown dataset"),
     Case(
         "policy name misspelt",
-        ("sweep", "search_spaces/smoke.yaml", "--set", "model.policy=lerned"),
+        ("sweep", "search_spaces/smoke.yaml", "--set", "model.policy.kind=lerned"),
         "unknown policy 'lerned'",
     ),
     Case("--json under a file", ("train", "jobs/configs/smoke.yaml", "--json", "/dev/null/r.json"), "is not a folder"),

@@ -39,8 +39,7 @@ DETECTOR = {
     "timm_kwargs": {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2},
     "image_size": CANVAS,
     "levels": 2,
-    "policy_depth": 1,
-    "policy": "full",
+    "policy": {"kind": "full", "depth": 1},
     "task": "detection",
     "detector": {
         **{k: list(v) if isinstance(v, tuple) else v for k, v in SMALL_HEADS.items()},

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitvit.bench.speed import SpeedRecord, spread, time_operating_points
-from splitvit.config import ExperimentConfig
+from splitvit.config import ExperimentConfig, PolicyConfig
 from splitvit.model import SplitViT
 from splitvit.tune.pareto import Point
 from splitvit.tune.space import SearchSpaceError, load_space
@@ -21,7 +21,7 @@ MODEL = {
     "name": "vit_tiny_patch16_224",
     "image_size": 16,
     "levels": 2,
-    "policy_depth": 1,
+    "policy": {"depth": 1},
     "num_classes": 4,
     "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
 }
@@ -33,7 +33,7 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
     zero-initialised last layer, as training would give it, so the budget matters."""
     model_cfg = json.loads(json.dumps(MODEL))
     model_cfg["timm_kwargs"]["embed_dim"] = embed_dim
-    model_cfg["budget_conditioned"] = budget_conditioned
+    model_cfg["policy"]["budget_conditioned"] = budget_conditioned
     config = ExperimentConfig.from_dict(
         {
             "recipe": "none",  # two levels: the library's plain settings
@@ -47,13 +47,11 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
     )
     model = SplitViT.from_timm(
         MODEL["name"],
+        policy=PolicyConfig(kind="learned", depth=1, budget_conditioned=budget_conditioned),
         levels=2,
         image_size=16,
         num_classes=4,
-        policy="learned",
-        policy_depth=1,
         timm_kwargs=model_cfg["timm_kwargs"],
-        budget_conditioned=budget_conditioned,
     )
     if budget_conditioned:
         import torch

@@ -17,7 +17,10 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from splitvit.config import DataConfig  # noqa: E402
+from splitvit.config import (
+    DataConfig,  # noqa: E402
+    PolicyConfig,
+)
 from splitvit.tune.mlflow_records import (  # noqa: E402
     ALIAS_TAG,
     EVAL_THROUGHPUT,
@@ -40,12 +43,11 @@ def _tiny_model():
     torch.manual_seed(0)
     return SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(kind="learned", depth=1),
         levels=2,
-        policy="learned",
         image_size=16,
         num_classes=3,
         timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-        policy_depth=1,
     ).eval()
 
 

@@ -109,12 +109,12 @@ def write_study(folder: Path, **changes) -> Path:
             "tracking.split_map_images": 0,
         },
         # the reference protocol: a full-resolution backbone, its convergence checked
-        "backbone": {"model.policy": "full", "train.epochs": 2},
+        "backbone": {"model.policy.kind": "full", "train.epochs": 2},
         "method": {"train.epochs": 1},
         "methods": {
-            "full": {"model.policy": "full"},
-            "entropy": {"model.policy": "entropy"},
-            "split": {"model.policy": "learned", "train.target_ratio": 0.3},
+            "full": {"model.policy.kind": "full"},
+            "entropy": {"model.policy.kind": "entropy"},
+            "split": {"model.policy.kind": "learned", "train.budget.target_ratio": 0.3},
         },
         "evaluation": {"split": "test", "samples": 64, "ratios": [0.25, 0.5], "calibration_samples": 32},
         "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
@@ -145,10 +145,14 @@ def write_study(folder: Path, **changes) -> Path:
         ({"colour": 1}, "colour", "unknown key"),
         ({"seeds": [0, 0]}, "seeds", "distinct"),
         ({"seeds": "zero"}, "seeds", "non-negative integers"),
-        ({"methods": {"full": {"model.policy": "full"}, "x": {"train.lr": 1.0}}}, "methods.x", "needs model.policy"),
-        ({"methods": {"split": {"model.policy": "learned"}}}, "methods", "model.policy: full"),
-        ({"levers": {"split-x": {"train.lr": 1.0}}}, "levers.split-x", "needs model.policy"),
-        ({"levers": {"split": {"model.policy": "learned"}}}, "levers.split", "also under methods"),
+        (
+            {"methods": {"full": {"model.policy.kind": "full"}, "x": {"train.lr": 1.0}}},
+            "methods.x",
+            "needs model.policy.kind",
+        ),
+        ({"methods": {"split": {"model.policy.kind": "learned"}}}, "methods", "model.policy.kind: full"),
+        ({"levers": {"split-x": {"train.lr": 1.0}}}, "levers.split-x", "needs model.policy.kind"),
+        ({"levers": {"split": {"model.policy.kind": "learned"}}}, "levers.split", "also under methods"),
         ({"levers": ["split-x"]}, "levers", "must be a mapping"),
         ({"evaluation": {"ratios": [0.5, 1.5]}}, "evaluation.ratios", "(0, 1]"),
         ({"base": "missing.yaml"}, "base", "not found"),
@@ -173,8 +177,11 @@ def test_bad_study_files_are_named(tmp_path, change, key, message):
 
 
 def test_bad_config_in_a_method_names_the_key_before_ray_starts(tmp_path):
-    methods = {"full": {"model.policy": "full"}, "split": {"model.policy": "learned", "train.lambda_budget": -1}}
-    with pytest.raises(ConfigError, match="train.lambda_budget"):
+    methods = {
+        "full": {"model.policy.kind": "full"},
+        "split": {"model.policy.kind": "learned", "train.budget.weight": -1},
+    }
+    with pytest.raises(ConfigError, match="train.budget.weight"):
         load_study(write_study(tmp_path, methods=methods))
     with pytest.raises(StudyError, match="no scale 'gpu'"):
         load_study(write_study(tmp_path), scale="gpu")
@@ -188,7 +195,7 @@ def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
     with pytest.raises(StudyError, match="no method 'splt'") as err:
         load_study(path, methods=["full", "splt"])
     assert all(name in str(err.value).split("the file has")[1] for name in ("full", "entropy", "split"))
-    with pytest.raises(StudyError, match="model.policy: full"):
+    with pytest.raises(StudyError, match="model.policy.kind: full"):
         load_study(path, methods=["entropy", "split"])  # nothing left to compare against
     assert cli(["study", str(path), "--methods", "full,splt"]) == 2
     with pytest.raises(StudyError, match="--methods names no method"):
@@ -199,15 +206,15 @@ def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
 def test_levers_run_only_when_named(tmp_path):
     """A plain study runs the headline (``methods``); a lever joins only when --methods
     names it, and a wrong name lists the levers too."""
-    path = write_study(tmp_path, levers={"split-kd": {"model.policy": "learned", "train.distill_weight": 1.0}})
+    path = write_study(tmp_path, levers={"split-kd": {"model.policy.kind": "learned", "train.distill.weight": 1.0}})
     assert sorted(load_study(path).methods) == ["entropy", "full", "split"]
     spec = load_study(path, methods=["split-kd", "full"])
     assert list(spec.methods) == ["full", "split-kd"]  # the file's order, headline first
-    assert spec.run_config(0, "split-kd", "x").train.distill_weight == 1.0
+    assert spec.run_config(0, "split-kd", "x").train.distill.weight == 1.0
     with pytest.raises(StudyError, match="no method 'split-k'") as err:
         load_study(path, methods=["full", "split-k"])
     assert "split-kd" in str(err.value)
-    with pytest.raises(StudyError, match="model.policy: full"):
+    with pytest.raises(StudyError, match="model.policy.kind: full"):
         load_study(path, methods=["split-kd"])  # a lever still needs its control
 
 
@@ -224,9 +231,9 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
         spec = load_study(ROOT / "studies" / name)
         assert list(spec.methods) == ["full", "coarse", "entropy", "random", recipe_name]
         recipe = spec.run_config(0, recipe_name, "x")
-        assert recipe.model.fine_aggregation and recipe.train.teacher_targets == "mixed"
-        assert recipe.train.target_ratio == 0.5
-        assert recipe.model.policy_level_context == recipe_name.endswith("-ctx")
+        assert recipe.model.fine_aggregation and recipe.train.teacher.targets == "mixed"
+        assert recipe.train.budget.target_ratio == 0.5
+        assert recipe.model.policy.level_context == recipe_name.endswith("-ctx")
         assert {spec.run_config(0, m, "x").train.epochs for m in spec.methods} == {epochs}
         assert "split-0.7" in load_study(ROOT / "studies" / name, methods=["full", "split-0.7"]).methods
 
@@ -369,13 +376,13 @@ def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
     spec = load_study(write_study(tmp_path))
     storage = tmp_path / "study" / "train"
     config = spec.run_config(0, "split", "split-s0", str(storage)).flat()
-    assert config.pop("model.policy_fine_evidence") is False  # as an older run stored it
+    assert config.pop("model.policy.fine_evidence") is False  # as an older run stored it
     run = storage / "split-s0"
     run.mkdir(parents=True)
     (run / "study_started.json").write_text(json.dumps({"config": config}, default=float))
     assert stale_runs(spec, str(storage)) == []
-    changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.policy_fine_evidence": True}))
-    assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.policy_fine_evidence)"]
+    changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.policy.fine_evidence": True}))
+    assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.policy.fine_evidence)"]
 
 
 def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
@@ -384,7 +391,7 @@ def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
     another memory allocator; a learned run with another policy depth is not."""
     spec = load_study(write_study(tmp_path))
     storage = tmp_path / "study" / "train"
-    for method, key, value in (("full", "model.policy_depth", 3), ("full", "train.target_ratio", 0.4)):
+    for method, key, value in (("full", "model.policy.depth", 3), ("full", "train.budget.target_ratio", 0.4)):
         stored = {**spec.run_config(0, method, f"{method}-s0", str(storage)).flat(), key: value}
         stored.pop("recipe")  # runs made before recipes stored none
         (storage / f"{method}-s0").mkdir(parents=True, exist_ok=True)
@@ -394,9 +401,28 @@ def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
     (storage / "split-s0").mkdir()
     (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
     assert stale_runs(spec, str(storage)) == []  # the allocator sets the pace, not the result
-    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "model.policy_depth": 3}
+    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "model.policy.depth": 3}
     (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
-    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; model.policy_depth)"]
+    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; model.policy.depth)"]
+
+
+def test_a_run_stored_under_the_old_key_names_is_the_same_run(tmp_path):
+    """A run stored before the settings were grouped (``train.lambda_budget``,
+    ``model.policy: learned``...) compares with today's settings by the legacy map: not
+    stale while they agree, stale by the new key's name once one differs."""
+    from splitvit.config import legacy_flat
+
+    spec = load_study(write_study(tmp_path))
+    storage = tmp_path / "study" / "train"
+    now = spec.run_config(0, "split", "split-s0", str(storage)).flat()
+    stored = legacy_flat(now)
+    assert "train.lambda_budget" in stored and stored["model.policy"] == "learned"
+    (storage / "split-s0").mkdir(parents=True)
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == []
+    stored["train.lambda_budget"] = stored["train.lambda_budget"] + 1.0
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; train.budget.weight)"]
 
 
 def test_shipped_studies_validate_at_every_scale():
@@ -409,7 +435,7 @@ def test_shipped_studies_validate_at_every_scale():
             config = spec.run_config(1, next(iter(spec.methods)), "x")
             assert config.data.seed == 1
             # the reference protocol: a full-resolution backbone whose convergence is checked
-            assert spec.run_config(0, None, "b").model.policy == "full" and spec.goals.converge_points == 0.3
+            assert spec.run_config(0, None, "b").model.policy.kind == "full" and spec.goals.converge_points == 0.3
             assert spec.goals.match_ratio == 0.7 and 0.8 in spec.ratios and 0.7 in spec.ratios
             assert spec.run_config(0, "full", "x").scaling.use_gpu == (scale is not None)  # GPU scales use GPUs
             assert spec.goals.max_minutes == (150 if scale is None else None)  # the 2-core machine's limit
@@ -856,18 +882,18 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
 def test_backbone_policy_and_method_warm_up_follow_the_study_file(tmp_path):
     """The backbone is the learned policy's warm-up unless the study names its policy;
     methods skip the warm-up unless the study gives them one."""
-    legacy = load_study(write_study(tmp_path, backbone={"train.epochs": 1, "train.warmup_epochs": 1}))
-    assert legacy.run_config(0, None, "b").model.policy == "learned"
-    assert legacy.run_config(0, None, "b").train.warmup_epochs == 1
-    assert legacy.run_config(0, "split", "m").train.warmup_epochs == 0
+    legacy = load_study(write_study(tmp_path, backbone={"train.epochs": 1, "train.policy.warmup_epochs": 1}))
+    assert legacy.run_config(0, None, "b").model.policy.kind == "learned"
+    assert legacy.run_config(0, None, "b").train.policy.warmup_epochs == 1
+    assert legacy.run_config(0, "split", "m").train.policy.warmup_epochs == 0
     methods = {
-        "full": {"model.policy": "full"},
-        "split": {"model.policy": "learned", "train.warmup_epochs": 1},
+        "full": {"model.policy.kind": "full"},
+        "split": {"model.policy.kind": "learned", "train.policy.warmup_epochs": 1},
     }
     spec = load_study(write_study(tmp_path, methods=methods))
-    assert spec.run_config(0, None, "b").model.policy == "full"
-    assert spec.run_config(0, "split", "m").train.warmup_epochs == 1
-    assert spec.run_config(0, "full", "m").train.warmup_epochs == 0
+    assert spec.run_config(0, None, "b").model.policy.kind == "full"
+    assert spec.run_config(0, "split", "m").train.policy.warmup_epochs == 1
+    assert spec.run_config(0, "full", "m").train.policy.warmup_epochs == 0
 
 
 def test_reference_convergence_is_read_from_each_backbones_curve():

@@ -46,13 +46,13 @@ def test_fit_config_local_trains_a_detectors_policy_lead_fine_tune_and_policy_ep
         CONFIG,
         [
             *overrides,
-            "model.policy=learned",
-            "train.policy_lead_epochs=1",
+            "model.policy.kind=learned",
+            "train.policy.lead_epochs=1",
             "train.epochs=1",
-            "train.policy_epochs=1",
-            "train.warmup_epochs=0",  # the fine-tune's epoch trains the policy and the detector
-            "train.teacher=objects",
-            "train.policy_lr_scale=10.0",
+            "train.policy.epochs=1",
+            "train.policy.warmup_epochs=0",  # the fine-tune's epoch trains the policy and the detector
+            "train.teacher.kind=objects",
+            "train.policy.lr_scale=10.0",
             "train.lr_warmup_epochs=0.5",
             f"storage.path={tmp_path / 'runs'}",
             "storage.name=phases",

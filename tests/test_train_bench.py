@@ -149,9 +149,9 @@ def test_the_benchmark_config_takes_a_recipes_settings_only_when_named():
     from splitvit.config import ConfigError
 
     plain = benchmark_config(levels=3, teacher="attention")
-    assert plain.recipe == "none" and not plain.model.fine_aggregation and not plain.model.policy_level_context
+    assert plain.recipe == "none" and not plain.model.fine_aggregation and not plain.model.policy.level_context
     recipe = benchmark_config(levels=3, teacher="attention", recipe="classification-v1")
-    assert recipe.model.fine_aggregation and recipe.model.policy_level_context
-    assert recipe.train.teacher_targets == "mixed" and recipe.train.teacher == "attention"
+    assert recipe.model.fine_aggregation and recipe.model.policy.level_context
+    assert recipe.train.teacher.targets == "mixed" and recipe.train.teacher.kind == "attention"
     with pytest.raises(ConfigError, match="recipe"):
         benchmark_config(recipe="dense-v1")

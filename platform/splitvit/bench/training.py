@@ -13,19 +13,19 @@ step, as ``fit_local`` and the Ray loop run it: ``training_step`` (train/steps.p
 
 * ``full``: full resolution (policy ``full``), the baseline of every ratio;
 * ``split_warmup``: SPLIT's random-split warm-up step at its last warm-up epoch
-  (each image draws its split rate in ``[warmup_min_split, 1]``);
+  (each image draws its split rate in ``[train.policy.warmup_min_split, 1]``);
 * ``split_learned``: the learned-policy step: sampled decisions with straight-through
   gates, the budget penalty and the relevance teacher (a full-resolution
-  gradient-saliency pass) on every ``train.teacher_every``-th step: each timed call
+  gradient-saliency pass) on every ``train.teacher.every``-th step: each timed call
   runs that many consecutive steps (one teacher step and the rest without) and
-  counts as their mean; with ``teacher_every > 1``, ``split_learned_every_step``
+  counts as their mean; with ``train.teacher.every > 1``, ``split_learned_every_step``
   times the step with the teacher on every step beside it;
 * ``timm``: the plain timm ViT's step (forward, cross-entropy, backward, clip, AdamW),
   a check on ``full``;
 * ``teacher``: ``SplitViT.relevance`` alone: the teacher's share of the learned step.
 
 Before timing, one offset added to the learned policy's output biases is bisected so
-the policy's expected token count on the batch is ``train.target_ratio`` of
+the policy's expected token count on the batch is ``train.budget.target_ratio`` of
 ``N_full``: the operating point the budget penalty trains towards (an untrained
 policy would sit anywhere). The learning rate is 0, so every round times the same
 weights at the same operating point; a step's cost does not depend on the learning
@@ -44,7 +44,7 @@ calls ``torch.set_num_threads``; an epoch hook records the worker's thread count
 * *steady-state images/s* (the target, Ray >= 0.9x plain): training images over
   training-loop time (both loops time the same thing: batches, steps and optimiser,
   not validation), summed over the epochs after the first ``skip_epochs`` (the
-  first holds one-off costs and, with ``train.warmup_epochs: 1``, is the warm-up);
+  first holds one-off costs and, with ``train.policy.warmup_epochs: 1``, is the warm-up);
 * *epoch incl. validation*: the training loop plus threshold calibration and
   validation, which both runs do after every epoch (the plain run does them in its
   ``on_epoch`` callback, as the Ray loop does, and also saves the model weights);
@@ -152,9 +152,7 @@ def benchmark_config(
             "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},
             "image_size": image_size,
             "levels": levels,
-            "policy": "learned",
-            "policy_depth": policy_depth,
-            "policy_width": policy_width,
+            "policy": {"kind": "learned", "depth": policy_depth, "width": policy_width},
             "thresholds": AUTO_THRESHOLDS,
             "num_classes": num_classes,
         },
@@ -166,11 +164,10 @@ def benchmark_config(
         },
         "train": {
             "epochs": epochs,
-            "target_ratio": target_ratio,
-            "warmup_epochs": 1,
+            "budget": {"target_ratio": target_ratio},
+            "policy": {"warmup_epochs": 1},
             "amp": False,
-            "teacher": teacher,
-            "teacher_every": teacher_every,
+            "teacher": {"kind": teacher, "every": teacher_every},
         },
         "tracking": {"enabled": False},
         "storage": {"name": "bench-train"},
@@ -295,30 +292,29 @@ def _step_names(include: tuple[str, ...], teacher_every: int) -> list[str]:
 
 def _build_step_workload(config: ExperimentConfig, dev: torch.device) -> _StepWorkload:
     """Step 1: the models on ``dev``, the batch, and the learned policy aimed at
-    ``train.target_ratio`` (:func:`aim_learned_policy`)."""
-    from ..train.steps import SplitLossConfig
+    ``train.budget.target_ratio`` (:func:`aim_learned_policy`)."""
 
     mc, tc = config.model, config.train
     torch.manual_seed(config.data.seed)
     model = build_model(mc).to(dev).train()
     if not model.policy.learned:
-        raise ValueError(f"part A needs model.policy learned, got {mc.policy!r}")
+        raise ValueError(f"part A needs model.policy.kind learned, got {mc.policy.kind!r}")
     full = (
         SplitViT(
             model.vit,
             levels=mc.levels,
-            policy="full",
+            policy=dataclasses.replace(mc.policy, kind="full"),
             image_size=mc.image_size,
             task=mc.task,
-            policy_depth=mc.policy_depth,
         )
         .to(dev)
         .train()
     )
     images, target = (t.to(dev) for t in _first_batch(config))
-    loss_cfg = SplitLossConfig(**{**tc.loss_config().__dict__, "warmup_epochs": _WARMUP_EPOCHS})
-    aim = aim_learned_policy(model, images, tc.target_ratio)
-    log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.target_ratio, aim)
+    loss = tc.loss_config()
+    loss_cfg = dataclasses.replace(loss, policy=dataclasses.replace(loss.policy, warmup_epochs=_WARMUP_EPOCHS))
+    aim = aim_learned_policy(model, images, tc.budget.target_ratio)
+    log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.budget.target_ratio, aim)
     return _StepWorkload(
         model=model,
         full=full,
@@ -332,11 +328,11 @@ def _build_step_workload(config: ExperimentConfig, dev: torch.device) -> _StepWo
 
 def _step_losses(work: _StepWorkload, cycle: int, seed: int) -> dict[str, StepFn]:
     """Each step's loss and statistics, as the training loops compute them."""
-    from ..train.steps import SplitLossConfig, training_step
+    from ..train.steps import training_step
 
     model, full, images, target, loss_cfg = work.model, work.full, work.images, work.target, work.loss_cfg
     generator = torch.Generator().manual_seed(seed + 1)
-    every_step = SplitLossConfig(**{**loss_cfg.__dict__, "teacher_every": 1})
+    every_step = dataclasses.replace(loss_cfg, teacher=dataclasses.replace(loss_cfg.teacher, every=1))
     step_index = itertools.count()
     return {
         "full": lambda: training_step(full, images, target, loss_cfg, _POLICY_EPOCH, generator),
@@ -358,7 +354,7 @@ def _step_callables(
 ) -> tuple[dict[str, Callable[[], Any]], dict[str, list[dict[str, float]]], dict[str, int]]:
     """Step 2: one timed callable per step (``split_learned``: a whole teacher cycle of
     steps), the statistics each step records, and the steps per call."""
-    cycle, tc = config.train.teacher_every, config.train
+    cycle, tc = config.train.teacher.every, config.train
     losses = _step_losses(work, cycle, config.data.seed)
     split_params = list(work.model.parameters())
     params = {
@@ -382,7 +378,9 @@ def _step_callables(
     fns: dict[str, Callable[[], Any]] = {}
     for name in names:
         if name == "teacher":
-            fns[name] = under_autocast(partial(work.model.relevance, work.images, work.loss_cfg.teacher, target=label))
+            fns[name] = under_autocast(
+                partial(work.model.relevance, work.images, work.loss_cfg.teacher.kind, target=label)
+            )
         else:
             one = _optimizer_step(params[name], losses[name], tc.grad_clip, tc.weight_decay, records[name])
             fns[name] = under_autocast((lambda f, n: lambda: [f() for _ in range(n)])(one, steps_per_call[name]))
@@ -452,11 +450,11 @@ def _step_config(work: _StepWorkload, *, rounds: int, warmup: int, autocast_bf16
         "warmup": warmup,
         "autocast_bf16": autocast_bf16,
         "learning_rate": 0.0,
-        "warmup_step": f"epoch {_WARM_EPOCH} of {loss_cfg.warmup_epochs} warm-up epochs: split rates in "
-        f"[{loss_cfg.warmup_min_split}, 1]",
-        "policy_step": f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.lambda_budget}, "
-        f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
-        f"(weight {loss_cfg.teacher_weight}, every {loss_cfg.teacher_every} step(s))",
+        "warmup_step": f"epoch {_WARM_EPOCH} of {loss_cfg.policy.warmup_epochs} warm-up epochs: split rates in "
+        f"[{loss_cfg.policy.warmup_min_split}, 1]",
+        "policy_step": f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.budget.weight}, "
+        f"target {loss_cfg.budget.target_ratio}, {loss_cfg.budget.penalty}), teacher {loss_cfg.teacher.kind} "
+        f"(weight {loss_cfg.teacher.weight}, every {loss_cfg.teacher.every} step(s))",
         "policy_aim": work.aim,
         "images": "the training set's first batch",
     }
@@ -475,7 +473,7 @@ def run_step_benchmark(
     steps on the same model and batch, interleaved.
 
     Args:
-        config: the experiment (model, data, ``train.target_ratio``, ``train.grad_clip``,
+        config: the experiment (model, data, ``train.budget.target_ratio``, ``train.grad_clip``,
             ``train.weight_decay``, the SPLIT objective).
         rounds, warmup: timed and untimed interleaved rounds.
         device: ``cpu`` or ``cuda`` (``cuda:N``).
@@ -483,7 +481,7 @@ def run_step_benchmark(
         include: which of :data:`STEP_NAMES` to time (``full`` always is).
     """
     dev = checked_device(device)
-    names = _step_names(include, config.train.teacher_every)
+    names = _step_names(include, config.train.teacher.every)
     load_start = list(os.getloadavg())
     work = _build_step_workload(config, dev)
     fns, records, steps_per_call = _step_callables(work, names, config, autocast_bf16, dev)
@@ -645,7 +643,7 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
             val_set,
             val_loader,
             num_classes=mc.num_classes,
-            calibrate_to=tc.target_ratio if auto else None,
+            calibrate_to=tc.budget.target_ratio if auto else None,
             calibration_images=dc.eval_batch_size or dc.batch_size,
         )
         validated = time.perf_counter() - t0
@@ -1107,11 +1105,11 @@ def _vit_info(config: ExperimentConfig) -> dict[str, Any]:
         "coarse_patch_size": model.geometry.coarse_patch_size,
         "full_tokens": model.geometry.full_tokens,
         "min_tokens": model.geometry.min_tokens,
-        "policy_depth": mc.policy_depth,
+        "policy_depth": mc.policy.depth,
         "num_classes": mc.num_classes,
         "batch_size": dc.batch_size,
         "data": f"{dc.name} {dc.options}",
-        "target_ratio": config.train.target_ratio,
+        "target_ratio": config.train.budget.target_ratio,
     }
 
 

@@ -46,8 +46,8 @@ def fit_config_local(
     config: ExperimentConfig, device: str, epoch_hook: Callable[[int, Any], None] | None = None
 ) -> dict[str, Any]:
     """Train ``config`` in this process on ``device`` (:func:`~splitvit.train.local.fit_local`
-    with the config's phases and schedule, as the Ray loop runs them: ``train.policy_lead_epochs``,
-    ``train.epochs``, ``train.policy_epochs``) into its run folder (``storage.path``/``storage.name``):
+    with the config's phases and schedule, as the Ray loop runs them: ``train.policy.lead_epochs``,
+    ``train.epochs``, ``train.policy.epochs``) into its run folder (``storage.path``/``storage.name``):
     ``model.pt`` and :data:`~splitvit.train.checkpoints.HISTORY_FILE`. A run whose training finished (both files
     there) is not trained again. A detector (``model.task: detection``) validates by
     COCO's box and mask AP, as on Ray. ``epoch_hook(epoch, model)``: called before each epoch.
@@ -114,7 +114,7 @@ def fit_config_local(
                 val_loader,
                 num_classes=mc.num_classes,
                 amp=tc.amp,
-                calibrate_to=tc.target_ratio if auto else None,
+                calibrate_to=tc.budget.target_ratio if auto else None,
                 calibration_images=dc.eval_batch_size or dc.batch_size,
                 ground_truth=ground_truth,
             )
@@ -144,9 +144,9 @@ def fit_config_local(
         amp=tc.amp,
         warmup_steps=warmup_steps(tc, steps_per_epoch),  # the Ray loop's (train.phases.lr_schedule)
         num_workers=dc.num_workers,
-        policy_lr_scale=tc.policy_lr_scale,
-        lead_epochs=tc.policy_lead_epochs,
-        policy_epochs=tc.policy_epochs,
+        policy_lr_scale=tc.policy.lr_scale,
+        lead_epochs=tc.policy.lead_epochs,
+        policy_epochs=tc.policy.epochs,
         epoch_hook=epoch_hook,
     )
     loss = history[-1].get("train_loss", 0.0)
@@ -298,7 +298,7 @@ def load_local_study(
     held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)
     if backbone_epochs is not None:
-        spec.backbone.update({"train.epochs": backbone_epochs, "train.warmup_epochs": backbone_epochs})
+        spec.backbone.update({"train.epochs": backbone_epochs, "train.policy.warmup_epochs": backbone_epochs})
     if method_epochs is not None:
         spec.method["train.epochs"] = method_epochs
     if eval_samples is not None:
@@ -354,8 +354,8 @@ def run_study_local(
 
     Returns the study's result, the machine, stage times, epochs and the backbones'
     results; every run carries its training curves (``history``). Every recipe runs:
-    detection studies and methods with the policy's own epochs (``train.policy_lead_epochs``,
-    ``train.policy_epochs``) train through the Ray loop's phases (:func:`fit_config_local`).
+    detection studies and methods with the policy's own epochs (``train.policy.lead_epochs``,
+    ``train.policy.epochs``) train through the Ray loop's phases (:func:`fit_config_local`).
     Raises :class:`~splitvit.study.spec.StudyError` when ``out`` holds runs made with
     other settings.
     """

@@ -157,7 +157,7 @@ def _speed_line(s: MatchedSpeed) -> str:
 
 def fine_tune_epochs(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The epochs of a run's history that trained the task: those with a task loss. The
-    policy's own epochs (``train.policy_lead_epochs``, ``train.policy_epochs``: the policy
+    policy's own epochs (``train.policy.lead_epochs``, ``train.policy.epochs``: the policy
     alone, several times faster) are not the fine-tune's pace. A history whose epochs
     record no task loss (files written before they did) is taken whole."""
     tasks = [e for e in history if "train_task_loss" in e]

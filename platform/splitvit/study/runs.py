@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import ExperimentConfig, inert_keys
+from ..config import ExperimentConfig, inert_keys, upgrade_flat
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from .spec import StudySpec
 
@@ -74,10 +74,9 @@ def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | No
             # keys the run never reads (a control's recipe keys, the recipe's name) are no difference
             # and the workers' allocator changes a run's pace, not its results
             ignored = {"model.init_from", "scaling.allocator"} | inert_keys(now)
+            then = upgrade_flat(stored["config"])  # a run stored before the keys were grouped: the new names
             keys = sorted(
-                k
-                for k in set(now) | set(stored["config"])
-                if k not in ignored and now.get(k) != stored["config"].get(k, defaults.get(k))
+                k for k in set(now) | set(then) if k not in ignored and now.get(k) != then.get(k, defaults.get(k))
             )
             if keys:
                 stale.append(f"{name} ({'' if finished else 'unfinished; '}{', '.join(keys)})")

@@ -7,7 +7,7 @@ A study file names an experiment config (``base``) and:
 * ``backbone``: a warm-up run per seed (full resolution first, then random splits
   at every rate, docs/design.md §3.2) that every method of that seed starts from, so methods
   differ only in what they do after it;
-* ``methods``: name -> config overrides (at least ``model.policy``); every method
+* ``methods``: name -> config overrides (at least ``model.policy.kind``); every method
   trains ``method`` epochs from its seed's backbone (``model.init_from``). These are
   the headline, what a plain invocation runs;
 * ``levers`` (optional): more methods in the same form, the recipe's ablation: each
@@ -41,15 +41,18 @@ from ..config import (
     ExperimentConfig,
     Layer,
     companion_metrics,
+    legacy_warnings,
     quality_metric,
     resolve_base_config,
     resolve_config,
+    upgrade_dotted,
+    upgrade_keys,
 )
 from ..model.names import POLICY_NAMES
 
 #: a method entry's list of its recipe's keys to leave at the library's defaults
 WITHOUT = "without"
-_NO_WARMUP = {"train.warmup_epochs": 0}
+_NO_WARMUP = {"train.policy.warmup_epochs": 0}
 _KEYS = {
     "base",
     "description",
@@ -158,7 +161,7 @@ class StudySpec:
         if method is None:
             # by default the backbone is the learned policy's warm-up curriculum (random
             # splits at every rate); a study may make it a full-resolution reference instead
-            stack += [Layer("study (the backbone's default)", {"model.policy": "learned"})]
+            stack += [Layer("study (the backbone's default)", {"model.policy.kind": "learned"})]
             stack += [Layer("study config", self.config), Layer("study backbone", self.backbone)]
         else:
             entry = dict(self.methods[method])
@@ -196,7 +199,7 @@ class StudySpec:
         return companion_metrics(self.task)
 
     def policy(self, method: str) -> str:
-        return str(self.methods[method]["model.policy"])
+        return str(self.methods[method]["model.policy.kind"])
 
 
 def _shown(path: Path) -> str:
@@ -223,7 +226,13 @@ def _section(raw: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     value = raw.get(key) or {}
     if not isinstance(value, dict):
         raise study_file_error(source, key, f"must be a mapping, got {type(value).__name__}")
+    if key in _SETTINGS_SECTIONS:  # dotted config keys: old names read as the new ones
+        return dict(upgrade_dotted(value, f"{source} {key}"))
     return dict(value)
+
+
+#: the sections of a study file that hold dotted config keys
+_SETTINGS_SECTIONS = ("config", "backbone", "method")
 
 
 _SPEED = {
@@ -319,6 +328,19 @@ def load_study(
 
     Raises :class:`StudyError` (study keys) or :class:`ConfigError` (config keys).
     """
+    with legacy_warnings(str(path)):  # the file's old key names (every section's), one line
+        return _load_study(path, scale=scale, overrides=overrides, methods=methods, settings_only=settings_only)
+
+
+def _load_study(
+    path: str | Path,
+    *,
+    scale: str | None = None,
+    overrides: list[str] | None = None,
+    methods: list[str] | None = None,
+    settings_only: bool = False,
+) -> StudySpec:
+    """:func:`load_study`'s reading and checks."""
     path = Path(path)
     source = str(path)
     raw = _read_file(path, scale)
@@ -444,29 +466,33 @@ def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[
         )
     # the headline by default; --methods picks from both sections, in the file's order
     selected = {k: v for k, v in all_methods.items() if (k in headline if names is None else k in names)}
-    policies = [m["model.policy"] for m in selected.values()]
+    policies = [m["model.policy.kind"] for m in selected.values()]
     for needed in ("full", "learned"):
         if needed not in policies:
             raise study_file_error(
-                source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)"
+                source, "methods", f"needs a method with model.policy.kind: {needed} (the study compares against it)"
             )
     return {k: dict(v) for k, v in selected.items()}
 
 
 def _entry(name: str, settings: Any, section: str, source: str) -> dict[str, Any]:
-    """A method entry, checked: config keys, among them ``model.policy`` (an entry that
+    """A method entry, checked: config keys, among them ``model.policy.kind`` (an entry that
     names a recipe is the learned policy's) and ``recipe``, and ``without``: keys of the
     recipe this method leaves at the library's defaults (checked against the recipe
     when the run's config is built)."""
     where = f"{section}.{name}"
     if not isinstance(settings, dict):
         raise study_file_error(source, where, f"expected a mapping of config keys, got {type(settings).__name__}")
-    entry = dict(settings)
+    entry = upgrade_dotted(dict(settings), f"{source} {where}")
+    if isinstance(entry.get(WITHOUT), list):
+        entry[WITHOUT] = upgrade_keys(entry[WITHOUT])
     if entry.get(RECIPE_KEY) not in (None, "none"):
-        entry.setdefault("model.policy", "learned")
-    if entry.get("model.policy") not in POLICY_NAMES:
+        entry.setdefault("model.policy.kind", "learned")
+    if entry.get("model.policy.kind") not in POLICY_NAMES:
         raise study_file_error(
-            source, where, f"needs model.policy, one of {', '.join(POLICY_NAMES)} (or a recipe: the learned policy's)"
+            source,
+            where,
+            f"needs model.policy.kind, one of {', '.join(POLICY_NAMES)} (or a recipe: the learned policy's)",
         )
     without = entry.get(WITHOUT, [])
     if not isinstance(without, list) or not all(isinstance(k, str) for k in without):
@@ -490,7 +516,7 @@ def _settings(overrides: list[str] | None) -> dict[str, Any]:
         if not sep:
             raise ConfigError(item, "expected key=value")
         settings[key.strip()] = yaml.safe_load(value)
-    return settings
+    return upgrade_dotted(settings, "--set")
 
 
 class StudyError(ValueError):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import REDACTED, DataConfig, flatten, is_secret_key, redact_secrets, redact_uri
+from ..config import REDACTED, DataConfig, flatten, is_secret_key, redact_secrets, redact_uri, upgrade_flat
 from .provenance import provenance_tags
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class RunTracker:
             run = found[0]
             tracker = cls(tracking_uri, experiment_id, run.info.run_id)
             client.update_run(run.info.run_id, status="RUNNING")
-            old = run.data.params
+            old = upgrade_flat(dict(run.data.params))  # a run logged before the keys were grouped: new names
             changed = {k: [old.get(k), v] for k, v in values.items() if old.get(k) != v}
             new = [Param(k, v) for k, v in values.items() if k not in old]
             if changed:

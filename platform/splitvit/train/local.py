@@ -74,8 +74,8 @@ def fit_local(
 
     The epochs are the Ray loop's phases, routed by the same :class:`~.phases.SplitStep`
     on the same schedule (:func:`~.phases.phase_schedule`): ``lead_epochs`` of the policy
-    alone (``train.policy_lead_epochs``), the ``epochs`` of the fine-tune, then
-    ``policy_epochs`` of the policy alone (``train.policy_epochs``).
+    alone (``train.policy.lead_epochs``), the ``epochs`` of the fine-tune, then
+    ``policy_epochs`` of the policy alone (``train.policy.epochs``).
     ``on_epoch(epoch, stats)``: called after each epoch; the caller then reports
     the epoch (without one, this function logs it). ``epoch_hook(epoch, model)``: called
     before each epoch (as the Ray loop's ``epoch_hook``). ``amp``: bf16 autocast on CUDA

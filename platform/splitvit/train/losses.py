@@ -86,9 +86,9 @@ def relevance_targets(
     relevance: list[torch.Tensor], fraction: float, kind: str = "per_level", scope: str = "image"
 ) -> list[torch.Tensor]:
     """The teacher's split targets at a split ``fraction``, one tensor per level, shaped
-    like ``relevance``; ``scope`` is ``train.teacher_scope`` (``image``: the fraction of
+    like ``relevance``; ``scope`` is ``train.teacher.scope`` (``image``: the fraction of
     each image's nodes; ``batch``: of the batch's, its images ranked together) and
-    ``kind`` is ``train.teacher_targets``:
+    ``kind`` is ``train.teacher.targets``:
 
     * ``per_level``: 1.0 at the ``fraction`` of each level's nodes with the most
       relevance, each level ranked on its own. Every level's scores learn a ranking, but

@@ -913,7 +913,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     )
     model = _unwrap(step).model
     optimizer = torch.optim.AdamW(
-        param_groups(model, config.train.lr, config.train.policy_lr_scale),
+        param_groups(model, config.train.lr, config.train.policy.lr_scale),
         lr=config.train.lr,
         weight_decay=config.train.weight_decay,
     )
@@ -1147,7 +1147,7 @@ def _training_metrics(worker: _Worker, trained: _EpochPass) -> dict[str, float]:
     metrics["train_images_per_s"] = seen_all / slowest
     rates = worker.scheduler.get_last_lr()
     metrics["lr"] = rates[0]
-    if len(rates) > 1:  # train.policy_lr_scale: SplitViT's own modules in a group of their own
+    if len(rates) > 1:  # train.policy.lr_scale: SplitViT's own modules in a group of their own
         metrics["lr_policy"] = rates[1]
     return metrics
 
@@ -1180,7 +1180,7 @@ def _evaluate_epoch(worker: _Worker) -> dict[str, float]:
                 split_backbone(worker.model),
                 worker.data.val_shard,
                 dc.eval_batch_size or dc.batch_size,
-                worker.config.train.target_ratio,
+                worker.config.train.budget.target_ratio,
                 worker.device,
             )
     # a worker with no validation images (more workers than images) counts nothing, yet
@@ -1311,7 +1311,7 @@ def _end_tracking(
     if not worker.config.tracking.log_model:
         return None
     mc = worker.config.model
-    return tracker.log_model(worker.model, params={"levels": mc.levels, "policy": mc.policy})
+    return tracker.log_model(worker.model, params={"levels": mc.levels, "policy": mc.policy.kind})
 
 
 def _first_error(own: BaseException | None, world: int) -> BaseException:

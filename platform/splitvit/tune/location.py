@@ -11,8 +11,9 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, upgrade_flat, upgrade_sections
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
 from .space import SearchSpace, load_space
 from .state import SweepError
@@ -55,6 +56,20 @@ def sweep_location(space: SearchSpace, base: ExperimentConfig, name: str | None,
     return name, sweep_dir
 
 
+def _upgrade_plan(stored: dict[str, Any]) -> dict[str, Any]:
+    """A saved plan's space with its settings' old key names (:data:`~splitvit.config.LEGACY_KEYS`)
+    under the new ones: its parameters, fixed values and initial points."""
+    stored = dict(stored)
+    for section in ("parameters", "fixed"):
+        if isinstance(stored.get(section), dict):
+            stored[section] = upgrade_flat(stored[section])
+    search = stored.get("search")
+    if isinstance(search, dict) and isinstance(search.get("initial_points"), list):
+        points = [upgrade_flat(p) if isinstance(p, dict) else p for p in search["initial_points"]]
+        stored["search"] = {**search, "initial_points": points}
+    return stored
+
+
 def check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None, resume: bool) -> SearchSpace:
     """Save the space a sweep starts with; on resume, insist on the same one."""
     plan_uri = join_uri(sweep_dir, PLAN_FILE)
@@ -88,11 +103,13 @@ def check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None, 
         normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
     if "ratios" not in stored.get("stage_two", {}) and not normal["stage_two"].get("ratios"):
         normal["stage_two"].pop("ratios", None)  # started before calibrated points: none asked for
+    stored = _upgrade_plan(stored)  # a plan saved before the keys were grouped: the new names
     if "base_config" in saved:
         # the base config by what it says, not by where the checkout lies: a sweep resumes
         # from a moved or fresh clone of the same files
-        stored = {**stored, "base": saved["base_config"]}
-        normal["base"] = json.loads(json.dumps(space.base_raw, sort_keys=True, default=str))
+        stored = {**stored, "base": upgrade_sections(saved["base_config"], warn=False)}
+        base = upgrade_sections(space.base_raw, warn=False)
+        normal["base"] = json.loads(json.dumps(base, sort_keys=True, default=str))
     if normal != stored:
         changed = sorted(k for k in set(normal) | set(stored) if normal.get(k) != stored.get(k))
         raise SweepError(

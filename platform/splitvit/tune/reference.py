@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, legacy_flat
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from .space import SearchSpace, SearchSpaceError
 
@@ -77,7 +77,7 @@ def reference_config(
     recorded in the sweep's MLflow store (``tracking_uri``; its own folder's otherwise)
     and experiment."""
     settings = dict(space.reference.train or {})
-    layer = {**settings, "recipe": "none", "model.policy": "full", "tracking.experiment": experiment}
+    layer = {**settings, "recipe": "none", "model.policy.kind": "full", "tracking.experiment": experiment}
     if tracking_uri is not None:
         layer["tracking.tracking_uri"] = tracking_uri
     config = space.config(layer, name="reference")
@@ -101,6 +101,7 @@ def _digest(config: ExperimentConfig) -> str:
     """12 hex digits of the settings that make the reference what it is (not where it is
     stored, nor where it is recorded)."""
     flat = {k: v for k, v in config.flat().items() if not k.startswith(("storage.", "tracking.")) and k != "name"}
+    flat = legacy_flat(flat)  # the names it had when references were first named: those found again
     text = json.dumps(flat, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

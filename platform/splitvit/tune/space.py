@@ -6,11 +6,11 @@ distribution with bounds, or a fixed value that passes through unchanged::
 
     base: ../jobs/configs/smoke.yaml
     parameters:
-      train.lambda_budget: {distribution: loguniform, low: 0.3, high: 3.0}
-      train.target_ratio:  {distribution: uniform, low: 0.2, high: 0.6}
+      train.budget.weight: {distribution: loguniform, low: 0.3, high: 3.0}
+      train.budget.target_ratio: {distribution: uniform, low: 0.2, high: 0.6}
       model.thresholds[0]: {distribution: uniform, low: 0.3, high: 0.7}   # one level
-      train.warmup_epochs: {distribution: int, low: 1, high: 3}
-      train.penalty:       {distribution: categorical, choices: [squared, hinge]}
+      train.policy.warmup_epochs: {distribution: int, low: 1, high: 3}
+      train.budget.penalty: {distribution: categorical, choices: [squared, hinge]}
       train.epochs: 3                                                    # fixed
     search:     {num_samples: 8, max_concurrent: 2, sampler: auto, seed: 0}
     stage_two:  {points: 4}            # threshold points per finished trial
@@ -56,6 +56,8 @@ from ..config import (
     resolve_config,
     set_dotted,
     split_key,
+    upgrade_dotted,
+    upgrade_flat,
 )
 
 log = logging.getLogger(__name__)
@@ -260,7 +262,7 @@ class ReferenceSettings:
             storage path, by the study's name; ``seed`` picks the seed's reference.
         seed: the study seed whose reference is used.
         train: settings (dotted config keys) over the base config for a reference
-            trained here, once: full resolution (``model.policy: full``), no recipe.
+            trained here, once: full resolution (``model.policy.kind: full``), no recipe.
             A later sweep whose reference settings are the same reuses it (it lives
             under ``<storage path>/references/``).
         converge_epochs, converge_points: the convergence check of a reference with a
@@ -536,6 +538,11 @@ def space_from_dict(
         )
     for item in overrides or []:
         _apply_space_override(raw, item, source)
+    # old key names read as the new ones: the parameters and the initial points that name them
+    raw["parameters"] = upgrade_dotted(raw["parameters"], f"{source} parameters")
+    points = (raw.get("search") or {}).get("initial_points") if isinstance(raw.get("search"), dict) else None
+    if isinstance(points, list):
+        raw["search"]["initial_points"] = [upgrade_flat(p) if isinstance(p, dict) else p for p in points]
     for key in raw:
         if key not in TOP_LEVEL:
             raise SearchSpaceError(source, str(key), f"unknown section{_did_you_mean(key, TOP_LEVEL)}")
@@ -623,6 +630,7 @@ def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
         key, value = parse_override(item)
         if split_key(key)[0][0] in SECTIONS or key == RECIPE_KEY:
             # a config value: fixed for this sweep, whether or not the file searches it
+            ((key, value),) = upgrade_dotted([(key, value)], "--set")
             raw["parameters"][key] = value
         else:
             set_dotted(raw, key, value)
@@ -1026,7 +1034,7 @@ def _validate_reference_config(space: SearchSpace) -> None:
     if not train:
         return
     try:
-        space.config({**train, RECIPE_KEY: "none", "model.policy": "full"}, name="reference", settings_only=True)
+        space.config({**train, RECIPE_KEY: "none", "model.policy.kind": "full"}, name="reference", settings_only=True)
     except ConfigError as exc:
         owner = next((k for k in train if ".".join(split_key(str(k))[0]) == exc.key), None)
         where = f"reference.train.{owner}" if owner is not None else "reference.train"

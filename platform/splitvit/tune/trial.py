@@ -86,9 +86,9 @@ class SweepPlan:
         space = self.space
         first = space.search.initial_points[0] if space.search.initial_points else {}
         params = space.decode({k: space.parameters[k].encode(v) for k, v in first.items()})
-        params["model.policy"] = policy
+        params["model.policy.kind"] = policy
         if policy != "full":
-            params.update({"train.target_ratio": space.baselines.target_ratio, "model.thresholds": "auto"})
+            params.update({"train.budget.target_ratio": space.baselines.target_ratio, "model.thresholds": "auto"})
         return params
 
     def run_uri(self, trial_id: str) -> str:
