@@ -266,7 +266,7 @@ def test_an_old_checkpoint_spec_with_flat_policy_keys_loads(tmp_path):
 def test_a_sweep_plan_saved_under_the_old_names_resumes_as_the_same_space():
     """A sweep's saved plan (its space's parameters, fixed values and initial points)
     from before the keys were grouped compares with today's space by the new names."""
-    from splitvit.tune.sweep import _upgrade_plan
+    from splitvit.tune.location import _upgrade_plan
 
     old = {
         "parameters": {
