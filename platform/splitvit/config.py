@@ -1294,8 +1294,18 @@ def validate(config: ExperimentConfig) -> None:
     or the dataset registry are :func:`splitvit.train.experiment.validate_experiment`'s,
     which runs this first.
     """
-    m, d, t, s, st, tr = config.model, config.data, config.train, config.scaling, config.storage, config.tracking
-    # --- train (the SPLIT objective's ranges are its sections' own)
+    _check_train(config)
+    _check_data(config.data)
+    _check_scaling(config.scaling)
+    _check_storage(config.storage)
+    _check_tracking(config.tracking)
+    _check_model(config)
+
+
+def _check_train(config: ExperimentConfig) -> None:
+    """The ``train`` section (the SPLIT objective's ranges are its sections' own), and the
+    model's policy section."""
+    m, t = config.model, config.train
     require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
     for key, value in (("epochs", t.policy.epochs), ("lead_epochs", t.policy.lead_epochs)):
         require(
@@ -1321,7 +1331,10 @@ def validate(config: ExperimentConfig) -> None:
         *((f"train.{f.name}", getattr(t, f.name)) for f in dataclasses.fields(SplitLossConfig)),
     ):
         build_dataclass(type(section), dataclasses.asdict(section), f"{where}.")
-    # --- data
+
+
+def _check_data(d: DataConfig) -> None:
+    """The ``data`` section."""
     require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
     require(
         d.eval_batch_size is None or d.eval_batch_size >= 1,
@@ -1332,7 +1345,10 @@ def validate(config: ExperimentConfig) -> None:
     require(d.val_split in ("val", "test"), "data.val_split", f"must be val or test, got {d.val_split!r}")
     for key in d.options:
         require(key != "image_size", "data.options.image_size", "set the image size with model.image_size")
-    # --- scaling
+
+
+def _check_scaling(s: ScalingConfig) -> None:
+    """The ``scaling`` section."""
     require(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
     for key, value in s.resources_per_worker.items():
         require(value >= 0, f"scaling.resources_per_worker.{key}", f"must be >= 0, got {value}")
@@ -1341,7 +1357,10 @@ def validate(config: ExperimentConfig) -> None:
         "scaling.placement_strategy",
         f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}",
     )
-    # --- storage
+
+
+def _check_storage(st: StorageConfig) -> None:
+    """The ``storage`` section."""
     if st.is_remote:
         require(
             st.path.startswith("s3://") and len(st.path) > len("s3://"),
@@ -1358,10 +1377,18 @@ def validate(config: ExperimentConfig) -> None:
         "storage.num_to_keep",
         f"must be >= 1 or null, got {st.num_to_keep}",
     )
-    # --- tracking
+
+
+def _check_tracking(tr: TrackingConfig) -> None:
+    """The ``tracking`` section."""
     require(bool(tr.experiment), "tracking.experiment", "must not be empty")
     require(tr.split_map_images >= 0, "tracking.split_map_images", f"must be >= 0, got {tr.split_map_images}")
-    # --- model: what needs no timm and no model (validate_experiment checks the rest)
+
+
+def _check_model(config: ExperimentConfig) -> None:
+    """The ``model`` section, as far as it needs no timm and no model (``validate_experiment``
+    checks the rest), and the teacher against the task."""
+    m, t = config.model, config.train
     require(m.num_classes >= 1, "model.num_classes", f"must be >= 1, got {m.num_classes}")
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")

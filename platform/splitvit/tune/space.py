@@ -809,8 +809,18 @@ def _pareto(raw: Any, source: str) -> ParetoSettings:
 
 
 def _validate_settings(space: SearchSpace) -> None:
-    src = space.source
+    """Every section's ranges and names, each mistake a :class:`SearchSpaceError` naming its key."""
     _normalize_points(space)
+    _check_search(space)
+    _check_initial_points(space)
+    _check_stage_two(space)
+    _check_baselines(space)
+    _check_outputs(space)
+
+
+def _check_search(space: SearchSpace) -> None:
+    """The ``search`` section: the budget, the sampler, the scheduler, each trial's resources."""
+    src = space.source
     s = space.search
     if s.num_samples < 1:
         raise SearchSpaceError(src, "search.num_samples", f"must be >= 1, got {s.num_samples}")
@@ -848,6 +858,12 @@ def _validate_settings(space: SearchSpace) -> None:
             "ask for some resource, e.g. {CPU: 0.5}: the trial's driver function only waits "
             "for its training workers, so a fraction of a CPU is enough",
         )
+
+
+def _check_initial_points(space: SearchSpace) -> None:
+    """``search.initial_points``: each a value for every searched parameter, inside its range."""
+    src = space.source
+    s = space.search
     for i, point in enumerate(s.initial_points or ()):
         key = f"search.initial_points[{i}]"
         if not isinstance(point, dict):
@@ -865,6 +881,11 @@ def _validate_settings(space: SearchSpace) -> None:
                 raise SearchSpaceError(
                     src, f"{key}.{name}", f"{value!r} is outside {space.parameters[name].describe()}"
                 )
+
+
+def _check_stage_two(space: SearchSpace) -> None:
+    """The ``stage_two`` section (and the baselines' evaluation samples, checked alike)."""
+    src = space.source
     t = space.stage_two
     if t.points < 0:
         raise SearchSpaceError(src, "stage_two.points", f"must be >= 0, got {t.points}")
@@ -882,6 +903,11 @@ def _validate_settings(space: SearchSpace) -> None:
     for key, samples in (("stage_two.samples", t.samples), ("baselines.samples", space.baselines.samples)):
         if samples is not None and samples < 1:
             raise SearchSpaceError(src, key, f"must be >= 1 or null, got {samples}")
+
+
+def _check_baselines(space: SearchSpace) -> None:
+    """The ``baselines`` section."""
+    src = space.source
     b = space.baselines
     for i, value in enumerate(b.entropy_thresholds):
         if not 0.0 <= value <= 1.0:
@@ -893,6 +919,11 @@ def _validate_settings(space: SearchSpace) -> None:
     for i, value in enumerate(b.ratios):
         if not 0.0 < value <= 1.0:
             raise SearchSpaceError(src, f"baselines.ratios[{i}]", f"{value} is outside (0, 1]")
+
+
+def _check_outputs(space: SearchSpace) -> None:
+    """What the sweep writes: the ``evaluation``, ``pareto``, ``speed`` and ``mlflow`` sections."""
+    src = space.source
     e = space.evaluation
     if e.split is not None and e.split not in ("train", "val", "test"):
         raise SearchSpaceError(src, "evaluation.split", f"expected test (or val, train) or null, got {e.split!r}")
