@@ -18,7 +18,6 @@ MLflow is optional (a lent GPU machine may have none): pass ``tracking_uri``.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import copy
 import json
 import logging
 import math
@@ -29,14 +28,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig
 from .execute import StudyResult, execute_study, study_name
 from .report import study_figure
-from .runs import STUDY_RESULT_FILE, RunTrainer, run_name, study_run
+from .runs import STUDY_RESULT_FILE, BackboneRun, RunFailure, RunOutcome, RunTrainer, run_name, study_run
 from .spec import StudySpec, load_study
 
 log = logging.getLogger(__name__)
@@ -189,9 +188,9 @@ def _pool_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _failure(params: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+def _failure(params: dict[str, Any], exc: BaseException) -> RunFailure:
     log.error("run %s failed: %r", params, exc)
-    return {"config": params, "error": repr(exc)}
+    return RunFailure(params, repr(exc))
 
 
 @dataclass
@@ -222,10 +221,10 @@ class LocalExecutor:
         runs: list[dict[str, Any]],
         stage: str,
         backbones: dict[int, str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[RunOutcome]:
         """:func:`~splitvit.study.runs.study_run` for each of ``runs``, in order."""
         started = time.time()
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, RunOutcome] = {}
         submitted: dict[int, futures.Future] = {}
         for index, params in enumerate(runs):
             folder = Path(storage) / run_name(int(params["seed"]), params.get("method"))
@@ -321,7 +320,7 @@ class LocalStudyResult:
     backbone_seconds: float | None  # the backbones' stage
     backbone_epochs: int | None
     method_epochs: int | None
-    backbones: list[dict[str, Any]]  # the finished backbones' stored results (their config left out)
+    backbones: list[BackboneRun]  # the finished backbones' stored results (their config left out)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON of ``infra/gpu-check/single_gpu_study.py``: the study's keys, then the
@@ -334,7 +333,7 @@ class LocalStudyResult:
             "backbone_seconds": self.backbone_seconds,
             "backbone_epochs": self.backbone_epochs,
             "method_epochs": self.method_epochs,
-            "backbones": copy.deepcopy(self.backbones),
+            "backbones": [backbone.to_dict() for backbone in self.backbones],
         }
 
 
@@ -399,7 +398,7 @@ def run_study_local(
         backbone_seconds=executor.seconds.get("backbones"),
         backbone_epochs=spec.backbone.get("train.epochs"),
         method_epochs=spec.method.get("train.epochs"),
-        backbones=[{k: v for k, v in b.items() if k != "config"} for b in backbones],
+        backbones=[replace(b, config=None) for b in backbones],
     )
 
 
