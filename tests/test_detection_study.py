@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from splitvit.bench.speed import SpeedRecord, time_operating_points
+from splitvit.bench.speed import OperatingPoint, SpeedRecord, time_operating_points
 from splitvit.study.goals import CompanionGap, GoalVerdicts, ParityVerdict, StudyRow, aggregate, check_goals
 from splitvit.study.runs import MethodRun
 from splitvit.study.spec import Goals
@@ -74,7 +74,7 @@ def test_a_detectors_points_are_timed_whole_and_backbone_alone_against_full_reso
     evaluator = CheckpointEvaluator(checkpoints["learned"])
     thresholds = evaluator.calibrate(evaluator.first_images(4), 0.5)
     record = time_operating_points(
-        [{"checkpoint": checkpoints["learned"], "thresholds": thresholds, "label": "split"}],
+        [OperatingPoint(checkpoints["learned"], thresholds, label="split")],
         full_checkpoint=checkpoints["full"],
         batch_size=2,
         rounds=2,

@@ -295,7 +295,7 @@ def points_speed(spec: StudySpec, runs: list[MethodRun], run: Runner = _here) ->
     Returns the timing record, its points labelled with their method, target ratio and
     seed (``None`` when there is no full-resolution run or nothing to time).
     """
-    from ..bench.speed import spread, time_operating_points
+    from ..bench.speed import OperatingPoint, spread, time_operating_points
 
     full = _full_method(spec)
     seeds = sorted(int(r.seed) for r in runs if r.method == full)
@@ -312,18 +312,18 @@ def points_speed(spec: StudySpec, runs: list[MethodRun], run: Runner = _here) ->
     if spec.speed_max_points is not None and baselines:
         left = spec.speed_max_points - sum(len(by_method[m].points) for m in recipes)
         share = max(1, left // len(baselines))
-    operating: list[dict[str, Any]] = []  # what time_operating_points takes
+    operating: list[OperatingPoint] = []
     labels: list[tuple[str, float | None]] = []  # each point's method and target ratio
     for method in others:
         stored = sorted(by_method[method].points, key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0))
         for point in stored if method in recipes else spread(stored, share):
             operating.append(
-                {
-                    "checkpoint": by_method[method].checkpoint,
-                    "thresholds": point.get("thresholds"),
-                    "budget": point["target_ratio"],  # what a budget-conditioned policy was told
-                    "label": f"{method}@{point['target_ratio']}",
-                }
+                OperatingPoint(
+                    checkpoint=by_method[method].checkpoint,
+                    thresholds=point.get("thresholds"),
+                    budget=point["target_ratio"],  # what a budget-conditioned policy was told
+                    label=f"{method}@{point['target_ratio']}",
+                )
             )
             labels.append((method, point["target_ratio"]))
     record: SpeedRecord = run(

@@ -104,7 +104,7 @@ def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best:
     Returns the timing record's JSON (:meth:`~splitvit.bench.speed.SpeedRecord.to_dict`, each
     point labelled with its ``run_id``, ``trial_id`` and ``kind``), or ``None`` when nothing
     could be timed (logged)."""
-    from ..bench.speed import spread, time_operating_points
+    from ..bench.speed import OperatingPoint, spread, time_operating_points
 
     s = space.speed
     chosen = spread([p for p in front if p.checkpoint], s.max_points)
@@ -115,7 +115,7 @@ def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best:
         record = run_evaluation(
             plan.trial_config({}, reference.trial_id),
             time_operating_points,
-            [{"checkpoint": p.checkpoint, "thresholds": p.thresholds, "label": p.run_id or p.trial_id} for p in chosen],
+            [OperatingPoint(p.checkpoint, p.thresholds, label=p.run_id or p.trial_id) for p in chosen],
             full_checkpoint=reference.checkpoint,
             batch_size=s.batch_size,
             rounds=s.rounds,
