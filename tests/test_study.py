@@ -34,6 +34,7 @@ from splitvit.study.runs import STUDY_RESULT_FILE, BackboneRun, MethodRun, stale
 from splitvit.study.spec import Goals, StudyError, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
 from splitvit.train.checkpoints import init_weights
+from splitvit.train.trial import TrainedRun
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -281,7 +282,7 @@ def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
 
     class Interrupted:  # a trainer stopped before its run finished
         def train(self, config):
-            return {"status": "interrupted", "metrics": {}, "checkpoint": None, "message": "stopped"}
+            return TrainedRun("interrupted", {}, None, "stopped")
 
         def evaluate(self, config, fn, *args, **kwargs):
             raise AssertionError("an unfinished run is not evaluated")
@@ -308,13 +309,7 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
             self.evaluated = []
 
         def train(self, config):
-            return {
-                "status": "completed",
-                "metrics": {"accuracy": 0.5},
-                "checkpoint": "ckpt",
-                "message": "",
-                "history": [{"accuracy": 0.5}],
-            }
+            return TrainedRun("completed", {"accuracy": 0.5}, "ckpt", history=[{"accuracy": 0.5}])
 
         def evaluate(self, config, fn, *args, **kwargs):
             self.evaluated.append(kwargs["ratios"])

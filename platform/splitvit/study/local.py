@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig
+from ..train.trial import TrainedRun
 from .execute import StudyResult, execute_study, study_name
 from .report import study_figure
 from .runs import STUDY_RESULT_FILE, BackboneRun, RunFailure, RunOutcome, RunTrainer, run_name, study_run
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def fit_config_local(
     config: ExperimentConfig, device: str, epoch_hook: Callable[[int, Any], None] | None = None
-) -> dict[str, Any]:
+) -> TrainedRun:
     """Train ``config`` in this process on ``device`` (:func:`~splitvit.train.local.fit_local`
     with the config's phases and schedule, as the Ray loop runs them: ``train.policy_lead_epochs``,
     ``train.epochs``, ``train.policy_epochs``) into its run folder (``storage.path``/``storage.name``):
@@ -51,7 +52,7 @@ def fit_config_local(
     there) is not trained again. A detector (``model.task: detection``) validates by
     COCO's box and mask AP, as on Ray. ``epoch_hook(epoch, model)``: called before each epoch.
 
-    Returns what a :class:`~splitvit.study.runs.RunTrainer` returns, plus ``history``
+    Returns what a :class:`~splitvit.study.runs.RunTrainer` returns, with ``history``
     (the per-epoch training and validation figures), ``steps`` and ``train_seconds``.
     """
     import torch
@@ -71,13 +72,14 @@ def fit_config_local(
     checkpoint, history_file = folder / MODEL_FILE, folder / HISTORY_FILE
     if checkpoint.is_file() and history_file.is_file():
         record = json.loads(history_file.read_text())
-        return {
-            "status": "completed",
-            "metrics": record["history"][-1],
-            "checkpoint": str(checkpoint),
-            "message": "",
-            **record,
-        }
+        return TrainedRun(
+            "completed",
+            record["history"][-1],
+            str(checkpoint),
+            history=record["history"],
+            train_seconds=record.get("train_seconds"),
+            steps=record.get("steps"),
+        )
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(dc.seed * 1000)  # as rank 0 of the Ray loop
     model = build_model(mc)
@@ -150,19 +152,21 @@ def fit_config_local(
     )
     loss = history[-1].get("train_loss", 0.0)
     if not math.isfinite(loss):  # fit_local does not stop on a non-finite loss: keep no checkpoint of it
-        return {
-            "status": "diverged",
-            "metrics": history[-1],
-            "checkpoint": None,
-            "message": f"non-finite training loss {loss} in the last epoch",
-        }
+        return TrainedRun("diverged", history[-1], None, f"non-finite training loss {loss} in the last epoch")
     model.save(
         checkpoint,
         extra={"epoch": tc.total_epochs - 1, "metrics": history[-1], "config": config.to_dict(redact=True)},
     )
     record = {"history": history, "train_seconds": time.time() - started, "steps": tc.total_epochs * steps_per_epoch}
     history_file.write_text(json.dumps(record, default=float))  # last: its presence says training finished
-    return {"status": "completed", "metrics": history[-1], "checkpoint": str(checkpoint), "message": "", **record}
+    return TrainedRun(
+        "completed",
+        history[-1],
+        str(checkpoint),
+        history=history,
+        train_seconds=record["train_seconds"],
+        steps=record["steps"],
+    )
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ class LocalTrainer:
 
     device: str = "cuda"
 
-    def train(self, config: ExperimentConfig) -> dict[str, Any]:
+    def train(self, config: ExperimentConfig) -> TrainedRun:
         """:func:`fit_config_local` of ``config`` on :attr:`device`."""
         return fit_config_local(config, self.device)
 

@@ -16,11 +16,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import ExperimentConfig, inert_keys
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from .spec import StudySpec
+
+if TYPE_CHECKING:
+    from ..train.trial import TrainedRun
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +217,9 @@ def begun_runs(spec: StudySpec, storage: str, methods: Sequence[str | None]) -> 
 class RunTrainer(Protocol):
     """How one run of a study is trained, and where its evaluations run."""
 
-    def train(self, config: ExperimentConfig) -> dict[str, Any]:
-        """Train ``config``: ``status`` (``completed``, or why not), ``metrics`` (the last
-        epoch's), ``checkpoint`` (``None`` without one), ``message``, and any further keys
-        to store with the run (e.g. per-epoch ``history``)."""
+    def train(self, config: ExperimentConfig) -> TrainedRun:
+        """Train ``config``: how it ended, the last epoch's figures, the checkpoint
+        (``None`` without one) and what is stored with the run (per-epoch ``history``)."""
         ...
 
     def evaluate(self, config: ExperimentConfig, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -230,7 +232,7 @@ class RayTrainer:
     """Ray Train, inside a Tune trial (:func:`~splitvit.train.trial.fit_trial`); evaluations
     where training ran (:func:`~splitvit.train.trial.run_evaluation`: a GPU task for GPU runs)."""
 
-    def train(self, config: ExperimentConfig) -> dict[str, Any]:
+    def train(self, config: ExperimentConfig) -> TrainedRun:
         """:func:`~splitvit.train.trial.fit_trial`."""
         from ..train.trial import fit_trial
 
@@ -241,9 +243,6 @@ class RayTrainer:
         from ..train.trial import run_evaluation
 
         return run_evaluation(config, fn, *args, **kwargs)
-
-
-_TRAINED = ("status", "metrics", "checkpoint", "message")  # what every trainer returns; the rest is stored as is
 
 
 def study_run(
@@ -289,41 +288,39 @@ def study_run(
     # what an interrupted run would resume with, for the next invocation's stale check
     write_bytes(join_uri(run_uri, STUDY_STARTED_FILE), json.dumps({"config": config.flat()}, default=float).encode())
     trained = trainer.train(config)
-    if trained["status"] != "completed" or trained["checkpoint"] is None:
-        raise TrialFailed(f"{'backbone ' if method is None else ''}{name} {trained['status']}: {trained['message']}")
-    extra = {k: v for k, v in trained.items() if k not in _TRAINED}
+    if trained.status != "completed" or trained.checkpoint is None:
+        raise TrialFailed(f"{'backbone ' if method is None else ''}{name} {trained.status}: {trained.message}")
     train_seconds = time.time() - started
+    # the trainer's own training time where it keeps one (the local trainer's), else this clock's
+    trained_for = train_seconds if trained.train_seconds is None else trained.train_seconds
     run: StudyRun
     if method is None:
-        run = BackboneRun.from_dict(
-            {
-                "seed": seed,
-                "checkpoint": trained["checkpoint"],
-                "metrics": trained["metrics"],
-                "train_seconds": train_seconds,
-                "run_uri": run_uri,
-                "config": config.flat(),
-                **extra,
-            }
+        run = BackboneRun(
+            seed=seed,
+            checkpoint=trained.checkpoint,
+            metrics=trained.metrics,
+            train_seconds=trained_for,
+            run_uri=run_uri,
+            config=config.flat(),
+            history=trained.history,
+            steps=trained.steps,
         )
     else:
-        policy = spec.policy(method)
-        points = _evaluate_run(spec, config, trainer, trained["checkpoint"], method, seed)
-        run = MethodRun.from_dict(
-            {
-                "seed": seed,
-                "method": method,
-                "policy": policy,
-                "checkpoint": trained["checkpoint"],
-                "train_metrics": trained["metrics"],
-                "points": points,
-                "train_seconds": train_seconds,
-                "eval_seconds": time.time() - started - train_seconds,
-                "run_uri": run_uri,
-                "config": config.flat(),
-                "evaluation": _evaluation(spec),
-                **extra,
-            }
+        points = _evaluate_run(spec, config, trainer, trained.checkpoint, method, seed)
+        run = MethodRun(
+            seed=seed,
+            method=method,
+            policy=spec.policy(method),
+            checkpoint=trained.checkpoint,
+            train_metrics=trained.metrics,
+            points=points,
+            train_seconds=trained_for,
+            eval_seconds=time.time() - started - train_seconds,
+            run_uri=run_uri,
+            config=config.flat(),
+            evaluation=_evaluation(spec),
+            history=trained.history,
+            steps=trained.steps,
         )
     _store(run_uri, run)
     return replace(run, reused=False, reevaluated=False)

@@ -122,21 +122,21 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     baseline = sampled.get(BASELINE_KEY)
     started = time.time()
     trained = fit_trial(config)
-    if trained["status"] != "completed":
-        raise TrialDiverged(f"diverged: {trained['message']} (last good checkpoint {trained['checkpoint']})")
-    metrics = trained["metrics"]
+    if trained.status != "completed":
+        raise TrialDiverged(f"diverged: {trained.message} (last good checkpoint {trained.checkpoint})")
+    metrics = trained.metrics
     quality, tokens = metrics.get(metric), metrics.get("tokens_per_image")
     if quality is None or tokens is None or not (math.isfinite(quality) and math.isfinite(tokens)):
         raise TrialDiverged(f"diverged: non-finite objectives {metric}={quality}, tokens_per_image={tokens}")
-    if trained["checkpoint"] is None:
+    if trained.checkpoint is None:
         raise TrialFailed("training reported no checkpoint")
-    thresholds = trained_thresholds(config, trained["checkpoint"])
+    thresholds = trained_thresholds(config, trained.checkpoint)
     train_seconds = time.time() - started
 
     points: list[dict[str, Any]] = []
     stage = space.stage_two
     if baseline:
-        points = _baseline_points(plan, config, str(baseline), trained["checkpoint"])
+        points = _baseline_points(plan, config, str(baseline), trained.checkpoint)
     elif stage.points > 0 or stage.ratios:
         # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
         # sampled values are not, for a seeded sampler)
@@ -146,7 +146,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         points = run_evaluation(
             config,
             _stage_two_task,
-            trained["checkpoint"],
+            trained.checkpoint,
             points=stage.points,
             low=stage.low,
             high=stage.high,
@@ -168,7 +168,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "train_loss": float(metrics.get("train_loss", float("nan"))),
         "epochs": int(metrics.get("epoch", config.train.total_epochs - 1)) + 1,
         "thresholds": thresholds,
-        "checkpoint": trained["checkpoint"],
+        "checkpoint": trained.checkpoint,
         "run_uri": run_uri,
         # JSON text, not a list of mappings: Tune's TensorBoard logger would try to
         # draw a list as a histogram
