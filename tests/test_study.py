@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ from splitvit.study.goals import (
     study_time,
 )
 from splitvit.study.report import lever_lines, reuse_phrase, summary_lines, training_pace_line
-from splitvit.study.runs import STUDY_RESULT_FILE, BackboneRun, MethodRun, stale_runs, study_run
+from splitvit.study.runs import STUDY_RESULT_FILE, BackboneRun, MethodRun, RunRequest, stale_runs, study_run
 from splitvit.study.spec import Goals, StudyError, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
 from splitvit.train.checkpoints import init_weights
@@ -293,7 +293,7 @@ def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
     backbone.parent.mkdir(parents=True)
     backbone.touch()  # the trainer never reads it
     with pytest.raises(TrialFailed, match="split-s0 interrupted"):
-        study_run(spec, storage, {"seed": 0, "method": "split"}, Interrupted(), backbones={0: str(backbone.parent)})
+        study_run(spec, storage, RunRequest(0, "split"), Interrupted(), backbones={0: str(backbone.parent)})
     assert stale_runs(spec, storage) == []  # the same settings: it resumes
     changed = load_study(write_study(tmp_path, method={"train.epochs": 3}))
     assert stale_runs(changed, storage) == ["split-s0 (unfinished; train.epochs)"]
@@ -321,7 +321,7 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
     backbone.parent.mkdir(parents=True)
     backbone.touch()  # the trainer never reads it
     trainer = Recorded()
-    params = {"seed": 0, "method": "split"}
+    params = RunRequest(0, "split")
     first = study_run(spec, storage, params, trainer, backbones={0: str(backbone.parent)})
     assert not first.reused and not first.reevaluated and trainer.evaluated == [[0.25, 0.5]]
     assert study_run(spec, storage, params, trainer, backbones={0: str(backbone.parent)}).reevaluated is False
@@ -634,6 +634,81 @@ def test_init_from_must_exist(tmp_path):
 
     with pytest.raises(ConfigError, match="model.init_from"):
         load_config(SMOKE, [f"model.init_from={tmp_path / 'nothing'}"])
+
+
+# ----------------------------------------------------------------- the study's one code path
+class _Fitted:
+    """A trainer that trains nothing: each run's checkpoint an empty ``model.pt``, its
+    figures made up; ``fail`` names a method whose training raises."""
+
+    def __init__(self, fail: str | None = None):
+        self.fail = fail
+
+    def train(self, config):
+        from splitvit.train.trial import TrainedRun
+
+        if config.storage.name.split("-s")[0] == self.fail:
+            raise RuntimeError(f"{config.storage.name} broke")
+        folder = Path(config.storage.resolved_path()) / config.storage.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.pt").touch()
+        history = [{"epoch": e, "accuracy": 0.8, "train_images_per_s": 100.0} for e in range(2)]
+        return TrainedRun("completed", history[-1], str(folder), history=history)
+
+    def evaluate(self, config, fn, *args, **kwargs):
+        ratios = kwargs["ratios"] or [None]  # full resolution: one point
+        return [
+            {"target_ratio": r, "quality": 0.8, "tokens_per_image": 64 * (r or 1.0), "token_ratio": r or 1.0}
+            | {"images_per_s": 100.0, "images": 64, "thresholds": None if r is None else [0.5]}
+            for r in ratios
+        ]
+
+
+@dataclass
+class _InProcess:
+    """A study executor running every run here, a failed one as its RunFailure."""
+
+    trainer: _Fitted
+
+    def start(self, spec):
+        pass
+
+    def run(self, spec, storage, runs, stage, backbones=None):
+        from splitvit.study.runs import RunFailure
+
+        out = []
+        for request in runs:
+            try:
+                out.append(study_run(spec, storage, request, self.trainer, backbones))
+            except RuntimeError as exc:
+                out.append(RunFailure(request, str(exc)))
+        return out
+
+
+def test_execute_study_carries_typed_runs_from_each_stage_to_the_json_and_reuses_them(tmp_path):
+    """The one code path with a trainer that trains nothing: the backbones' and method
+    runs' records reach the result, a failed run its line, and the JSON reads back; a
+    second invocation reuses every finished run."""
+    from splitvit.study.execute import execute_study
+
+    spec = load_study(write_study(tmp_path, speed={"enabled": False}))
+    study_dir = str(tmp_path / "study")
+    result, backbones = execute_study(spec, _InProcess(_Fitted(fail="entropy")), name="s", study_dir=study_dir)
+    assert [type(b) for b in backbones] == [BackboneRun] and backbones[0].config is not None
+    assert sorted(r.method for r in result.runs) == ["full", "split"] and all(r.config is None for r in result.runs)
+    assert result.failed == ["entropy seed 0: entropy-s0 broke"]
+    assert result.goals.reference_converged.met and result.goals.study_time.reference_images_per_s == 100.0
+    data = json.loads(json.dumps(result.to_dict()))
+    assert all(set(r) == RUN_KEYS for r in data["runs"]) and StudyResult.from_dict(data).to_dict() == data
+    stored = json.loads((tmp_path / "study" / "train" / "split-s0" / STUDY_RESULT_FILE).read_text())
+    assert stored == {k: v for k, v in data["runs"][0].items() if k not in ("reused", "reevaluated")} | {
+        "config": stored["config"]
+    }
+
+    again, _ = execute_study(spec, _InProcess(_Fitted()), name="s", study_dir=study_dir)
+    reused = {r.method: (r.reused, r.reevaluated) for r in again.runs}
+    assert reused == {"full": (True, False), "split": (True, False), "entropy": (False, False)}
+    assert reuse_phrase(again.runs) == " (2 finished earlier, reused)" and not again.failed
 
 
 # ----------------------------------------------------------------- end to end

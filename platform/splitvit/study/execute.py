@@ -34,6 +34,7 @@ from .runs import (
     MethodRun,
     RunFailure,
     RunOutcome,
+    RunRequest,
     RunTrainer,
     begun_runs,
     finished_run,
@@ -128,12 +129,12 @@ class StudyExecutor(Protocol):
         self,
         spec: StudySpec,
         storage: str,
-        runs: list[dict[str, Any]],
+        runs: list[RunRequest],
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[RunOutcome]:
-        """:func:`~splitvit.study.runs.study_run` for each of ``runs`` (its ``seed``; and
-        ``method`` in the ``methods`` stage, where ``backbones`` maps seeds to
+        """:func:`~splitvit.study.runs.study_run` for each of ``runs`` (a backbone; or
+        a method in the ``methods`` stage, where ``backbones`` maps seeds to
         checkpoints); one result per run, in order, a :class:`~splitvit.study.runs.RunFailure`
         for a failed one. Runs an earlier invocation finished are not among them."""
         ...
@@ -254,16 +255,14 @@ def _run_stages(
     """The backbones, then every method of every seed with a finished backbone (the
     costliest methods first, so the last runs to finish are short ones). Returns the
     finished backbones' and method runs' stored results, and a line per failed run."""
-    backbones = _run_stage(spec, executor, reference_storage, [{"seed": s} for s in spec.seeds], "backbones")
+    backbones = _run_stage(spec, executor, reference_storage, [RunRequest(s) for s in spec.seeds], "backbones")
     finished = [b for b in backbones if isinstance(b, BackboneRun)]
     ready = {int(b.seed): b.checkpoint for b in finished}
-    failed = [f"backbone seed {b.params.get('seed')}: {b.error}" for b in backbones if isinstance(b, RunFailure)]
+    failed = [f"backbone seed {b.run.seed}: {b.error}" for b in backbones if isinstance(b, RunFailure)]
     order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
-    methods = [{"seed": s, "method": m} for m in order for s in sorted(ready)]  # method-major: costliest first
+    methods = [RunRequest(s, m) for m in order for s in sorted(ready)]  # method-major: costliest first
     runs = _run_stage(spec, executor, train_storage, methods, "methods", ready) if ready else []
-    failed += [
-        f"{r.params.get('method')} seed {r.params.get('seed')}: {r.error}" for r in runs if isinstance(r, RunFailure)
-    ]
+    failed += [f"{r.run.method} seed {r.run.seed}: {r.error}" for r in runs if isinstance(r, RunFailure)]
     return finished, [r for r in runs if isinstance(r, MethodRun)], failed
 
 
@@ -271,14 +270,14 @@ def _run_stage(
     spec: StudySpec,
     executor: StudyExecutor,
     storage: str,
-    runs: list[dict[str, Any]],
+    runs: list[RunRequest],
     stage: str,
     backbones: dict[int, str] | None = None,
 ) -> list[RunOutcome]:
     """Each of ``runs``' results, in order: a run an earlier invocation finished is read
     here (no Ray trial or process started for it); the rest go to ``executor``."""
     results: dict[int, RunOutcome] = {
-        i: r for i, params in enumerate(runs) if (r := finished_run(spec, storage, params)) is not None
+        i: r for i, run in enumerate(runs) if (r := finished_run(spec, storage, run)) is not None
     }
     todo = [i for i in range(len(runs)) if i not in results]
     if results:

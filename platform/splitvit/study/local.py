@@ -36,7 +36,7 @@ from ..config import ExperimentConfig
 from ..train.trial import TrainedRun
 from .execute import StudyResult, execute_study, study_name
 from .report import study_figure
-from .runs import STUDY_RESULT_FILE, BackboneRun, RunFailure, RunOutcome, RunTrainer, run_name, study_run
+from .runs import STUDY_RESULT_FILE, BackboneRun, RunFailure, RunOutcome, RunRequest, RunTrainer, study_run
 from .spec import StudySpec, load_study
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,9 @@ def _pool_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _failure(params: dict[str, Any], exc: BaseException) -> RunFailure:
-    log.error("run %s failed: %r", params, exc)
-    return RunFailure(params, repr(exc))
+def _failure(run: RunRequest, exc: BaseException) -> RunFailure:
+    log.error("run %s failed: %r", run.to_dict(), exc)
+    return RunFailure(run, repr(exc))
 
 
 @dataclass
@@ -222,7 +222,7 @@ class LocalExecutor:
         self,
         spec: StudySpec,
         storage: str,
-        runs: list[dict[str, Any]],
+        runs: list[RunRequest],
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[RunOutcome]:
@@ -230,17 +230,15 @@ class LocalExecutor:
         started = time.time()
         results: dict[int, RunOutcome] = {}
         submitted: dict[int, futures.Future] = {}
-        for index, params in enumerate(runs):
-            folder = Path(storage) / run_name(int(params["seed"]), params.get("method"))
+        for index, run in enumerate(runs):
+            folder = Path(storage) / run.name
             if self.workers <= 1 or (folder / STUDY_RESULT_FILE).is_file():
                 try:
-                    results[index] = study_run(spec, storage, params, self.trainer, backbones)
+                    results[index] = study_run(spec, storage, run, self.trainer, backbones)
                 except Exception as exc:  # noqa: BLE001 - reported as the run's failure; the others go on
-                    results[index] = _failure(params, exc)
+                    results[index] = _failure(run, exc)
             else:
-                submitted[index] = self._pool_executor().submit(
-                    study_run, spec, storage, params, self.trainer, backbones
-                )
+                submitted[index] = self._pool_executor().submit(study_run, spec, storage, run, self.trainer, backbones)
         for index, job in submitted.items():
             try:
                 results[index] = job.result()

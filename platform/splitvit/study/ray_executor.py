@@ -16,7 +16,7 @@ from ..errors import error_line
 from ..storage import join_uri
 from ..train.console import Progress, ray_console, tune_verbosity
 from .execute import StudyResult, execute_study, study_name
-from .runs import RayTrainer, RunOutcome, RunTrainer, outcome_from_dict, study_run
+from .runs import RayTrainer, RunOutcome, RunRequest, RunTrainer, outcome_from_dict, study_run
 from .spec import StudyError, StudySpec, load_study
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def backbone_trial(config: dict[str, Any], spec: StudySpec, storage: str) -> Non
     (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
     from ray import tune
 
-    result = study_run(spec, storage, config[RUN_KEY], RayTrainer())
+    result = study_run(spec, storage, RunRequest.from_dict(config[RUN_KEY]), RayTrainer())
     tune.report({"done": 1, "result": json.dumps(result.to_dict(), default=float)})
 
 
@@ -39,7 +39,7 @@ def method_trial(config: dict[str, Any], spec: StudySpec, storage: str, backbone
     (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
     from ray import tune
 
-    result = study_run(spec, storage, config[RUN_KEY], RayTrainer(), backbones)
+    result = study_run(spec, storage, RunRequest.from_dict(config[RUN_KEY]), RayTrainer(), backbones)
     tune.report({"done": 1, "result": json.dumps(result.to_dict(), default=float)})
 
 
@@ -183,7 +183,7 @@ class TuneExecutor:
         self,
         spec: StudySpec,
         storage: str,
-        runs: list[dict[str, Any]],
+        runs: list[RunRequest],
         stage: str,
         backbones: dict[int, str] | None = None,
     ) -> list[RunOutcome]:
@@ -194,7 +194,7 @@ class TuneExecutor:
             trainable = tune.with_parameters(backbone_trial, spec=spec, storage=storage)
         else:
             trainable = tune.with_parameters(method_trial, spec=spec, storage=storage, backbones=backbones)
-        reported = _tune_grid(trainable, runs, spec, self.study_dir, f"{stage}-{self.stamp}")
+        reported = _tune_grid(trainable, [r.to_dict() for r in runs], spec, self.study_dir, f"{stage}-{self.stamp}")
         return [outcome_from_dict(result) for result in reported]
 
 

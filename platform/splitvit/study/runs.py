@@ -39,6 +39,29 @@ def run_name(seed: int, method: str | None) -> str:
 
 # ---------------------------------------------------------------------- the records
 @dataclass(frozen=True)
+class RunRequest:
+    """A run to make: seed ``seed``'s backbone (``method`` ``None``) or that method
+    trained from it."""
+
+    seed: int
+    method: str | None = None
+
+    @property
+    def name(self) -> str:
+        """Its folder's name (:func:`run_name`)."""
+        return run_name(self.seed, self.method)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"seed": ...}``, with ``"method"`` for a method run (a Tune trial's parameters)."""
+        return {"seed": self.seed} if self.method is None else {"seed": self.seed, "method": self.method}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRequest:
+        """The inverse of :meth:`to_dict`."""
+        return cls(int(data["seed"]), None if data.get("method") is None else str(data["method"]))
+
+
+@dataclass(frozen=True)
 class BackboneRun:
     """A seed's finished backbone (the reference its methods fine-tune from), as stored
     in its run folder (:data:`STUDY_RESULT_FILE`) and returned by :func:`study_run`.
@@ -99,14 +122,14 @@ class MethodRun:
 
 @dataclass(frozen=True)
 class RunFailure:
-    """A run that did not finish: its parameters and the error, in one line."""
+    """A run that did not finish, and the error in one line."""
 
-    params: dict[str, Any]  # the run's seed (and method)
+    run: RunRequest
     error: str
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"config": params, "error": error}``."""
-        return {"config": dict(self.params), "error": self.error}
+        """``{"config": <the run's parameters>, "error": error}``."""
+        return {"config": self.run.to_dict(), "error": self.error}
 
 
 StudyRun = BackboneRun | MethodRun
@@ -122,7 +145,7 @@ def run_from_dict(data: dict[str, Any]) -> StudyRun:
 def outcome_from_dict(data: dict[str, Any]) -> RunOutcome:
     """A run's outcome read back (e.g. from a Tune trial's report): a failure where it
     has an ``error``, else the run."""
-    return RunFailure(data["config"], data["error"]) if "error" in data else run_from_dict(data)
+    return RunFailure(RunRequest.from_dict(data["config"]), data["error"]) if "error" in data else run_from_dict(data)
 
 
 def _record_dict(record: BackboneRun | MethodRun) -> dict[str, Any]:
@@ -246,10 +269,10 @@ class RayTrainer:
 
 
 def study_run(
-    spec: StudySpec, storage: str, params: dict[str, Any], trainer: RunTrainer, backbones: dict[int, str] | None = None
+    spec: StudySpec, storage: str, run: RunRequest, trainer: RunTrainer, backbones: dict[int, str] | None = None
 ) -> StudyRun:
-    """One run of the study, the same under every executor: seed ``params['seed']``'s
-    backbone, or with ``params['method']`` that method trained by ``trainer`` from the
+    """One run of the study, the same under every executor: seed ``run.seed``'s
+    backbone, or with ``run.method`` that method trained by ``trainer`` from the
     seed's backbone checkpoint (``backbones``) and evaluated at every matched token
     ratio on the held-out split (:func:`evaluate_points`). The result is stored in the
     run folder under ``storage`` (:data:`STUDY_RESULT_FILE`); a run an earlier
@@ -264,8 +287,7 @@ def study_run(
     """
     from ..train.trial import TrialFailed
 
-    seed, method = _run_of(params)
-    name = run_name(seed, method)
+    seed, method, name = run.seed, run.method, run.name
     run_uri = join_uri(storage, name)
     stored = stored_run(run_uri)
     if _reusable(spec, method, stored):
@@ -293,9 +315,9 @@ def study_run(
     train_seconds = time.time() - started
     # the trainer's own training time where it keeps one (the local trainer's), else this clock's
     trained_for = train_seconds if trained.train_seconds is None else trained.train_seconds
-    run: StudyRun
+    made: StudyRun
     if method is None:
-        run = BackboneRun(
+        made = BackboneRun(
             seed=seed,
             checkpoint=trained.checkpoint,
             metrics=trained.metrics,
@@ -307,7 +329,7 @@ def study_run(
         )
     else:
         points = _evaluate_run(spec, config, trainer, trained.checkpoint, method, seed)
-        run = MethodRun(
+        made = MethodRun(
             seed=seed,
             method=method,
             policy=spec.policy(method),
@@ -322,8 +344,8 @@ def study_run(
             history=trained.history,
             steps=trained.steps,
         )
-    _store(run_uri, run)
-    return replace(run, reused=False, reevaluated=False)
+    _store(run_uri, made)
+    return replace(made, reused=False, reevaluated=False)
 
 
 def _store(run_uri: str, run: StudyRun) -> None:
@@ -331,19 +353,12 @@ def _store(run_uri: str, run: StudyRun) -> None:
     write_bytes(join_uri(run_uri, STUDY_RESULT_FILE), json.dumps(run.to_dict(), default=float).encode())
 
 
-def finished_run(spec: StudySpec, storage: str, params: dict[str, Any]) -> StudyRun | None:
-    """What :func:`study_run` returns for a run (``params``: its ``seed``, and
-    ``method`` unless a backbone) that an earlier invocation finished, with this
-    study's evaluation settings for a method run: its stored result, ``reused``.
-    ``None`` when the run has training or evaluation to do."""
-    seed, method = _run_of(params)
-    stored = stored_run(join_uri(storage, run_name(seed, method)))
-    return replace(stored, reused=True, reevaluated=False) if _reusable(spec, method, stored) else None
-
-
-def _run_of(params: dict[str, Any]) -> tuple[int, str | None]:
-    """A run's seed and method (``None``: the seed's backbone) from its parameters."""
-    return int(params["seed"]), None if params.get("method") is None else str(params["method"])
+def finished_run(spec: StudySpec, storage: str, run: RunRequest) -> StudyRun | None:
+    """What :func:`study_run` returns for ``run`` where an earlier invocation finished
+    it, with this study's evaluation settings for a method run: its stored result,
+    ``reused``. ``None`` when the run has training or evaluation to do."""
+    stored = stored_run(join_uri(storage, run.name))
+    return replace(stored, reused=True, reevaluated=False) if _reusable(spec, run.method, stored) else None
 
 
 def _reusable(spec: StudySpec, method: str | None, stored: StudyRun | None) -> bool:
