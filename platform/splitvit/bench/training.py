@@ -407,6 +407,35 @@ def _time_steps(
     return samples, cpu_samples, others
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """Part A's figures of one training step: its timing (:func:`~splitvit.bench.timing.timing_summary`),
+    the tokens it kept and its ratios to the full-resolution step."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    images_per_s: float  # at the median
+    samples_s: list[float]
+    cpu_median_s: float  # process CPU seconds per step
+    cpu_samples_s: list[float]
+    token_fraction: float | None  # over the timed steps (None: the teacher's full-resolution pass)
+    tokens_per_image: float | None
+    ideal_ratio: float | None  # 1 / token_fraction
+    ratio_to_full: float  # medians
+    ratio_to_full_fastest: float  # fastest rounds
+    ratio_to_full_cpu_time: float | None  # median CPU seconds (None: none measured)
+    per_round: dict[str, Any]  # the per-round ratio's quartiles and ``values``
+    share_of_split_learned: float | None = None  # the teacher alone: its share of the learned step
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its part of the JSON (``steps``): ``share_of_split_learned`` only for the teacher."""
+        data = dataclasses.asdict(self)
+        if data["share_of_split_learned"] is None:
+            del data["share_of_split_learned"]
+        return data
+
+
 def _step_figures(
     samples: dict[str, list[float]],
     cpu_samples: dict[str, list[float]],
@@ -416,30 +445,36 @@ def _step_figures(
     warmup: int,
     batch: int,
     full_tokens: int,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, StepTiming]:
     """Step 4: per step its timing summary, token fraction over the timed steps, the
     ideal ratio, and its ratios to ``full`` (medians, fastest rounds, CPU time, per round)."""
-    steps: dict[str, dict[str, Any]] = {}
-    for name, s in samples.items():
+    summaries = {name: timing_summary(s, cpu_samples[name], batch) for name, s in samples.items()}
+    ref = summaries["full"]
+    steps: dict[str, StepTiming] = {}
+    for name, t in summaries.items():
         timed = records[name][warmup * steps_per_call.get(name, 1) :] if records[name] else []
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
-        steps[name] = {
-            **timing_summary(s, cpu_samples[name], batch),
-            "token_fraction": fraction,
-            "tokens_per_image": fraction * full_tokens,
-            "ideal_ratio": 1.0 / fraction,
-        }
-    ref = steps["full"]
-    for name, t in steps.items():
         rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
-        t["ratio_to_full"] = ref["median_s"] / t["median_s"]
-        t["ratio_to_full_fastest"] = ref["min_s"] / t["min_s"]
-        t["ratio_to_full_cpu_time"] = ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None
-        t["per_round"] = {**quartiles(rounds_ratio), "values": rounds_ratio}
+        steps[name] = StepTiming(
+            **t,
+            token_fraction=fraction,
+            tokens_per_image=fraction * full_tokens,
+            ideal_ratio=1.0 / fraction,
+            ratio_to_full=ref["median_s"] / t["median_s"],
+            ratio_to_full_fastest=ref["min_s"] / t["min_s"],
+            ratio_to_full_cpu_time=ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None,
+            per_round={**quartiles(rounds_ratio), "values": rounds_ratio},
+        )
     if "teacher" in steps and "split_learned" in steps:
-        steps["teacher"]["share_of_split_learned"] = steps["teacher"]["median_s"] / steps["split_learned"]["median_s"]
-        for key in ("token_fraction", "tokens_per_image", "ideal_ratio"):
-            steps["teacher"][key] = None  # a full-resolution pass, not a training step at some token count
+        teacher = steps["teacher"]
+        steps["teacher"] = dataclasses.replace(
+            teacher,
+            share_of_split_learned=teacher.median_s / steps["split_learned"].median_s,
+            # a full-resolution pass, not a training step at some token count
+            token_fraction=None,
+            tokens_per_image=None,
+            ideal_ratio=None,
+        )
     return steps
 
 
@@ -508,7 +543,7 @@ def run_step_benchmark(
         "load_average_start": load_start,
         "load_average_end": list(os.getloadavg()),
         "other_processes_cpus_during_timing": others,
-        "steps": steps,
+        "steps": {name: timing.to_dict() for name, timing in steps.items()},
         "warnings": warnings,
     }
 
