@@ -121,7 +121,7 @@ class SweepCallback(tune.Callback):
             metric,
             final.get(metric, float("nan")),
             final.get("tokens_per_image", float("nan")),
-            len(threshold_points(final)),
+            len(threshold_points(final, metric)),
         )
         self.progress.update(done)
         self._safe(

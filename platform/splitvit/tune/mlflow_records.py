@@ -62,6 +62,7 @@ from ..tracking.runs import (
 if TYPE_CHECKING:
     from .pareto import Baseline, Point
     from .space import SearchSpace
+    from .trial import ThresholdPoint
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +486,7 @@ class SweepRecorder:
         ``(trial run, [threshold point runs])``. Idempotent."""
         from .trial import threshold_points
 
-        rows = threshold_points(final)
+        rows = threshold_points(final, self.metric)
         existing = self.find_run(run_uri)
         if existing is not None and existing.data.tags.get(STATUS_TAG) == "completed":
             points = self._point_runs(existing.info.run_id)
@@ -499,7 +500,11 @@ class SweepRecorder:
         figures = {k: final[k] for k in keys if k in final}
         self._log_metrics(tracker.run_id, {**_numbers(figures), "threshold_points": float(len(rows))}, step)
         tracker.log_dict(
-            {"thresholds": final.get("thresholds"), "checkpoint": final.get("checkpoint"), "threshold_points": rows},
+            {
+                "thresholds": final.get("thresholds"),
+                "checkpoint": final.get("checkpoint"),
+                "threshold_points": [row.to_dict(self.metric) for row in rows],
+            },
             "trial_result.json",
         )
         point_ids = []
@@ -536,11 +541,11 @@ class SweepRecorder:
         run_uri: str,
         trial_run_id: str,
         index: int,
-        point: dict[str, Any],
+        point: ThresholdPoint,
         sampled: dict[str, Any],
         data: DataConfig | None = None,
     ) -> str:
-        thresholds = point.get("thresholds") or []
+        thresholds = point.thresholds or []
         params = {
             "thresholds": json.dumps(thresholds),
             "trial_id": trial_id,
@@ -551,7 +556,7 @@ class SweepRecorder:
             self.tracking_uri,
             self.experiment,
             f"{run_uri}#threshold{index:03d}",
-            point_run_name(trial_id, point.get("token_ratio"), thresholds),
+            point_run_name(trial_id, point.token_ratio, thresholds),
             params=params,
             tags={
                 PARENT_TAG: trial_run_id,
@@ -563,7 +568,7 @@ class SweepRecorder:
                 NOTE_TAG: point_note(self.metric, "threshold_point", trial_id, thresholds),
             },
         )
-        figures = _numbers(point)
+        figures = _numbers(point.to_dict(self.metric))
         if "images_per_s" in figures:  # not the side-by-side timing's timed_images_per_s: named apart
             figures[EVAL_THROUGHPUT] = figures.pop("images_per_s")
         self._log_metrics(tracker.run_id, figures, 0)

@@ -16,7 +16,15 @@ from ..storage import is_s3
 from .pareto import Baseline, Point
 from .space import SearchSpace
 from .state import Sweep, TrialSummary
-from .trial import BASELINE_KEY, FINAL_KEY, SweepPlan, TrialDiverged, threshold_points, trained_thresholds
+from .trial import (
+    BASELINE_KEY,
+    FINAL_KEY,
+    SweepPlan,
+    ThresholdPoint,
+    TrialDiverged,
+    threshold_points,
+    trained_thresholds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,22 +139,25 @@ def _baseline_trial_rows(
     trial.run_id = run_id
     sweep.recorder.tag_run(run_id, {"splitvit.baseline": trial.baseline})
     if trial.baseline == "full":
-        rows = [{metric: final[metric], **{k: final[k] for k in ("tokens_per_image", "token_ratio", "thresholds")}}]
+        rows = [ThresholdPoint(final[metric], final["tokens_per_image"], final["token_ratio"], final["thresholds"])]
         labels = ["full resolution (fine-tuned)"]
     else:
-        rows = threshold_points(final)
-        labels = [f"{trial.baseline} @ {row.get('target_ratio', row['token_ratio']):.2f} (fine-tuned)" for row in rows]
+        rows = threshold_points(final, metric)
+        labels = [
+            f"{trial.baseline} @ {row.token_ratio if row.target_ratio is None else row.target_ratio:.2f} (fine-tuned)"
+            for row in rows
+        ]
     return [
         Baseline(
             baseline=trial.baseline,
             label=label,
-            quality=float(row[metric]),
-            tokens_per_image=float(row["tokens_per_image"]),
-            token_ratio=float(row["token_ratio"]),
-            thresholds=list(row.get("thresholds") or []),
+            quality=float(row.quality),
+            tokens_per_image=float(row.tokens_per_image),
+            token_ratio=float(row.token_ratio),
+            thresholds=list(row.thresholds or []),
             trial_id=trial.trial_id,
-            images_per_s=row.get("images_per_s"),
-            target_ratio=row.get("target_ratio"),
+            images_per_s=row.images_per_s,
+            target_ratio=row.target_ratio,
         )
         for row, label in zip(rows, labels)
     ]
@@ -180,23 +191,23 @@ def _completed_trial_points(
             extras={"images_per_s": final.get("images_per_s", 0.0), **_companions(sweep, final)},
         )
     ]
-    for row, point_id in zip(threshold_points(final), point_ids):
+    for row, point_id in zip(threshold_points(final, metric), point_ids):
         points.append(
             Point(
-                row[metric],
-                row["tokens_per_image"],
-                row["token_ratio"],
+                row.quality,
+                row.tokens_per_image,
+                row.token_ratio,
                 "threshold",
                 trial.trial_id,
-                list(row["thresholds"]),
+                list(row.thresholds),
                 trial.params,
                 final["checkpoint"],
                 point_id,
                 extras={
-                    "images_per_s": row.get("images_per_s", 0.0),
-                    **_companions(sweep, row),
+                    "images_per_s": 0.0 if row.images_per_s is None else row.images_per_s,
+                    **_companions(sweep, row.companions),
                     # a point calibrated to a ratio (stage_two.ratios) says which
-                    **({"target_ratio": row["target_ratio"]} if "target_ratio" in row else {}),
+                    **({"target_ratio": row.target_ratio} if row.target_ratio is not None else {}),
                 },
             )
         )

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ExperimentConfig
@@ -45,6 +45,68 @@ BASELINE_KEY = "baseline"
 
 class TrialDiverged(RuntimeError):
     """Training stopped on a non-finite loss, gradient or split probability: the trial has no valid point."""
+
+
+#: a threshold point's keys besides its quality (under the metric's name) and companions
+_POINT_KEYS = ("tokens_per_image", "token_ratio", "images_per_s", "thresholds", "target_ratio")
+
+
+@dataclass(frozen=True)
+class ThresholdPoint:
+    """One of a trial's stage-two points (or a fine-tuned baseline's at one of its
+    ratios): its checkpoint evaluated at other thresholds. In the trial's report its
+    quality is keyed by the metric's name (:meth:`to_dict`)."""
+
+    quality: float
+    tokens_per_image: float
+    token_ratio: float
+    thresholds: list[float]
+    images_per_s: float | None = None  # None: not measured (left out of the JSON)
+    companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
+    target_ratio: float | None = None  # the ratio its thresholds were calibrated to (a baseline's, stage two's ratios)
+
+    @classmethod
+    def of_evaluation(cls, result: dict[str, Any], companions: tuple[str, ...] = ()) -> ThresholdPoint:
+        """The point of an evaluation's figures (``quality``, tokens, images/s,
+        thresholds, the ``companions`` among them, and a ``target_ratio``)."""
+        return cls(
+            quality=float(result["quality"]),
+            tokens_per_image=float(result["tokens_per_image"]),
+            token_ratio=float(result["token_ratio"]),
+            thresholds=[float(t) for t in result["thresholds"]],
+            images_per_s=float(result.get("images_per_s", 0.0)),
+            companions={c: float(result[c]) for c in companions if c in result},
+            target_ratio=float(result["target_ratio"]) if result.get("target_ratio") is not None else None,
+        )
+
+    def to_dict(self, metric: str) -> dict[str, Any]:
+        """The report's row: the quality under ``metric``, the companions, then the figures
+        (``images_per_s`` and ``target_ratio`` where known)."""
+        row: dict[str, Any] = {
+            metric: self.quality,
+            **self.companions,
+            "tokens_per_image": self.tokens_per_image,
+            "token_ratio": self.token_ratio,
+        }
+        if self.images_per_s is not None:
+            row["images_per_s"] = self.images_per_s
+        row["thresholds"] = list(self.thresholds)
+        if self.target_ratio is not None:
+            row["target_ratio"] = self.target_ratio
+        return row
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], metric: str) -> ThresholdPoint:
+        """The inverse of :meth:`to_dict` (every key besides the figures is a companion)."""
+        return cls(
+            quality=data[metric],
+            tokens_per_image=data["tokens_per_image"],
+            token_ratio=data["token_ratio"],
+            thresholds=list(data["thresholds"]),
+            images_per_s=data.get("images_per_s"),
+            companions={k: v for k, v in data.items() if k != metric and k not in _POINT_KEYS},
+            target_ratio=data.get("target_ratio"),
+        )
 
 
 @dataclass
@@ -172,7 +234,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "run_uri": run_uri,
         # JSON text, not a list of mappings: Tune's TensorBoard logger would try to
         # draw a list as a histogram
-        "threshold_points": json.dumps([_point_row(p, metric, companions) for p in points]),
+        "threshold_points": json.dumps([ThresholdPoint.of_evaluation(p, companions).to_dict(metric) for p in points]),
         "train_seconds": train_seconds,
         "trial_seconds": time.time() - started,
         BASELINE_KEY: str(baseline or ""),
@@ -182,10 +244,11 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     tune.report(final)
 
 
-def threshold_points(final: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stage-two points of a trial's final result (stored as JSON text)."""
+def threshold_points(final: dict[str, Any], metric: str) -> list[ThresholdPoint]:
+    """The stage-two points of a trial's final result (stored as JSON text), its quality ``metric``'s."""
     points = final.get("threshold_points") or []
-    return json.loads(points) if isinstance(points, str) else list(points)
+    rows = json.loads(points) if isinstance(points, str) else list(points)
+    return [ThresholdPoint.from_dict(row, metric) for row in rows]
 
 
 def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, checkpoint: str) -> list[dict[str, Any]]:
@@ -215,19 +278,6 @@ def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
     from .stage_two import stage_two
 
     return stage_two(checkpoint, **kwargs)
-
-
-def _point_row(result: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {
-        metric: float(result["quality"]),
-        **{c: float(result[c]) for c in companions if c in result},
-        "tokens_per_image": float(result["tokens_per_image"]),
-        "token_ratio": float(result["token_ratio"]),
-        "images_per_s": float(result.get("images_per_s", 0.0)),
-        "thresholds": [float(t) for t in result["thresholds"]],
-        # a baseline's point: the ratio its thresholds were calibrated to
-        **({"target_ratio": float(result["target_ratio"])} if result.get("target_ratio") is not None else {}),
-    }
 
 
 def trained_thresholds(config: ExperimentConfig, checkpoint: str | None) -> list[float]:
