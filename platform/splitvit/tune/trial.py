@@ -244,6 +244,53 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     tune.report(final)
 
 
+@dataclass(frozen=True)
+class TrialFinal:
+    """A trial's figures as the sweep's driver records them: a finished trial's final
+    report (:meth:`from_report`; there its quality is under the metric's name), or a
+    trial stopped early with what its last epoch reported."""
+
+    quality: float
+    tokens_per_image: float
+    token_ratio: float | None
+    thresholds: list[float] | None  # what it was evaluated at (None: unknown)
+    checkpoint: str | None
+    epochs: int = 1
+    images_per_s: float | None = None
+    train_seconds: float | None = None
+    trial_seconds: float | None = None
+    companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
+    threshold_points: list[ThresholdPoint] = field(default_factory=list)  # stage two's
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> TrialFinal:
+        """A trial's final report (what :func:`sweep_trial` reported to Tune) read back."""
+        return cls(
+            quality=report[metric],
+            tokens_per_image=report["tokens_per_image"],
+            token_ratio=report.get("token_ratio"),
+            thresholds=report.get("thresholds"),
+            checkpoint=report.get("checkpoint"),
+            epochs=int(report.get("epochs", 1)),
+            images_per_s=report.get("images_per_s"),
+            train_seconds=report.get("train_seconds"),
+            trial_seconds=report.get("trial_seconds"),
+            companions={c: float(report[c]) for c in companions if c in report},
+            threshold_points=threshold_points(report, metric),
+        )
+
+    def figures(self, metric: str) -> dict[str, float | None]:
+        """The figures its run records (``None``: not reported), the quality under ``metric``."""
+        return {
+            metric: self.quality,
+            "tokens_per_image": self.tokens_per_image,
+            "token_ratio": self.token_ratio,
+            "images_per_s": self.images_per_s,
+            "train_seconds": self.train_seconds,
+            "trial_seconds": self.trial_seconds,
+        }
+
+
 def threshold_points(final: dict[str, Any], metric: str) -> list[ThresholdPoint]:
     """The stage-two points of a trial's final result (stored as JSON text), its quality ``metric``'s."""
     points = final.get("threshold_points") or []
