@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import ExperimentConfig, inert_keys
@@ -153,13 +153,13 @@ def _record_dict(record: BackboneRun | MethodRun) -> dict[str, Any]:
     return {
         f.name: copy.deepcopy(value)
         for f in fields(record)
-        if (value := getattr(record, f.name)) is not None or f.default is not None
+        if (value := getattr(record, f.name)) is not None or f.default is MISSING
     }
 
 
 def _record_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """``cls``'s fields read from ``data``: a required one missing raises ``KeyError``."""
-    required = {f.name for f in fields(cls) if f.default is not None}
+    required = {f.name for f in fields(cls) if f.default is MISSING}
     missing = required - set(data)
     if missing:
         raise KeyError(", ".join(sorted(missing)))
