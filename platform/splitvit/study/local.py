@@ -101,7 +101,7 @@ def fit_config_local(
         raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size}")
     auto = mc.thresholds == AUTO_THRESHOLDS and split_backbone(model).policy.thresholded
     ground_truth = detection_ground_truth(val_set) if detector else None  # read once, as the Ray loop's rank 0
-    history: list[dict[str, Any]] = []
+    history: list[dict[str, float]] = []
     epoch_started = [time.perf_counter()]
 
     def after_epoch(epoch: int, stats: dict[str, float]) -> None:
