@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -664,39 +664,19 @@ class _Fitted:
         ]
 
 
-@dataclass
-class _InProcess:
-    """A study executor running every run here, a failed one as its RunFailure."""
-
-    trainer: _Fitted
-
-    def start(self, spec):
-        pass
-
-    def run(self, spec, storage, runs, stage, backbones=None):
-        from splitvit.study.runs import RunFailure
-
-        out = []
-        for request in runs:
-            try:
-                out.append(study_run(spec, storage, request, self.trainer, backbones))
-            except RuntimeError as exc:
-                out.append(RunFailure(request, str(exc)))
-        return out
-
-
 def test_execute_study_carries_typed_runs_from_each_stage_to_the_json_and_reuses_them(tmp_path):
-    """The one code path with a trainer that trains nothing: the backbones' and method
-    runs' records reach the result, a failed run its line, and the JSON reads back; a
-    second invocation reuses every finished run."""
+    """The one code path, on the local executor, with a trainer that trains nothing: the
+    backbones' and method runs' records reach the result, a failed run its line, and the
+    JSON reads back; a second invocation reuses every finished run."""
     from splitvit.study.execute import execute_study
+    from splitvit.study.local import LocalExecutor
 
     spec = load_study(write_study(tmp_path, speed={"enabled": False}))
     study_dir = str(tmp_path / "study")
-    result, backbones = execute_study(spec, _InProcess(_Fitted(fail="entropy")), name="s", study_dir=study_dir)
+    result, backbones = execute_study(spec, LocalExecutor(_Fitted(fail="entropy")), name="s", study_dir=study_dir)
     assert [type(b) for b in backbones] == [BackboneRun] and backbones[0].config is not None
     assert sorted(r.method for r in result.runs) == ["full", "split"] and all(r.config is None for r in result.runs)
-    assert result.failed == ["entropy seed 0: entropy-s0 broke"]
+    assert result.failed == ["entropy seed 0: RuntimeError('entropy-s0 broke')"]
     assert result.goals.reference_converged.met and result.goals.study_time.reference_images_per_s == 100.0
     data = json.loads(json.dumps(result.to_dict()))
     assert all(set(r) == RUN_KEYS for r in data["runs"]) and StudyResult.from_dict(data).to_dict() == data
@@ -705,7 +685,7 @@ def test_execute_study_carries_typed_runs_from_each_stage_to_the_json_and_reuses
         "config": stored["config"]
     }
 
-    again, _ = execute_study(spec, _InProcess(_Fitted()), name="s", study_dir=study_dir)
+    again, _ = execute_study(spec, LocalExecutor(_Fitted()), name="s", study_dir=study_dir)
     reused = {r.method: (r.reused, r.reevaluated) for r in again.runs}
     assert reused == {"full": (True, False), "split": (True, False), "entropy": (False, False)}
     assert reuse_phrase(again.runs) == " (2 finished earlier, reused)" and not again.failed
