@@ -691,6 +691,24 @@ def test_execute_study_carries_typed_runs_from_each_stage_to_the_json_and_reuses
     assert reuse_phrase(again.runs) == " (2 finished earlier, reused)" and not again.failed
 
 
+def test_a_local_run_whose_training_finished_is_read_back_not_trained(tmp_path):
+    """The local trainer's result of a run folder holding the model and its history:
+    the stored curve, steps and training time, nothing trained."""
+    from splitvit.study.local import fit_config_local
+    from splitvit.train.checkpoints import HISTORY_FILE, MODEL_FILE
+    from splitvit.train.trial import TrainedRun
+
+    config = load_study(write_study(tmp_path)).run_config(0, None, "backbone-s0")
+    folder = Path(config.storage.resolved_path()) / config.storage.name
+    folder.mkdir(parents=True)
+    (folder / MODEL_FILE).touch()  # never loaded
+    history = [{"epoch": 0, "accuracy": 0.5}, {"epoch": 1, "accuracy": 0.6}]
+    (folder / HISTORY_FILE).write_text(json.dumps({"history": history, "train_seconds": 12.5, "steps": 8}))
+    assert fit_config_local(config, "cpu") == TrainedRun(
+        "completed", history[-1], str(folder / MODEL_FILE), history=history, train_seconds=12.5, steps=8
+    )
+
+
 # ----------------------------------------------------------------- end to end
 def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
     ray_session, mlflow_uri, tmp_path, monkeypatch, capsys, caplog
