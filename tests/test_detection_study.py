@@ -12,8 +12,9 @@ import pytest
 import torch
 import yaml
 
-from splitvit.bench.speed import SpeedRecord, time_operating_points
+from splitvit.bench.speed import OperatingPoint, SpeedRecord, time_operating_points
 from splitvit.study.goals import CompanionGap, GoalVerdicts, ParityVerdict, StudyRow, aggregate, check_goals
+from splitvit.study.runs import MethodRun
 from splitvit.study.spec import Goals
 from splitvit.train.checkpoints import init_weights
 from splitvit.train.experiment import build_model, load_experiment
@@ -73,7 +74,7 @@ def test_a_detectors_points_are_timed_whole_and_backbone_alone_against_full_reso
     evaluator = CheckpointEvaluator(checkpoints["learned"])
     thresholds = evaluator.calibrate(evaluator.first_images(4), 0.5)
     record = time_operating_points(
-        [{"checkpoint": checkpoints["learned"], "thresholds": thresholds, "label": "split"}],
+        [OperatingPoint(checkpoints["learned"], thresholds, label="split")],
         full_checkpoint=checkpoints["full"],
         batch_size=2,
         rounds=2,
@@ -166,13 +167,19 @@ def test_a_detector_starts_from_a_detectors_or_a_classifiers_weights(checkpoints
 
 
 # ----------------------------------------------------------------- goals
-def _run(method: str, policy: str, seed: int, points: list[tuple[float | None, float, float, float]]) -> dict:
+def _run(method: str, policy: str, seed: int, points: list[tuple[float | None, float, float, float]]) -> MethodRun:
     """A method run's stored result: (target ratio, box AP, mask AP, token ratio) per point."""
-    return {
-        "method": method,
-        "policy": policy,
-        "seed": seed,
-        "points": [
+    where = f"/runs/{method}-s{seed}"
+    return MethodRun(
+        seed=seed,
+        method=method,
+        policy=policy,
+        checkpoint=where,
+        train_metrics={},
+        train_seconds=0.0,
+        eval_seconds=0.0,
+        run_uri=where,
+        points=[
             {
                 "target_ratio": r,
                 "quality": box,
@@ -184,7 +191,7 @@ def _run(method: str, policy: str, seed: int, points: list[tuple[float | None, f
             }
             for r, box, mask, t in points
         ],
-    }
+    )
 
 
 def test_the_parity_goal_holds_mask_ap_on_the_same_point_as_box_ap():
@@ -216,7 +223,7 @@ def test_the_parity_goal_holds_mask_ap_on_the_same_point_as_box_ap():
     assert data["goals"]["match"]["companions"][0]["met"] is False
 
     # within a point on both: met
-    closer = [r for r in runs if r["method"] == "full"] + [
+    closer = [r for r in runs if r.method == "full"] + [
         _run("split", "learned", s, [(0.7, 0.395 + s / 100, 0.356 + s / 100, 0.7)]) for s in (0, 1)
     ]
     assert check_goals(

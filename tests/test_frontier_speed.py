@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splitvit.bench.speed import SpeedRecord, spread, time_operating_points
+from splitvit.bench.speed import OperatingPoint, SpeedRecord, spread, time_operating_points
 from splitvit.config import ExperimentConfig, PolicyConfig
 from splitvit.model import SplitViT
 from splitvit.tune.pareto import Point
@@ -69,10 +69,10 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
 def test_points_are_timed_against_full_resolution_in_one_interleaved_run(tmp_path):
     small, wide = checkpoint(tmp_path / "small"), checkpoint(tmp_path / "wide", embed_dim=32)
     points = [
-        {"checkpoint": small, "thresholds": [1.0], "label": "coarse"},  # nothing splits: 4 of 16 tokens
-        {"checkpoint": small, "thresholds": [0.0], "label": "fine"},  # everything splits: 16 of 16
-        {"checkpoint": small, "thresholds": [0.5], "policy": "entropy"},  # another policy on the same backbone
-        {"checkpoint": wide, "thresholds": [1.0], "label": "wide"},  # another architecture
+        OperatingPoint(small, [1.0], label="coarse"),  # nothing splits: 4 of 16 tokens
+        OperatingPoint(small, [0.0], label="fine"),  # everything splits: 16 of 16
+        OperatingPoint(small, [0.5], policy="entropy"),  # another policy on the same backbone
+        OperatingPoint(wide, [1.0], label="wide"),  # another architecture
     ]
     result = time_operating_points(points, full_checkpoint=small, batch_size=8, rounds=3, warmup=1)
     assert result.device == "cpu" and result.batch_size == 8 and result.rounds == 3 and result.warmup == 1
@@ -104,7 +104,7 @@ def test_timing_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="no operating points"):
         time_operating_points([])
     with pytest.raises(ValueError, match="rounds must be >= 1"):
-        time_operating_points([{"checkpoint": "unused", "thresholds": None}], rounds=0)
+        time_operating_points([OperatingPoint("unused")], rounds=0)
 
 
 def test_spread_keeps_both_ends():
@@ -209,7 +209,7 @@ def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(t
         threshold = sum(means) / 2
         expected = [float(model(images, thresholds=[threshold], budget=b).tokens.float().mean()) for b in budgets]
     assert expected[0] != expected[1]
-    points = [{"checkpoint": str(folder), "thresholds": [threshold], "budget": b, "label": f"b{b}"} for b in budgets]
+    points = [OperatingPoint(str(folder), [threshold], budget=b, label=f"b{b}") for b in budgets]
     rows = time_operating_points(points, batch_size=8, rounds=1, warmup=0).points
     assert [r.budget for r in rows] == list(budgets)
     assert [r.tokens_per_image for r in rows] == pytest.approx(expected)

@@ -33,6 +33,7 @@ from splitvit.tune.mlflow_records import (  # noqa: E402
     frontier_view_key,
 )
 from splitvit.tune.pareto import Point, annotate, best_point, frontier  # noqa: E402
+from splitvit.tune.trial import TrialFinal  # noqa: E402
 
 DATA = DataConfig(name="synthetic", options={"train_samples": 64, "val_samples": 16, "object_size": 4})
 
@@ -76,6 +77,7 @@ def _sweep(uri: str, root, name: str, figures: list[tuple[float, float]]) -> tup
         }
         trial = f"{name}-t{i}"
         recorder.trial_started(trial, run_uri, {"model.thresholds[0]": 0.4}, {}, data=DATA)
+        final = TrialFinal.from_report(final, "accuracy")
         run_id, (point_id,) = recorder.trial_completed(trial, run_uri, {"model.thresholds[0]": 0.4}, {}, final, DATA)
         points.append(Point(accuracy, tokens, tokens / 16, "trial", trial, [0.5, 0.5], run_id=run_id))
         points.append(

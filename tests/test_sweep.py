@@ -621,7 +621,7 @@ def test_a_trial_trains_through_run_training(monkeypatch, tmp_path):
     from splitvit.config import ExperimentConfig
     from splitvit.train.checkpoints import write_history
     from splitvit.train.ray_trainer import TrainingError, TrainResult
-    from splitvit.train.trial import TrialFailed, fit_trial
+    from splitvit.train.trial import TrainedRun, TrialFailed, fit_trial
 
     calls: list[dict] = []
     checkpoint = tmp_path / "t" / "checkpoint_epoch0000"
@@ -647,13 +647,13 @@ def test_a_trial_trains_through_run_training(monkeypatch, tmp_path):
     monkeypatch.setattr(tune_integration, "TuneReportCallback", TuneReportCallback)
     monkeypatch.setattr(ray_trainer, "run_training", fake_run_training)
     config = ExperimentConfig.from_dict(BASE, ["tracking.enabled=true"])
-    assert fit_trial(config) == {
-        "status": "diverged",
-        "metrics": {"accuracy": 0.5},
-        "checkpoint": str(checkpoint),
-        "message": "non-finite loss",
-        "history": [{"epoch": 0, "accuracy": 0.5}],  # the checkpoint's per-epoch figures
-    }
+    assert fit_trial(config) == TrainedRun(
+        status="diverged",
+        metrics={"accuracy": 0.5},
+        checkpoint=str(checkpoint),
+        message="non-finite loss",
+        history=[{"epoch": 0, "accuracy": 0.5}],  # the checkpoint's per-epoch figures
+    )
     assert [type(c) for c in calls[0]["callbacks"]] == [TuneReportCallback]
     assert calls[0]["tracking"] is False and config.tracking.enabled  # the trial's copy only: MLflow is the driver's
     with pytest.raises(TrialFailed, match="^training failed: boom$"):

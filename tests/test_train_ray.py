@@ -300,7 +300,7 @@ def test_run_training_hands_its_callbacks_to_ray_train(monkeypatch, tmp_path):
             made.append(kwargs)
 
         def fit(self):
-            outcome = {"status": "completed", "metrics": {"accuracy": 0.5}, "message": ""}
+            outcome = ray_trainer.WorkerOutcome("completed", {"accuracy": 0.5})
             return SimpleNamespace(return_value=outcome, checkpoint=None, metrics={})
 
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)

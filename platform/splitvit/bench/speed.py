@@ -39,7 +39,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -54,6 +54,17 @@ log = logging.getLogger(__name__)
 
 #: A timed call's name for a detector's backbone alone (``<name>:backbone``).
 BACKBONE_SUFFIX = ":backbone"
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """What :func:`time_operating_points` times: a checkpoint at its thresholds."""
+
+    checkpoint: str  # a checkpoint folder or ``model.pt``
+    thresholds: list[float] | None = None  # per level (None: the checkpoint's own)
+    policy: str | None = None  # None: the checkpoint's
+    budget: float | None = None  # the target ratio a budget-conditioned policy is told (None: the checkpoint's)
+    label: str | None = None  # None: ``point<index>``
 
 
 def without_unset_backbone(data: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +231,7 @@ class _Prepared:
 
 
 def time_operating_points(
-    points: list[dict[str, Any]],
+    points: Sequence[OperatingPoint],
     *,
     full_checkpoint: str | None = None,
     batch_size: int = 32,
@@ -232,11 +243,9 @@ def time_operating_points(
     """Time every operating point against the full-resolution model, interleaved.
 
     Args:
-        points: one dict per point: ``checkpoint`` (a checkpoint folder or ``model.pt``),
-            ``thresholds`` (per level; ``None``: the checkpoint's own), optionally
-            ``policy`` (default: the checkpoint's), ``budget`` (the target token
-            ratio a budget-conditioned policy is told, as when the thresholds were
-            calibrated; default: the checkpoint's) and ``label``.
+        points: the points to time (:class:`OperatingPoint`: a checkpoint, its
+            thresholds and, optionally, its policy, the budget a budget-conditioned
+            policy is told, as when the thresholds were calibrated, and a label).
         full_checkpoint: the full-resolution model's checkpoint (run with the ``full``
             policy) for the points of its architecture. Points of another
             architecture (or all, by default) are compared with the first of their
@@ -262,7 +271,7 @@ def time_operating_points(
     started = time.time()
     dev = torch.device(device)
     payload = functools.cache(load_payload)  # each checkpoint read once
-    arch_of = {p["checkpoint"]: _architecture(payload(p["checkpoint"])) for p in points}
+    arch_of = {p.checkpoint: _architecture(payload(p.checkpoint)) for p in points}
     references, autocast = _full_models(points, arch_of, payload, full_checkpoint, batch_size, device, split)
     models = _point_models(points, payload, dev)
     with ExitStack() as stack:
@@ -300,7 +309,7 @@ def time_operating_points(
 
 
 def _full_models(
-    points: list[dict[str, Any]],
+    points: Sequence[OperatingPoint],
     arch_of: dict[str, str],
     payload: Callable[[str], dict[str, Any]],
     full_checkpoint: str | None,
@@ -316,7 +325,7 @@ def _full_models(
     if full_checkpoint is not None:
         checkpoints[_architecture(payload(str(full_checkpoint)))] = str(full_checkpoint)
     for p in points:
-        checkpoints.setdefault(arch_of[p["checkpoint"]], p["checkpoint"])
+        checkpoints.setdefault(arch_of[p.checkpoint], p.checkpoint)
     references: dict[str, _Reference] = {}
     evaluators = []
     for i, (arch, checkpoint) in enumerate((a, c) for a, c in checkpoints.items() if a in arch_of.values()):
@@ -328,7 +337,7 @@ def _full_models(
 
 
 def _point_models(
-    points: list[dict[str, Any]], payload: Callable[[str], dict[str, Any]], dev: torch.device
+    points: Sequence[OperatingPoint], payload: Callable[[str], dict[str, Any]], dev: torch.device
 ) -> dict[tuple[str, str | None], SplitViT | SplitDetector]:
     """Every point's model (a SplitViT or a detector), one per (checkpoint, policy), in
     evaluation mode on ``dev``."""
@@ -336,10 +345,10 @@ def _point_models(
 
     models: dict[tuple[str, str | None], SplitViT | SplitDetector] = {}
     for p in points:
-        key = (p["checkpoint"], p.get("policy"))
+        key = (p.checkpoint, p.policy)
         if key not in models:
-            overrides = {"policy": p["policy"]} if p.get("policy") else {}
-            models[key] = model_from_payload(payload(p["checkpoint"]), p["checkpoint"], **overrides).to(dev).eval()
+            overrides = {"policy": p.policy} if p.policy else {}
+            models[key] = model_from_payload(payload(p.checkpoint), p.checkpoint, **overrides).to(dev).eval()
     return models
 
 
@@ -365,7 +374,7 @@ def backbone_call(model: SplitViT | SplitDetector, images: torch.Tensor, **kwarg
 
 
 def _prepare_points(
-    points: list[dict[str, Any]],
+    points: Sequence[OperatingPoint],
     models: dict[tuple[str, str | None], SplitViT | SplitDetector],
     references: dict[str, _Reference],
     arch_of: dict[str, str],
@@ -376,18 +385,18 @@ def _prepare_points(
     for i, p in enumerate(points):
         from ..model.detection import split_backbone
 
-        model = models[(p["checkpoint"], p.get("policy"))]
+        model = models[(p.checkpoint, p.policy)]
         backbone = split_backbone(model)
-        ref = references[keys[arch_of[p["checkpoint"]]]]
-        thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
-        budget = float(p["budget"]) if backbone.uses_budget and p.get("budget") is not None else None
+        ref = references[keys[arch_of[p.checkpoint]]]
+        thresholds = [float(t) for t in p.thresholds] if p.thresholds is not None else None
+        budget = float(p.budget) if backbone.uses_budget and p.budget is not None else None
         out = split_output(model(ref.images, thresholds=thresholds, budget=budget))
         tokens = float(out.tokens.float().mean())
         prepared.append(
             _Prepared(
                 index=i,
-                label=p.get("label", f"point{i}"),
-                checkpoint=p["checkpoint"],
+                label=p.label if p.label is not None else f"point{i}",
+                checkpoint=p.checkpoint,
                 policy=backbone.policy.name,
                 thresholds=thresholds,
                 budget=budget,

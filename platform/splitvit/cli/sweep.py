@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .options import (
     TRACKING_HELP,
@@ -16,6 +17,9 @@ from .options import (
     overrides,
 )
 from .output import emit, fail, frontier_table, print_table
+
+if TYPE_CHECKING:  # the type only: the command loads the sweep (and Ray) when it runs
+    from ..tune.state import SweepResult
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,6 +82,19 @@ def run(args: argparse.Namespace) -> int:
             # above the summary, which is the last thing the command prints
             ray.shutdown()
     data = result.to_dict()
+    print_summary(result, data)
+    print_baselines(result)
+    print_locations(result)
+    data["sweep_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
+    data.pop("wall_time_s", None)  # the envelope's wall_time_s: the whole command
+    emit(args, data, tracking_uri=result.tracking_uri, experiment_id=result.experiment_id, run_id=result.parent_run_id)
+    if result.status != "completed":
+        return fail(args, "no trial completed, so there is no frontier")
+    return 0
+
+
+def print_summary(result: SweepResult, data: dict[str, Any]) -> None:
+    """The sweep's counts, hypervolume, reference and its frontier table."""
     metric = result.metric
     counts: dict[str, int] = {}
     for trial in result.trials:
@@ -100,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
         frontier_table(data["frontier"], metric)
     else:
         print("  (empty: no trial completed)")
+
+
+def print_baselines(result: SweepResult) -> None:
+    """The baselines' table (with their held-out figures where the sweep has them) and
+    each failed trial's last error line."""
+    metric = result.metric
     if result.baselines:
         tuned = result.reference is not None
         where = "fine-tuned from the same reference" if tuned else f"on trial {result.baselines[0].trial_id}'s backbone"
@@ -123,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         if trial.status in ("failed", "diverged"):
             last = trial.error.strip().splitlines()[-1] if trial.error.strip() else ""
             print(f"trial {trial.trial_id} {trial.status}: {last[:200]}")
+
+
+def print_locations(result: SweepResult) -> None:
+    """Where the sweep's plot, tables, models and MLflow runs are, and its wall time."""
     print()
     print(f"plot:           {result.plot}")
     if result.split_map:
@@ -147,12 +174,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"open the UI:    {result.mlflow_url()}")
     print(f"wall time:      {result.wall_time_s:.0f} s")
-    data["sweep_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
-    data.pop("wall_time_s", None)  # the envelope's wall_time_s: the whole command
-    emit(args, data, tracking_uri=result.tracking_uri, experiment_id=result.experiment_id, run_id=result.parent_run_id)
-    if result.status != "completed":
-        return fail(args, "no trial completed, so there is no frontier")
-    return 0
 
 
 def check_before_ray(args: argparse.Namespace, space) -> None:

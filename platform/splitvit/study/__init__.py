@@ -25,7 +25,8 @@ The modules, by what they do:
 
 * :mod:`.spec` — the study file: :func:`~.spec.load_study`, :class:`~.spec.StudySpec`,
   :class:`~.spec.Goals`;
-* :mod:`.runs` — running and reusing one run (:func:`~.runs.study_run`), the trainers;
+* :mod:`.runs` — running and reusing one run (:func:`~.runs.study_run`), the trainers,
+  what a run stores (:class:`~.runs.BackboneRun`, :class:`~.runs.MethodRun`);
 * :mod:`.goals` — where the figures and goal lines are computed: rows over seeds,
   goal verdicts, reference convergence, study time, the lever table;
 * :mod:`.speed` — the speed step: the matched point and every method's points timed

@@ -19,9 +19,12 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .spec import Goals
+
+if TYPE_CHECKING:
+    from .runs import BackboneRun, MethodRun
 
 EPS = 1e-9  # points: means of seeds' accuracies are not exact in binary
 POINTS = 100.0  # a quality of 1.0 is 100 points
@@ -454,7 +457,7 @@ def _known(cls: type, data: dict[str, Any], skip: Sequence[str] = ()) -> dict[st
 
 
 # ---------------------------------------------------------------------- aggregation
-def aggregate(results: list[dict[str, Any]], metric: str, companions: Sequence[str] = ()) -> list[StudyRow]:
+def aggregate(results: list[MethodRun], metric: str, companions: Sequence[str] = ()) -> list[StudyRow]:
     """One row per (method, target ratio) of the method runs' stored ``results``: mean,
     standard deviation, min and max over seeds of the quality, each seed's ``companions``
     qualities (read from the points by name), and the means of tokens per image, token
@@ -462,9 +465,9 @@ def aggregate(results: list[dict[str, Any]], metric: str, companions: Sequence[s
     groups: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
     policies: dict[str, str] = {}
     for result in results:
-        policies[result["method"]] = result["policy"]
-        for point in result["points"]:
-            groups.setdefault((result["method"], point["target_ratio"]), []).append({**point, "seed": result["seed"]})
+        policies[result.method] = result.policy
+        for point in result.points:
+            groups.setdefault((result.method, point["target_ratio"]), []).append({**point, "seed": result.seed})
     rows = []
     for (method, ratio), points in groups.items():
         q = [float(p["quality"]) for p in points]
@@ -613,7 +616,7 @@ def _margin_over_entropy(rows: list[StudyRow], goals: Goals) -> EntropyMargin | 
     )
 
 
-def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric: str) -> ReferenceConvergence | None:
+def reference_convergence(backbones: list[BackboneRun], goals: Goals, metric: str) -> ReferenceConvergence | None:
     """Whether each seed's backbone (the reference every method starts from; its stored
     result) had converged: its validation ``metric`` gained less than
     ``goals.converge_points`` over its last ``goals.converge_epochs`` epochs. Each seed's
@@ -623,12 +626,12 @@ def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric:
     k = goals.converge_epochs
     seeds: dict[str, SeedConvergence] = {}
     for backbone in backbones:
-        curve = [float(h[metric]) for h in backbone.get("history") or [] if metric in h]
+        curve = [float(h[metric]) for h in backbone.history or [] if metric in h]
         if len(curve) > k:
             gain = (curve[-1] - curve[-1 - k]) * POINTS
-            seeds[str(backbone["seed"])] = SeedConvergence(curve, len(curve), gain, gain < goals.converge_points)
+            seeds[str(backbone.seed)] = SeedConvergence(curve, len(curve), gain, gain < goals.converge_points)
         else:  # too short a curve to tell (or one stored before curves were kept)
-            seeds[str(backbone["seed"])] = SeedConvergence(curve, len(curve), None, False)
+            seeds[str(backbone.seed)] = SeedConvergence(curve, len(curve), None, False)
     if not seeds:
         return None
     return ReferenceConvergence(
@@ -638,7 +641,7 @@ def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric:
 
 def study_time(
     seconds: float,
-    backbones: list[dict[str, Any]],
+    backbones: list[BackboneRun],
     runs: int,
     goals: Goals,
     *,
@@ -661,11 +664,7 @@ def study_time(
     """
     if goals.max_minutes is None:
         return None
-    speeds = [
-        b["metrics"]["train_images_per_s"]
-        for b in backbones
-        if not b.get("reused") and "train_images_per_s" in b.get("metrics", {})
-    ]
+    speeds = [b.metrics["train_images_per_s"] for b in backbones if not b.reused and "train_images_per_s" in b.metrics]
     minutes = seconds / 60.0
     whole = not begun and not failed and not borrowed_references
     return StudyTime(

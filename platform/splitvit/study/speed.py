@@ -17,6 +17,7 @@ from typing import Any
 
 from ..bench.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
 from .goals import StudyRow, matched_point
+from .runs import MethodRun
 from .spec import StudySpec
 
 #: ``run(fn, *args, **kwargs)``: runs a timing where the checkpoints' device is
@@ -200,7 +201,7 @@ def _full_method(spec: StudySpec) -> str:
 def matched_speed(
     spec: StudySpec,
     rows: list[StudyRow],
-    runs: list[dict[str, Any]],
+    runs: list[MethodRun],
     point_speed: PointSpeed | None = None,
     run: Runner = _here,
 ) -> MatchedSpeed | None:
@@ -218,7 +219,7 @@ def matched_speed(
         return None
     row = point.row
     seed = min(int(s) for s in row.per_seed)
-    checkpoints = {(r["method"], r["seed"]): r["checkpoint"] for r in runs}
+    checkpoints = {(r.method, r.seed): r.checkpoint for r in runs}
     full = _full_method(spec)
     if (full, seed) not in checkpoints:
         return None
@@ -275,7 +276,7 @@ def _from_points(
     )
 
 
-def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _here) -> PointSpeed | None:
+def points_speed(spec: StudySpec, runs: list[MethodRun], run: Runner = _here) -> PointSpeed | None:
     """Every method's evaluated operating points timed against full resolution, side
     by side in one interleaved run (:func:`~splitvit.bench.speed.time_operating_points`).
 
@@ -294,14 +295,14 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     Returns the timing record, its points labelled with their method, target ratio and
     seed (``None`` when there is no full-resolution run or nothing to time).
     """
-    from ..bench.speed import spread, time_operating_points
+    from ..bench.speed import OperatingPoint, spread, time_operating_points
 
     full = _full_method(spec)
-    seeds = sorted(int(r["seed"]) for r in runs if r["method"] == full)
+    seeds = sorted(int(r.seed) for r in runs if r.method == full)
     if not seeds:
         return None
     seed = seeds[0]
-    by_method = {r["method"]: r for r in runs if int(r["seed"]) == seed}
+    by_method = {r.method: r for r in runs if int(r.seed) == seed}
     others = [m for m in spec.methods if m != full and m in by_method]
     if not others:
         return None
@@ -309,28 +310,26 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     baselines = [m for m in others if m not in recipes]
     share = None
     if spec.speed_max_points is not None and baselines:
-        left = spec.speed_max_points - sum(len(by_method[m]["points"]) for m in recipes)
+        left = spec.speed_max_points - sum(len(by_method[m].points) for m in recipes)
         share = max(1, left // len(baselines))
-    operating: list[dict[str, Any]] = []  # what time_operating_points takes
+    operating: list[OperatingPoint] = []
     labels: list[tuple[str, float | None]] = []  # each point's method and target ratio
     for method in others:
-        stored = sorted(
-            by_method[method]["points"], key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0)
-        )
+        stored = sorted(by_method[method].points, key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0))
         for point in stored if method in recipes else spread(stored, share):
             operating.append(
-                {
-                    "checkpoint": by_method[method]["checkpoint"],
-                    "thresholds": point.get("thresholds"),
-                    "budget": point["target_ratio"],  # what a budget-conditioned policy was told
-                    "label": f"{method}@{point['target_ratio']}",
-                }
+                OperatingPoint(
+                    checkpoint=by_method[method].checkpoint,
+                    thresholds=point.get("thresholds"),
+                    budget=point["target_ratio"],  # what a budget-conditioned policy was told
+                    label=f"{method}@{point['target_ratio']}",
+                )
             )
             labels.append((method, point["target_ratio"]))
     record: SpeedRecord = run(
         time_operating_points,
         operating,
-        full_checkpoint=by_method[full]["checkpoint"],
+        full_checkpoint=by_method[full].checkpoint,
         split=spec.split,
         batch_size=spec.speed_batch,
         rounds=spec.speed_rounds,

@@ -11,7 +11,7 @@ Evaluations of the checkpoint run on the kind of resources the training had
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import ExperimentConfig
@@ -21,13 +21,26 @@ class TrialFailed(RuntimeError):
     """Training failed (an exception on the workers, after Ray Train's retries)."""
 
 
-def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TrainedRun:
+    """One experiment's training as a sweep's trial or a study's run sees it
+    (:func:`fit_trial`; a study's local trainer makes it too)."""
+
+    status: str  # ``completed``, or why not (``diverged``, ``interrupted``)
+    metrics: dict[str, float]  # the last epoch's
+    checkpoint: str | None  # None: training left none
+    message: str = ""  # what went wrong, for a run that did not complete
+    history: list[dict[str, float]] | None = None  # every epoch's figures (None: not read)
+    train_seconds: float | None = None  # the trainer's own training time (None: the caller times it)
+    steps: int | None = None  # optimiser steps (None: not counted)
+
+
+def fit_trial(config: ExperimentConfig) -> TrainedRun:
     """Train ``config`` with :func:`~splitvit.train.ray_trainer.run_training`, its
     epochs reported to Tune (``TuneReportCallback``).
 
-    Returns ``{"status", "metrics", "checkpoint", "message", "history"}`` (``history``:
-    every epoch's figures, from the last checkpoint). Raises :class:`TrialFailed` when
-    Ray Train gives up.
+    Returns the :class:`TrainedRun` (its ``history``: every epoch's figures, from the
+    last checkpoint). Raises :class:`TrialFailed` when Ray Train gives up.
     """
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -43,13 +56,13 @@ def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
     except TrainingError as exc:
         # Ray Train's own error, as before: the sweep records this message
         raise TrialFailed(f"training failed: {exc.__cause__ or exc}") from exc
-    return {
-        "status": result.status,
-        "metrics": result.metrics,
-        "checkpoint": result.checkpoint_uri,
-        "message": result.message,
-        "history": read_history(result.checkpoint_uri) if result.checkpoint_uri else [],
-    }
+    return TrainedRun(
+        status=result.status,
+        metrics=result.metrics,
+        checkpoint=result.checkpoint_uri,
+        message=result.message,
+        history=read_history(result.checkpoint_uri) if result.checkpoint_uri else [],
+    )
 
 
 def eval_resources(config: ExperimentConfig) -> tuple[dict[str, Any], str]:

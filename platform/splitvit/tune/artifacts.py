@@ -13,13 +13,16 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
 from .mlflow_records import CHART_ARTIFACT, PLOT_ARTIFACT, SweepRecorder
 from .pareto import Point, frontier, round_figures
 from .space import SearchSpace
 from .state import Sweep, SweepResult
+
+if TYPE_CHECKING:
+    from .frontier_eval import FrontierSpeed
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ def log_sweep_artifacts(
     *,
     front: list[Point],
     best: Point | None,
-    speed: dict[str, Any] | None,
+    speed: FrontierSpeed | None,
     local_dir: Path,
 ) -> dict[str, float]:
     """The frontier models, the best point's split maps, the Pareto plot, the measured
@@ -47,14 +50,14 @@ def log_sweep_artifacts(
     result.extras["chart"] = _interactive_chart(sweep, result, local_dir)
     speed_metrics: dict[str, float] = {}
     if speed is not None:
-        result.extras["frontier_speed"] = speed
+        result.extras["frontier_speed"] = speed.to_dict()
         speed_metrics = _record_speed(result, recorder, speed, best, local_dir)
     result.frontier_csv = _tables(result, recorder, local_dir)
     return speed_metrics
 
 
 def _record_speed(
-    result: SweepResult, recorder: SweepRecorder, speed: dict[str, Any], best: Point | None, local_dir: Path
+    result: SweepResult, recorder: SweepRecorder, speed: FrontierSpeed, best: Point | None, local_dir: Path
 ) -> dict[str, float]:
     """The measured speed-ups in MLflow: a metric on each timed point's run, the
     accuracy-vs-speed-up figure and the timing record on the parent; returns the
@@ -80,22 +83,21 @@ def _record_speed(
         result.points,
         metric=result.metric,
         full_quality=full.quality if full else None,
-        title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed['device']}, "
-        f"batch {speed['batch_size']})",
+        title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed.device}, batch {speed.batch_size})",
     )
     result.extras["speed_plot"] = _save_figure(fig, local_dir / "pareto_speed.png", recorder)
-    recorder.parent.log_dict(json.loads(json.dumps(speed, default=str)), "frontier_speed.json")
+    recorder.parent.log_dict(json.loads(json.dumps(speed.to_dict(), default=str)), "frontier_speed.json")
     recorder.parent.set_tags(
         {
-            SPEED_DEVICE_TAG: speed["device"],
-            SPEED_TIMING_TAG: f"batch {speed['batch_size']}, {speed['rounds']} interleaved rounds "
-            f"after {speed['warmup']} warm-up, {speed['precision']}",
+            SPEED_DEVICE_TAG: speed.device,
+            SPEED_TIMING_TAG: f"batch {speed.batch_size}, {speed.rounds} interleaved rounds "
+            f"after {speed.warmup} warm-up, {speed.precision}",
         }
     )
     metrics: dict[str, float] = {}
     if timed:
         metrics["speedup_max"] = max(p.extras["speedup_vs_full"] for p in timed)
-        metrics["speed_full_images_per_s"] = float(speed["full"][0]["images_per_s"])
+        metrics["speed_full_images_per_s"] = float(speed.full[0].images_per_s)
     if best is not None and "speedup_vs_full" in best.extras:
         metrics["speedup_best_point"] = best.extras["speedup_vs_full"]
     if full is not None:

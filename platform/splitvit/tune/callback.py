@@ -20,7 +20,7 @@ from ..train.console import Progress
 from .mlflow_records import SweepRecorder
 from .outcomes import trial_config_params, trial_data
 from .state import planned_trials
-from .trial import FINAL_KEY, SweepPlan, threshold_points
+from .trial import FINAL_KEY, SweepPlan, TrialFinal, threshold_points
 
 log = logging.getLogger(__name__)
 
@@ -121,18 +121,21 @@ class SweepCallback(tune.Callback):
             metric,
             final.get(metric, float("nan")),
             final.get("tokens_per_image", float("nan")),
-            len(threshold_points(final)),
+            len(threshold_points(final, metric)),
         )
         self.progress.update(done)
-        self._safe(
-            f"trial {trial.trial_id}",
-            self.recorder.trial_completed,
+        self._safe(f"trial {trial.trial_id}", self._record_completed, trial, final)
+
+    def _record_completed(self, trial, report: dict[str, Any]) -> None:
+        """The finished trial's run, from its final report."""
+        space = self.plan.space
+        self.recorder.trial_completed(
             trial.trial_id,
             self.plan.run_uri(trial.trial_id),
-            self.plan.space.decode(trial.config),
+            space.decode(trial.config),
             self._config_params(trial),
-            final,
-            trial_data(self.plan, self.plan.space.decode(trial.config), trial.trial_id),
+            TrialFinal.from_report(report, space.quality_metric, space.companion_metrics),
+            trial_data(self.plan, space.decode(trial.config), trial.trial_id),
         )
 
     def on_trial_error(self, iteration, trials, trial, **info):

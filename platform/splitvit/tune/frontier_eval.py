@@ -8,8 +8,10 @@ baselines on the held-out split, and the frontier timed against full resolution
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 from typing import Any
 
+from ..bench.speed import SpeedRecord, TimedPoint
 from ..train.trial import run_evaluation
 from .pareto import Baseline, Point
 from .space import SearchSpace
@@ -17,6 +19,22 @@ from .state import Sweep, fine_tuned_baselines
 from .trial import SweepPlan
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontierTimedPoint(TimedPoint):
+    """A frontier point timed against full resolution, labelled with its run and trial."""
+
+    run_id: str | None  # its MLflow run (None: not recorded)
+    trial_id: str
+    kind: str  # "trial" or "threshold" (a stage-two point)
+
+
+@dataclass(frozen=True)
+class FrontierSpeed(SpeedRecord):
+    """The frontier's timing (the sweep's ``frontier_speed``): the record, each point labelled."""
+
+    points: list[FrontierTimedPoint]
 
 
 def run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[Point]) -> list[Baseline]:
@@ -94,17 +112,16 @@ def evaluate_held_out(sweep: Sweep, front: list[Point], baselines: list[Baseline
                 item.held_out = figures
 
 
-def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best: Point | None) -> dict[str, Any] | None:
+def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best: Point | None) -> FrontierSpeed | None:
     """Time the frontier points (at most ``speed.max_points``, spread by tokens) against
     the full-resolution model in one interleaved run, on the device the sweep
     evaluated on (:func:`~splitvit.bench.speed.time_operating_points`). Each timed
     point gets ``speedup_vs_full``, ``timed_images_per_s`` and ``timed_token_ratio``
     in its ``extras``. The full-resolution model is the reference backbone (the best
     point's checkpoint, on which the baselines ran) with the ``full`` policy.
-    Returns the timing record's JSON (:meth:`~splitvit.bench.speed.SpeedRecord.to_dict`, each
-    point labelled with its ``run_id``, ``trial_id`` and ``kind``), or ``None`` when nothing
-    could be timed (logged)."""
-    from ..bench.speed import spread, time_operating_points
+    Returns the timing record, each point labelled with its ``run_id``, ``trial_id`` and
+    ``kind``, or ``None`` when nothing could be timed (logged)."""
+    from ..bench.speed import OperatingPoint, spread, time_operating_points
 
     s = space.speed
     chosen = spread([p for p in front if p.checkpoint], s.max_points)
@@ -115,7 +132,7 @@ def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best:
         record = run_evaluation(
             plan.trial_config({}, reference.trial_id),
             time_operating_points,
-            [{"checkpoint": p.checkpoint, "thresholds": p.thresholds, "label": p.run_id or p.trial_id} for p in chosen],
+            [OperatingPoint(p.checkpoint, p.thresholds, label=p.run_id or p.trial_id) for p in chosen],
             full_checkpoint=reference.checkpoint,
             batch_size=s.batch_size,
             rounds=s.rounds,
@@ -124,8 +141,8 @@ def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best:
     except Exception as exc:  # noqa: BLE001 - a timing that fails must not lose the frontier
         log.warning("could not time the frontier: %s", exc)
         return None
-    data = record.to_dict()  # the sweep's JSON (frontier_speed), each timed point labelled with its trial
-    for point, timed, row in zip(chosen, record.points, data["points"]):
+    labelled = []
+    for point, timed in zip(chosen, record.points):
         point.extras.update(
             {
                 "speedup_vs_full": timed.speedup_vs_full,
@@ -133,7 +150,8 @@ def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best:
                 "timed_token_ratio": timed.token_ratio,
             }
         )
-        row["run_id"], row["trial_id"], row["kind"] = point.run_id, point.trial_id, point.kind
+        values = {f.name: getattr(timed, f.name) for f in fields(timed)}
+        labelled.append(FrontierTimedPoint(**values, run_id=point.run_id, trial_id=point.trial_id, kind=point.kind))
     log.info(
         "frontier timed on %s (batch %d, %d rounds): speed-ups vs full resolution %s",
         record.device,
@@ -141,4 +159,4 @@ def time_frontier(space: SearchSpace, plan: SweepPlan, front: list[Point], best:
         record.rounds,
         ", ".join(f"{r.speedup_vs_full:.2f}x@{r.token_ratio:.2f}" for r in record.points),
     )
-    return data
+    return FrontierSpeed(**{**{f.name: getattr(record, f.name) for f in fields(record)}, "points": labelled})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,15 @@ from ..storage import is_s3
 from .pareto import Baseline, Point
 from .space import SearchSpace
 from .state import Sweep, TrialSummary
-from .trial import BASELINE_KEY, FINAL_KEY, SweepPlan, TrialDiverged, threshold_points, trained_thresholds
+from .trial import (
+    BASELINE_KEY,
+    FINAL_KEY,
+    SweepPlan,
+    ThresholdPoint,
+    TrialDiverged,
+    TrialFinal,
+    trained_thresholds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +111,12 @@ def record_trials(
     for trial in trials:
         sampled = {BASELINE_KEY: trial.baseline} if trial.baseline else trial.params
         config_params = trial_config_params(sweep.plan, sampled, trial.trial_id)
-        if trial.status == "completed" and trial.baseline:
-            baselines += _baseline_trial_rows(sweep, trial, raw[trial.trial_id], config_params)
-        elif trial.status == "completed":
-            points += _completed_trial_points(sweep, trial, raw[trial.trial_id], config_params)
+        if trial.status == "completed":
+            final = TrialFinal.from_report(raw[trial.trial_id], sweep.metric, sweep.space.companion_metrics)
+            if trial.baseline:
+                baselines += _baseline_trial_rows(sweep, trial, final, config_params)
+            else:
+                points += _completed_trial_points(sweep, trial, final, config_params)
         elif trial.status == "stopped":
             points.append(_stopped_trial_point(sweep, trial, raw[trial.trial_id], config_params))
         else:
@@ -114,12 +125,11 @@ def record_trials(
 
 
 def _baseline_trial_rows(
-    sweep: Sweep, trial: TrialSummary, final: dict[str, Any], config_params: dict[str, Any]
+    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, Any]
 ) -> list[Baseline]:
     """A fine-tuned baseline's MLflow run (tagged ``splitvit.baseline``) and its figures:
     full resolution's last validation, or entropy's and random's at each ratio."""
-    metric = sweep.metric
-    record = {**final, "threshold_points": "[]"}  # its ratio points are the parent's baselines, not point runs
+    record = replace(final, threshold_points=[])  # its ratio points are the parent's baselines, not point runs
     run_id, _ = sweep.recorder.trial_completed(
         trial.trial_id,
         sweep.plan.run_uri(trial.trial_id),
@@ -131,32 +141,34 @@ def _baseline_trial_rows(
     trial.run_id = run_id
     sweep.recorder.tag_run(run_id, {"splitvit.baseline": trial.baseline})
     if trial.baseline == "full":
-        rows = [{metric: final[metric], **{k: final[k] for k in ("tokens_per_image", "token_ratio", "thresholds")}}]
+        rows = [ThresholdPoint(final.quality, final.tokens_per_image, final.token_ratio, final.thresholds)]
         labels = ["full resolution (fine-tuned)"]
     else:
-        rows = threshold_points(final)
-        labels = [f"{trial.baseline} @ {row.get('target_ratio', row['token_ratio']):.2f} (fine-tuned)" for row in rows]
+        rows = final.threshold_points
+        labels = [
+            f"{trial.baseline} @ {row.token_ratio if row.target_ratio is None else row.target_ratio:.2f} (fine-tuned)"
+            for row in rows
+        ]
     return [
         Baseline(
             baseline=trial.baseline,
             label=label,
-            quality=float(row[metric]),
-            tokens_per_image=float(row["tokens_per_image"]),
-            token_ratio=float(row["token_ratio"]),
-            thresholds=list(row.get("thresholds") or []),
+            quality=float(row.quality),
+            tokens_per_image=float(row.tokens_per_image),
+            token_ratio=float(row.token_ratio),
+            thresholds=list(row.thresholds or []),
             trial_id=trial.trial_id,
-            images_per_s=row.get("images_per_s"),
-            target_ratio=row.get("target_ratio"),
+            images_per_s=row.images_per_s,
+            target_ratio=row.target_ratio,
         )
         for row, label in zip(rows, labels)
     ]
 
 
 def _completed_trial_points(
-    sweep: Sweep, trial: TrialSummary, final: dict[str, Any], config_params: dict[str, Any]
+    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, Any]
 ) -> list[Point]:
     """A finished trial's point and its stage-two threshold points, each with its MLflow run."""
-    metric = sweep.metric
     run_id, point_ids = sweep.recorder.trial_completed(
         trial.trial_id,
         sweep.plan.run_uri(trial.trial_id),
@@ -168,35 +180,38 @@ def _completed_trial_points(
     trial.run_id = run_id
     points = [
         Point(
-            final[metric],
-            final["tokens_per_image"],
-            final["token_ratio"],
+            final.quality,
+            final.tokens_per_image,
+            final.token_ratio,
             "trial",
             trial.trial_id,
-            list(final["thresholds"]),
+            list(final.thresholds or []),
             trial.params,
-            final["checkpoint"],
+            final.checkpoint,
             run_id,
-            extras={"images_per_s": final.get("images_per_s", 0.0), **_companions(sweep, final)},
+            extras={
+                "images_per_s": 0.0 if final.images_per_s is None else final.images_per_s,
+                **_companions(sweep, final.companions),
+            },
         )
     ]
-    for row, point_id in zip(threshold_points(final), point_ids):
+    for row, point_id in zip(final.threshold_points, point_ids):
         points.append(
             Point(
-                row[metric],
-                row["tokens_per_image"],
-                row["token_ratio"],
+                row.quality,
+                row.tokens_per_image,
+                row.token_ratio,
                 "threshold",
                 trial.trial_id,
-                list(row["thresholds"]),
+                list(row.thresholds),
                 trial.params,
-                final["checkpoint"],
+                final.checkpoint,
                 point_id,
                 extras={
-                    "images_per_s": row.get("images_per_s", 0.0),
-                    **_companions(sweep, row),
+                    "images_per_s": 0.0 if row.images_per_s is None else row.images_per_s,
+                    **_companions(sweep, row.companions),
                     # a point calibrated to a ratio (stage_two.ratios) says which
-                    **({"target_ratio": row["target_ratio"]} if "target_ratio" in row else {}),
+                    **({"target_ratio": row.target_ratio} if row.target_ratio is not None else {}),
                 },
             )
         )
@@ -215,14 +230,14 @@ def _stopped_trial_point(
     its checkpoint (no stage two), recorded as a completed run."""
     metric, plan = sweep.metric, sweep.plan
     thresholds = trained_thresholds(plan.trial_config(trial.params, trial.trial_id), trial.checkpoint)
-    final = {
-        metric: last[metric],
-        "tokens_per_image": last["tokens_per_image"],
-        "token_ratio": last.get("token_ratio"),
-        "epochs": int(last.get("epoch", 0)) + 1,
-        "thresholds": thresholds,
-        "checkpoint": trial.checkpoint,
-    }
+    final = TrialFinal(
+        quality=last[metric],
+        tokens_per_image=last["tokens_per_image"],
+        token_ratio=last.get("token_ratio"),
+        thresholds=thresholds,
+        checkpoint=trial.checkpoint,
+        epochs=int(last.get("epoch", 0)) + 1,
+    )
     run_id, _ = sweep.recorder.trial_completed(
         trial.trial_id,
         plan.run_uri(trial.trial_id),

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ExperimentConfig
@@ -45,6 +45,68 @@ BASELINE_KEY = "baseline"
 
 class TrialDiverged(RuntimeError):
     """Training stopped on a non-finite loss, gradient or split probability: the trial has no valid point."""
+
+
+#: a threshold point's keys besides its quality (under the metric's name) and companions
+_POINT_KEYS = ("tokens_per_image", "token_ratio", "images_per_s", "thresholds", "target_ratio")
+
+
+@dataclass(frozen=True)
+class ThresholdPoint:
+    """One of a trial's stage-two points (or a fine-tuned baseline's at one of its
+    ratios): its checkpoint evaluated at other thresholds. In the trial's report its
+    quality is keyed by the metric's name (:meth:`to_dict`)."""
+
+    quality: float
+    tokens_per_image: float
+    token_ratio: float
+    thresholds: list[float]
+    images_per_s: float | None = None  # None: not measured (left out of the JSON)
+    companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
+    target_ratio: float | None = None  # the ratio its thresholds were calibrated to (a baseline's, stage two's ratios)
+
+    @classmethod
+    def of_evaluation(cls, result: dict[str, Any], companions: tuple[str, ...] = ()) -> ThresholdPoint:
+        """The point of an evaluation's figures (``quality``, tokens, images/s,
+        thresholds, the ``companions`` among them, and a ``target_ratio``)."""
+        return cls(
+            quality=float(result["quality"]),
+            tokens_per_image=float(result["tokens_per_image"]),
+            token_ratio=float(result["token_ratio"]),
+            thresholds=[float(t) for t in result["thresholds"]],
+            images_per_s=float(result.get("images_per_s", 0.0)),
+            companions={c: float(result[c]) for c in companions if c in result},
+            target_ratio=float(result["target_ratio"]) if result.get("target_ratio") is not None else None,
+        )
+
+    def to_dict(self, metric: str) -> dict[str, Any]:
+        """The report's row: the quality under ``metric``, the companions, then the figures
+        (``images_per_s`` and ``target_ratio`` where known)."""
+        row: dict[str, Any] = {
+            metric: self.quality,
+            **self.companions,
+            "tokens_per_image": self.tokens_per_image,
+            "token_ratio": self.token_ratio,
+        }
+        if self.images_per_s is not None:
+            row["images_per_s"] = self.images_per_s
+        row["thresholds"] = list(self.thresholds)
+        if self.target_ratio is not None:
+            row["target_ratio"] = self.target_ratio
+        return row
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], metric: str) -> ThresholdPoint:
+        """The inverse of :meth:`to_dict` (every key besides the figures is a companion)."""
+        return cls(
+            quality=data[metric],
+            tokens_per_image=data["tokens_per_image"],
+            token_ratio=data["token_ratio"],
+            thresholds=list(data["thresholds"]),
+            images_per_s=data.get("images_per_s"),
+            companions={k: v for k, v in data.items() if k != metric and k not in _POINT_KEYS},
+            target_ratio=data.get("target_ratio"),
+        )
 
 
 @dataclass
@@ -122,21 +184,21 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     baseline = sampled.get(BASELINE_KEY)
     started = time.time()
     trained = fit_trial(config)
-    if trained["status"] != "completed":
-        raise TrialDiverged(f"diverged: {trained['message']} (last good checkpoint {trained['checkpoint']})")
-    metrics = trained["metrics"]
+    if trained.status != "completed":
+        raise TrialDiverged(f"diverged: {trained.message} (last good checkpoint {trained.checkpoint})")
+    metrics = trained.metrics
     quality, tokens = metrics.get(metric), metrics.get("tokens_per_image")
     if quality is None or tokens is None or not (math.isfinite(quality) and math.isfinite(tokens)):
         raise TrialDiverged(f"diverged: non-finite objectives {metric}={quality}, tokens_per_image={tokens}")
-    if trained["checkpoint"] is None:
+    if trained.checkpoint is None:
         raise TrialFailed("training reported no checkpoint")
-    thresholds = trained_thresholds(config, trained["checkpoint"])
+    thresholds = trained_thresholds(config, trained.checkpoint)
     train_seconds = time.time() - started
 
     points: list[dict[str, Any]] = []
     stage = space.stage_two
     if baseline:
-        points = _baseline_points(plan, config, str(baseline), trained["checkpoint"])
+        points = _baseline_points(plan, config, str(baseline), trained.checkpoint)
     elif stage.points > 0 or stage.ratios:
         # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
         # sampled values are not, for a seeded sampler)
@@ -146,7 +208,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         points = run_evaluation(
             config,
             _stage_two_task,
-            trained["checkpoint"],
+            trained.checkpoint,
             points=stage.points,
             low=stage.low,
             high=stage.high,
@@ -168,11 +230,11 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "train_loss": float(metrics.get("train_loss", float("nan"))),
         "epochs": int(metrics.get("epoch", config.train.total_epochs - 1)) + 1,
         "thresholds": thresholds,
-        "checkpoint": trained["checkpoint"],
+        "checkpoint": trained.checkpoint,
         "run_uri": run_uri,
         # JSON text, not a list of mappings: Tune's TensorBoard logger would try to
         # draw a list as a histogram
-        "threshold_points": json.dumps([_point_row(p, metric, companions) for p in points]),
+        "threshold_points": json.dumps([ThresholdPoint.of_evaluation(p, companions).to_dict(metric) for p in points]),
         "train_seconds": train_seconds,
         "trial_seconds": time.time() - started,
         BASELINE_KEY: str(baseline or ""),
@@ -182,10 +244,58 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     tune.report(final)
 
 
-def threshold_points(final: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stage-two points of a trial's final result (stored as JSON text)."""
+@dataclass(frozen=True)
+class TrialFinal:
+    """A trial's figures as the sweep's driver records them: a finished trial's final
+    report (:meth:`from_report`; there its quality is under the metric's name), or a
+    trial stopped early with what its last epoch reported."""
+
+    quality: float
+    tokens_per_image: float
+    token_ratio: float | None
+    thresholds: list[float] | None  # what it was evaluated at (None: unknown)
+    checkpoint: str | None
+    epochs: int = 1
+    images_per_s: float | None = None
+    train_seconds: float | None = None
+    trial_seconds: float | None = None
+    companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
+    threshold_points: list[ThresholdPoint] = field(default_factory=list)  # stage two's
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> TrialFinal:
+        """A trial's final report (what :func:`sweep_trial` reported to Tune) read back."""
+        return cls(
+            quality=report[metric],
+            tokens_per_image=report["tokens_per_image"],
+            token_ratio=report.get("token_ratio"),
+            thresholds=report.get("thresholds"),
+            checkpoint=report.get("checkpoint"),
+            epochs=int(report.get("epochs", 1)),
+            images_per_s=report.get("images_per_s"),
+            train_seconds=report.get("train_seconds"),
+            trial_seconds=report.get("trial_seconds"),
+            companions={c: float(report[c]) for c in companions if c in report},
+            threshold_points=threshold_points(report, metric),
+        )
+
+    def figures(self, metric: str) -> dict[str, float | None]:
+        """The figures its run records (``None``: not reported), the quality under ``metric``."""
+        return {
+            metric: self.quality,
+            "tokens_per_image": self.tokens_per_image,
+            "token_ratio": self.token_ratio,
+            "images_per_s": self.images_per_s,
+            "train_seconds": self.train_seconds,
+            "trial_seconds": self.trial_seconds,
+        }
+
+
+def threshold_points(final: dict[str, Any], metric: str) -> list[ThresholdPoint]:
+    """The stage-two points of a trial's final result (stored as JSON text), its quality ``metric``'s."""
     points = final.get("threshold_points") or []
-    return json.loads(points) if isinstance(points, str) else list(points)
+    rows = json.loads(points) if isinstance(points, str) else list(points)
+    return [ThresholdPoint.from_dict(row, metric) for row in rows]
 
 
 def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, checkpoint: str) -> list[dict[str, Any]]:
@@ -215,19 +325,6 @@ def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
     from .stage_two import stage_two
 
     return stage_two(checkpoint, **kwargs)
-
-
-def _point_row(result: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {
-        metric: float(result["quality"]),
-        **{c: float(result[c]) for c in companions if c in result},
-        "tokens_per_image": float(result["tokens_per_image"]),
-        "token_ratio": float(result["token_ratio"]),
-        "images_per_s": float(result.get("images_per_s", 0.0)),
-        "thresholds": [float(t) for t in result["thresholds"]],
-        # a baseline's point: the ratio its thresholds were calibrated to
-        **({"target_ratio": float(result["target_ratio"])} if result.get("target_ratio") is not None else {}),
-    }
 
 
 def trained_thresholds(config: ExperimentConfig, checkpoint: str | None) -> list[float]:
