@@ -56,10 +56,8 @@ def fit_config_local(
     (the per-epoch training and validation figures), ``steps`` and ``train_seconds``.
     """
     import torch
-    from torch.utils.data import DataLoader
 
     from ..config import AUTO_THRESHOLDS
-    from ..data import build_dataset, detection_collate
     from ..model.detection import SplitDetector, split_backbone
     from ..train.checkpoints import HISTORY_FILE, MODEL_FILE, init_weights
     from ..train.detection import detection_ground_truth
@@ -71,31 +69,15 @@ def fit_config_local(
     folder = Path(config.storage.resolved_path()) / config.storage.name
     checkpoint, history_file = folder / MODEL_FILE, folder / HISTORY_FILE
     if checkpoint.is_file() and history_file.is_file():
-        record = json.loads(history_file.read_text())
-        return TrainedRun(
-            "completed",
-            record["history"][-1],
-            str(checkpoint),
-            history=record["history"],
-            train_seconds=record.get("train_seconds"),
-            steps=record.get("steps"),
-        )
+        return _finished_run(checkpoint, json.loads(history_file.read_text()))
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(dc.seed * 1000)  # as rank 0 of the Ray loop
     model = build_model(mc)
     if mc.init_from:
         init_weights(model, mc.init_from)
     model.to(device)
-    sizing = dict(image_size=mc.image_size, interpolation=split_backbone(model).data_config["interpolation"])
-    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
     detector = isinstance(model, SplitDetector)
-    val_loader = DataLoader(
-        val_set,
-        batch_size=dc.eval_batch_size or dc.batch_size,
-        num_workers=dc.num_workers,
-        collate_fn=detection_collate if detector else None,
-    )
+    train_set, val_set, val_loader = _datasets(config, split_backbone(model).data_config["interpolation"], detector)
     steps_per_epoch = len(train_set) // dc.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size}")
@@ -159,14 +141,40 @@ def fit_config_local(
     )
     record = {"history": history, "train_seconds": time.time() - started, "steps": tc.total_epochs * steps_per_epoch}
     history_file.write_text(json.dumps(record, default=float))  # last: its presence says training finished
+    return _finished_run(checkpoint, record)
+
+
+def _finished_run(checkpoint: Path, record: dict[str, Any]) -> TrainedRun:
+    """A finished run as :func:`fit_config_local` returns it, from its checkpoint and its
+    history file's ``record`` (``history``, ``train_seconds``, ``steps``)."""
     return TrainedRun(
         "completed",
-        history[-1],
+        record["history"][-1],
         str(checkpoint),
-        history=history,
-        train_seconds=record["train_seconds"],
-        steps=record["steps"],
+        history=record["history"],
+        train_seconds=record.get("train_seconds"),
+        steps=record.get("steps"),
     )
+
+
+def _datasets(config: ExperimentConfig, interpolation: str, detector: bool) -> tuple[Any, Any, Any]:
+    """The run's training and validation sets at the model's input size, and the
+    validation loader (a detector's batches collated as lists)."""
+    from torch.utils.data import DataLoader
+
+    from ..data import build_dataset, detection_collate
+
+    mc, dc = config.model, config.data
+    sizing = dict(image_size=mc.image_size, interpolation=interpolation)
+    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
+    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
+    val_loader = DataLoader(
+        val_set,
+        batch_size=dc.eval_batch_size or dc.batch_size,
+        num_workers=dc.num_workers,
+        collate_fn=detection_collate if detector else None,
+    )
+    return train_set, val_set, val_loader
 
 
 @dataclass(frozen=True)

@@ -86,26 +86,7 @@ def fit_local(
     """
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    # parquet shards shuffle by row group (each group read once per epoch, not once per
-    # item); other datasets read any item cheaply and keep the plain shuffle
-    sampler = (
-        RowGroupSampler(dataset, 1, 0, seed=seed, drop_last=True, batch_size=batch_size, loader_workers=num_workers)
-        if isinstance(dataset, ParquetShards)
-        else None
-    )
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=sampler is None,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(seed),
-        # detection targets are one dict per image: the batch keeps them a list
-        collate_fn=detection_collate if isinstance(model, SplitDetector) else None,
-    )
+    loader, sampler = _train_loader(model, dataset, batch_size, seed, num_workers, device)
     optimizer = torch.optim.AdamW(param_groups(model, lr, policy_lr_scale), lr=lr, weight_decay=weight_decay)
     warmup = min(len(loader), epochs * len(loader) // 10) if warmup_steps is None else warmup_steps
     scheduler = phase_schedule(
@@ -153,6 +134,33 @@ def fit_local(
         else:
             log.info("epoch %d: %s", epoch, stats)
     return history
+
+
+def _train_loader(
+    model: nn.Module, dataset: Dataset, batch_size: int, seed: int, num_workers: int, device: torch.device
+) -> tuple[DataLoader, RowGroupSampler | None]:
+    """:func:`fit_local`'s shuffled training batches, and the sampler to set each epoch on
+    (parquet shards shuffle by row group, each group read once per epoch, not once per
+    item; other datasets read any item cheaply and keep the plain shuffle: ``None``)."""
+    sampler = (
+        RowGroupSampler(dataset, 1, 0, seed=seed, drop_last=True, batch_size=batch_size, loader_workers=num_workers)
+        if isinstance(dataset, ParquetShards)
+        else None
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+        # detection targets are one dict per image: the batch keeps them a list
+        collate_fn=detection_collate if isinstance(model, SplitDetector) else None,
+    )
+    return loader, sampler
 
 
 def validate(
