@@ -345,7 +345,7 @@ class TeacherConfig:
     context: int = 0
 
     def __post_init__(self) -> None:
-        if self.weight < 0:
+        if not self.weight >= 0:  # "not >=": NaN fails too
             raise ValueError(f"weight must be >= 0, got {self.weight}")
         if self.every < 1:
             raise ValueError(f"every must be >= 1, got {self.every}")

@@ -196,9 +196,10 @@ class SplitViT(nn.Module):
             ``kind``, and the learned policy's ``depth``, ``width``, ``level_context``,
             ``feature_grad``, ``fine_evidence``, ``evidence_pooling``,
             ``budget_conditioned``; other policies ignore those), a mapping of them (a
-            checkpoint's spec), a policy's name (the rest at their defaults), or a
-            :class:`SplitPolicy`. ``depth``: how many of the ViT's own blocks run on the
-            coarse tokens to give the learned policy the model's view of the image (with
+            checkpoint's spec), or a policy's name (the rest at their defaults); a
+            built :class:`SplitPolicy` goes in through :meth:`set_policy`. ``depth``: how
+            many of the ViT's own blocks run on the coarse tokens to give the learned
+            policy the model's view of the image (with
             ``width``, how many blocks of its own it runs at that width, see
             :class:`~splitvit.model.policies.LearnedPolicy`); ``budget_conditioned``: the
             policy is told the target token ratio, the ``budget`` buffer or ``forward``'s
@@ -237,7 +238,7 @@ class SplitViT(nn.Module):
         vit: VisionTransformer,
         *,
         levels: int,
-        policy: PolicyConfig | dict[str, Any] | str | SplitPolicy = "learned",
+        policy: PolicyConfig | dict[str, Any] | str = "learned",
         image_size: int | tuple[int, int] | None = None,
         thresholds: float | list[float] = 0.5,
         task: str = "classification",
@@ -258,9 +259,10 @@ class SplitViT(nn.Module):
             raise ValueError(f"SplitViT supports global_pool 'token' or 'avg', got {vit.global_pool!r}")
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        built = policy if isinstance(policy, SplitPolicy) else None
-        #: the policy's settings (``model.policy.kind``); a given SplitPolicy's name, the rest at their defaults
-        self.policy_config = policy_settings(built.name if built is not None else policy)
+        #: the policy's settings (``model.policy``): its modules are built from them; to share one
+        #: built policy between two models, build both from the same settings and assign it
+        #: (:meth:`set_policy`), as the packed and padded pairs of the tests and benchmarks do
+        self.policy_config = policy_settings(policy)
         settings = self.policy_config
         if settings.width is None and not 0 <= settings.depth <= len(vit.blocks):
             raise ValueError(f"policy.depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {settings.depth}")
@@ -312,7 +314,7 @@ class SplitViT(nn.Module):
         # Zero-initialised level embedding: at init a token means what the timm model's does.
         self.level_embed = nn.Parameter(torch.zeros(levels, vit.embed_dim))
         self.fine_aggregation = FineAggregation(vit.embed_dim, levels) if fine_aggregation else None
-        self.policy = self._build_policy(settings.kind) if built is None else built
+        self.policy = self._build_policy(settings.kind)
         if task == "dense":
             classes = num_classes if num_classes is not None else vit.num_classes
             self.dense_head: DenseHead | None = DenseHead(vit.embed_dim, classes, self.patch_size)
