@@ -60,7 +60,7 @@ CASES = (
     Case(
         "policy name misspelt",
         ("sweep", "search_spaces/smoke.yaml", "--set", "model.policy.kind=lerned"),
-        "unknown policy 'lerned'",
+        "parameters.model.policy.kind: must be one of learned, entropy, random, full, coarse, got 'lerned'",
     ),
     Case("--json under a file", ("train", "jobs/configs/smoke.yaml", "--json", "/dev/null/r.json"), "is not a folder"),
     Case(

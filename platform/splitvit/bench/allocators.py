@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, upgrade_sections
 from ..train.allocator import (
     ALLOCATORS,
     DEFAULT_ALLOCATOR,
@@ -359,13 +359,14 @@ def run_allocator_benchmark(
 def format_allocator_lines(result: dict[str, Any]) -> list[str]:
     """The allocators part of ``bench train``'s report: one row per allocator and model."""
     cfg = result["config"]
-    epochs = cfg["experiment"]["train"]["epochs"]
+    train = upgrade_sections(cfg["experiment"], warn=False)["train"]  # a JSON written before the keys were grouped too
+    epochs = train["epochs"]
     lines = [
         "",
         f"C. allocators: the plain loop (fit_local) trained from scratch in a child process per run, "
         f"{cfg['threads']} torch threads, {epochs} epochs (steady: epochs >= {cfg['skip_epochs']}), "
         f"{cfg['rounds']} round(s) alternating the order; split: a learned policy aimed at "
-        f"{cfg['experiment']['train']['target_ratio']:.0%} of the tokens, other images and decisions every step",
+        f"{train['budget']['target_ratio']:.0%} of the tokens, other images and decisions every step",
     ]
     lines += [f"  {name}: {a['description']} {a['env'] or ''}".rstrip() for name, a in cfg["allocators"].items()]
     lines += [f"  {line}" for line in result["skipped"]]

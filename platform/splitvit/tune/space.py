@@ -1092,7 +1092,8 @@ def _validate_against_config(space: SearchSpace, settings_only: bool = False) ->
                 # the base config itself (or a fixed value) is wrong
                 fixed_owner = _owner(space, exc.key, list(space.fixed), exc.reason)
                 where = f"parameters.{fixed_owner}" if fixed_owner else f"base ({space.base})"
-                raise SearchSpaceError(src, where, f"{exc.key}: {exc.reason}") from None
+                detail = exc.reason if fixed_owner == exc.key else f"{exc.key}: {exc.reason}"  # the key once
+                raise SearchSpaceError(src, where, detail) from None
             if "unknown key" in exc.reason:
                 raise SearchSpaceError(
                     src, f"parameters.{owner}", exc.reason.replace("unknown key", "not a config key")
