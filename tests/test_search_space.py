@@ -414,7 +414,7 @@ INVALID = [
     (
         "bad fixed value",
         variant(**{"parameters/train.epochs": 0}),
-        r"parameters\.train\.epochs: train\.epochs: must be >= 1",
+        r"parameters\.train\.epochs: must be >= 1",  # the key once
     ),
     (
         "stage-two thresholds outside [0, 1]",
