@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .spec import Goals
 
 if TYPE_CHECKING:
+    from ..train.points import EvaluatedPoint
     from .runs import BackboneRun, MethodRun
 
 EPS = 1e-9  # points: means of seeds' accuracies are not exact in binary
@@ -462,15 +463,16 @@ def aggregate(results: list[MethodRun], metric: str, companions: Sequence[str] =
     standard deviation, min and max over seeds of the quality, each seed's ``companions``
     qualities (read from the points by name), and the means of tokens per image, token
     ratio and images/s. Full resolution first, then SPLIT, then the rest."""
-    groups: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, float | None], list[tuple[int, EvaluatedPoint]]] = {}
     policies: dict[str, str] = {}
     for result in results:
         policies[result.method] = result.policy
         for point in result.points:
-            groups.setdefault((result.method, point["target_ratio"]), []).append({**point, "seed": result.seed})
+            groups.setdefault((result.method, point.target_ratio), []).append((result.seed, point))
     rows = []
-    for (method, ratio), points in groups.items():
-        q = [float(p["quality"]) for p in points]
+    for (method, ratio), seeded in groups.items():
+        points = [p for _, p in seeded]
+        q = [float(p.quality) for p in points]
         rows.append(
             StudyRow(
                 method=method,
@@ -482,11 +484,11 @@ def aggregate(results: list[MethodRun], metric: str, companions: Sequence[str] =
                 quality_std=statistics.stdev(q) if len(q) > 1 else 0.0,
                 quality_min=min(q),
                 quality_max=max(q),
-                tokens_per_image=statistics.fmean(float(p["tokens_per_image"]) for p in points),
-                token_ratio=statistics.fmean(float(p["token_ratio"]) for p in points),
-                images_per_s=statistics.fmean(float(p["images_per_s"]) for p in points),
-                per_seed={str(p["seed"]): float(p["quality"]) for p in points},
-                companions={c: {str(p["seed"]): float(p[c]) for p in points} for c in companions},
+                tokens_per_image=statistics.fmean(float(p.tokens_per_image) for p in points),
+                token_ratio=statistics.fmean(float(p.token_ratio) for p in points),
+                images_per_s=statistics.fmean(float(p.images_per_s) for p in points),
+                per_seed={str(seed): float(p.quality) for seed, p in seeded},
+                companions={c: {str(seed): p.figure(c) for seed, p in seeded} for c in companions},
             )
         )
     rows.sort(key=lambda r: (r.policy != "full", r.policy != "learned", r.method, r.target_ratio or 0.0))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import ExperimentConfig, inert_keys, upgrade_flat
 from ..storage import exists, join_uri, read_bytes, write_bytes
+from ..train.points import EvaluatedPoint
 from .spec import StudySpec
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class MethodRun:
     policy: str
     checkpoint: str
     train_metrics: dict[str, float]  # the last epoch's
-    points: list[dict[str, Any]]  # one per evaluated token ratio (evaluate_points' figures)
+    points: list[EvaluatedPoint]  # one per evaluated token ratio (evaluate_points')
     train_seconds: float
     eval_seconds: float
     run_uri: str
@@ -117,7 +118,9 @@ class MethodRun:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MethodRun:
         """The inverse of :meth:`to_dict` (a missing required key raises ``KeyError``)."""
-        return cls(**_record_fields(cls, data))
+        values = _record_fields(cls, data)
+        values["points"] = [EvaluatedPoint.from_dict(p) for p in values["points"]]
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,10 @@ def outcome_from_dict(data: dict[str, Any]) -> RunOutcome:
 
 
 def _record_dict(record: BackboneRun | MethodRun) -> dict[str, Any]:
-    """A run record's fields, those set (not ``None``), in field order, copied."""
+    """A run record's fields, those set (not ``None``), in field order, copied (a
+    method run's points as their JSON)."""
     return {
-        f.name: copy.deepcopy(value)
+        f.name: [p.to_dict() for p in value] if f.name == "points" else copy.deepcopy(value)
         for f in fields(record)
         if (value := getattr(record, f.name)) is not None or f.default is MISSING
     }
@@ -374,7 +378,7 @@ def _same_evaluation(spec: StudySpec, stored: StudyRun) -> bool:
 
 def _evaluate_run(
     spec: StudySpec, config: ExperimentConfig, trainer: RunTrainer, checkpoint: str, method: str, seed: int
-) -> list[dict[str, Any]]:
+) -> list[EvaluatedPoint]:
     """A method run's points (:func:`~splitvit.train.evaluation.evaluate_points`), where ``config`` trains."""
     from ..train.evaluation import evaluate_points  # torch: only for a run that evaluates
 

@@ -315,17 +315,17 @@ def points_speed(spec: StudySpec, runs: list[MethodRun], run: Runner = _here) ->
     operating: list[OperatingPoint] = []
     labels: list[tuple[str, float | None]] = []  # each point's method and target ratio
     for method in others:
-        stored = sorted(by_method[method].points, key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0))
+        stored = sorted(by_method[method].points, key=lambda p: (p.target_ratio is None, p.target_ratio or 0.0))
         for point in stored if method in recipes else spread(stored, share):
             operating.append(
                 OperatingPoint(
                     checkpoint=by_method[method].checkpoint,
-                    thresholds=point.get("thresholds"),
-                    budget=point["target_ratio"],  # what a budget-conditioned policy was told
-                    label=f"{method}@{point['target_ratio']}",
+                    thresholds=point.thresholds,
+                    budget=point.target_ratio,  # what a budget-conditioned policy was told
+                    label=f"{method}@{point.target_ratio}",
                 )
             )
-            labels.append((method, point["target_ratio"]))
+            labels.append((method, point.target_ratio))
     record: SpeedRecord = run(
         time_operating_points,
         operating,

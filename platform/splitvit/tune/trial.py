@@ -318,7 +318,7 @@ def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, che
         calibration_samples=config.data.eval_batch_size or config.data.batch_size,
         seed=plan.space.search.seed,
     )
-    return [{**row, "thresholds": row.get("thresholds") or []} for row in rows]
+    return [{**row.to_dict(), "thresholds": row.thresholds or []} for row in rows]
 
 
 def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
