@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
     from ..model import SplitViT
     from ..model.detection import SplitDetector
+    from .timing import TimingSummary
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +420,7 @@ def _time_calls(
     rounds: int,
     warmup: int,
     dev: torch.device,
-) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]], float | None]:
+) -> tuple[dict[str, list[float]], dict[str, TimingSummary], float | None]:
     """Every full-resolution model and point timed in the same interleaved rounds: the
     seconds per round and the figures (:func:`~splitvit.bench.timing.timing_summary`)
     by name (``full<i>``, ``point<i>``), and the CPUs other processes used meanwhile."""
@@ -456,7 +457,7 @@ def _time_calls(
 
 
 def _full_timing(
-    ref: _Reference, timing: dict[str, Any], tokens: float, backbone: dict[str, Any] | None = None
+    ref: _Reference, timing: TimingSummary, tokens: float, backbone: TimingSummary | None = None
 ) -> FullTiming:
     """A full-resolution model's figures (:func:`~splitvit.bench.timing.timing_summary`),
     and a detector's backbone's (``backbone``)."""
@@ -464,21 +465,19 @@ def _full_timing(
         key=ref.key,
         checkpoint=ref.checkpoint,
         policy="full",
-        median_s=timing["median_s"],
-        min_s=timing["min_s"],
-        images_per_s=timing["images_per_s"],
+        median_s=timing.median_s,
+        min_s=timing.min_s,
+        images_per_s=timing.images_per_s,
         tokens_per_image=tokens,
         token_ratio=1.0,
         speedup_vs_full=1.0,
         **(
-            {"backbone_median_s": backbone["median_s"], "backbone_images_per_s": backbone["images_per_s"]}
-            if backbone
-            else {}
+            {"backbone_median_s": backbone.median_s, "backbone_images_per_s": backbone.images_per_s} if backbone else {}
         ),
     )
 
 
-def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, dict[str, Any]]) -> TimedPoint:
+def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, TimingSummary]) -> TimedPoint:
     """A point's figures beside its full-resolution model's, from the same rounds."""
     from .timing import quartiles
 
@@ -489,10 +488,10 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
     if name + BACKBONE_SUFFIX in timings:  # a detector: its backbone against full resolution's
         tb, fb = timings[name + BACKBONE_SUFFIX], timings[point.full + BACKBONE_SUFFIX]
         backbone = {
-            "backbone_median_s": tb["median_s"],
-            "backbone_images_per_s": tb["images_per_s"],
-            "backbone_full_images_per_s": fb["images_per_s"],
-            "backbone_speedup_vs_full": fb["median_s"] / tb["median_s"],
+            "backbone_median_s": tb.median_s,
+            "backbone_images_per_s": tb.images_per_s,
+            "backbone_full_images_per_s": fb.images_per_s,
+            "backbone_speedup_vs_full": fb.median_s / tb.median_s,
         }
     return TimedPoint(
         index=point.index,
@@ -504,12 +503,12 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
         full=point.full,
         tokens_per_image=point.tokens_per_image,
         token_ratio=point.token_ratio,
-        median_s=t["median_s"],
-        min_s=t["min_s"],
-        images_per_s=t["images_per_s"],
-        full_images_per_s=f["images_per_s"],
-        speedup_vs_full=f["median_s"] / t["median_s"],
-        speedup_vs_full_fastest=f["min_s"] / t["min_s"],
+        median_s=t.median_s,
+        min_s=t.min_s,
+        images_per_s=t.images_per_s,
+        full_images_per_s=f.images_per_s,
+        speedup_vs_full=f.median_s / t.median_s,
+        speedup_vs_full_fastest=f.min_s / t.min_s,
         speedup_vs_full_per_round=quartiles(per_round),
         **backbone,
     )

@@ -454,13 +454,13 @@ def _step_figures(
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
         rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
         steps[name] = StepTiming(
-            **t,
+            **t.to_dict(),
             token_fraction=fraction,
             tokens_per_image=fraction * full_tokens,
             ideal_ratio=1.0 / fraction,
-            ratio_to_full=ref["median_s"] / t["median_s"],
-            ratio_to_full_fastest=ref["min_s"] / t["min_s"],
-            ratio_to_full_cpu_time=ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None,
+            ratio_to_full=ref.median_s / t.median_s,
+            ratio_to_full_fastest=ref.min_s / t.min_s,
+            ratio_to_full_cpu_time=ref.cpu_median_s / t.cpu_median_s if t.cpu_median_s > 0 else None,
             per_round={**quartiles(rounds_ratio), "values": rounds_ratio},
         )
     if "teacher" in steps and "split_learned" in steps:
