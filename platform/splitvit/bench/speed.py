@@ -44,6 +44,8 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ..jsontypes import JsonObject
+
 if TYPE_CHECKING:
     import torch
 
@@ -98,12 +100,12 @@ class FullTiming:
     backbone_median_s: float | None = field(default=None, kw_only=True)
     backbone_images_per_s: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FullTiming:
+    def from_dict(cls, data: JsonObject) -> FullTiming:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(**read_speed_fields(cls, data))
 
@@ -136,12 +138,12 @@ class TimedPoint:
     backbone_full_images_per_s: float | None = field(default=None, kw_only=True)
     backbone_speedup_vs_full: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TimedPoint:
+    def from_dict(cls, data: JsonObject) -> TimedPoint:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(**read_speed_fields(cls, data))
 
@@ -165,7 +167,7 @@ class SpeedRecord:
     warnings: list[str]
     seconds: float  # the whole timing, loading included
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form (``frontier_speed`` of a sweep): one key per field, in field order."""
         data = asdict(self)
         data["full"] = [f.to_dict() for f in self.full]
@@ -173,7 +175,7 @@ class SpeedRecord:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SpeedRecord:
+    def from_dict(cls, data: JsonObject) -> SpeedRecord:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         values = {f.name: data[f.name] for f in fields(cls)}
         values["full"] = [FullTiming.from_dict(f) for f in data["full"]]

@@ -28,6 +28,8 @@ from typing import Any
 import timm
 import torch
 
+from ..jsontypes import JsonObject
+
 log = logging.getLogger(__name__)
 
 #: Warn when other processes used more than this many CPUs on average while timing.
@@ -131,7 +133,7 @@ class TimingSummary:
     cpu_median_s: float  # process CPU seconds per call
     cpu_samples_s: list[float]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its JSON: the fields, in order."""
         return asdict(self)
 

@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import ExperimentConfig, inert_keys, upgrade_flat
+from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from ..train.points import EvaluatedPoint
 from .spec import StudySpec
@@ -52,12 +53,12 @@ class RunRequest:
         """Its folder's name (:func:`run_name`)."""
         return run_name(self.seed, self.method)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """``{"seed": ...}``, with ``"method"`` for a method run (a Tune trial's parameters)."""
         return {"seed": self.seed} if self.method is None else {"seed": self.seed, "method": self.method}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunRequest:
+    def from_dict(cls, data: JsonObject) -> RunRequest:
         """The inverse of :meth:`to_dict`."""
         return cls(int(data["seed"]), None if data.get("method") is None else str(data["method"]))
 
@@ -79,12 +80,12 @@ class BackboneRun:
     reused: bool | None = None  # finished by an earlier invocation (None: as stored)
     reevaluated: bool | None = None  # evaluated again under other evaluation settings (None: as stored)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON-ready record (every field set, in field order)."""
         return _record_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BackboneRun:
+    def from_dict(cls, data: JsonObject) -> BackboneRun:
         """The inverse of :meth:`to_dict` (a missing required key raises ``KeyError``)."""
         return cls(**_record_fields(cls, data))
 
@@ -111,12 +112,12 @@ class MethodRun:
     reused: bool | None = None  # finished by an earlier invocation (None: as stored)
     reevaluated: bool | None = None  # evaluated again under other evaluation settings (None: as stored)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON-ready record (every field set, in field order)."""
         return _record_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MethodRun:
+    def from_dict(cls, data: JsonObject) -> MethodRun:
         """The inverse of :meth:`to_dict` (a missing required key raises ``KeyError``)."""
         values = _record_fields(cls, data)
         values["points"] = [EvaluatedPoint.from_dict(p) for p in values["points"]]
@@ -130,7 +131,7 @@ class RunFailure:
     run: RunRequest
     error: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """``{"config": <the run's parameters>, "error": error}``."""
         return {"config": self.run.to_dict(), "error": self.error}
 

@@ -8,6 +8,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from ..jsontypes import JsonObject
+
 #: the figures every point has, each a field of its own
 _COMMON = ("tokens_per_image", "token_ratio", "images_per_s")
 
@@ -44,7 +46,7 @@ class EvaluatedPoint:
             return float(getattr(self, name))
         raise KeyError(name)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The evaluation's JSON: ``target_ratio``; a classifier's tokens, speed and
         images then its figures, a detector's AP, tokens and speed, its other figures
         and its images; then ``quality`` and ``thresholds``."""
@@ -60,7 +62,7 @@ class EvaluatedPoint:
         return {"target_ratio": self.target_ratio, **body, "quality": self.quality, "thresholds": thresholds}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EvaluatedPoint:
+    def from_dict(cls, data: JsonObject) -> EvaluatedPoint:
         """The inverse of :meth:`to_dict` (an evaluation's figures, ``target_ratio``
         added); a missing common figure raises ``KeyError``."""
         own = {"target_ratio", "quality", "images", "thresholds", *_COMMON}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..jsontypes import JsonObject
 from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
 from .mlflow_records import CHART_ARTIFACT, PLOT_ARTIFACT, SweepRecorder
 from .pareto import Point, frontier, round_figures
@@ -331,7 +332,7 @@ class FrontierRow:
     timed_token_ratio: float | None = None
     held_out: dict[str, float] = field(default_factory=dict)
 
-    def to_dict(self, metric: str) -> dict[str, Any]:
+    def to_dict(self, metric: str) -> JsonObject:
         """The table row: the quality named ``metric``, the thresholds and list or dict
         parameters as JSON text (one cell each), the parameters last."""
         return {

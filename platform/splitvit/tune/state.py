@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import ExperimentConfig, redact_uri
+from ..jsontypes import JsonObject
 from ..tracking.runs import ui_url
 from .mlflow_records import RegisteredFrontier, SweepRecorder
 from .pareto import Baseline, Point, frontier
@@ -55,7 +56,7 @@ class RegisteredModels:
     aliases: dict[str, str]
     sweep_aliases: dict[str, str]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its part of the sweep's JSON (``registered_models``)."""
         return {"name": self.name, "aliases": dict(self.aliases), "sweep_aliases": dict(self.sweep_aliases)}
 
@@ -121,7 +122,7 @@ class SweepResult:
         page = self.mlflow_url(host).split("#", 1)[0]
         return page + frontier_link(self.experiment_id, self.parent_run_id)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict for JSON."""
         return {
             "name": self.name,
