@@ -590,7 +590,7 @@ class ExperimentConfig:
     @classmethod
     def from_dict(
         cls,
-        raw: dict[str, Any] | None,
+        raw: JsonObject | None,
         overrides: list[str] | None = None,
         *,
         default_name: str = "experiment",

@@ -141,18 +141,18 @@ StudyRun = BackboneRun | MethodRun
 RunOutcome = BackboneRun | MethodRun | RunFailure
 
 
-def run_from_dict(data: dict[str, Any]) -> StudyRun:
+def run_from_dict(data: JsonObject) -> StudyRun:
     """A stored run read back: a method run where it names its method, else a backbone."""
     return MethodRun.from_dict(data) if "method" in data else BackboneRun.from_dict(data)
 
 
-def outcome_from_dict(data: dict[str, Any]) -> RunOutcome:
+def outcome_from_dict(data: JsonObject) -> RunOutcome:
     """A run's outcome read back (e.g. from a Tune trial's report): a failure where it
     has an ``error``, else the run."""
     return RunFailure(RunRequest.from_dict(data["config"]), data["error"]) if "error" in data else run_from_dict(data)
 
 
-def _record_dict(record: BackboneRun | MethodRun) -> dict[str, Any]:
+def _record_dict(record: BackboneRun | MethodRun) -> JsonObject:
     """A run record's fields, those set (not ``None``), in field order, copied (a
     method run's points as their JSON)."""
     return {
@@ -162,7 +162,7 @@ def _record_dict(record: BackboneRun | MethodRun) -> dict[str, Any]:
     }
 
 
-def _record_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+def _record_fields(cls: type, data: JsonObject) -> dict[str, Any]:
     """``cls``'s fields read from ``data``: a required one missing raises ``KeyError``."""
     required = {f.name for f in fields(cls) if f.default is MISSING}
     missing = required - set(data)
@@ -171,7 +171,7 @@ def _record_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     return {f.name: copy.deepcopy(data[f.name]) for f in fields(cls) if f.name in data}
 
 
-def stored_result(run_uri: str, file: str = STUDY_RESULT_FILE) -> dict[str, Any] | None:
+def stored_result(run_uri: str, file: str = STUDY_RESULT_FILE) -> JsonObject | None:
     """What the run at ``run_uri`` stored in ``file`` (its result, by default), or ``None``."""
     uri = join_uri(run_uri, file)
     return json.loads(read_bytes(uri)) if exists(uri) else None
