@@ -18,6 +18,7 @@ from splitvit.study.runs import MethodRun
 from splitvit.study.spec import Goals
 from splitvit.train.checkpoints import init_weights
 from splitvit.train.experiment import build_model, load_experiment
+from splitvit.train.points import EvaluatedPoint
 
 from .helpers import write_fake_fashion_mnist
 
@@ -131,8 +132,9 @@ def test_a_detectors_points_are_evaluated_at_matched_ratios_with_box_and_mask_ap
         seed=0,
     )
     (point,) = points
-    assert point["quality"] == point["box_ap"] and 0.0 <= point["mask_ap"] <= 1.0
-    assert point["images"] == 4 and 0 < point["token_ratio"] < 1 and point["target_ratio"] == 0.5
+    assert point.quality == point.figure("box_ap") and 0.0 <= point.figure("mask_ap") <= 1.0
+    assert point.images == 4 and 0 < point.token_ratio < 1 and point.target_ratio == 0.5
+    assert EvaluatedPoint.from_dict(json.loads(json.dumps(point.to_dict()))) == point
 
 
 # ----------------------------------------------------------------- init_from
@@ -180,15 +182,7 @@ def _run(method: str, policy: str, seed: int, points: list[tuple[float | None, f
         eval_seconds=0.0,
         run_uri=where,
         points=[
-            {
-                "target_ratio": r,
-                "quality": box,
-                "box_ap": box,
-                "mask_ap": mask,
-                "tokens_per_image": 64 * t,
-                "token_ratio": t,
-                "images_per_s": 10.0,
-            }
+            EvaluatedPoint(r, box, 64 * t, t, 10.0, 64, None, {"box_ap": box, "mask_ap": mask})
             for r, box, mask, t in points
         ],
     )

@@ -34,6 +34,7 @@ from splitvit.study.runs import STUDY_RESULT_FILE, BackboneRun, MethodRun, RunRe
 from splitvit.study.spec import Goals, StudyError, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
 from splitvit.train.checkpoints import init_weights
+from splitvit.train.points import EvaluatedPoint
 from splitvit.train.trial import TrainedRun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,7 +321,7 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
 
         def evaluate(self, config, fn, *args, **kwargs):
             self.evaluated.append(kwargs["ratios"])
-            return [{"target_ratio": r, "quality": r} for r in kwargs["ratios"]]
+            return [evaluated_point(r, r, r, r) for r in kwargs["ratios"]]
 
     spec = load_study(write_study(tmp_path))
     storage = str(tmp_path / "study" / "train")
@@ -339,10 +340,10 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
     assert stale_runs(changed, storage) == []
     again = study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)})
     assert again.reused and again.reevaluated and trainer.evaluated[-1] == [0.5, 0.7]
-    assert [p["target_ratio"] for p in again.points] == [0.5, 0.7]
+    assert [p.target_ratio for p in again.points] == [0.5, 0.7]
     assert again.history == first.history and again.train_seconds == first.train_seconds
     stored = json.loads((Path(storage) / "split-s0" / STUDY_RESULT_FILE).read_text())
-    assert stored["evaluation"]["ratios"] == [0.5, 0.7] and stored["points"] == again.points
+    assert stored["evaluation"]["ratios"] == [0.5, 0.7] and stored["points"] == [p.to_dict() for p in again.points]
     assert "reevaluated" not in stored and "reused" not in stored
     assert study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)}).reevaluated is False
 
@@ -462,21 +463,19 @@ def backbone_run(seed=0, metrics=None, **optional) -> BackboneRun:
     return BackboneRun(seed, where, metrics or {}, 0.0, where, **optional)
 
 
+def evaluated_point(
+    target_ratio, quality, tokens_per_image, token_ratio, images_per_s=100.0, images=64, thresholds=None
+):
+    """What evaluate_points makes of one ratio (no task figures of its own)."""
+    return EvaluatedPoint(target_ratio, quality, tokens_per_image, token_ratio, images_per_s, images, thresholds, {})
+
+
 def run(method, policy, seed, points):
     return method_run(
         method,
         policy,
         seed,
-        [
-            {
-                "target_ratio": r,
-                "quality": q,
-                "tokens_per_image": 64 * (t if r is None else r),
-                "token_ratio": t if r is None else r,
-                "images_per_s": 100.0,
-            }
-            for r, q, t in points
-        ],
+        [evaluated_point(r, q, 64 * (t if r is None else r), t if r is None else r) for r, q, t in points],
     )
 
 
@@ -684,9 +683,7 @@ class _Fitted:
     def evaluate(self, config, fn, *args, **kwargs):
         ratios = kwargs["ratios"] or [None]  # full resolution: one point
         return [
-            {"target_ratio": r, "quality": 0.8, "tokens_per_image": 64 * (r or 1.0), "token_ratio": r or 1.0}
-            | {"images_per_s": 100.0, "images": 64, "thresholds": None if r is None else [0.5]}
-            for r in ratios
+            evaluated_point(r, 0.8, 64 * (r or 1.0), r or 1.0, thresholds=None if r is None else [0.5]) for r in ratios
         ]
 
 
@@ -1071,8 +1068,8 @@ def test_a_point_counts_at_a_share_it_exceeds_only_within_the_tolerance():
         run("full", "full", 0, [(None, 0.90, 1.0)]),
         run("split", "learned", 0, [(0.4, 0.80, None), (0.5, 0.88, None), (0.7, 0.899, None)]),
     ]
-    results[1].points[1]["token_ratio"] = 0.5003
-    results[1].points[2]["token_ratio"] = 0.711
+    points = results[1].points
+    points[1:] = [replace(points[1], token_ratio=0.5003), replace(points[2], token_ratio=0.711)]
     rows = aggregate(results, "accuracy")
     goals = check_goals(rows, Goals(match_ratio=0.5, also_match_at=(0.7,)), "accuracy")
     assert goals.match.target_ratio == 0.5 and goals.match.ratio_tolerance == 0.005

@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .jsontypes import JsonObject
 from .recipes import NO_RECIPE, RecipeError, current_recipes, load_recipe, resolve_name
 
 SECTIONS = ("model", "data", "train", "scaling", "storage", "tracking")
@@ -589,7 +590,7 @@ class ExperimentConfig:
     @classmethod
     def from_dict(
         cls,
-        raw: dict[str, Any] | None,
+        raw: JsonObject | None,
         overrides: list[str] | None = None,
         *,
         default_name: str = "experiment",
@@ -612,7 +613,7 @@ class ExperimentConfig:
                 layers.append(Layer("--set", [parse_override(item) for item in overrides]))
         return resolve_config(layers, default_name=default_name)
 
-    def to_dict(self, redact: bool = True) -> dict[str, Any]:
+    def to_dict(self, redact: bool = True) -> JsonObject:
         """Nested plain dict (the recipe's name, then the six sections); secret-looking
         values replaced by ``***`` unless ``redact=False``. :meth:`from_dict` reads it
         back to the same config."""

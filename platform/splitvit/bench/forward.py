@@ -79,6 +79,7 @@ from .memory import measure_memory
 from .report import device_label, make_target, target_table, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
+    TimingSummary,
     checked_device,
     compile_options,
     machine_info,
@@ -465,13 +466,13 @@ class _Timed:
     processes used meanwhile."""
 
     samples: dict[str, list[float]]
-    timings: dict[str, dict[str, Any]]
+    timings: dict[str, TimingSummary]
     others_cores: float | None
 
     @property
     def overhead(self) -> float:
         """SplitViT(full)'s median time over timm's, minus 1."""
-        return self.timings["split_full"]["median_s"] / self.timings["timm"]["median_s"] - 1.0
+        return self.timings["split_full"].median_s / self.timings["timm"].median_s - 1.0
 
 
 def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings) -> dict[str, Callable[[], Any]]:
@@ -520,19 +521,19 @@ def _time_points(work: _Workload, points, encoder_inputs, s: ForwardSettings) ->
     return _Timed(samples=samples, timings=timings, others_cores=others_cores)
 
 
-def _summarise_point(point: dict[str, Any], timings: dict[str, dict], buckets: tuple[int, ...]) -> None:
+def _summarise_point(point: dict[str, Any], timings: dict[str, TimingSummary], buckets: tuple[int, ...]) -> None:
     """Speed-ups, the ideal, and where the time goes, from the medians (in place)."""
     key, full_tokens = point["key"], round(point["tokens"]["mean"] / point["tokens"]["fraction"])
-    med = {name: t["median_s"] for name, t in timings.items()}
+    med = {name: t.median_s for name, t in timings.items()}
     n = max(1, round(point["tokens"]["mean"]))
     total, policy, encoder, blocks = med[key], med[f"policy/{point['policy']}"], med[f"{key}/encoder"], med[f"seq/{n}"]
     point.update(
-        images_per_s=timings[key]["images_per_s"],
+        images_per_s=timings[key].images_per_s,
         speedup_vs_timm=med["timm"] / total,
         ideal_speedup=med[f"seq/{full_tokens}"] / blocks,
         sequence_tokens=n,
-        speedup_fastest=timings["timm"]["min_s"] / timings[key]["min_s"],
-        speedup_cpu_time=timings["timm"]["cpu_median_s"] / timings[key]["cpu_median_s"],
+        speedup_fastest=timings["timm"].min_s / timings[key].min_s,
+        speedup_cpu_time=timings["timm"].cpu_median_s / timings[key].cpu_median_s,
         breakdown_s={
             "forward": total,
             "policy": policy,
@@ -709,11 +710,11 @@ def run_forward_benchmark(settings: ForwardSettings | None = None) -> dict[str, 
             "load_average_start": load_start,
             "other_processes_cpus_during_timing": timed.others_cores,
         },
-        "timings": timings,
+        "timings": {name: t.to_dict() for name, t in timings.items()},
         "points": list(points.values()),
         "overhead": {
             "split_full_vs_timm": timed.overhead,
-            "fastest": timings["split_full"]["min_s"] / timings["timm"]["min_s"] - 1.0,
+            "fastest": timings["split_full"].min_s / timings["timm"].min_s - 1.0,
         },
         "warnings": _load_warnings(timed.others_cores),
         "memory": memory,

@@ -44,11 +44,14 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ..jsontypes import JsonObject
+
 if TYPE_CHECKING:
     import torch
 
     from ..model import SplitViT
     from ..model.detection import SplitDetector
+    from .timing import TimingSummary
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +100,12 @@ class FullTiming:
     backbone_median_s: float | None = field(default=None, kw_only=True)
     backbone_images_per_s: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FullTiming:
+    def from_dict(cls, data: JsonObject) -> FullTiming:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(**read_speed_fields(cls, data))
 
@@ -135,12 +138,12 @@ class TimedPoint:
     backbone_full_images_per_s: float | None = field(default=None, kw_only=True)
     backbone_speedup_vs_full: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TimedPoint:
+    def from_dict(cls, data: JsonObject) -> TimedPoint:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(**read_speed_fields(cls, data))
 
@@ -164,7 +167,7 @@ class SpeedRecord:
     warnings: list[str]
     seconds: float  # the whole timing, loading included
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form (``frontier_speed`` of a sweep): one key per field, in field order."""
         data = asdict(self)
         data["full"] = [f.to_dict() for f in self.full]
@@ -172,7 +175,7 @@ class SpeedRecord:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SpeedRecord:
+    def from_dict(cls, data: JsonObject) -> SpeedRecord:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         values = {f.name: data[f.name] for f in fields(cls)}
         values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
@@ -419,7 +422,7 @@ def _time_calls(
     rounds: int,
     warmup: int,
     dev: torch.device,
-) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]], float | None]:
+) -> tuple[dict[str, list[float]], dict[str, TimingSummary], float | None]:
     """Every full-resolution model and point timed in the same interleaved rounds: the
     seconds per round and the figures (:func:`~splitvit.bench.timing.timing_summary`)
     by name (``full<i>``, ``point<i>``), and the CPUs other processes used meanwhile."""
@@ -456,7 +459,7 @@ def _time_calls(
 
 
 def _full_timing(
-    ref: _Reference, timing: dict[str, Any], tokens: float, backbone: dict[str, Any] | None = None
+    ref: _Reference, timing: TimingSummary, tokens: float, backbone: TimingSummary | None = None
 ) -> FullTiming:
     """A full-resolution model's figures (:func:`~splitvit.bench.timing.timing_summary`),
     and a detector's backbone's (``backbone``)."""
@@ -464,21 +467,19 @@ def _full_timing(
         key=ref.key,
         checkpoint=ref.checkpoint,
         policy="full",
-        median_s=timing["median_s"],
-        min_s=timing["min_s"],
-        images_per_s=timing["images_per_s"],
+        median_s=timing.median_s,
+        min_s=timing.min_s,
+        images_per_s=timing.images_per_s,
         tokens_per_image=tokens,
         token_ratio=1.0,
         speedup_vs_full=1.0,
         **(
-            {"backbone_median_s": backbone["median_s"], "backbone_images_per_s": backbone["images_per_s"]}
-            if backbone
-            else {}
+            {"backbone_median_s": backbone.median_s, "backbone_images_per_s": backbone.images_per_s} if backbone else {}
         ),
     )
 
 
-def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, dict[str, Any]]) -> TimedPoint:
+def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, TimingSummary]) -> TimedPoint:
     """A point's figures beside its full-resolution model's, from the same rounds."""
     from .timing import quartiles
 
@@ -489,10 +490,10 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
     if name + BACKBONE_SUFFIX in timings:  # a detector: its backbone against full resolution's
         tb, fb = timings[name + BACKBONE_SUFFIX], timings[point.full + BACKBONE_SUFFIX]
         backbone = {
-            "backbone_median_s": tb["median_s"],
-            "backbone_images_per_s": tb["images_per_s"],
-            "backbone_full_images_per_s": fb["images_per_s"],
-            "backbone_speedup_vs_full": fb["median_s"] / tb["median_s"],
+            "backbone_median_s": tb.median_s,
+            "backbone_images_per_s": tb.images_per_s,
+            "backbone_full_images_per_s": fb.images_per_s,
+            "backbone_speedup_vs_full": fb.median_s / tb.median_s,
         }
     return TimedPoint(
         index=point.index,
@@ -504,12 +505,12 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
         full=point.full,
         tokens_per_image=point.tokens_per_image,
         token_ratio=point.token_ratio,
-        median_s=t["median_s"],
-        min_s=t["min_s"],
-        images_per_s=t["images_per_s"],
-        full_images_per_s=f["images_per_s"],
-        speedup_vs_full=f["median_s"] / t["median_s"],
-        speedup_vs_full_fastest=f["min_s"] / t["min_s"],
+        median_s=t.median_s,
+        min_s=t.min_s,
+        images_per_s=t.images_per_s,
+        full_images_per_s=f.images_per_s,
+        speedup_vs_full=f.median_s / t.median_s,
+        speedup_vs_full_fastest=f.min_s / t.min_s,
         speedup_vs_full_per_round=quartiles(per_round),
         **backbone,
     )

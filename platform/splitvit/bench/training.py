@@ -89,6 +89,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from ..config import AUTO_THRESHOLDS, ExperimentConfig
+from ..jsontypes import JsonObject
 from ..model import SplitViT
 from ..model.quadtree import expected_tokens
 from ..train.experiment import build_model, experiment_from_dict
@@ -426,7 +427,7 @@ class StepTiming:
     per_round: dict[str, Any]  # the per-round ratio's quartiles and ``values``
     share_of_split_learned: float | None = None  # the teacher alone: its share of the learned step
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its part of the JSON (``steps``): ``share_of_split_learned`` only for the teacher."""
         data = dataclasses.asdict(self)
         if data["share_of_split_learned"] is None:
@@ -454,13 +455,13 @@ def _step_figures(
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
         rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
         steps[name] = StepTiming(
-            **t,
+            **t.to_dict(),
             token_fraction=fraction,
             tokens_per_image=fraction * full_tokens,
             ideal_ratio=1.0 / fraction,
-            ratio_to_full=ref["median_s"] / t["median_s"],
-            ratio_to_full_fastest=ref["min_s"] / t["min_s"],
-            ratio_to_full_cpu_time=ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None,
+            ratio_to_full=ref.median_s / t.median_s,
+            ratio_to_full_fastest=ref.min_s / t.min_s,
+            ratio_to_full_cpu_time=ref.cpu_median_s / t.cpu_median_s if t.cpu_median_s > 0 else None,
             per_round={**quartiles(rounds_ratio), "values": rounds_ratio},
         )
     if "teacher" in steps and "split_learned" in steps:
@@ -597,7 +598,7 @@ class EpochFigures:
     whole_epoch_s: float | None = None  # start to the next epoch's start (None: not marked at both ends)
     whole_epoch_cpu_s: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its part of the JSON: ``save_s`` and the whole epoch only where measured."""
         data = dataclasses.asdict(self)
         for key in ("save_s", "whole_epoch_s", "whole_epoch_cpu_s"):
@@ -632,7 +633,7 @@ class PlainRun:
         """The run's wall seconds (nothing to start before it)."""
         return self.wall_s
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its part of the JSON."""
         return _run_dict(self)
 
@@ -651,7 +652,7 @@ class RayRun:
     this_process_cpus: float
     steady: SteadyFigures | None = None  # set by the pair (:func:`_steady`)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its part of the JSON."""
         return _run_dict(self)
 
@@ -680,7 +681,7 @@ class OverheadPair:
         """The ``plain`` or the ``ray`` run."""
         return self.plain if kind == "plain" else self.ray
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its part of the JSON (``runs``): the runs under their kinds, in the order they ran."""
         runs = {kind: self.run(kind).to_dict() for kind in self.order}
         return {"order": list(self.order), **runs, "ratio": self.ratio}
@@ -711,7 +712,7 @@ class OverheadFigures:
     ratio_whole_epoch_cpu_time: float | None
     ratio_end_to_end: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Its keys of part B's JSON."""
         return dataclasses.asdict(self)
 

@@ -155,13 +155,13 @@ def print_locations(result: SweepResult) -> None:
     if result.split_map:
         print(f"split maps:     {result.split_map}")
     print(f"frontier table: {result.frontier_csv}")
-    if result.extras.get("chart"):
-        print(f"chart:          {result.extras['chart']} (also the run's pareto.html in the UI: hover a point)")
-    registered = result.extras.get("registered_models")
+    if result.chart:
+        print(f"chart:          {result.chart} (also the run's pareto.html in the UI: hover a point)")
+    registered = result.registered_models
     if registered:
-        budgets = ", ".join(a for a in registered["aliases"] if a != "best")
-        print(f"models:         registered as {registered['name']}, aliases best, {budgets}")
-        print(f"                e.g. splitvit eval {registered['aliases']['best']}")
+        budgets = ", ".join(a for a in registered.aliases if a != "best")
+        print(f"models:         registered as {registered.name}, aliases best, {budgets}")
+        print(f"                e.g. splitvit eval {registered.aliases['best']}")
     print(
         f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), "
         f"parent run {result.parent_run_id}"

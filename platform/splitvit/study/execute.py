@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import redact_uri
+from ..jsontypes import JsonObject
 from ..storage import join_uri
 from .goals import (
     GoalVerdicts,
@@ -69,7 +70,7 @@ class StudyResult:
     levers: list[LeverRow] = field(default_factory=list)  # the recipe ablation at the parity ratios
     references_dir: str | None = None  # the study whose backbones the methods fine-tuned from (None: its own)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The result as JSON-ready data (every field, in field order)."""
         return {
             "name": self.name,
@@ -91,7 +92,7 @@ class StudyResult:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StudyResult:
+    def from_dict(cls, data: JsonObject) -> StudyResult:
         """The inverse of :meth:`to_dict`, e.g. a study's JSON read back (keys besides
         the result's, like the command's envelope, are left out)."""
         metric = data["metric"]

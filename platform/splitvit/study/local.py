@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig
+from ..jsontypes import JsonObject
 from ..train.trial import TrainedRun
 from .execute import StudyResult, execute_study, study_name
 from .report import study_figure
@@ -332,7 +333,7 @@ class LocalStudyResult:
     method_epochs: int | None
     backbones: list[BackboneRun]  # the finished backbones' stored results (their config left out)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON of ``infra/gpu-check/single_gpu_study.py``: the study's keys, then the
         runner's (every run carries its training curves, ``history``)."""
         return {

@@ -165,7 +165,7 @@ def _record_run(
         return  # recorded by an earlier run of this study
     # (a run evaluated again logs its new points at the same steps: the latest value is the current one)
     _record_run_points(client, child.run_id, run, (metric, *spec.companions))
-    child.log_dict({"points": run.points, "checkpoint": run.checkpoint}, "study_points.json")
+    child.log_dict({"points": [p.to_dict() for p in run.points], "checkpoint": run.checkpoint}, "study_points.json")
     # the run's config with the layer of each key (recipe, base file, study sections, method entry)
     config = spec.run_config(int(run.seed), run.method, Path(run.run_uri).name, settings_only=True)
     child.log_dict(config_layers(config), "config_layers.json")
@@ -180,7 +180,7 @@ def _record_run_speed(client: MlflowClient, run_id: str, run: MethodRun, timed: 
     batch = [
         Metric(key, float(getattr(row, field)), now, step)
         for step, point in enumerate(run.points)
-        for row in [timed.get((run.method, point["target_ratio"]))]
+        for row in [timed.get((run.method, point.target_ratio))]
         if row
         for key, field in _RUN_SPEED_METRICS
         if getattr(row, field, None) is not None
@@ -197,7 +197,7 @@ def _record_run_points(client: MlflowClient, run_id: str, run: MethodRun, metric
     now = int(time.time() * 1000)
     quality, *companions = metrics
     batch = [
-        Metric(key, float(point[src]), now, step)
+        Metric(key, point.figure(src), now, step)
         for step, point in enumerate(run.points)
         for key, src in (
             (quality, "quality"),

@@ -19,7 +19,9 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import ExperimentConfig, inert_keys, upgrade_flat
+from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
+from ..train.points import EvaluatedPoint
 from .spec import StudySpec
 
 if TYPE_CHECKING:
@@ -51,12 +53,12 @@ class RunRequest:
         """Its folder's name (:func:`run_name`)."""
         return run_name(self.seed, self.method)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """``{"seed": ...}``, with ``"method"`` for a method run (a Tune trial's parameters)."""
         return {"seed": self.seed} if self.method is None else {"seed": self.seed, "method": self.method}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunRequest:
+    def from_dict(cls, data: JsonObject) -> RunRequest:
         """The inverse of :meth:`to_dict`."""
         return cls(int(data["seed"]), None if data.get("method") is None else str(data["method"]))
 
@@ -78,12 +80,12 @@ class BackboneRun:
     reused: bool | None = None  # finished by an earlier invocation (None: as stored)
     reevaluated: bool | None = None  # evaluated again under other evaluation settings (None: as stored)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON-ready record (every field set, in field order)."""
         return _record_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BackboneRun:
+    def from_dict(cls, data: JsonObject) -> BackboneRun:
         """The inverse of :meth:`to_dict` (a missing required key raises ``KeyError``)."""
         return cls(**_record_fields(cls, data))
 
@@ -99,7 +101,7 @@ class MethodRun:
     policy: str
     checkpoint: str
     train_metrics: dict[str, float]  # the last epoch's
-    points: list[dict[str, Any]]  # one per evaluated token ratio (evaluate_points' figures)
+    points: list[EvaluatedPoint]  # one per evaluated token ratio (evaluate_points')
     train_seconds: float
     eval_seconds: float
     run_uri: str
@@ -110,14 +112,16 @@ class MethodRun:
     reused: bool | None = None  # finished by an earlier invocation (None: as stored)
     reevaluated: bool | None = None  # evaluated again under other evaluation settings (None: as stored)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON-ready record (every field set, in field order)."""
         return _record_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MethodRun:
+    def from_dict(cls, data: JsonObject) -> MethodRun:
         """The inverse of :meth:`to_dict` (a missing required key raises ``KeyError``)."""
-        return cls(**_record_fields(cls, data))
+        values = _record_fields(cls, data)
+        values["points"] = [EvaluatedPoint.from_dict(p) for p in values["points"]]
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class RunFailure:
     run: RunRequest
     error: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """``{"config": <the run's parameters>, "error": error}``."""
         return {"config": self.run.to_dict(), "error": self.error}
 
@@ -137,27 +141,28 @@ StudyRun = BackboneRun | MethodRun
 RunOutcome = BackboneRun | MethodRun | RunFailure
 
 
-def run_from_dict(data: dict[str, Any]) -> StudyRun:
+def run_from_dict(data: JsonObject) -> StudyRun:
     """A stored run read back: a method run where it names its method, else a backbone."""
     return MethodRun.from_dict(data) if "method" in data else BackboneRun.from_dict(data)
 
 
-def outcome_from_dict(data: dict[str, Any]) -> RunOutcome:
+def outcome_from_dict(data: JsonObject) -> RunOutcome:
     """A run's outcome read back (e.g. from a Tune trial's report): a failure where it
     has an ``error``, else the run."""
     return RunFailure(RunRequest.from_dict(data["config"]), data["error"]) if "error" in data else run_from_dict(data)
 
 
-def _record_dict(record: BackboneRun | MethodRun) -> dict[str, Any]:
-    """A run record's fields, those set (not ``None``), in field order, copied."""
+def _record_dict(record: BackboneRun | MethodRun) -> JsonObject:
+    """A run record's fields, those set (not ``None``), in field order, copied (a
+    method run's points as their JSON)."""
     return {
-        f.name: copy.deepcopy(value)
+        f.name: [p.to_dict() for p in value] if f.name == "points" else copy.deepcopy(value)
         for f in fields(record)
         if (value := getattr(record, f.name)) is not None or f.default is MISSING
     }
 
 
-def _record_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+def _record_fields(cls: type, data: JsonObject) -> dict[str, Any]:
     """``cls``'s fields read from ``data``: a required one missing raises ``KeyError``."""
     required = {f.name for f in fields(cls) if f.default is MISSING}
     missing = required - set(data)
@@ -166,7 +171,7 @@ def _record_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     return {f.name: copy.deepcopy(data[f.name]) for f in fields(cls) if f.name in data}
 
 
-def stored_result(run_uri: str, file: str = STUDY_RESULT_FILE) -> dict[str, Any] | None:
+def stored_result(run_uri: str, file: str = STUDY_RESULT_FILE) -> JsonObject | None:
     """What the run at ``run_uri`` stored in ``file`` (its result, by default), or ``None``."""
     uri = join_uri(run_uri, file)
     return json.loads(read_bytes(uri)) if exists(uri) else None
@@ -374,7 +379,7 @@ def _same_evaluation(spec: StudySpec, stored: StudyRun) -> bool:
 
 def _evaluate_run(
     spec: StudySpec, config: ExperimentConfig, trainer: RunTrainer, checkpoint: str, method: str, seed: int
-) -> list[dict[str, Any]]:
+) -> list[EvaluatedPoint]:
     """A method run's points (:func:`~splitvit.train.evaluation.evaluate_points`), where ``config`` trains."""
     from ..train.evaluation import evaluate_points  # torch: only for a run that evaluates
 

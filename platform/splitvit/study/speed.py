@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..bench.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
+from ..jsontypes import JsonObject
 from .goals import StudyRow, matched_point
 from .runs import MethodRun
 from .spec import StudySpec
@@ -54,7 +55,7 @@ class SpeedComparison:
     backbone_full_images_per_s: float | None = field(default=None, kw_only=True)
     backbone_ratio: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
@@ -73,7 +74,7 @@ class MatchedSpeed(SpeedComparison):
     # before the field existed, whose point was timed alone)
     timing: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON: the comparison's keys, then the point's (``timing``
         where known, so that older files read back to themselves)."""
         data = without_unset_backbone(asdict(self))
@@ -84,7 +85,7 @@ class MatchedSpeed(SpeedComparison):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> MatchedSpeed:
+    def from_dict(cls, data: JsonObject, metric: str) -> MatchedSpeed:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``, but for
         ``timing``, absent from files written before it existed)."""
         values = {"timing": None, **data, "metric": metric, "quality": data[metric]}
@@ -109,7 +110,7 @@ class PointSpeed(SpeedRecord):
     full_method: str  # the method whose checkpoint is the full-resolution model (the JSON labels ``full[0]``)
     seed: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON: the timing record, the first full-resolution model
         labelled with its ``method`` and ``seed``, then ``seed``."""
         data = SpeedRecord.to_dict(self)
@@ -118,7 +119,7 @@ class PointSpeed(SpeedRecord):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PointSpeed:
+    def from_dict(cls, data: JsonObject) -> PointSpeed:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         values = {f.name: data[f.name] for f in fields(SpeedRecord)}
         values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
@@ -315,17 +316,17 @@ def points_speed(spec: StudySpec, runs: list[MethodRun], run: Runner = _here) ->
     operating: list[OperatingPoint] = []
     labels: list[tuple[str, float | None]] = []  # each point's method and target ratio
     for method in others:
-        stored = sorted(by_method[method].points, key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0))
+        stored = sorted(by_method[method].points, key=lambda p: (p.target_ratio is None, p.target_ratio or 0.0))
         for point in stored if method in recipes else spread(stored, share):
             operating.append(
                 OperatingPoint(
                     checkpoint=by_method[method].checkpoint,
-                    thresholds=point.get("thresholds"),
-                    budget=point["target_ratio"],  # what a budget-conditioned policy was told
-                    label=f"{method}@{point['target_ratio']}",
+                    thresholds=point.thresholds,
+                    budget=point.target_ratio,  # what a budget-conditioned policy was told
+                    label=f"{method}@{point.target_ratio}",
                 )
             )
-            labels.append((method, point["target_ratio"]))
+            labels.append((method, point.target_ratio))
     record: SpeedRecord = run(
         time_operating_points,
         operating,

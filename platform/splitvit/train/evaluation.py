@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..model import SplitViT, validate_thresholds
 from ..model.detection import SplitDetector, split_backbone
 from .checkpoints import load_payload, model_from_payload
+from .points import EvaluatedPoint
 from .steps import calibrate_thresholds, evaluate
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ def evaluate_points(
     calibration_samples: int,
     seed: int,
     device: str = "cpu",
-) -> list[dict[str, Any]]:
+) -> list[EvaluatedPoint]:
     """Quality, tokens per image and images/s of ``checkpoint`` on ``split``: one point
     for ``full``/``coarse``, else one per token ratio, its thresholds calibrated on the
     first ``calibration_samples`` validation images (never on the evaluated ones, unless
@@ -259,20 +260,20 @@ def evaluate_points(
     A study's method runs and a sweep's fine-tuned baselines are evaluated with it."""
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
     if not ratios:
-        return [{"target_ratio": None, **evaluator.evaluate(None)}]
+        return [EvaluatedPoint.from_dict({"target_ratio": None, **evaluator.evaluate(None)})]
     calibration = evaluator.first_images(calibration_samples, split="val")
     points = []
     for ratio in ratios:
         # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
         torch.manual_seed(seed * 1009 + round(ratio * 1000))
         thresholds = evaluator.calibrate(calibration, ratio)
-        points.append({"target_ratio": ratio, **evaluator.evaluate(thresholds)})
+        points.append(EvaluatedPoint.from_dict({"target_ratio": ratio, **evaluator.evaluate(thresholds)}))
         log.info(
             "%s @ %.2f: %s %.4f at %.1f tokens/image",
             policy,
             ratio,
             "quality",
-            points[-1]["quality"],
-            points[-1]["tokens_per_image"],
+            points[-1].quality,
+            points[-1].tokens_per_image,
         )
     return points

@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, config_layers, redact_uri
 from ..data.parquet import training_sampler
 from ..errors import Interrupted, as_interrupted, error_line, is_deterministic, note_signal
+from ..jsontypes import JsonObject
 from ..model.detection import SplitDetector, split_backbone
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -139,7 +140,7 @@ class TrainResult:
     completed_epochs: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict for JSON."""
         return asdict(self)
 

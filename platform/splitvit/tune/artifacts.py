@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..jsontypes import JsonObject
 from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
 from .mlflow_records import CHART_ARTIFACT, PLOT_ARTIFACT, SweepRecorder
 from .pareto import Point, frontier, round_figures
 from .space import SearchSpace
-from .state import Sweep, SweepResult
+from .state import RegisteredModels, Sweep, SweepResult
 
 if TYPE_CHECKING:
     from .frontier_eval import FrontierSpeed
@@ -47,10 +48,10 @@ def log_sweep_artifacts(
         _register_frontier(sweep, result, front, best)
         result.split_map = _log_best_split_map(space, recorder, best, local_dir)
     result.plot = _plot(result, recorder, local_dir, full_tokens)
-    result.extras["chart"] = _interactive_chart(sweep, result, local_dir)
+    result.chart = _interactive_chart(sweep, result, local_dir)
     speed_metrics: dict[str, float] = {}
     if speed is not None:
-        result.extras["frontier_speed"] = speed.to_dict()
+        result.frontier_speed = speed
         speed_metrics = _record_speed(result, recorder, speed, best, local_dir)
     result.frontier_csv = _tables(result, recorder, local_dir)
     return speed_metrics
@@ -85,7 +86,7 @@ def _record_speed(
         full_quality=full.quality if full else None,
         title=f"sweep {result.name}: {result.metric} vs measured speed-up ({speed.device}, batch {speed.batch_size})",
     )
-    result.extras["speed_plot"] = _save_figure(fig, local_dir / "pareto_speed.png", recorder)
+    result.speed_plot = _save_figure(fig, local_dir / "pareto_speed.png", recorder)
     recorder.parent.log_dict(json.loads(json.dumps(speed.to_dict(), default=str)), "frontier_speed.json")
     recorder.parent.set_tags(
         {
@@ -211,7 +212,7 @@ def _alias_prefix(sweep_name: str) -> str:
 def _register_frontier(sweep: Sweep, result: SweepResult, front: list[Point], best: Point) -> None:
     """The frontier's models in the Model Registry (one name per search space, aliases
     per budget: the sweep's own and the newest sweep's bare ones); the name and the
-    aliases' ``models:/`` URIs in ``result.extras``."""
+    aliases' ``models:/`` URIs in ``result.registered_models``."""
     try:
         registered = sweep.recorder.register_frontier(Path(sweep.space.source).stem, result.name, front, best)
     except Exception as exc:  # noqa: BLE001 - a registry that refuses must not lose the frontier
@@ -219,17 +220,17 @@ def _register_frontier(sweep: Sweep, result: SweepResult, front: list[Point], be
         return
     if registered is not None:
         own = f"{_alias_prefix(result.name)}-"
-        result.extras["registered_models"] = {
-            "name": registered.name,
+        result.registered_models = RegisteredModels(
+            name=registered.name,
             # the newest sweep's (best, tokens-42pct) and this sweep's own, which never move
-            "aliases": {a: u for a, u in registered.aliases.items() if not a.startswith(own)},
-            "sweep_aliases": {a: u for a, u in registered.aliases.items() if a.startswith(own)},
-        }
+            aliases={a: u for a, u in registered.aliases.items() if not a.startswith(own)},
+            sweep_aliases={a: u for a, u in registered.aliases.items() if a.startswith(own)},
+        )
         sweep.registered = registered
         log.info(
             "frontier models registered as %s (aliases: %s; this sweep's own: %s*)",
             registered.name,
-            ", ".join(result.extras["registered_models"]["aliases"]),
+            ", ".join(result.registered_models.aliases),
             own,
         )
 
@@ -331,7 +332,7 @@ class FrontierRow:
     timed_token_ratio: float | None = None
     held_out: dict[str, float] = field(default_factory=dict)
 
-    def to_dict(self, metric: str) -> dict[str, Any]:
+    def to_dict(self, metric: str) -> JsonObject:
         """The table row: the quality named ``metric``, the thresholds and list or dict
         parameters as JSON text (one cell each), the parameters last."""
         return {

@@ -46,7 +46,7 @@ def sweep_result(
         reference=sweep.setup.reference,
         held_out_split=sweep.space.evaluation.split,
         # a point's whole configuration is this plus its searched ``params``
-        extras={"base_config": setup.base.flat(redact=True)},
+        base_config=setup.base.flat(redact=True),
     )
 
 

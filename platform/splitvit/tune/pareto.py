@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ..jsontypes import JsonObject
+
 
 @dataclass
 class Point:
@@ -72,14 +74,14 @@ class Point:
             for v in (self.quality, self.tokens_per_image, self.token_ratio)
         )
 
-    def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
+    def to_dict(self, metric: str = "accuracy") -> JsonObject:
         """JSON-ready dict; the quality figure is named ``metric`` (``accuracy``/``miou``)."""
         data = asdict(self)
         data[metric] = data.pop("quality")
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str = "accuracy") -> Point:
+    def from_dict(cls, data: JsonObject, metric: str = "accuracy") -> Point:
         """The inverse of :meth:`to_dict` (keys it does not know are ignored)."""
         known = {f.name for f in fields(cls)} - {"quality"}
         return cls(quality=data[metric], **{k: v for k, v in data.items() if k in known})
@@ -127,7 +129,7 @@ class Baseline:
     object_coverage: float | None = None
     held_out: dict[str, float] | None = None
 
-    def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
+    def to_dict(self, metric: str = "accuracy") -> JsonObject:
         """JSON-ready dict (``baselines`` of ``sweep.json``, ``baselines.json``), keys in
         the evaluation's order: the quality under both ``metric`` (``accuracy``/``miou``)
         and ``quality``; the optional figures only where recorded."""
@@ -150,7 +152,7 @@ class Baseline:
         return {k: v for k, v in data.items() if v is not None or k not in _OPTIONAL_BASELINE_FIGURES}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Baseline:
+    def from_dict(cls, data: JsonObject) -> Baseline:
         """The inverse of :meth:`to_dict`, also what :func:`~splitvit.tune.stage_two.baselines`
         returns plus ``trial_id`` (keys it does not know, the metric's name among them,
         are ignored: ``quality`` holds that figure)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ExperimentConfig, legacy_flat
+from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from .space import SearchSpace, SearchSpaceError
 
@@ -55,7 +56,7 @@ class Reference:
     gain_points: float | None = None
     trained: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """JSON-ready (``sweep.json``'s ``reference``), without the curve's other figures."""
         return {
             "checkpoint": self.checkpoint,

@@ -59,6 +59,7 @@ from ..config import (
     upgrade_dotted,
     upgrade_flat,
 )
+from ..jsontypes import JsonObject
 
 log = logging.getLogger(__name__)
 
@@ -474,7 +475,7 @@ class SearchSpace:
         """The base config's ``model.task``."""
         return ((self.raw_config().get("model") or {}).get("task")) or "classification"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict (JSON-safe) of everything that defines the sweep."""
         return {
             "source": self.source,

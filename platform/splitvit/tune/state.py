@@ -6,16 +6,20 @@ baselines).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..config import ExperimentConfig, redact_uri
+from ..jsontypes import JsonObject
 from ..tracking.runs import ui_url
 from .mlflow_records import RegisteredFrontier, SweepRecorder
 from .pareto import Baseline, Point, frontier
 from .reference import Reference
 from .space import BASELINE_POLICIES, SearchSpace
 from .trial import SweepPlan
+
+if TYPE_CHECKING:
+    from .frontier_eval import FrontierSpeed
 
 
 @dataclass
@@ -43,6 +47,20 @@ class TrialSummary:
     baseline: str = ""
 
 
+@dataclass(frozen=True)
+class RegisteredModels:
+    """The frontier's models in the Model Registry: the name, the newest sweep's
+    aliases (``best``, ``tokens-42pct``) and this sweep's own, each a ``models:/`` URI."""
+
+    name: str
+    aliases: dict[str, str]
+    sweep_aliases: dict[str, str]
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the sweep's JSON (``registered_models``)."""
+        return {"name": self.name, "aliases": dict(self.aliases), "sweep_aliases": dict(self.sweep_aliases)}
+
+
 @dataclass
 class SweepResult:
     """What :func:`~splitvit.tune.sweep.run_sweep` returns (and ``splitvit sweep --json`` writes)."""
@@ -68,7 +86,12 @@ class SweepResult:
     status: str = "completed"
     reference: Reference | None = None
     held_out_split: str | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    # what the closing and the artifacts add (None: not made, left out of the JSON)
+    base_config: dict[str, Any] | None = None  # the flat config every point's params apply to
+    registered_models: RegisteredModels | None = None
+    chart: str | None = None  # the interactive chart's file
+    frontier_speed: FrontierSpeed | None = None
+    speed_plot: str | None = None  # the quality-against-speed-up figure's file
 
     def frontier(self) -> list[Point]:
         """Frontier points by tokens per image."""
@@ -99,7 +122,7 @@ class SweepResult:
         page = self.mlflow_url(host).split("#", 1)[0]
         return page + frontier_link(self.experiment_id, self.parent_run_id)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict for JSON."""
         return {
             "name": self.name,
@@ -130,8 +153,19 @@ class SweepResult:
             "split_map": self.split_map,
             "wall_time_s": self.wall_time_s,
             "resumed": self.resumed,
-            **self.extras,
+            **self._added(),
         }
+
+    def _added(self) -> dict[str, Any]:
+        """The JSON of what the closing and the artifacts added, those made, in the order they are made."""
+        added = {
+            "base_config": self.base_config,
+            "registered_models": None if self.registered_models is None else self.registered_models.to_dict(),
+            "chart": self.chart,
+            "frontier_speed": None if self.frontier_speed is None else self.frontier_speed.to_dict(),
+            "speed_plot": self.speed_plot,
+        }
+        return {k: v for k, v in added.items() if v is not None}
 
 
 class SweepError(RuntimeError):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ExperimentConfig
+from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from ..train.trial import TrialFailed, fit_trial, run_evaluation
 from .space import SearchSpace
@@ -79,7 +80,7 @@ class ThresholdPoint:
             target_ratio=float(result["target_ratio"]) if result.get("target_ratio") is not None else None,
         )
 
-    def to_dict(self, metric: str) -> dict[str, Any]:
+    def to_dict(self, metric: str) -> JsonObject:
         """The report's row: the quality under ``metric``, the companions, then the figures
         (``images_per_s`` and ``target_ratio`` where known)."""
         row: dict[str, Any] = {
@@ -96,7 +97,7 @@ class ThresholdPoint:
         return row
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> ThresholdPoint:
+    def from_dict(cls, data: JsonObject, metric: str) -> ThresholdPoint:
         """The inverse of :meth:`to_dict` (every key besides the figures is a companion)."""
         return cls(
             quality=data[metric],
@@ -318,7 +319,7 @@ def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, che
         calibration_samples=config.data.eval_batch_size or config.data.batch_size,
         seed=plan.space.search.seed,
     )
-    return [{**row, "thresholds": row.get("thresholds") or []} for row in rows]
+    return [{**row.to_dict(), "thresholds": row.thresholds or []} for row in rows]
 
 
 def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
