@@ -140,6 +140,9 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("scaling.num_workers=0", "scaling.num_workers", "must be >= 1, got 0"),
         ("scaling.resources_per_worker.CPU=-1", "scaling.resources_per_worker.CPU", "must be >= 0"),
         ("scaling.allocator=mimalloc", "scaling.allocator", "unknown allocator 'mimalloc'"),
+        ("data.val_split=tset", "data.val_split", "must be one of val, test, got 'tset'; did you mean test?"),
+        ("scaling.placement_strategy=pack", "scaling.placement_strategy", "must be one of PACK, SPREAD, STRICT_PACK"),
+        ("train.teacher.weight=.nan", "train.teacher.weight", "must be >= 0, got nan"),
         ("storage.path=gs://bucket/x", "storage.path", "must be a local folder or s3://bucket/prefix"),
         ("storage.name=a/b", "storage.name", "plain folder name"),
         ("tracking.split_map_images=-1", "tracking.split_map_images", "must be >= 0"),
@@ -373,3 +376,16 @@ def test_a_base_config_is_resolved_beside_the_file_that_names_it(tmp_path):
         with pytest.raises(BaseConfigError, match=reason) as err:
             resolve_base_config(base, tmp_path)
         assert isinstance(err.value, ConfigError) and err.value.key == "base"
+
+
+def test_validate_rechecks_names_changed_after_loading():
+    """A config changed in code after it loaded is checked again by ``validate``: the
+    names of the data and scaling sections by their types, as the policy's are."""
+    config = load_experiment(SMOKE)
+    config.data.val_split = "holdout"
+    with pytest.raises(ConfigError, match=r"data\.val_split: must be one of val, test, got 'holdout'"):
+        validate(config)
+    config = load_experiment(SMOKE)
+    config.scaling.placement_strategy = "spread"
+    with pytest.raises(ConfigError, match=r"scaling\.placement_strategy: must be one of PACK"):
+        validate(config)

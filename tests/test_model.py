@@ -955,7 +955,7 @@ def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
         ValueError, match=r"train\.teacher\.targets: must be one of per_level, nested, mixed, got 'joint'"
     ):
         build_dataclass(TeacherConfig, {"targets": "joint"}, "train.teacher.")  # the name: its Literal type
-    with pytest.raises(ValueError, match="teacher_targets must be one of"):
+    with pytest.raises(ValueError, match="teacher.targets must be one of"):
         relevance_targets(relevance, 0.5, "joint")
 
 
@@ -979,7 +979,7 @@ def test_batch_scoped_teacher_marks_rank_every_images_nodes_together():
         assert [sum(float(m[i].sum()) for m in batch) for i in range(2)] == [20.0, 0.0]  # ... or busy has all
     nested = [m.bool() for m in relevance_targets(relevance, 0.5, "nested", "batch")]
     assert all(torch.equal(a, b) for a, b in zip(top_down_decisions(nested), nested))  # a tree per image
-    with pytest.raises(ValueError, match=r"teacher_scope must be one of \('image', 'batch'\), got 'canvas'"):
+    with pytest.raises(ValueError, match=r"teacher.scope must be one of \('image', 'batch'\), got 'canvas'"):
         relevance_targets(relevance, 0.5, "mixed", "canvas")
 
 

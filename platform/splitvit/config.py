@@ -88,6 +88,10 @@ TeacherKind = Literal["gradient", "attention", "objects"]
 TeacherTargets = Literal["per_level", "nested", "mixed"]
 #: What the teacher's marks meet the target ratio over (:func:`splitvit.train.losses.relevance_targets`).
 TeacherScope = Literal["image", "batch"]
+#: The split each epoch validates on (``data.val_split``).
+ValSplit = Literal["val", "test"]
+#: How Ray places a run's workers (``scaling.placement_strategy``; Ray's placement group strategies).
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 PENALTIES = typing.get_args(Penalty)
 TEACHERS = typing.get_args(TeacherKind)
@@ -257,7 +261,7 @@ class DataConfig:
     eval_batch_size: int | None = None
     num_workers: int = 0
     seed: int = 0
-    val_split: str = "val"
+    val_split: ValSplit = "val"
 
 
 @dataclass
@@ -508,7 +512,7 @@ class ScalingConfig:
     num_workers: int = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] = field(default_factory=dict)
-    placement_strategy: str = "PACK"
+    placement_strategy: PlacementStrategy = "PACK"
     allocator: str = "glibc"
 
 
@@ -1335,7 +1339,8 @@ def _check_train(config: ExperimentConfig) -> None:
 
 
 def _check_data(d: DataConfig) -> None:
-    """The ``data`` section."""
+    """The ``data`` section (its names re-checked by its type, for a config changed since loading)."""
+    build_dataclass(DataConfig, dataclasses.asdict(d), "data.")
     require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
     require(
         d.eval_batch_size is None or d.eval_batch_size >= 1,
@@ -1343,21 +1348,16 @@ def _check_data(d: DataConfig) -> None:
         f"must be >= 1, got {d.eval_batch_size}",
     )
     require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
-    require(d.val_split in ("val", "test"), "data.val_split", f"must be val or test, got {d.val_split!r}")
     for key in d.options:
         require(key != "image_size", "data.options.image_size", "set the image size with model.image_size")
 
 
 def _check_scaling(s: ScalingConfig) -> None:
-    """The ``scaling`` section."""
+    """The ``scaling`` section (its names re-checked by its type, for a config changed since loading)."""
+    build_dataclass(ScalingConfig, dataclasses.asdict(s), "scaling.")
     require(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
     for key, value in s.resources_per_worker.items():
         require(value >= 0, f"scaling.resources_per_worker.{key}", f"must be >= 0, got {value}")
-    require(
-        s.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-        "scaling.placement_strategy",
-        f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}",
-    )
 
 
 def _check_storage(st: StorageConfig) -> None:

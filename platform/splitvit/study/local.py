@@ -128,9 +128,6 @@ def fit_config_local(
         amp=tc.amp,
         warmup_steps=warmup_steps(tc, steps_per_epoch),  # the Ray loop's (train.phases.lr_schedule)
         num_workers=dc.num_workers,
-        policy_lr_scale=tc.policy.lr_scale,
-        lead_epochs=tc.policy.lead_epochs,
-        policy_epochs=tc.policy.epochs,
         epoch_hook=epoch_hook,
     )
     loss = history[-1].get("train_loss", 0.0)

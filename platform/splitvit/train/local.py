@@ -63,9 +63,6 @@ def fit_local(
     amp: bool = False,
     warmup_steps: int | None = None,
     num_workers: int = 0,
-    policy_lr_scale: float = 1.0,
-    lead_epochs: int = 0,
-    policy_epochs: int = 0,
     epoch_hook: Callable[[int, nn.Module], None] | None = None,
 ) -> list[dict[str, float]]:
     """Train ``model`` (a SplitViT or a :class:`~splitvit.model.detection.SplitDetector`)
@@ -73,19 +70,21 @@ def fit_local(
     learning rate after the epoch (``lr``; ``lr_policy`` for the policy's own group).
 
     The epochs are the Ray loop's phases, routed by the same :class:`~.phases.SplitStep`
-    on the same schedule (:func:`~.phases.phase_schedule`): ``lead_epochs`` of the policy
-    alone (``train.policy.lead_epochs``), the ``epochs`` of the fine-tune, then
-    ``policy_epochs`` of the policy alone (``train.policy.epochs``).
+    on the same schedule (:func:`~.phases.phase_schedule`), as ``cfg.policy`` (``train.policy``)
+    sets them: its ``lead_epochs`` of the policy alone, the ``epochs`` of the fine-tune,
+    then its ``epochs`` of the policy alone; SplitViT's own modules learn at ``lr`` times its
+    ``lr_scale`` (:func:`param_groups`).
     ``on_epoch(epoch, stats)``: called after each epoch; the caller then reports
     the epoch (without one, this function logs it). ``epoch_hook(epoch, model)``: called
     before each epoch (as the Ray loop's ``epoch_hook``). ``amp``: bf16 autocast on CUDA
     (as the Ray loop with ``train.amp``).
     ``warmup_steps``: the fine-tune's linear learning-rate warm-up (default: an epoch, at
     most a tenth of the fine-tune). ``num_workers``: data-loading processes.
-    ``policy_lr_scale``: see :func:`param_groups`.
     """
     torch.manual_seed(seed)
     device = next(model.parameters()).device
+    # the policy's own phases and learning rate: the loss config's, as the Ray loop reads them
+    lead_epochs, policy_epochs, policy_lr_scale = cfg.policy.lead_epochs, cfg.policy.epochs, cfg.policy.lr_scale
     loader, sampler = _train_loader(model, dataset, batch_size, seed, num_workers, device)
     optimizer = torch.optim.AdamW(param_groups(model, lr, policy_lr_scale), lr=lr, weight_decay=weight_decay)
     warmup = min(len(loader), epochs * len(loader) // 10) if warmup_steps is None else warmup_steps

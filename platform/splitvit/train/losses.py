@@ -104,9 +104,9 @@ def relevance_targets(
       mean of both losses: nested's budget and tree, per-level's ranking of every level.
     """
     if kind not in TEACHER_TARGETS:
-        raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {kind!r}")
+        raise ValueError(f"teacher.targets must be one of {TEACHER_TARGETS}, got {kind!r}")
     if scope not in TEACHER_SCOPES:
-        raise ValueError(f"teacher_scope must be one of {TEACHER_SCOPES}, got {scope!r}")
+        raise ValueError(f"teacher.scope must be one of {TEACHER_SCOPES}, got {scope!r}")
     if kind == "per_level":
         return _per_level_marks(relevance, fraction, scope)
     flats = [rel.flatten(1) for rel in relevance]

@@ -16,10 +16,11 @@ every checkpoint, the Pareto frontier of quality versus tokens in MLflow.
    Optuna on its own checkpoint (evaluation only), adding points cheaply.
 4. **Frontier** — non-dominated points over every trial and threshold point (Optuna's
    ``best_trials``) and their hypervolume against the space's reference point.
-5. **Baselines** — the reference backbone (the trial of the frontier point with the
-   largest hypervolume contribution) evaluated at full resolution, with entropy
-   splitting at several thresholds and with random splitting at the frontier's
-   token budgets: same data, same backbone.
+5. **Baselines** — with a ``reference:``, full resolution, entropy and random each
+   fine-tuned from the reference like the trials (trials Optuna never sees), then
+   evaluated at ``baselines.ratios``; without one, the backbone of the frontier point
+   with the largest hypervolume contribution evaluated at full resolution, with entropy
+   splitting at several thresholds and random splitting at the frontier's budgets.
 6. **MLflow** — a parent run for the sweep, a child per trial (a grandchild per
    threshold point); on the parent the frontier table (``log_table`` + CSV), the
    plot with the baselines, the hypervolume, the best point's split maps and the
