@@ -827,7 +827,7 @@ def test_policy_width_survives_save_and_load(tmp_path):
 
 @pytest.mark.parametrize("width", [0, 129])
 def test_bad_policy_width_names_it(width):
-    with pytest.raises(ValueError, match="policy_width"):
+    with pytest.raises(ValueError, match=r"policy\.width must be a positive multiple"):
         SplitViT.from_timm(tiny_vit(32), policy=PolicyConfig(kind="learned", width=width), levels=3, image_size=32)
 
 
