@@ -260,18 +260,28 @@ def evaluate_points(
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
     if not ratios:
         return [{"target_ratio": None, **evaluator.evaluate(None)}]
+    return calibrated_points(evaluator, ratios, calibration_samples, seed=seed, label=policy)
+
+
+def calibrated_points(
+    evaluator: CheckpointEvaluator, ratios: list[float], calibration_samples: int, *, seed: int = 0, label: str = ""
+) -> list[dict[str, Any]]:
+    """One point per token ratio: ``evaluator``'s model with its thresholds calibrated to
+    the ratio on the first ``calibration_samples`` validation images, evaluated on its
+    split; each point keeps the ratio it was calibrated to (``target_ratio``). How a
+    study's methods, a sweep's baselines and stage two's calibrated points are made."""
     calibration = evaluator.first_images(calibration_samples, split="val")
     points = []
     for ratio in ratios:
         # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
         torch.manual_seed(seed * 1009 + round(ratio * 1000))
         thresholds = evaluator.calibrate(calibration, ratio)
-        points.append({"target_ratio": ratio, **evaluator.evaluate(thresholds)})
+        points.append({"target_ratio": float(ratio), **evaluator.evaluate(thresholds)})
         log.info(
-            "%s @ %.2f: %s %.4f at %.1f tokens/image",
-            policy,
+            "%s @ %.2f: thresholds %s -> quality %.4f at %.1f tokens/image",
+            label or "calibrated point",
             ratio,
-            "quality",
+            [round(t, 3) for t in thresholds],
             points[-1]["quality"],
             points[-1]["tokens_per_image"],
         )

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..train.evaluation import CheckpointEvaluator
+from ..train.evaluation import CheckpointEvaluator, calibrated_points
 from .pareto import quiet_optuna
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def stage_two(
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device)
     names = [f"t{level}" for level in range(evaluator.levels - 1)]
     dist = {n: FloatDistribution(low, high) for n in names}
-    results = _calibrated_points(evaluator, ratios or [], calibration_samples)
+    results = calibrated_points(evaluator, ratios or [], calibration_samples, seed=seed) if ratios else []
     known = [*(known or []), *((r["thresholds"], r["quality"], r["tokens_per_image"]) for r in results)]
     with quiet_optuna():
         study = optuna.create_study(
@@ -83,26 +83,6 @@ def stage_two(
                 result["tokens_per_image"],
             )
     return results
-
-
-def _calibrated_points(evaluator: CheckpointEvaluator, ratios: list[float], count: int) -> list[dict[str, Any]]:
-    """One validation point per token ratio, its thresholds calibrated on the first
-    ``count`` validation images; each keeps the ratio it was calibrated to."""
-    if not ratios:
-        return []
-    calibration = evaluator.first_images(count)
-    rows = []
-    for ratio in ratios:
-        thresholds = evaluator.calibrate(calibration, float(ratio))
-        rows.append({"target_ratio": float(ratio), **evaluator.evaluate(thresholds)})
-        log.info(
-            "calibrated point @ %.2f: thresholds %s -> quality %.4f, %.1f tokens/image",
-            ratio,
-            [round(t, 3) for t in thresholds],
-            rows[-1]["quality"],
-            rows[-1]["tokens_per_image"],
-        )
-    return rows
 
 
 def baselines(
