@@ -214,7 +214,7 @@ def test_a_detector_scores_the_same_on_shards_as_on_their_source_and_previews_fr
         for config in (source_config, shard_config):
             checkpoint = save_checkpoint(model, config, tmp_path / f"{name}-{config.data.name}.pt")
             evaluator = CheckpointEvaluator(checkpoint)
-            result = evaluator.evaluate()
+            result = evaluator.evaluate().to_dict()
             figures.append({k: v for k, v in result.items() if k != "images_per_s"})
             batches.append(evaluator.batches())  # kept from the evaluation
         assert figures[0] == figures[1], name

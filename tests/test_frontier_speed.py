@@ -250,13 +250,13 @@ def test_stage_two_calibrates_every_checkpoint_to_the_ratios_asked_for(tmp_path)
         ratios=[0.3, 0.9],
         calibration_samples=16,
     )
-    assert len(rows) == 4 and [r.get("target_ratio") for r in rows] == [0.3, 0.9, None, None]
+    assert len(rows) == 4 and [r.target_ratio for r in rows] == [0.3, 0.9, None, None]
     evaluator = CheckpointEvaluator(folder, samples=16, cache=False)
     for row in rows[:2]:
-        thresholds = evaluator.calibrate(evaluator.first_images(16), row["target_ratio"])
-        assert row["thresholds"] == pytest.approx(thresholds)
-        assert row["token_ratio"] == pytest.approx(evaluator.evaluate(thresholds)["token_ratio"])
-    assert rows[0]["token_ratio"] < rows[1]["token_ratio"]  # calibrated to 30% and to 90%
+        thresholds = evaluator.calibrate(evaluator.first_images(16), row.target_ratio)
+        assert row.thresholds == pytest.approx(thresholds)
+        assert row.token_ratio == pytest.approx(evaluator.evaluate(thresholds).token_ratio)
+    assert rows[0].token_ratio < rows[1].token_ratio  # calibrated to 30% and to 90%
     assert stage_two(folder, points=0, low=0.0, high=1.0, sampler="qmc", seed=0, samples=16) == []
 
 

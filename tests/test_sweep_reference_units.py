@@ -606,12 +606,14 @@ def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, cap
     from types import SimpleNamespace
 
     import splitvit.tune.frontier_eval as frontier_eval
+    from splitvit.train.points import EvaluatedPoint
     from splitvit.tune.pareto import Point
 
     def evaluate(config, fn, checkpoint, evaluations, **kwargs):
         if checkpoint == "no-test-split":
             raise ValueError("dataset coco has no split 'test'")
-        return [{"quality": 0.7, "tokens_per_image": 10.0, "token_ratio": 0.5} for _ in evaluations]
+        point = EvaluatedPoint(None, 0.7, 10.0, 0.5, images_per_s=100.0, images=8, thresholds=[0.5], metrics={})
+        return [point for _ in evaluations]
 
     monkeypatch.setattr(frontier_eval, "run_evaluation", evaluate)
     logged: list = []

@@ -52,16 +52,16 @@ def run_baselines(space: SearchSpace, plan: SweepPlan, best: Point, front: list[
         list(space.baselines.entropy_thresholds),
         ratios,
     )
-    rows = run_evaluation(
+    return run_evaluation(
         plan.trial_config({}, best.trial_id),
         evaluate_baselines,
         best.checkpoint,
         entropy_thresholds=list(space.baselines.entropy_thresholds),
         random_ratios=ratios,
         samples=space.baselines.samples,
+        trial_id=best.trial_id,
         seed=space.search.seed,
     )
-    return [Baseline.from_dict({**row, "trial_id": best.trial_id}) for row in rows]
 
 
 def evaluate_held_out(sweep: Sweep, front: list[Point], baselines: list[Baseline], checkpoints: dict[str, str]) -> None:
@@ -100,9 +100,9 @@ def evaluate_held_out(sweep: Sweep, front: list[Point], baselines: list[Baseline
             continue
         for (item, _, _), row in zip(items, rows):
             figures = {
-                f"test_{metric}": float(row["quality"]),
-                "test_tokens_per_image": float(row["tokens_per_image"]),
-                "test_token_ratio": float(row["token_ratio"]),
+                f"test_{metric}": row.quality,
+                "test_tokens_per_image": row.tokens_per_image,
+                "test_token_ratio": row.token_ratio,
             }
             if isinstance(item, Point):
                 item.extras.update(figures)

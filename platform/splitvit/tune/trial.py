@@ -32,6 +32,7 @@ from typing import Any
 from ..config import ExperimentConfig
 from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
+from ..train.points import EvaluatedPoint
 from ..train.trial import TrialFailed, fit_trial, run_evaluation
 from .space import SearchSpace
 
@@ -67,17 +68,17 @@ class ThresholdPoint:
     target_ratio: float | None = None  # the ratio its thresholds were calibrated to (a baseline's, stage two's ratios)
 
     @classmethod
-    def of_evaluation(cls, result: dict[str, Any], companions: tuple[str, ...] = ()) -> ThresholdPoint:
-        """The point of an evaluation's figures (``quality``, tokens, images/s,
-        thresholds, the ``companions`` among them, and a ``target_ratio``)."""
+    def of_evaluation(cls, point: EvaluatedPoint, companions: tuple[str, ...] = ()) -> ThresholdPoint:
+        """The point of an evaluation's figures (quality, tokens, images/s, thresholds,
+        the ``companions`` among its metrics, and its ``target_ratio``)."""
         return cls(
-            quality=float(result["quality"]),
-            tokens_per_image=float(result["tokens_per_image"]),
-            token_ratio=float(result["token_ratio"]),
-            thresholds=[float(t) for t in result["thresholds"]],
-            images_per_s=float(result.get("images_per_s", 0.0)),
-            companions={c: float(result[c]) for c in companions if c in result},
-            target_ratio=float(result["target_ratio"]) if result.get("target_ratio") is not None else None,
+            quality=point.quality,
+            tokens_per_image=point.tokens_per_image,
+            token_ratio=point.token_ratio,
+            thresholds=[float(t) for t in point.thresholds or []],
+            images_per_s=point.images_per_s,
+            companions={c: float(point.metrics[c]) for c in companions if c in point.metrics},
+            target_ratio=point.target_ratio,
         )
 
     def to_dict(self, metric: str) -> JsonObject:
@@ -196,7 +197,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     thresholds = trained_thresholds(config, trained.checkpoint)
     train_seconds = time.time() - started
 
-    points: list[dict[str, Any]] = []
+    points: list[EvaluatedPoint] = []
     stage = space.stage_two
     if baseline:
         points = _baseline_points(plan, config, str(baseline), trained.checkpoint)
@@ -299,7 +300,7 @@ def threshold_points(final: dict[str, Any], metric: str) -> list[ThresholdPoint]
     return [ThresholdPoint.from_dict(row, metric) for row in rows]
 
 
-def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, checkpoint: str) -> list[dict[str, Any]]:
+def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, checkpoint: str) -> list[EvaluatedPoint]:
     """A fine-tuned entropy or random baseline at each of ``baselines.ratios``, its
     thresholds calibrated on validation images and evaluated there, like the searched
     points (full resolution has one point: its training's last validation)."""
@@ -308,7 +309,7 @@ def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, che
     from ..train.evaluation import evaluate_points
 
     b = plan.space.baselines
-    rows = run_evaluation(
+    return run_evaluation(
         config,
         evaluate_points,
         checkpoint,
@@ -319,10 +320,9 @@ def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, che
         calibration_samples=config.data.eval_batch_size or config.data.batch_size,
         seed=plan.space.search.seed,
     )
-    return [{**row.to_dict(), "thresholds": row.thresholds or []} for row in rows]
 
 
-def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
+def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[EvaluatedPoint]:
     from .stage_two import stage_two
 
     return stage_two(checkpoint, **kwargs)
