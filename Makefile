@@ -68,6 +68,8 @@ tables: setup
 	$(BIN)/python scripts/policy_cost_ablation.py table
 	$(BIN)/python scripts/sweep_vs_recipe.py docs/measurements/cpu-2026-12-06-sweep/sweep_classification_cpu.json \
 		--recipe-points docs/measurements/cpu-2026-12-06-sweep/recipe_points.json
+	$(BIN)/python scripts/sweep_vs_recipe.py docs/measurements/cpu-2026-12-06-sweep-v2/sweep_classification_cpu_v2.json \
+		--recipe-points docs/measurements/cpu-2026-12-06-sweep-v2/recipe_points.json
 
 # The local stack (infra/local): a Ray head with its dashboard/job server on
 # 127.0.0.1:8265 and an MLflow server on 127.0.0.1:5000. STACK_ARGS passes options.

@@ -234,15 +234,22 @@ def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_outside
     ]
 
 
-def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json():
-    """The classification CPU sweep's committed JSON and recipe points give the committed
+@pytest.mark.parametrize(
+    "folder, sweep",
+    [
+        ("cpu-2026-12-06-sweep", "sweep_classification_cpu.json"),
+        ("cpu-2026-12-06-sweep-v2", "sweep_classification_cpu_v2.json"),
+    ],
+)
+def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json(folder, sweep):
+    """Each classification CPU sweep's committed JSON and recipe points give its committed
     comparison: its rows, goal lines and hypervolumes (no evaluation: the recipe's
     points are read back, not computed again)."""
-    folder = ROOT / "docs" / "measurements" / "cpu-2026-12-06-sweep"
+    folder = ROOT / "docs" / "measurements" / folder
     committed = json.loads((folder / "comparison.json").read_text())
     output = run_script(
         "sweep_vs_recipe.py",
-        str(folder / "sweep_classification_cpu.json"),
+        str(folder / sweep),
         "--recipe-points",
         str(folder / "recipe_points.json"),
     )
