@@ -59,8 +59,8 @@ CASES = (
     Case("dataset name misspelt", ("train", "jobs/configs/smoke.yaml", "data.name=synthetc"), "unknown dataset"),
     Case(
         "policy name misspelt",
-        ("sweep", "search_spaces/smoke.yaml", "--set", "model.policy=lerned"),
-        "unknown policy 'lerned'",
+        ("sweep", "search_spaces/smoke.yaml", "--set", "model.policy.kind=lerned"),
+        "parameters.model.policy.kind: must be one of learned, entropy, random, full, coarse, got 'lerned'",
     ),
     Case("--json under a file", ("train", "jobs/configs/smoke.yaml", "--json", "/dev/null/r.json"), "is not a folder"),
     Case(

@@ -77,20 +77,24 @@ def main() -> None:
         for offset in offsets:
             thresholds = calibrate(val.backbone, calibration, ratio, offset)
             result = val.evaluate(thresholds)
-            scored.append((result["quality"], offset, thresholds))
+            scored.append((result.quality, offset, thresholds))
             print(
                 f"@{ratio} offset {offset:+.2f}: thresholds {[round(t, 3) for t in thresholds]}, "
-                f"val quality {result['quality']:.4f} at token ratio {result['token_ratio']:.3f}",
+                f"val quality {result.quality:.4f} at token ratio {result.token_ratio:.3f}",
                 flush=True,
             )
         best = max(scored, key=lambda s: s[0])
         shared = next(s for s in scored if s[1] == 0.0)
         for label, (_, offset, thresholds) in (("shared", shared), ("per-level", best)):
             result = test.evaluate(thresholds)
-            coverage = f", object_coverage {result['object_coverage']:.3f}" if "object_coverage" in result else ""
+            coverage = (
+                f", object_coverage {result.metrics['object_coverage']:.3f}"
+                if "object_coverage" in result.metrics
+                else ""
+            )
             print(
-                f"@{ratio} {label:9s} (offset {offset:+.2f}): test quality {result['quality']:.4f} "
-                f"at token ratio {result['token_ratio']:.3f}{coverage}",
+                f"@{ratio} {label:9s} (offset {offset:+.2f}): test quality {result.quality:.4f} "
+                f"at token ratio {result.token_ratio:.3f}{coverage}",
                 flush=True,
             )
 

@@ -8,9 +8,9 @@
 of width 64) once per variant and seed and compares each at 30% of the
 full-resolution tokens on the held-out images. Variants: the default (the policy on
 the ViT's first block, the gradient-saliency teacher on every step); that teacher on
-every 4th step (``train.teacher_every``); the attention teacher (``train.teacher:
+every 4th step (``train.teacher.every``); the attention teacher (``train.teacher.kind:
 attention``: a forward pass, no backward); the policy with one block of its own of
-width 32 (``model.policy_width``). ``table`` prints the markdown table of docs/results.md
+width 32 (``model.policy.width``). ``table`` prints the markdown table of docs/results.md
 from ``run``'s JSON (default: the committed runs in
 docs/measurements/cpu-2026-11-30/policy-cost-ablation/).
 """
@@ -35,9 +35,15 @@ TARGET_RATIO = 0.3
 
 VARIANTS = {
     "default": ("default (shared block, teacher every step)", lambda r: r),
-    "every4": ("teacher every 4th step", lambda r: replace(r, loss=replace(r.loss, teacher_every=4))),
-    "width32": ("own policy block, width 32", lambda r: replace(r, policy_width=32)),
-    "attention": ("attention teacher", lambda r: replace(r, loss=replace(r.loss, teacher="attention"))),
+    "every4": (
+        "teacher every 4th step",
+        lambda r: replace(r, loss=replace(r.loss, teacher=replace(r.loss.teacher, every=4))),
+    ),
+    "width32": ("own policy block, width 32", lambda r: replace(r, policy=replace(r.policy, width=32))),
+    "attention": (
+        "attention teacher",
+        lambda r: replace(r, loss=replace(r.loss, teacher=replace(r.loss.teacher, kind="attention"))),
+    ),
 }
 
 

@@ -4,9 +4,9 @@
 
 Loads a fine-tuned detector (e.g. a detection study's `split-0.5-objects-d2-s0/checkpoint_epoch0002`),
 freezes everything but the policy's own modules, and goes on training them alone with the
-objects teacher (`train.teacher: objects`, the checkpoint's teacher targets, target
+objects teacher (`train.teacher.kind: objects`, the checkpoint's teacher targets, target
 ratio, scope and context unless `--teacher-scope` / `--teacher-context` say otherwise)
-on the training canvases: the step of `train.policy_epochs` (`detection_policy_step`),
+on the training canvases: the step of `train.policy.epochs` (`detection_policy_step`),
 at a constant learning rate. Every `--every` steps, on `--samples` validation
 canvases: each scored level's ROC AUC of the policy's scores against "the node holds
 instance-mask pixels" (the oracle's splits, `splitvit eval --oracle`), and at each
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's splitvit
 
-from splitvit.config import TEACHER_SCOPES, SplitLossConfig  # noqa: E402
+from splitvit.config import TEACHER_SCOPES, SplitLossConfig, build_dataclass, upgrade_sections  # noqa: E402
 from splitvit.data import detection_collate  # noqa: E402
 from splitvit.model.detection import SplitDetector  # noqa: E402
 from splitvit.model.quadtree import top_down_decisions  # noqa: E402
@@ -100,13 +100,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--policy-depth",
         type=int,
-        help="score from the ViT's first N blocks instead of the checkpoint's model.policy_depth "
+        help="score from the ViT's first N blocks instead of the checkpoint's model.policy.depth "
         "(richer features for the policy; its heads retrain on them from where they are)",
     )
     parser.add_argument(
         "--teacher-scope",
         choices=TEACHER_SCOPES,
-        help="rank the teacher's marks within each image or across the batch (train.teacher_scope; "
+        help="rank the teacher's marks within each image or across the batch (train.teacher.scope; "
         "default: the checkpoint's)",
     )
     parser.add_argument(
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--fine-evidence",
         action="store_true",
-        help="give the policy fine evidence (model.policy_fine_evidence: the most telling finest patch "
+        help="give the policy fine evidence (model.policy.fine_evidence: the most telling finest patch "
         "under each node), zero at first, trained with the rest of the policy",
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -139,19 +139,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"--policy-depth must be in [0, {len(detector.backbone.vit.blocks)}], got {args.policy_depth}")
     # the checkpoint's own SPLIT objective (settings it predates keep their defaults), taught by the annotations
     trained = evaluator.payload["config"]["train"]
-    loss_cfg = SplitLossConfig(
-        **{f.name: trained[f.name] for f in dataclasses.fields(SplitLossConfig) if f.name in trained}
+    trained = upgrade_sections({"train": trained}, warn=False)["train"]  # a checkpoint's old key names too
+    names = {f.name for f in dataclasses.fields(SplitLossConfig)}
+    loss_cfg = build_dataclass(SplitLossConfig, {k: v for k, v in trained.items() if k in names}, "train.")
+    overrides = {"scope": args.teacher_scope, "context": args.teacher_context}
+    teacher = dataclasses.replace(
+        loss_cfg.teacher, kind="objects", **{key: value for key, value in overrides.items() if value is not None}
     )
-    overrides = {"teacher_scope": args.teacher_scope, "teacher_context": args.teacher_context}
-    loss_cfg = dataclasses.replace(
-        loss_cfg, teacher="objects", **{key: value for key, value in overrides.items() if value is not None}
-    )
+    loss_cfg = dataclasses.replace(loss_cfg, teacher=teacher)
     images, targets = detection_collate([evaluator.dataset[i] for i in range(len(evaluator.dataset))])
     train = evaluator.split_dataset("train")
     backbone = detector.backbone
 
-    if args.fine_evidence and not backbone.policy_fine_evidence:
-        backbone.policy_fine_evidence = True
+    if args.fine_evidence and not backbone.policy_config.fine_evidence:
+        backbone.policy_config.fine_evidence = True
         trained_policy = backbone.policy
         backbone.set_policy("learned")  # the same policy with the evidence MLP, its last layer zero
         backbone.policy.load_state_dict(trained_policy.state_dict(), strict=False)
@@ -172,15 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     before = test_figures(tester, evaluator, detector, images, ratios) if tester else None
     reports = [{"step": 0, **policy_figures(detector, images, targets, ratios)}]
     print(
-        f"{args.checkpoint}: {len(train)} training canvases, teacher targets {loss_cfg.teacher_targets}, "
-        f"ranked per {loss_cfg.teacher_scope}, context {loss_cfg.teacher_context} px, "
-        f"policy depth {backbone.policy_depth}"
-        + (", fine evidence" if backbone.policy_fine_evidence else "")
+        f"{args.checkpoint}: {len(train)} training canvases, teacher targets {loss_cfg.teacher.targets}, "
+        f"ranked per {loss_cfg.teacher.scope}, context {loss_cfg.teacher.context} px, "
+        f"policy depth {backbone.policy_config.depth}"
+        + (", fine evidence" if backbone.policy_config.fine_evidence else "")
         + ("" if args.policy_depth is None else f", trained on at depth {args.policy_depth}")
     )
     print(f"step 0: {reports[-1]}", flush=True)
     if args.policy_depth is not None:  # "before" and step 0 are the checkpoint's own
-        backbone.policy_depth = args.policy_depth
+        backbone.policy_config.depth = args.policy_depth
     detector.train()
     step, start = 0, time.perf_counter()
     while step < args.steps:
@@ -201,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint": args.checkpoint,
         "lr": args.lr,
         "steps": args.steps,
-        "policy_depth": backbone.policy_depth,
-        "fine_evidence": backbone.policy_fine_evidence,
+        "policy_depth": backbone.policy_config.depth,
+        "fine_evidence": backbone.policy_config.fine_evidence,
         "reports": reports,
     }
     if tester:

@@ -65,9 +65,10 @@ def main() -> None:
         )
         for ratio in (float(r) for r in args.ratios.split(",")):
             result = evaluator.evaluate(evaluator.calibrate(calibration, ratio))
+            box_ap, mask_ap, coverage = (result.metrics[k] for k in ("box_ap", "mask_ap", "object_coverage"))
             print(
-                f"{variant:9s} @{ratio}: box AP {100 * result['box_ap']:.1f}, mask AP {100 * result['mask_ap']:.1f} "
-                f"at token ratio {result['token_ratio']:.3f}, object_coverage {result['object_coverage']:.3f}",
+                f"{variant:9s} @{ratio}: box AP {100 * box_ap:.1f}, mask AP {100 * mask_ap:.1f} "
+                f"at token ratio {result.token_ratio:.3f}, object_coverage {coverage:.3f}",
                 flush=True,
             )
     policy.forward = trained

@@ -36,9 +36,8 @@ CONFIG = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 16,
         "levels": 2,
-        "policy_depth": 1,
+        "policy": {"kind": "learned", "depth": 1},
         "num_classes": 4,
-        "policy": "learned",
     },
     "data": {
         "name": "synthetic",

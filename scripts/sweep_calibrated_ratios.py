@@ -45,8 +45,8 @@ def main() -> None:
             calibration = torch.cat([batch[0] for batch in held_out])[512:]
             for ratio in ratios:
                 result = evaluator.evaluate(evaluator.calibrate(calibration, ratio))
-                if result["quality"] > best[ratio][0]:
-                    best[ratio] = (result["quality"], result["token_ratio"])
+                if result.quality > best[ratio][0]:
+                    best[ratio] = (result.quality, result.token_ratio)
         cells = ", ".join(f"{r:.2f}: {q:.3f} at {t:.3f}" for r, (q, t) in best.items())
         print(f"{sweep}: best accuracy at a calibrated ratio (measured ratio) {cells}")
 

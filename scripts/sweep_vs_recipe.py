@@ -125,7 +125,8 @@ def from_sweep(sweep: dict[str, Any], recipe_points: Path, space_file: str | Non
             seed=0,
         )
         record = {"trial_id": trial["trial_id"], "checkpoint": trial["checkpoint"], "params": trial["params"]}
-        recipe_points.write_text(json.dumps({**record, "samples": samples, "points": points}, indent=2) + "\n")
+        points_json = [p.to_dict() for p in points]
+        recipe_points.write_text(json.dumps({**record, "samples": samples, "points": points_json}, indent=2) + "\n")
     recorded = json.loads(recipe_points.read_text())
     recipe = [(p["token_ratio"], p["quality"]) for p in recorded["points"]]
     full = next((b for b in sweep["baselines"] if b["baseline"] == "full"), None)

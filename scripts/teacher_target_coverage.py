@@ -4,8 +4,8 @@
 
 For a study checkpoint (cluttered Fashion-MNIST: its test canvases carry item masks),
 the teacher's split targets at token ratios 0.5 and 0.7 are built from the model's
-own relevance (``train.teacher``: attention, and gradient) both ways
-(``train.teacher_targets``: ``per_level`` and ``nested``, see
+own relevance (``train.teacher.kind``: attention, and gradient) both ways
+(``train.teacher.targets``: ``per_level`` and ``nested``, see
 ``splitvit.train.losses.relevance_targets``), pruned to the tree they describe, and
 scored like a policy by ``splitvit eval``: the token ratio that tree has, the share of
 the item's fine cells it keeps fine (``object_coverage``) and the share of its fine

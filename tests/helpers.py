@@ -18,17 +18,24 @@ TINY_TIMM = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
 
 def tiny_model(policy: str = "learned", **kwargs: Any):
     """A 32-pixel, 3-level SplitViT (coarse 16 px, 8 px, fine 4 px) on a 2-block ViT
-    of width 32, built from timm's name (so that it saves with its spec); seeded."""
+    of width 32, built from timm's name (so that it saves with its spec); seeded.
+    ``kwargs`` that name a field of the policy's section (``width``,
+    ``budget_conditioned``...: :class:`~splitvit.config.PolicyConfig`) go there, its
+    ``depth`` 1 unless given; the others to :meth:`SplitViT.from_timm`."""
+    import dataclasses
+
     import torch
 
+    from splitvit.config import PolicyConfig
     from splitvit.model import SplitViT
 
     torch.manual_seed(0)
-    kwargs.setdefault("policy_depth", 1)
+    fields = {f.name for f in dataclasses.fields(PolicyConfig)}
+    settings = {"depth": 1, **{k: kwargs.pop(k) for k in list(kwargs) if k in fields}}
     return SplitViT.from_timm(
         "vit_tiny_patch16_224",
         levels=3,
-        policy=policy,
+        policy=PolicyConfig(kind=policy, **settings),
         image_size=32,
         num_classes=5,
         timm_kwargs=TINY_TIMM,

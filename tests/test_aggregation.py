@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from splitvit.config import ModelConfig
+from splitvit.config import ModelConfig, PolicyConfig
 from splitvit.model import SplitViT
 from splitvit.model.aggregation import FineAggregation
 from splitvit.model.splitvit import _LevelEmbeddings
@@ -112,12 +112,11 @@ def test_init_from_a_reference_without_aggregation_starts_it_at_zero(tmp_path):
     reference = tiny("full").eval()
     reference.save(tmp_path / "reference.pt")
     config = ModelConfig(
+        policy=PolicyConfig(kind="coarse", depth=1),
         name="vit_tiny_patch16_224",
         timm_kwargs=TINY_TIMM,
         image_size=32,
         num_classes=5,
-        policy="coarse",
-        policy_depth=1,
         fine_aggregation=True,
     )
     model = build_model(config).eval()

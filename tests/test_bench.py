@@ -23,6 +23,7 @@ from splitvit.bench.forward import (
 )
 from splitvit.bench.memory import measure_memory
 from splitvit.bench.timing import time_interleaved
+from splitvit.config import PolicyConfig
 
 from .helpers import walk_numbers
 
@@ -144,7 +145,7 @@ def test_timm_is_given_the_images_the_split_model_normalises():
 
 def test_learned_variants_differ_only_in_the_policys_blocks():
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=48, patch_size=8, timm_kwargs=TINY)
-    models = build_benchmark_models(vit, levels=levels, policy_width=16, policy_depth=1)
+    models = build_benchmark_models(vit, policy=PolicyConfig(width=16, depth=1), levels=levels)
     assert levels == 2  # 48 px, 8-px patches: 32-px coarse patches would not tile it, 16-px ones do
     assert models["learned"].policy.own_blocks and not models["learned_shared"].policy.own_blocks
     assert models["learned"].vit is models["learned_shared"].vit is vit
@@ -289,10 +290,12 @@ def test_fine_aggregation_is_timed_on_the_policies_models_only(tmp_path, capsys)
     from splitvit.cli.app import build_parser
 
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
-    models = build_benchmark_models(vit, levels=levels, policy_width=16, fine_aggregation=True, buckets=(1,))
+    models = build_benchmark_models(
+        vit, policy=PolicyConfig(width=16), levels=levels, fine_aggregation=True, buckets=(1,)
+    )
     assert models["split_full"].fine_aggregation is None
     assert all(m.fine_aggregation is not None for k, m in models.items() if k != "split_full")
-    assert build_benchmark_models(vit, levels=levels, policy_width=16)["learned"].fine_aggregation is None
+    assert build_benchmark_models(vit, policy=PolicyConfig(width=16), levels=levels)["learned"].fine_aggregation is None
 
     out = tmp_path / "forward.json"
     assert main(_tiny_forward_argv(out, "--fine-aggregation")) == 0
@@ -310,8 +313,8 @@ def test_level_context_is_timed_on_the_learned_policies_models_only(tmp_path, ca
     from splitvit.cli import main
 
     vit, levels = benchmark_vit("vit_tiny_patch16_224", image_size=64, patch_size=8, timm_kwargs=TINY)
-    models = build_benchmark_models(vit, levels=levels, policy_width=16, level_context=True)
-    assert {k for k, m in models.items() if m.policy_level_context} == {"learned", "learned_shared"}
+    models = build_benchmark_models(vit, policy=PolicyConfig(width=16, level_context=True), levels=levels)
+    assert {k for k, m in models.items() if m.policy_config.level_context} == {"learned", "learned_shared"}
     assert models["learned"].policy.level_context and models["learned_shared"].policy.level_context
 
     out = tmp_path / "forward.json"

@@ -26,7 +26,7 @@ from splitvit.model.stages import STAGES, StageClock
 
 from .helpers import tiny_model
 
-RECIPE = dict(fine_aggregation=True, policy_level_context=True)
+RECIPE = dict(fine_aggregation=True, level_context=True)  # the policy's level_context: tiny_model's policy section
 SPLIT_STAGES = {"embedding", "aggregation", "level_context", "policy_head", "decision", "gather", "blocks", "head"}
 
 
@@ -133,7 +133,7 @@ def test_bench_parts_times_a_study_methods_model_stage_by_stage(tmp_path, capsys
     assert "batch 1" in printed and "batch 4" in printed and "level_context ms" in printed
     assert "median (min-max) of 2 runs of 2 interleaved rounds each" in printed
     data = json.loads(out.read_text())
-    assert data["model"]["fine_aggregation"] and data["model"]["policy_level_context"]
+    assert data["model"]["fine_aggregation"] and data["model"]["policy"]["level_context"]
     assert data["model"]["timm_kwargs"]["embed_dim"] == 96  # the study's config, not the base's
     assert [b["batch_size"] for b in data["batches"]] == [1, 4]
     assert data["settings"]["runs"] == 2
@@ -188,11 +188,11 @@ def test_bench_parts_compiled_and_bf16_compiles_every_side_and_says_so(tmp_path,
     out = tmp_path / "parts.json"
     argv = ["bench", "parts", "--study", "studies/study_fashion.yaml", "--method", "split-0.5-agg-mixed-ctx"]
     argv += ["--batch-sizes", "4", "--ratios", "0.5,0.7", "--repeats", "1", "--threads", "1"]
-    argv += ["--bf16", "--compile", "--token-buckets", "2", "--set", "model.policy_depth=1", "--json", str(out)]
+    argv += ["--bf16", "--compile", "--token-buckets", "2", "--set", "model.policy.depth=1", "--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "bf16 autocast, torch.compile (2 token buckets)" in printed
-    assert "split-0.5-agg-mixed-ctx with model.policy_depth=1, random weights" in printed  # the --set named
+    assert "split-0.5-agg-mixed-ctx with model.policy.depth=1, random weights" in printed  # the --set named
     data = json.loads(out.read_text())
     assert data["settings"]["bf16"] and data["settings"]["compile"] and data["settings"]["token_buckets"] == 2
     depth = data["model"]["timm_kwargs"]["depth"]

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from splitvit.config import ModelConfig
+from splitvit.config import BudgetConfig, ModelConfig, PolicyConfig, PolicyTrainingConfig, TeacherConfig
 from splitvit.model import SplitViT
 from splitvit.model.policies import LearnedPolicy, PolicyContext
 from splitvit.train import losses
@@ -55,8 +55,8 @@ def test_conditioned_policy_scores_as_the_unconditioned_one_at_init(width):
     """The budget embedding's last layer starts at zero: with the same other weights, a
     conditioned policy scores exactly (bit for bit) as an unconditioned one, whatever
     the budget; with that layer trained the budget changes the scores."""
-    plain = tiny_model(policy_width=width).eval()
-    conditioned = tiny_model(policy_width=width, budget_conditioned=True).eval()
+    plain = tiny_model(width=width).eval()
+    conditioned = tiny_model(width=width, budget_conditioned=True).eval()
     assert conditioned.uses_budget and not plain.uses_budget
     missing, unexpected = conditioned.load_state_dict(plain.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("policy.budget_embed.") for k in missing)
@@ -100,7 +100,7 @@ def test_budget_and_conditioning_survive_save_and_load(tmp_path):
     model.set_budget(0.3)
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.budget_conditioned and loaded.uses_budget
+    assert loaded.policy_config.budget_conditioned and loaded.uses_budget
     assert float(loaded.budget) == pytest.approx(0.3)
     images = torch.rand(2, 3, 32, 32)
     assert all(torch.equal(a, b) for a, b in zip(scores(loaded, images), scores(model, images)))
@@ -127,10 +127,10 @@ def test_state_dict_without_budget_loads(tmp_path):
 
 
 def test_build_model_passes_budget_conditioned():
-    config = ModelConfig(image_size=32, levels=3, num_classes=5, timm_kwargs=TINY_TIMM, policy_depth=1)
+    config = ModelConfig(policy=PolicyConfig(depth=1), image_size=32, levels=3, num_classes=5, timm_kwargs=TINY_TIMM)
     assert not build_model(config).uses_budget
-    model = build_model(replace(config, budget_conditioned=True))
-    assert model.uses_budget and model.spec["budget_conditioned"] is True
+    model = build_model(replace(config, policy=replace(config.policy, budget_conditioned=True)))
+    assert model.uses_budget and model.spec["policy"]["budget_conditioned"] is True
 
 
 # ------------------------------------------------------------------ training
@@ -140,7 +140,11 @@ def test_training_step_draws_a_target_ratio_per_batch(monkeypatch):
     use the drawn ratio, and a conditioned policy is told it."""
     model = condition(tiny_model(budget_conditioned=True)).train()
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
-    cfg = SplitLossConfig(warmup_epochs=0, teacher_weight=0.0, target_ratio_range=[0.2, 0.8])
+    cfg = SplitLossConfig(
+        policy=PolicyTrainingConfig(warmup_epochs=0),
+        teacher=TeacherConfig(weight=0.0),
+        budget=BudgetConfig(ratio_range=[0.2, 0.8]),
+    )
 
     def draws(seed: int) -> list[float]:
         gen = torch.Generator().manual_seed(seed)
@@ -156,22 +160,28 @@ def test_training_step_draws_a_target_ratio_per_batch(monkeypatch):
     monkeypatch.setattr(model, "forward", lambda *a, **k: told.append(k.get("budget")) or forward(*a, **k))
     fraction = losses.split_fraction_for_ratio
     monkeypatch.setattr(losses, "split_fraction_for_ratio", lambda r, g: fractions.append(r) or fraction(r, g))
-    _, stats = training_step(model, images, labels, replace(cfg, teacher_weight=1.0), epoch=0)
+    _, stats = training_step(model, images, labels, replace(cfg, teacher=replace(cfg.teacher, weight=1.0)), epoch=0)
     drawn = stats["target_ratio"]
     assert told[0] == drawn and fractions == [drawn]
     with torch.no_grad():
         out = forward(images, budget=drawn)  # expected tokens come from the probabilities, not the samples
     expected_ratio = out.expected_tokens / out.full_tokens
     assert stats["budget_penalty"] == pytest.approx(float(budget_penalty(expected_ratio, drawn)), rel=1e-5)
-    assert stats["budget_penalty"] != pytest.approx(float(budget_penalty(expected_ratio, cfg.target_ratio)))
+    assert stats["budget_penalty"] != pytest.approx(float(budget_penalty(expected_ratio, cfg.budget.target_ratio)))
 
 
 def test_training_step_without_a_range_or_in_warm_up_draws_nothing():
     model = tiny_model().train()
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
-    _, stats = training_step(model, images, labels, SplitLossConfig(warmup_epochs=0, teacher_weight=0.0), epoch=0)
+    _, stats = training_step(
+        model,
+        images,
+        labels,
+        SplitLossConfig(policy=PolicyTrainingConfig(warmup_epochs=0), teacher=TeacherConfig(weight=0.0)),
+        epoch=0,
+    )
     assert "target_ratio" not in stats
-    ranged = SplitLossConfig(warmup_epochs=1, target_ratio_range=[0.2, 0.8])
+    ranged = SplitLossConfig(policy=PolicyTrainingConfig(warmup_epochs=1), budget=BudgetConfig(ratio_range=[0.2, 0.8]))
     assert "target_ratio" not in training_step(model, images, labels, ranged, epoch=0)[1]
 
 
@@ -182,7 +192,11 @@ def test_a_conditioned_policy_learns_to_follow_its_budget():
     the backbone's drift would only blur a 100-step check."""
     model = tiny_model(budget_conditioned=True).train()  # seeds torch's RNG: the sampled decisions repeat
     opt = torch.optim.AdamW(model.policy.parameters(), lr=1e-2)
-    cfg = SplitLossConfig(warmup_epochs=0, teacher_weight=0.0, lambda_budget=50.0, target_ratio_range=[0.2, 0.8])
+    cfg = SplitLossConfig(
+        policy=PolicyTrainingConfig(warmup_epochs=0),
+        teacher=TeacherConfig(weight=0.0),
+        budget=BudgetConfig(weight=50.0, ratio_range=[0.2, 0.8]),
+    )
     gen = torch.Generator().manual_seed(0)
     with one_thread():
         for _ in range(100):

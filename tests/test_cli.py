@@ -273,7 +273,7 @@ class _Terminal(io.StringIO):
 def test_progress_bar_on_a_terminal_and_nothing_elsewhere(caplog):
     import logging
 
-    from splitvit.tune.console import Progress
+    from splitvit.train.console import Progress
 
     screen = _Terminal()
     bar = Progress("trials", 4, stream=screen, width=8)
@@ -298,7 +298,7 @@ def test_progress_pickles_without_its_stream():
     """Ray Tune pickles callbacks, and so their bar, into the experiment state."""
     import pickle
 
-    from splitvit.tune.console import Progress
+    from splitvit.train.console import Progress
 
     bar = Progress("runs", 3, stream=_Terminal())
     bar.update(1)
@@ -309,7 +309,7 @@ def test_progress_pickles_without_its_stream():
 def test_ray_console_is_quiet_unless_asked(monkeypatch):
     import os
 
-    from splitvit.tune import console
+    from splitvit.train import console
 
     monkeypatch.delenv("RAY_AIR_NEW_OUTPUT", raising=False)
     console.show_ray_output(False)

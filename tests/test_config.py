@@ -38,7 +38,7 @@ def test_smoke_config_loads_with_overrides():
     assert cfg.storage.name == "abc"
     assert cfg.data.options == {"train_samples": 64, "val_samples": 128, "object_size": 8}
     loss = cfg.train.loss_config()
-    assert (loss.lambda_budget, loss.target_ratio, loss.penalty) == (1.0, 0.5, "squared")
+    assert (loss.budget.weight, loss.budget.target_ratio, loss.budget.penalty) == (1.0, 0.5, "squared")
     flat = cfg.flat()
     assert flat["train.epochs"] == 5 and flat["model.timm_kwargs.embed_dim"] == 48
     # the model it describes builds and has the configured geometry
@@ -56,10 +56,12 @@ def test_train_section_is_the_split_loss_settings_and_more():
     assert issubclass(TrainConfig, SplitLossConfig)
     declared = set(vars(TrainConfig).get("__annotations__", {}))  # TrainConfig's own fields
     assert not declared & {f.name for f in dataclasses.fields(SplitLossConfig)}, "re-declared in TrainConfig"
-    cfg = load_config(SMOKE, ["train.warmup_min_split=0.6", "train.teacher_weight=0.25", "train.teacher_every=3"])
+    cfg = load_config(
+        SMOKE, ["train.policy.warmup_min_split=0.6", "train.teacher.weight=0.25", "train.teacher.every=3"]
+    )
     loss = cfg.train.loss_config()
     assert type(loss) is SplitLossConfig
-    assert (loss.warmup_min_split, loss.teacher_weight, loss.teacher_every) == (0.6, 0.25, 3)
+    assert (loss.policy.warmup_min_split, loss.teacher.weight, loss.teacher.every) == (0.6, 0.25, 3)
     assert {f.name for f in dataclasses.fields(SplitLossConfig)} <= set(cfg.to_dict()["train"])  # flat YAML keys
 
 
@@ -69,7 +71,7 @@ def test_default_name_is_config_stem_and_time():
 
 
 def test_ints_become_floats_but_not_the_reverse(tmp_path):
-    cfg = ExperimentConfig.from_dict({"train": {"lr": 1, "lambda_budget": 0}})
+    cfg = ExperimentConfig.from_dict({"train": {"lr": 1, "budget": {"weight": 0}}})
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
     with pytest.raises(ConfigError) as err:
         ExperimentConfig.from_dict({"train": {"epochs": 2.5}})
@@ -79,19 +81,23 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
 @pytest.mark.parametrize(
     "override, key, text",
     [
-        ("train.lambda_budget=-1", "train.lambda_budget", "must be >= 0, got -1.0"),
-        ("train.teacher_weight=-0.5", "train.teacher_weight", "must be >= 0, got -0.5"),
-        ("train.target_ratio=1.5", "train.target_ratio", "must be in (0, 1], got 1.5"),
-        ("train.penalty=linear", "train.penalty", "must be one of"),
-        ("train.teacher=oracle", "train.teacher", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
-        ("train.policy_lr_scale=0", "train.policy_lr_scale", "must be > 0, got 0"),
+        ("train.budget.weight=-1", "train.budget.weight", "must be >= 0, got -1.0"),
+        ("train.teacher.weight=-0.5", "train.teacher.weight", "must be >= 0, got -0.5"),
+        ("train.budget.target_ratio=1.5", "train.budget.target_ratio", "must be in (0, 1], got 1.5"),
+        ("train.budget.penalty=linear", "train.budget.penalty", "must be one of"),
         (
-            "train.teacher_targets=joint",
-            "train.teacher_targets",
-            "must be one of ('per_level', 'nested', 'mixed'), got 'joint'",
+            "train.teacher.kind=oracle",
+            "train.teacher.kind",
+            "must be one of gradient, attention, objects, got 'oracle'",
         ),
-        ("train.teacher_scope=canvas", "train.teacher_scope", "must be one of ('image', 'batch'), got 'canvas'"),
-        ("train.warmup_min_split=2", "train.warmup_min_split", "must be in [0, 1]"),
+        ("train.policy.lr_scale=0", "train.policy.lr_scale", "must be > 0, got 0"),
+        (
+            "train.teacher.targets=joint",
+            "train.teacher.targets",
+            "must be one of per_level, nested, mixed, got 'joint'",
+        ),
+        ("train.teacher.scope=canvas", "train.teacher.scope", "must be one of image, batch, got 'canvas'"),
+        ("train.policy.warmup_min_split=2", "train.policy.warmup_min_split", "must be in [0, 1]"),
         ("train.epoch=3", "train.epoch", "unknown key; did you mean train.epochs?"),
         ("trian.epochs=3", "trian", "unknown key; did you mean train?"),
         ("train.epochs=three", "train.epochs", "expected int, got str 'three'"),
@@ -102,26 +108,30 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("model.image_size=40", "model.image_size", "image size 40x40 is not a multiple of the coarsest patch 16"),
         ("model.timm_kwargs.patch_size=3", "model.image_size", "not a multiple of the coarsest patch 12"),
         ("model.levels=1", "model.levels", "must be >= 2"),
-        ("train.distill_weight=-0.5", "train.distill_weight", "must be >= 0, got -0.5"),
-        ("train.distill_temperature=0", "train.distill_temperature", "must be > 0, got 0.0"),
-        ("train.target_ratio_range=[0.8, 0.3]", "train.target_ratio_range", "0 < low <= high <= 1, got [0.8, 0.3]"),
-        ("train.target_ratio_range=[0.2, 0.5, 0.9]", "train.target_ratio_range", "must be [low, high]"),
-        ("train.target_ratio_range=0.5", "train.target_ratio_range", "expected list[float] or null"),
-        ("train.policy_epochs=-1", "train.policy_epochs", "must be >= 0, got -1"),
-        ("train.policy_lead_epochs=-2", "train.policy_lead_epochs", "must be >= 0, got -2"),
-        ("train.teacher_context=-2", "train.teacher_context", "must be >= 0 pixels, got -2"),
-        ("train.teacher_context=4", "train.teacher_context", "objects teacher's ring around each instance mask, but"),
-        ("model.budget_conditioned=maybe", "model.budget_conditioned", "expected bool"),
+        ("train.distill.weight=-0.5", "train.distill.weight", "must be >= 0, got -0.5"),
+        ("train.distill.temperature=0", "train.distill.temperature", "must be > 0, got 0.0"),
+        ("train.budget.ratio_range=[0.8, 0.3]", "train.budget.ratio_range", "0 < low <= high <= 1, got [0.8, 0.3]"),
+        ("train.budget.ratio_range=[0.2, 0.5, 0.9]", "train.budget.ratio_range", "must be [low, high]"),
+        ("train.budget.ratio_range=0.5", "train.budget.ratio_range", "expected list[float] or null"),
+        ("train.policy.epochs=-1", "train.policy.epochs", "must be >= 0, got -1"),
+        ("train.policy.lead_epochs=-2", "train.policy.lead_epochs", "must be >= 0, got -2"),
+        ("train.teacher.context=-2", "train.teacher.context", "must be >= 0 pixels, got -2"),
+        ("train.teacher.context=4", "train.teacher.context", "objects teacher's ring around each instance mask, but"),
+        ("model.policy.budget_conditioned=maybe", "model.policy.budget_conditioned", "expected bool"),
         ("model.fine_aggregation=maybe", "model.fine_aggregation", "expected bool"),
-        ("model.policy_level_context=maybe", "model.policy_level_context", "expected bool"),
+        ("model.policy.level_context=maybe", "model.policy.level_context", "expected bool"),
         ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none, got 'imagenet'"),
-        ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
+        (
+            "model.policy.kind=smart",
+            "model.policy.kind",
+            "must be one of learned, entropy, random, full, coarse, got 'smart'",
+        ),
         ("model.task=segmentation", "model.task", "must be one of classification, dense, detection"),
-        ("model.policy_depth=3", "model.policy_depth", "must be in [0, 2]"),
-        ("train.teacher_every=0", "train.teacher_every", "must be >= 1, got 0"),
-        ("model.policy_width=129", "model.policy_width", "positive multiple of its 2 attention head(s)"),
-        ("model.policy_width=0", "model.policy_width", "positive multiple"),
-        ("model.policy_width=wide", "model.policy_width", "expected int"),
+        ("model.policy.depth=3", "model.policy.depth", "must be in [0, 2]"),
+        ("train.teacher.every=0", "train.teacher.every", "must be >= 1, got 0"),
+        ("model.policy.width=129", "model.policy.width", "positive multiple of its 2 attention head(s)"),
+        ("model.policy.width=0", "model.policy.width", "positive multiple"),
+        ("model.policy.width=wide", "model.policy.width", "expected int"),
         ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
         ("model.timm_kwargs.bogus=1", "model.timm_kwargs.bogus", "unexpected keyword argument 'bogus'"),
         ("model.checkpoint_path=/nonexistent/w.pth", "model.checkpoint_path", "does not exist"),
@@ -130,6 +140,9 @@ def test_ints_become_floats_but_not_the_reverse(tmp_path):
         ("scaling.num_workers=0", "scaling.num_workers", "must be >= 1, got 0"),
         ("scaling.resources_per_worker.CPU=-1", "scaling.resources_per_worker.CPU", "must be >= 0"),
         ("scaling.allocator=mimalloc", "scaling.allocator", "unknown allocator 'mimalloc'"),
+        ("data.val_split=tset", "data.val_split", "must be one of val, test, got 'tset'; did you mean test?"),
+        ("scaling.placement_strategy=pack", "scaling.placement_strategy", "must be one of PACK, SPREAD, STRICT_PACK"),
+        ("train.teacher.weight=.nan", "train.teacher.weight", "must be >= 0, got nan"),
         ("storage.path=gs://bucket/x", "storage.path", "must be a local folder or s3://bucket/prefix"),
         ("storage.name=a/b", "storage.name", "plain folder name"),
         ("tracking.split_map_images=-1", "tracking.split_map_images", "must be >= 0"),
@@ -207,10 +220,10 @@ def test_cli_config_error_comes_before_any_ray_work(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(ray, "init", forbidden)
     monkeypatch.setattr(ray.train.torch.TorchTrainer, "fit", forbidden)
     runs = tmp_path / "runs"
-    rc = main(["train", str(SMOKE), f"storage.path={runs}", "train.lambda_budget=-1"])
+    rc = main(["train", str(SMOKE), f"storage.path={runs}", "train.budget.weight=-1"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "config error: train.lambda_budget: must be >= 0, got -1.0" in err
+    assert "config error: train.budget.weight: must be >= 0, got -1.0" in err
     assert not runs.exists()
 
 
@@ -239,8 +252,6 @@ def test_config_module_needs_no_model_data_or_torch():
     "override, key, text",
     [
         ("model.name=not_a_model", "model.name", "unknown timm model 'not_a_model'"),
-        ("model.policy=smart", "model.policy", "unknown policy 'smart'"),
-        ("model.normalize=imagenet", "model.normalize", "must be one of auto, timm, none"),  # the model's values
         ("model.image_size=40", "model.image_size", "not a multiple of the coarsest patch 16"),
         ("model.thresholds=[0.5]", "model.thresholds", "expected 2 values"),
         ("data.name=imagenet21k", "data.name", "unknown dataset 'imagenet21k'"),
@@ -259,26 +270,49 @@ def test_validate_experiment_checks_what_the_schema_cannot(override, key, text):
 
 
 @pytest.mark.parametrize(
-    "field, value, text",
+    "section, field, value, text",
     [
-        ("lambda_budget", -1.0, "must be >= 0, got -1.0"),
-        ("teacher", "oracle", "must be one of ('gradient', 'attention', 'objects'), got 'oracle'"),
-        ("teacher_weight", -0.5, "must be >= 0, got -0.5"),
-        ("teacher_every", 0, "must be >= 1, got 0"),
+        ("budget", "weight", -1.0, "must be >= 0, got -1.0"),
+        ("teacher", "kind", "oracle", "must be one of gradient, attention, objects, got 'oracle'"),
+        ("teacher", "weight", -0.5, "must be >= 0, got -0.5"),
+        ("teacher", "every", 0, "must be >= 1, got 0"),
+        ("policy", "lr_scale", 0.0, "must be > 0, got 0.0"),
     ],
 )
-def test_loss_setting_errors_name_train_keys(field, value, text):
-    """SplitLossConfig's own range checks name ``train.<field>``: when the section is
-    built, and when a built config was changed afterwards."""
+def test_loss_setting_errors_name_train_keys(section, field, value, text):
+    """The SPLIT objective's sections' own checks name ``train.<section>.<field>``: when
+    the section is built, and when a built config was changed afterwards."""
+    key = f"train.{section}.{field}"
     with pytest.raises(ConfigError) as built:
-        ExperimentConfig.from_dict({"train": {field: value}})
-    assert str(built.value) == f"config error: train.{field}: {built.value.reason}" and text in built.value.reason
+        ExperimentConfig.from_dict({"train": {section: {field: value}}})
+    assert str(built.value) == f"config error: {key}: {built.value.reason}" and text in built.value.reason
     cfg = ExperimentConfig.from_dict({})
-    setattr(cfg.train, field, value)
+    setattr(getattr(cfg.train, section), field, value)
     for check in (validate, validate_experiment):
         with pytest.raises(ConfigError) as changed:
             check(cfg)
-        assert changed.value.key == f"train.{field}" and text in changed.value.reason
+        assert changed.value.key == key and text in changed.value.reason
+
+
+@pytest.mark.parametrize(
+    "override, key, allowed, close",
+    [
+        ("model.policy.kind=lerned", "model.policy.kind", "learned, entropy, random, full, coarse", "learned"),
+        ("model.task=dens", "model.task", "classification, dense, detection", "dense"),
+        ("model.normalize=imagenet", "model.normalize", "auto, timm, none", None),
+        ("model.policy.evidence_pooling=mean", "model.policy.evidence_pooling", "max, soft", None),
+        ("train.budget.penalty=hinj", "train.budget.penalty", "squared, hinge", "hinge"),
+        ("train.teacher.targets=nest", "train.teacher.targets", "per_level, nested, mixed", "nested"),
+        ("train.teacher.scope=batches", "train.teacher.scope", "image, batch", "batch"),
+    ],
+)
+def test_a_name_is_its_fields_type_checked_as_the_config_loads(override, key, allowed, close):
+    """The allowed names are the fields' Literal types: the schema refuses another
+    (load_config, before torch), listing them, with the closest as a did-you-mean."""
+    with pytest.raises(ConfigError) as err:
+        load_config(SMOKE, [override])
+    assert err.value.key == key and f"must be one of {allowed}, got " in err.value.reason
+    assert (f"did you mean {close}?" in err.value.reason) if close else "did you mean" not in err.value.reason
 
 
 def test_overrides_index_into_lists():
@@ -308,16 +342,17 @@ def test_run_training_and_preflight_validate_a_config_built_schema_only(tmp_path
     monkeypatch.setattr(ray, "init", forbidden)
     monkeypatch.setattr(ray_trainer, "init_ray", forbidden)
     monkeypatch.setattr(pf, "resolve_ray_address", forbidden)
-    cfg = load_config(SMOKE, ["model.policy=smart", f"storage.path={tmp_path / 'runs'}"])
+    cfg = load_config(SMOKE, [f"storage.path={tmp_path / 'runs'}"])
+    cfg.model.policy.kind = "smart"  # changed after the schema's check
     for run in (ray_trainer.run_training, pf.preflight):
-        with pytest.raises(ConfigError, match="model.policy: unknown policy 'smart'"):
+        with pytest.raises(ConfigError, match="model.policy.kind: must be one of learned, entropy"):
             run(cfg)
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("key", ["train.policy_epochs", "train.policy_lead_epochs"])
+@pytest.mark.parametrize("key", ["train.policy.epochs", "train.policy.lead_epochs"])
 def test_policy_epochs_need_a_learned_policy_and_its_teacher(key):
-    for overrides in (["model.policy=entropy"], ["train.teacher_weight=0"]):
+    for overrides in (["model.policy.kind=entropy"], ["train.teacher.weight=0"]):
         with pytest.raises(ConfigError) as err:
             load_experiment(SMOKE, [f"{key}=1", *overrides])
         assert err.value.key == key and "trains a learned policy with its relevance teacher" in str(err.value)
@@ -325,5 +360,32 @@ def test_policy_epochs_need_a_learned_policy_and_its_teacher(key):
 
 
 def test_total_epochs_count_the_policys_lead_the_fine_tune_and_the_policys_tail():
-    train = load_experiment(SMOKE, ["train.policy_lead_epochs=2", "train.epochs=3", "train.policy_epochs=4"]).train
+    train = load_experiment(SMOKE, ["train.policy.lead_epochs=2", "train.epochs=3", "train.policy.epochs=4"]).train
     assert train.total_epochs == 9
+
+
+def test_a_base_config_is_resolved_beside_the_file_that_names_it(tmp_path):
+    """The ``base`` of a search space or a study: relative to the naming file's folder
+    (or the working directory), or absolute; a missing one is a BaseConfigError on ``base``."""
+    from splitvit.config import BaseConfigError, resolve_base_config
+
+    (tmp_path / "base.yaml").write_text("train: {epochs: 1}\n")
+    assert resolve_base_config("base.yaml", tmp_path) == (tmp_path / "base.yaml").resolve()
+    assert resolve_base_config(str(tmp_path / "base.yaml"), Path("/")) == tmp_path / "base.yaml"
+    for base, reason in ((None, "name the experiment config"), ("nowhere.yaml", "nowhere.yaml not found")):
+        with pytest.raises(BaseConfigError, match=reason) as err:
+            resolve_base_config(base, tmp_path)
+        assert isinstance(err.value, ConfigError) and err.value.key == "base"
+
+
+def test_validate_rechecks_names_changed_after_loading():
+    """A config changed in code after it loaded is checked again by ``validate``: the
+    names of the data and scaling sections by their types, as the policy's are."""
+    config = load_experiment(SMOKE)
+    config.data.val_split = "holdout"
+    with pytest.raises(ConfigError, match=r"data\.val_split: must be one of val, test, got 'holdout'"):
+        validate(config)
+    config = load_experiment(SMOKE)
+    config.scaling.placement_strategy = "spread"
+    with pytest.raises(ConfigError, match=r"scaling\.placement_strategy: must be one of PACK"):
+        validate(config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitvit.config import BudgetConfig, PolicyConfig, PolicyTrainingConfig
 from splitvit.model import SplitViT
 from splitvit.model.packed import varlen_kernel
 from splitvit.train.steps import SplitLossConfig, calibrate_thresholds, evaluate, training_step
@@ -22,8 +23,9 @@ CUDA = torch.device("cuda")
 def _pair(policy: str, **kwargs) -> tuple[SplitViT, SplitViT]:
     """Packed and padded models sharing weights and policy, on the GPU."""
     vit = tiny_vit(32, embed_dim=64, num_heads=2, **kwargs)
-    packed = SplitViT(vit, levels=3, policy=policy, image_size=32, policy_depth=1)
-    padded = SplitViT(vit, levels=3, policy=packed.policy, image_size=32, policy_depth=1, attention="padded")
+    packed = SplitViT(vit, policy=PolicyConfig(kind=policy, depth=1), levels=3, image_size=32)
+    padded = SplitViT(vit, policy=packed.policy_config, levels=3, image_size=32, attention="padded")
+    padded.policy = packed.policy  # the same policy module: the same decisions
     padded.level_embed = packed.level_embed
     return packed.to(CUDA), padded.to(CUDA)
 
@@ -94,7 +96,9 @@ def test_packed_varlen_gradients_match_padded_under_bf16():
 @pytest.mark.parametrize("epoch", [0, 1, 3])  # full-resolution warm-up, random splits, learned policy + teacher
 def test_training_steps_run_on_cuda_under_bf16(epoch):
     packed, _ = _pair("learned")
-    cfg = SplitLossConfig(target_ratio=0.4, lambda_budget=2.0, warmup_epochs=2)
+    cfg = SplitLossConfig(
+        budget=BudgetConfig(target_ratio=0.4, weight=2.0), policy=PolicyTrainingConfig(warmup_epochs=2)
+    )
     optimizer = torch.optim.AdamW(packed.parameters(), lr=1e-3)
     images, target = _images(), torch.randint(0, 5, (16,), device=CUDA)
     generator = torch.Generator().manual_seed(0)  # the Ray loop's warm-up generator is a CPU one
@@ -145,10 +149,9 @@ def test_forward_synchronises_with_the_host_at_most_once(policy, token_buckets):
     model = (
         SplitViT(
             tiny_vit(32, embed_dim=64, num_heads=2),
+            policy=PolicyConfig(kind=policy, depth=1),
             levels=3,
-            policy=policy,
             image_size=32,
-            policy_depth=1,
             token_buckets=token_buckets,
         )
         .to(CUDA)

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from splitvit.bench.data import AMPLIFICATION_TARGET, CountingFileSystem, DataBenchSettings, run_data_benchmark
 from splitvit.cli import main
+from splitvit.config import PolicyConfig
 from splitvit.data import ParquetShards, SyntheticObjects, write_shards
 from splitvit.data.parquet import RowGroupSampler, training_sampler
 from splitvit.storage import StorageError, filesystem_for, ray_storage, upload_dir
@@ -249,11 +250,11 @@ def test_local_training_reads_each_row_group_once_per_epoch(shards):
     ds.filesystem = counter.filesystem()
     model = SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(depth=1),
         levels=2,
         image_size=16,
         num_classes=10,
         timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-        policy_depth=1,
     )
     fit_local(model, ds, SplitLossConfig(), epochs=2, batch_size=10, lr=1e-3, weight_decay=0.0, seed=0)
     # two epochs, each reading every row group once (a plain shuffle reads ~one per batch item)

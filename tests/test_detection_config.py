@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from splitvit.cluster import preflight as pf
 from splitvit.cluster.preflight import PreflightError
-from splitvit.config import ConfigError, ModelConfig, load_config, quality_metric
+from splitvit.config import ConfigError, ModelConfig, PolicyConfig, load_config, quality_metric
 from splitvit.data import build_dataset, detection_collate
 from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.model import SplitDetector, SplitViT
@@ -35,9 +35,9 @@ DETECTION = {
         "timm_kwargs": {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2},
         "image_size": 64,
         "levels": 2,
-        "policy_depth": 1,
         "task": "detection",
         "num_classes": 10,
+        "policy": {"depth": 1},
     },
     "data": {"name": "fashion-det"},
     "storage": {"name": "detection-test"},
@@ -104,7 +104,10 @@ def test_build_model_gives_a_detector_of_k_object_classes():
     assert default.rpn._post_nms_top_n == {"training": 20, "testing": 10}
     # the other tasks still build a SplitViT
     tiny_vit = {"embed_dim": 32, "depth": 1, "num_heads": 2}
-    assert type(build_model(ModelConfig(image_size=64, levels=2, policy_depth=1, timm_kwargs=tiny_vit))) is SplitViT
+    assert (
+        type(build_model(ModelConfig(policy=PolicyConfig(depth=1), image_size=64, levels=2, timm_kwargs=tiny_vit)))
+        is SplitViT
+    )
 
 
 def test_the_detector_builds_on_the_meta_device():
@@ -123,7 +126,7 @@ def test_the_shipped_detection_config_validates():
         10,
         128,
     )
-    assert cfg.model.detector["pyramid_channels"] == 64 and cfg.model.policy == "learned"
+    assert cfg.model.detector["pyramid_channels"] == 64 and cfg.model.policy.kind == "learned"
 
 
 @pytest.mark.parametrize(
@@ -153,17 +156,21 @@ def test_the_shipped_detection_config_validates():
         ),
         (["model.num_classes=0"], "model.num_classes", "must be >= 1, got 0"),
         (
-            ["train.teacher=attention"],
-            "train.teacher",
+            ["train.teacher.kind=attention"],
+            "train.teacher.kind",
             "attention is not a teacher of a detection model: a detector has no class token to attend from; "
             "its teachers are gradient and objects",
         ),
         (
-            ["model.task=classification", "data.name=synthetic", "train.teacher=objects"],
-            "train.teacher",
+            ["model.task=classification", "data.name=synthetic", "train.teacher.kind=objects"],
+            "train.teacher.kind",
             "objects is not a teacher of a classification model: objects reads instance annotations",
         ),
-        (["train.teacher=boxes"], "train.teacher", "must be one of ('gradient', 'attention', 'objects'), got 'boxes'"),
+        (
+            ["train.teacher.kind=boxes"],
+            "train.teacher.kind",
+            "must be one of gradient, attention, objects, got 'boxes'",
+        ),
         (["model.task=segmentation"], "model.task", "must be one of classification, dense, detection"),
         # the dataset's targets and the task, both ways
         (

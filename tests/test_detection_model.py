@@ -9,6 +9,7 @@ import timm
 import torch
 from torchvision.ops import box_iou
 
+from splitvit.config import PolicyConfig
 from splitvit.model import SplitViT
 from splitvit.model.detection import SimpleFeaturePyramid, SplitDetector, training_targets
 from splitvit.model.roi_align import MultiScaleRoIAlign
@@ -37,13 +38,12 @@ def tiny_vit(**kwargs) -> timm.models.VisionTransformer:
 def tiny_detector(policy: str = "full", **backbone_options) -> SplitDetector:
     return SplitDetector.from_timm(
         tiny_vit(),
+        policy=PolicyConfig(kind=policy, depth=1),
         num_classes=CLASSES,
         pyramid_channels=32,
         detector_options=SMALL_HEADS,
         levels=LEVELS,
-        policy=policy,
         image_size=CANVAS,
-        policy_depth=1,
         **backbone_options,
     )
 

@@ -39,8 +39,7 @@ DETECTOR = {
     "timm_kwargs": {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2},
     "image_size": CANVAS,
     "levels": 2,
-    "policy_depth": 1,
-    "policy": "full",
+    "policy": {"kind": "full", "depth": 1},
     "task": "detection",
     "detector": {
         **{k: list(v) if isinstance(v, tuple) else v for k, v in SMALL_HEADS.items()},
@@ -215,7 +214,7 @@ def test_a_detector_scores_the_same_on_shards_as_on_their_source_and_previews_fr
         for config in (source_config, shard_config):
             checkpoint = save_checkpoint(model, config, tmp_path / f"{name}-{config.data.name}.pt")
             evaluator = CheckpointEvaluator(checkpoint)
-            result = evaluator.evaluate()
+            result = evaluator.evaluate().to_dict()
             figures.append({k: v for k, v in result.items() if k != "images_per_s"})
             batches.append(evaluator.batches())  # kept from the evaluation
         assert figures[0] == figures[1], name

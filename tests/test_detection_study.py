@@ -12,11 +12,13 @@ import pytest
 import torch
 import yaml
 
+from splitvit.bench.speed import OperatingPoint, SpeedRecord, time_operating_points
 from splitvit.study.goals import CompanionGap, GoalVerdicts, ParityVerdict, StudyRow, aggregate, check_goals
+from splitvit.study.runs import MethodRun
 from splitvit.study.spec import Goals
 from splitvit.train.checkpoints import init_weights
 from splitvit.train.experiment import build_model, load_experiment
-from splitvit.tune.speed import SpeedRecord, time_operating_points
+from splitvit.train.points import EvaluatedPoint
 
 from .helpers import write_fake_fashion_mnist
 
@@ -37,7 +39,7 @@ def tiny_settings(root: Path) -> dict[str, object]:
     return {
         "model.image_size": 64,
         "model.timm_kwargs": {"patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2},
-        "model.policy_depth": 1,
+        "model.policy.depth": 1,
         "data.options": {"root": str(root), "val_size": 8, "train_samples": 8, "val_samples": 4, "test_samples": 4},
         "data.batch_size": 4,
         "data.eval_batch_size": 4,
@@ -53,7 +55,7 @@ def checkpoints(fmnist_root, tmp_path_factory) -> dict[str, str]:
     overrides = [f"{k}={json.dumps(v)}" for k, v in tiny_settings(fmnist_root).items()]
     saved = {}
     for policy in ("full", "learned"):
-        config = load_experiment(CONFIG, [*overrides, f"model.policy={policy}"])
+        config = load_experiment(CONFIG, [*overrides, f"model.policy.kind={policy}"])
         torch.manual_seed(0)
         model = build_model(config.model)
         saved[policy] = str(folder / f"{policy}.pt")
@@ -73,7 +75,7 @@ def test_a_detectors_points_are_timed_whole_and_backbone_alone_against_full_reso
     evaluator = CheckpointEvaluator(checkpoints["learned"])
     thresholds = evaluator.calibrate(evaluator.first_images(4), 0.5)
     record = time_operating_points(
-        [{"checkpoint": checkpoints["learned"], "thresholds": thresholds, "label": "split"}],
+        [OperatingPoint(checkpoints["learned"], thresholds, label="split")],
         full_checkpoint=checkpoints["full"],
         batch_size=2,
         rounds=2,
@@ -130,8 +132,9 @@ def test_a_detectors_points_are_evaluated_at_matched_ratios_with_box_and_mask_ap
         seed=0,
     )
     (point,) = points
-    assert point["quality"] == point["box_ap"] and 0.0 <= point["mask_ap"] <= 1.0
-    assert point["images"] == 4 and 0 < point["token_ratio"] < 1 and point["target_ratio"] == 0.5
+    assert point.quality == point.figure("box_ap") and 0.0 <= point.figure("mask_ap") <= 1.0
+    assert point.images == 4 and 0 < point.token_ratio < 1 and point.target_ratio == 0.5
+    assert EvaluatedPoint.from_dict(json.loads(json.dumps(point.to_dict()))) == point
 
 
 # ----------------------------------------------------------------- init_from
@@ -141,7 +144,7 @@ def test_a_detector_starts_from_a_detectors_or_a_classifiers_weights(checkpoints
     architecture is refused naming a tensor."""
     tiny = tiny_settings(Path("."))
     config = load_experiment(
-        CONFIG, [f"model.timm_kwargs={json.dumps(tiny['model.timm_kwargs'])}", "model.policy_depth=1"]
+        CONFIG, [f"model.timm_kwargs={json.dumps(tiny['model.timm_kwargs'])}", "model.policy.depth=1"]
     )
     config.model.image_size = 64
     model = build_model(config.model)
@@ -166,25 +169,23 @@ def test_a_detector_starts_from_a_detectors_or_a_classifiers_weights(checkpoints
 
 
 # ----------------------------------------------------------------- goals
-def _run(method: str, policy: str, seed: int, points: list[tuple[float | None, float, float, float]]) -> dict:
+def _run(method: str, policy: str, seed: int, points: list[tuple[float | None, float, float, float]]) -> MethodRun:
     """A method run's stored result: (target ratio, box AP, mask AP, token ratio) per point."""
-    return {
-        "method": method,
-        "policy": policy,
-        "seed": seed,
-        "points": [
-            {
-                "target_ratio": r,
-                "quality": box,
-                "box_ap": box,
-                "mask_ap": mask,
-                "tokens_per_image": 64 * t,
-                "token_ratio": t,
-                "images_per_s": 10.0,
-            }
+    where = f"/runs/{method}-s{seed}"
+    return MethodRun(
+        seed=seed,
+        method=method,
+        policy=policy,
+        checkpoint=where,
+        train_metrics={},
+        train_seconds=0.0,
+        eval_seconds=0.0,
+        run_uri=where,
+        points=[
+            EvaluatedPoint(r, box, 64 * t, t, 10.0, 64, None, {"box_ap": box, "mask_ap": mask})
             for r, box, mask, t in points
         ],
-    }
+    )
 
 
 def test_the_parity_goal_holds_mask_ap_on_the_same_point_as_box_ap():
@@ -216,7 +217,7 @@ def test_the_parity_goal_holds_mask_ap_on_the_same_point_as_box_ap():
     assert data["goals"]["match"]["companions"][0]["met"] is False
 
     # within a point on both: met
-    closer = [r for r in runs if r["method"] == "full"] + [
+    closer = [r for r in runs if r.method == "full"] + [
         _run("split", "learned", s, [(0.7, 0.395 + s / 100, 0.356 + s / 100, 0.7)]) for s in (0, 1)
     ]
     assert check_goals(
@@ -239,19 +240,21 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
     spec = load_study(path)
     assert (spec.metric, spec.companions) == ("box_ap", ("mask_ap",))
     assert list(spec.methods) == ["full", "coarse", "entropy", "random", RECIPE]
-    assert spec.run_config(0, None, "x").model.policy == "full" and len(spec.seeds) >= 2
+    assert spec.run_config(0, None, "x").model.policy.kind == "full" and len(spec.seeds) >= 2
     assert len({spec.run_config(0, m, "x").train.epochs for m in spec.methods}) == 1  # fine-tuned alike
     recipe = spec.run_config(0, RECIPE, "x")
-    assert recipe.train.teacher_scope == "batch"  # the marks ranked across the batch's canvases
-    assert recipe.model.policy_fine_evidence and recipe.model.policy_feature_grad
-    assert recipe.model.fine_aggregation and recipe.model.policy_level_context and recipe.train.target_ratio == 0.7
-    assert (recipe.train.teacher, recipe.train.policy_lr_scale, recipe.model.policy_depth) == ("objects", 10.0, 2)
+    assert recipe.train.teacher.scope == "batch"  # the marks ranked across the batch's canvases
+    assert recipe.model.policy.fine_evidence and recipe.model.policy.feature_grad
+    assert (
+        recipe.model.fine_aggregation and recipe.model.policy.level_context and recipe.train.budget.target_ratio == 0.7
+    )
+    assert (recipe.train.teacher.kind, recipe.train.policy.lr_scale, recipe.model.policy.depth) == ("objects", 10.0, 2)
     # the policy's own epochs come before and after the fine-tune every method shares
-    assert (recipe.train.policy_lead_epochs, recipe.train.policy_epochs) == (4, 4)
+    assert (recipe.train.policy.lead_epochs, recipe.train.policy.epochs) == (4, 4)
     assert recipe.train.total_epochs == recipe.train.epochs + 8
     # the classification study's recipe as it is stays a lever, run beside the same control
     lever = load_study(path, methods=["full", "split-0.5-agg-mixed-ctx"]).run_config(0, "split-0.5-agg-mixed-ctx", "x")
-    assert lever.train.teacher == "gradient"
+    assert lever.train.teacher.kind == "gradient"
     assert (spec.goals.match_ratio, spec.goals.also_match_at, spec.goals.match_points) == (0.7, (0.5,), 1.0)
     assert spec.goals.beat_range == (0.1, 0.7) and spec.goals.max_minutes == 150 and spec.split == "test"
 
@@ -280,16 +283,16 @@ def write_detection_study(folder: Path, root: Path) -> Path:
             "tracking.split_map_images": 0,
             "tracking.log_model": False,
         },
-        "backbone": {"model.policy": "full", "train.epochs": 1},
-        "method": {"train.epochs": 1, "train.warmup_epochs": 0},
+        "backbone": {"model.policy.kind": "full", "train.epochs": 1},
+        "method": {"train.epochs": 1, "train.policy.warmup_epochs": 0},
         "methods": {
-            "full": {"model.policy": "full"},
+            "full": {"model.policy.kind": "full"},
             "split": {
-                "model.policy": "learned",
-                "train.target_ratio": 0.5,
-                "train.policy_epochs": 1,
-                "train.policy_lead_epochs": 1,
-                "train.policy_lr_scale": 10.0,
+                "model.policy.kind": "learned",
+                "train.budget.target_ratio": 0.5,
+                "train.policy.epochs": 1,
+                "train.policy.lead_epochs": 1,
+                "train.policy.lr_scale": 10.0,
             },
         },
         "evaluation": {"split": "test", "samples": 4, "ratios": [0.5], "calibration_samples": 4},
@@ -310,7 +313,7 @@ def test_splitvit_study_runs_a_detection_study_end_to_end(
     """`splitvit study` on detectors: box AP ranks the rows, mask AP sits beside it in the
     rows, the parity goal and MLflow, and the speed step times the whole detector and its
     backbone alone against full resolution's. The SPLIT method begins and ends with an
-    epoch of its policy alone (``train.policy_lead_epochs``, ``train.policy_epochs``):
+    epoch of its policy alone (``train.policy.lead_epochs``, ``train.policy.epochs``):
     such an epoch trains the teacher only, leaves every other weight as it was (its
     thresholds are calibrated again), and the last one's checkpoint is the one evaluated."""
     from mlflow import MlflowClient
@@ -379,10 +382,10 @@ def test_splitvit_sweep_runs_detection_trials_with_stage_two_baselines_and_speed
     space = {
         "base": str(CONFIG),
         "parameters": {
-            "train.lambda_budget": {"distribution": "uniform", "low": 0.5, "high": 2.0},
+            "train.budget.weight": {"distribution": "uniform", "low": 0.5, "high": 2.0},
             **tiny_settings(fmnist_root),
             "train.epochs": 1,
-            "train.warmup_epochs": 0,
+            "train.policy.warmup_epochs": 0,
             "scaling.num_workers": 1,
             "scaling.resources_per_worker": {"CPU": 0.5},
             "storage.path": str(tmp_path / "runs"),

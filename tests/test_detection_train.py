@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from splitvit.config import ConfigError, SplitLossConfig
+from splitvit.config import (
+    BudgetConfig,
+    ConfigError,
+    DistillConfig,
+    PolicyConfig,
+    PolicyTrainingConfig,
+    SplitLossConfig,
+    TeacherConfig,
+)
 from splitvit.data.coco import CocoDetection
 from splitvit.data.fashion_det import FashionDetection, write_coco
 from splitvit.data.fashion_mnist import CLASSES
@@ -38,14 +46,13 @@ def detector(policy: str = "learned", seed: int = 0) -> SplitDetector:
     torch.manual_seed(seed)
     return SplitDetector.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(kind=policy, depth=1),
         num_classes=10,
         pyramid_channels=32,
         detector_options=SMALL_HEADS,
         timm_kwargs=dict(patch_size=8, embed_dim=48, depth=2, num_heads=2),
         levels=LEVELS,
-        policy=policy,
         image_size=CANVAS,
-        policy_depth=1,
         thresholds=0.5,
     )
 
@@ -78,7 +85,11 @@ def coco_set(tmp_path_factory):
 def test_warm_up_trains_at_full_resolution_first_then_the_policy_with_budget_and_teacher(coco_set):
     model = detector("learned").train()
     images, targets = collate([coco_set[i] for i in range(2)])
-    cfg = SplitLossConfig(warmup_epochs=2, target_ratio=0.5, lambda_budget=1.0, teacher_weight=1.0)
+    cfg = SplitLossConfig(
+        policy=PolicyTrainingConfig(warmup_epochs=2),
+        budget=BudgetConfig(target_ratio=0.5, weight=1.0),
+        teacher=TeacherConfig(weight=1.0),
+    )
     _, stats = detection_training_step(model, images, targets, cfg, epoch=0)
     assert stats["token_ratio"] == 1.0 and "budget_penalty" not in stats and "teacher_loss" not in stats
     assert {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_mask"} <= set(stats)
@@ -93,7 +104,9 @@ def test_warm_up_trains_at_full_resolution_first_then_the_policy_with_budget_and
     assert policy_grads and all(g is not None for g in policy_grads)
     assert sum(float(g.abs().sum()) for g in policy_grads) > 0  # the policy learns from budget and teacher
     # the teacher runs on every teacher_every-th step only
-    _, stats = detection_training_step(model, images, targets, SplitLossConfig(teacher_every=2), epoch=5, step=1)
+    _, stats = detection_training_step(
+        model, images, targets, SplitLossConfig(teacher=TeacherConfig(every=2)), epoch=5, step=1
+    )
     assert "teacher_loss" not in stats and "budget_penalty" in stats
 
 
@@ -117,7 +130,7 @@ def test_self_distillation_teaches_the_split_fine_map_the_full_resolution_one(co
     backbone's full-resolution fine map (relative squared error, the teacher detached);
     not in warm-up, not under the full policy."""
     images, targets = collate([coco_set[i] for i in range(2)])
-    cfg = SplitLossConfig(warmup_epochs=1, distill_weight=2.0)
+    cfg = SplitLossConfig(policy=PolicyTrainingConfig(warmup_epochs=1), distill=DistillConfig(weight=2.0))
     model = detector("coarse").train()
     loss, stats = detection_training_step(model, images, targets, cfg, epoch=1)
     backbone = model.backbone
@@ -274,7 +287,7 @@ def test_the_oracle_splits_every_node_over_an_instance_and_needs_masks():
 
 
 def test_the_objects_teachers_context_ring_ranks_an_items_surroundings_next_nearest_first():
-    """``train.teacher_context``: on a 32-px canvas with one 3-px item in the bottom-left
+    """``train.teacher.context``: on a 32-px canvas with one 3-px item in the bottom-left
     corner (4-px finest cells, 8-px and 16-px nodes), the ring falls linearly over the
     context's pixels; nodes rank item first, then the ring's nearest, then the
     untouched; without context the ring is absent."""
@@ -302,7 +315,7 @@ def test_the_objects_teachers_context_ring_ranks_an_items_surroundings_next_near
 
 @pytest.mark.parametrize("teacher, passes", [("objects", 0), ("gradient", 1)])
 def test_a_detectors_policy_epochs_train_its_policy_alone(coco_set, teacher, passes):
-    """``train.policy_epochs`` on a detector (:func:`detection_policy_step`): the teacher
+    """``train.policy.epochs`` on a detector (:func:`detection_policy_step`): the teacher
     alone, so only the policy's weights get gradients; the objects teacher runs no
     detector pass at all, the gradient teacher its full-resolution one."""
     from splitvit.train.detection import detection_policy_step
@@ -312,7 +325,7 @@ def test_a_detectors_policy_epochs_train_its_policy_alone(coco_set, teacher, pas
     calls = []
     encode = model.backbone.fine_features
     model.backbone.fine_features = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
-    cfg = SplitLossConfig(teacher=teacher, teacher_context=4 if teacher == "objects" else 0)
+    cfg = SplitLossConfig(teacher=TeacherConfig(kind=teacher, context=4 if teacher == "objects" else 0))
     loss, stats = detection_policy_step(model, images, targets, cfg)
     assert set(stats) == {"teacher_loss", "loss"} and len(calls) == passes
     loss.backward()
@@ -410,13 +423,13 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     settings = {
         "model.image_size": 64,
         "model.timm_kwargs": "{patch_size: 8, embed_dim: 32, depth: 1, num_heads: 2}",
-        "model.policy_depth": 1,  # the 1-block ViT's (detection-v1's 2 are more than it has)
+        "model.policy.depth": 1,  # the 1-block ViT's (detection-v1's 2 are more than it has)
         "data.options": f"{{root: {root}, val_size: 8, train_samples: 16, val_samples: 8, clutter: true}}",
         "data.batch_size": 4,
         "train.epochs": 2,
-        "train.warmup_epochs": 1,
-        "train.policy_lead_epochs": 1,  # the recipe's (detection-v1) phases, one epoch each
-        "train.policy_epochs": 1,
+        "train.policy.warmup_epochs": 1,
+        "train.policy.lead_epochs": 1,  # the recipe's (detection-v1) phases, one epoch each
+        "train.policy.epochs": 1,
         "scaling.num_workers": 2,
         "scaling.resources_per_worker": "{CPU: 1}",
         "storage.path": str(tmp_path / "runs"),
@@ -450,8 +463,8 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert run.data.params["recipe"] == "detection-v1"
     layers = json.loads(Path(client.download_artifacts(run_id, "config_layers.json", str(tmp_path))).read_text())
     assert layers["recipe"] == "detection-v1"
-    assert layers["keys"]["train.teacher"] == {"value": "objects", "layer": "recipe detection-v1"}
-    assert layers["keys"]["train.policy_epochs"] == {"value": 1, "layer": "--set"}
+    assert layers["keys"]["train.teacher.kind"] == {"value": "objects", "layer": "recipe detection-v1"}
+    assert layers["keys"]["train.policy.epochs"] == {"value": 1, "layer": "--set"}
     assert layers["keys"]["model.task"]["layer"] == "file jobs/configs/fashion_det.yaml"
     artifacts = {a.path for a in client.list_artifacts(run_id, "per_class_ap")}
     assert artifacts == {f"per_class_ap/epoch_{epoch:04d}.json" for epoch in range(4)}
@@ -603,10 +616,10 @@ def test_a_classifiers_checkpoint_is_not_loaded_as_a_detector(tmp_path):
 
     classifier = SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(depth=1),
         levels=2,
         image_size=32,
         num_classes=4,
-        policy_depth=1,
         timm_kwargs=dict(patch_size=8, embed_dim=32, depth=1, num_heads=2),
     )
     classifier.save(tmp_path / "model.pt")
@@ -620,7 +633,7 @@ def test_a_classifiers_checkpoint_is_not_loaded_as_a_detector(tmp_path):
 
 
 def test_the_objects_teacher_marks_the_annotated_items_without_a_forward_pass(coco_set):
-    """``train.teacher: objects``: each node's relevance is the instance masks' share of
+    """``train.teacher.kind: objects``: each node's relevance is the instance masks' share of
     its area (boxes a tenth, noise below 1e-4), so the nested targets at the items' own
     share mark exactly the nodes on an item; a training step with it has a teacher loss
     and runs the detector once."""
@@ -651,14 +664,18 @@ def test_the_objects_teacher_marks_the_annotated_items_without_a_forward_pass(co
     model.backbone.fine_features = lambda *args, **kwargs: calls.append(1) or encode(*args, **kwargs)
     for teacher, passes in (("objects", 1), ("gradient", 2)):  # the gradient's: a full-resolution pass more
         calls.clear()
-        _, stats = detection_training_step(model, images, targets, SplitLossConfig(teacher=teacher), epoch=5)
+        _, stats = detection_training_step(
+            model, images, targets, SplitLossConfig(teacher=TeacherConfig(kind=teacher)), epoch=5
+        )
         assert "teacher_loss" in stats and len(calls) == passes, teacher
-    with pytest.raises(ValueError, match="train.teacher: a detector's teachers are gradient and objects"):
-        detection_training_step(model, images, targets, SplitLossConfig(teacher="attention"), epoch=5)
+    with pytest.raises(ValueError, match="train.teacher.kind: a detector's teachers are gradient and objects"):
+        detection_training_step(
+            model, images, targets, SplitLossConfig(teacher=TeacherConfig(kind="attention")), epoch=5
+        )
 
 
 def test_policy_lr_scale_gives_splitvits_own_modules_their_own_learning_rate():
-    """``train.policy_lr_scale``: the policy, fine aggregation and level embeddings in a
+    """``train.policy.lr_scale``: the policy, fine aggregation and level embeddings in a
     group at ``lr * scale`` (a classifier's and a detector's), every other parameter in
     the other at ``lr``; at 1, one group, the layout saved optimizers have."""
     from splitvit.train.local import param_groups

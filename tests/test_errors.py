@@ -34,7 +34,10 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import splitvit  # noqa: E402
 from splitvit.cli import main  # noqa: E402
-from splitvit.config import ConfigError  # noqa: E402
+from splitvit.config import (
+    ConfigError,  # noqa: E402
+    PolicyConfig,
+)
 from splitvit.data.common import CorruptDataError  # noqa: E402
 from splitvit.errors import Interrupted, error_line, root_cause, worker_traceback  # noqa: E402
 from splitvit.train.ray_trainer import TrainingError, TrainResult  # noqa: E402
@@ -321,11 +324,11 @@ def test_weights_that_do_not_fit_their_spec_are_a_checkpoint_error(tmp_path):
 
     model = SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(depth=1),
         levels=2,
         image_size=16,
         num_classes=4,
         timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-        policy_depth=1,
     )
     model.save(tmp_path / "model.pt")
     payload = load_payload(tmp_path)
@@ -343,12 +346,11 @@ def test_a_label_outside_num_classes_fails_the_step_naming_the_key():
 
     model = SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(kind="entropy", depth=1),
         levels=2,
         image_size=16,
         num_classes=4,
-        policy="entropy",
         timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-        policy_depth=1,
     )
     with pytest.raises(
         ConfigError,
@@ -700,7 +702,8 @@ def test_a_sweep_stopped_with_unfinished_trials_is_an_interruption():
     """Ray Tune's own Ctrl-C handler makes ``Tuner.fit`` return with trials unfinished:
     the sweep raises ``Interrupted`` (exit 130) saying how to resume, not an error."""
     from splitvit.errors import Interrupted
-    from splitvit.tune.sweep import SweepError, stopped_early
+    from splitvit.tune.state import SweepError
+    from splitvit.tune.sweep import stopped_early
 
     stopped = stopped_early("s1", started=3, unfinished=2, planned=8)
     assert isinstance(stopped, Interrupted) and stopped.exit_code in (130, 143)

@@ -44,6 +44,7 @@ def test_a_trials_final_figures_sit_at_its_last_epoch(tmp_path):
     from mlflow import MlflowClient
 
     from splitvit.tune.mlflow_records import SweepRecorder
+    from splitvit.tune.trial import TrialFinal
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     recorder, _ = SweepRecorder.open(uri, "steps", str(tmp_path / "sweep"), "sweep", "accuracy", params={}, tags={})
@@ -60,7 +61,9 @@ def test_a_trials_final_figures_sit_at_its_last_epoch(tmp_path):
         "train_seconds": 4.0,
         "threshold_points": [],
     }
-    run_id, _ = recorder.trial_completed("t0", run_uri, {"train.lr": 0.1}, {}, final)
+    run_id, _ = recorder.trial_completed(
+        "t0", run_uri, {"train.lr": 0.1}, {}, TrialFinal.from_report(final, "accuracy")
+    )
     history = MlflowClient(uri).get_metric_history(run_id, "images_per_s")
     assert sorted((m.step, m.value) for m in history) == [(0, 100.0), (1, 101.0), (2, 90.0), (2, 102.0)]
     assert {m.step for m in MlflowClient(uri).get_metric_history(run_id, "train_seconds")} == {2}
@@ -70,6 +73,7 @@ def _recorded_sweep(uri: str, root, name: str, points: list[tuple[float, float]]
     """A finished sweep in the store at ``uri``: one trial per ``(accuracy, tokens)``
     pair (16 tokens at full resolution); returns the parent run id."""
     from splitvit.tune.mlflow_records import SweepRecorder
+    from splitvit.tune.trial import TrialFinal
 
     recorder, _ = SweepRecorder.open(uri, "sweeps", str(root / name), name, "accuracy", params={}, tags={})
     for i, (accuracy, tokens) in enumerate(points):
@@ -83,7 +87,9 @@ def _recorded_sweep(uri: str, root, name: str, points: list[tuple[float, float]]
             "threshold_points": [],
         }
         recorder.trial_started(f"{name}-t{i}", run_uri, {"train.lr": 0.1}, {})
-        recorder.trial_completed(f"{name}-t{i}", run_uri, {"train.lr": 0.1}, {}, final)
+        recorder.trial_completed(
+            f"{name}-t{i}", run_uri, {"train.lr": 0.1}, {}, TrialFinal.from_report(final, "accuracy")
+        )
     recorder.close("completed")
     return recorder.parent_run_id
 
@@ -332,8 +338,8 @@ def test_frontier_rows_are_the_table_of_the_frontier():
 def test_logged_models_are_named_by_their_point():
     from mlflow.utils.validation import _validate_logged_model_name
 
+    from splitvit.tune.artifacts import model_name
     from splitvit.tune.pareto import Point
-    from splitvit.tune.sweep import model_name
 
     best = Point(0.9, 6.7, 0.4183, "threshold", "abc_00002")
     other = Point(0.7, 2.0, 0.125, "trial", "abc_00001")
@@ -534,3 +540,71 @@ def test_nice_ticks_are_round_and_inside_the_range():
     assert tick_text(0.25, 0.25) == "0.25" and tick_text(10.0, 10.0) == "10"
     assert axis_range([0.25, 1.0], low=0.0, high=1.0)[1] == 1.0
     assert axis_range([1.0, 1.0], low=0.0, high=1.0) == pytest.approx((0.95, 1.0))  # one value: room below it
+
+
+def test_a_trials_final_report_becomes_its_points_and_a_baselines_its_rows():
+    """``record_trials`` without Ray or MLflow: a finished trial's report (as Tune hands
+    it back, its stage-two points as JSON text) gives its point and its threshold points;
+    a fine-tuned baseline's gives its rows, full resolution's its last validation."""
+    import json
+    from types import SimpleNamespace
+
+    from splitvit.tune.outcomes import record_trials
+    from splitvit.tune.state import TrialSummary
+    from splitvit.tune.trial import ThresholdPoint, TrialFinal
+
+    recorded: list[TrialFinal] = []
+
+    class Recorder:
+        def trial_completed(self, trial_id, run_uri, sampled, config_params, final, data=None):
+            recorded.append(final)
+            return f"run-{trial_id}", [f"point-{trial_id}-{i}" for i in range(len(final.threshold_points))]
+
+        def tag_run(self, run_id, tags):
+            pass
+
+    def no_config(sampled, trial_id):
+        raise ValueError("no config in this test")
+
+    plan = SimpleNamespace(trial_config=no_config, run_uri=lambda trial_id: f"/runs/{trial_id}")
+    space = SimpleNamespace(companion_metrics=("mask_ap",))
+    sweep = SimpleNamespace(metric="box_ap", space=space, plan=plan, recorder=Recorder())
+    stage_two = [ThresholdPoint(0.3, 8.0, 0.5, [0.6], 40.0, {"mask_ap": 0.25}, target_ratio=0.5)]
+    report = {
+        "box_ap": 0.4,
+        "mask_ap": 0.35,
+        "tokens_per_image": 12.0,
+        "token_ratio": 0.75,
+        "images_per_s": 30.0,
+        "epochs": 2,
+        "thresholds": [0.5],
+        "checkpoint": "/ckpt/a",
+        "threshold_points": json.dumps([p.to_dict("box_ap") for p in stage_two]),
+        "splitvit_final": True,
+        "training_iteration": 3,  # Tune's own keys come along
+    }
+    entropy = {**report, "threshold_points": json.dumps([{**stage_two[0].to_dict("box_ap"), "target_ratio": 0.4}])}
+    trials = [
+        TrialSummary("a", "completed", {"model.thresholds[0]": 0.5}, checkpoint="/ckpt/a"),
+        TrialSummary("e", "completed", {}, checkpoint="/ckpt/e", baseline="entropy"),
+        TrialSummary("f", "completed", {}, checkpoint="/ckpt/f", baseline="full"),
+    ]
+    points, baselines = record_trials(sweep, trials, {"a": report, "e": entropy, "f": report})
+
+    trial, threshold = points
+    assert (trial.kind, trial.quality, trial.tokens_per_image, trial.thresholds) == ("trial", 0.4, 12.0, [0.5])
+    assert trial.extras == {"images_per_s": 30.0, "mask_ap": 0.35} and trial.run_id == "run-a"
+    assert (threshold.kind, threshold.quality, threshold.checkpoint, threshold.run_id) == (
+        "threshold",
+        0.3,
+        "/ckpt/a",
+        "point-a-0",
+    )
+    assert threshold.extras == {"images_per_s": 40.0, "mask_ap": 0.25, "target_ratio": 0.5}
+    assert recorded[0].threshold_points == stage_two and recorded[0].epochs == 2
+    # a baseline's ratio points are the parent's baselines, not point runs
+    assert [len(r.threshold_points) for r in recorded[1:]] == [0, 0]
+    assert [(b.baseline, b.label, b.quality, b.images_per_s, b.target_ratio) for b in baselines] == [
+        ("entropy", "entropy @ 0.40 (fine-tuned)", 0.3, 40.0, 0.4),
+        ("full", "full resolution (fine-tuned)", 0.4, None, None),
+    ]

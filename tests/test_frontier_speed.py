@@ -1,4 +1,4 @@
-"""Operating points timed against full resolution (``splitvit.tune.speed``) on tiny
+"""Operating points timed against full resolution (``splitvit.bench.speed``) on tiny
 models: the structure and consistency of the figures, never a speed-up target."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from splitvit.config import ExperimentConfig
+from splitvit.bench.speed import OperatingPoint, SpeedRecord, spread, time_operating_points
+from splitvit.config import ExperimentConfig, PolicyConfig
 from splitvit.model import SplitViT
 from splitvit.tune.pareto import Point
 from splitvit.tune.space import SearchSpaceError, load_space
-from splitvit.tune.speed import SpeedRecord, spread, time_operating_points
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ MODEL = {
     "name": "vit_tiny_patch16_224",
     "image_size": 16,
     "levels": 2,
-    "policy_depth": 1,
+    "policy": {"depth": 1},
     "num_classes": 4,
     "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
 }
@@ -33,7 +33,7 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
     zero-initialised last layer, as training would give it, so the budget matters."""
     model_cfg = json.loads(json.dumps(MODEL))
     model_cfg["timm_kwargs"]["embed_dim"] = embed_dim
-    model_cfg["budget_conditioned"] = budget_conditioned
+    model_cfg["policy"]["budget_conditioned"] = budget_conditioned
     config = ExperimentConfig.from_dict(
         {
             "recipe": "none",  # two levels: the library's plain settings
@@ -47,13 +47,11 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
     )
     model = SplitViT.from_timm(
         MODEL["name"],
+        policy=PolicyConfig(kind="learned", depth=1, budget_conditioned=budget_conditioned),
         levels=2,
         image_size=16,
         num_classes=4,
-        policy="learned",
-        policy_depth=1,
         timm_kwargs=model_cfg["timm_kwargs"],
-        budget_conditioned=budget_conditioned,
     )
     if budget_conditioned:
         import torch
@@ -71,10 +69,10 @@ def checkpoint(folder: Path, embed_dim: int = 16, budget_conditioned: bool = Fal
 def test_points_are_timed_against_full_resolution_in_one_interleaved_run(tmp_path):
     small, wide = checkpoint(tmp_path / "small"), checkpoint(tmp_path / "wide", embed_dim=32)
     points = [
-        {"checkpoint": small, "thresholds": [1.0], "label": "coarse"},  # nothing splits: 4 of 16 tokens
-        {"checkpoint": small, "thresholds": [0.0], "label": "fine"},  # everything splits: 16 of 16
-        {"checkpoint": small, "thresholds": [0.5], "policy": "entropy"},  # another policy on the same backbone
-        {"checkpoint": wide, "thresholds": [1.0], "label": "wide"},  # another architecture
+        OperatingPoint(small, [1.0], label="coarse"),  # nothing splits: 4 of 16 tokens
+        OperatingPoint(small, [0.0], label="fine"),  # everything splits: 16 of 16
+        OperatingPoint(small, [0.5], policy="entropy"),  # another policy on the same backbone
+        OperatingPoint(wide, [1.0], label="wide"),  # another architecture
     ]
     result = time_operating_points(points, full_checkpoint=small, batch_size=8, rounds=3, warmup=1)
     assert result.device == "cpu" and result.batch_size == 8 and result.rounds == 3 and result.warmup == 1
@@ -106,7 +104,7 @@ def test_timing_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="no operating points"):
         time_operating_points([])
     with pytest.raises(ValueError, match="rounds must be >= 1"):
-        time_operating_points([{"checkpoint": "unused", "thresholds": None}], rounds=0)
+        time_operating_points([OperatingPoint("unused")], rounds=0)
 
 
 def test_spread_keeps_both_ends():
@@ -149,20 +147,21 @@ def test_search_space_speed_settings_are_validated_by_key():
 
 
 def test_resuming_a_sweep_saved_before_speed_settings_existed(tmp_path):
-    from splitvit.tune.sweep import PLAN_FILE, SweepError, _check_plan
+    from splitvit.tune.location import PLAN_FILE, check_plan
+    from splitvit.tune.state import SweepError
 
     space = load_space(ROOT / "search_spaces" / "smoke.yaml")
     saved = {k: v for k, v in space.to_dict().items() if k not in ("source", "speed")}
     (tmp_path / PLAN_FILE).write_text(
         json.dumps({"space": saved, "overrides": [], "source": space.source}, default=str)
     )
-    assert _check_plan(space, str(tmp_path), None, resume=True) is space
+    assert check_plan(space, str(tmp_path), None, resume=True) is space
     changed = {**saved, "speed": {**space.to_dict()["speed"], "rounds": 99}}
     (tmp_path / PLAN_FILE).write_text(
         json.dumps({"space": changed, "overrides": [], "source": space.source}, default=str)
     )
     with pytest.raises(SweepError, match="speed"):
-        _check_plan(space, str(tmp_path), None, resume=True)
+        check_plan(space, str(tmp_path), None, resume=True)
 
 
 def test_a_sweep_resumes_from_another_checkout_of_the_same_files_but_not_from_another_base(tmp_path):
@@ -170,7 +169,8 @@ def test_a_sweep_resumes_from_another_checkout_of_the_same_files_but_not_from_an
     base at another path, the same settings) continues; a changed base is refused."""
     import shutil
 
-    from splitvit.tune.sweep import SweepError, _check_plan
+    from splitvit.tune.location import check_plan
+    from splitvit.tune.state import SweepError
 
     first, second = tmp_path / "first", tmp_path / "second"
     for checkout in (first, second):
@@ -179,14 +179,14 @@ def test_a_sweep_resumes_from_another_checkout_of_the_same_files_but_not_from_an
     sweep_dir = tmp_path / "sweep"
     sweep_dir.mkdir()
     started = load_space(first / "search_spaces" / "smoke.yaml")
-    _check_plan(started, str(sweep_dir), None, resume=False)
+    check_plan(started, str(sweep_dir), None, resume=False)
     moved = load_space(second / "search_spaces" / "smoke.yaml")
     assert moved.base != started.base
-    assert _check_plan(moved, str(sweep_dir), None, resume=True) is moved
+    assert check_plan(moved, str(sweep_dir), None, resume=True) is moved
     base = Path(moved.base)
     base.write_text(base.read_text().replace("seed: 0", "seed: 7", 1))
     with pytest.raises(SweepError, match=r"differs .* \(in base\)"):
-        _check_plan(load_space(second / "search_spaces" / "smoke.yaml"), str(sweep_dir), None, resume=True)
+        check_plan(load_space(second / "search_spaces" / "smoke.yaml"), str(sweep_dir), None, resume=True)
 
 
 def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(tmp_path):
@@ -209,7 +209,7 @@ def test_a_budget_conditioned_point_is_timed_at_the_budget_it_was_evaluated_at(t
         threshold = sum(means) / 2
         expected = [float(model(images, thresholds=[threshold], budget=b).tokens.float().mean()) for b in budgets]
     assert expected[0] != expected[1]
-    points = [{"checkpoint": str(folder), "thresholds": [threshold], "budget": b, "label": f"b{b}"} for b in budgets]
+    points = [OperatingPoint(str(folder), [threshold], budget=b, label=f"b{b}") for b in budgets]
     rows = time_operating_points(points, batch_size=8, rounds=1, warmup=0).points
     assert [r.budget for r in rows] == list(budgets)
     assert [r.tokens_per_image for r in rows] == pytest.approx(expected)
@@ -250,18 +250,19 @@ def test_stage_two_calibrates_every_checkpoint_to_the_ratios_asked_for(tmp_path)
         ratios=[0.3, 0.9],
         calibration_samples=16,
     )
-    assert len(rows) == 4 and [r.get("target_ratio") for r in rows] == [0.3, 0.9, None, None]
+    assert len(rows) == 4 and [r.target_ratio for r in rows] == [0.3, 0.9, None, None]
     evaluator = CheckpointEvaluator(folder, samples=16, cache=False)
     for row in rows[:2]:
-        thresholds = evaluator.calibrate(evaluator.first_images(16), row["target_ratio"])
-        assert row["thresholds"] == pytest.approx(thresholds)
-        assert row["token_ratio"] == pytest.approx(evaluator.evaluate(thresholds)["token_ratio"])
-    assert rows[0]["token_ratio"] < rows[1]["token_ratio"]  # calibrated to 30% and to 90%
+        thresholds = evaluator.calibrate(evaluator.first_images(16), row.target_ratio)
+        assert row.thresholds == pytest.approx(thresholds)
+        assert row.token_ratio == pytest.approx(evaluator.evaluate(thresholds).token_ratio)
+    assert rows[0].token_ratio < rows[1].token_ratio  # calibrated to 30% and to 90%
     assert stage_two(folder, points=0, low=0.0, high=1.0, sampler="qmc", seed=0, samples=16) == []
 
 
 def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes(tmp_path):
-    from splitvit.tune.sweep import PLAN_FILE, SweepError, _check_plan
+    from splitvit.tune.location import PLAN_FILE, check_plan
+    from splitvit.tune.state import SweepError
 
     with pytest.raises(SearchSpaceError) as err:
         load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5,0]"])
@@ -270,7 +271,7 @@ def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes
     saved = json.loads(json.dumps({k: v for k, v in space.to_dict().items() if k != "source"}, default=str))
     del saved["stage_two"]["ratios"]  # as a sweep started before the key existed stored it
     (tmp_path / PLAN_FILE).write_text(json.dumps({"space": saved, "overrides": [], "source": space.source}))
-    assert _check_plan(space, str(tmp_path), None, resume=True) is space
+    assert check_plan(space, str(tmp_path), None, resume=True) is space
     asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5]"])
     with pytest.raises(SweepError, match="stage_two"):
-        _check_plan(asked, str(tmp_path), None, resume=True)
+        check_plan(asked, str(tmp_path), None, resume=True)

@@ -17,7 +17,10 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from splitvit.config import DataConfig  # noqa: E402
+from splitvit.config import (
+    DataConfig,  # noqa: E402
+    PolicyConfig,
+)
 from splitvit.tune.mlflow_records import (  # noqa: E402
     ALIAS_TAG,
     EVAL_THROUGHPUT,
@@ -30,6 +33,7 @@ from splitvit.tune.mlflow_records import (  # noqa: E402
     frontier_view_key,
 )
 from splitvit.tune.pareto import Point, annotate, best_point, frontier  # noqa: E402
+from splitvit.tune.trial import TrialFinal  # noqa: E402
 
 DATA = DataConfig(name="synthetic", options={"train_samples": 64, "val_samples": 16, "object_size": 4})
 
@@ -40,12 +44,11 @@ def _tiny_model():
     torch.manual_seed(0)
     return SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(kind="learned", depth=1),
         levels=2,
-        policy="learned",
         image_size=16,
         num_classes=3,
         timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-        policy_depth=1,
     ).eval()
 
 
@@ -74,6 +77,7 @@ def _sweep(uri: str, root, name: str, figures: list[tuple[float, float]]) -> tup
         }
         trial = f"{name}-t{i}"
         recorder.trial_started(trial, run_uri, {"model.thresholds[0]": 0.4}, {}, data=DATA)
+        final = TrialFinal.from_report(final, "accuracy")
         run_id, (point_id,) = recorder.trial_completed(trial, run_uri, {"model.thresholds[0]": 0.4}, {}, final, DATA)
         points.append(Point(accuracy, tokens, tokens / 16, "trial", trial, [0.5, 0.5], run_id=run_id))
         points.append(
@@ -93,7 +97,7 @@ def _sweep(uri: str, root, name: str, figures: list[tuple[float, float]]) -> tup
 
 def _log_models(recorder: SweepRecorder, front: list[Point], best: Point | None) -> None:
     from splitvit.tracking import RunTracker
-    from splitvit.tune.sweep import _set_signature, model_name
+    from splitvit.tune.artifacts import _set_signature, model_name
 
     model = _tiny_model()
     for p in front:
@@ -226,7 +230,7 @@ def test_the_source_column_names_the_command_not_its_last_argument(argv, name, m
 
 def test_a_detectors_signature_names_its_detections():
     """A detector on SPLIT logs a signature too: its images in, an image's detections out."""
-    from splitvit.tune.sweep import model_signature
+    from splitvit.tune.artifacts import model_signature
     from tests.test_detection_model import tiny_detector
 
     signature = model_signature(tiny_detector().eval())

@@ -12,6 +12,14 @@ import timm
 import torch
 import torch.nn.functional as F
 
+from splitvit.config import (
+    BudgetConfig,
+    DistillConfig,
+    PolicyConfig,
+    PolicyTrainingConfig,
+    TeacherConfig,
+    build_dataclass,
+)
 from splitvit.model import GeometryError, QuadtreeGeometry, SplitViT, expected_tokens, token_counts, top_down_decisions
 from splitvit.model.policies import EntropyPolicy, PolicyContext
 from splitvit.train.losses import budget_penalty, distillation_loss, feature_distillation_loss
@@ -29,7 +37,7 @@ def tiny_vit(image_size: int = 32, patch_size: int = 4, **kwargs) -> timm.models
 
 def tiny_model(policy: str = "learned", image_size: int = 32, levels: int = 3, **kwargs) -> SplitViT:
     return SplitViT.from_timm(
-        tiny_vit(image_size), levels=levels, policy=policy, image_size=image_size, policy_depth=1, **kwargs
+        tiny_vit(image_size), policy=PolicyConfig(kind=policy, depth=1), levels=levels, image_size=image_size, **kwargs
     )
 
 
@@ -350,14 +358,16 @@ def test_bad_thresholds(thresholds, message):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(lambda_budget=-1.0), "lambda_budget must be >= 0, got -1.0"),
+        (dict(weight=-1.0), "weight must be >= 0, got -1.0"),
         (dict(target_ratio=0.0), "target_ratio must be in"),
-        (dict(penalty="linear"), "penalty must be one of"),
+        (dict(penalty="linear"), r"train\.budget\.penalty: must be one of squared, hinge"),
     ],
 )
 def test_bad_penalty_settings(kwargs, message):
+    """The budget section refuses a bad value as it is built (a name: its Literal type, as
+    the config builds it)."""
     with pytest.raises(ValueError, match=message):
-        SplitLossConfig(**kwargs)
+        build_dataclass(BudgetConfig, kwargs, "train.budget.") if "penalty" in kwargs else BudgetConfig(**kwargs)
 
 
 def test_unknown_policy_names_choices():
@@ -448,7 +458,7 @@ def test_model_normalises_its_inputs_with_timms_data_config(vit):
     dict, and the entropy policy still sees the raw [0, 1] pixels."""
     vit = vit().eval()
     config = timm.data.resolve_model_data_config(vit)
-    model = SplitViT.from_timm(vit, levels=2, policy="entropy", image_size=32, policy_depth=1).eval()
+    model = SplitViT.from_timm(vit, policy=PolicyConfig(kind="entropy", depth=1), levels=2, image_size=32).eval()
     assert model.data_config["mean"] == pytest.approx(config["mean"])
     assert model.data_config["std"] == pytest.approx(config["std"])
     assert model.data_config["interpolation"] == config["interpolation"] == "bicubic"
@@ -600,18 +610,18 @@ def _pair(policy: str, buckets: int = 1, vit_kwargs: dict | None = None, **kwarg
     """The same weights and policy module, packed and padded."""
     vit = tiny_vit(32, **(vit_kwargs or {}))
     packed_model = SplitViT(
-        vit, levels=3, policy=policy, image_size=32, policy_depth=1, length_buckets=buckets, **kwargs
+        vit, policy=PolicyConfig(kind=policy, depth=1), levels=3, image_size=32, length_buckets=buckets, **kwargs
     )
     padded = SplitViT(
         vit,
+        policy=packed_model.policy_config,
         levels=3,
-        policy=packed_model.policy,
         image_size=32,
-        policy_depth=1,
         length_buckets=buckets,
         attention="padded",
         **kwargs,
     )
+    padded.policy = packed_model.policy  # the same policy module: the same decisions
     padded.level_embed = packed_model.level_embed
     padded.dense_head = packed_model.dense_head
     return packed_model, padded
@@ -779,7 +789,9 @@ def test_policy_with_own_blocks_runs_none_of_the_vits_blocks_and_learns():
     shared ones (the cost that kept SPLIT from its ideal speed at ViT-B size)."""
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     shared = tiny_model("learned")  # policy_depth=1: one shared block
-    own = SplitViT.from_timm(tiny_vit(32), levels=3, policy="learned", image_size=32, policy_depth=2, policy_width=16)
+    own = SplitViT.from_timm(
+        tiny_vit(32), policy=PolicyConfig(kind="learned", depth=2, width=16), levels=3, image_size=32
+    )
     assert _count_block_calls(shared, lambda: shared.split_scores(images)) == 1
     assert _count_block_calls(own, lambda: own.split_scores(images)) == 0
     assert len(own.policy.blocks) == 2 and own.policy.blocks[0].attn.qkv.in_features == 16
@@ -799,17 +811,15 @@ def test_policy_with_own_blocks_runs_none_of_the_vits_blocks_and_learns():
 def test_policy_width_survives_save_and_load(tmp_path):
     model = SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(kind="learned", width=16, depth=1),
         levels=3,
-        policy="learned",
         image_size=32,
         num_classes=5,
         timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2),
-        policy_width=16,
-        policy_depth=1,
     ).eval()
     model.save(tmp_path / "m.pt")
     loaded = SplitViT.load(tmp_path / "m.pt").eval()
-    assert loaded.policy.own_blocks and loaded.policy_width == 16
+    assert loaded.policy.own_blocks and loaded.policy_config.width == 16
     images = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(model(images).logits, loaded(images).logits)
@@ -817,8 +827,8 @@ def test_policy_width_survives_save_and_load(tmp_path):
 
 @pytest.mark.parametrize("width", [0, 129])
 def test_bad_policy_width_names_it(width):
-    with pytest.raises(ValueError, match="policy_width"):
-        SplitViT.from_timm(tiny_vit(32), levels=3, policy="learned", image_size=32, policy_width=width)
+    with pytest.raises(ValueError, match=r"policy\.width must be a positive multiple"):
+        SplitViT.from_timm(tiny_vit(32), policy=PolicyConfig(kind="learned", width=width), levels=3, image_size=32)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -898,7 +908,7 @@ def test_teacher_runs_on_every_kth_policy_step_only(monkeypatch):
     calls = []
     relevance = model.relevance_and_logits
     monkeypatch.setattr(model, "relevance_and_logits", lambda *a, **k: calls.append(1) or relevance(*a, **k))
-    cfg = SplitLossConfig(warmup_epochs=0, teacher_every=3)
+    cfg = SplitLossConfig(policy=PolicyTrainingConfig(warmup_epochs=0), teacher=TeacherConfig(every=3))
     taught = []
     for step in range(6):
         model.zero_grad()
@@ -907,13 +917,13 @@ def test_teacher_runs_on_every_kth_policy_step_only(monkeypatch):
         taught.append("teacher_loss" in stats)
         assert sum(float(p.grad.abs().sum()) for p in model.policy.parameters() if p.grad is not None) > 0
     assert taught == [True, False, False, True, False, False] and len(calls) == 2
-    with pytest.raises(ValueError, match="teacher_every must be >= 1"):
-        SplitLossConfig(teacher_every=0)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        SplitLossConfig(teacher=TeacherConfig(every=0))
 
 
 @pytest.mark.parametrize("method", ["attention", "gradient"])
 def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
-    """``train.teacher_targets: nested``: the nodes of all levels ranked together by
+    """``train.teacher.targets: nested``: the nodes of all levels ranked together by
     relevance mass are a tree (nothing marked under an unmarked node) whose tokens are
     the target ratio's (``N_min + f (N_full - N_min)``) on every image. (Per-level marks
     rank each level alone; on these images their tree had 22-31 tokens where 34 were
@@ -941,9 +951,11 @@ def test_nested_teacher_targets_are_a_tree_that_meets_the_target_ratio(method):
         for m, n, p in zip(mixed, nested, per_level):
             assert torch.equal(m, (n.float() + p) / 2) and set(m.unique().tolist()) <= {0.0, 0.5, 1.0}
         assert any(not torch.equal(n.float(), p) for n, p in zip(nested, per_level))  # they differ here
-    with pytest.raises(ValueError, match="teacher_targets must be one of .*'mixed'.*, got 'joint'"):
-        SplitLossConfig(teacher_targets="joint")
-    with pytest.raises(ValueError, match="teacher_targets must be one of"):
+    with pytest.raises(
+        ValueError, match=r"train\.teacher\.targets: must be one of per_level, nested, mixed, got 'joint'"
+    ):
+        build_dataclass(TeacherConfig, {"targets": "joint"}, "train.teacher.")  # the name: its Literal type
+    with pytest.raises(ValueError, match="teacher.targets must be one of"):
         relevance_targets(relevance, 0.5, "joint")
 
 
@@ -967,7 +979,7 @@ def test_batch_scoped_teacher_marks_rank_every_images_nodes_together():
         assert [sum(float(m[i].sum()) for m in batch) for i in range(2)] == [20.0, 0.0]  # ... or busy has all
     nested = [m.bool() for m in relevance_targets(relevance, 0.5, "nested", "batch")]
     assert all(torch.equal(a, b) for a, b in zip(top_down_decisions(nested), nested))  # a tree per image
-    with pytest.raises(ValueError, match=r"teacher_scope must be one of \('image', 'batch'\), got 'canvas'"):
+    with pytest.raises(ValueError, match=r"teacher.scope must be one of \('image', 'batch'\), got 'canvas'"):
         relevance_targets(relevance, 0.5, "mixed", "canvas")
 
 
@@ -982,7 +994,10 @@ def test_the_training_step_teaches_with_the_configured_targets(monkeypatch, targ
     monkeypatch.setattr(
         losses, "relevance_targets", lambda r, f, kind, sc: marked.append((kind, sc)) or original(r, f, kind, sc)
     )
-    cfg = SplitLossConfig(warmup_epochs=0, teacher="attention", teacher_targets=targets, teacher_scope=scope)
+    cfg = SplitLossConfig(
+        policy=PolicyTrainingConfig(warmup_epochs=0),
+        teacher=TeacherConfig(kind="attention", targets=targets, scope=scope),
+    )
     _, stats = steps.training_step(tiny_model("learned").train(), torch.rand(4, 3, 32, 32), torch.arange(4), cfg, 0)
     assert marked == [(targets, scope)] and stats["teacher_loss"] > 0
 
@@ -1043,20 +1058,24 @@ def test_self_distillation_teaches_the_split_path_the_full_resolution_logits(mon
     monkeypatch.setattr(
         model, "forward", lambda *a, **k: passes.append(k.get("decisions") is not None) or forward(*a, **k)
     )
-    cfg = SplitLossConfig(warmup_epochs=0, teacher_every=2, distill_weight=1.0, distill_temperature=2.0)
+    cfg = SplitLossConfig(
+        policy=PolicyTrainingConfig(warmup_epochs=0),
+        teacher=TeacherConfig(every=2),
+        distill=DistillConfig(weight=1.0, temperature=2.0),
+    )
     _, taught = training_step(model, images, labels, cfg, epoch=0, step=0)
     assert "teacher_loss" in taught and taught["distill_loss"] > 0
     assert passes.count(False) == 1 and passes.count(True) == 1  # the policy's pass and the teacher's
     passes.clear()
     _, untaught = training_step(model, images, labels, cfg, epoch=0, step=1)
     assert "teacher_loss" not in untaught and untaught["distill_loss"] > 0 and passes == [False, True]
-    _, warm = training_step(model, images, labels, replace(cfg, warmup_epochs=1), epoch=0)
+    _, warm = training_step(model, images, labels, replace(cfg, policy=replace(cfg.policy, warmup_epochs=1)), epoch=0)
     assert "distill_loss" not in warm
     full = tiny_model("full").train()
     assert "distill_loss" not in training_step(full, images, labels, cfg, epoch=0)[1]
     # a fixed policy's split path is distilled too
     coarse = tiny_model("coarse").train()
-    loss, stats = training_step(coarse, images, labels, replace(cfg, teacher_weight=0.0), epoch=0)
+    loss, stats = training_step(coarse, images, labels, replace(cfg, teacher=replace(cfg.teacher, weight=0.0)), epoch=0)
     assert stats["distill_loss"] > 0 and loss.item() == pytest.approx(
         stats["task_loss"] + stats["distill_loss"], rel=1e-5
     )
@@ -1225,14 +1244,14 @@ def test_geometry_cache_is_per_model_and_lets_the_model_go():
 
 @pytest.mark.parametrize("teacher", ["gradient", "attention"])
 def test_the_policys_own_epochs_train_the_policy_alone(teacher):
-    """``train.policy_epochs``' step (:func:`policy_training_step`): the teacher's loss on
+    """``train.policy.epochs``' step (:func:`policy_training_step`): the teacher's loss on
     the policy's scores and nothing else, so every weight outside the policy gets no
     gradient and the policy's do."""
     from splitvit.train.steps import policy_training_step
 
     model = tiny_model("learned").train()
     images, labels = torch.rand(4, 3, 32, 32), torch.arange(4)
-    cfg = SplitLossConfig(teacher=teacher, teacher_weight=2.0, target_ratio=0.5)
+    cfg = SplitLossConfig(teacher=TeacherConfig(kind=teacher, weight=2.0), budget=BudgetConfig(target_ratio=0.5))
     loss, stats = policy_training_step(model, images, labels, cfg)
     assert set(stats) == {"teacher_loss", "loss"} and stats["loss"] == pytest.approx(2.0 * stats["teacher_loss"])
     loss.backward()
@@ -1255,7 +1274,7 @@ def test_the_schedule_restarts_its_cosine_for_the_policys_own_epochs():
 
 
 def test_the_policys_lead_epochs_run_their_own_cosine_and_shift_the_fine_tunes_schedule():
-    """``train.policy_lead_epochs``: a cosine from the peak over the lead's steps, then the
+    """``train.policy.lead_epochs``: a cosine from the peak over the lead's steps, then the
     fine-tune's warm-up and cosine exactly as without a lead, then the tail's."""
     from splitvit.train.phases import warmup_cosine
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitvit.config import ConfigError
+from splitvit.config import BudgetConfig, ConfigError, PolicyTrainingConfig, TeacherConfig
 from splitvit.model import SplitViT
 from splitvit.model.policies import LearnedPolicy, PolicyContext
 from splitvit.train.experiment import load_experiment
@@ -54,7 +54,7 @@ def test_a_finer_node_is_judged_beside_its_neighbours(width):
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     shuffled = shuffle_within_coarse_pixels(images, slice(0, 32), slice(16, 32), block=4)
     for level_context in (False, True):
-        model = tiny_model(policy_width=width, policy_level_context=level_context)
+        model = tiny_model(width=width, level_context=level_context)
         before, after = scores(model, images), scores(model, shuffled)
         # the coarse level saw the same tokens (up to the pooling's summation order)
         assert torch.allclose(before[0], after[0], rtol=0, atol=1e-6)
@@ -72,7 +72,7 @@ def test_level_context_uses_the_blocks_that_make_the_coarse_features():
     """Without blocks of its own, the policy's level-1 input is the ViT's first
     ``policy_depth`` blocks run on all level-1 nodes, what the coarse level gets from
     them on all coarse nodes (the same function, :meth:`SplitViT._context_features`)."""
-    model = tiny_model(policy_level_context=True).eval()
+    model = tiny_model(level_context=True).eval()
     images = torch.rand(2, 3, 32, 32)
     seen: list[PolicyContext] = []
     policy_forward = model.policy.forward
@@ -91,10 +91,10 @@ def test_level_context_uses_the_blocks_that_make_the_coarse_features():
 
 
 def test_level_context_survives_a_checkpoint(tmp_path):
-    model = tiny_model(policy_level_context=True)
+    model = tiny_model(level_context=True)
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.policy.level_context and loaded.spec["policy_level_context"] is True
+    assert loaded.policy.level_context and loaded.spec["policy"]["level_context"] is True
     images = torch.rand(2, 3, 32, 32)
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
     # other policies ignore it: the control fine-tuned from the same spec builds as ever
@@ -104,9 +104,13 @@ def test_level_context_survives_a_checkpoint(tmp_path):
 def test_a_training_step_with_level_context_trains_the_finer_level():
     """A SPLIT training step runs with the setting and its loss reaches the level-1
     head that now reads the contextual features."""
-    model = tiny_model(policy_level_context=True).train()
+    model = tiny_model(level_context=True).train()
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
-    cfg = SplitLossConfig(warmup_epochs=0, teacher_weight=1.0, target_ratio=0.5)
+    cfg = SplitLossConfig(
+        policy=PolicyTrainingConfig(warmup_epochs=0),
+        teacher=TeacherConfig(weight=1.0),
+        budget=BudgetConfig(target_ratio=0.5),
+    )
     loss, _ = training_step(model, images, labels, cfg, epoch=0)
     loss.backward()
     head = model.policy.heads[1][1].weight.grad
@@ -123,8 +127,8 @@ def test_bad_level_context_settings_name_the_problem():
     with pytest.raises(ValueError, match="level_features"):
         policy(torch.zeros(1, 3, 32, 32), None, context)
     with pytest.raises(ConfigError) as err:
-        load_experiment(SMOKE, ["model.levels=2", "model.image_size=32", "model.policy_level_context=true"])
-    assert err.value.key == "model.policy_level_context"
+        load_experiment(SMOKE, ["model.levels=2", "model.image_size=32", "model.policy.level_context=true"])
+    assert err.value.key == "model.policy.level_context"
     assert "needs model.levels >= 3" in str(err.value)
 
 
@@ -135,7 +139,7 @@ def test_policy_feature_grad_trains_the_blocks_its_features_come_from(level_cont
     the policy's own epochs train on, keeps it detached either way."""
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     for feature_grad in (False, True):
-        model = tiny_model(policy_level_context=level_context, policy_feature_grad=feature_grad).train()
+        model = tiny_model(level_context=level_context, feature_grad=feature_grad).train()
         assert model.policy.detach_features is not feature_grad
         block = model.vit.blocks[0].attn.qkv.weight
         head = model.policy.heads[1][1].weight
@@ -152,23 +156,23 @@ def test_policy_feature_grad_trains_the_blocks_its_features_come_from(level_cont
 
 
 def test_policy_feature_grad_is_a_model_setting_that_survives_a_checkpoint(tmp_path):
-    config = load_experiment(SMOKE, ["model.policy_feature_grad=true"])
-    assert config.model.policy_feature_grad is True
-    model = tiny_model(policy_feature_grad=True)
+    config = load_experiment(SMOKE, ["model.policy.feature_grad=true"])
+    assert config.model.policy.feature_grad is True
+    model = tiny_model(feature_grad=True)
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.spec["policy_feature_grad"] is True and loaded.policy.detach_features is False
+    assert loaded.spec["policy"]["feature_grad"] is True and loaded.policy.detach_features is False
     with pytest.raises(ConfigError) as err:
-        load_experiment(SMOKE, ["model.policy_feature_grad=maybe"])
-    assert err.value.key == "model.policy_feature_grad"
+        load_experiment(SMOKE, ["model.policy.feature_grad=maybe"])
+    assert err.value.key == "model.policy.feature_grad"
 
 
 def test_fine_evidence_adds_nothing_at_initialisation():
     """Its last layer starts at zero: a model given the setting scores as the same
     weights without it, so a fine-tune from a reference starts where the plain policy does."""
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
-    plain = tiny_model(policy_level_context=True)
-    model = tiny_model(policy_level_context=True, policy_fine_evidence=True)
+    plain = tiny_model(level_context=True)
+    model = tiny_model(level_context=True, fine_evidence=True)
     missing = model.load_state_dict(plain.state_dict(), strict=False).missing_keys
     assert missing and all(key.startswith("policy.evidence.") for key in missing)
     assert all(torch.equal(a, b) for a, b in zip(scores(plain, images), scores(model, images)))
@@ -204,9 +208,15 @@ def test_fine_evidence_raises_every_node_over_the_telling_patch():
 
 
 def test_fine_evidence_learns_and_survives_a_checkpoint(tmp_path):
-    model = tiny_model(policy_level_context=True, policy_fine_evidence=True).train()
+    model = tiny_model(level_context=True, fine_evidence=True).train()
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
-    loss, _ = training_step(model, images, labels, SplitLossConfig(warmup_epochs=0, target_ratio=0.5), epoch=0)
+    loss, _ = training_step(
+        model,
+        images,
+        labels,
+        SplitLossConfig(policy=PolicyTrainingConfig(warmup_epochs=0), budget=BudgetConfig(target_ratio=0.5)),
+        epoch=0,
+    )
     loss.backward()
     last = model.policy.evidence[-1].weight.grad
     assert last is not None and last.abs().sum() > 0
@@ -214,9 +224,9 @@ def test_fine_evidence_learns_and_survives_a_checkpoint(tmp_path):
         model.policy.evidence[-1].weight.normal_()  # as if trained: the evidence now counts
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.spec["policy_fine_evidence"] is True and loaded.policy.fine_evidence
+    assert loaded.spec["policy"]["fine_evidence"] is True and loaded.policy.fine_evidence
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
-    assert load_experiment(SMOKE, ["model.policy_fine_evidence=true"]).model.policy_fine_evidence is True
+    assert load_experiment(SMOKE, ["model.policy.fine_evidence=true"]).model.policy.fine_evidence is True
 
 
 @pytest.mark.parametrize("pooling", ["max", "soft"])
@@ -247,19 +257,19 @@ def test_evidence_pooling_is_checked_and_survives_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="evidence_pooling must be 'max' or 'soft', got 'mean'"):
         LearnedPolicy(8, 3, fine_evidence=True, evidence_pooling="mean")
     for overrides, problem in (
-        (["model.policy_evidence_pooling=mean"], "must be one of max, soft, got 'mean'"),
-        (["model.policy_evidence_pooling=soft"], "model.policy_fine_evidence is false"),
+        (["model.policy.evidence_pooling=mean"], "must be one of max, soft, got 'mean'"),
+        (["model.policy.evidence_pooling=soft"], "model.policy.fine_evidence is false"),
     ):
         with pytest.raises(ConfigError) as err:
             load_experiment(SMOKE, overrides)
-        assert err.value.key == "model.policy_evidence_pooling" and problem in str(err.value)
-    config = load_experiment(SMOKE, ["model.policy_fine_evidence=true", "model.policy_evidence_pooling=soft"])
-    assert config.model.policy_evidence_pooling == "soft"
-    model = tiny_model(policy_level_context=True, policy_fine_evidence=True, policy_evidence_pooling="soft")
+        assert err.value.key == "model.policy.evidence_pooling" and problem in str(err.value)
+    config = load_experiment(SMOKE, ["model.policy.fine_evidence=true", "model.policy.evidence_pooling=soft"])
+    assert config.model.policy.evidence_pooling == "soft"
+    model = tiny_model(level_context=True, fine_evidence=True, evidence_pooling="soft")
     with torch.no_grad():
         model.policy.evidence[-1].weight.normal_()  # as if trained: the pooling now matters
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.spec["policy_evidence_pooling"] == "soft" and loaded.policy.evidence_pooling == "soft"
+    assert loaded.spec["policy"]["evidence_pooling"] == "soft" and loaded.policy.evidence_pooling == "soft"
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))

@@ -41,7 +41,7 @@ TINY = [
     "model.timm_kwargs={patch_size: 4, embed_dim: 16, depth: 1, num_heads: 1}",
     "model.image_size=16",
     "model.levels=2",
-    "model.policy_depth=1",
+    "model.policy.depth=1",
     "data.options={train_samples: 32, val_samples: 16, object_size: 4}",
 ]
 

@@ -16,7 +16,7 @@ import yaml
 
 from splitvit import recipes
 from splitvit.cli import main
-from splitvit.config import ConfigError, ExperimentConfig, Layer, load_config, resolve_config
+from splitvit.config import ConfigError, ExperimentConfig, Layer, load_config, resolve_config, upgrade_flat
 from splitvit.recipes import load_recipe, recipe_names
 from splitvit.study.spec import load_study
 
@@ -34,8 +34,8 @@ LEARNED = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 2, "num_heads": 1},
         "image_size": 32,
         "levels": 3,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "storage": {"name": "recipes"},
 }
@@ -108,17 +108,17 @@ def test_recipe_files_are_installed_with_the_package(tmp_path):
 
 # ---------------------------------------------------------------------- the layering
 def test_a_learned_policy_gets_its_tasks_current_recipe_under_the_files_settings():
-    raw = {**LEARNED, "train": {"teacher_targets": "nested"}}
-    config = ExperimentConfig.from_dict(raw, ["train.teacher=gradient"], source="file x.yaml")
+    raw = {**LEARNED, "train": {"teacher": {"targets": "nested"}}}
+    config = ExperimentConfig.from_dict(raw, ["train.teacher.kind=gradient"], source="file x.yaml")
     recipe = load_recipe("classification")
     assert config.recipe == recipe.name == "classification-v1"
-    assert config.model.fine_aggregation and config.model.policy_level_context  # the recipe's
-    assert config.train.teacher_targets == "nested"  # the file's, over the recipe's mixed
-    assert config.train.teacher == "gradient"  # --set, over the recipe's attention
+    assert config.model.fine_aggregation and config.model.policy.level_context  # the recipe's
+    assert config.train.teacher.targets == "nested"  # the file's, over the recipe's mixed
+    assert config.train.teacher.kind == "gradient"  # --set, over the recipe's attention
     layers = config.layers
     assert layers["model.fine_aggregation"] == "recipe classification-v1"
-    assert layers["train.teacher_targets"] == "file x.yaml" and layers["model.levels"] == "file x.yaml"
-    assert layers["train.teacher"] == "--set" and layers["train.lr"] == "default"
+    assert layers["train.teacher.targets"] == "file x.yaml" and layers["model.levels"] == "file x.yaml"
+    assert layers["train.teacher.kind"] == "--set" and layers["train.lr"] == "default"
     # what to_dict writes reads back to the same config (a checkpoint's, a trial's)
     again = ExperimentConfig.from_dict(config.to_dict(redact=False))
     assert again == config and again.recipe == config.recipe
@@ -127,20 +127,20 @@ def test_a_learned_policy_gets_its_tasks_current_recipe_under_the_files_settings
 def test_recipe_none_gives_the_librarys_defaults_and_other_policies_take_no_recipe():
     plain = ExperimentConfig.from_dict({**LEARNED, "recipe": "none"})
     assert plain.recipe == "none" and _flat(plain) == _flat(ExperimentConfig.from_dict({**LEARNED}, ["recipe=none"]))
-    assert not plain.model.fine_aggregation and plain.train.teacher == "gradient"
-    assert not ExperimentConfig.from_dict({**LEARNED, "recipe": "none"}).model.policy_level_context
-    full = ExperimentConfig.from_dict({**LEARNED, "recipe": "classification-v1"}, ["model.policy=full"])
+    assert not plain.model.fine_aggregation and plain.train.teacher.kind == "gradient"
+    assert not ExperimentConfig.from_dict({**LEARNED, "recipe": "none"}).model.policy.level_context
+    full = ExperimentConfig.from_dict({**LEARNED, "recipe": "classification-v1"}, ["model.policy.kind=full"])
     assert full.recipe == "none" and not full.model.fine_aggregation  # the recipe is the learned policy's
     dense = ExperimentConfig.from_dict(LEARNED, ["model.task=dense", "model.num_classes=3"])
     assert dense.recipe == "dense-v1"
 
 
 def test_without_drops_a_recipe_key_and_must_name_one():
-    lever = Layer("method lever", {"train.target_ratio": 0.7}, without=("model.policy_level_context",))
+    lever = Layer("method lever", {"train.budget.target_ratio": 0.7}, without=("model.policy.level_context",))
     config = resolve_config([Layer("file", LEARNED, nested=True), lever])
-    assert config.recipe == "classification-v1" and config.train.target_ratio == 0.7
-    assert config.model.fine_aggregation and not config.model.policy_level_context
-    assert config.layers["model.policy_level_context"] == "default"
+    assert config.recipe == "classification-v1" and config.train.budget.target_ratio == 0.7
+    assert config.model.fine_aggregation and not config.model.policy.level_context
+    assert config.layers["model.policy.level_context"] == "default"
     with pytest.raises(ConfigError, match="without.train.lr: not a setting of recipe classification-v1"):
         resolve_config([Layer("file", LEARNED, nested=True), Layer("m", {}, without=("train.lr",))])
 
@@ -150,7 +150,7 @@ def test_a_key_the_recipe_set_that_cannot_hold_says_which_recipe_set_it():
         from splitvit.train.experiment import experiment_from_dict
 
         experiment_from_dict(LEARNED, ["model.levels=2"])
-    assert err.value.key == "model.policy_level_context"
+    assert err.value.key == "model.policy.level_context"
     assert "set by recipe classification-v1" in str(err.value) and "recipe: none" in str(err.value)
 
 
@@ -178,7 +178,7 @@ def test_a_new_version_never_changes_what_an_old_one_resolves_to(tmp_path, monke
     shutil.copytree(recipes.FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
     v2 = yaml.safe_load((folder / "classification-v1.yaml").read_text())
     v2.update(name="classification-v2", evidence=None)
-    v2["settings"] = {**v2["settings"], "train.teacher_every": 2}
+    v2["settings"] = {**v2["settings"], "train.teacher.every": 2}
     (folder / "classification-v2.yaml").write_text(yaml.safe_dump(v2))
     index = yaml.safe_load((folder / "index.yaml").read_text())
     index["current"]["classification"] = "classification-v2"
@@ -190,8 +190,8 @@ def test_a_new_version_never_changes_what_an_old_one_resolves_to(tmp_path, monke
     try:
         assert _flat(load_config(SMOKE)) == before  # a file that names v1 keeps v1
         newer = load_config(SMOKE, ["recipe=classification"])
-        assert newer.recipe == "classification-v2" and newer.train.teacher_every == 2
-        assert _flat(newer) == {**default_before, "train.teacher_every": 2}
+        assert newer.recipe == "classification-v2" and newer.train.teacher.every == 2
+        assert _flat(newer) == {**default_before, "train.teacher.every": 2}
         assert ExperimentConfig.from_dict(LEARNED).recipe == "classification-v2"  # the default moved
     finally:
         for cached in (recipes.current_recipes, recipes._load):
@@ -210,7 +210,8 @@ def test_each_study_headline_resolves_to_the_settings_its_committed_json_ran_wit
     defaults = _flat(ExperimentConfig())
     for seed, settings in expected["seeds"].items():
         now = _flat(spec.run_config(int(seed), method, "check", settings_only=True))
-        ran = {k: v for k, v in settings.items() if k != "recipe"}
+        # recorded before the keys were grouped: the old names read as the new ones
+        ran = upgrade_flat({k: v for k, v in settings.items() if k != "recipe"})
         gained = {k: defaults[k] for k in now.keys() - ran.keys() if k in defaults}
         assert now == {**gained, **ran}, (study, seed)
 
@@ -226,7 +227,7 @@ def test_no_study_entry_repeats_its_recipes_settings(study):
         recipe = entry.get("recipe")
         if recipe in (None, "none"):
             continue
-        settings = load_recipe(recipe).settings
+        settings = upgrade_flat(load_recipe(recipe).settings)  # a recipe keeps the names it was made with
         repeated = [k for k, v in entry.items() if k in settings and settings[k] == v]
         assert not repeated, f"{study}: {name} repeats {repeated} of {recipe}"
         assert all(k in settings for k in entry.get("without", [])), name
@@ -238,9 +239,9 @@ def test_splitvit_config_shows_a_study_runs_layers(tmp_path, capsys):
     argv = ["config", "--study", "studies/study_fashion_det.yaml", "--method", "split-0.5-objects-d2-ring8"]
     assert main([*argv, "--set", "train.lr=1e-4", "--json", str(out)]) == 0
     keys = json.loads(out.read_text())["keys"]
-    assert keys["train.teacher"] == {"value": "objects", "layer": "recipe detection-v1"}
-    assert keys["train.target_ratio"] == {"value": 0.5, "layer": "method split-0.5-objects-d2-ring8"}
-    assert keys["model.policy_fine_evidence"] == {"value": False, "layer": "default"}  # without:
+    assert keys["train.teacher.kind"] == {"value": "objects", "layer": "recipe detection-v1"}
+    assert keys["train.budget.target_ratio"] == {"value": 0.5, "layer": "method split-0.5-objects-d2-ring8"}
+    assert keys["model.policy.fine_evidence"] == {"value": False, "layer": "default"}  # without:
     assert keys["train.epochs"] == {"value": 15, "layer": "study method"}
     assert keys["model.image_size"]["layer"] == "study config"
     assert keys["model.task"]["layer"] == "file jobs/configs/fashion_det.yaml"
@@ -249,7 +250,7 @@ def test_splitvit_config_shows_a_study_runs_layers(tmp_path, capsys):
     capsys.readouterr()
     assert main(["config", "--study", "studies/study_fashion_det.yaml", "--method", "reference"]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("recipe: none (model.policy is full")
+    assert printed.startswith("recipe: none (model.policy.kind is full")
     assert main(["config", "--method", "full"]) == 2
 
 

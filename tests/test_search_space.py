@@ -25,8 +25,8 @@ TINY_BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 32,
         "levels": 3,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",
@@ -38,11 +38,11 @@ TINY_BASE = {
 VALID = {
     "base": "base.yaml",
     "parameters": {
-        "train.lambda_budget": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
-        "train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 0.8},
+        "train.budget.weight": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
+        "train.budget.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 0.8},
         "model.thresholds[1]": {"distribution": "uniform", "low": 0.3, "high": 0.7, "step": 0.1},
-        "train.warmup_epochs": {"distribution": "int", "low": 0, "high": 2},
-        "train.penalty": {"distribution": "categorical", "choices": ["squared", "hinge"]},
+        "train.policy.warmup_epochs": {"distribution": "int", "low": 0, "high": 2},
+        "train.budget.penalty": {"distribution": "categorical", "choices": ["squared", "hinge"]},
         "model.timm_kwargs": {
             "distribution": "categorical",
             "choices": [
@@ -84,9 +84,9 @@ STUDY_SUFFIX = {"classification": "", "dense": "_seg", "detection": "_det"}
 @pytest.mark.parametrize(
     "name,metric,searched",
     [
-        ("smoke", "accuracy", {"train.lambda_budget", "train.target_ratio", "train.lr"}),
+        ("smoke", "accuracy", {"train.budget.weight", "train.budget.target_ratio", "train.lr"}),
         *[
-            (name, metric, {"train.target_ratio", "train.lambda_budget", "train.lr", "train.epochs"})
+            (name, metric, {"train.budget.target_ratio", "train.budget.weight", "train.lr", "train.epochs"})
             for name, metric in (
                 ("classification_cpu", "accuracy"),
                 ("dense_cpu", "miou"),
@@ -97,25 +97,25 @@ STUDY_SUFFIX = {"classification": "", "dense": "_seg", "detection": "_det"}
             "classification",
             "accuracy",
             {
-                "train.lambda_budget",
-                "train.target_ratio",
+                "train.budget.weight",
+                "train.budget.target_ratio",
                 "model.thresholds[0]",
                 "model.thresholds[1]",
                 "train.lr",
                 "train.weight_decay",
                 "train.epochs",
-                "train.penalty",
+                "train.budget.penalty",
             },
         ),
         (
             "detection",
             "box_ap",
             {
-                "train.lambda_budget",
-                "train.target_ratio",
+                "train.budget.weight",
+                "train.budget.target_ratio",
                 "train.lr",
                 "train.epochs",
-                "train.teacher_every",
+                "train.teacher.every",
                 "model.fine_aggregation",
             },
         ),
@@ -123,14 +123,14 @@ STUDY_SUFFIX = {"classification": "", "dense": "_seg", "detection": "_det"}
             "dense",
             "miou",
             {
-                "train.lambda_budget",
-                "train.target_ratio",
+                "train.budget.weight",
+                "train.budget.target_ratio",
                 "model.thresholds[0]",
                 "model.thresholds[1]",
                 "train.lr",
                 "train.weight_decay",
                 "train.epochs",
-                "train.penalty",
+                "train.budget.penalty",
             },
         ),
     ],
@@ -142,7 +142,7 @@ def test_shipped_spaces_load(name, metric, searched):
     assert Path(space.base).is_file()
     # every shipped sweep fine-tunes from a reference, its baselines too, and ends on the test split
     assert space.reference.enabled and space.baselines.enabled and space.evaluation.split == "test"
-    assert space.config().train.warmup_epochs == 0  # trials start from a trained model
+    assert space.config().train.policy.warmup_epochs == 0  # trials start from a trained model
     if name == "smoke":
         # the demo: CPU-only, small, and the trial driver asks for a fraction of a CPU
         cfg = space.config()
@@ -161,21 +161,23 @@ def test_shipped_spaces_load(name, metric, searched):
 
 def test_a_point_of_the_space_becomes_a_config(tmp_path):
     space = load_space(write_space(tmp_path, VALID))
-    assert space.parameters["train.penalty"].encoded is False and space.parameters["model.timm_kwargs"].encoded
+    assert space.parameters["train.budget.penalty"].encoded is False and space.parameters["model.timm_kwargs"].encoded
     dists = space.optuna_space()
-    assert dists["train.lambda_budget"].log and dists["train.warmup_epochs"].low == 0
+    assert dists["train.budget.weight"].log and dists["train.policy.warmup_epochs"].low == 0
     assert dists["model.thresholds[1]"].step == pytest.approx(0.1)
     # Optuna stores mapping choices as JSON text; the config gets the mapping back
     sampled = {
-        "train.lambda_budget": 2.5,
-        "train.target_ratio": 0.3,
+        "train.budget.weight": 2.5,
+        "train.budget.target_ratio": 0.3,
         "model.thresholds[1]": 0.6,
-        "train.warmup_epochs": 1,
-        "train.penalty": "hinge",
+        "train.policy.warmup_epochs": 1,
+        "train.budget.penalty": "hinge",
         "model.timm_kwargs": dists["model.timm_kwargs"].choices[1],
     }
     cfg = space.config(space.decode(sampled))
-    assert cfg.train.lambda_budget == 2.5 and cfg.train.penalty == "hinge" and cfg.train.warmup_epochs == 1
+    assert (
+        cfg.train.budget.weight == 2.5 and cfg.train.budget.penalty == "hinge" and cfg.train.policy.warmup_epochs == 1
+    )
     assert cfg.model.thresholds == [0.5, 0.6]  # one number expanded per level, then level 1 set
     assert cfg.model.timm_kwargs["embed_dim"] == 32
     assert cfg.train.epochs == 2  # a fixed value passes through
@@ -194,10 +196,10 @@ def test_searching_one_threshold_level_fixes_the_others(tmp_path):
 def test_set_overrides_fix_config_values_and_change_settings(tmp_path):
     path = write_space(tmp_path, VALID)
     space = load_space(
-        path, ["search.num_samples=7", "stage_two.points=3", "train.lambda_budget=1.5", "train.epochs=1"]
+        path, ["search.num_samples=7", "stage_two.points=3", "train.budget.weight=1.5", "train.epochs=1"]
     )
     assert space.search.num_samples == 7 and space.stage_two.points == 3
-    assert "train.lambda_budget" not in space.parameters and space.fixed["train.lambda_budget"] == 1.5
+    assert "train.budget.weight" not in space.parameters and space.fixed["train.budget.weight"] == 1.5
     assert space.config().train.epochs == 1
     for item, message in (
         ("search.num_samplez=3", r"search\.num_samplez: unknown key; did you mean search\.num_samples\?$"),
@@ -229,7 +231,7 @@ def test_settings_are_typed_by_the_config_loader(tmp_path):
 
 
 # ---------------------------------------------------------------------- samplers and first points
-NUMERIC = {k: v for k, v in VALID["parameters"].items() if k not in ("train.penalty", "model.timm_kwargs")}
+NUMERIC = {k: v for k, v in VALID["parameters"].items() if k not in ("train.budget.penalty", "model.timm_kwargs")}
 
 
 @pytest.mark.parametrize(
@@ -256,7 +258,7 @@ def test_the_built_samplers_fit_the_budget(tmp_path):
     trials would be the whole of an 8-trial sweep); TPE is multivariate."""
     import optuna
 
-    from splitvit.tune.sweep import build_sampler
+    from splitvit.tune.search import build_sampler
 
     path = write_space(tmp_path, variant(parameters=NUMERIC))
     for trials, startup in ((4, 2), (8, 2), (24, 8), (64, 10)):
@@ -274,15 +276,15 @@ def test_the_config_own_point_is_evaluated_first(tmp_path, caplog):
     the sampler, and said so. ``initial_points: []`` evaluates none first."""
     from splitvit.tune.space import first_points
 
-    base = dict(TINY_BASE, train={"epochs": 1, "lambda_budget": 2.0, "target_ratio": 0.4, "penalty": "hinge"})
+    base = dict(TINY_BASE, train={"epochs": 1, "budget": {"weight": 2.0, "target_ratio": 0.4, "penalty": "hinge"}})
     path = write_space(tmp_path, VALID, base=base)
     space = load_space(path, settings_only=True)
     assert space.search.initial_points is None
     own = {
-        "train.lambda_budget": 2.0,
-        "train.target_ratio": 0.4,
-        "train.warmup_epochs": space.config().train.warmup_epochs,
-        "train.penalty": "hinge",
+        "train.budget.weight": 2.0,
+        "train.budget.target_ratio": 0.4,
+        "train.policy.warmup_epochs": space.config().train.policy.warmup_epochs,
+        "train.budget.penalty": "hinge",
         "model.timm_kwargs": TINY_BASE["model"]["timm_kwargs"],
     }
     with caplog.at_level(logging.INFO, logger="splitvit.tune.space"):
@@ -297,10 +299,14 @@ def test_the_config_own_point_is_evaluated_first(tmp_path, caplog):
         assert ("model.thresholds[1]" in first_points(space)[0]) is joins
     # a value outside its range is the sampler's too
     low = load_space(
-        write_space(tmp_path, VALID, base=dict(base, train=dict(base["train"], lambda_budget=50.0))),
+        write_space(
+            tmp_path,
+            VALID,
+            base=dict(base, train=dict(base["train"], budget=dict(base["train"]["budget"], weight=50.0))),
+        ),
         settings_only=True,
     )
-    assert "train.lambda_budget" not in first_points(low)[0] and "train.target_ratio" in first_points(low)[0]
+    assert "train.budget.weight" not in first_points(low)[0] and "train.budget.target_ratio" in first_points(low)[0]
     # initial_points: [] evaluates none first; given points come first as given
     assert first_points(load_space(write_space(tmp_path, variant(search={"initial_points": []})))) == []
     given = dict(own, **{"model.thresholds[1]": 0.6})
@@ -312,14 +318,14 @@ def test_the_config_own_point_is_evaluated_first(tmp_path, caplog):
 def test_the_searcher_asks_the_config_own_point_first(tmp_path):
     """The partial point (thresholds left to the sampler) is the first trial Optuna
     proposes through Tune's searcher, its missing values sampled in range."""
+    from splitvit.tune.search import build_searcher
     from splitvit.tune.space import first_points
-    from splitvit.tune.sweep import _searcher
 
-    base = dict(TINY_BASE, train={"epochs": 1, "lambda_budget": 2.0, "target_ratio": 0.4})
+    base = dict(TINY_BASE, train={"epochs": 1, "budget": {"weight": 2.0, "target_ratio": 0.4}})
     space = load_space(write_space(tmp_path, variant(parameters=NUMERIC), base=base), settings_only=True)
-    searcher = _searcher(space)
+    searcher = build_searcher(space)
     first = searcher.suggest("t0")
-    assert first["train.lambda_budget"] == 2.0 and first["train.target_ratio"] == 0.4
+    assert first["train.budget.weight"] == 2.0 and first["train.budget.target_ratio"] == 0.4
     assert space.parameters["model.thresholds[1]"].contains(first["model.thresholds[1]"])
     # a whole point goes through Tune's own points_to_evaluate
     full = dict(first_points(space)[0], **{"model.thresholds[1]": 0.5})
@@ -327,7 +333,7 @@ def test_the_searcher_asks_the_config_own_point_first(tmp_path):
         write_space(tmp_path, variant(parameters=NUMERIC, search={"initial_points": [full]}), base=base),
         settings_only=True,
     )
-    assert _searcher(space)._points_to_evaluate == [full]
+    assert build_searcher(space)._points_to_evaluate == [full]
 
 
 # ---------------------------------------------------------------------- invalid spaces
@@ -355,8 +361,9 @@ INVALID = [
     ),
     (
         "bound outside the config's range",
-        variant(**{"parameters/train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 1.5}}),
-        r"parameters\.train\.target_ratio: its high bound is not a valid config value: train\.target_ratio: .*\(0, 1\]",
+        variant(**{"parameters/train.budget.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 1.5}}),
+        r"parameters\.train\.budget\.target_ratio: its high bound is not a valid config value: "
+        r"train\.budget\.target_ratio: .*\(0, 1\]",
     ),
     (
         "threshold bound outside [0, 1]",
@@ -370,8 +377,10 @@ INVALID = [
     ),
     (
         "categorical choice the config rejects",
-        variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}),
-        r"parameters\.train\.penalty: choice 'linear' is not a valid config value",
+        variant(
+            **{"parameters/train.budget.penalty": {"distribution": "categorical", "choices": ["squared", "linear"]}}
+        ),
+        r"parameters\.train\.budget\.penalty: choice 'linear' is not a valid config value",
     ),
     (
         "loguniform from zero",
@@ -395,8 +404,8 @@ INVALID = [
     ),
     (
         "empty categorical",
-        variant(**{"parameters/train.penalty": {"distribution": "categorical", "choices": []}}),
-        r"parameters\.train\.penalty\.choices: a categorical parameter needs a non-empty list",
+        variant(**{"parameters/train.budget.penalty": {"distribution": "categorical", "choices": []}}),
+        r"parameters\.train\.budget\.penalty\.choices: a categorical parameter needs a non-empty list",
     ),
     ("unknown section", variant(searchh={"num_samples": 2}), r"searchh: unknown section; did you mean search\?"),
     ("missing base", {k: v for k, v in VALID.items() if k != "base"}, r"base: name the experiment config"),
@@ -405,7 +414,7 @@ INVALID = [
     (
         "bad fixed value",
         variant(**{"parameters/train.epochs": 0}),
-        r"parameters\.train\.epochs: train\.epochs: must be >= 1",
+        r"parameters\.train\.epochs: must be >= 1",  # the key once
     ),
     (
         "stage-two thresholds outside [0, 1]",
@@ -452,17 +461,17 @@ INVALID = [
             search={
                 "initial_points": [
                     {
-                        "train.lambda_budget": 50.0,
-                        "train.target_ratio": 0.5,
+                        "train.budget.weight": 50.0,
+                        "train.budget.target_ratio": 0.5,
                         "model.thresholds[1]": 0.5,
-                        "train.warmup_epochs": 1,
-                        "train.penalty": "squared",
+                        "train.policy.warmup_epochs": 1,
+                        "train.budget.penalty": "squared",
                         "model.timm_kwargs": VALID["parameters"]["model.timm_kwargs"]["choices"][0],
                     }
                 ]
             }
         ),
-        r"search\.initial_points\[0\]\.train\.lambda_budget: 50\.0 is outside loguniform\[0\.1, 10\.0\]",
+        r"search\.initial_points\[0\]\.train\.budget\.weight: 50\.0 is outside loguniform\[0\.1, 10\.0\]",
     ),
     (
         "reference point out of range",
@@ -486,8 +495,9 @@ INVALID = [
     ),
     (
         "choice only the model rejects",  # the space's points are fully validated, model included
-        variant(**{"parameters/model.policy": {"distribution": "categorical", "choices": ["learned", "smart"]}}),
-        r"parameters\.model\.policy: choice 'smart' is not a valid config value: model\.policy: unknown policy 'smart'",
+        variant(**{"parameters/model.policy.kind": {"distribution": "categorical", "choices": ["learned", "smart"]}}),
+        r"parameters\.model\.policy\.kind: choice 'smart' is not a valid config value: model\.policy\.kind: "
+        r"must be one of learned, entropy, random, full, coarse, got 'smart'",
     ),
 ]
 

@@ -14,6 +14,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from splitvit.bench.speed import FullTiming
 from splitvit.cli import main as cli
 from splitvit.config import ConfigError
 from splitvit.model import SplitViT
@@ -29,12 +30,12 @@ from splitvit.study.goals import (
     study_time,
 )
 from splitvit.study.report import lever_lines, reuse_phrase, summary_lines, training_pace_line
-from splitvit.study.runs import STUDY_RESULT_FILE, stale_runs, study_run
-from splitvit.study.spec import Goals, load_study
+from splitvit.study.runs import STUDY_RESULT_FILE, BackboneRun, MethodRun, RunRequest, stale_runs, study_run
+from splitvit.study.spec import Goals, StudyError, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
 from splitvit.train.checkpoints import init_weights
-from splitvit.tune.space import SearchSpaceError
-from splitvit.tune.speed import FullTiming
+from splitvit.train.points import EvaluatedPoint
+from splitvit.train.trial import TrainedRun
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jobs" / "configs" / "smoke.yaml"
@@ -110,12 +111,12 @@ def write_study(folder: Path, **changes) -> Path:
             "tracking.split_map_images": 0,
         },
         # the reference protocol: a full-resolution backbone, its convergence checked
-        "backbone": {"model.policy": "full", "train.epochs": 2},
+        "backbone": {"model.policy.kind": "full", "train.epochs": 2},
         "method": {"train.epochs": 1},
         "methods": {
-            "full": {"model.policy": "full"},
-            "entropy": {"model.policy": "entropy"},
-            "split": {"model.policy": "learned", "train.target_ratio": 0.3},
+            "full": {"model.policy.kind": "full"},
+            "entropy": {"model.policy.kind": "entropy"},
+            "split": {"model.policy.kind": "learned", "train.budget.target_ratio": 0.3},
         },
         "evaluation": {"split": "test", "samples": 64, "ratios": [0.25, 0.5], "calibration_samples": 32},
         "run": {"max_concurrent": 2, "trial_resources": {"CPU": 0.5}},
@@ -146,10 +147,14 @@ def write_study(folder: Path, **changes) -> Path:
         ({"colour": 1}, "colour", "unknown key"),
         ({"seeds": [0, 0]}, "seeds", "distinct"),
         ({"seeds": "zero"}, "seeds", "non-negative integers"),
-        ({"methods": {"full": {"model.policy": "full"}, "x": {"train.lr": 1.0}}}, "methods.x", "needs model.policy"),
-        ({"methods": {"split": {"model.policy": "learned"}}}, "methods", "model.policy: full"),
-        ({"levers": {"split-x": {"train.lr": 1.0}}}, "levers.split-x", "needs model.policy"),
-        ({"levers": {"split": {"model.policy": "learned"}}}, "levers.split", "also under methods"),
+        (
+            {"methods": {"full": {"model.policy.kind": "full"}, "x": {"train.lr": 1.0}}},
+            "methods.x",
+            "needs model.policy.kind",
+        ),
+        ({"methods": {"split": {"model.policy.kind": "learned"}}}, "methods", "model.policy.kind: full"),
+        ({"levers": {"split-x": {"train.lr": 1.0}}}, "levers.split-x", "needs model.policy.kind"),
+        ({"levers": {"split": {"model.policy.kind": "learned"}}}, "levers.split", "also under methods"),
         ({"levers": ["split-x"]}, "levers", "must be a mapping"),
         ({"evaluation": {"ratios": [0.5, 1.5]}}, "evaluation.ratios", "(0, 1]"),
         ({"base": "missing.yaml"}, "base", "not found"),
@@ -168,16 +173,19 @@ def write_study(folder: Path, **changes) -> Path:
     ],
 )
 def test_bad_study_files_are_named(tmp_path, change, key, message):
-    with pytest.raises(SearchSpaceError) as err:
+    with pytest.raises(StudyError) as err:
         load_study(write_study(tmp_path, **change))
     assert key in str(err.value) and message in str(err.value)
 
 
 def test_bad_config_in_a_method_names_the_key_before_ray_starts(tmp_path):
-    methods = {"full": {"model.policy": "full"}, "split": {"model.policy": "learned", "train.lambda_budget": -1}}
-    with pytest.raises(ConfigError, match="train.lambda_budget"):
+    methods = {
+        "full": {"model.policy.kind": "full"},
+        "split": {"model.policy.kind": "learned", "train.budget.weight": -1},
+    }
+    with pytest.raises(ConfigError, match="train.budget.weight"):
         load_study(write_study(tmp_path, methods=methods))
-    with pytest.raises(SearchSpaceError, match="no scale 'gpu'"):
+    with pytest.raises(StudyError, match="no scale 'gpu'"):
         load_study(write_study(tmp_path), scale="gpu")
     assert cli(["study", str(write_study(tmp_path)), "--set", "train.epochs=-2"]) == 2
 
@@ -186,13 +194,13 @@ def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
     path = write_study(tmp_path)
     spec = load_study(path, methods=["split", "full"])
     assert sorted(spec.methods) == ["full", "split"]  # the rest dropped
-    with pytest.raises(SearchSpaceError, match="no method 'splt'") as err:
+    with pytest.raises(StudyError, match="no method 'splt'") as err:
         load_study(path, methods=["full", "splt"])
     assert all(name in str(err.value).split("the file has")[1] for name in ("full", "entropy", "split"))
-    with pytest.raises(SearchSpaceError, match="model.policy: full"):
+    with pytest.raises(StudyError, match="model.policy.kind: full"):
         load_study(path, methods=["entropy", "split"])  # nothing left to compare against
     assert cli(["study", str(path), "--methods", "full,splt"]) == 2
-    with pytest.raises(SearchSpaceError, match="--methods names no method"):
+    with pytest.raises(StudyError, match="--methods names no method"):
         load_study(path, methods=[])  # not "every method": an empty list is a slip
     assert cli(["study", str(path), "--methods", " , "]) == 2
 
@@ -200,15 +208,15 @@ def test_methods_keeps_only_the_named_ones_and_names_a_wrong_one(tmp_path):
 def test_levers_run_only_when_named(tmp_path):
     """A plain study runs the headline (``methods``); a lever joins only when --methods
     names it, and a wrong name lists the levers too."""
-    path = write_study(tmp_path, levers={"split-kd": {"model.policy": "learned", "train.distill_weight": 1.0}})
+    path = write_study(tmp_path, levers={"split-kd": {"model.policy.kind": "learned", "train.distill.weight": 1.0}})
     assert sorted(load_study(path).methods) == ["entropy", "full", "split"]
     spec = load_study(path, methods=["split-kd", "full"])
     assert list(spec.methods) == ["full", "split-kd"]  # the file's order, headline first
-    assert spec.run_config(0, "split-kd", "x").train.distill_weight == 1.0
-    with pytest.raises(SearchSpaceError, match="no method 'split-k'") as err:
+    assert spec.run_config(0, "split-kd", "x").train.distill.weight == 1.0
+    with pytest.raises(StudyError, match="no method 'split-k'") as err:
         load_study(path, methods=["full", "split-k"])
     assert "split-kd" in str(err.value)
-    with pytest.raises(SearchSpaceError, match="model.policy: full"):
+    with pytest.raises(StudyError, match="model.policy.kind: full"):
         load_study(path, methods=["split-kd"])  # a lever still needs its control
 
 
@@ -225,9 +233,9 @@ def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
         spec = load_study(ROOT / "studies" / name)
         assert list(spec.methods) == ["full", "coarse", "entropy", "random", recipe_name]
         recipe = spec.run_config(0, recipe_name, "x")
-        assert recipe.model.fine_aggregation and recipe.train.teacher_targets == "mixed"
-        assert recipe.train.target_ratio == 0.5
-        assert recipe.model.policy_level_context == recipe_name.endswith("-ctx")
+        assert recipe.model.fine_aggregation and recipe.train.teacher.targets == "mixed"
+        assert recipe.train.budget.target_ratio == 0.5
+        assert recipe.model.policy.level_context == recipe_name.endswith("-ctx")
         assert {spec.run_config(0, m, "x").train.epochs for m in spec.methods} == {epochs}
         assert "split-0.7" in load_study(ROOT / "studies" / name, methods=["full", "split-0.7"]).methods
 
@@ -278,11 +286,11 @@ def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
     """A run interrupted mid-training resumes from its checkpoint when the study runs
     again: if the study file changed meanwhile, that would train on with the old
     settings, so the stale check names it like a finished one."""
-    from splitvit.tune.trial import TrialFailed
+    from splitvit.train.trial import TrialFailed
 
     class Interrupted:  # a trainer stopped before its run finished
         def train(self, config):
-            return {"status": "interrupted", "metrics": {}, "checkpoint": None, "message": "stopped"}
+            return TrainedRun("interrupted", {}, None, "stopped")
 
         def evaluate(self, config, fn, *args, **kwargs):
             raise AssertionError("an unfinished run is not evaluated")
@@ -293,7 +301,7 @@ def test_an_unfinished_run_started_with_other_settings_is_stale(tmp_path):
     backbone.parent.mkdir(parents=True)
     backbone.touch()  # the trainer never reads it
     with pytest.raises(TrialFailed, match="split-s0 interrupted"):
-        study_run(spec, storage, {"seed": 0, "method": "split"}, Interrupted(), backbones={0: str(backbone.parent)})
+        study_run(spec, storage, RunRequest(0, "split"), Interrupted(), backbones={0: str(backbone.parent)})
     assert stale_runs(spec, storage) == []  # the same settings: it resumes
     changed = load_study(write_study(tmp_path, method={"train.epochs": 3}))
     assert stale_runs(changed, storage) == ["split-s0 (unfinished; train.epochs)"]
@@ -309,17 +317,11 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
             self.evaluated = []
 
         def train(self, config):
-            return {
-                "status": "completed",
-                "metrics": {"accuracy": 0.5},
-                "checkpoint": "ckpt",
-                "message": "",
-                "history": [{"accuracy": 0.5}],
-            }
+            return TrainedRun("completed", {"accuracy": 0.5}, "ckpt", history=[{"accuracy": 0.5}])
 
         def evaluate(self, config, fn, *args, **kwargs):
             self.evaluated.append(kwargs["ratios"])
-            return [{"target_ratio": r, "quality": r} for r in kwargs["ratios"]]
+            return [evaluated_point(r, r, r, r) for r in kwargs["ratios"]]
 
     spec = load_study(write_study(tmp_path))
     storage = str(tmp_path / "study" / "train")
@@ -327,23 +329,23 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
     backbone.parent.mkdir(parents=True)
     backbone.touch()  # the trainer never reads it
     trainer = Recorded()
-    params = {"seed": 0, "method": "split"}
+    params = RunRequest(0, "split")
     first = study_run(spec, storage, params, trainer, backbones={0: str(backbone.parent)})
-    assert not first["reused"] and not first["reevaluated"] and trainer.evaluated == [[0.25, 0.5]]
-    assert study_run(spec, storage, params, trainer, backbones={0: str(backbone.parent)})["reevaluated"] is False
+    assert not first.reused and not first.reevaluated and trainer.evaluated == [[0.25, 0.5]]
+    assert study_run(spec, storage, params, trainer, backbones={0: str(backbone.parent)}).reevaluated is False
     assert trainer.evaluated == [[0.25, 0.5]]  # the same settings: the stored points
 
     evaluation = {"split": "test", "samples": 64, "ratios": [0.5, 0.7], "calibration_samples": 48}
     changed = load_study(write_study(tmp_path, evaluation=evaluation))
     assert stale_runs(changed, storage) == []
     again = study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)})
-    assert again["reused"] and again["reevaluated"] and trainer.evaluated[-1] == [0.5, 0.7]
-    assert [p["target_ratio"] for p in again["points"]] == [0.5, 0.7]
-    assert again["history"] == first["history"] and again["train_seconds"] == first["train_seconds"]
+    assert again.reused and again.reevaluated and trainer.evaluated[-1] == [0.5, 0.7]
+    assert [p.target_ratio for p in again.points] == [0.5, 0.7]
+    assert again.history == first.history and again.train_seconds == first.train_seconds
     stored = json.loads((Path(storage) / "split-s0" / STUDY_RESULT_FILE).read_text())
-    assert stored["evaluation"]["ratios"] == [0.5, 0.7] and stored["points"] == again["points"]
+    assert stored["evaluation"]["ratios"] == [0.5, 0.7] and stored["points"] == [p.to_dict() for p in again.points]
     assert "reevaluated" not in stored and "reused" not in stored
-    assert study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)})["reevaluated"] is False
+    assert study_run(changed, storage, params, trainer, backbones={0: str(backbone.parent)}).reevaluated is False
 
     class Gone(Recorded):  # the checkpoint was deleted since: the evaluation fails
         def evaluate(self, config, fn, *args, **kwargs):
@@ -355,7 +357,7 @@ def test_other_evaluation_settings_evaluate_a_finished_run_again_without_trainin
         study_run(other, storage, params, Gone(), backbones={0: str(backbone.parent)})
     assert (Path(storage) / "split-s0" / STUDY_RESULT_FILE).read_text() == stored_before  # nothing lost
     assert (
-        reuse_phrase([again, {"reused": True}, {"reused": False}]) == " (2 finished earlier, reused; 1 evaluated again)"
+        reuse_phrase([again, replace(first, reused=True), first]) == " (2 finished earlier, reused; 1 evaluated again)"
     )
     # a training setting still makes the run stale (it would mix settings in one table)
     assert stale_runs(load_study(write_study(tmp_path, method={"train.epochs": 3})), storage) == [
@@ -370,13 +372,13 @@ def test_a_setting_added_after_a_run_counts_as_its_default_there(tmp_path):
     spec = load_study(write_study(tmp_path))
     storage = tmp_path / "study" / "train"
     config = spec.run_config(0, "split", "split-s0", str(storage)).flat()
-    assert config.pop("model.policy_fine_evidence") is False  # as an older run stored it
+    assert config.pop("model.policy.fine_evidence") is False  # as an older run stored it
     run = storage / "split-s0"
     run.mkdir(parents=True)
     (run / "study_started.json").write_text(json.dumps({"config": config}, default=float))
     assert stale_runs(spec, str(storage)) == []
-    changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.policy_fine_evidence": True}))
-    assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.policy_fine_evidence)"]
+    changed = load_study(write_study(tmp_path, method={"train.epochs": 1, "model.policy.fine_evidence": True}))
+    assert stale_runs(changed, str(storage)) == ["split-s0 (unfinished; model.policy.fine_evidence)"]
 
 
 def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
@@ -385,7 +387,7 @@ def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
     another memory allocator; a learned run with another policy depth is not."""
     spec = load_study(write_study(tmp_path))
     storage = tmp_path / "study" / "train"
-    for method, key, value in (("full", "model.policy_depth", 3), ("full", "train.target_ratio", 0.4)):
+    for method, key, value in (("full", "model.policy.depth", 3), ("full", "train.budget.target_ratio", 0.4)):
         stored = {**spec.run_config(0, method, f"{method}-s0", str(storage)).flat(), key: value}
         stored.pop("recipe")  # runs made before recipes stored none
         (storage / f"{method}-s0").mkdir(parents=True, exist_ok=True)
@@ -395,9 +397,28 @@ def test_keys_a_run_never_reads_do_not_make_it_stale(tmp_path):
     (storage / "split-s0").mkdir()
     (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
     assert stale_runs(spec, str(storage)) == []  # the allocator sets the pace, not the result
-    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "model.policy_depth": 3}
+    stored = {**spec.run_config(0, "split", "split-s0", str(storage)).flat(), "model.policy.depth": 3}
     (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
-    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; model.policy_depth)"]
+    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; model.policy.depth)"]
+
+
+def test_a_run_stored_under_the_old_key_names_is_the_same_run(tmp_path):
+    """A run stored before the settings were grouped (``train.lambda_budget``,
+    ``model.policy: learned``...) compares with today's settings by the legacy map: not
+    stale while they agree, stale by the new key's name once one differs."""
+    from splitvit.config import legacy_flat
+
+    spec = load_study(write_study(tmp_path))
+    storage = tmp_path / "study" / "train"
+    now = spec.run_config(0, "split", "split-s0", str(storage)).flat()
+    stored = legacy_flat(now)
+    assert "train.lambda_budget" in stored and stored["model.policy"] == "learned"
+    (storage / "split-s0").mkdir(parents=True)
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == []
+    stored["train.lambda_budget"] = stored["train.lambda_budget"] + 1.0
+    (storage / "split-s0" / "study_started.json").write_text(json.dumps({"config": stored}, default=float))
+    assert stale_runs(spec, str(storage)) == ["split-s0 (unfinished; train.budget.weight)"]
 
 
 def test_shipped_studies_validate_at_every_scale():
@@ -410,7 +431,7 @@ def test_shipped_studies_validate_at_every_scale():
             config = spec.run_config(1, next(iter(spec.methods)), "x")
             assert config.data.seed == 1
             # the reference protocol: a full-resolution backbone whose convergence is checked
-            assert spec.run_config(0, None, "b").model.policy == "full" and spec.goals.converge_points == 0.3
+            assert spec.run_config(0, None, "b").model.policy.kind == "full" and spec.goals.converge_points == 0.3
             assert spec.goals.match_ratio == 0.7 and 0.8 in spec.ratios and 0.7 in spec.ratios
             assert spec.run_config(0, "full", "x").scaling.use_gpu == (scale is not None)  # GPU scales use GPUs
             assert spec.goals.max_minutes == (150 if scale is None else None)  # the 2-core machine's limit
@@ -430,22 +451,32 @@ def test_the_detection_studys_references_alone_validate_on_more_canvases():
 
 
 # ----------------------------------------------------------------- aggregation and goals
+def method_run(method, policy, seed, points=(), **optional) -> MethodRun:
+    """A finished method run: its ``points`` and ``optional`` fields; the rest placeholders."""
+    where = f"/runs/{method}-s{seed}"
+    return MethodRun(seed, method, policy, where, {}, list(points), 0.0, 0.0, where, **optional)
+
+
+def backbone_run(seed=0, metrics=None, **optional) -> BackboneRun:
+    """A finished backbone: its ``metrics`` and ``optional`` fields; the rest placeholders."""
+    where = f"/runs/backbone-s{seed}"
+    return BackboneRun(seed, where, metrics or {}, 0.0, where, **optional)
+
+
+def evaluated_point(
+    target_ratio, quality, tokens_per_image, token_ratio, images_per_s=100.0, images=64, thresholds=None
+):
+    """What evaluate_points makes of one ratio (no task figures of its own)."""
+    return EvaluatedPoint(target_ratio, quality, tokens_per_image, token_ratio, images_per_s, images, thresholds, {})
+
+
 def run(method, policy, seed, points):
-    return {
-        "method": method,
-        "policy": policy,
-        "seed": seed,
-        "points": [
-            {
-                "target_ratio": r,
-                "quality": q,
-                "tokens_per_image": 64 * (t if r is None else r),
-                "token_ratio": t if r is None else r,
-                "images_per_s": 100.0,
-            }
-            for r, q, t in points
-        ],
-    }
+    return method_run(
+        method,
+        policy,
+        seed,
+        [evaluated_point(r, q, 64 * (t if r is None else r), t if r is None else r) for r, q, t in points],
+    )
 
 
 def test_aggregate_and_goals_are_computed_from_the_points():
@@ -509,8 +540,7 @@ def test_the_matched_point_quotes_the_points_timing_and_is_timed_alone_only_wher
         run("full", "full", 0, [(None, 0.90, 1.0)]),
         run("split", "learned", 0, [(0.25, 0.86, None), (0.5, 0.90, None)]),
     ]
-    for r in runs:
-        r["checkpoint"] = f"/runs/{r['method']}-s0"
+    assert [r.checkpoint for r in runs] == ["/runs/full-s0", "/runs/split-s0"]
     rows = aggregate(runs, "accuracy")
     full = FullTiming(
         key="full0",
@@ -579,7 +609,7 @@ def test_the_matched_point_quotes_the_points_timing_and_is_timed_alone_only_wher
 def test_the_fine_tune_pace_line_divides_each_methods_median_epoch_by_its_seeds_control():
     def trained(method, policy, seed, paces, reused=False):
         history = [{"epoch": i, "train_images_per_s": v} for i, v in enumerate(paces)]
-        return {"method": method, "policy": policy, "seed": seed, "history": history, "reused": reused}
+        return method_run(method, policy, seed, history=history, reused=reused)
 
     runs = [
         trained("full", "full", 0, [100.0, 300.0, 290.0]),  # median 290
@@ -587,18 +617,18 @@ def test_the_fine_tune_pace_line_divides_each_methods_median_epoch_by_its_seeds_
         trained("split", "learned", 0, [261.0, 250.0, 255.0]),  # median 255
         trained("split", "learned", 1, [220.0, 220.0, 230.0]),
         trained("coarse", "coarse", 0, [1000.0]),
-        {"method": "entropy", "policy": "entropy", "seed": 0, "history": []},  # no epochs: left out
+        method_run("entropy", "entropy", 0, history=[]),  # no epochs: left out
     ]
     # the policy's own epochs (no task loss: the policy alone, far faster) are not the fine-tune's pace
     phases = [{"train_images_per_s": 900.0}, {"train_images_per_s": 250.0, "train_task_loss": 1.0}]
     phases += [{"train_images_per_s": 270.0, "train_task_loss": 0.9}, {"train_images_per_s": 950.0}]
-    runs.append({"method": "lead", "policy": "learned", "seed": 0, "history": phases})
+    runs.append(method_run("lead", "learned", 0, history=phases))
     line = training_pace_line(runs)
     assert line.startswith("fine-tune pace vs full")
     # seed 1's control was trained by an earlier invocation: its ratio is starred
     assert "split 0.88x, 1.10x*; coarse 3.45x" in line and "entropy" not in line and "earlier invocation" in line
     assert "lead 0.90x" in line  # the median of 250 and 270 over 290
-    assert training_pace_line([r for r in runs if r["method"] != "full"]) is None  # no control
+    assert training_pace_line([r for r in runs if r.method != "full"]) is None  # no control
     assert training_pace_line(runs[:2]) is None  # nothing beside the control
     assert summary_lines(GoalVerdicts("accuracy"), None, [], None, runs)[-1] == line
 
@@ -629,6 +659,77 @@ def test_init_from_must_exist(tmp_path):
 
     with pytest.raises(ConfigError, match="model.init_from"):
         load_config(SMOKE, [f"model.init_from={tmp_path / 'nothing'}"])
+
+
+# ----------------------------------------------------------------- the study's one code path
+class _Fitted:
+    """A trainer that trains nothing: each run's checkpoint an empty ``model.pt``, its
+    figures made up; ``fail`` names a method whose training raises."""
+
+    def __init__(self, fail: str | None = None):
+        self.fail = fail
+
+    def train(self, config):
+        from splitvit.train.trial import TrainedRun
+
+        if config.storage.name.split("-s")[0] == self.fail:
+            raise RuntimeError(f"{config.storage.name} broke")
+        folder = Path(config.storage.resolved_path()) / config.storage.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.pt").touch()
+        history = [{"epoch": e, "accuracy": 0.8, "train_images_per_s": 100.0} for e in range(2)]
+        return TrainedRun("completed", history[-1], str(folder), history=history)
+
+    def evaluate(self, config, fn, *args, **kwargs):
+        ratios = kwargs["ratios"] or [None]  # full resolution: one point
+        return [
+            evaluated_point(r, 0.8, 64 * (r or 1.0), r or 1.0, thresholds=None if r is None else [0.5]) for r in ratios
+        ]
+
+
+def test_execute_study_carries_typed_runs_from_each_stage_to_the_json_and_reuses_them(tmp_path):
+    """The one code path, on the local executor, with a trainer that trains nothing: the
+    backbones' and method runs' records reach the result, a failed run its line, and the
+    JSON reads back; a second invocation reuses every finished run."""
+    from splitvit.study.execute import execute_study
+    from splitvit.study.local import LocalExecutor
+
+    spec = load_study(write_study(tmp_path, speed={"enabled": False}))
+    study_dir = str(tmp_path / "study")
+    result, backbones = execute_study(spec, LocalExecutor(_Fitted(fail="entropy")), name="s", study_dir=study_dir)
+    assert [type(b) for b in backbones] == [BackboneRun] and backbones[0].config is not None
+    assert sorted(r.method for r in result.runs) == ["full", "split"] and all(r.config is None for r in result.runs)
+    assert result.failed == ["entropy seed 0: RuntimeError('entropy-s0 broke')"]
+    assert result.goals.reference_converged.met and result.goals.study_time.reference_images_per_s == 100.0
+    data = json.loads(json.dumps(result.to_dict()))
+    assert all(set(r) == RUN_KEYS for r in data["runs"]) and StudyResult.from_dict(data).to_dict() == data
+    stored = json.loads((tmp_path / "study" / "train" / "split-s0" / STUDY_RESULT_FILE).read_text())
+    assert stored == {k: v for k, v in data["runs"][0].items() if k not in ("reused", "reevaluated")} | {
+        "config": stored["config"]
+    }
+
+    again, _ = execute_study(spec, LocalExecutor(_Fitted()), name="s", study_dir=study_dir)
+    reused = {r.method: (r.reused, r.reevaluated) for r in again.runs}
+    assert reused == {"full": (True, False), "split": (True, False), "entropy": (False, False)}
+    assert reuse_phrase(again.runs) == " (2 finished earlier, reused)" and not again.failed
+
+
+def test_a_local_run_whose_training_finished_is_read_back_not_trained(tmp_path):
+    """The local trainer's result of a run folder holding the model and its history:
+    the stored curve, steps and training time, nothing trained."""
+    from splitvit.study.local import fit_config_local
+    from splitvit.train.checkpoints import HISTORY_FILE, MODEL_FILE
+    from splitvit.train.trial import TrainedRun
+
+    config = load_study(write_study(tmp_path)).run_config(0, None, "backbone-s0")
+    folder = Path(config.storage.resolved_path()) / config.storage.name
+    folder.mkdir(parents=True)
+    (folder / MODEL_FILE).touch()  # never loaded
+    history = [{"epoch": 0, "accuracy": 0.5}, {"epoch": 1, "accuracy": 0.6}]
+    (folder / HISTORY_FILE).write_text(json.dumps({"history": history, "train_seconds": 12.5, "steps": 8}))
+    assert fit_config_local(config, "cpu") == TrainedRun(
+        "completed", history[-1], str(folder / MODEL_FILE), history=history, train_seconds=12.5, steps=8
+    )
 
 
 # ----------------------------------------------------------------- end to end
@@ -857,18 +958,18 @@ def test_tiny_study_end_to_end_and_rerun_reuses_every_run(
 def test_backbone_policy_and_method_warm_up_follow_the_study_file(tmp_path):
     """The backbone is the learned policy's warm-up unless the study names its policy;
     methods skip the warm-up unless the study gives them one."""
-    legacy = load_study(write_study(tmp_path, backbone={"train.epochs": 1, "train.warmup_epochs": 1}))
-    assert legacy.run_config(0, None, "b").model.policy == "learned"
-    assert legacy.run_config(0, None, "b").train.warmup_epochs == 1
-    assert legacy.run_config(0, "split", "m").train.warmup_epochs == 0
+    legacy = load_study(write_study(tmp_path, backbone={"train.epochs": 1, "train.policy.warmup_epochs": 1}))
+    assert legacy.run_config(0, None, "b").model.policy.kind == "learned"
+    assert legacy.run_config(0, None, "b").train.policy.warmup_epochs == 1
+    assert legacy.run_config(0, "split", "m").train.policy.warmup_epochs == 0
     methods = {
-        "full": {"model.policy": "full"},
-        "split": {"model.policy": "learned", "train.warmup_epochs": 1},
+        "full": {"model.policy.kind": "full"},
+        "split": {"model.policy.kind": "learned", "train.policy.warmup_epochs": 1},
     }
     spec = load_study(write_study(tmp_path, methods=methods))
-    assert spec.run_config(0, None, "b").model.policy == "full"
-    assert spec.run_config(0, "split", "m").train.warmup_epochs == 1
-    assert spec.run_config(0, "full", "m").train.warmup_epochs == 0
+    assert spec.run_config(0, None, "b").model.policy.kind == "full"
+    assert spec.run_config(0, "split", "m").train.policy.warmup_epochs == 1
+    assert spec.run_config(0, "full", "m").train.policy.warmup_epochs == 0
 
 
 def test_reference_convergence_is_read_from_each_backbones_curve():
@@ -876,7 +977,7 @@ def test_reference_convergence_is_read_from_each_backbones_curve():
     flat = [{"accuracy": a} for a in (0.50, 0.70, 0.801, 0.803, 0.802, 0.803)]
     rising = [{"accuracy": a} for a in (0.50, 0.60, 0.70, 0.75, 0.78, 0.80)]
     result = reference_convergence(
-        [{"seed": 0, "history": flat}, {"seed": 1, "history": rising}, {"seed": 2, "history": flat[:3]}],
+        [backbone_run(0, history=flat), backbone_run(1, history=rising), backbone_run(2, history=flat[:3])],
         goals,
         "accuracy",
     )
@@ -885,8 +986,8 @@ def test_reference_convergence_is_read_from_each_backbones_curve():
     assert s1.gain_points == pytest.approx(10.0) and not s1.met
     assert s2.gain_points is None and not s2.met and s2.epochs == 3  # too short to tell
     assert s0.curve == [h["accuracy"] for h in flat] and not result.met
-    assert reference_convergence([{"seed": 0, "history": flat}], goals, "accuracy").met
-    assert reference_convergence([{"seed": 0, "history": flat}], Goals(), "accuracy") is None  # no such goal
+    assert reference_convergence([backbone_run(0, history=flat)], goals, "accuracy").met
+    assert reference_convergence([backbone_run(0, history=flat)], Goals(), "accuracy") is None  # no such goal
     lines = summary_lines(GoalVerdicts("accuracy", reference_converged=result), None, [])
     line = next(line for line in lines if "reference" in line)
     assert "seed 0 +0.20" in line and "seed 1 +10.00" in line and "seed 2 n/a (3 epochs)" in line
@@ -899,7 +1000,7 @@ def time_line(timed) -> str:
 
 
 def test_study_time_has_a_verdict_only_for_a_study_run_from_the_start():
-    backbones = [{"metrics": {"train_images_per_s": 300.0}}, {"metrics": {"train_images_per_s": 340.0}}]
+    backbones = [backbone_run(0, {"train_images_per_s": 300.0}), backbone_run(1, {"train_images_per_s": 340.0})]
     goals = Goals(max_minutes=150)
     fast = study_time(104.5 * 60, backbones, 12, goals)
     assert fast.met and fast.minutes == pytest.approx(104.5) and fast.reference_images_per_s == 320.0
@@ -909,7 +1010,7 @@ def test_study_time_has_a_verdict_only_for_a_study_run_from_the_start():
     slow = study_time(166 * 60, backbones, 12, goals)
     assert not slow.met and time_line(slow).endswith("MISSED")
     # a part of a study: runs begun earlier, borrowed references or failed runs leave it untimed
-    reused = [{**b, "reused": True} for b in backbones]  # finished earlier, or borrowed
+    reused = [replace(b, reused=True) for b in backbones]  # finished earlier, or borrowed
     part = study_time(20 * 60, reused, 12, goals, begun=["backbone-s0", "full-s0"], failed=1)
     assert "met" not in part.to_dict() and part.begun_earlier == ["backbone-s0", "full-s0"]
     assert part.reference_images_per_s is None  # a reference of an earlier invocation: not this one's pace
@@ -967,8 +1068,8 @@ def test_a_point_counts_at_a_share_it_exceeds_only_within_the_tolerance():
         run("full", "full", 0, [(None, 0.90, 1.0)]),
         run("split", "learned", 0, [(0.4, 0.80, None), (0.5, 0.88, None), (0.7, 0.899, None)]),
     ]
-    results[1]["points"][1]["token_ratio"] = 0.5003
-    results[1]["points"][2]["token_ratio"] = 0.711
+    points = results[1].points
+    points[1:] = [replace(points[1], token_ratio=0.5003), replace(points[2], token_ratio=0.711)]
     rows = aggregate(results, "accuracy")
     goals = check_goals(rows, Goals(match_ratio=0.5, also_match_at=(0.7,)), "accuracy")
     assert goals.match.target_ratio == 0.5 and goals.match.ratio_tolerance == 0.005
@@ -1012,7 +1113,7 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
 
     from splitvit.errors import Interrupted
     from splitvit.study.ray_executor import _tune_grid
-    from splitvit.tune.console import RAY_TUNE_LOGGER
+    from splitvit.train.console import RAY_TUNE_LOGGER
 
     spec = load_study(write_study(tmp_path))
     driver = os.getpid()
@@ -1048,7 +1149,7 @@ def test_a_grid_returns_each_runs_result_in_order_and_a_failed_run_as_its_causes
     from ray import tune
 
     from splitvit.study.ray_executor import RUN_KEY, _tune_grid
-    from splitvit.tune.trial import TrialFailed
+    from splitvit.train.trial import TrialFailed
 
     spec = load_study(write_study(tmp_path))
 

@@ -93,7 +93,7 @@ def test_local_study_runs_the_study_path_end_to_end(local_study):
         # every method started from the seed's backbone, and its stored result says so
         stored = json.loads((Path(run["run_uri"]) / STUDY_RESULT_FILE).read_text())
         assert stored["config"]["model.init_from"] == backbone["checkpoint"]
-        assert stored["config"]["data.seed"] == 0 and stored["config"]["train.warmup_epochs"] == 0
+        assert stored["config"]["data.seed"] == 0 and stored["config"]["train.policy.warmup_epochs"] == 0
     assert (out / "study.png").is_file()
 
 
@@ -106,7 +106,7 @@ def test_second_invocation_through_the_command_line_reuses_every_finished_run(
     assert len(checkpoints) == 4  # the backbone and three methods
     # the same study with one more method, in a pool of two processes: only the new run trains (in the pool);
     # recorded in MLflow this time
-    methods = {**yaml.safe_load(path.read_text())["methods"], "random": {"model.policy": "random"}}
+    methods = {**yaml.safe_load(path.read_text())["methods"], "random": {"model.policy.kind": "random"}}
     more = tiny_study(tmp_path, methods=methods, mlflow={"experiment": "study-local"})
     result = tmp_path / "again.json"
     assert (

@@ -46,13 +46,13 @@ def test_fit_config_local_trains_a_detectors_policy_lead_fine_tune_and_policy_ep
         CONFIG,
         [
             *overrides,
-            "model.policy=learned",
-            "train.policy_lead_epochs=1",
+            "model.policy.kind=learned",
+            "train.policy.lead_epochs=1",
             "train.epochs=1",
-            "train.policy_epochs=1",
-            "train.warmup_epochs=0",  # the fine-tune's epoch trains the policy and the detector
-            "train.teacher=objects",
-            "train.policy_lr_scale=10.0",
+            "train.policy.epochs=1",
+            "train.policy.warmup_epochs=0",  # the fine-tune's epoch trains the policy and the detector
+            "train.teacher.kind=objects",
+            "train.policy.lr_scale=10.0",
             "train.lr_warmup_epochs=0.5",
             f"storage.path={tmp_path / 'runs'}",
             "storage.name=phases",
@@ -60,8 +60,8 @@ def test_fit_config_local_trains_a_detectors_policy_lead_fine_tune_and_policy_ep
     )
     starts: list[dict[str, torch.Tensor]] = []
     trained = fit_config_local(config, "cpu", epoch_hook=lambda epoch, model: starts.append(_snapshot(model)))
-    assert trained["status"] == "completed" and trained["steps"] == 3 * STEPS_PER_EPOCH
-    history = trained["history"]
+    assert trained.status == "completed" and trained.steps == 3 * STEPS_PER_EPOCH
+    history = trained.history
     assert [h["epoch"] for h in history] == [0, 1, 2] and len(starts) == 3
     lead, tuned, tail = history
     assert "train_task_loss" in tuned and all("train_task_loss" not in e for e in (lead, tail))
@@ -69,7 +69,7 @@ def test_fit_config_local_trains_a_detectors_policy_lead_fine_tune_and_policy_ep
     for epoch in history:  # validated as the Ray loop validates a detector
         assert 0.0 <= epoch["box_ap"] <= 1.0 and 0.0 <= epoch["mask_ap"] <= 1.0 and epoch["val_images"] == 4
 
-    final = torch.load(trained["checkpoint"], weights_only=False)["state_dict"]
+    final = torch.load(trained.checkpoint, weights_only=False)["state_dict"]
     ends = [*starts[1:], final]
     policy = {k for k in final if k.startswith("backbone.policy.")}
     assert policy

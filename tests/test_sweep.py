@@ -40,8 +40,8 @@ BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 16,
         "levels": 2,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",
@@ -50,19 +50,19 @@ BASE = {
     },
     # one epoch of random-split warm-up: a learning rate of 1e30 then gives a non-finite
     # loss (the diverged path; in the policy phase NaN split probabilities end the same way)
-    "train": {"epochs": 1, "warmup_epochs": 1, "lr": 0.002, "max_failures": 0},
+    "train": {"epochs": 1, "lr": 0.002, "max_failures": 0, "policy": {"warmup_epochs": 1}},
     # half a logical CPU per worker and a quarter per trial driver: the session's 4
     # logical CPUs run all five trials of a sweep at once (they mostly start processes)
     "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 0.5}},
     "tracking": {"split_map_images": 0},
 }
 GOOD = [
-    {"train.lambda_budget": 1.0, "model.thresholds[0]": 0.4, "train.lr": 0.002, "data.options.object_size": 4},
-    {"train.lambda_budget": 2.0, "model.thresholds[0]": 0.5, "train.lr": 0.003, "data.options.object_size": 4},
-    {"train.lambda_budget": 3.0, "model.thresholds[0]": 0.6, "train.lr": 0.001, "data.options.object_size": 4},
+    {"train.budget.weight": 1.0, "model.thresholds[0]": 0.4, "train.lr": 0.002, "data.options.object_size": 4},
+    {"train.budget.weight": 2.0, "model.thresholds[0]": 0.5, "train.lr": 0.003, "data.options.object_size": 4},
+    {"train.budget.weight": 3.0, "model.thresholds[0]": 0.6, "train.lr": 0.001, "data.options.object_size": 4},
 ]
-DIVERGES = {"train.lambda_budget": 1.0, "model.thresholds[0]": 0.5, "train.lr": 1.0e30, "data.options.object_size": 4}
-RAISES = {"train.lambda_budget": 1.0, "model.thresholds[0]": 0.5, "train.lr": 0.0025, "data.options.object_size": 64}
+DIVERGES = {"train.budget.weight": 1.0, "model.thresholds[0]": 0.5, "train.lr": 1.0e30, "data.options.object_size": 4}
+RAISES = {"train.budget.weight": 1.0, "model.thresholds[0]": 0.5, "train.lr": 0.0025, "data.options.object_size": 64}
 
 
 def write_space(folder: Path, mlflow_uri: str, experiment: str, points: list[dict], concurrent: int) -> Path:
@@ -74,7 +74,7 @@ def write_space(folder: Path, mlflow_uri: str, experiment: str, points: list[dic
     space = {
         "base": "base.yaml",
         "parameters": {
-            "train.lambda_budget": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
+            "train.budget.weight": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
             "model.thresholds[0]": {"distribution": "uniform", "low": 0.3, "high": 0.7},
             # the top of this range diverges, and a 64-pixel object does not fit a
             # 16-pixel image: both are here to make trials fail on purpose
@@ -234,7 +234,7 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     assert len(completed) == 3
     for trial_run in completed:
         assert trial_run.info.status == "FINISHED"
-        assert trial_run.data.params["sampled.train.lambda_budget"] in {"1.0", "2.0", "3.0"}
+        assert trial_run.data.params["sampled.train.budget.weight"] in {"1.0", "2.0", "3.0"}
         assert trial_run.data.params["train.epochs"] == "1"  # the whole trial config as params
         assert "tracking.enabled" not in trial_run.data.params  # the sweep tracks it: no "False" to mislead
         assert {"accuracy", "tokens_per_image", "token_ratio", "epoch"} <= set(trial_run.data.metrics)
@@ -258,7 +258,7 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     # every point's configuration: the base config plus its searched values
     assert data["base_config"]["train.epochs"] == 1 and data["base_config"]["tracking.experiment"]
     assert all(
-        set(p["params"]) == {"train.lambda_budget", "model.thresholds[0]", "train.lr", "data.options.object_size"}
+        set(p["params"]) == {"train.budget.weight", "model.thresholds[0]", "train.lr", "data.options.object_size"}
         for p in data["points"]
     )
 
@@ -384,7 +384,7 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     stored = yaml.safe_load(
         Path(client.download_artifacts(parent.info.run_id, "search_space.yaml", str(tmp_path))).read_text()
     )
-    assert set(stored["parameters"]) >= {"train.lambda_budget", "model.thresholds[0]", "train.lr"}
+    assert set(stored["parameters"]) >= {"train.budget.weight", "model.thresholds[0]", "train.lr"}
     assert stored["search"]["num_samples"] == 5
     # the base point's config, each key with its layer: this space's base file says recipe: none
     layers = json.loads(
@@ -395,7 +395,7 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     trial_layers = json.loads(
         Path(client.download_artifacts(trial_run.info.run_id, "config_layers.json", str(tmp_path))).read_text()
     )
-    assert trial_layers["keys"]["train.lambda_budget"]["layer"] == "sampled"
+    assert trial_layers["keys"]["train.budget.weight"]["layer"] == "sampled"
     note = parent.data.tags["mlflow.note.content"]
     assert f"Hypervolume {hv:.4g}" in note and f"`{best['trial_id']}`" in note
     assert f"runs/{parent.info.run_id}/artifacts/pareto.png" in note and logged[0] in note
@@ -621,7 +621,7 @@ def test_a_trial_trains_through_run_training(monkeypatch, tmp_path):
     from splitvit.config import ExperimentConfig
     from splitvit.train.checkpoints import write_history
     from splitvit.train.ray_trainer import TrainingError, TrainResult
-    from splitvit.tune.trial import TrialFailed, fit_trial
+    from splitvit.train.trial import TrainedRun, TrialFailed, fit_trial
 
     calls: list[dict] = []
     checkpoint = tmp_path / "t" / "checkpoint_epoch0000"
@@ -647,13 +647,13 @@ def test_a_trial_trains_through_run_training(monkeypatch, tmp_path):
     monkeypatch.setattr(tune_integration, "TuneReportCallback", TuneReportCallback)
     monkeypatch.setattr(ray_trainer, "run_training", fake_run_training)
     config = ExperimentConfig.from_dict(BASE, ["tracking.enabled=true"])
-    assert fit_trial(config) == {
-        "status": "diverged",
-        "metrics": {"accuracy": 0.5},
-        "checkpoint": str(checkpoint),
-        "message": "non-finite loss",
-        "history": [{"epoch": 0, "accuracy": 0.5}],  # the checkpoint's per-epoch figures
-    }
+    assert fit_trial(config) == TrainedRun(
+        status="diverged",
+        metrics={"accuracy": 0.5},
+        checkpoint=str(checkpoint),
+        message="non-finite loss",
+        history=[{"epoch": 0, "accuracy": 0.5}],  # the checkpoint's per-epoch figures
+    )
     assert [type(c) for c in calls[0]["callbacks"]] == [TuneReportCallback]
     assert calls[0]["tracking"] is False and config.tracking.enabled  # the trial's copy only: MLflow is the driver's
     with pytest.raises(TrialFailed, match="^training failed: boom$"):

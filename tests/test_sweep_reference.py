@@ -34,9 +34,9 @@ BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 16,
         "levels": 2,
-        "policy_depth": 1,
         "num_classes": 4,
         "thresholds": "auto",
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",
@@ -44,7 +44,7 @@ BASE = {
         "options": {"train_samples": 8192, "val_samples": 64, "test_samples": 64, "object_size": 4},
         "batch_size": 16,
     },
-    "train": {"epochs": 4, "warmup_epochs": 0, "lr": 0.003, "max_failures": 0},
+    "train": {"epochs": 4, "lr": 0.003, "max_failures": 0, "policy": {"warmup_epochs": 0}},
     "scaling": {"num_workers": 1, "resources_per_worker": {"CPU": 0.5}},
     "tracking": {"split_map_images": 0},
 }
@@ -62,8 +62,8 @@ def write_space(folder: Path, mlflow_uri: str) -> Path:
         "base": "base.yaml",
         "reference": {"train": {"train.epochs": 2, "train.lr": 0.003}},
         "parameters": {
-            "train.lambda_budget": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
-            "train.target_ratio": {"distribution": "uniform", "low": 0.3, "high": 0.7},
+            "train.budget.weight": {"distribution": "loguniform", "low": 0.5, "high": 4.0},
+            "train.budget.target_ratio": {"distribution": "uniform", "low": 0.3, "high": 0.7},
             "train.lr": FINE_TUNE_LR,
             "train.weight_decay": 0.0,
         },
@@ -230,7 +230,7 @@ def test_the_parent_run_links_its_reference_and_a_later_sweep_reuses_it(sweep):
     assert ref_run_id == data["reference"]["run_id"]
     ref_run = client.get_run(ref_run_id)
     assert ref_run.info.status == "FINISHED" and ref_run.info.experiment_id == parent.info.experiment_id
-    assert ref_run.data.params["model.policy"] == "full"
+    assert ref_run.data.params["model.policy.kind"] == "full"
     assert f"runs/{ref_run_id}" in parent.data.tags["mlflow.note.content"]
     assert parent.data.tags["splitvit.reference_checkpoint"] == data["reference"]["checkpoint"]
     baseline_runs = [

@@ -42,8 +42,8 @@ BASE = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 32,
         "levels": 3,
-        "policy_depth": 1,
         "num_classes": 4,
+        "policy": {"depth": 1},
     },
     "data": {
         "name": "synthetic",
@@ -53,11 +53,11 @@ BASE = {
     "train": {"epochs": 1, "lr": 0.002},
 }
 PARAMETERS = {
-    "train.lambda_budget": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
-    "train.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 0.8},
+    "train.budget.weight": {"distribution": "loguniform", "low": 0.1, "high": 10.0},
+    "train.budget.target_ratio": {"distribution": "uniform", "low": 0.2, "high": 0.8},
     "model.thresholds[1]": {"distribution": "uniform", "low": 0.3, "high": 0.7},
 }
-FIRST_POINT = {"train.lambda_budget": 2.0, "train.target_ratio": 0.4, "model.thresholds[1]": 0.45}
+FIRST_POINT = {"train.budget.weight": 2.0, "train.budget.target_ratio": 0.4, "model.thresholds[1]": 0.45}
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +298,7 @@ def test_a_trained_reference_is_full_resolution_without_a_recipe(folder, monkeyp
     assert base.recipe != "none" and base.model.fine_aggregation  # the trials' recipe
     config = reference_config(space, base.storage.resolved_path(), "the-sweep")
     assert config.recipe == "none"
-    assert config.model.policy == "full"
+    assert config.model.policy.kind == "full"
     assert config.model.fine_aggregation is False  # the library's default, not the recipe's
     assert (config.train.epochs, config.train.lr) == (4, 0.01)
     assert config.tracking.experiment == "the-sweep"
@@ -347,19 +347,19 @@ def test_every_trial_fine_tunes_from_the_reference(folder, checkpoint):
         baselines={"target_ratio": 0.35},
     )
     plan = SweepPlan(space=space, train_storage=str(folder / "sweep" / "train"), name="s", reference=checkpoint)
-    searched = plan.trial_config({"train.lambda_budget": 1.5, "train.target_ratio": 0.3}, "t1")
+    searched = plan.trial_config({"train.budget.weight": 1.5, "train.budget.target_ratio": 0.3}, "t1")
     assert searched.model.init_from == checkpoint
-    assert searched.train.lambda_budget == 1.5 and searched.model.policy == "learned"
+    assert searched.train.budget.weight == 1.5 and searched.model.policy.kind == "learned"
     assert searched.storage.run_uri() == str(folder / "sweep" / "train" / "t1")
     assert searched.tracking.enabled is False
     for policy in ("full", "entropy", "random"):
         config = plan.trial_config({BASELINE_KEY: policy}, f"b-{policy}")
         assert config.model.init_from == checkpoint
-        assert config.model.policy == policy
+        assert config.model.policy.kind == policy
         assert config.storage.run_uri() == str(folder / "sweep" / "train" / f"b-{policy}")
     # without a reference, trials start from the base config's own initialisation
     bare = SweepPlan(space=space, train_storage=str(folder / "sweep" / "train"), name="s")
-    assert bare.trial_config({"train.lambda_budget": 1.5}, "t2").model.init_from is None
+    assert bare.trial_config({"train.budget.weight": 1.5}, "t2").model.init_from is None
 
 
 def test_baseline_params_are_the_first_point_with_the_policy(folder, checkpoint):
@@ -370,23 +370,23 @@ def test_baseline_params_are_the_first_point_with_the_policy(folder, checkpoint)
         baselines={"target_ratio": 0.35},
     )
     plan = SweepPlan(space=space, train_storage=str(folder / "train"), name="s", reference=checkpoint)
-    assert plan.baseline_params("full") == {**FIRST_POINT, "model.policy": "full"}
+    assert plan.baseline_params("full") == {**FIRST_POINT, "model.policy.kind": "full"}
     for policy in ("entropy", "random"):
         params = plan.baseline_params(policy)
         assert params == {
             **FIRST_POINT,
-            "model.policy": policy,
-            "train.target_ratio": 0.35,
+            "model.policy.kind": policy,
+            "train.budget.target_ratio": 0.35,
             "model.thresholds": "auto",
         }
         config = plan.trial_config({BASELINE_KEY: policy}, policy)
-        assert config.train.target_ratio == 0.35 and config.model.thresholds == "auto"
+        assert config.train.budget.target_ratio == 0.35 and config.model.thresholds == "auto"
     full = plan.trial_config({BASELINE_KEY: "full"}, "full")
-    assert full.train.target_ratio == 0.4  # the first point's, not the baselines'
+    assert full.train.budget.target_ratio == 0.4  # the first point's, not the baselines'
     assert full.model.thresholds != "auto"
     # no initial points: the base config's own values
     plain = SweepPlan(space=make_space(folder, reference={"checkpoint": "/unused"}), train_storage="x", name="s")
-    assert plain.baseline_params("full") == {"model.policy": "full"}
+    assert plain.baseline_params("full") == {"model.policy.kind": "full"}
 
 
 # ---------------------------------------------------------------------- baselines first
@@ -605,15 +605,17 @@ def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, cap
     points keep their figures, and nothing raises."""
     from types import SimpleNamespace
 
-    import splitvit.tune.sweep as sweep_module
+    import splitvit.tune.frontier_eval as frontier_eval
+    from splitvit.train.points import EvaluatedPoint
     from splitvit.tune.pareto import Point
 
     def evaluate(config, fn, checkpoint, evaluations, **kwargs):
         if checkpoint == "no-test-split":
             raise ValueError("dataset coco has no split 'test'")
-        return [{"quality": 0.7, "tokens_per_image": 10.0, "token_ratio": 0.5} for _ in evaluations]
+        point = EvaluatedPoint(None, 0.7, 10.0, 0.5, images_per_s=100.0, images=8, thresholds=[0.5], metrics={})
+        return [point for _ in evaluations]
 
-    monkeypatch.setattr(sweep_module, "run_evaluation", evaluate)
+    monkeypatch.setattr(frontier_eval, "run_evaluation", evaluate)
     logged: list = []
     sweep = SimpleNamespace(
         space=SimpleNamespace(
@@ -628,8 +630,8 @@ def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, cap
     )
     good = Point(0.6, 10.0, 0.5, trial_id="a", checkpoint="ok", run_id="r1", thresholds=[0.5])
     bad = Point(0.5, 8.0, 0.4, trial_id="b", checkpoint="no-test-split", run_id="r2", thresholds=[0.6])
-    with caplog.at_level("WARNING", logger="splitvit.tune.sweep"):
-        sweep_module._evaluate_held_out(sweep, [good, bad], [], {})
+    with caplog.at_level("WARNING", logger="splitvit.tune.frontier_eval"):
+        frontier_eval.evaluate_held_out(sweep, [good, bad], [], {})
     assert good.extras["test_accuracy"] == 0.7 and "test_accuracy" not in bad.extras
     assert logged == [("r1", {"test_accuracy": 0.7, "test_tokens_per_image": 10.0, "test_token_ratio": 0.5})]
     assert "could not evaluate no-test-split on the test split" in caplog.text

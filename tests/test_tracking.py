@@ -17,7 +17,10 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from splitvit.config import ExperimentConfig  # noqa: E402
+from splitvit.config import (
+    ExperimentConfig,  # noqa: E402
+    PolicyConfig,
+)
 from splitvit.tracking import RunTracker  # noqa: E402
 
 SECRETS = ("AKIAEXAMPLESECRET", "s3cr3t-t0ken", "hunter2")
@@ -29,12 +32,11 @@ def _tiny_model(policy: str = "learned"):
     torch.manual_seed(0)
     return SplitViT.from_timm(
         "vit_tiny_patch16_224",
+        policy=PolicyConfig(kind=policy, depth=1),
         levels=2,
-        policy=policy,
         image_size=16,
         num_classes=3,
         timm_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
-        policy_depth=1,
     )
 
 

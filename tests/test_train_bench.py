@@ -149,9 +149,46 @@ def test_the_benchmark_config_takes_a_recipes_settings_only_when_named():
     from splitvit.config import ConfigError
 
     plain = benchmark_config(levels=3, teacher="attention")
-    assert plain.recipe == "none" and not plain.model.fine_aggregation and not plain.model.policy_level_context
+    assert plain.recipe == "none" and not plain.model.fine_aggregation and not plain.model.policy.level_context
     recipe = benchmark_config(levels=3, teacher="attention", recipe="classification-v1")
-    assert recipe.model.fine_aggregation and recipe.model.policy_level_context
-    assert recipe.train.teacher_targets == "mixed" and recipe.train.teacher == "attention"
+    assert recipe.model.fine_aggregation and recipe.model.policy.level_context
+    assert recipe.train.teacher.targets == "mixed" and recipe.train.teacher.kind == "attention"
     with pytest.raises(ConfigError, match="recipe"):
         benchmark_config(recipe="dense-v1")
+
+
+def test_part_bs_records_write_its_json_and_ray_counts_its_start_up_end_to_end():
+    """Part B's typed records without training: a round's runs under their kinds in the
+    order they ran, the plain run's saves and the whole epochs only where measured, and
+    the totals (Ray's end to end includes its start-up; its last epoch's end is unmarked)."""
+    from splitvit.bench.training import (
+        EpochFigures,
+        OverheadPair,
+        PlainRun,
+        RayRun,
+        _overhead_figures,
+        _steady,
+        _whole_epochs,
+    )
+
+    def epochs(save_s):
+        return [EpochFigures(e, 100, 2.0, 50.0, 3.0, save_s, 0.5, 0.4) for e in range(2)]
+
+    plain = PlainRun(epochs(0.1), 8.0, 1, None, 1.0)
+    ray = RayRun(epochs(None), 9.0, 1.0, 10.0, True, {"forced": False}, 1.5, 0.2)
+    _whole_epochs([{"epoch": e, "wall": 4.0 * e, "cpu": 3.0 * e} for e in range(3)], plain.epochs)
+    _whole_epochs([{"epoch": e, "wall": 5.0 * e, "cpu": 2.0 * e} for e in range(2)], ray.epochs)
+    plain.steady, ray.steady = _steady(plain.epochs, 1), _steady(ray.epochs, 1)
+    pair = OverheadPair(("ray", "plain"), plain, ray, 1.0)
+    data = pair.to_dict()
+    assert list(data) == ["order", "ray", "plain", "ratio"] and data["order"] == ["ray", "plain"]
+    assert data["plain"]["steady"] == {"epochs": [1], "images": 100, "train_s": 2.0, "images_per_s": 50.0}
+    whole = {"whole_epoch_s", "whole_epoch_cpu_s"}
+    assert [set(e) - set(data["ray"]["epochs"][1]) for e in data["plain"]["epochs"]] == [{"save_s", *whole}] * 2
+    assert whole <= set(data["ray"]["epochs"][0])  # the Ray run's last epoch has no end mark: only the first
+    figures = _overhead_figures([pair], skip_epochs=0).to_dict()
+    assert figures["plain"]["whole_epochs"] == figures["ray"]["whole_epochs"] == 1  # epoch 0, marked in both
+    assert figures["ratio_whole_epoch"] == pytest.approx(4.0 / 5.0)
+    assert figures["ratio_whole_epoch_cpu_time"] == pytest.approx(3.0 / 2.0)
+    assert figures["ratio_end_to_end"] == pytest.approx(8.0 / 10.0) and figures["ratio_steady"] == 1.0
+    assert json.loads(json.dumps(data)) == data

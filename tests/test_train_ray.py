@@ -37,16 +37,15 @@ TINY = {
         "timm_kwargs": {"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 1},
         "image_size": 16,
         "levels": 2,
-        "policy_depth": 1,
         "num_classes": 4,
-        "policy": "learned",
+        "policy": {"kind": "learned", "depth": 1},
     },
     "data": {
         "name": "synthetic",
         "options": {"train_samples": 64, "val_samples": 32, "object_size": 4},
         "batch_size": 16,
     },
-    "train": {"epochs": 2, "lr": 0.002, "warmup_epochs": 1, "max_failures": 2},
+    "train": {"epochs": 2, "lr": 0.002, "max_failures": 2, "policy": {"warmup_epochs": 1}},
     "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
     "tracking": {"experiment": "tests", "split_map_images": 4},
 }
@@ -112,16 +111,19 @@ class RecordPlacement:
 
 # ---------------------------------------------------------------------- pieces, without Ray
 def test_split_steps_phases_are_the_policys_lead_the_fine_tune_then_the_policys_tail():
-    """``SplitStep.for_config``: the ``train.policy_lead_epochs`` train the policy alone
+    """``SplitStep.for_config``: the ``train.policy.lead_epochs`` train the policy alone
     (the teacher's loss, no other weight's gradient), the fine-tune counts its epochs
     from the end of the lead (its first is ``warmup_epochs``' random splits, the policy
-    without gradient), and the ``train.policy_epochs`` after it are the policy's again."""
+    without gradient), and the ``train.policy.epochs`` after it are the policy's again."""
     from splitvit.train.ray_trainer import SplitStep
 
     cfg = ExperimentConfig.from_dict(
-        dict(json.loads(json.dumps(TINY)), train=dict(TINY["train"], policy_lead_epochs=1, policy_epochs=1))
+        dict(
+            json.loads(json.dumps(TINY)),
+            train=dict(TINY["train"], policy={**TINY["train"]["policy"], "lead_epochs": 1, "epochs": 1}),
+        )
     )
-    assert cfg.train.total_epochs == 4 and cfg.train.warmup_epochs == 1
+    assert cfg.train.total_epochs == 4 and cfg.train.policy.warmup_epochs == 1
     model = build_model(cfg.model)
     step = SplitStep.for_config(model, cfg.train)
     images, target = torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))
@@ -161,7 +163,7 @@ def test_split_step_trains_every_parameter_and_eval_figures_combine(task):
         loss, stats = step(images, target, epoch, torch.Generator().manual_seed(0))
         loss.backward()
         assert torch.isfinite(loss)
-        if epoch < cfg.train.warmup_epochs:
+        if epoch < cfg.train.policy.warmup_epochs:
             # warm-up leaves the policy without gradient: why DDP needs find_unused_parameters
             assert policy_weight.grad is None
         else:
@@ -270,7 +272,7 @@ def test_nan_in_the_model_is_a_divergence_not_a_crash(part, teacher_weight, mess
     classifier makes the loss non-finite."""
     from splitvit.train.ray_trainer import SplitStep
 
-    cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)), [f"train.teacher_weight={teacher_weight}"])
+    cfg = ExperimentConfig.from_dict(json.loads(json.dumps(TINY)), [f"train.teacher.weight={teacher_weight}"])
     model = build_model(cfg.model)
     PoisonAt(epoch=1, part=part)(1, 0, model)
     step = SplitStep(model, cfg.train.loss_config()).train()
@@ -298,7 +300,7 @@ def test_run_training_hands_its_callbacks_to_ray_train(monkeypatch, tmp_path):
             made.append(kwargs)
 
         def fit(self):
-            outcome = {"status": "completed", "metrics": {"accuracy": 0.5}, "message": ""}
+            outcome = ray_trainer.WorkerOutcome("completed", {"accuracy": 0.5})
             return SimpleNamespace(return_value=outcome, checkpoint=None, metrics={})
 
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)
@@ -412,8 +414,8 @@ def test_a_sweep_keeps_ray_worker_output_off_the_console_unless_verbose(fake_ray
     ``init_ray`` follows the process's level (INFO: ``-v``), as ``splitvit train``'s does."""
     import logging
 
+    from splitvit.train.console import ray_output_shown, show_ray_output
     from splitvit.train.ray_trainer import init_ray
-    from splitvit.tune.console import ray_output_shown, show_ray_output
 
     if env:
         monkeypatch.setenv("RAY_ADDRESS", env)
@@ -436,7 +438,7 @@ def test_a_study_keeps_ray_worker_output_its_epoch_lines_come_from(fake_ray_init
     """A study's runs train inside its Tune trials: their per-epoch lines reach the
     console only as Ray's forwarded worker output, so a study keeps it, -v or not."""
     from splitvit.study.ray_executor import TuneExecutor
-    from splitvit.tune.console import show_ray_output
+    from splitvit.train.console import show_ray_output
 
     for verbose in (False, True):
         show_ray_output(verbose)
@@ -529,7 +531,7 @@ def test_two_worker_fit_is_tracked_in_mlflow(trained):
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert params["train.epochs"] == "2" and params["scaling.num_workers"] == "2"
-    assert params["model.timm_kwargs.embed_dim"] == "16" and params["train.lambda_budget"] == "1.0"
+    assert params["model.timm_kwargs.embed_dim"] == "16" and params["train.budget.weight"] == "1.0"
     for key in ("accuracy", "tokens_per_image", "token_ratio", "images_per_s", "train_loss"):
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == [0, 1], key
@@ -627,7 +629,7 @@ def test_bad_input_errors_before_ray_and_keeps_earlier_results(trained, monkeypa
     run_before = client.get_run(trained["result"]["mlflow_run_id"])
     runs_before = len(client.search_runs([run_before.info.experiment_id]))
     for bad, message in (
-        ("train.lambda_budget=-1", "config error: train.lambda_budget: must be >= 0, got -1.0"),
+        ("train.budget.weight=-1", "config error: train.budget.weight: must be >= 0, got -1.0"),
         ("model.thresholds=[2.0]", "config error: model.thresholds: thresholds[0] = 2.0 is outside [0, 1]"),
         ("model.image_size=18", "config error: model.image_size: image size 18x18"),
     ):

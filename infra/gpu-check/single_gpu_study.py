@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     from splitvit.config import ConfigError
     from splitvit.study.local import load_local_study, plan_epochs, run_study_local
     from splitvit.study.spec import StudyError
-    from splitvit.tune.space import SearchSpaceError
 
     started = time.time()
     try:
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             tracking_uri=args.tracking_uri,
             started=started,
         )
-    except (ConfigError, SearchSpaceError, StudyError) as exc:  # the study cannot run as asked: say why
+    except (ConfigError, StudyError) as exc:  # the study cannot run as asked: say why
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -7,7 +7,7 @@ overrides (``train.epochs=3``, ``model.timm_kwargs.embed_dim=64``,
 settings alone can tell. Any problem raises :class:`ConfigError`, whose message
 names the key::
 
-    config error: train.lambda_budget: must be >= 0, got -1.0
+    config error: train.budget.weight: must be >= 0, got -1.0
 
 This module imports neither torch nor timm, the model nor the data. The checks that
 need them (the timm model, the policy, the quadtree geometry, the thresholds, a build
@@ -23,21 +23,24 @@ dotted-key setter (:func:`set_dotted`) are the ones search spaces use too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import time
 import types
 import typing
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from .jsontypes import JsonObject
 from .recipes import NO_RECIPE, RecipeError, current_recipes, load_recipe, resolve_name
 
 SECTIONS = ("model", "data", "train", "scaling", "storage", "tracking")
@@ -64,18 +67,36 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------- sections
-#: ``model.thresholds`` value that calibrates thresholds to ``train.target_ratio``.
+#: ``model.thresholds`` value that calibrates thresholds to ``train.budget.target_ratio``.
 AUTO_THRESHOLDS = "auto"
 #: Where ``auto`` thresholds stand until the first calibration.
 AUTO_THRESHOLD_START = 0.5
+#: The split policies (:mod:`splitvit.model.policies`), by ``model.policy.kind``.
+PolicyKind = Literal["learned", "entropy", "random", "full", "coarse"]
+#: How the learned policy's fine evidence pools a node's patches (``model.policy.evidence_pooling``).
+EvidencePooling = Literal["max", "soft"]
+#: ``model.task``: :class:`~splitvit.model.splitvit.SplitViT`'s tasks (a class per image,
+#: or a class per pixel), or ``detection`` (a :class:`~splitvit.model.detection.SplitDetector`).
+ModelTask = Literal["classification", "dense", "detection"]
+#: How the model normalises its inputs (``model.normalize``; ``input_data_config``'s ``normalize``).
+InputNormalization = Literal["auto", "timm", "none"]
 #: Budget penalties of the SPLIT objective (:func:`splitvit.train.losses.budget_penalty`).
-PENALTIES = ("squared", "hinge")
+Penalty = Literal["squared", "hinge"]
 #: The model's relevance signals that can teach the policy (``SplitViT.relevance``).
-TEACHERS = ("gradient", "attention", "objects")
+TeacherKind = Literal["gradient", "attention", "objects"]
 #: Which nodes the relevance teacher marks (:func:`splitvit.train.losses.relevance_targets`).
-TEACHER_TARGETS = ("per_level", "nested", "mixed")
+TeacherTargets = Literal["per_level", "nested", "mixed"]
 #: What the teacher's marks meet the target ratio over (:func:`splitvit.train.losses.relevance_targets`).
-TEACHER_SCOPES = ("image", "batch")
+TeacherScope = Literal["image", "batch"]
+#: The split each epoch validates on (``data.val_split``).
+ValSplit = Literal["val", "test"]
+#: How Ray places a run's workers (``scaling.placement_strategy``; Ray's placement group strategies).
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+PENALTIES = typing.get_args(Penalty)
+TEACHERS = typing.get_args(TeacherKind)
+TEACHER_TARGETS = typing.get_args(TeacherTargets)
+TEACHER_SCOPES = typing.get_args(TeacherScope)
 
 
 #: What each task is judged by; a task not named here (``classification``) by ``accuracy``.
@@ -101,6 +122,61 @@ def companion_metrics(task: str) -> tuple[str, ...]:
 
 
 @dataclass
+class PolicyConfig:
+    """The split policy (``model.policy``): which one, and the learned policy's shape.
+
+    Attributes:
+        kind: ``learned``, ``entropy``, ``random``, ``full`` or ``coarse``.
+        depth: ViT blocks the learned policy runs on the coarse tokens (with
+            ``width``: blocks of its own).
+        width: give the learned policy its own blocks of this width instead of
+            the ViT's first ones (``null``: share the ViT's): a policy that costs
+            little beside a wide ViT (see ``splitvit bench forward``).
+        level_context: the learned policy judges each finer level's nodes
+            after its blocks (``depth``) ran on all of that level's nodes
+            together, not from their patch embeddings alone (needs ``model.levels`` >= 3).
+        feature_grad: every gradient that reaches the learned policy's scores
+            in the training step (the relevance teacher's, the budget penalty's, the
+            task loss's through the split gates) also trains what its features come
+            from: the ViT's first ``depth`` blocks and the embeddings. Default
+            ``false``: its features are detached and only its own modules learn from
+            them. The policy's own epochs (``train.policy.epochs``) detach them either way.
+        fine_evidence: the learned policy also scores every node from the most
+            telling of the finest patches under it (a small MLP on the finest level's
+            embeddings, max-pooled to each level's grid, zero at initialisation): a
+            node with one patch on an item splits, as the oracle's rule has it.
+        evidence_pooling: how the fine evidence of the patches under a node
+            becomes the node's: ``max`` (the most telling patch's), or ``soft``, their
+            log-mean-exp (zero at initialisation as ``max`` is, tending to the max as the
+            scores part, but passing the gradient to every patch rather than to the
+            first of tied ones).
+        budget_conditioned: the learned policy is told the target token ratio (an
+            embedding of it joins its features), so one model serves every budget;
+            trained with ``train.budget.ratio_range``, evaluated at the ratio its
+            thresholds are calibrated to.
+
+    Raises ``ValueError`` for a value out of range (its message starts with the
+    field's name, which :func:`field_error` turns into the key).
+    """
+
+    kind: PolicyKind = "learned"
+    depth: int = 2
+    width: int | None = None
+    level_context: bool = False
+    feature_grad: bool = False
+    fine_evidence: bool = False
+    evidence_pooling: EvidencePooling = "max"
+    budget_conditioned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.evidence_pooling == "soft" and not self.fine_evidence:
+            raise ValueError(
+                "evidence_pooling pools the learned policy's fine evidence, but model.policy.fine_evidence "
+                "is false: set it true"
+            )
+
+
+@dataclass
 class ModelConfig:
     """The SplitViT to train (see :meth:`splitvit.model.SplitViT.from_timm`).
 
@@ -109,15 +185,10 @@ class ModelConfig:
         timm_kwargs: further ``timm.create_model`` arguments (``embed_dim``, ``depth``,
             ``num_heads``, ``patch_size``...); the ViT's patch size is the finest patch.
         levels: quadtree levels ``L``.
-        policy: ``learned``, ``entropy``, ``random``, ``full`` or ``coarse``.
-        policy_depth: ViT blocks the learned policy runs on the coarse tokens (with
-            ``policy_width``: blocks of its own).
-        policy_width: give the learned policy its own blocks of this width instead of
-            the ViT's first ones (``null``: share the ViT's): a policy that costs
-            little beside a wide ViT (see ``splitvit bench forward``).
+        policy: the split policy and the learned policy's shape (:class:`PolicyConfig`).
         thresholds: per-level split thresholds in ``[0, 1]`` (one number: every level),
             or ``auto``: after every epoch the thresholds are calibrated on validation
-            images so the model meets ``train.target_ratio`` (the checkpoint keeps them).
+            images so the model meets ``train.budget.target_ratio`` (the checkpoint keeps them).
         task: ``classification``, ``dense`` or ``detection`` (a
             :class:`~splitvit.model.detection.SplitDetector`: Mask R-CNN on the SplitViT,
             trained on a detection dataset, ``fashion-det`` or ``coco``).
@@ -135,32 +206,10 @@ class ModelConfig:
             pixels as they are), or ``auto``: ``timm`` for weights from timm
             (``pretrained`` or ``checkpoint_path``), ``none`` for a model trained from
             scratch. Saved with the checkpoint; ``init_from`` weights bring their own.
-        budget_conditioned: the learned policy is told the target token ratio (an
-            embedding of it joins its features), so one model serves every budget;
-            trained with ``train.target_ratio_range``, evaluated at the ratio its
-            thresholds are calibrated to.
         fine_aggregation: every coarse token also gets a zero-initialised aggregation
             of the finest patch embeddings it covers (APT's; see
             :class:`splitvit.model.aggregation.FineAggregation`): a model fine-tuned
             from a full-resolution reference keeps the reference's view of fine detail.
-        policy_level_context: the learned policy judges each finer level's nodes
-            after its blocks (``policy_depth``) ran on all of that level's nodes
-            together, not from their patch embeddings alone (needs ``levels`` >= 3).
-        policy_feature_grad: every gradient that reaches the learned policy's scores
-            in the training step (the relevance teacher's, the budget penalty's, the
-            task loss's through the split gates) also trains what its features come
-            from: the ViT's first ``policy_depth`` blocks and the embeddings. Default
-            ``false``: its features are detached and only its own modules learn from
-            them. The policy's own epochs (``train.policy_epochs``) detach them either way.
-        policy_fine_evidence: the learned policy also scores every node from the most
-            telling of the finest patches under it (a small MLP on the finest level's
-            embeddings, max-pooled to each level's grid, zero at initialisation): a
-            node with one patch on an item splits, as the oracle's rule has it.
-        policy_evidence_pooling: how the fine evidence of the patches under a node
-            becomes the node's: ``max`` (the most telling patch's), or ``soft``, their
-            log-mean-exp (zero at initialisation as ``max`` is, tending to the max as the
-            scores part, but passing the gradient to every patch rather than to the
-            first of tied ones).
         length_buckets: the padded attention path only (``attention='padded'`` or
             ``return_attention``): encode variable-length batches in this many length groups.
         init_from: start training from the weights of this splitvit checkpoint (a
@@ -173,23 +222,16 @@ class ModelConfig:
     name: str = "vit_tiny_patch16_224"
     timm_kwargs: dict[str, Any] = field(default_factory=dict)
     levels: int = 3
-    policy: str = "learned"
-    policy_depth: int = 2
-    policy_width: int | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     thresholds: float | list[float] | str = "auto"
-    task: str = "classification"
+    task: ModelTask = "classification"
     num_classes: int = 10
     detector: dict[str, Any] = field(default_factory=dict)
     image_size: int = 64
     pretrained: bool = False
     checkpoint_path: str | None = None
-    normalize: str = "auto"
-    budget_conditioned: bool = False
+    normalize: InputNormalization = "auto"
     fine_aggregation: bool = False
-    policy_level_context: bool = False
-    policy_feature_grad: bool = False
-    policy_fine_evidence: bool = False
-    policy_evidence_pooling: str = "max"
     length_buckets: int = 1
     init_from: str | None = None
 
@@ -219,24 +261,56 @@ class DataConfig:
     eval_batch_size: int | None = None
     num_workers: int = 0
     seed: int = 0
-    val_split: str = "val"
+    val_split: ValSplit = "val"
 
 
 @dataclass
-class SplitLossConfig:
-    """Hyper-parameters of the SPLIT objective (:func:`splitvit.train.steps.training_step`).
+class BudgetConfig:
+    """The token budget the learned policy trains to (``train.budget``).
 
     Attributes:
-        lambda_budget: weight of the token-budget penalty (>= 0).
         target_ratio: target tokens as a fraction of full resolution, in (0, 1].
+        weight: weight of the token-budget penalty (>= 0).
         penalty: ``squared`` (both sides) or ``hinge`` (over budget only).
-        teacher_weight: weight of the relevance-teacher loss on the policy (>= 0).
-        teacher: the relevance signal, ``gradient`` (the model's: gradient x input
+        ratio_range: budget-conditioned training: ``[low, high]`` in (0, 1]; each
+            batch draws its target ratio uniformly from it (the budget penalty and the
+            teacher's targets use it), and a budget-conditioned policy
+            (``model.policy.budget_conditioned``) is told it, so that one model serves every
+            budget. ``null``: every batch trains at ``target_ratio``.
+
+    Raises ``ValueError`` for a value out of range; its message starts with the
+    field's name, which :func:`field_error` turns into the key (``train.budget.weight``).
+    """
+
+    target_ratio: float = 0.5
+    weight: float = 1.0
+    penalty: Penalty = "squared"
+    ratio_range: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.weight >= 0:  # "not >=": NaN fails too
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+        if not 0.0 < self.target_ratio <= 1.0:
+            raise ValueError(f"target_ratio must be in (0, 1], got {self.target_ratio}")
+        if self.ratio_range is not None:
+            bounds = list(self.ratio_range)
+            if len(bounds) != 2 or not 0.0 < bounds[0] <= bounds[1] <= 1.0:
+                raise ValueError(f"ratio_range must be [low, high] with 0 < low <= high <= 1, got {bounds}")
+            self.ratio_range = [float(bounds[0]), float(bounds[1])]
+
+
+@dataclass
+class TeacherConfig:
+    """The relevance teacher of the learned policy (``train.teacher``).
+
+    Attributes:
+        kind: the relevance signal, ``gradient`` (the model's: gradient x input
             saliency of the true class, or of a detector's loss), ``attention`` (the
             model's last block's class-token attention; classifiers and dense models,
             see ``SplitViT.relevance``) or ``objects`` (a detector's: the annotated
             instance masks' share of each finest cell; no extra pass).
-        teacher_targets: which nodes the teacher marks to split at the target ratio.
+        weight: weight of the relevance-teacher loss on the policy (>= 0).
+        targets: which nodes the teacher marks to split at the target ratio.
             ``per_level`` (default): the same share of every level's nodes, each level
             ranked on its own, so a finer node may be marked under a coarse node that
             is not, and the marked tree misses the target ratio (39.5% of the tokens
@@ -250,29 +324,10 @@ class SplitLossConfig:
             mixed targets): both beat per-level at 70% of the tokens there (trained
             at a 50% target, full resolution too) and lose the smoke sweep's low
             budgets.
-        warmup_epochs: epochs of random splits before the policy decides.
-        warmup_min_split: lowest per-image random split rate in warm-up.
-        teacher_every: compute the relevance teacher (a full-resolution forward and
+        every: compute the relevance teacher (a full-resolution forward and
             backward pass, about half of a policy-phase step) on every k-th step only;
             the other steps train the policy through the task loss and budget penalty.
-        distill_weight: self-distillation (>= 0; 0: off): the split path's logits
-            learn from the same model's full-resolution logits (KL divergence,
-            teacher detached). The gradient teacher's full-resolution pass gives them
-            where it runs; other steps make a gradient-free full-resolution pass.
-            Applies wherever the model does not run at full resolution (the learned
-            policy after warm-up, and the fixed policies other than ``full``). A
-            detector distils features instead: the split path's fine map learns the
-            full-resolution one (relative squared error, a gradient-free pass of the
-            backbone alone; ``distill_temperature`` unused), so that its heads see
-            features like those they were trained on.
-        distill_temperature: softmax temperature of the self-distillation (> 0); the
-            loss is scaled by its square, as in Hinton et al.
-        target_ratio_range: budget-conditioned training: ``[low, high]`` in (0, 1]; each
-            batch draws its target ratio uniformly from it (the budget penalty and the
-            teacher's targets use it), and a budget-conditioned policy
-            (``model.budget_conditioned``) is told it, so that one model serves every
-            budget. ``null``: every batch trains at ``target_ratio``.
-        teacher_scope: what the teacher's marks meet the target ratio over. ``image``
+        scope: what the teacher's marks meet the target ratio over. ``image``
             (default): every image, each image's nodes ranked on their own, so an empty
             canvas gets as many split marks as a crowded one. ``batch``: the batch as
             a whole (each worker's, under Ray Train), its images' nodes ranked
@@ -281,68 +336,125 @@ class SplitLossConfig:
             ``objects`` teacher, whose relevance (the share of a node under an
             instance) means the same in every image; the gradient and attention
             teachers' scale varies from image to image.
-        teacher_context: the ``objects`` teacher's context ring, in pixels (>= 0; 0:
+        context: the ``objects`` teacher's context ring, in pixels (>= 0; 0:
             off): the cells within this distance of an instance mask rank next after
             the masks' own, nearer ones first, so that a budget above the items' share
             keeps their surroundings fine, as ``splitvit eval --oracle-context`` does.
-
-    Raises ``ValueError`` for a value out of range; its message starts with the
-    field's name, which :func:`field_error` turns into the key (``train.penalty``).
     """
 
-    lambda_budget: float = 1.0
-    target_ratio: float = 0.5
-    penalty: str = "squared"
-    teacher_weight: float = 1.0
-    teacher: str = "gradient"
-    teacher_targets: str = "per_level"
-    warmup_epochs: int = 1
-    warmup_min_split: float = 0.3
-    teacher_every: int = 1
-    distill_weight: float = 0.0
-    distill_temperature: float = 1.0
-    target_ratio_range: list[float] | None = None
-    teacher_scope: str = "image"
-    teacher_context: int = 0
+    kind: TeacherKind = "gradient"
+    weight: float = 1.0
+    targets: TeacherTargets = "per_level"
+    every: int = 1
+    scope: TeacherScope = "image"
+    context: int = 0
 
     def __post_init__(self) -> None:
-        if not self.lambda_budget >= 0:  # "not >=": NaN fails too
-            raise ValueError(f"lambda_budget must be >= 0, got {self.lambda_budget}")
-        if not 0.0 < self.target_ratio <= 1.0:
-            raise ValueError(f"target_ratio must be in (0, 1], got {self.target_ratio}")
-        if self.penalty not in PENALTIES:
-            raise ValueError(f"penalty must be one of {PENALTIES}, got {self.penalty!r}")
-        if self.teacher not in TEACHERS:
-            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
-        if self.teacher_targets not in TEACHER_TARGETS:
-            raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {self.teacher_targets!r}")
-        if self.teacher_scope not in TEACHER_SCOPES:
-            raise ValueError(f"teacher_scope must be one of {TEACHER_SCOPES}, got {self.teacher_scope!r}")
-        if self.teacher_weight < 0:
-            raise ValueError(f"teacher_weight must be >= 0, got {self.teacher_weight}")
+        if not self.weight >= 0:  # "not >=": NaN fails too
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1, got {self.every}")
+        if self.context < 0:
+            raise ValueError(f"context must be >= 0 pixels, got {self.context}")
+
+
+@dataclass
+class DistillConfig:
+    """Self-distillation (``train.distill``).
+
+    Attributes:
+        weight: self-distillation (>= 0; 0: off): the split path's logits
+            learn from the same model's full-resolution logits (KL divergence,
+            teacher detached). The gradient teacher's full-resolution pass gives them
+            where it runs; other steps make a gradient-free full-resolution pass.
+            Applies wherever the model does not run at full resolution (the learned
+            policy after warm-up, and the fixed policies other than ``full``). A
+            detector distils features instead: the split path's fine map learns the
+            full-resolution one (relative squared error, a gradient-free pass of the
+            backbone alone; ``temperature`` unused), so that its heads see
+            features like those they were trained on.
+        temperature: softmax temperature of the self-distillation (> 0); the
+            loss is scaled by its square, as in Hinton et al.
+    """
+
+    weight: float = 0.0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.weight >= 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class PolicyTrainingConfig:
+    """How the learned policy trains (``train.policy``): its warm-up, learning rate and own epochs.
+
+    Attributes:
+        warmup_epochs: epochs of random splits before the policy decides.
+        warmup_min_split: lowest per-image random split rate in warm-up.
+        lr_scale: the learning rate of SplitViT's own modules (the policy, fine
+            aggregation, level embeddings) is ``train.lr`` times this (> 0): a fine-tune from a
+            full-resolution reference starts them from scratch, with few steps to learn.
+        epochs: after the ``train.epochs``, this many more that train the learned
+            policy alone (>= 0; 0: none): every other weight frozen, the relevance
+            teacher on every step, its own cosine schedule from the policy's learning
+            rate (``train.lr * lr_scale``). The policy reads the backbone's features
+            detached, so nothing else changes; with the objects teacher a step is the
+            policy's forward alone (docs/results.md, the detection study: in 564
+            fine-tune steps the policy learns less than the detector lets it).
+        lead_epochs: before the ``train.epochs``, this many that train the learned
+            policy alone, as ``epochs`` do (>= 0; 0: none): the fine-tune's
+            task loss then meets the policy's splits, not an untrained policy's, from its
+            first step. The fine-tune's schedule (learning-rate warm-up, ``warmup_epochs``)
+            starts after them.
+    """
+
+    warmup_epochs: int = 1
+    warmup_min_split: float = 0.3
+    lr_scale: float = 1.0
+    epochs: int = 0
+    lead_epochs: int = 0
+
+    def __post_init__(self) -> None:
         if self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if not 0.0 <= self.warmup_min_split <= 1.0:
             raise ValueError(f"warmup_min_split must be in [0, 1], got {self.warmup_min_split}")
-        if self.teacher_every < 1:
-            raise ValueError(f"teacher_every must be >= 1, got {self.teacher_every}")
-        if not self.distill_weight >= 0:
-            raise ValueError(f"distill_weight must be >= 0, got {self.distill_weight}")
-        if not self.distill_temperature > 0:
-            raise ValueError(f"distill_temperature must be > 0, got {self.distill_temperature}")
-        if self.target_ratio_range is not None:
-            bounds = list(self.target_ratio_range)
-            if len(bounds) != 2 or not 0.0 < bounds[0] <= bounds[1] <= 1.0:
-                raise ValueError(f"target_ratio_range must be [low, high] with 0 < low <= high <= 1, got {bounds}")
-            self.target_ratio_range = [float(bounds[0]), float(bounds[1])]
-        if self.teacher_context < 0:
-            raise ValueError(f"teacher_context must be >= 0 pixels, got {self.teacher_context}")
+        if not self.lr_scale > 0:
+            raise ValueError(f"lr_scale must be > 0, got {self.lr_scale}")
+        if self.epochs < 0:
+            raise ValueError(f"epochs must be >= 0, got {self.epochs}")
+        if self.lead_epochs < 0:
+            raise ValueError(f"lead_epochs must be >= 0, got {self.lead_epochs}")
+
+
+@dataclass
+class SplitLossConfig:
+    """Hyper-parameters of the SPLIT objective (:func:`splitvit.train.steps.training_step`),
+    grouped by what they steer; :class:`TrainConfig` holds them as its sections
+    (``train.budget.weight``).
+
+    Attributes:
+        budget: the token budget and its penalty (:class:`BudgetConfig`).
+        teacher: the relevance teacher (:class:`TeacherConfig`).
+        distill: self-distillation (:class:`DistillConfig`).
+        policy: the learned policy's warm-up, learning rate and own epochs
+            (:class:`PolicyTrainingConfig`).
+    """
+
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    policy: PolicyTrainingConfig = field(default_factory=PolicyTrainingConfig)
 
 
 @dataclass
 class TrainConfig(SplitLossConfig):
-    """Optimisation settings and the SPLIT objective's (its fields are
-    :class:`SplitLossConfig`'s, set flat in the section: ``train.lambda_budget``).
+    """Optimisation settings and the SPLIT objective's (its sections are
+    :class:`SplitLossConfig`'s: ``train.budget``, ``train.teacher``, ``train.distill``,
+    ``train.policy``).
 
     Attributes:
         epochs: training epochs.
@@ -352,26 +464,10 @@ class TrainConfig(SplitLossConfig):
             ``lr_warmup_epochs`` epochs' worth of steps.
         lr_warmup_epochs: learning-rate warm-up in epochs (fractions allowed).
         grad_clip: max gradient norm (0 disables clipping).
-        policy_lr_scale: the learning rate of SplitViT's own modules (the policy, fine
-            aggregation, level embeddings) is ``lr`` times this (> 0): a fine-tune from a
-            full-resolution reference starts them from scratch, with few steps to learn.
-        policy_epochs: after the ``epochs``, this many more that train the learned
-            policy alone (>= 0; 0: none): every other weight frozen, the relevance
-            teacher on every step, its own cosine schedule from the policy's learning
-            rate (``lr * policy_lr_scale``). The policy reads the backbone's features
-            detached, so nothing else changes; with the objects teacher a step is the
-            policy's forward alone (docs/results.md, the detection study: in 564
-            fine-tune steps the policy learns less than the detector lets it).
-        policy_lead_epochs: before the ``epochs``, this many that train the learned
-            policy alone, as ``policy_epochs`` do (>= 0; 0: none): the fine-tune's
-            task loss then meets the policy's splits, not an untrained policy's, from its
-            first step. The fine-tune's schedule (learning-rate warm-up, ``warmup_epochs``)
-            starts after them.
         amp: bf16 autocast on CUDA (ignored on CPU).
         max_failures: worker-group failures Ray Train recovers from (resuming from
             the latest checkpoint); -1 for no limit.
-        lambda_budget, target_ratio, penalty, teacher_weight, teacher, teacher_targets,
-        warmup_epochs, warmup_min_split, teacher_every: the SPLIT objective (:class:`SplitLossConfig`).
+        budget, teacher, distill, policy: the SPLIT objective (:class:`SplitLossConfig`).
     """
 
     epochs: int = 10
@@ -380,21 +476,20 @@ class TrainConfig(SplitLossConfig):
     lr_warmup_steps: int | None = None
     lr_warmup_epochs: float = 1.0
     grad_clip: float = 1.0
-    policy_lr_scale: float = 1.0
-    policy_epochs: int = 0
-    policy_lead_epochs: int = 0
     amp: bool = True
     max_failures: int = 2
 
     @property
     def total_epochs(self) -> int:
         """Every epoch a run trains: the policy's own before and after the fine-tune's ``epochs``."""
-        return self.policy_lead_epochs + self.epochs + self.policy_epochs
+        return self.policy.lead_epochs + self.epochs + self.policy.epochs
 
     def loss_config(self) -> SplitLossConfig:
         """The SPLIT objective's settings alone, as a plain :class:`SplitLossConfig`
-        (what the training step gets; ``dataclasses.replace`` works on it)."""
-        return SplitLossConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SplitLossConfig)})
+        (what the training step gets; ``dataclasses.replace`` works on it and its sections)."""
+        return SplitLossConfig(
+            **{f.name: dataclasses.replace(getattr(self, f.name)) for f in dataclasses.fields(SplitLossConfig)}
+        )
 
 
 @dataclass
@@ -417,7 +512,7 @@ class ScalingConfig:
     num_workers: int = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] = field(default_factory=dict)
-    placement_strategy: str = "PACK"
+    placement_strategy: PlacementStrategy = "PACK"
     allocator: str = "glibc"
 
 
@@ -499,7 +594,7 @@ class ExperimentConfig:
     @classmethod
     def from_dict(
         cls,
-        raw: dict[str, Any] | None,
+        raw: JsonObject | None,
         overrides: list[str] | None = None,
         *,
         default_name: str = "experiment",
@@ -516,12 +611,13 @@ class ExperimentConfig:
         """
         if raw is not None and not isinstance(raw, dict):
             raise ConfigError("<root>", f"expected a mapping of sections, got {type(raw).__name__}")
-        layers = [Layer(source, raw or {}, nested=True)]
-        if overrides:
-            layers.append(Layer("--set", [parse_override(item) for item in overrides]))
+        with legacy_warnings(source):
+            layers = [Layer(source, raw or {}, nested=True)]
+            if overrides:
+                layers.append(Layer("--set", [parse_override(item) for item in overrides]))
         return resolve_config(layers, default_name=default_name)
 
-    def to_dict(self, redact: bool = True) -> dict[str, Any]:
+    def to_dict(self, redact: bool = True) -> JsonObject:
         """Nested plain dict (the recipe's name, then the six sections); secret-looking
         values replaced by ``***`` unless ``redact=False``. :meth:`from_dict` reads it
         back to the same config."""
@@ -571,6 +667,180 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     return ExperimentConfig.from_dict(raw, overrides, default_name=path.stem, source=f"file {path}")
 
 
+# ---------------------------------------------------------------------- legacy keys
+#: Every setting's key before the settings were grouped by what they steer -> its key
+#: now: the one table old configs, studies, search spaces, recipes, ``--set`` items,
+#: checkpoints' specs and committed results' settings are read through
+#: (:func:`upgrade_dotted`, :func:`upgrade_sections`, :func:`upgrade_flat`).
+#: ``model.policy`` and ``train.teacher`` were names; a mapping there is the new section.
+LEGACY_KEYS: dict[str, str] = {
+    "model.policy": "model.policy.kind",
+    "model.policy_depth": "model.policy.depth",
+    "model.policy_width": "model.policy.width",
+    "model.policy_level_context": "model.policy.level_context",
+    "model.policy_feature_grad": "model.policy.feature_grad",
+    "model.policy_fine_evidence": "model.policy.fine_evidence",
+    "model.policy_evidence_pooling": "model.policy.evidence_pooling",
+    "model.budget_conditioned": "model.policy.budget_conditioned",
+    "train.target_ratio": "train.budget.target_ratio",
+    "train.lambda_budget": "train.budget.weight",
+    "train.penalty": "train.budget.penalty",
+    "train.target_ratio_range": "train.budget.ratio_range",
+    "train.teacher": "train.teacher.kind",
+    "train.teacher_weight": "train.teacher.weight",
+    "train.teacher_targets": "train.teacher.targets",
+    "train.teacher_every": "train.teacher.every",
+    "train.teacher_scope": "train.teacher.scope",
+    "train.teacher_context": "train.teacher.context",
+    "train.distill_weight": "train.distill.weight",
+    "train.distill_temperature": "train.distill.temperature",
+    "train.warmup_epochs": "train.policy.warmup_epochs",
+    "train.warmup_min_split": "train.policy.warmup_min_split",
+    "train.policy_lr_scale": "train.policy.lr_scale",
+    "train.policy_epochs": "train.policy.epochs",
+    "train.policy_lead_epochs": "train.policy.lead_epochs",
+}
+#: The sections inside a section (``model.policy``, ``train.budget``...): a file's
+#: mapping there merges key by key, as a section does, rather than replacing the whole.
+SUBSECTIONS = ("model.policy", "train.budget", "train.teacher", "train.distill", "train.policy")
+
+log = logging.getLogger(__name__)
+#: (source, renames) already warned of: a study resolves the same layers for every run
+_WARNED: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+#: the renames :func:`legacy_warnings` gathers into one line (None: each source warns itself)
+_GATHERED: list[tuple[str, str]] | None = None
+
+
+def _legacy_target(key: str, value: Any) -> str | None:
+    """The new key of the old dotted ``key`` (no index), or None: ``model.policy`` and
+    ``train.teacher`` are old only where their value is not a mapping (the new section)."""
+    new = LEGACY_KEYS.get(key)
+    # a mapping there is the section, unless it is a search space's distribution
+    if new is None or (new.endswith(".kind") and isinstance(value, dict) and "distribution" not in value):
+        return None
+    return new
+
+
+def warn_legacy(source: str, renames: list[tuple[str, str]]) -> None:
+    """One deprecation line for ``source``'s old keys (``old -> new`` each), once per
+    source and keys; none for the library's own recipes (versioned records, never edited)."""
+    if not renames or source.startswith("recipe "):
+        return
+    if _GATHERED is not None:
+        _GATHERED.extend(r for r in renames if r not in _GATHERED)
+        return
+    marker = (source, tuple(renames))
+    if marker in _WARNED:
+        return
+    _WARNED.add(marker)
+    log.warning(
+        "%s uses old setting names (read as the new ones; rename them): %s",
+        source,
+        ", ".join(f"{old} -> {new}" for old, new in renames),
+    )
+
+
+@contextlib.contextmanager
+def legacy_warnings(source: str) -> Iterator[None]:
+    """The old keys of everything read inside (a file and its ``--set`` items, a study's
+    sections and methods) warned of in one line naming ``source``."""
+    global _GATHERED
+    if _GATHERED is not None:  # already gathering: the outer one warns
+        yield
+        return
+    _GATHERED = []
+    try:
+        yield
+        renames = _GATHERED
+    finally:
+        _GATHERED = None
+    warn_legacy(source, renames)
+
+
+def _both_spellings(old: str, new: str, source: str) -> ConfigError:
+    return ConfigError(new, f"set twice in {source}, as {new} and by its old name {old}: keep {new} alone")
+
+
+def upgrade_dotted(items: Any, source: str = "settings", *, warn: bool = True) -> Any:
+    """Dotted settings (a mapping, or ``(key, value)`` pairs) with every old key
+    (:data:`LEGACY_KEYS`; an index kept: ``train.target_ratio_range[0]``) under its new
+    name, in the same form and order. Logs one deprecation line naming them
+    (:func:`warn_legacy`; not with ``warn=False``). Raises :class:`ConfigError` where an
+    old key and its new one are both set."""
+    pairs = list(items.items()) if isinstance(items, dict) else list(items)
+    renames: list[tuple[str, str]] = []
+    out: list[tuple[str, Any]] = []
+    given: set[str] = set()  # the new keys given as such
+    for key, value in pairs:
+        parts, index = split_key(str(key))
+        new = _legacy_target(".".join(parts), value)
+        if new is None:
+            out.append((key, value))
+            given.add(".".join(parts))
+            continue
+        renames.append((".".join(parts), new))
+        out.append((new if index is None else f"{new}[{index}]", value))
+    for old, new in renames:
+        if new in given or (new.endswith(".kind") and new.rsplit(".", 1)[0] in given):
+            raise _both_spellings(old, new, source)
+    if warn:
+        warn_legacy(source, list(dict.fromkeys(renames)))
+    return dict(out) if isinstance(items, dict) else out
+
+
+def upgrade_keys(keys: Iterable[str]) -> list[str]:
+    """Dotted keys (a lever's ``without:``, a list of settings) under their new names."""
+    return [key if _legacy_target(key, None) is None else LEGACY_KEYS[key] for key in keys]
+
+
+def upgrade_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat settings dict read back from a record (a study's or a sweep's committed
+    JSON, MLflow params, a recipe, a checkpoint's spec) with every old key under its
+    new name; silent (the record is history, not something to edit)."""
+    return upgrade_dotted(flat, "record", warn=False)
+
+
+def legacy_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat settings dict under the old key names (:data:`LEGACY_KEYS` backwards): for
+    a digest of settings that must stay what it was (a sweep's reference folder is
+    named by one, and a trained reference is found again by it)."""
+    old_names = {new: old for old, new in LEGACY_KEYS.items()}
+    return {old_names.get(key, key): value for key, value in flat.items()}
+
+
+def upgrade_sections(raw: dict[str, Any], source: str = "config", *, warn: bool = True) -> dict[str, Any]:
+    """A config file's sections (``{model: {policy: learned, policy_depth: 3}}``) with
+    every old key moved to its new section (``{model: {policy: {kind: learned, depth:
+    3}}}``); a copy. Logs one deprecation line naming them, and raises
+    :class:`ConfigError` where an old key and its new one are both set."""
+    if not isinstance(raw, dict):
+        return raw
+    out = _deep_copy(raw)
+    renames: list[tuple[str, str]] = []
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            continue
+        # the names first (model.policy: learned), so that the others find their section
+        ordered = sorted(values, key=lambda k: f"{section}.{k}" not in ("model.policy", "train.teacher"))
+        for key in ordered:
+            new = _legacy_target(f"{section}.{key}", values[key])
+            if new is None:
+                continue
+            old = f"{section}.{key}"
+            renames.append((old, new))
+            value = out[section].pop(key)
+            sub, leaf = new.split(".")[1:]
+            target = out[section].setdefault(sub, {})
+            if not isinstance(target, dict):
+                raise _both_spellings(old, f"{section}.{sub}", source)
+            if leaf in target:
+                raise _both_spellings(old, new, source)
+            target[leaf] = value
+    if warn:
+        warn_legacy(source, renames)
+    return out
+
+
 # ---------------------------------------------------------------------- layers and recipes
 @dataclass(frozen=True)
 class Layer:
@@ -594,12 +864,27 @@ class Layer:
     nested: bool = False
     without: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # old key names (LEGACY_KEYS) read as the new ones, one deprecation line per source
+        if self.nested:
+            values = upgrade_sections(self.values, self.name) if isinstance(self.values, dict) else self.values
+        else:
+            values = upgrade_dotted(self.values, self.name)
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "without", tuple(upgrade_keys(self.without)))
+
     def apply(self, raw: dict[str, Any]) -> None:
-        """Set this layer's values in ``raw`` (a config being assembled)."""
+        """Set this layer's values in ``raw`` (a config being assembled): a file's
+        sections (and the sections inside them, :data:`SUBSECTIONS`) merged key by key."""
         if self.nested:
             for key, value in self.values.items():
                 if isinstance(value, dict) and isinstance(raw.get(key), dict):
-                    raw[key].update(_deep_copy(value))
+                    for name, inner in value.items():
+                        current = raw[key].get(name)
+                        if f"{key}.{name}" in SUBSECTIONS and isinstance(inner, dict) and isinstance(current, dict):
+                            current.update(_deep_copy(inner))
+                        else:
+                            raw[key][name] = _deep_copy(inner)
                 else:
                     raw[key] = _deep_copy(value)
             return
@@ -609,14 +894,19 @@ class Layer:
 
     def keys(self) -> list[str]:
         """The dotted keys this layer sets, as :meth:`apply` sets them: a file's keys one
-        level into each section (``model.timm_kwargs`` replaces the whole mapping), dotted
-        keys without their index."""
+        level into each section (``model.timm_kwargs`` replaces the whole mapping) and
+        into the sections inside them (``model.policy.depth``), dotted keys without their index."""
         if self.nested:
-            return [
-                f"{section}.{key}" if isinstance(values, dict) else section
-                for section, values in self.values.items()
-                for key in (values if isinstance(values, dict) else [None])
-            ]
+            keys = []
+            for section, values in self.values.items():
+                if not isinstance(values, dict):
+                    keys.append(section)
+                    continue
+                for key, value in values.items():
+                    name = f"{section}.{key}"
+                    inner = value if name in SUBSECTIONS and isinstance(value, dict) and value else None
+                    keys += [f"{name}.{k}" for k in inner] if inner else [name]
+            return keys
         items = self.values.items() if isinstance(self.values, dict) else self.values
         return [".".join(split_key(key)[0]) for key, _ in items]
 
@@ -638,7 +928,8 @@ def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> 
     if requested is not None and not isinstance(requested, str):
         raise ConfigError(RECIPE_KEY, f"expected a recipe name or none, got {requested!r}")
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    task, policy = model.get("task", ModelConfig.task), model.get("policy", ModelConfig.policy)
+    section = model.get("policy") if isinstance(model.get("policy"), dict) else {}
+    task, policy = model.get("task", ModelConfig.task), section.get("kind", PolicyConfig.kind)
     try:
         # a task no recipe is for (a misspelt one) is left to its own check: it names model.task
         name = resolve_name(requested, task) if task in current_recipes() else None
@@ -647,7 +938,7 @@ def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> 
     applied = name if policy == "learned" else None
     stack = list(layers)
     if applied is not None:
-        settings = load_recipe(applied).settings
+        settings = upgrade_flat(load_recipe(applied).settings)  # recipes keep the names they were made with
         without = [key for layer in layers for key in layer.without]
         for key in without:
             if key not in settings:
@@ -718,23 +1009,23 @@ def config_layers(config: ExperimentConfig) -> dict[str, Any]:
 #: settings only the learned policy reads: a run of another policy is the same run
 #: whatever they say (a study's control is not made stale by its recipe's keys)
 LEARNED_POLICY_KEYS = (
-    "model.policy_depth",
-    "model.policy_width",
-    "model.policy_level_context",
-    "model.policy_feature_grad",
-    "model.policy_fine_evidence",
-    "model.policy_evidence_pooling",
-    "model.budget_conditioned",
-    "train.teacher_weight",
-    "train.teacher",
-    "train.teacher_targets",
-    "train.teacher_every",
-    "train.teacher_scope",
-    "train.teacher_context",
-    "train.warmup_epochs",
-    "train.warmup_min_split",
-    "train.policy_epochs",
-    "train.policy_lead_epochs",
+    "model.policy.depth",
+    "model.policy.width",
+    "model.policy.level_context",
+    "model.policy.feature_grad",
+    "model.policy.fine_evidence",
+    "model.policy.evidence_pooling",
+    "model.policy.budget_conditioned",
+    "train.teacher.kind",
+    "train.teacher.weight",
+    "train.teacher.targets",
+    "train.teacher.every",
+    "train.teacher.scope",
+    "train.teacher.context",
+    "train.policy.warmup_epochs",
+    "train.policy.warmup_min_split",
+    "train.policy.epochs",
+    "train.policy.lead_epochs",
 )
 
 
@@ -743,20 +1034,20 @@ UNTHRESHOLDED_POLICIES = ("full", "coarse")
 #: settings only a budget reads: the thresholds, the target ratio and the budget penalty
 BUDGET_KEYS = (
     "model.thresholds",
-    "train.target_ratio",
-    "train.target_ratio_range",
-    "train.lambda_budget",
-    "train.penalty",
+    "train.budget.target_ratio",
+    "train.budget.ratio_range",
+    "train.budget.weight",
+    "train.budget.penalty",
 )
 
 
 def inert_keys(flat: dict[str, Any]) -> set[str]:
-    """The keys of a flat config (:meth:`ExperimentConfig.flat`) that its run never
-    reads: the learned policy's own where the policy is another, a budget's where the
-    policy splits every node or none, and the recipe's name (its settings are the keys
-    themselves)."""
+    """The keys of a flat config (:meth:`ExperimentConfig.flat`; old key names are read
+    as the new ones) that its run never reads: the learned policy's own where the
+    policy is another, a budget's where the policy splits every node or none, and the
+    recipe's name (its settings are the keys themselves)."""
     inert = {RECIPE_KEY}
-    policy = flat.get("model.policy", ModelConfig.policy)
+    policy = upgrade_flat(flat).get("model.policy.kind", PolicyConfig.kind)
     if policy != "learned":
         inert.update(LEARNED_POLICY_KEYS)
     if policy in UNTHRESHOLDED_POLICIES:
@@ -867,6 +1158,8 @@ def _type_name(hint: Any) -> str:
         return "any"
     if hint is Ellipsis:
         return "..."
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(map(str, typing.get_args(hint)))
     return getattr(hint, "__name__", str(hint))
 
 
@@ -879,6 +1172,13 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is Any:
         return value
     origin = typing.get_origin(hint)
+    if origin is Literal:  # a name among the allowed ones: the one place they are checked
+        allowed = typing.get_args(hint)
+        if isinstance(value, str) and value in allowed:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint_text = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(key, f"must be one of {', '.join(map(str, allowed))}, got {value!r}{hint_text}")
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(hint):
             try:
@@ -967,12 +1267,12 @@ def build_dataclass(cls: type, raw: Any, prefix: str = "") -> Any:
 
 def field_error(exc: ValueError, names: Iterable[str], prefix: str, where: str) -> ConfigError:
     """A ``ValueError`` whose message starts with one of ``names``
-    (``"lambda_budget must be >= 0, got -1"``) as a :class:`ConfigError` on that key,
-    ``prefix`` first (``train.lambda_budget: must be >= 0, got -1``); any other
+    (``"weight must be >= 0, got -1"``) as a :class:`ConfigError` on that key,
+    ``prefix`` first (``train.budget.weight: must be >= 0, got -1``); any other
     message on the key ``where``."""
     message = str(exc)
     for name in names:
-        if re.match(rf"{re.escape(name)}\b", message):  # \b: "teacher" is not "teacher_weight"
+        if re.match(rf"{re.escape(name)}\b", message):  # \b: a name is not the start of a longer one
             return ConfigError(f"{prefix}{name}", _strip_name(message, name))
     return ConfigError(where, message)
 
@@ -985,7 +1285,7 @@ def require(ok: bool, key: str, reason: str) -> None:
 
 
 def _strip_name(message: str, name: str) -> str:
-    """``"lambda_budget must be >= 0"`` -> ``"must be >= 0"`` (the key says the name)."""
+    """``"weight must be >= 0"`` -> ``"must be >= 0"`` (the key says the name)."""
     for prefix in (f"{name}: ", f"{name} "):
         if message.startswith(prefix):
             return message[len(prefix) :]
@@ -999,21 +1299,30 @@ def validate(config: ExperimentConfig) -> None:
     or the dataset registry are :func:`splitvit.train.experiment.validate_experiment`'s,
     which runs this first.
     """
-    m, d, t, s, st, tr = config.model, config.data, config.train, config.scaling, config.storage, config.tracking
-    # --- train (the SPLIT objective's ranges are SplitLossConfig's own)
+    _check_train(config)
+    _check_data(config.data)
+    _check_scaling(config.scaling)
+    _check_storage(config.storage)
+    _check_tracking(config.tracking)
+    _check_model(config)
+
+
+def _check_train(config: ExperimentConfig) -> None:
+    """The ``train`` section (the SPLIT objective's ranges are its sections' own), and the
+    model's policy section."""
+    m, t = config.model, config.train
     require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
-    for key, value in (("policy_epochs", t.policy_epochs), ("policy_lead_epochs", t.policy_lead_epochs)):
-        require(value >= 0, f"train.{key}", f"must be >= 0, got {value}")
+    for key, value in (("epochs", t.policy.epochs), ("lead_epochs", t.policy.lead_epochs)):
         require(
-            value == 0 or (m.policy == "learned" and t.teacher_weight > 0),
-            f"train.{key}",
-            f"trains a learned policy with its relevance teacher, but model.policy is {m.policy!r} and "
-            f"train.teacher_weight {t.teacher_weight}: set model.policy=learned and a teacher_weight > 0, or remove it",
+            value == 0 or (m.policy.kind == "learned" and t.teacher.weight > 0),
+            f"train.policy.{key}",
+            f"trains a learned policy with its relevance teacher, but model.policy.kind is {m.policy.kind!r} and "
+            f"train.teacher.weight {t.teacher.weight}: set model.policy.kind=learned and a train.teacher.weight > 0, "
+            "or remove it",
         )
     require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
-    require(t.policy_lr_scale > 0, "train.policy_lr_scale", f"must be > 0, got {t.policy_lr_scale}")
     require(
         t.lr_warmup_steps is None or t.lr_warmup_steps >= 0,
         "train.lr_warmup_steps",
@@ -1021,11 +1330,17 @@ def validate(config: ExperimentConfig) -> None:
     )
     require(t.lr_warmup_epochs >= 0, "train.lr_warmup_epochs", f"must be >= 0, got {t.lr_warmup_epochs}")
     require(t.max_failures >= -1, "train.max_failures", f"must be >= 0, or -1 for no limit, got {t.max_failures}")
-    try:
-        t.loss_config()  # checked when built; again for a config changed since
-    except ValueError as exc:
-        raise field_error(exc, [f.name for f in dataclasses.fields(SplitLossConfig)], "train.", "train") from None
-    # --- data
+    # the sections check their types, names and ranges when built; again for a config changed since
+    for where, section in (
+        ("model.policy", m.policy),
+        *((f"train.{f.name}", getattr(t, f.name)) for f in dataclasses.fields(SplitLossConfig)),
+    ):
+        build_dataclass(type(section), dataclasses.asdict(section), f"{where}.")
+
+
+def _check_data(d: DataConfig) -> None:
+    """The ``data`` section (its names re-checked by its type, for a config changed since loading)."""
+    build_dataclass(DataConfig, dataclasses.asdict(d), "data.")
     require(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}")
     require(
         d.eval_batch_size is None or d.eval_batch_size >= 1,
@@ -1033,19 +1348,20 @@ def validate(config: ExperimentConfig) -> None:
         f"must be >= 1, got {d.eval_batch_size}",
     )
     require(d.num_workers >= 0, "data.num_workers", f"must be >= 0, got {d.num_workers}")
-    require(d.val_split in ("val", "test"), "data.val_split", f"must be val or test, got {d.val_split!r}")
     for key in d.options:
         require(key != "image_size", "data.options.image_size", "set the image size with model.image_size")
-    # --- scaling
+
+
+def _check_scaling(s: ScalingConfig) -> None:
+    """The ``scaling`` section (its names re-checked by its type, for a config changed since loading)."""
+    build_dataclass(ScalingConfig, dataclasses.asdict(s), "scaling.")
     require(s.num_workers >= 1, "scaling.num_workers", f"must be >= 1, got {s.num_workers}")
     for key, value in s.resources_per_worker.items():
         require(value >= 0, f"scaling.resources_per_worker.{key}", f"must be >= 0, got {value}")
-    require(
-        s.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-        "scaling.placement_strategy",
-        f"must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {s.placement_strategy!r}",
-    )
-    # --- storage
+
+
+def _check_storage(st: StorageConfig) -> None:
+    """The ``storage`` section."""
     if st.is_remote:
         require(
             st.path.startswith("s3://") and len(st.path) > len("s3://"),
@@ -1062,23 +1378,26 @@ def validate(config: ExperimentConfig) -> None:
         "storage.num_to_keep",
         f"must be >= 1 or null, got {st.num_to_keep}",
     )
-    # --- tracking
+
+
+def _check_tracking(tr: TrackingConfig) -> None:
+    """The ``tracking`` section."""
     require(bool(tr.experiment), "tracking.experiment", "must not be empty")
     require(tr.split_map_images >= 0, "tracking.split_map_images", f"must be >= 0, got {tr.split_map_images}")
-    # --- model: what needs no timm and no model (validate_experiment checks the rest)
+
+
+def _check_model(config: ExperimentConfig) -> None:
+    """The ``model`` section, as far as it needs no timm and no model (``validate_experiment``
+    checks the rest), and the teacher against the task."""
+    m, t = config.model, config.train
     require(m.num_classes >= 1, "model.num_classes", f"must be >= 1, got {m.num_classes}")
     require(m.image_size >= 1, "model.image_size", f"must be >= 1, got {m.image_size}")
     require(m.levels >= 2, "model.levels", f"must be >= 2 (one coarse and one fine level), got {m.levels}")
     require(m.length_buckets >= 1, "model.length_buckets", f"must be >= 1, got {m.length_buckets}")
-    require(  # the value itself is the model's name to check (train/names.py)
-        m.policy_evidence_pooling != "soft" or m.policy_fine_evidence,
-        "model.policy_evidence_pooling",
-        "pools the learned policy's fine evidence, but model.policy_fine_evidence is false: set it true",
-    )
     require(
-        (t.teacher == "objects") == (m.task == "detection") or t.teacher == "gradient",
-        "train.teacher",
-        f"{t.teacher} is not a teacher of a {m.task} model: "
+        (t.teacher.kind == "objects") == (m.task == "detection") or t.teacher.kind == "gradient",
+        "train.teacher.kind",
+        f"{t.teacher.kind} is not a teacher of a {m.task} model: "
         + (
             "a detector has no class token to attend from; its teachers are gradient and objects"
             if m.task == "detection"
@@ -1086,10 +1405,10 @@ def validate(config: ExperimentConfig) -> None:
         ),
     )
     require(
-        t.teacher_context == 0 or t.teacher == "objects",
-        "train.teacher_context",
-        f"is the objects teacher's ring around each instance mask, but train.teacher is {t.teacher!r}: "
-        "set train.teacher=objects (a detector's), or remove it",
+        t.teacher.context == 0 or t.teacher.kind == "objects",
+        "train.teacher.context",
+        f"is the objects teacher's ring around each instance mask, but train.teacher.kind is {t.teacher.kind!r}: "
+        "set train.teacher.kind=objects (a detector's), or remove it",
     )
     require(
         not m.detector or m.task == "detection",
@@ -1115,6 +1434,34 @@ def validate(config: ExperimentConfig) -> None:
             "model.thresholds",
             f"must be numbers in [0, 1] or {AUTO_THRESHOLDS!r}, got {m.thresholds!r}",
         )
+
+
+# ---------------------------------------------------------------------- base configs
+class BaseConfigError(ConfigError):
+    """The ``base`` of a search space or a study file names no experiment config file
+    (``key`` is ``base``). The space and the study report it as their own file's mistake."""
+
+
+def resolve_base_config(base: Any, root: Path) -> Path:
+    """The experiment config file a search space or a study file names as its ``base``:
+    a path relative to ``root`` (the naming file's folder), else to the working
+    directory, or an absolute one. Raises :class:`BaseConfigError`."""
+    if not base or not isinstance(base, str):
+        raise BaseConfigError(
+            "base", "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml"
+        )
+    candidate = Path(base).expanduser()
+    if not candidate.is_absolute():
+        # relative to the space file; a path relative to the working directory also works
+        for option in (root / candidate, candidate):
+            if option.is_file():
+                return option.resolve()
+        raise BaseConfigError(
+            "base", f"experiment config {base} not found (relative to {root} or the working directory)"
+        )
+    if not candidate.is_file():
+        raise BaseConfigError("base", f"experiment config {base} not found")
+    return candidate
 
 
 # ---------------------------------------------------------------------- flattening

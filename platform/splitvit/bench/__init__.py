@@ -5,7 +5,7 @@
 * :mod:`.training`: ``splitvit bench train``: SPLIT's training step and Ray Train's
   overhead;
 * :mod:`.timing`: the timer both use (interleaved rounds, medians, the load of other
-  processes, the machine), also the sweeps' and studies' (:mod:`splitvit.tune.speed`);
+  processes, the machine), also the sweeps' and studies' (:mod:`splitvit.bench.speed`);
 * :mod:`.memory`: peak forward memory per model (RSS in a fresh subprocess, the torch
   profiler, CUDA);
 * :mod:`.report`: targets judged on measured ratios, and the reports' tables.

@@ -6,8 +6,8 @@ each run is a child process of its own, started with that allocator's environmen
 trains one model from scratch with :func:`~splitvit.train.local.fit_local`, the plain
 loop, on the benchmark's config:
 
-* ``full``: the full-resolution control (the config with ``model.policy: full``);
-* ``split``: the config's learned SplitViT, its policy aimed at ``train.target_ratio``
+* ``full``: the full-resolution control (the config with ``model.policy.kind: full``);
+* ``split``: the config's learned SplitViT, its policy aimed at ``train.budget.target_ratio``
   of the tokens before training (:func:`~splitvit.bench.training.aim_learned_policy`),
   one random-split warm-up epoch and then the learned policy: every batch holds other
   images and draws other decisions, so the step's token counts, and its tensors' sizes,
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, upgrade_sections
 from ..train.allocator import (
     ALLOCATORS,
     DEFAULT_ALLOCATOR,
@@ -90,11 +90,11 @@ def model_configs(config: ExperimentConfig) -> dict[str, dict[str, Any]]:
     ``config`` at full resolution, ``split`` the config itself (a learned policy)."""
     from ..train.experiment import experiment_from_dict
 
-    if not config.model.policy == "learned":
-        raise ValueError(f"the allocators' SPLIT run needs model.policy learned, got {config.model.policy!r}")
+    if not config.model.policy.kind == "learned":
+        raise ValueError(f"the allocators' SPLIT run needs model.policy.kind learned, got {config.model.policy.kind!r}")
     split = config.to_dict(redact=False)
     full = json.loads(json.dumps(split))
-    full["model"]["policy"] = "full"
+    full["model"]["policy"]["kind"] = "full"
     experiment_from_dict(full)  # validated here, not in a child
     return {"full": full, "split": split}
 
@@ -141,7 +141,7 @@ def train_in_this_process(spec: dict[str, Any]) -> dict[str, Any]:
     aim = None
     if model.policy.learned:  # start the learned epochs at the operating point the budget trains towards
         images = next(iter(DataLoader(data, batch_size=dc.batch_size, shuffle=False)))[0].to(device)
-        aim = aim_learned_policy(model, images, tc.target_ratio)
+        aim = aim_learned_policy(model, images, tc.budget.target_ratio)
     marks: list[dict[str, float]] = []
     history = fit_local(
         model,
@@ -359,13 +359,14 @@ def run_allocator_benchmark(
 def format_allocator_lines(result: dict[str, Any]) -> list[str]:
     """The allocators part of ``bench train``'s report: one row per allocator and model."""
     cfg = result["config"]
-    epochs = cfg["experiment"]["train"]["epochs"]
+    train = upgrade_sections(cfg["experiment"], warn=False)["train"]  # a JSON written before the keys were grouped too
+    epochs = train["epochs"]
     lines = [
         "",
         f"C. allocators: the plain loop (fit_local) trained from scratch in a child process per run, "
         f"{cfg['threads']} torch threads, {epochs} epochs (steady: epochs >= {cfg['skip_epochs']}), "
         f"{cfg['rounds']} round(s) alternating the order; split: a learned policy aimed at "
-        f"{cfg['experiment']['train']['target_ratio']:.0%} of the tokens, other images and decisions every step",
+        f"{train['budget']['target_ratio']:.0%} of the tokens, other images and decisions every step",
     ]
     lines += [f"  {name}: {a['description']} {a['env'] or ''}".rstrip() for name, a in cfg["allocators"].items()]
     lines += [f"  {line}" for line in result["skipped"]]

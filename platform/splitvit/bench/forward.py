@@ -56,6 +56,7 @@ targets, assemble the result; and :func:`format_report`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -69,6 +70,7 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import VisionTransformer
 
+from ..config import PolicyConfig
 from ..data.synthetic import SyntheticObjects
 from ..model import SplitViT
 from ..model.quadtree import QuadtreeGeometry
@@ -77,6 +79,7 @@ from .memory import measure_memory
 from .report import device_label, make_target, target_table, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
+    TimingSummary,
     checked_device,
     compile_options,
     machine_info,
@@ -133,7 +136,7 @@ class ForwardSettings:
         fine_aggregation: the policies' models aggregate fine patches into coarse
             tokens (``model.fine_aggregation``); ``split_full`` never does.
         level_context: the learned policies score every finer level in context
-            (``model.policy_level_context``: their blocks also run on all of a finer
+            (``model.policy.level_context``: their blocks also run on all of a finer
             level's nodes), to time its cost; needs ``levels >= 3``.
         buckets: ``length_buckets`` of padded-path variants timed beside each point
             (the default packed path is what the targets judge); ``()``: none.
@@ -178,6 +181,11 @@ class ForwardSettings:
     memory: tuple[str, ...] | None = None
     memory_parallel: int | None = None
     seed: int = 0
+
+    @property
+    def policy(self) -> PolicyConfig:
+        """The learned policies' settings (``model.policy``) these options give."""
+        return PolicyConfig(depth=self.policy_depth, width=self.policy_width, level_context=self.level_context)
 
     def __post_init__(self) -> None:
         ratios = tuple(float(r) for r in self.ratios)
@@ -255,10 +263,8 @@ def build_benchmark_models(
     *,
     levels: int,
     policies: tuple[str, ...] = BENCH_POLICIES,
-    policy_width: int | None = DEFAULT_POLICY_WIDTH,
-    policy_depth: int = 2,
+    policy: PolicyConfig | None = None,
     fine_aggregation: bool = False,
-    level_context: bool = False,
     buckets: tuple[int, ...] = (),
     token_buckets: int = 0,
 ) -> dict[str, SplitViT]:
@@ -269,35 +275,41 @@ def build_benchmark_models(
     (``attention='padded'``, ``length_buckets=b``) for each of ``buckets``, sharing
     the policy module of the packed model (identical decisions). ``fine_aggregation``
     gives the policies' models (not ``split_full``) the coarse tokens' aggregation of
-    their fine patches (``model.fine_aggregation``), and ``level_context`` the learned
-    policies' scoring of every finer level in context (``model.policy_level_context``),
-    to time what each costs.
+    their fine patches (``model.fine_aggregation``). ``policy``: the learned policies'
+    settings (``model.policy``; default: blocks of width :data:`DEFAULT_POLICY_WIDTH`,
+    depth 2): ``learned`` has its ``width``, ``learned_shared`` runs on the ViT's first
+    ``depth`` blocks; its ``level_context`` scores every finer level in context, to time
+    what each costs.
     """
+    policy = policy or PolicyConfig(width=DEFAULT_POLICY_WIDTH)
     models: dict[str, SplitViT] = {"split_full": SplitViT(vit, levels=levels, policy="full").eval()}
     for key in policies:
         name = "learned" if key.startswith("learned") else key
-        width = policy_width if key == "learned" else None
+        settings = dataclasses.replace(
+            policy,
+            kind=name,
+            width=policy.width if key == "learned" else None,
+            level_context=policy.level_context and name == "learned",
+        )
         first = SplitViT(
             vit,
             levels=levels,
-            policy=name,
-            policy_depth=policy_depth,
-            policy_width=width,
+            policy=settings,
             token_buckets=token_buckets,
             fine_aggregation=fine_aggregation,
-            policy_level_context=level_context and name == "learned",
         ).eval()
         models[key] = first
         for b in buckets:
-            models[f"{key}_padded_b{b}"] = SplitViT(
+            padded = SplitViT(
                 vit,
                 levels=levels,
-                policy=first.policy,
-                policy_depth=policy_depth,
+                policy=settings,
                 length_buckets=b,
                 attention="padded",
                 fine_aggregation=fine_aggregation,
-            ).eval()
+            )
+            padded.set_policy(first.policy)  # the packed model's policy module: the same decisions
+            models[f"{key}_padded_b{b}"] = padded.eval()
     return models
 
 
@@ -361,10 +373,8 @@ def _build_workload(s: ForwardSettings, dev: torch.device) -> _Workload:
         vit,
         levels=levels,
         policies=s.policies,
-        policy_width=s.policy_width,
-        policy_depth=s.policy_depth,
+        policy=s.policy,
         fine_aggregation=s.fine_aggregation,
-        level_context=s.level_context,
         buckets=s.buckets,
         token_buckets=s.token_buckets,
     )
@@ -456,13 +466,13 @@ class _Timed:
     processes used meanwhile."""
 
     samples: dict[str, list[float]]
-    timings: dict[str, dict[str, Any]]
+    timings: dict[str, TimingSummary]
     others_cores: float | None
 
     @property
     def overhead(self) -> float:
         """SplitViT(full)'s median time over timm's, minus 1."""
-        return self.timings["split_full"]["median_s"] / self.timings["timm"]["median_s"] - 1.0
+        return self.timings["split_full"].median_s / self.timings["timm"].median_s - 1.0
 
 
 def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings) -> dict[str, Callable[[], Any]]:
@@ -511,19 +521,19 @@ def _time_points(work: _Workload, points, encoder_inputs, s: ForwardSettings) ->
     return _Timed(samples=samples, timings=timings, others_cores=others_cores)
 
 
-def _summarise_point(point: dict[str, Any], timings: dict[str, dict], buckets: tuple[int, ...]) -> None:
+def _summarise_point(point: dict[str, Any], timings: dict[str, TimingSummary], buckets: tuple[int, ...]) -> None:
     """Speed-ups, the ideal, and where the time goes, from the medians (in place)."""
     key, full_tokens = point["key"], round(point["tokens"]["mean"] / point["tokens"]["fraction"])
-    med = {name: t["median_s"] for name, t in timings.items()}
+    med = {name: t.median_s for name, t in timings.items()}
     n = max(1, round(point["tokens"]["mean"]))
     total, policy, encoder, blocks = med[key], med[f"policy/{point['policy']}"], med[f"{key}/encoder"], med[f"seq/{n}"]
     point.update(
-        images_per_s=timings[key]["images_per_s"],
+        images_per_s=timings[key].images_per_s,
         speedup_vs_timm=med["timm"] / total,
         ideal_speedup=med[f"seq/{full_tokens}"] / blocks,
         sequence_tokens=n,
-        speedup_fastest=timings["timm"]["min_s"] / timings[key]["min_s"],
-        speedup_cpu_time=timings["timm"]["cpu_median_s"] / timings[key]["cpu_median_s"],
+        speedup_fastest=timings["timm"].min_s / timings[key].min_s,
+        speedup_cpu_time=timings["timm"].cpu_median_s / timings[key].cpu_median_s,
         breakdown_s={
             "forward": total,
             "policy": policy,
@@ -700,11 +710,11 @@ def run_forward_benchmark(settings: ForwardSettings | None = None) -> dict[str, 
             "load_average_start": load_start,
             "other_processes_cpus_during_timing": timed.others_cores,
         },
-        "timings": timings,
+        "timings": {name: t.to_dict() for name, t in timings.items()},
         "points": list(points.values()),
         "overhead": {
             "split_full_vs_timm": timed.overhead,
-            "fastest": timings["split_full"]["min_s"] / timings["timm"]["min_s"] - 1.0,
+            "fastest": timings["split_full"].min_s / timings["timm"].min_s - 1.0,
         },
         "warnings": _load_warnings(timed.others_cores),
         "memory": memory,

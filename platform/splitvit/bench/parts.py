@@ -322,8 +322,8 @@ def _time_batch(
         summary = timing_summary(samples[name], cpu[name], batch)
         figures[name] = {
             "token_ratio": tokens[name],
-            "median_s": summary["median_s"],
-            "images_per_s": summary["images_per_s"],
+            "median_s": summary.median_s,
+            "images_per_s": summary.images_per_s,
             "speedup_vs_full": 1.0,  # full resolution's; a split model's is its runs' median, below
             "stages_s": _medians(rounds[name]),
             "runs": {"median_s": [run[name]["median_s"] for run in per_run]},

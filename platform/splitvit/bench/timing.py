@@ -10,7 +10,7 @@ timing taken beside more than :data:`OTHER_LOAD_WARNING` busy CPUs is noisy, and
 benchmarks say so. :func:`machine_info` describes what a timing ran on.
 
 Used by ``splitvit bench`` (forward and train) and by the sweeps' and studies'
-speed measurements (:mod:`splitvit.tune.speed`), so a figure means the same everywhere.
+speed measurements (:mod:`splitvit.bench.speed`), so a figure means the same everywhere.
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ import platform as _stdlib_platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import timm
 import torch
+
+from ..jsontypes import JsonObject
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +121,36 @@ def time_beside_others(
     return samples, cpu_samples, others
 
 
-def timing_summary(samples: list[float], cpu_samples: list[float], batch_size: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TimingSummary:
+    """One timed callable's figures (:func:`timing_summary`)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    images_per_s: float  # at the median
+    samples_s: list[float]  # every timed round's seconds
+    cpu_median_s: float  # process CPU seconds per call
+    cpu_samples_s: list[float]
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON: the fields, in order."""
+        return asdict(self)
+
+
+def timing_summary(samples: list[float], cpu_samples: list[float], batch_size: int) -> TimingSummary:
     """One timed callable's figures: median/min/max seconds, images/s at the median,
     the raw samples, and the process CPU seconds per call."""
     median = statistics.median(samples)
-    return {
-        "median_s": median,
-        "min_s": min(samples),
-        "max_s": max(samples),
-        "images_per_s": batch_size / median,
-        "samples_s": samples,
-        "cpu_median_s": statistics.median(cpu_samples),
-        "cpu_samples_s": cpu_samples,
-    }
+    return TimingSummary(
+        median_s=median,
+        min_s=min(samples),
+        max_s=max(samples),
+        images_per_s=batch_size / median,
+        samples_s=samples,
+        cpu_median_s=statistics.median(cpu_samples),
+        cpu_samples_s=cpu_samples,
+    )
 
 
 def quartiles(values: list[float]) -> dict[str, float]:

@@ -13,19 +13,19 @@ step, as ``fit_local`` and the Ray loop run it: ``training_step`` (train/steps.p
 
 * ``full``: full resolution (policy ``full``), the baseline of every ratio;
 * ``split_warmup``: SPLIT's random-split warm-up step at its last warm-up epoch
-  (each image draws its split rate in ``[warmup_min_split, 1]``);
+  (each image draws its split rate in ``[train.policy.warmup_min_split, 1]``);
 * ``split_learned``: the learned-policy step: sampled decisions with straight-through
   gates, the budget penalty and the relevance teacher (a full-resolution
-  gradient-saliency pass) on every ``train.teacher_every``-th step: each timed call
+  gradient-saliency pass) on every ``train.teacher.every``-th step: each timed call
   runs that many consecutive steps (one teacher step and the rest without) and
-  counts as their mean; with ``teacher_every > 1``, ``split_learned_every_step``
+  counts as their mean; with ``train.teacher.every > 1``, ``split_learned_every_step``
   times the step with the teacher on every step beside it;
 * ``timm``: the plain timm ViT's step (forward, cross-entropy, backward, clip, AdamW),
   a check on ``full``;
 * ``teacher``: ``SplitViT.relevance`` alone: the teacher's share of the learned step.
 
 Before timing, one offset added to the learned policy's output biases is bisected so
-the policy's expected token count on the batch is ``train.target_ratio`` of
+the policy's expected token count on the batch is ``train.budget.target_ratio`` of
 ``N_full``: the operating point the budget penalty trains towards (an untrained
 policy would sit anywhere). The learning rate is 0, so every round times the same
 weights at the same operating point; a step's cost does not depend on the learning
@@ -44,7 +44,7 @@ calls ``torch.set_num_threads``; an epoch hook records the worker's thread count
 * *steady-state images/s* (the target, Ray >= 0.9x plain): training images over
   training-loop time (both loops time the same thing: batches, steps and optimiser,
   not validation), summed over the epochs after the first ``skip_epochs`` (the
-  first holds one-off costs and, with ``train.warmup_epochs: 1``, is the warm-up);
+  first holds one-off costs and, with ``train.policy.warmup_epochs: 1``, is the warm-up);
 * *epoch incl. validation*: the training loop plus threshold calibration and
   validation, which both runs do after every epoch (the plain run does them in its
   ``on_epoch`` callback, as the Ray loop does, and also saves the model weights);
@@ -89,6 +89,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from ..config import AUTO_THRESHOLDS, ExperimentConfig
+from ..jsontypes import JsonObject
 from ..model import SplitViT
 from ..model.quadtree import expected_tokens
 from ..train.experiment import build_model, experiment_from_dict
@@ -152,9 +153,7 @@ def benchmark_config(
             "timm_kwargs": {**(timm_kwargs or {}), "patch_size": patch_size},
             "image_size": image_size,
             "levels": levels,
-            "policy": "learned",
-            "policy_depth": policy_depth,
-            "policy_width": policy_width,
+            "policy": {"kind": "learned", "depth": policy_depth, "width": policy_width},
             "thresholds": AUTO_THRESHOLDS,
             "num_classes": num_classes,
         },
@@ -166,11 +165,10 @@ def benchmark_config(
         },
         "train": {
             "epochs": epochs,
-            "target_ratio": target_ratio,
-            "warmup_epochs": 1,
+            "budget": {"target_ratio": target_ratio},
+            "policy": {"warmup_epochs": 1},
             "amp": False,
-            "teacher": teacher,
-            "teacher_every": teacher_every,
+            "teacher": {"kind": teacher, "every": teacher_every},
         },
         "tracking": {"enabled": False},
         "storage": {"name": "bench-train"},
@@ -295,30 +293,29 @@ def _step_names(include: tuple[str, ...], teacher_every: int) -> list[str]:
 
 def _build_step_workload(config: ExperimentConfig, dev: torch.device) -> _StepWorkload:
     """Step 1: the models on ``dev``, the batch, and the learned policy aimed at
-    ``train.target_ratio`` (:func:`aim_learned_policy`)."""
-    from ..train.steps import SplitLossConfig
+    ``train.budget.target_ratio`` (:func:`aim_learned_policy`)."""
 
     mc, tc = config.model, config.train
     torch.manual_seed(config.data.seed)
     model = build_model(mc).to(dev).train()
     if not model.policy.learned:
-        raise ValueError(f"part A needs model.policy learned, got {mc.policy!r}")
+        raise ValueError(f"part A needs model.policy.kind learned, got {mc.policy.kind!r}")
     full = (
         SplitViT(
             model.vit,
             levels=mc.levels,
-            policy="full",
+            policy=dataclasses.replace(mc.policy, kind="full"),
             image_size=mc.image_size,
             task=mc.task,
-            policy_depth=mc.policy_depth,
         )
         .to(dev)
         .train()
     )
     images, target = (t.to(dev) for t in _first_batch(config))
-    loss_cfg = SplitLossConfig(**{**tc.loss_config().__dict__, "warmup_epochs": _WARMUP_EPOCHS})
-    aim = aim_learned_policy(model, images, tc.target_ratio)
-    log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.target_ratio, aim)
+    loss = tc.loss_config()
+    loss_cfg = dataclasses.replace(loss, policy=dataclasses.replace(loss.policy, warmup_epochs=_WARMUP_EPOCHS))
+    aim = aim_learned_policy(model, images, tc.budget.target_ratio)
+    log.info("bench train: learned policy aimed at %.2f tokens: %s", tc.budget.target_ratio, aim)
     return _StepWorkload(
         model=model,
         full=full,
@@ -332,11 +329,11 @@ def _build_step_workload(config: ExperimentConfig, dev: torch.device) -> _StepWo
 
 def _step_losses(work: _StepWorkload, cycle: int, seed: int) -> dict[str, StepFn]:
     """Each step's loss and statistics, as the training loops compute them."""
-    from ..train.steps import SplitLossConfig, training_step
+    from ..train.steps import training_step
 
     model, full, images, target, loss_cfg = work.model, work.full, work.images, work.target, work.loss_cfg
     generator = torch.Generator().manual_seed(seed + 1)
-    every_step = SplitLossConfig(**{**loss_cfg.__dict__, "teacher_every": 1})
+    every_step = dataclasses.replace(loss_cfg, teacher=dataclasses.replace(loss_cfg.teacher, every=1))
     step_index = itertools.count()
     return {
         "full": lambda: training_step(full, images, target, loss_cfg, _POLICY_EPOCH, generator),
@@ -358,7 +355,7 @@ def _step_callables(
 ) -> tuple[dict[str, Callable[[], Any]], dict[str, list[dict[str, float]]], dict[str, int]]:
     """Step 2: one timed callable per step (``split_learned``: a whole teacher cycle of
     steps), the statistics each step records, and the steps per call."""
-    cycle, tc = config.train.teacher_every, config.train
+    cycle, tc = config.train.teacher.every, config.train
     losses = _step_losses(work, cycle, config.data.seed)
     split_params = list(work.model.parameters())
     params = {
@@ -382,7 +379,9 @@ def _step_callables(
     fns: dict[str, Callable[[], Any]] = {}
     for name in names:
         if name == "teacher":
-            fns[name] = under_autocast(partial(work.model.relevance, work.images, work.loss_cfg.teacher, target=label))
+            fns[name] = under_autocast(
+                partial(work.model.relevance, work.images, work.loss_cfg.teacher.kind, target=label)
+            )
         else:
             one = _optimizer_step(params[name], losses[name], tc.grad_clip, tc.weight_decay, records[name])
             fns[name] = under_autocast((lambda f, n: lambda: [f() for _ in range(n)])(one, steps_per_call[name]))
@@ -407,6 +406,35 @@ def _time_steps(
     return samples, cpu_samples, others
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """Part A's figures of one training step: its timing (:func:`~splitvit.bench.timing.timing_summary`),
+    the tokens it kept and its ratios to the full-resolution step."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    images_per_s: float  # at the median
+    samples_s: list[float]
+    cpu_median_s: float  # process CPU seconds per step
+    cpu_samples_s: list[float]
+    token_fraction: float | None  # over the timed steps (None: the teacher's full-resolution pass)
+    tokens_per_image: float | None
+    ideal_ratio: float | None  # 1 / token_fraction
+    ratio_to_full: float  # medians
+    ratio_to_full_fastest: float  # fastest rounds
+    ratio_to_full_cpu_time: float | None  # median CPU seconds (None: none measured)
+    per_round: dict[str, Any]  # the per-round ratio's quartiles and ``values``
+    share_of_split_learned: float | None = None  # the teacher alone: its share of the learned step
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON (``steps``): ``share_of_split_learned`` only for the teacher."""
+        data = dataclasses.asdict(self)
+        if data["share_of_split_learned"] is None:
+            del data["share_of_split_learned"]
+        return data
+
+
 def _step_figures(
     samples: dict[str, list[float]],
     cpu_samples: dict[str, list[float]],
@@ -416,30 +444,36 @@ def _step_figures(
     warmup: int,
     batch: int,
     full_tokens: int,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, StepTiming]:
     """Step 4: per step its timing summary, token fraction over the timed steps, the
     ideal ratio, and its ratios to ``full`` (medians, fastest rounds, CPU time, per round)."""
-    steps: dict[str, dict[str, Any]] = {}
-    for name, s in samples.items():
+    summaries = {name: timing_summary(s, cpu_samples[name], batch) for name, s in samples.items()}
+    ref = summaries["full"]
+    steps: dict[str, StepTiming] = {}
+    for name, t in summaries.items():
         timed = records[name][warmup * steps_per_call.get(name, 1) :] if records[name] else []
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
-        steps[name] = {
-            **timing_summary(s, cpu_samples[name], batch),
-            "token_fraction": fraction,
-            "tokens_per_image": fraction * full_tokens,
-            "ideal_ratio": 1.0 / fraction,
-        }
-    ref = steps["full"]
-    for name, t in steps.items():
         rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
-        t["ratio_to_full"] = ref["median_s"] / t["median_s"]
-        t["ratio_to_full_fastest"] = ref["min_s"] / t["min_s"]
-        t["ratio_to_full_cpu_time"] = ref["cpu_median_s"] / t["cpu_median_s"] if t["cpu_median_s"] > 0 else None
-        t["per_round"] = {**quartiles(rounds_ratio), "values": rounds_ratio}
+        steps[name] = StepTiming(
+            **t.to_dict(),
+            token_fraction=fraction,
+            tokens_per_image=fraction * full_tokens,
+            ideal_ratio=1.0 / fraction,
+            ratio_to_full=ref.median_s / t.median_s,
+            ratio_to_full_fastest=ref.min_s / t.min_s,
+            ratio_to_full_cpu_time=ref.cpu_median_s / t.cpu_median_s if t.cpu_median_s > 0 else None,
+            per_round={**quartiles(rounds_ratio), "values": rounds_ratio},
+        )
     if "teacher" in steps and "split_learned" in steps:
-        steps["teacher"]["share_of_split_learned"] = steps["teacher"]["median_s"] / steps["split_learned"]["median_s"]
-        for key in ("token_fraction", "tokens_per_image", "ideal_ratio"):
-            steps["teacher"][key] = None  # a full-resolution pass, not a training step at some token count
+        teacher = steps["teacher"]
+        steps["teacher"] = dataclasses.replace(
+            teacher,
+            share_of_split_learned=teacher.median_s / steps["split_learned"].median_s,
+            # a full-resolution pass, not a training step at some token count
+            token_fraction=None,
+            tokens_per_image=None,
+            ideal_ratio=None,
+        )
     return steps
 
 
@@ -452,11 +486,11 @@ def _step_config(work: _StepWorkload, *, rounds: int, warmup: int, autocast_bf16
         "warmup": warmup,
         "autocast_bf16": autocast_bf16,
         "learning_rate": 0.0,
-        "warmup_step": f"epoch {_WARM_EPOCH} of {loss_cfg.warmup_epochs} warm-up epochs: split rates in "
-        f"[{loss_cfg.warmup_min_split}, 1]",
-        "policy_step": f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.lambda_budget}, "
-        f"target {loss_cfg.target_ratio}, {loss_cfg.penalty}), teacher {loss_cfg.teacher} "
-        f"(weight {loss_cfg.teacher_weight}, every {loss_cfg.teacher_every} step(s))",
+        "warmup_step": f"epoch {_WARM_EPOCH} of {loss_cfg.policy.warmup_epochs} warm-up epochs: split rates in "
+        f"[{loss_cfg.policy.warmup_min_split}, 1]",
+        "policy_step": f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.budget.weight}, "
+        f"target {loss_cfg.budget.target_ratio}, {loss_cfg.budget.penalty}), teacher {loss_cfg.teacher.kind} "
+        f"(weight {loss_cfg.teacher.weight}, every {loss_cfg.teacher.every} step(s))",
         "policy_aim": work.aim,
         "images": "the training set's first batch",
     }
@@ -475,7 +509,7 @@ def run_step_benchmark(
     steps on the same model and batch, interleaved.
 
     Args:
-        config: the experiment (model, data, ``train.target_ratio``, ``train.grad_clip``,
+        config: the experiment (model, data, ``train.budget.target_ratio``, ``train.grad_clip``,
             ``train.weight_decay``, the SPLIT objective).
         rounds, warmup: timed and untimed interleaved rounds.
         device: ``cpu`` or ``cuda`` (``cuda:N``).
@@ -483,7 +517,7 @@ def run_step_benchmark(
         include: which of :data:`STEP_NAMES` to time (``full`` always is).
     """
     dev = checked_device(device)
-    names = _step_names(include, config.train.teacher_every)
+    names = _step_names(include, config.train.teacher.every)
     load_start = list(os.getloadavg())
     work = _build_step_workload(config, dev)
     fns, records, steps_per_call = _step_callables(work, names, config, autocast_bf16, dev)
@@ -508,7 +542,7 @@ def run_step_benchmark(
         "load_average_start": load_start,
         "load_average_end": list(os.getloadavg()),
         "other_processes_cpus_during_timing": others,
-        "steps": steps,
+        "steps": {name: timing.to_dict() for name, timing in steps.items()},
         "warnings": warnings,
     }
 
@@ -548,15 +582,150 @@ class WorkerProbe:
         write_bytes(self.uri, json.dumps(self.info).encode())
 
 
-def _whole_epochs(marks: list[dict[str, float]], epochs: list[dict[str, Any]]) -> None:
+@dataclasses.dataclass
+class EpochFigures:
+    """One epoch of a part-B run: its training images and seconds, and, where both
+    its ends were marked, the whole epoch (:func:`_whole_epochs`)."""
+
+    epoch: int
+    images: int
+    train_s: float  # the training loop's seconds (images / its images/s)
+    images_per_s: float
+    epoch_s: float  # the training loop, threshold calibration and validation
+    save_s: float | None  # the plain run's model save (None: a Ray run, whose checkpoint is in its epoch)
+    token_ratio: float | None  # in training
+    val_token_ratio: float | None  # in validation
+    whole_epoch_s: float | None = None  # start to the next epoch's start (None: not marked at both ends)
+    whole_epoch_cpu_s: float | None = None
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON: ``save_s`` and the whole epoch only where measured."""
+        data = dataclasses.asdict(self)
+        for key in ("save_s", "whole_epoch_s", "whole_epoch_cpu_s"):
+            if data[key] is None:
+                del data[key]
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class SteadyFigures:
+    """Images over training-loop seconds, summed over the epochs after the skipped ones."""
+
+    epochs: list[int]
+    images: int
+    train_s: float
+    images_per_s: float
+
+
+@dataclasses.dataclass
+class PlainRun:
+    """Part B's plain loop (``fit_local``) run: its epochs and what it cost."""
+
+    epochs: list[EpochFigures]
+    wall_s: float
+    interop_threads: int
+    machine_busy_cpus: float | None  # the whole machine's busy CPUs meanwhile (None: unknown)
+    this_process_cpus: float
+    steady: SteadyFigures | None = None  # set by the pair (:func:`_steady`)
+
+    @property
+    def end_to_end_s(self) -> float:
+        """The run's wall seconds (nothing to start before it)."""
+        return self.wall_s
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON."""
+        return _run_dict(self)
+
+
+@dataclasses.dataclass
+class RayRun:
+    """Part B's Ray Train run (``run_training``, one worker): its epochs and what it cost."""
+
+    epochs: list[EpochFigures]
+    wall_s: float
+    ray_start_s: float  # Ray's start-up, when started here (else 0)
+    end_to_end_s: float
+    started_ray: bool
+    worker_threads: dict[str, Any] | None  # what the worker's probe wrote (None: unreadable)
+    machine_busy_cpus: float | None
+    this_process_cpus: float
+    steady: SteadyFigures | None = None  # set by the pair (:func:`_steady`)
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON."""
+        return _run_dict(self)
+
+
+def _run_dict(run: PlainRun | RayRun) -> dict[str, Any]:
+    """A run's JSON: its fields in order, the epochs each as :meth:`EpochFigures.to_dict`."""
+    data = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
+    data["epochs"] = [e.to_dict() for e in run.epochs]
+    data["steady"] = None if run.steady is None else dataclasses.asdict(run.steady)
+    if isinstance(run, RayRun) and run.worker_threads is not None:
+        data["worker_threads"] = dict(run.worker_threads)
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class OverheadPair:
+    """One round of part B: the plain and the Ray run, in the order they ran, and Ray's
+    steady images/s over the plain loop's."""
+
+    order: tuple[str, str]
+    plain: PlainRun
+    ray: RayRun
+    ratio: float
+
+    def run(self, kind: str) -> PlainRun | RayRun:
+        """The ``plain`` or the ``ray`` run."""
+        return self.plain if kind == "plain" else self.ray
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON (``runs``): the runs under their kinds, in the order they ran."""
+        runs = {kind: self.run(kind).to_dict() for kind in self.order}
+        return {"order": list(self.order), **runs, "ratio": self.ratio}
+
+
+@dataclasses.dataclass(frozen=True)
+class OverheadTotal:
+    """One kind of run (plain or Ray) over every round (:func:`_overhead_total`)."""
+
+    steady_images_per_s: float
+    steady_epoch_incl_validation_s: float
+    whole_epoch_s: float | None
+    whole_epoch_cpu_s: float | None
+    whole_epochs: int
+    end_to_end_s: float
+    end_to_end_images_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class OverheadFigures:
+    """Both kinds' totals and Ray's speed relative to the plain loop (> 1: Ray faster)."""
+
+    plain: OverheadTotal
+    ray: OverheadTotal
+    ratio_steady: float
+    ratio_epoch_incl_validation: float
+    ratio_whole_epoch: float | None
+    ratio_whole_epoch_cpu_time: float | None
+    ratio_end_to_end: float
+
+    def to_dict(self) -> JsonObject:
+        """Its keys of part B's JSON."""
+        return dataclasses.asdict(self)
+
+
+def _whole_epochs(marks: list[dict[str, float]], epochs: list[EpochFigures]) -> None:
     """Add each epoch's whole wall and CPU seconds (start to next epoch's start:
     training, validation, checkpoint, and the Ray loop's report) where both ends
     were marked."""
     by_epoch = {m["epoch"]: m for m in marks}
     for e in epochs:
-        a, b = by_epoch.get(e["epoch"]), by_epoch.get(e["epoch"] + 1)
+        a, b = by_epoch.get(e.epoch), by_epoch.get(e.epoch + 1)
         if a is not None and b is not None:
-            e["whole_epoch_s"], e["whole_epoch_cpu_s"] = b["wall"] - a["wall"], b["cpu"] - a["cpu"]
+            e.whole_epoch_s, e.whole_epoch_cpu_s = b["wall"] - a["wall"], b["cpu"] - a["cpu"]
 
 
 def overhead_config(
@@ -588,38 +757,36 @@ def overhead_config(
     return experiment_from_dict(raw)
 
 
-def _steady(epochs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+def _steady(epochs: list[EpochFigures], skip: int) -> SteadyFigures:
     """Images over training-loop seconds, summed over the epochs after ``skip``."""
-    kept = [e for e in epochs if e["epoch"] >= skip]
-    images, seconds = sum(e["images"] for e in kept), sum(e["train_s"] for e in kept)
-    return {
-        "epochs": [e["epoch"] for e in kept],
-        "images": images,
-        "train_s": seconds,
-        "images_per_s": images / seconds if seconds > 0 else 0.0,
-    }
+    kept = [e for e in epochs if e.epoch >= skip]
+    images, seconds = sum(e.images for e in kept), sum(e.train_s for e in kept)
+    return SteadyFigures(
+        epochs=[e.epoch for e in kept],
+        images=images,
+        train_s=seconds,
+        images_per_s=images / seconds if seconds > 0 else 0.0,
+    )
 
 
-def _epoch_pair(pair: dict[str, Any], epoch: int) -> list[dict[str, Any]]:
+def _epoch_pair(pair: OverheadPair, epoch: int) -> list[EpochFigures]:
     """Epoch ``epoch`` of both runs of a plain/Ray pair."""
-    return [e for kind in ("plain", "ray") for e in pair[kind]["epochs"] if e["epoch"] == epoch]
+    return [e for run in (pair.plain, pair.ray) for e in run.epochs if e.epoch == epoch]
 
 
 def _busy() -> tuple[float | None, float, float]:
     return cpu_busy_seconds(), time.process_time(), time.perf_counter()
 
 
-def _busy_since(start: tuple[float | None, float, float]) -> dict[str, float | None]:
-    """Average busy CPUs of the whole machine, and of this process, since ``start``."""
+def _busy_since(start: tuple[float | None, float, float]) -> tuple[float | None, float]:
+    """Average busy CPUs of the whole machine (``None``: unknown), and of this process, since ``start``."""
     busy, own, wall = _busy()
     elapsed = max(wall - start[2], 1e-9)
-    return {
-        "machine_busy_cpus": (busy - start[0]) / elapsed if busy is not None and start[0] is not None else None,
-        "this_process_cpus": (own - start[1]) / elapsed,
-    }
+    machine = (busy - start[0]) / elapsed if busy is not None and start[0] is not None else None
+    return machine, (own - start[1]) / elapsed
 
 
-def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> dict[str, Any]:
+def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> PlainRun:
     """The config trained by ``fit_local``, with validation (and threshold calibration)
     and a model save after every epoch, as the Ray loop does."""
     from ..data import build_dataset
@@ -645,7 +812,7 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
             val_set,
             val_loader,
             num_classes=mc.num_classes,
-            calibrate_to=tc.target_ratio if auto else None,
+            calibrate_to=tc.budget.target_ratio if auto else None,
             calibration_images=dc.eval_batch_size or dc.batch_size,
         )
         validated = time.perf_counter() - t0
@@ -675,22 +842,23 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
     for stats, extra in zip(history, extras):
         train_s = per_batch / stats["images_per_s"]
         epochs.append(
-            {
-                "epoch": int(stats["epoch"]),
-                "images": per_batch,
-                "train_s": train_s,
-                "images_per_s": stats["images_per_s"],
-                "epoch_s": train_s + extra["validation_s"],
-                "save_s": extra["save_s"],
-                "token_ratio": stats.get("token_ratio"),
-                "val_token_ratio": extra.get("token_ratio"),
-            }
+            EpochFigures(
+                epoch=int(stats["epoch"]),
+                images=per_batch,
+                train_s=train_s,
+                images_per_s=stats["images_per_s"],
+                epoch_s=train_s + extra["validation_s"],
+                save_s=extra["save_s"],
+                token_ratio=stats.get("token_ratio"),
+                val_token_ratio=extra.get("token_ratio"),
+            )
         )
     _whole_epochs(marks, epochs)
-    return {"epochs": epochs, "wall_s": wall, "interop_threads": torch.get_num_interop_threads(), **_busy_since(start)}
+    machine, own = _busy_since(start)
+    return PlainRun(epochs, wall, torch.get_num_interop_threads(), machine, own)
 
 
-def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) -> dict[str, Any]:
+def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) -> RayRun:
     """The config trained by ``run_training`` (one worker); per-epoch figures from
     the checkpoints' ``metrics.json``."""
     import ray
@@ -730,15 +898,16 @@ def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) ->
         ips = float(metrics["train_images_per_s"])
         train_s = per_batch / ips
         epochs.append(
-            {
-                "epoch": epoch,
-                "images": per_batch,
-                "train_s": train_s,
-                "images_per_s": ips,
-                "epoch_s": float(metrics["epoch_time_s"]),
-                "token_ratio": metrics.get("train_token_ratio"),
-                "val_token_ratio": metrics.get("token_ratio"),
-            }
+            EpochFigures(
+                epoch=epoch,
+                images=per_batch,
+                train_s=train_s,
+                images_per_s=ips,
+                epoch_s=float(metrics["epoch_time_s"]),
+                save_s=None,
+                token_ratio=metrics.get("train_token_ratio"),
+                val_token_ratio=metrics.get("token_ratio"),
+            )
         )
     try:
         worker = json.loads(read_bytes(probe_uri))
@@ -746,15 +915,7 @@ def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) ->
         worker = None
     else:
         _whole_epochs(worker.pop("epoch_starts"), epochs)
-    return {
-        "epochs": epochs,
-        "wall_s": wall,
-        "ray_start_s": ray_start,
-        "end_to_end_s": ray_start + wall,
-        "started_ray": started_here,
-        "worker_threads": worker,
-        **busy,
-    }
+    return RayRun(epochs, wall, ray_start, ray_start + wall, started_here, worker, *busy)
 
 
 def _overhead_threads(config: ExperimentConfig, *, threads: int | None, rounds: int, skip_epochs: int) -> int:
@@ -779,21 +940,21 @@ def _overhead_pair(
     folder: Path,
     skip_epochs: int,
     ray_address: str | None,
-) -> dict[str, Any]:
+) -> OverheadPair:
     """Round ``r``: the plain and the Ray run, in alternating order, and their ratio."""
     order = ("plain", "ray") if r % 2 == 0 else ("ray", "plain")
-    pair: dict[str, Any] = {"order": list(order)}
+    plain: PlainRun | None = None
+    ray: RayRun | None = None
     for kind in order:
         log.info("bench train: round %d/%d, %s run", r + 1, rounds, kind)
         if kind == "plain":
             folder.mkdir()
-            pair["plain"] = _run_plain(cfg, dev, folder)
+            plain = _run_plain(cfg, dev, folder)
         else:
-            pair["ray"] = _run_ray(cfg, threads, ray_address)
-    for kind in ("plain", "ray"):
-        pair[kind]["steady"] = _steady(pair[kind]["epochs"], skip_epochs)
-    pair["ratio"] = pair["ray"]["steady"]["images_per_s"] / pair["plain"]["steady"]["images_per_s"]
-    return pair
+            ray = _run_ray(cfg, threads, ray_address)
+    assert plain is not None and ray is not None
+    plain.steady, ray.steady = _steady(plain.epochs, skip_epochs), _steady(ray.epochs, skip_epochs)
+    return OverheadPair(order, plain, ray, ray.steady.images_per_s / plain.steady.images_per_s)
 
 
 def _overhead_runs(
@@ -806,7 +967,7 @@ def _overhead_runs(
     tracking: bool,
     storage: str | None,
     ray_address: str | None,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[OverheadPair], dict[str, Any]]:
     """Every plain/Ray pair, in a temporary folder (the plain runs' models, and Ray's
     storage and MLflow store unless given); the pairs and the first run's config."""
     dev = torch.device(device)
@@ -843,51 +1004,54 @@ def _overhead_runs(
     return runs, configs[0].to_dict(redact=True)
 
 
-def _overhead_total(runs: list[dict[str, Any]], kind: str, skip_epochs: int) -> dict[str, Any]:
+def _overhead_total(runs: list[OverheadPair], kind: str, skip_epochs: int) -> OverheadTotal:
     """One kind of run (``plain`` or ``ray``) over all rounds: steady images/s, epoch
     seconds with validation, whole epochs (wall and CPU) and end to end."""
-    images = sum(p[kind]["steady"]["images"] for p in runs)
-    seconds = sum(p[kind]["steady"]["train_s"] for p in runs)
-    epochs_all = [e for p in runs for e in p[kind]["epochs"]]
-    steady_epochs = [e for e in epochs_all if e["epoch"] >= skip_epochs]
-    trained = sum(e["images"] for e in epochs_all)
-    wall = sum(p[kind]["end_to_end_s" if kind == "ray" else "wall_s"] for p in runs)
+    done = [p.run(kind) for p in runs]
+    images = sum(r.steady.images for r in done if r.steady is not None)
+    seconds = sum(r.steady.train_s for r in done if r.steady is not None)
+    epochs_all = [e for r in done for e in r.epochs]
+    steady_epochs = [e for e in epochs_all if e.epoch >= skip_epochs]
+    trained = sum(e.images for e in epochs_all)
+    wall = sum(r.end_to_end_s for r in done)
     # whole epochs both runs marked at both ends (the Ray hook never sees the last one end)
     whole = [
         e
         for p in runs
-        for e in p[kind]["epochs"]
-        if e["epoch"] >= skip_epochs and all("whole_epoch_s" in x for x in _epoch_pair(p, e["epoch"]))
+        for e in p.run(kind).epochs
+        if e.epoch >= skip_epochs and all(x.whole_epoch_s is not None for x in _epoch_pair(p, e.epoch))
     ]
-    return {
-        "steady_images_per_s": images / seconds,
-        "steady_epoch_incl_validation_s": statistics.fmean(e["epoch_s"] for e in steady_epochs),
-        "whole_epoch_s": statistics.fmean(e["whole_epoch_s"] for e in whole) if whole else None,
-        "whole_epoch_cpu_s": statistics.fmean(e["whole_epoch_cpu_s"] for e in whole) if whole else None,
-        "whole_epochs": len(whole),
-        "end_to_end_s": wall / len(runs),
-        "end_to_end_images_per_s": trained / wall,
-    }
+    whole_s = [e.whole_epoch_s for e in whole if e.whole_epoch_s is not None]
+    whole_cpu_s = [e.whole_epoch_cpu_s for e in whole if e.whole_epoch_cpu_s is not None]
+    return OverheadTotal(
+        steady_images_per_s=images / seconds,
+        steady_epoch_incl_validation_s=statistics.fmean(e.epoch_s for e in steady_epochs),
+        whole_epoch_s=statistics.fmean(whole_s) if whole else None,
+        whole_epoch_cpu_s=statistics.fmean(whole_cpu_s) if whole else None,
+        whole_epochs=len(whole),
+        end_to_end_s=wall / len(runs),
+        end_to_end_images_per_s=trained / wall,
+    )
 
 
-def _overhead_figures(runs: list[dict[str, Any]], skip_epochs: int) -> dict[str, Any]:
+def _overhead_figures(runs: list[OverheadPair], skip_epochs: int) -> OverheadFigures:
     """Both kinds' totals and Ray's speed relative to the plain loop (> 1: Ray faster),
     steady, per epoch with validation, per whole epoch (wall, CPU time) and end to end."""
     plain, ray_ = _overhead_total(runs, "plain", skip_epochs), _overhead_total(runs, "ray", skip_epochs)
     whole_ratio = whole_cpu_ratio = None
-    if plain["whole_epoch_s"] and ray_["whole_epoch_s"]:
-        whole_ratio = plain["whole_epoch_s"] / ray_["whole_epoch_s"]
-        if ray_["whole_epoch_cpu_s"] > 0:
-            whole_cpu_ratio = plain["whole_epoch_cpu_s"] / ray_["whole_epoch_cpu_s"]
-    return {
-        "plain": plain,
-        "ray": ray_,
-        "ratio_steady": ray_["steady_images_per_s"] / plain["steady_images_per_s"],
-        "ratio_epoch_incl_validation": plain["steady_epoch_incl_validation_s"] / ray_["steady_epoch_incl_validation_s"],
-        "ratio_whole_epoch": whole_ratio,
-        "ratio_whole_epoch_cpu_time": whole_cpu_ratio,
-        "ratio_end_to_end": plain["end_to_end_s"] / ray_["end_to_end_s"],
-    }
+    if plain.whole_epoch_s and ray_.whole_epoch_s:
+        whole_ratio = plain.whole_epoch_s / ray_.whole_epoch_s
+        if ray_.whole_epoch_cpu_s is not None and ray_.whole_epoch_cpu_s > 0 and plain.whole_epoch_cpu_s is not None:
+            whole_cpu_ratio = plain.whole_epoch_cpu_s / ray_.whole_epoch_cpu_s
+    return OverheadFigures(
+        plain=plain,
+        ray=ray_,
+        ratio_steady=ray_.steady_images_per_s / plain.steady_images_per_s,
+        ratio_epoch_incl_validation=plain.steady_epoch_incl_validation_s / ray_.steady_epoch_incl_validation_s,
+        ratio_whole_epoch=whole_ratio,
+        ratio_whole_epoch_cpu_time=whole_cpu_ratio,
+        ratio_end_to_end=plain.end_to_end_s / ray_.end_to_end_s,
+    )
 
 
 def _overhead_warnings(worker: dict[str, Any] | None, threads: int, ray_before: bool) -> list[str]:
@@ -978,16 +1142,16 @@ def run_ray_overhead_benchmark(
     finally:
         torch.set_num_threads(own_threads)
     figures = _overhead_figures(runs, skip_epochs)
-    worker = next((p["ray"]["worker_threads"] for p in runs if p["ray"].get("worker_threads")), None)
+    worker = next((p.ray.worker_threads for p in runs if p.ray.worker_threads), None)
     target = make_target(
         "ray",
         "Ray Train (1 worker) vs plain loop: steady-state training images/s",
-        figures["ratio_steady"],
+        figures.ratio_steady,
         ">=",
         RAY_OVERHEAD_TARGET,
         "times",
         note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
-        rounds=[p["ratio"] for p in runs],
+        rounds=[p.ratio for p in runs],
     )
     return {
         "config": {
@@ -1003,8 +1167,8 @@ def run_ray_overhead_benchmark(
         "worker_threads": worker,
         "load_average_start": load_start,
         "load_average_end": list(os.getloadavg()),
-        "runs": runs,
-        **figures,
+        "runs": [p.to_dict() for p in runs],
+        **figures.to_dict(),
         "target": target,
         "included": _overhead_included(skip_epochs, tracking),
         "warnings": _overhead_warnings(worker, threads, ray_before),
@@ -1107,11 +1271,11 @@ def _vit_info(config: ExperimentConfig) -> dict[str, Any]:
         "coarse_patch_size": model.geometry.coarse_patch_size,
         "full_tokens": model.geometry.full_tokens,
         "min_tokens": model.geometry.min_tokens,
-        "policy_depth": mc.policy_depth,
+        "policy_depth": mc.policy.depth,
         "num_classes": mc.num_classes,
         "batch_size": dc.batch_size,
         "data": f"{dc.name} {dc.options}",
-        "target_ratio": config.train.target_ratio,
+        "target_ratio": config.train.budget.target_ratio,
     }
 
 

@@ -145,7 +145,7 @@ def _add_forward(kinds: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--level-context",
         action="store_true",
-        help="the learned policies score every finer level in context (model.policy_level_context: "
+        help="the learned policies score every finer level in context (model.policy.level_context: "
         "their blocks also run on all of a finer level's nodes), to time its cost; needs 3 levels",
     )
     p.add_argument(

@@ -77,6 +77,6 @@ def _resolve(args: argparse.Namespace) -> Any:
 def _recipe_line(config: Any) -> str:
     if config.recipe != "none":
         return f"{config.recipe} (under every layer below; `splitvit recipes show {config.recipe}`)"
-    if config.model.policy != "learned":
-        return f"none (model.policy is {config.model.policy}: recipes are the learned policy's)"
+    if config.model.policy.kind != "learned":
+        return f"none (model.policy.kind is {config.model.policy.kind}: recipes are the learned policy's)"
     return "none (the library's defaults)"

@@ -77,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
     check_run_settings(spec.run_config(spec.seeds[0], None, "base", settings_only=True), tracked=True)
     check_address(args)
     from ..study.report import lever_lines, reuse_phrase, summary_lines
-    from ..tune.console import show_ray_output
+    from ..train.console import show_ray_output
 
-    for logger in ("splitvit.study", "splitvit.tune"):
+    # the speed step's line (bench.speed: the timing routine sweeps share) shows as the study's own
+    for logger in ("splitvit.study", "splitvit.tune", "splitvit.bench.speed"):
         logging.getLogger(logger).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
     ours = not _ray_running()

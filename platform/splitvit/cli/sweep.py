@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .options import (
     TRACKING_HELP,
@@ -16,6 +17,9 @@ from .options import (
     overrides,
 )
 from .output import emit, fail, frontier_table, print_table
+
+if TYPE_CHECKING:  # the type only: the command loads the sweep (and Ray) when it runs
+    from ..tune.state import SweepResult
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,12 +63,13 @@ def run(args: argparse.Namespace) -> int:
     check_before_ray(args, space)
     import ray
 
+    from ..train.console import show_ray_output
     from ..tune import SweepError, run_sweep
-    from ..tune.console import show_ray_output
 
     # progress of the sweep (trials starting, epochs, trials finishing) is shown by
     # default, as the project's lines; Ray Tune's own console only with -v
-    logging.getLogger("splitvit.tune").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for logger in ("splitvit.tune", "splitvit.bench.speed"):  # the frontier's timing (bench.speed) too
+        logging.getLogger(logger).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     show_ray_output(args.verbose)
     ours = not ray.is_initialized()
     try:
@@ -77,6 +82,19 @@ def run(args: argparse.Namespace) -> int:
             # above the summary, which is the last thing the command prints
             ray.shutdown()
     data = result.to_dict()
+    print_summary(result, data)
+    print_baselines(result)
+    print_locations(result)
+    data["sweep_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
+    data.pop("wall_time_s", None)  # the envelope's wall_time_s: the whole command
+    emit(args, data, tracking_uri=result.tracking_uri, experiment_id=result.experiment_id, run_id=result.parent_run_id)
+    if result.status != "completed":
+        return fail(args, "no trial completed, so there is no frontier")
+    return 0
+
+
+def print_summary(result: SweepResult, data: dict[str, Any]) -> None:
+    """The sweep's counts, hypervolume, reference and its frontier table."""
     metric = result.metric
     counts: dict[str, int] = {}
     for trial in result.trials:
@@ -99,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
         frontier_table(data["frontier"], metric)
     else:
         print("  (empty: no trial completed)")
+
+
+def print_baselines(result: SweepResult) -> None:
+    """The baselines' table (with their held-out figures where the sweep has them) and
+    each failed trial's last error line."""
+    metric = result.metric
     if result.baselines:
         tuned = result.reference is not None
         where = "fine-tuned from the same reference" if tuned else f"on trial {result.baselines[0].trial_id}'s backbone"
@@ -122,18 +146,22 @@ def run(args: argparse.Namespace) -> int:
         if trial.status in ("failed", "diverged"):
             last = trial.error.strip().splitlines()[-1] if trial.error.strip() else ""
             print(f"trial {trial.trial_id} {trial.status}: {last[:200]}")
+
+
+def print_locations(result: SweepResult) -> None:
+    """Where the sweep's plot, tables, models and MLflow runs are, and its wall time."""
     print()
     print(f"plot:           {result.plot}")
     if result.split_map:
         print(f"split maps:     {result.split_map}")
     print(f"frontier table: {result.frontier_csv}")
-    if result.extras.get("chart"):
-        print(f"chart:          {result.extras['chart']} (also the run's pareto.html in the UI: hover a point)")
-    registered = result.extras.get("registered_models")
+    if result.chart:
+        print(f"chart:          {result.chart} (also the run's pareto.html in the UI: hover a point)")
+    registered = result.registered_models
     if registered:
-        budgets = ", ".join(a for a in registered["aliases"] if a != "best")
-        print(f"models:         registered as {registered['name']}, aliases best, {budgets}")
-        print(f"                e.g. splitvit eval {registered['aliases']['best']}")
+        budgets = ", ".join(a for a in registered.aliases if a != "best")
+        print(f"models:         registered as {registered.name}, aliases best, {budgets}")
+        print(f"                e.g. splitvit eval {registered.aliases['best']}")
     print(
         f"MLflow:         experiment {result.experiment!r} (id {result.experiment_id}), "
         f"parent run {result.parent_run_id}"
@@ -146,12 +174,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"open the UI:    {result.mlflow_url()}")
     print(f"wall time:      {result.wall_time_s:.0f} s")
-    data["sweep_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
-    data.pop("wall_time_s", None)  # the envelope's wall_time_s: the whole command
-    emit(args, data, tracking_uri=result.tracking_uri, experiment_id=result.experiment_id, run_id=result.parent_run_id)
-    if result.status != "completed":
-        return fail(args, "no trial completed, so there is no frontier")
-    return 0
 
 
 def check_before_ray(args: argparse.Namespace, space) -> None:

@@ -43,7 +43,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+
+from ..jsontypes import JsonObject
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class StackStatus:
         """True when the stack is running and every check passed."""
         return self.running and bool(self.components) and all(c.healthy for c in self.components)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict for JSON."""
         out = asdict(self)
         out["healthy"] = self.healthy
@@ -202,7 +203,7 @@ class DownReport:
         """True when nothing of the stack is left running."""
         return not self.ports_open
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict for JSON."""
         return {**asdict(self), "clean": self.clean}
 

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..jsontypes import JsonObject
+
 log = logging.getLogger(__name__)
 
 #: ``splitvit submit ENTRY`` -> the script it runs, relative to the working dir.
@@ -136,7 +138,7 @@ class JobResult:
     duration_s: float = 0.0
     runtime_env: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict for JSON (environment values that look secret are masked)."""
         from ..config import redact_secrets, redact_uri
 

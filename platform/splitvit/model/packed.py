@@ -165,18 +165,13 @@ def sorted_chunks(lengths: list[int], max_rows: int | None = None) -> list[tuple
 PER_IMAGE_SEQUENCES = 16
 
 
-def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> Kernel:
-    """A varlen-signature attention kernel for devices without one (CPU).
-
-    ``cu_seqlens`` (``(B + 1,)`` cumulative offsets) fixes the layout: the images are
-    sorted by length and split into groups of similar length, chosen by
-    :func:`length_groups` (``groups=None``) or ``groups`` of equal count; each group's
-    q/k/v are padded to that group's longest sequence, with the padding keys masked
-    (every query row keeps at least its own valid keys, so no row is fully masked).
-    The kernel checks that it is called with the same offsets.
-    """
-    device = cu_seqlens.device
-    cu = cu_seqlens.to(torch.long)
+def _padded_layout(
+    cu: torch.Tensor, groups: int | None
+) -> tuple[list[tuple[int, int, int, torch.Tensor | None]], torch.Tensor, int]:
+    """The padded layout of packed sequences at offsets ``cu`` (:func:`padded_sdpa_kernel`'s):
+    per group ``(first padded row, images, padded length, key mask or None)``, the padded
+    row of every packed token, and the padded rows in all."""
+    device = cu.device
     lengths = cu[1:] - cu[:-1]
     batch = lengths.numel()
     total = int(cu[-1])
@@ -206,6 +201,22 @@ def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> K
         row += n * longest
     rows = row
     slot = row_of_image[seq] + pos  # padded row of every packed token
+    return layout, slot, rows
+
+
+def padded_sdpa_kernel(cu_seqlens: torch.Tensor, groups: int | None = None) -> Kernel:
+    """A varlen-signature attention kernel for devices without one (CPU).
+
+    ``cu_seqlens`` (``(B + 1,)`` cumulative offsets) fixes the layout: the images are
+    sorted by length and split into groups of similar length, chosen by
+    :func:`length_groups` (``groups=None``) or ``groups`` of equal count; each group's
+    q/k/v are padded to that group's longest sequence, with the padding keys masked
+    (every query row keeps at least its own valid keys, so no row is fully masked).
+    The kernel checks that it is called with the same offsets.
+    """
+    cu = cu_seqlens.to(torch.long)
+    batch = cu.numel() - 1
+    layout, slot, rows = _padded_layout(cu, groups)
 
     buffers: dict[tuple, torch.Tensor] = {}
 

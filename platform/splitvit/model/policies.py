@@ -37,13 +37,13 @@ class PolicyContext:
 
     Attributes:
         coarse_features: ``(B, H_0, W_0, D)`` coarse tokens after the ViT's first
-            ``policy_depth`` blocks, or ``None`` for policies that do not use them.
+            ``policy.depth`` blocks, or ``None`` for policies that do not use them.
         node_embeddings: per non-finest level ``(B, H_l, W_l, D)`` token embeddings
             (patch + position + level) of every node at that level.
         budget: ``(B,)`` target token ratio per image, for a budget-conditioned
             policy; ``None`` when the model tells none.
         level_features: per non-finest level ``(B, H_l, W_l, D)``, every node after
-            the ViT's first ``policy_depth`` blocks on the sequence of all that
+            the ViT's first ``policy.depth`` blocks on the sequence of all that
             level's nodes (level 0: ``coarse_features``), for a ``level_context``
             policy without blocks of its own; ``None`` otherwise.
         fine_embeddings: ``(B, H, W, D)`` the finest level's token embeddings, for a
@@ -242,10 +242,10 @@ class LearnedPolicy(SplitPolicy):
             heads = max(1, width // 64)
             if width < 1 or width % heads:
                 raise ValueError(
-                    f"policy_width must be a positive multiple of its {heads} attention head(s), got {width}"
+                    f"policy.width must be a positive multiple of its {heads} attention head(s), got {width}"
                 )
             if depth < 0:
-                raise ValueError(f"policy_depth must be >= 0, got {depth}")
+                raise ValueError(f"policy.depth must be >= 0, got {depth}")
             self.proj = nn.Linear(embed_dim, width)
             self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(depth)))
         dim = width if width is not None else embed_dim

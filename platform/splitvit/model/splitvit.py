@@ -35,6 +35,7 @@ images: same logits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from timm.data import resolve_model_data_config
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
+from ..config import LEGACY_KEYS, ConfigError, PolicyConfig, build_dataclass
 from .aggregation import FineAggregation
 from .heads import DenseHead, masked_pool
 from .names import INPUT_NORMALIZATIONS, POLICY_NAMES, TASKS
@@ -190,15 +192,21 @@ class SplitViT(nn.Module):
         vit: the timm ViT whose patch embedding, position embedding, blocks and
             head are used as they are; its patch size is the finest patch ``p``.
         levels: quadtree levels ``L`` (coarsest patch ``p * 2**(L-1)``).
-        policy: a :class:`SplitPolicy` or its name.
+        policy: the split policy's settings (:class:`~splitvit.config.PolicyConfig`:
+            ``kind``, and the learned policy's ``depth``, ``width``, ``level_context``,
+            ``feature_grad``, ``fine_evidence``, ``evidence_pooling``,
+            ``budget_conditioned``; other policies ignore those), a mapping of them (a
+            checkpoint's spec), or a policy's name (the rest at their defaults); a
+            built :class:`SplitPolicy` goes in through :meth:`set_policy`. ``depth``: how
+            many of the ViT's own blocks run on the coarse tokens to give the learned
+            policy the model's view of the image (with
+            ``width``, how many blocks of its own it runs at that width, see
+            :class:`~splitvit.model.policies.LearnedPolicy`); ``budget_conditioned``: the
+            policy is told the target token ratio, the ``budget`` buffer or ``forward``'s
+            ``budget``; ``feature_grad``: its features are not detached in :meth:`forward`
+            (:meth:`split_scores` detaches them whatever it says).
         image_size: input side (defaults to the ViT's; position embeddings are resampled).
         thresholds: per-level split thresholds in ``[0, 1]`` used at evaluation.
-        policy_depth: how many of the ViT's own blocks run on the coarse tokens to
-            give the learned policy the model's view of the image; with
-            ``policy_width``, how many blocks of its own the policy runs.
-        policy_width: give the learned policy blocks of its own at this width (see
-            :class:`~splitvit.model.policies.LearnedPolicy`) instead of sharing the
-            ViT's first blocks: a policy that costs little beside a wide ViT.
         task: ``classification`` or ``dense`` (per-pixel logits).
         num_classes: classes of the dense head (classification uses the ViT's head).
         length_buckets: padded path only: encode the batch in this many groups of
@@ -219,27 +227,10 @@ class SplitViT(nn.Module):
             ``crop_pct``...); ``None`` resolves the ViT's own with
             ``timm.data.resolve_model_data_config``. Its mean and std become the
             ``input_mean`` / ``input_std`` buffers that :meth:`normalize` applies.
-        budget_conditioned: build the learned policy with a budget embedding
-            (:class:`~splitvit.model.policies.LearnedPolicy`): it is told the target
-            token ratio, the ``budget`` buffer or ``forward``'s ``budget``. Other
-            policies ignore it.
         fine_aggregation: add to every coarse token a zero-initialised aggregation
             of the finest patch embeddings it covers (:class:`FineAggregation`):
             coarse tokens carry fine detail the area resize averages away, and a
             model fine-tuned from a full-resolution reference starts exactly there.
-        policy_level_context: the learned policy scores every finer level's nodes
-            from the policy blocks run on that level's nodes together, not from their
-            embeddings alone (:class:`~splitvit.model.policies.LearnedPolicy`'s
-            ``level_context``). Other policies ignore it.
-        policy_feature_grad: the learned policy's features are not detached in
-            :meth:`forward`, so that its losses also train the blocks and embeddings they
-            come from (``LearnedPolicy(detach_features=False)``); :meth:`split_scores`
-            detaches them whatever this says. Other policies ignore it.
-        policy_fine_evidence: the learned policy also scores a node from the most
-            telling finest patch under it (``LearnedPolicy``'s ``fine_evidence``).
-            Other policies ignore it.
-        policy_evidence_pooling: ``max`` or ``soft``, how that evidence is pooled to each
-            node (``LearnedPolicy``'s ``evidence_pooling``).
     """
 
     def __init__(
@@ -247,11 +238,9 @@ class SplitViT(nn.Module):
         vit: VisionTransformer,
         *,
         levels: int,
-        policy: str | SplitPolicy = "learned",
+        policy: PolicyConfig | dict[str, Any] | str = "learned",
         image_size: int | tuple[int, int] | None = None,
         thresholds: float | list[float] = 0.5,
-        policy_depth: int = 2,
-        policy_width: int | None = None,
         task: str = "classification",
         num_classes: int | None = None,
         length_buckets: int = 1,
@@ -259,12 +248,7 @@ class SplitViT(nn.Module):
         token_buckets: int = 0,
         spec: dict[str, Any] | None = None,
         data_config: dict[str, Any] | None = None,
-        budget_conditioned: bool = False,
         fine_aggregation: bool = False,
-        policy_level_context: bool = False,
-        policy_feature_grad: bool = False,
-        policy_fine_evidence: bool = False,
-        policy_evidence_pooling: str = "max",
     ) -> None:
         super().__init__()
         if not isinstance(vit, VisionTransformer):
@@ -275,8 +259,13 @@ class SplitViT(nn.Module):
             raise ValueError(f"SplitViT supports global_pool 'token' or 'avg', got {vit.global_pool!r}")
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        if policy_width is None and not 0 <= policy_depth <= len(vit.blocks):
-            raise ValueError(f"policy_depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {policy_depth}")
+        #: the policy's settings (``model.policy``): its modules are built from them; to share one
+        #: built policy between two models, build both from the same settings and assign it
+        #: (:meth:`set_policy`), as the packed and padded pairs of the tests and benchmarks do
+        self.policy_config = policy_settings(policy)
+        settings = self.policy_config
+        if settings.width is None and not 0 <= settings.depth <= len(vit.blocks):
+            raise ValueError(f"policy.depth must be in [0, {len(vit.blocks)}] (the ViT's depth), got {settings.depth}")
         if length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {length_buckets}")
         if token_buckets < 0:
@@ -298,8 +287,6 @@ class SplitViT(nn.Module):
         self._geometries: dict[tuple[int, int], QuadtreeGeometry] = {}
         self.embed_dim = vit.embed_dim
         self.task = task
-        self.policy_depth = policy_depth
-        self.policy_width = policy_width
         self.length_buckets = length_buckets
         self.attention = attention
         self.token_buckets = token_buckets
@@ -322,17 +309,12 @@ class SplitViT(nn.Module):
         self.register_load_state_dict_post_hook(SplitViT._note_normalisation)
         self._register_load_state_dict_pre_hook(_fill_legacy_normalisation)
         # the ratio a conditioned policy is told at evaluation: travels with the calibrated thresholds
-        self.budget_conditioned = budget_conditioned
-        self.policy_level_context = policy_level_context
-        self.policy_feature_grad = policy_feature_grad
-        self.policy_fine_evidence = policy_fine_evidence
-        self.policy_evidence_pooling = policy_evidence_pooling
         self.register_buffer("budget", torch.tensor(DEFAULT_BUDGET), persistent=True)
         self._register_load_state_dict_pre_hook(_keep_budget_if_missing, with_module=True)
         # Zero-initialised level embedding: at init a token means what the timm model's does.
         self.level_embed = nn.Parameter(torch.zeros(levels, vit.embed_dim))
         self.fine_aggregation = FineAggregation(vit.embed_dim, levels) if fine_aggregation else None
-        self.policy = self._build_policy(policy) if isinstance(policy, str) else policy
+        self.policy = self._build_policy(settings.kind)
         if task == "dense":
             classes = num_classes if num_classes is not None else vit.num_classes
             self.dense_head: DenseHead | None = DenseHead(vit.embed_dim, classes, self.patch_size)
@@ -346,7 +328,7 @@ class SplitViT(nn.Module):
         model_or_name: VisionTransformer | str,
         *,
         levels: int,
-        policy: str = "learned",
+        policy: PolicyConfig | dict[str, Any] | str = "learned",
         pretrained: bool = False,
         checkpoint_path: str | Path | None = None,
         image_size: int | None = None,
@@ -360,7 +342,9 @@ class SplitViT(nn.Module):
         Args:
             model_or_name: a ``VisionTransformer`` instance or a timm model name.
             levels: quadtree levels ``L``; the ViT's patch size is the finest patch.
-            policy: one of ``learned``, ``entropy``, ``random``, ``full``, ``coarse``.
+            policy: the split policy's settings (:class:`~splitvit.config.PolicyConfig`),
+                a mapping of them, or a policy's name: ``learned``, ``entropy``,
+                ``random``, ``full``, ``coarse``.
             pretrained: load timm's pretrained weights (needs the hub).
             checkpoint_path: local weights for the named model (a timm/PyTorch
                 state dict or a safetensors file, head included), loaded by timm's
@@ -372,8 +356,9 @@ class SplitViT(nn.Module):
                 weights from timm are a named model's ``pretrained`` or
                 ``checkpoint_path``, or a ``VisionTransformer`` instance); ignored when
                 ``data_config`` is given.
-            **kwargs: :class:`SplitViT` options (``thresholds``, ``policy_depth``, ``task``,
-                ``budget_conditioned``...); those of plain types are kept in the spec.
+            **kwargs: :class:`SplitViT` options (``thresholds``, ``task``,
+                ``fine_aggregation``...); those of plain types are kept in the spec
+                (the policy's settings as a mapping).
         """
         spec = None
         timm_weights = not isinstance(model_or_name, str) or pretrained or checkpoint_path is not None
@@ -393,7 +378,7 @@ class SplitViT(nn.Module):
             spec = {
                 "name": model_or_name,
                 "levels": levels,
-                "policy": policy,
+                "policy": dataclasses.asdict(policy_settings(policy)),
                 "image_size": image_size,
                 "num_classes": num_classes,
                 "timm_kwargs": dict(timm_kwargs or {}),
@@ -501,15 +486,16 @@ class SplitViT(nn.Module):
         """A policy by name; a learned one with this model's policy blocks' and budget settings."""
         if name != "learned":
             return build_policy(name, embed_dim=self.embed_dim, levels=self.levels)
-        options: dict[str, Any] = {"budget_conditioned": True} if self.budget_conditioned else {}
-        if self.policy_level_context:
+        settings = self.policy_config
+        options: dict[str, Any] = {"budget_conditioned": True} if settings.budget_conditioned else {}
+        if settings.level_context:
             options["level_context"] = True
-        if self.policy_feature_grad:
+        if settings.feature_grad:
             options["detach_features"] = False
-        if self.policy_fine_evidence:
-            options.update(fine_evidence=True, evidence_pooling=self.policy_evidence_pooling)
-        if self.policy_width is not None:
-            options.update(width=self.policy_width, depth=self.policy_depth)
+        if settings.fine_evidence:
+            options.update(fine_evidence=True, evidence_pooling=settings.evidence_pooling)
+        if settings.width is not None:
+            options.update(width=settings.width, depth=settings.depth)
         return build_policy(name, embed_dim=self.embed_dim, levels=self.levels, **options)
 
     def geometry_for(self, size: tuple[int, int]) -> QuadtreeGeometry:
@@ -600,10 +586,10 @@ class SplitViT(nn.Module):
         return x if prefix is None else torch.cat([prefix, x], dim=1)
 
     def _context_features(self, level_tokens: torch.Tensor) -> torch.Tensor:
-        """The ViT's first ``policy_depth`` blocks on the sequence of every node at
+        """The ViT's first ``policy_config.depth`` blocks on the sequence of every node at
         one level (the all-coarse sequence for level 0): ``(B, H_l, W_l, D)``."""
         x = self.vit.norm_pre(self._level_sequence(level_tokens))
-        for block in self.vit.blocks[: self.policy_depth]:
+        for block in self.vit.blocks[: self.policy_config.depth]:
             x = block(x)
         return x[:, self.vit.num_prefix_tokens :].reshape(level_tokens.shape)
 
@@ -621,7 +607,7 @@ class SplitViT(nn.Module):
         sequences = [self._level_sequence(tokens) for tokens in levels]
         kernel = grouped_kernel([(x.shape[0], x.shape[1]) for x in sequences])
         packed = self.vit.norm_pre(torch.cat([x.reshape(-1, x.shape[-1]) for x in sequences]))
-        for block in self.vit.blocks[: self.policy_depth]:
+        for block in self.vit.blocks[: self.policy_config.depth]:
             packed = packed_block(block, packed, None, kernel)
         out, start = [], 0
         for x, tokens in zip(sequences, levels):
@@ -658,7 +644,7 @@ class SplitViT(nn.Module):
         detach_features: bool = False,
     ) -> list[torch.Tensor]:
         """The policy's per-level scores; ``detach_features``: its features computed
-        without a graph whatever ``policy_feature_grad`` says (only the policy's own
+        without a graph whatever ``policy_config.feature_grad`` says (only the policy's own
         modules get a gradient, and the blocks that make the features keep no activations)."""
         context = PolicyContext()
         # Policies get the raw [0, 1] images: the entropy policy's grey level is the mean
@@ -1251,12 +1237,58 @@ class _LevelEmbeddings:
         return model.embed_level(self.images, self.geometry, level, self._pos, patches)
 
 
+def policy_settings(policy: PolicyConfig | dict[str, Any] | str) -> PolicyConfig:
+    """The policy's settings from a :class:`~splitvit.config.PolicyConfig`, a mapping of
+    its fields (a spec's), or a policy's name (the rest at their defaults); ``ValueError``
+    for an unknown name, field or value."""
+    if isinstance(policy, PolicyConfig):
+        return policy
+    if isinstance(policy, str):
+        policy = {"kind": policy}
+    if not isinstance(policy, dict):
+        raise TypeError(f"policy must be a PolicyConfig, a mapping or a name, got {type(policy).__name__}")
+    try:
+        return build_dataclass(PolicyConfig, policy, "policy.")
+    except ConfigError as exc:
+        raise ValueError(str(exc).removeprefix("config error: ")) from None
+
+
+#: a spec's keys before the policy's settings were one mapping (:data:`splitvit.config.LEGACY_KEYS`'
+#: ``model.policy_*`` and ``model.budget_conditioned``, without ``model.``)
+_LEGACY_SPEC_KEYS = {
+    old.removeprefix("model."): new.removeprefix("model.policy.")
+    for old, new in LEGACY_KEYS.items()
+    if old.startswith("model.") and new.startswith("model.policy.") and old != "model.policy"
+}
+
+
+def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A saved spec with its policy's settings as one mapping (``policy: {kind, depth,
+    ...}``): an old checkpoint's spec had a name (``policy: learned``) and flat keys
+    (``policy_depth: 1``, ``budget_conditioned: true``...), mapped here by the config's
+    legacy table. A copy; a current spec comes back as it is."""
+    spec = dict(spec)
+    policy = spec.get("policy", "learned")
+    settings = dict(policy) if isinstance(policy, dict) else {"kind": policy}
+    for old, new in _LEGACY_SPEC_KEYS.items():
+        if old in spec:
+            settings[new] = spec.pop(old)
+    spec["policy"] = settings
+    return spec
+
+
 def checkpoint_spec(payload: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """The spec a :meth:`SplitViT.save` payload (or a detector's) rebuilds its SplitViT
     from: the saved spec, ``overrides`` over it, and the saved data config, not the one
     timm resolves today (a trained model keeps its own; mean and std also come back
     with the state dict's buffers)."""
-    spec = {**payload["spec"], **overrides}
+    spec = upgrade_spec(payload["spec"])
+    if "policy" in overrides:  # a name changes the kind alone; settings replace the saved ones
+        given = overrides["policy"]
+        saved = spec.get("policy", {})
+        policy = {**saved, "kind": given} if isinstance(given, str) else dataclasses.asdict(policy_settings(given))
+        overrides = {**overrides, "policy": policy}
+    spec = {**spec, **overrides}
     if payload.get("data_config") is not None:
         spec.setdefault("data_config", payload["data_config"])
     return spec
@@ -1270,7 +1302,8 @@ def load_checkpoint_state(
     ``prefix + "policy."``) are left out: that policy has other (or no) parameters;
     the backbone's are kept."""
     state = payload["state_dict"]
-    if overrides.get("policy", payload["spec"].get("policy")) != payload["spec"].get("policy"):
+    saved = policy_settings(upgrade_spec(payload["spec"]).get("policy", "learned")).kind
+    if policy_settings(overrides.get("policy", saved)).kind != saved:
         state = {k: v for k, v in state.items() if not k.startswith(prefix + "policy.")}
         model.load_state_dict(state, strict=False)
     else:

@@ -19,7 +19,7 @@ STAGES = (
     "embedding",  # patch embedding of every level a pass needs, position and level embeddings
     "aggregation",  # fine aggregation into coarse tokens (model.fine_aggregation)
     "policy_blocks",  # the ViT's first blocks on the coarse tokens, for the learned policy
-    "level_context",  # the same blocks on every finer level's nodes (model.policy_level_context)
+    "level_context",  # the same blocks on every finer level's nodes (model.policy.level_context)
     "policy_head",  # the policy itself: heads (learned), histograms (entropy), ...
     "decision",  # thresholds, top-down decisions, leaf masks, token counts
     "gather",  # each image's leaves into one sequence (the one host read)

@@ -25,7 +25,8 @@ The modules, by what they do:
 
 * :mod:`.spec` — the study file: :func:`~.spec.load_study`, :class:`~.spec.StudySpec`,
   :class:`~.spec.Goals`;
-* :mod:`.runs` — running and reusing one run (:func:`~.runs.study_run`), the trainers;
+* :mod:`.runs` — running and reusing one run (:func:`~.runs.study_run`), the trainers,
+  what a run stores (:class:`~.runs.BackboneRun`, :class:`~.runs.MethodRun`);
 * :mod:`.goals` — where the figures and goal lines are computed: rows over seeds,
   goal verdicts, reference convergence, study time, the lever table;
 * :mod:`.speed` — the speed step: the matched point and every method's points timed
@@ -35,6 +36,9 @@ The modules, by what they do:
 * :mod:`.execute` — :func:`~.execute.execute_study` and its result;
 * :mod:`.ray_executor`, :mod:`.local` — the two executors.
 
-The study imports :mod:`splitvit.tune` (the timing routine, the trial launcher, the
-console); :mod:`splitvit.tune` never imports the study.
+The study and the sweep (:mod:`splitvit.tune`) never import each other: what they
+share lies below both, in :mod:`splitvit.bench.speed` (the timing of operating
+points), :mod:`splitvit.train.trial` and :mod:`splitvit.train.console` (a run fitted
+inside a Tune trial, and what a person sees meanwhile), :mod:`splitvit.tracking.runs`
+(the MLflow tags both write) and :func:`splitvit.config.resolve_base_config`.
 """

@@ -10,7 +10,6 @@ the ``--json`` output of ``splitvit study`` (docs/usage.md, "The study JSON").
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import redact_uri
+from ..jsontypes import JsonObject
 from ..storage import join_uri
 from .goals import (
     GoalVerdicts,
@@ -30,7 +30,19 @@ from .goals import (
     study_time,
 )
 from .records import open_study_run, record_study
-from .runs import RunTrainer, begun_runs, finished_run, run_name, stale_runs, stored_result
+from .runs import (
+    BackboneRun,
+    MethodRun,
+    RunFailure,
+    RunOutcome,
+    RunRequest,
+    RunTrainer,
+    begun_runs,
+    finished_run,
+    run_name,
+    stale_runs,
+    stored_result,
+)
 from .spec import StudyError, StudySpec
 from .speed import MatchedSpeed, PointSpeed, matched_speed, points_speed, with_timed_speed
 
@@ -47,7 +59,7 @@ class StudyResult:
     metric: str  # the quality metric ("accuracy", "miou")
     seeds: list[int]
     rows: list[StudyRow]  # the table: one per method and target ratio, over seeds
-    runs: list[dict[str, Any]]  # every finished method run's stored result (its config left out)
+    runs: list[MethodRun]  # every finished method run's stored result (its config left out)
     goals: GoalVerdicts
     speed: MatchedSpeed | None  # the matched point against full resolution (None: not timed)
     failed: list[str]  # one line per failed run
@@ -58,7 +70,7 @@ class StudyResult:
     levers: list[LeverRow] = field(default_factory=list)  # the recipe ablation at the parity ratios
     references_dir: str | None = None  # the study whose backbones the methods fine-tuned from (None: its own)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The result as JSON-ready data (every field, in field order)."""
         return {
             "name": self.name,
@@ -67,7 +79,7 @@ class StudyResult:
             "metric": self.metric,
             "seeds": list(self.seeds),
             "rows": [row.to_dict() for row in self.rows],
-            "runs": copy.deepcopy(self.runs),
+            "runs": [run.to_dict() for run in self.runs],
             "goals": self.goals.to_dict(),
             "speed": None if self.speed is None else self.speed.to_dict(),
             "failed": list(self.failed),
@@ -80,7 +92,7 @@ class StudyResult:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StudyResult:
+    def from_dict(cls, data: JsonObject) -> StudyResult:
         """The inverse of :meth:`to_dict`, e.g. a study's JSON read back (keys besides
         the result's, like the command's envelope, are left out)."""
         metric = data["metric"]
@@ -91,7 +103,7 @@ class StudyResult:
             metric=metric,
             seeds=list(data["seeds"]),
             rows=[StudyRow.from_dict(row, metric) for row in data["rows"]],
-            runs=copy.deepcopy(data["runs"]),
+            runs=[MethodRun.from_dict(run) for run in data["runs"]],
             goals=GoalVerdicts.from_dict(data["goals"], metric),
             speed=None if data["speed"] is None else MatchedSpeed.from_dict(data["speed"], metric),
             failed=list(data["failed"]),
@@ -118,13 +130,13 @@ class StudyExecutor(Protocol):
         self,
         spec: StudySpec,
         storage: str,
-        runs: list[dict[str, Any]],
+        runs: list[RunRequest],
         stage: str,
         backbones: dict[int, str] | None = None,
-    ) -> list[dict[str, Any]]:
-        """:func:`~splitvit.study.runs.study_run` for each of ``runs`` (its ``seed``; and
-        ``method`` in the ``methods`` stage, where ``backbones`` maps seeds to
-        checkpoints); one result per run, in order, ``{"config": params, "error": text}``
+    ) -> list[RunOutcome]:
+        """:func:`~splitvit.study.runs.study_run` for each of ``runs`` (a backbone; or
+        a method in the ``methods`` stage, where ``backbones`` maps seeds to
+        checkpoints); one result per run, in order, a :class:`~splitvit.study.runs.RunFailure`
         for a failed one. Runs an earlier invocation finished are not among them."""
         ...
 
@@ -145,7 +157,7 @@ def execute_study(
     tracking_uri: str | None = None,
     started: float | None = None,
     references_dir: str | None = None,
-) -> tuple[StudyResult, list[dict[str, Any]]]:
+) -> tuple[StudyResult, list[BackboneRun]]:
     """Run (or, where ``study_dir`` holds finished runs, finish) the study ``spec`` with
     ``executor``: the backbones, then every method from its seed's backbone (the
     costliest first), the aggregation over seeds, the goals and the speed comparison
@@ -185,7 +197,7 @@ def execute_study(
             metric=spec.metric,
             seeds=spec.seeds,
             rows=rows,
-            runs=[{k: v for k, v in r.items() if k != "config"} for r in runs],
+            runs=[replace(r, config=None) for r in runs],
             goals=_goal_verdicts(spec, rows, backbones, seconds, begun, len(failed), references_dir),
             speed=speed,
             failed=failed,
@@ -240,33 +252,34 @@ def _check_stored_runs(spec: StudySpec, name: str, study_dir: str, references_di
 
 def _run_stages(
     spec: StudySpec, executor: StudyExecutor, reference_storage: str, train_storage: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+) -> tuple[list[BackboneRun], list[MethodRun], list[str]]:
     """The backbones, then every method of every seed with a finished backbone (the
     costliest methods first, so the last runs to finish are short ones). Returns the
     finished backbones' and method runs' stored results, and a line per failed run."""
-    backbones = _run_stage(spec, executor, reference_storage, [{"seed": s} for s in spec.seeds], "backbones")
-    ready = {int(b["seed"]): b["checkpoint"] for b in backbones if "checkpoint" in b}
-    failed = [f"backbone seed {b['config'].get('seed')}: {b['error']}" for b in backbones if "error" in b]
+    backbones = _run_stage(spec, executor, reference_storage, [RunRequest(s) for s in spec.seeds], "backbones")
+    finished = [b for b in backbones if isinstance(b, BackboneRun)]
+    ready = {int(b.seed): b.checkpoint for b in finished}
+    failed = [f"backbone seed {b.run.seed}: {b.error}" for b in backbones if isinstance(b, RunFailure)]
     order = sorted(spec.methods, key=lambda m: (spec.policy(m) != "learned", spec.policy(m) != "full"))
-    methods = [{"seed": s, "method": m} for m in order for s in sorted(ready)]  # method-major: costliest first
+    methods = [RunRequest(s, m) for m in order for s in sorted(ready)]  # method-major: costliest first
     runs = _run_stage(spec, executor, train_storage, methods, "methods", ready) if ready else []
-    failed += [
-        f"{r['config'].get('method')} seed {r['config'].get('seed')}: {r['error']}" for r in runs if "error" in r
-    ]
-    return [b for b in backbones if "checkpoint" in b], [r for r in runs if "points" in r], failed
+    failed += [f"{r.run.method} seed {r.run.seed}: {r.error}" for r in runs if isinstance(r, RunFailure)]
+    return finished, [r for r in runs if isinstance(r, MethodRun)], failed
 
 
 def _run_stage(
     spec: StudySpec,
     executor: StudyExecutor,
     storage: str,
-    runs: list[dict[str, Any]],
+    runs: list[RunRequest],
     stage: str,
     backbones: dict[int, str] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[RunOutcome]:
     """Each of ``runs``' results, in order: a run an earlier invocation finished is read
     here (no Ray trial or process started for it); the rest go to ``executor``."""
-    results = {i: r for i, params in enumerate(runs) if (r := finished_run(spec, storage, params)) is not None}
+    results: dict[int, RunOutcome] = {
+        i: r for i, run in enumerate(runs) if (r := finished_run(spec, storage, run)) is not None
+    }
     todo = [i for i in range(len(runs)) if i not in results]
     if results:
         where = redact_uri(storage)
@@ -277,7 +290,7 @@ def _run_stage(
 
 
 def _speed_step(
-    spec: StudySpec, executor: StudyExecutor, rows: list[StudyRow], runs: list[dict[str, Any]]
+    spec: StudySpec, executor: StudyExecutor, rows: list[StudyRow], runs: list[MethodRun]
 ) -> tuple[MatchedSpeed | None, PointSpeed | None]:
     """The matched point and every method's points timed against full resolution, where
     training ran (``executor.trainer``); nothing with ``speed.enabled: false``. A timing
@@ -302,7 +315,7 @@ def _speed_step(
 def _goal_verdicts(
     spec: StudySpec,
     rows: list[StudyRow],
-    backbones: list[dict[str, Any]],
+    backbones: list[BackboneRun],
     seconds: float,
     begun: list[str],
     failed: int,

@@ -19,9 +19,14 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..jsontypes import JsonObject
 from .spec import Goals
+
+if TYPE_CHECKING:
+    from ..train.points import EvaluatedPoint
+    from .runs import BackboneRun, MethodRun
 
 EPS = 1e-9  # points: means of seeds' accuracies are not exact in binary
 POINTS = 100.0  # a quality of 1.0 is 100 points
@@ -58,7 +63,7 @@ class StudyRow:
         """Companion quality ``metric``'s mean over seeds."""
         return statistics.fmean(self.companions[metric].values())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """A row of the study's table, as in its JSON (``rows``; the timed speed's keys
         only where the point was timed; each companion quality ``<m>`` with ``<m>_std``
         and ``per_seed_<m>``)."""
@@ -90,7 +95,7 @@ class StudyRow:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> StudyRow:
+    def from_dict(cls, data: JsonObject, metric: str) -> StudyRow:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(
             method=data["method"],
@@ -130,12 +135,12 @@ class CompanionGap:
     goal_points: float
     met: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (``goals.match.companions``)."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CompanionGap:
+    def from_dict(cls, data: JsonObject) -> CompanionGap:
         """The inverse of :meth:`to_dict`."""
         return cls(**_known(cls, data))
 
@@ -160,7 +165,7 @@ class ParityVerdict:
     met: bool
     companions: list[CompanionGap] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (``goals.match``, ``goals.match_also``; ``companions``
         only where the task has them)."""
         companions = {"companions": [c.to_dict() for c in self.companions]} if self.companions else {}
@@ -179,7 +184,7 @@ class ParityVerdict:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> ParityVerdict:
+    def from_dict(cls, data: JsonObject, metric: str) -> ParityVerdict:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(
             metric=metric,
@@ -197,12 +202,12 @@ class Margin:
     versus: str  # "entropy" or "random"
     margin_points: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Margin:
+    def from_dict(cls, data: JsonObject) -> Margin:
         """The inverse of :meth:`to_dict`."""
         return cls(**_known(cls, data))
 
@@ -217,7 +222,7 @@ class BaselinesVerdict:
     worst: Margin
     met: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (``goals.above_baselines``)."""
         return {
             "range": list(self.ratio_range),
@@ -227,7 +232,7 @@ class BaselinesVerdict:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BaselinesVerdict:
+    def from_dict(cls, data: JsonObject) -> BaselinesVerdict:
         """The inverse of :meth:`to_dict`."""
         low, high = data["range"]
         return cls(
@@ -247,12 +252,12 @@ class EntropyMargin:
     goal_points: float
     met: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (``goals.margin_over_entropy``)."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EntropyMargin:
+    def from_dict(cls, data: JsonObject) -> EntropyMargin:
         """The inverse of :meth:`to_dict`."""
         return cls(**_known(cls, data))
 
@@ -266,12 +271,12 @@ class SeedConvergence:
     gain_points: float | None  # over the last ``over_epochs`` epochs (None: too short a curve)
     met: bool  # gained less than the goal (False when it cannot tell)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SeedConvergence:
+    def from_dict(cls, data: JsonObject) -> SeedConvergence:
         """The inverse of :meth:`to_dict`."""
         return cls(**_known(cls, data))
 
@@ -285,12 +290,12 @@ class ReferenceConvergence:
     seeds: dict[str, SeedConvergence]  # seed (as text) -> its curve and verdict
     met: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (``goals.reference_converged``)."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ReferenceConvergence:
+    def from_dict(cls, data: JsonObject) -> ReferenceConvergence:
         """The inverse of :meth:`to_dict`."""
         seeds = {seed: SeedConvergence.from_dict(record) for seed, record in data["seeds"].items()}
         return cls(over_epochs=data["over_epochs"], goal_points=data["goal_points"], seeds=seeds, met=data["met"])
@@ -310,7 +315,7 @@ class StudyTime:
     reference_images_per_s: float | None  # the references this invocation trained (None: none)
     met: bool | None  # None: no verdict, the time is a part of the study's (absent from the JSON)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (``goals.study_time``; ``met`` only with a verdict)."""
         data = asdict(self)
         if self.met is None:
@@ -318,7 +323,7 @@ class StudyTime:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StudyTime:
+    def from_dict(cls, data: JsonObject) -> StudyTime:
         """The inverse of :meth:`to_dict`."""
         return cls(**_known(cls, data, skip=("met",)), met=data.get("met"))
 
@@ -350,7 +355,7 @@ class GoalVerdicts:
         }
         return {key: bool(goal.met) for key, goal in single.items() if goal is not None and goal.met is not None}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON: only the goals measured."""
         data: dict[str, Any] = {}
         if self.full_quality is not None:
@@ -370,7 +375,7 @@ class GoalVerdicts:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> GoalVerdicts:
+    def from_dict(cls, data: JsonObject, metric: str) -> GoalVerdicts:
         """The inverse of :meth:`to_dict`."""
 
         def read(key: str, parse: Any) -> Any:
@@ -408,7 +413,7 @@ class LeverCell:
     gap_points: float | None  # to the full-resolution control (None: no control)
     gap_std_points: float | None  # its spread over seeds, seed by seed
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (a cell of ``levers``)."""
         return {
             self.metric: self.quality,
@@ -420,7 +425,7 @@ class LeverCell:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> LeverCell:
+    def from_dict(cls, data: JsonObject, metric: str) -> LeverCell:
         """The inverse of :meth:`to_dict`."""
         return cls(metric=metric, quality=data[metric], **_known(cls, data, skip=("metric", "quality")))
 
@@ -432,13 +437,13 @@ class LeverRow:
     method: str
     cells: dict[float, LeverCell | None]  # parity ratio -> its cell (None: not evaluated there)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON (``levers``): a key ``r<ratio>`` per parity ratio."""
         cells = {f"r{ratio:g}": None if cell is None else cell.to_dict() for ratio, cell in self.cells.items()}
         return {"method": self.method, **cells}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> LeverRow:
+    def from_dict(cls, data: JsonObject, metric: str) -> LeverRow:
         """The inverse of :meth:`to_dict`."""
         cells = {
             float(key[1:]): None if cell is None else LeverCell.from_dict(cell, metric)
@@ -454,20 +459,21 @@ def _known(cls: type, data: dict[str, Any], skip: Sequence[str] = ()) -> dict[st
 
 
 # ---------------------------------------------------------------------- aggregation
-def aggregate(results: list[dict[str, Any]], metric: str, companions: Sequence[str] = ()) -> list[StudyRow]:
+def aggregate(results: list[MethodRun], metric: str, companions: Sequence[str] = ()) -> list[StudyRow]:
     """One row per (method, target ratio) of the method runs' stored ``results``: mean,
     standard deviation, min and max over seeds of the quality, each seed's ``companions``
     qualities (read from the points by name), and the means of tokens per image, token
     ratio and images/s. Full resolution first, then SPLIT, then the rest."""
-    groups: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, float | None], list[tuple[int, EvaluatedPoint]]] = {}
     policies: dict[str, str] = {}
     for result in results:
-        policies[result["method"]] = result["policy"]
-        for point in result["points"]:
-            groups.setdefault((result["method"], point["target_ratio"]), []).append({**point, "seed": result["seed"]})
+        policies[result.method] = result.policy
+        for point in result.points:
+            groups.setdefault((result.method, point.target_ratio), []).append((result.seed, point))
     rows = []
-    for (method, ratio), points in groups.items():
-        q = [float(p["quality"]) for p in points]
+    for (method, ratio), seeded in groups.items():
+        points = [p for _, p in seeded]
+        q = [float(p.quality) for p in points]
         rows.append(
             StudyRow(
                 method=method,
@@ -479,11 +485,11 @@ def aggregate(results: list[dict[str, Any]], metric: str, companions: Sequence[s
                 quality_std=statistics.stdev(q) if len(q) > 1 else 0.0,
                 quality_min=min(q),
                 quality_max=max(q),
-                tokens_per_image=statistics.fmean(float(p["tokens_per_image"]) for p in points),
-                token_ratio=statistics.fmean(float(p["token_ratio"]) for p in points),
-                images_per_s=statistics.fmean(float(p["images_per_s"]) for p in points),
-                per_seed={str(p["seed"]): float(p["quality"]) for p in points},
-                companions={c: {str(p["seed"]): float(p[c]) for p in points} for c in companions},
+                tokens_per_image=statistics.fmean(float(p.tokens_per_image) for p in points),
+                token_ratio=statistics.fmean(float(p.token_ratio) for p in points),
+                images_per_s=statistics.fmean(float(p.images_per_s) for p in points),
+                per_seed={str(seed): float(p.quality) for seed, p in seeded},
+                companions={c: {str(seed): p.figure(c) for seed, p in seeded} for c in companions},
             )
         )
     rows.sort(key=lambda r: (r.policy != "full", r.policy != "learned", r.method, r.target_ratio or 0.0))
@@ -613,7 +619,7 @@ def _margin_over_entropy(rows: list[StudyRow], goals: Goals) -> EntropyMargin | 
     )
 
 
-def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric: str) -> ReferenceConvergence | None:
+def reference_convergence(backbones: list[BackboneRun], goals: Goals, metric: str) -> ReferenceConvergence | None:
     """Whether each seed's backbone (the reference every method starts from; its stored
     result) had converged: its validation ``metric`` gained less than
     ``goals.converge_points`` over its last ``goals.converge_epochs`` epochs. Each seed's
@@ -623,12 +629,12 @@ def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric:
     k = goals.converge_epochs
     seeds: dict[str, SeedConvergence] = {}
     for backbone in backbones:
-        curve = [float(h[metric]) for h in backbone.get("history") or [] if metric in h]
+        curve = [float(h[metric]) for h in backbone.history or [] if metric in h]
         if len(curve) > k:
             gain = (curve[-1] - curve[-1 - k]) * POINTS
-            seeds[str(backbone["seed"])] = SeedConvergence(curve, len(curve), gain, gain < goals.converge_points)
+            seeds[str(backbone.seed)] = SeedConvergence(curve, len(curve), gain, gain < goals.converge_points)
         else:  # too short a curve to tell (or one stored before curves were kept)
-            seeds[str(backbone["seed"])] = SeedConvergence(curve, len(curve), None, False)
+            seeds[str(backbone.seed)] = SeedConvergence(curve, len(curve), None, False)
     if not seeds:
         return None
     return ReferenceConvergence(
@@ -638,7 +644,7 @@ def reference_convergence(backbones: list[dict[str, Any]], goals: Goals, metric:
 
 def study_time(
     seconds: float,
-    backbones: list[dict[str, Any]],
+    backbones: list[BackboneRun],
     runs: int,
     goals: Goals,
     *,
@@ -661,11 +667,7 @@ def study_time(
     """
     if goals.max_minutes is None:
         return None
-    speeds = [
-        b["metrics"]["train_images_per_s"]
-        for b in backbones
-        if not b.get("reused") and "train_images_per_s" in b.get("metrics", {})
-    ]
+    speeds = [b.metrics["train_images_per_s"] for b in backbones if not b.reused and "train_images_per_s" in b.metrics]
     minutes = seconds / 60.0
     whole = not begun and not failed and not borrowed_references
     return StudyTime(

@@ -18,7 +18,6 @@ MLflow is optional (a lent GPU machine may have none): pass ``tracking_uri``.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import copy
 import json
 import logging
 import math
@@ -29,14 +28,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig
+from ..jsontypes import JsonObject
+from ..train.trial import TrainedRun
 from .execute import StudyResult, execute_study, study_name
 from .report import study_figure
-from .runs import STUDY_RESULT_FILE, RunTrainer, run_name, study_run
+from .runs import STUDY_RESULT_FILE, BackboneRun, RunFailure, RunOutcome, RunRequest, RunTrainer, study_run
 from .spec import StudySpec, load_study
 
 log = logging.getLogger(__name__)
@@ -44,22 +45,20 @@ log = logging.getLogger(__name__)
 
 def fit_config_local(
     config: ExperimentConfig, device: str, epoch_hook: Callable[[int, Any], None] | None = None
-) -> dict[str, Any]:
+) -> TrainedRun:
     """Train ``config`` in this process on ``device`` (:func:`~splitvit.train.local.fit_local`
-    with the config's phases and schedule, as the Ray loop runs them: ``train.policy_lead_epochs``,
-    ``train.epochs``, ``train.policy_epochs``) into its run folder (``storage.path``/``storage.name``):
+    with the config's phases and schedule, as the Ray loop runs them: ``train.policy.lead_epochs``,
+    ``train.epochs``, ``train.policy.epochs``) into its run folder (``storage.path``/``storage.name``):
     ``model.pt`` and :data:`~splitvit.train.checkpoints.HISTORY_FILE`. A run whose training finished (both files
     there) is not trained again. A detector (``model.task: detection``) validates by
     COCO's box and mask AP, as on Ray. ``epoch_hook(epoch, model)``: called before each epoch.
 
-    Returns what a :class:`~splitvit.study.runs.RunTrainer` returns, plus ``history``
+    Returns what a :class:`~splitvit.study.runs.RunTrainer` returns, with ``history``
     (the per-epoch training and validation figures), ``steps`` and ``train_seconds``.
     """
     import torch
-    from torch.utils.data import DataLoader
 
     from ..config import AUTO_THRESHOLDS
-    from ..data import build_dataset, detection_collate
     from ..model.detection import SplitDetector, split_backbone
     from ..train.checkpoints import HISTORY_FILE, MODEL_FILE, init_weights
     from ..train.detection import detection_ground_truth
@@ -71,36 +70,21 @@ def fit_config_local(
     folder = Path(config.storage.resolved_path()) / config.storage.name
     checkpoint, history_file = folder / MODEL_FILE, folder / HISTORY_FILE
     if checkpoint.is_file() and history_file.is_file():
-        record = json.loads(history_file.read_text())
-        return {
-            "status": "completed",
-            "metrics": record["history"][-1],
-            "checkpoint": str(checkpoint),
-            "message": "",
-            **record,
-        }
+        return _finished_run(checkpoint, json.loads(history_file.read_text()))
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(dc.seed * 1000)  # as rank 0 of the Ray loop
     model = build_model(mc)
     if mc.init_from:
         init_weights(model, mc.init_from)
     model.to(device)
-    sizing = dict(image_size=mc.image_size, interpolation=split_backbone(model).data_config["interpolation"])
-    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
     detector = isinstance(model, SplitDetector)
-    val_loader = DataLoader(
-        val_set,
-        batch_size=dc.eval_batch_size or dc.batch_size,
-        num_workers=dc.num_workers,
-        collate_fn=detection_collate if detector else None,
-    )
+    train_set, val_set, val_loader = _datasets(config, split_backbone(model).data_config["interpolation"], detector)
     steps_per_epoch = len(train_set) // dc.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size}")
     auto = mc.thresholds == AUTO_THRESHOLDS and split_backbone(model).policy.thresholded
     ground_truth = detection_ground_truth(val_set) if detector else None  # read once, as the Ray loop's rank 0
-    history: list[dict[str, Any]] = []
+    history: list[dict[str, float]] = []
     epoch_started = [time.perf_counter()]
 
     def after_epoch(epoch: int, stats: dict[str, float]) -> None:
@@ -114,7 +98,7 @@ def fit_config_local(
                 val_loader,
                 num_classes=mc.num_classes,
                 amp=tc.amp,
-                calibrate_to=tc.target_ratio if auto else None,
+                calibrate_to=tc.budget.target_ratio if auto else None,
                 calibration_images=dc.eval_batch_size or dc.batch_size,
                 ground_truth=ground_truth,
             )
@@ -144,26 +128,51 @@ def fit_config_local(
         amp=tc.amp,
         warmup_steps=warmup_steps(tc, steps_per_epoch),  # the Ray loop's (train.phases.lr_schedule)
         num_workers=dc.num_workers,
-        policy_lr_scale=tc.policy_lr_scale,
-        lead_epochs=tc.policy_lead_epochs,
-        policy_epochs=tc.policy_epochs,
         epoch_hook=epoch_hook,
     )
     loss = history[-1].get("train_loss", 0.0)
     if not math.isfinite(loss):  # fit_local does not stop on a non-finite loss: keep no checkpoint of it
-        return {
-            "status": "diverged",
-            "metrics": history[-1],
-            "checkpoint": None,
-            "message": f"non-finite training loss {loss} in the last epoch",
-        }
+        return TrainedRun("diverged", history[-1], None, f"non-finite training loss {loss} in the last epoch")
     model.save(
         checkpoint,
         extra={"epoch": tc.total_epochs - 1, "metrics": history[-1], "config": config.to_dict(redact=True)},
     )
     record = {"history": history, "train_seconds": time.time() - started, "steps": tc.total_epochs * steps_per_epoch}
     history_file.write_text(json.dumps(record, default=float))  # last: its presence says training finished
-    return {"status": "completed", "metrics": history[-1], "checkpoint": str(checkpoint), "message": "", **record}
+    return _finished_run(checkpoint, record)
+
+
+def _finished_run(checkpoint: Path, record: dict[str, Any]) -> TrainedRun:
+    """A finished run as :func:`fit_config_local` returns it, from its checkpoint and its
+    history file's ``record`` (``history``, ``train_seconds``, ``steps``)."""
+    return TrainedRun(
+        "completed",
+        record["history"][-1],
+        str(checkpoint),
+        history=record["history"],
+        train_seconds=record.get("train_seconds"),
+        steps=record.get("steps"),
+    )
+
+
+def _datasets(config: ExperimentConfig, interpolation: str, detector: bool) -> tuple[Any, Any, Any]:
+    """The run's training and validation sets at the model's input size, and the
+    validation loader (a detector's batches collated as lists)."""
+    from torch.utils.data import DataLoader
+
+    from ..data import build_dataset, detection_collate
+
+    mc, dc = config.model, config.data
+    sizing = dict(image_size=mc.image_size, interpolation=interpolation)
+    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
+    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
+    val_loader = DataLoader(
+        val_set,
+        batch_size=dc.eval_batch_size or dc.batch_size,
+        num_workers=dc.num_workers,
+        collate_fn=detection_collate if detector else None,
+    )
+    return train_set, val_set, val_loader
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,7 @@ class LocalTrainer:
 
     device: str = "cuda"
 
-    def train(self, config: ExperimentConfig) -> dict[str, Any]:
+    def train(self, config: ExperimentConfig) -> TrainedRun:
         """:func:`fit_config_local` of ``config`` on :attr:`device`."""
         return fit_config_local(config, self.device)
 
@@ -189,9 +198,9 @@ def _pool_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _failure(params: dict[str, Any], exc: BaseException) -> dict[str, Any]:
-    log.error("run %s failed: %r", params, exc)
-    return {"config": params, "error": repr(exc)}
+def _failure(run: RunRequest, exc: BaseException) -> RunFailure:
+    log.error("run %s failed: %r", run.to_dict(), exc)
+    return RunFailure(run, repr(exc))
 
 
 @dataclass
@@ -219,25 +228,23 @@ class LocalExecutor:
         self,
         spec: StudySpec,
         storage: str,
-        runs: list[dict[str, Any]],
+        runs: list[RunRequest],
         stage: str,
         backbones: dict[int, str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[RunOutcome]:
         """:func:`~splitvit.study.runs.study_run` for each of ``runs``, in order."""
         started = time.time()
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, RunOutcome] = {}
         submitted: dict[int, futures.Future] = {}
-        for index, params in enumerate(runs):
-            folder = Path(storage) / run_name(int(params["seed"]), params.get("method"))
+        for index, run in enumerate(runs):
+            folder = Path(storage) / run.name
             if self.workers <= 1 or (folder / STUDY_RESULT_FILE).is_file():
                 try:
-                    results[index] = study_run(spec, storage, params, self.trainer, backbones)
+                    results[index] = study_run(spec, storage, run, self.trainer, backbones)
                 except Exception as exc:  # noqa: BLE001 - reported as the run's failure; the others go on
-                    results[index] = _failure(params, exc)
+                    results[index] = _failure(run, exc)
             else:
-                submitted[index] = self._pool_executor().submit(
-                    study_run, spec, storage, params, self.trainer, backbones
-                )
+                submitted[index] = self._pool_executor().submit(study_run, spec, storage, run, self.trainer, backbones)
         for index, job in submitted.items():
             try:
                 results[index] = job.result()
@@ -298,7 +305,7 @@ def load_local_study(
     held-out images, and cluttered canvases rendered once into ``out``/canvas-cache."""
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods)
     if backbone_epochs is not None:
-        spec.backbone.update({"train.epochs": backbone_epochs, "train.warmup_epochs": backbone_epochs})
+        spec.backbone.update({"train.epochs": backbone_epochs, "train.policy.warmup_epochs": backbone_epochs})
     if method_epochs is not None:
         spec.method["train.epochs"] = method_epochs
     if eval_samples is not None:
@@ -321,9 +328,9 @@ class LocalStudyResult:
     backbone_seconds: float | None  # the backbones' stage
     backbone_epochs: int | None
     method_epochs: int | None
-    backbones: list[dict[str, Any]]  # the finished backbones' stored results (their config left out)
+    backbones: list[BackboneRun]  # the finished backbones' stored results (their config left out)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON of ``infra/gpu-check/single_gpu_study.py``: the study's keys, then the
         runner's (every run carries its training curves, ``history``)."""
         return {
@@ -334,7 +341,7 @@ class LocalStudyResult:
             "backbone_seconds": self.backbone_seconds,
             "backbone_epochs": self.backbone_epochs,
             "method_epochs": self.method_epochs,
-            "backbones": copy.deepcopy(self.backbones),
+            "backbones": [backbone.to_dict() for backbone in self.backbones],
         }
 
 
@@ -354,8 +361,8 @@ def run_study_local(
 
     Returns the study's result, the machine, stage times, epochs and the backbones'
     results; every run carries its training curves (``history``). Every recipe runs:
-    detection studies and methods with the policy's own epochs (``train.policy_lead_epochs``,
-    ``train.policy_epochs``) train through the Ray loop's phases (:func:`fit_config_local`).
+    detection studies and methods with the policy's own epochs (``train.policy.lead_epochs``,
+    ``train.policy.epochs``) train through the Ray loop's phases (:func:`fit_config_local`).
     Raises :class:`~splitvit.study.spec.StudyError` when ``out`` holds runs made with
     other settings.
     """
@@ -399,7 +406,7 @@ def run_study_local(
         backbone_seconds=executor.seconds.get("backbones"),
         backbone_epochs=spec.backbone.get("train.epochs"),
         method_epochs=spec.method.get("train.epochs"),
-        backbones=[{k: v for k, v in b.items() if k != "config"} for b in backbones],
+        backbones=[replace(b, config=None) for b in backbones],
     )
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from ..errors import error_line
 from ..storage import join_uri
-from ..tune.console import Progress, ray_console, tune_verbosity
+from ..train.console import Progress, ray_console, tune_verbosity
 from .execute import StudyResult, execute_study, study_name
-from .runs import RayTrainer, RunTrainer, study_run
+from .runs import RayTrainer, RunOutcome, RunRequest, RunTrainer, outcome_from_dict, study_run
 from .spec import StudyError, StudySpec, load_study
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ def backbone_trial(config: dict[str, Any], spec: StudySpec, storage: str) -> Non
     (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
     from ray import tune
 
-    result = study_run(spec, storage, config[RUN_KEY], RayTrainer())
-    tune.report({"done": 1, "result": json.dumps(result, default=float)})
+    result = study_run(spec, storage, RunRequest.from_dict(config[RUN_KEY]), RayTrainer())
+    tune.report({"done": 1, "result": json.dumps(result.to_dict(), default=float)})
 
 
 def method_trial(config: dict[str, Any], spec: StudySpec, storage: str, backbones: dict[int, str]) -> None:
@@ -39,8 +39,8 @@ def method_trial(config: dict[str, Any], spec: StudySpec, storage: str, backbone
     (:func:`~splitvit.study.runs.study_run` on Ray Train)."""
     from ray import tune
 
-    result = study_run(spec, storage, config[RUN_KEY], RayTrainer(), backbones)
-    tune.report({"done": 1, "result": json.dumps(result, default=float)})
+    result = study_run(spec, storage, RunRequest.from_dict(config[RUN_KEY]), RayTrainer(), backbones)
+    tune.report({"done": 1, "result": json.dumps(result.to_dict(), default=float)})
 
 
 def _run_label(run: dict[str, Any]) -> str:
@@ -112,7 +112,8 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
 
 def _tune_grid(trainable, runs: list[dict[str, Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
     """Run one Tune grid, a trial for each of ``runs`` (in its config under ``"run"``);
-    returns each trial's stored result in order (``{"config", "error"}`` for a failed one)."""
+    returns each trial's stored result in order (``{"config", "error"}`` for a failed one),
+    as the trials reported it (JSON)."""
     from ray import tune
 
     trainable = tune.with_resources(trainable, dict(spec.trial_resources))
@@ -182,10 +183,10 @@ class TuneExecutor:
         self,
         spec: StudySpec,
         storage: str,
-        runs: list[dict[str, Any]],
+        runs: list[RunRequest],
         stage: str,
         backbones: dict[int, str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[RunOutcome]:
         """One Tune grid of :func:`backbone_trial` or (with ``backbones``) :func:`method_trial`, a trial per run."""
         from ray import tune
 
@@ -193,7 +194,8 @@ class TuneExecutor:
             trainable = tune.with_parameters(backbone_trial, spec=spec, storage=storage)
         else:
             trainable = tune.with_parameters(method_trial, spec=spec, storage=storage, backbones=backbones)
-        return _tune_grid(trainable, runs, spec, self.study_dir, f"{stage}-{self.stamp}")
+        reported = _tune_grid(trainable, [r.to_dict() for r in runs], spec, self.study_dir, f"{stage}-{self.stamp}")
+        return [outcome_from_dict(result) for result in reported]
 
 
 def check_study(
@@ -208,7 +210,7 @@ def check_study(
     """What the command line, the study file and the storage show, checked in a
     second (torch, Ray and MLflow not loaded): the file, its scale and methods, every
     run's settings, and the study ``references_from`` names. Raises ``ValueError``s
-    (:class:`StudyError`, :class:`SearchSpaceError`, ``ConfigError``) naming the key."""
+    (:class:`StudyError`, ``ConfigError``) naming the key."""
     from ..storage import exists
 
     spec = load_study(study_path, scale=scale, overrides=overrides, methods=methods, settings_only=True)

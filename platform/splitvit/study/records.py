@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..bench.speed import FullTiming
 from ..config import config_layers
-from ..tune.speed import FullTiming
 from .goals import GoalVerdicts, ReferenceConvergence
 from .report import study_figure, study_speed_figure
+from .runs import MethodRun
 from .spec import StudySpec
 from .speed import PointSpeed, StudyTimedPoint, timed_points
 
@@ -42,8 +43,7 @@ def open_study_run(
     reopened): the study's settings as params; runs a driver that died left RUNNING end
     KILLED."""
     from ..tracking import RunTracker
-    from ..tracking.runs import close_stale_runs
-    from ..tune.mlflow_records import KIND_TAG, METRIC_TAG, flat_params
+    from ..tracking.runs import KIND_TAG, METRIC_TAG, close_stale_runs, flat_params
 
     params = {
         **flat_params(
@@ -104,7 +104,7 @@ def _describe_experiment(spec: StudySpec, tracking_uri: str, parent: RunTracker,
 
 
 def record_study(
-    result: StudyResult, spec: StudySpec, parent: RunTracker, runs: list[dict[str, Any]], tracking_uri: str
+    result: StudyResult, spec: StudySpec, parent: RunTracker, runs: list[MethodRun], tracking_uri: str
 ) -> None:
     """MLflow: a child run per method and seed (``runs``: their stored results); the table,
     plot, goals and speed on the parent."""
@@ -131,7 +131,7 @@ def _record_run(
     client: MlflowClient,
     spec: StudySpec,
     parent: RunTracker,
-    run: dict[str, Any],
+    run: MethodRun,
     metric: str,
     point_speed: PointSpeed | None,
     timed: Timed,
@@ -140,47 +140,47 @@ def _record_run(
     """One method run's child: its timed speed-ups and, unless an earlier invocation
     recorded them (and the run was not evaluated again), its points."""
     from ..tracking import RunTracker
-    from ..tune.mlflow_records import KIND_TAG, METRIC_TAG, PARENT_TAG
+    from ..tracking.runs import KIND_TAG, METRIC_TAG, PARENT_TAG
 
     child, _ = RunTracker.open(
         tracking_uri,
         spec.experiment,
-        run["run_uri"],
-        f"{run['method']}-s{run['seed']}",
-        params=run.get("config") or {},
+        run.run_uri,
+        f"{run.method}-s{run.seed}",
+        params=run.config or {},
         tags={
             PARENT_TAG: parent.run_id,
             KIND_TAG: "study-run",
             METRIC_TAG: metric,
-            "splitvit.method": run["method"],
-            "splitvit.seed": str(run["seed"]),
+            "splitvit.method": run.method,
+            "splitvit.seed": str(run.seed),
         },
     )
     recorded = client.get_run(child.run_id).data.metrics
-    timed_before = "speedup_vs_full" in recorded and not run.get("reevaluated")
-    if point_speed and int(run["seed"]) == point_speed.seed and not timed_before:
+    timed_before = "speedup_vs_full" in recorded and not run.reevaluated
+    if point_speed and int(run.seed) == point_speed.seed and not timed_before:
         _record_run_speed(client, child.run_id, run, timed)
-    if recorded and not run.get("reevaluated"):
+    if recorded and not run.reevaluated:
         child.close("completed")
         return  # recorded by an earlier run of this study
     # (a run evaluated again logs its new points at the same steps: the latest value is the current one)
     _record_run_points(client, child.run_id, run, (metric, *spec.companions))
-    child.log_dict({"points": run["points"], "checkpoint": run["checkpoint"]}, "study_points.json")
+    child.log_dict({"points": [p.to_dict() for p in run.points], "checkpoint": run.checkpoint}, "study_points.json")
     # the run's config with the layer of each key (recipe, base file, study sections, method entry)
-    config = spec.run_config(int(run["seed"]), run["method"], Path(run["run_uri"]).name, settings_only=True)
+    config = spec.run_config(int(run.seed), run.method, Path(run.run_uri).name, settings_only=True)
     child.log_dict(config_layers(config), "config_layers.json")
     child.close("completed")
 
 
-def _record_run_speed(client: MlflowClient, run_id: str, run: dict[str, Any], timed: Timed) -> None:
+def _record_run_speed(client: MlflowClient, run_id: str, run: MethodRun, timed: Timed) -> None:
     """The measured speed-up at the step of the evaluated point it timed (full resolution: 1.0)."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     batch = [
         Metric(key, float(getattr(row, field)), now, step)
-        for step, point in enumerate(run["points"])
-        for row in [timed.get((run["method"], point["target_ratio"]))]
+        for step, point in enumerate(run.points)
+        for row in [timed.get((run.method, point.target_ratio))]
         if row
         for key, field in _RUN_SPEED_METRICS
         if getattr(row, field, None) is not None
@@ -189,7 +189,7 @@ def _record_run_speed(client: MlflowClient, run_id: str, run: dict[str, Any], ti
         client.log_batch(run_id, metrics=batch)
 
 
-def _record_run_points(client: MlflowClient, run_id: str, run: dict[str, Any], metrics: tuple[str, ...]) -> None:
+def _record_run_points(client: MlflowClient, run_id: str, run: MethodRun, metrics: tuple[str, ...]) -> None:
     """One step per evaluated token ratio: MLflow's metric charts draw the threshold sweep
     (``metrics``: the quality, then its companions, e.g. a detector's ``mask_ap``)."""
     from mlflow.entities import Metric
@@ -197,8 +197,8 @@ def _record_run_points(client: MlflowClient, run_id: str, run: dict[str, Any], m
     now = int(time.time() * 1000)
     quality, *companions = metrics
     batch = [
-        Metric(key, float(point[src]), now, step)
-        for step, point in enumerate(run["points"])
+        Metric(key, point.figure(src), now, step)
+        for step, point in enumerate(run.points)
         for key, src in (
             (quality, "quality"),
             *((c, c) for c in companions),
@@ -262,7 +262,7 @@ def _record_reference_curves(client: MlflowClient, run_id: str, reference: Refer
 def _record_point_speed(client: MlflowClient, run_id: str, ps: PointSpeed, timed: Timed) -> dict[str, float]:
     """The timing's device and setting as tags, its record as ``point_speed.json``; returns
     the speed-up metrics (one per method and ratio, and full resolution's images/s)."""
-    from ..tune.mlflow_records import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
+    from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
 
     metrics = {"speed_full_images_per_s": ps.full_timing.images_per_s}
     for (method, ratio), row in timed.items():

@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
-from ..tune.speed import FullTiming
+from ..bench.speed import FullTiming
 from .goals import GoalVerdicts, LeverRow, ParityVerdict, ReferenceConvergence, StudyRow, StudyTime
+from .runs import MethodRun
 from .speed import POINTS_TIMING, MatchedSpeed, PointSpeed, StudyTimedPoint
 
 
@@ -75,11 +75,11 @@ def lever_lines(table: list[LeverRow], metric: str) -> list[str]:
     return lines
 
 
-def reuse_phrase(runs: list[dict[str, Any]]) -> str:
+def reuse_phrase(runs: list[MethodRun]) -> str:
     """How many of a study's runs an earlier invocation finished, and how many of those
     were evaluated again (other evaluation settings), for the study's first printed line."""
-    reused = sum(bool(r.get("reused")) for r in runs)
-    again = sum(bool(r.get("reevaluated")) for r in runs)
+    reused = sum(bool(r.reused) for r in runs)
+    again = sum(bool(r.reevaluated) for r in runs)
     if not reused:
         return ""
     return f" ({reused} finished earlier, reused{f'; {again} evaluated again' if again else ''})"
@@ -155,34 +155,34 @@ def _speed_line(s: MatchedSpeed) -> str:
     )
 
 
-def fine_tune_epochs(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fine_tune_epochs(history: list[dict[str, float]]) -> list[dict[str, float]]:
     """The epochs of a run's history that trained the task: those with a task loss. The
-    policy's own epochs (``train.policy_lead_epochs``, ``train.policy_epochs``: the policy
+    policy's own epochs (``train.policy.lead_epochs``, ``train.policy.epochs``: the policy
     alone, several times faster) are not the fine-tune's pace. A history whose epochs
     record no task loss (files written before they did) is taken whole."""
     tasks = [e for e in history if "train_task_loss" in e]
     return tasks or history
 
 
-def training_pace_line(runs: list[dict[str, Any]]) -> str | None:
+def training_pace_line(runs: list[MethodRun]) -> str | None:
     """Each method's fine-tuning pace against the full-resolution control's, seed by seed:
     the median fine-tune epoch's training images/s (:func:`fine_tune_epochs`) over the
     control's of the same seed. Runs
     trained by an earlier invocation (``reused``) are starred: their pace was measured
     beside other runs. ``None`` without a control or any other run with an epoch history."""
     pace = {
-        (r["method"], r["seed"]): statistics.median(e["train_images_per_s"] for e in fine_tune_epochs(r["history"]))
+        (r.method, r.seed): statistics.median(e["train_images_per_s"] for e in fine_tune_epochs(r.history))
         for r in runs
-        if r.get("history") and all("train_images_per_s" in e for e in r["history"])
+        if r.history and all("train_images_per_s" in e for e in r.history)
     }
-    reused = {(r["method"], r["seed"]) for r in runs if r.get("reused")}
-    control = {r["seed"]: (r["method"], r["seed"]) for r in runs if r.get("policy") == "full"}
+    reused = {(r.method, r.seed) for r in runs if r.reused}
+    control = {r.seed: (r.method, r.seed) for r in runs if r.policy == "full"}
     parts = []
-    for method in dict.fromkeys(r["method"] for r in runs if r.get("policy") != "full"):
+    for method in dict.fromkeys(r.method for r in runs if r.policy != "full"):
         ratios = [
             f"{pace[(method, seed)] / pace[control[seed]]:.2f}x"
             + ("*" if {(method, seed), control[seed]} & reused else "")
-            for seed in sorted({r["seed"] for r in runs if r["method"] == method}, key=int)
+            for seed in sorted({r.seed for r in runs if r.method == method}, key=int)
             if (method, seed) in pace and control.get(seed) in pace
         ]
         if ratios:
@@ -198,7 +198,7 @@ def summary_lines(
     speed: MatchedSpeed | None,
     failed: list[str],
     point_speed: PointSpeed | None = None,
-    runs: list[dict[str, Any]] | None = None,
+    runs: list[MethodRun] | None = None,
 ) -> list[str]:
     """The goals as measured, the speed comparison, the operating points' measured
     speed-ups (:func:`~splitvit.study.speed.points_speed`), each method's fine-tuning

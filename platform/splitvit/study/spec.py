@@ -7,7 +7,7 @@ A study file names an experiment config (``base``) and:
 * ``backbone``: a warm-up run per seed (full resolution first, then random splits
   at every rate, docs/design.md §3.2) that every method of that seed starts from, so methods
   differ only in what they do after it;
-* ``methods``: name -> config overrides (at least ``model.policy``); every method
+* ``methods``: name -> config overrides (at least ``model.policy.kind``); every method
   trains ``method`` epochs from its seed's backbone (``model.init_from``). These are
   the headline, what a plain invocation runs;
 * ``levers`` (optional): more methods in the same form, the recipe's ablation: each
@@ -34,13 +34,25 @@ from typing import Any
 
 import yaml
 
-from ..config import RECIPE_KEY, ConfigError, ExperimentConfig, Layer, companion_metrics, quality_metric, resolve_config
+from ..config import (
+    RECIPE_KEY,
+    BaseConfigError,
+    ConfigError,
+    ExperimentConfig,
+    Layer,
+    companion_metrics,
+    legacy_warnings,
+    quality_metric,
+    resolve_base_config,
+    resolve_config,
+    upgrade_dotted,
+    upgrade_keys,
+)
 from ..model.names import POLICY_NAMES
-from ..tune.space import SearchSpaceError, _resolve_base
 
 #: a method entry's list of its recipe's keys to leave at the library's defaults
 WITHOUT = "without"
-_NO_WARMUP = {"train.warmup_epochs": 0}
+_NO_WARMUP = {"train.policy.warmup_epochs": 0}
 _KEYS = {
     "base",
     "description",
@@ -149,7 +161,7 @@ class StudySpec:
         if method is None:
             # by default the backbone is the learned policy's warm-up curriculum (random
             # splits at every rate); a study may make it a full-resolution reference instead
-            stack += [Layer("study (the backbone's default)", {"model.policy": "learned"})]
+            stack += [Layer("study (the backbone's default)", {"model.policy.kind": "learned"})]
             stack += [Layer("study config", self.config), Layer("study backbone", self.backbone)]
         else:
             entry = dict(self.methods[method])
@@ -187,7 +199,7 @@ class StudySpec:
         return companion_metrics(self.task)
 
     def policy(self, method: str) -> str:
-        return str(self.methods[method]["model.policy"])
+        return str(self.methods[method]["model.policy.kind"])
 
 
 def _shown(path: Path) -> str:
@@ -213,8 +225,14 @@ def _merge(raw: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def _section(raw: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     value = raw.get(key) or {}
     if not isinstance(value, dict):
-        raise SearchSpaceError(source, key, f"must be a mapping, got {type(value).__name__}")
+        raise study_file_error(source, key, f"must be a mapping, got {type(value).__name__}")
+    if key in _SETTINGS_SECTIONS:  # dotted config keys: old names read as the new ones
+        return dict(upgrade_dotted(value, f"{source} {key}"))
     return dict(value)
+
+
+#: the sections of a study file that hold dotted config keys
+_SETTINGS_SECTIONS = ("config", "backbone", "method")
 
 
 _SPEED = {
@@ -233,16 +251,16 @@ def _speed_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
     out = {}
     for key in section:
         if key not in _SPEED:
-            raise SearchSpaceError(source, f"speed.{key}", f"unknown setting; known: {', '.join(_SPEED)}")
+            raise study_file_error(source, f"speed.{key}", f"unknown setting; known: {', '.join(_SPEED)}")
     for key, (default, kind, least) in _SPEED.items():
         value = section.get(key, default)
         if value is None and key == "max_points":
             out[key] = None
             continue
         if kind is bool and not isinstance(value, bool):
-            raise SearchSpaceError(source, f"speed.{key}", f"expected true or false, got {value!r}")
+            raise study_file_error(source, f"speed.{key}", f"expected true or false, got {value!r}")
         if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise SearchSpaceError(
+            raise study_file_error(
                 source,
                 f"speed.{key}",
                 f"expected an integer >= {least}"
@@ -259,7 +277,7 @@ def _goals(raw: dict[str, Any], source: str) -> Goals:
     known = [f.name for f in fields(Goals)]
     for key in section:
         if key not in known:
-            raise SearchSpaceError(source, f"goals.{key}", f"unknown goal; known: {', '.join(known)}")
+            raise study_file_error(source, f"goals.{key}", f"unknown goal; known: {', '.join(known)}")
 
     def ratio(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
@@ -285,7 +303,7 @@ def _goals(raw: dict[str, Any], source: str) -> Goals:
     for key, value in section.items():
         valid, expected = checks[key]
         if not valid(value):
-            raise SearchSpaceError(source, f"goals.{key}", f"expected {expected}, got {value!r}")
+            raise study_file_error(source, f"goals.{key}", f"expected {expected}, got {value!r}")
     return Goals(**{k: (tuple(v) if k in ("beat_range", "also_match_at") and v else v) for k, v in section.items()})
 
 
@@ -308,8 +326,21 @@ def load_study(
     second, before torch loads); the full check builds each run's model on PyTorch's
     ``meta`` device.
 
-    Raises :class:`SearchSpaceError` (study keys) or :class:`ConfigError` (config keys).
+    Raises :class:`StudyError` (study keys) or :class:`ConfigError` (config keys).
     """
+    with legacy_warnings(str(path)):  # the file's old key names (every section's), one line
+        return _load_study(path, scale=scale, overrides=overrides, methods=methods, settings_only=settings_only)
+
+
+def _load_study(
+    path: str | Path,
+    *,
+    scale: str | None = None,
+    overrides: list[str] | None = None,
+    methods: list[str] | None = None,
+    settings_only: bool = False,
+) -> StudySpec:
+    """:func:`load_study`'s reading and checks."""
     path = Path(path)
     source = str(path)
     raw = _read_file(path, scale)
@@ -322,7 +353,10 @@ def load_study(
     speed = _speed_section(raw, source)
     config = _section(raw, "config", source)
     settings = _settings(overrides)
-    base = _resolve_base(raw.get("base"), path.parent, source)
+    try:
+        base = resolve_base_config(raw.get("base"), path.parent)
+    except BaseConfigError as exc:
+        raise study_file_error(source, exc.key, exc.reason) from None
     spec = StudySpec(
         source=source,
         base=base,
@@ -363,19 +397,19 @@ def _read_file(path: Path, scale: str | None) -> dict[str, Any]:
     """The study file as a mapping of known keys, its ``scales.<scale>`` merged over it."""
     source = str(path)
     if not path.is_file():
-        raise SearchSpaceError(source, "<file>", "study file not found")
+        raise study_file_error(source, "<file>", "study file not found")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
-        raise SearchSpaceError(source, "<root>", "a study file is a mapping")
+        raise study_file_error(source, "<root>", "a study file is a mapping")
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
-        raise SearchSpaceError(source, unknown[0], f"unknown key; known: {', '.join(sorted(_KEYS))}")
+        raise study_file_error(source, unknown[0], f"unknown key; known: {', '.join(sorted(_KEYS))}")
     if isinstance(raw.get("levers"), str):
         raw["levers"] = _levers_file(path.parent / raw["levers"], source)
     scales = _section(raw, "scales", source)
     if scale is not None:
         if scale not in scales:
-            raise SearchSpaceError(source, "scales", f"no scale {scale!r}; the file has {', '.join(scales) or 'none'}")
+            raise study_file_error(source, "scales", f"no scale {scale!r}; the file has {', '.join(scales) or 'none'}")
         raw = _merge(raw, scales[scale])
     return raw
 
@@ -384,13 +418,13 @@ def _levers_file(path: Path, source: str) -> dict[str, Any]:
     """``levers: FILE``: the levers kept in a file of their own beside the study (an
     ablation that outgrew it), a mapping of entries as ``levers:`` holds."""
     if not path.is_file():
-        raise SearchSpaceError(source, "levers", f"levers file {path} not found")
+        raise study_file_error(source, "levers", f"levers file {path} not found")
     try:
         levers = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise SearchSpaceError(source, "levers", f"{path} is not valid YAML: {exc}") from None
+        raise study_file_error(source, "levers", f"{path} is not valid YAML: {exc}") from None
     if not isinstance(levers, dict):
-        raise SearchSpaceError(source, "levers", f"{path}: expected a mapping of lever names to entries")
+        raise study_file_error(source, "levers", f"{path}: expected a mapping of lever names to entries")
     return levers
 
 
@@ -402,7 +436,7 @@ def _seeds(raw: dict[str, Any], source: str) -> list[int]:
         or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
         or len(set(seeds)) != len(seeds)
     ):
-        raise SearchSpaceError(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
+        raise study_file_error(source, "seeds", f"must be a list of distinct non-negative integers, got {seeds!r}")
     return list(seeds)
 
 
@@ -412,53 +446,57 @@ def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[
     policy, and among them a ``full`` and a ``learned`` one."""
     headline = _section(raw, "methods", source)
     if not headline:
-        raise SearchSpaceError(source, "methods", "name at least one method")
+        raise study_file_error(source, "methods", "name at least one method")
     levers = _section(raw, "levers", source)
     both = [name for name in levers if name in headline]
     if both:
-        raise SearchSpaceError(source, f"levers.{both[0]}", "also under methods; a method is one or the other")
+        raise study_file_error(source, f"levers.{both[0]}", "also under methods; a method is one or the other")
     all_methods = {
         name: _entry(name, settings, "methods" if name in headline else "levers", source)
         for name, settings in {**headline, **levers}.items()
     }
     if names is not None and not names:
-        raise SearchSpaceError(source, "methods", "--methods names no method; name at least one of the file's")
+        raise study_file_error(source, "methods", "--methods names no method; name at least one of the file's")
     unknown = [m for m in names or [] if m not in all_methods]
     if unknown:
-        raise SearchSpaceError(
+        raise study_file_error(
             source,
             "methods",
             f"no method {unknown[0]!r} (asked for by --methods); the file has {', '.join(all_methods)}",
         )
     # the headline by default; --methods picks from both sections, in the file's order
     selected = {k: v for k, v in all_methods.items() if (k in headline if names is None else k in names)}
-    policies = [m["model.policy"] for m in selected.values()]
+    policies = [m["model.policy.kind"] for m in selected.values()]
     for needed in ("full", "learned"):
         if needed not in policies:
-            raise SearchSpaceError(
-                source, "methods", f"needs a method with model.policy: {needed} (the study compares against it)"
+            raise study_file_error(
+                source, "methods", f"needs a method with model.policy.kind: {needed} (the study compares against it)"
             )
     return {k: dict(v) for k, v in selected.items()}
 
 
 def _entry(name: str, settings: Any, section: str, source: str) -> dict[str, Any]:
-    """A method entry, checked: config keys, among them ``model.policy`` (an entry that
+    """A method entry, checked: config keys, among them ``model.policy.kind`` (an entry that
     names a recipe is the learned policy's) and ``recipe``, and ``without``: keys of the
     recipe this method leaves at the library's defaults (checked against the recipe
     when the run's config is built)."""
     where = f"{section}.{name}"
     if not isinstance(settings, dict):
-        raise SearchSpaceError(source, where, f"expected a mapping of config keys, got {type(settings).__name__}")
-    entry = dict(settings)
+        raise study_file_error(source, where, f"expected a mapping of config keys, got {type(settings).__name__}")
+    entry = upgrade_dotted(dict(settings), f"{source} {where}")
+    if isinstance(entry.get(WITHOUT), list):
+        entry[WITHOUT] = upgrade_keys(entry[WITHOUT])
     if entry.get(RECIPE_KEY) not in (None, "none"):
-        entry.setdefault("model.policy", "learned")
-    if entry.get("model.policy") not in POLICY_NAMES:
-        raise SearchSpaceError(
-            source, where, f"needs model.policy, one of {', '.join(POLICY_NAMES)} (or a recipe: the learned policy's)"
+        entry.setdefault("model.policy.kind", "learned")
+    if entry.get("model.policy.kind") not in POLICY_NAMES:
+        raise study_file_error(
+            source,
+            where,
+            f"needs model.policy.kind, one of {', '.join(POLICY_NAMES)} (or a recipe: the learned policy's)",
         )
     without = entry.get(WITHOUT, [])
     if not isinstance(without, list) or not all(isinstance(k, str) for k in without):
-        raise SearchSpaceError(source, f"{where}.{WITHOUT}", f"expected a list of the recipe's keys, got {without!r}")
+        raise study_file_error(source, f"{where}.{WITHOUT}", f"expected a list of the recipe's keys, got {without!r}")
     return entry
 
 
@@ -466,7 +504,7 @@ def _ratios(evaluation: dict[str, Any], source: str) -> list[float]:
     """The evaluation's token ratios, ascending: each in ``(0, 1]``."""
     ratios = evaluation.get("ratios") or [0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
     if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
-        raise SearchSpaceError(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
+        raise study_file_error(source, "evaluation.ratios", f"token ratios must be in (0, 1], got {ratios!r}")
     return sorted(float(r) for r in ratios)
 
 
@@ -478,8 +516,14 @@ def _settings(overrides: list[str] | None) -> dict[str, Any]:
         if not sep:
             raise ConfigError(item, "expected key=value")
         settings[key.strip()] = yaml.safe_load(value)
-    return settings
+    return upgrade_dotted(settings, "--set")
 
 
 class StudyError(ValueError):
     """A study that cannot run as asked (the message says why and what to do)."""
+
+
+def study_file_error(source: str, key: str, reason: str) -> StudyError:
+    """A mistake in a study file, as one line naming the file and the key:
+    ``study studies/x.yaml: seeds: must be a list ...``."""
+    return StudyError(f"study {source}: {key}: {reason}")

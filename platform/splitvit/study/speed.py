@@ -1,6 +1,6 @@
 """The study's speed step, on trained checkpoints: every method's evaluated points
 side by side against full resolution (:func:`points_speed`, timed by
-:func:`~splitvit.tune.speed.time_operating_points`, the timing routine sweeps use too)
+:func:`~splitvit.bench.speed.time_operating_points`, the timing routine sweeps use too)
 and the matched SPLIT point (:func:`matched_speed`): read from that timing where it
 timed the point, so the goal line and the speed table quote one measurement, else
 timed on its own (:func:`speed_comparison`). Each result is a dataclass whose
@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..tune.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
+from ..bench.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
+from ..jsontypes import JsonObject
 from .goals import StudyRow, matched_point
+from .runs import MethodRun
 from .spec import StudySpec
 
 #: ``run(fn, *args, **kwargs)``: runs a timing where the checkpoints' device is
@@ -53,7 +55,7 @@ class SpeedComparison:
     backbone_full_images_per_s: float | None = field(default=None, kw_only=True)
     backbone_ratio: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
@@ -72,7 +74,7 @@ class MatchedSpeed(SpeedComparison):
     # before the field existed, whose point was timed alone)
     timing: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON: the comparison's keys, then the point's (``timing``
         where known, so that older files read back to themselves)."""
         data = without_unset_backbone(asdict(self))
@@ -83,7 +85,7 @@ class MatchedSpeed(SpeedComparison):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str) -> MatchedSpeed:
+    def from_dict(cls, data: JsonObject, metric: str) -> MatchedSpeed:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``, but for
         ``timing``, absent from files written before it existed)."""
         values = {"timing": None, **data, "metric": metric, "quality": data[metric]}
@@ -108,7 +110,7 @@ class PointSpeed(SpeedRecord):
     full_method: str  # the method whose checkpoint is the full-resolution model (the JSON labels ``full[0]``)
     seed: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """As in the study's JSON: the timing record, the first full-resolution model
         labelled with its ``method`` and ``seed``, then ``seed``."""
         data = SpeedRecord.to_dict(self)
@@ -117,7 +119,7 @@ class PointSpeed(SpeedRecord):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PointSpeed:
+    def from_dict(cls, data: JsonObject) -> PointSpeed:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         values = {f.name: data[f.name] for f in fields(SpeedRecord)}
         values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
@@ -146,9 +148,9 @@ def speed_comparison(
     trained full-resolution checkpoint, timed interleaved on the same batch."""
     import torch
 
+    from ..bench.speed import backbone_call, split_output
     from ..bench.timing import time_interleaved
     from ..train.evaluation import CheckpointEvaluator
-    from ..tune.speed import backbone_call, split_output
 
     split_eval = CheckpointEvaluator(split_checkpoint, samples=batch_size, device=device, split=split)
     full_eval = CheckpointEvaluator(full_checkpoint, samples=batch_size, device=device, split=split)
@@ -200,7 +202,7 @@ def _full_method(spec: StudySpec) -> str:
 def matched_speed(
     spec: StudySpec,
     rows: list[StudyRow],
-    runs: list[dict[str, Any]],
+    runs: list[MethodRun],
     point_speed: PointSpeed | None = None,
     run: Runner = _here,
 ) -> MatchedSpeed | None:
@@ -218,7 +220,7 @@ def matched_speed(
         return None
     row = point.row
     seed = min(int(s) for s in row.per_seed)
-    checkpoints = {(r["method"], r["seed"]): r["checkpoint"] for r in runs}
+    checkpoints = {(r.method, r.seed): r.checkpoint for r in runs}
     full = _full_method(spec)
     if (full, seed) not in checkpoints:
         return None
@@ -275,9 +277,9 @@ def _from_points(
     )
 
 
-def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _here) -> PointSpeed | None:
+def points_speed(spec: StudySpec, runs: list[MethodRun], run: Runner = _here) -> PointSpeed | None:
     """Every method's evaluated operating points timed against full resolution, side
-    by side in one interleaved run (:func:`~splitvit.tune.speed.time_operating_points`).
+    by side in one interleaved run (:func:`~splitvit.bench.speed.time_operating_points`).
 
     What is timed, to stay within a bounded time: one seed (the lowest that trained
     the ``full`` method); the ``full`` method's checkpoint is the full-resolution
@@ -294,14 +296,14 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     Returns the timing record, its points labelled with their method, target ratio and
     seed (``None`` when there is no full-resolution run or nothing to time).
     """
-    from ..tune.speed import spread, time_operating_points
+    from ..bench.speed import OperatingPoint, spread, time_operating_points
 
     full = _full_method(spec)
-    seeds = sorted(int(r["seed"]) for r in runs if r["method"] == full)
+    seeds = sorted(int(r.seed) for r in runs if r.method == full)
     if not seeds:
         return None
     seed = seeds[0]
-    by_method = {r["method"]: r for r in runs if int(r["seed"]) == seed}
+    by_method = {r.method: r for r in runs if int(r.seed) == seed}
     others = [m for m in spec.methods if m != full and m in by_method]
     if not others:
         return None
@@ -309,28 +311,26 @@ def points_speed(spec: StudySpec, runs: list[dict[str, Any]], run: Runner = _her
     baselines = [m for m in others if m not in recipes]
     share = None
     if spec.speed_max_points is not None and baselines:
-        left = spec.speed_max_points - sum(len(by_method[m]["points"]) for m in recipes)
+        left = spec.speed_max_points - sum(len(by_method[m].points) for m in recipes)
         share = max(1, left // len(baselines))
-    operating: list[dict[str, Any]] = []  # what time_operating_points takes
+    operating: list[OperatingPoint] = []
     labels: list[tuple[str, float | None]] = []  # each point's method and target ratio
     for method in others:
-        stored = sorted(
-            by_method[method]["points"], key=lambda p: (p["target_ratio"] is None, p["target_ratio"] or 0.0)
-        )
+        stored = sorted(by_method[method].points, key=lambda p: (p.target_ratio is None, p.target_ratio or 0.0))
         for point in stored if method in recipes else spread(stored, share):
             operating.append(
-                {
-                    "checkpoint": by_method[method]["checkpoint"],
-                    "thresholds": point.get("thresholds"),
-                    "budget": point["target_ratio"],  # what a budget-conditioned policy was told
-                    "label": f"{method}@{point['target_ratio']}",
-                }
+                OperatingPoint(
+                    checkpoint=by_method[method].checkpoint,
+                    thresholds=point.thresholds,
+                    budget=point.target_ratio,  # what a budget-conditioned policy was told
+                    label=f"{method}@{point.target_ratio}",
+                )
             )
-            labels.append((method, point["target_ratio"]))
+            labels.append((method, point.target_ratio))
     record: SpeedRecord = run(
         time_operating_points,
         operating,
-        full_checkpoint=by_method[full]["checkpoint"],
+        full_checkpoint=by_method[full].checkpoint,
         split=spec.split,
         batch_size=spec.speed_batch,
         rounds=spec.speed_rounds,

@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .runs import CHECKPOINT_TAG, missing_store, mlflow_client
+from .runs import CHECKPOINT_TAG, PARENT_TAG, missing_store, mlflow_client
 
 URI_SCHEMES = ("models:/", "runs:/")
 THRESHOLDS_TAG = "splitvit.thresholds"
-PARENT_TAG = "mlflow.parentRunId"
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,14 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import REDACTED, DataConfig, is_secret_key, redact_secrets, redact_uri
+from ..config import REDACTED, DataConfig, flatten, is_secret_key, redact_secrets, redact_uri, upgrade_flat
 from .provenance import provenance_tags
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,12 @@ EPOCH_MARKER = "epoch"  # the metric whose history says which epochs are logged
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 MAX_TAG_LENGTH = 5000
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch
+# Tags that sweeps and studies both write on their runs (the sweep's own are in splitvit.tune.mlflow_records)
+KIND_TAG = "splitvit.kind"
+METRIC_TAG = "splitvit.metric"
+SPEED_DEVICE_TAG = "splitvit.speed_device"  # where the frontier was timed (e.g. "cuda:0 (NVIDIA H200)")
+SPEED_TIMING_TAG = "splitvit.speed_timing"  # how: batch, rounds, precision
+PARENT_TAG = "mlflow.parentRunId"
 
 
 def mlflow_client(tracking_uri: str):
@@ -158,6 +165,16 @@ def safe_params(params: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def param_name(key: str) -> str:
+    """A parameter name MLflow accepts: ``model.thresholds[0]`` -> ``model.thresholds.0``."""
+    return re.sub(r"\[(\d+)\]", r".\1", key)
+
+
+def flat_params(data: dict[str, Any]) -> dict[str, Any]:
+    """A nested settings dict as MLflow params (``search.num_samples``...)."""
+    return {param_name(k): json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in flatten(data).items()}
+
+
 RECIPE_TAG = "splitvit.recipe"
 RECIPE_VERSION_TAG = "splitvit.recipe_version"
 
@@ -223,7 +240,7 @@ class RunTracker:
             run = found[0]
             tracker = cls(tracking_uri, experiment_id, run.info.run_id)
             client.update_run(run.info.run_id, status="RUNNING")
-            old = run.data.params
+            old = upgrade_flat(dict(run.data.params))  # a run logged before the keys were grouped: new names
             changed = {k: [old.get(k), v] for k, v in values.items() if old.get(k) != v}
             new = [Param(k, v) for k, v in values.items() if k not in old]
             if changed:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..config import BudgetConfig, PolicyConfig, PolicyTrainingConfig, TeacherConfig
 from ..data.synthetic import SyntheticObjects
 from ..model import SplitViT
 from .local import fit_local
@@ -35,8 +36,7 @@ class Recipe:
     embed_dim: int = 64
     depth: int = 4
     num_heads: int = 4
-    policy_depth: int = 1
-    policy_width: int | None = None
+    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig(depth=1))
     train_samples: int = 2048
     test_samples: int = 512
     epochs: int = 6
@@ -45,7 +45,9 @@ class Recipe:
     seed: int = 0
     loss: SplitLossConfig = field(
         default_factory=lambda: SplitLossConfig(
-            lambda_budget=2.0, target_ratio=0.3, warmup_epochs=4, teacher_weight=1.0
+            budget=BudgetConfig(weight=2.0, target_ratio=0.3),
+            teacher=TeacherConfig(weight=1.0),
+            policy=PolicyTrainingConfig(warmup_epochs=4),
         )
     )
 
@@ -57,11 +59,9 @@ def build_demo_model(policy: str = "learned", recipe: Recipe | None = None) -> S
     return SplitViT.from_timm(
         "vit_tiny_patch16_224",
         levels=recipe.levels,
-        policy=policy,
+        policy=replace(recipe.policy, kind=policy),
         image_size=recipe.image_size,
         num_classes=4,
-        policy_depth=recipe.policy_depth,
-        policy_width=recipe.policy_width,
         timm_kwargs=dict(
             patch_size=recipe.patch_size, embed_dim=recipe.embed_dim, depth=recipe.depth, num_heads=recipe.num_heads
         ),
@@ -122,7 +122,7 @@ def run_demo(
         recipe,
         epochs=epochs or recipe.epochs,
         train_samples=samples or recipe.train_samples,
-        loss=replace(recipe.loss, target_ratio=target_ratio),
+        loss=replace(recipe.loss, budget=replace(recipe.loss.budget, target_ratio=target_ratio)),
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

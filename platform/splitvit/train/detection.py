@@ -85,7 +85,7 @@ def detection_relevance(detector: SplitDetector, images: torch.Tensor, targets: 
 def object_relevance(
     targets: Targets, geometry: QuadtreeGeometry, generator: torch.Generator | None = None, context: int = 0
 ) -> list[torch.Tensor]:
-    """Every non-finest node's relevance by the annotations (``train.teacher: objects``),
+    """Every non-finest node's relevance by the annotations (``train.teacher.kind: objects``),
     summed over the node's area (:func:`nodes_mass`): per finest cell, the share of it
     under an instance mask, plus a tenth of the share under a box (the box regressor's
     context; a target without masks has its boxes alone), plus noise below 1e-4, so
@@ -93,7 +93,7 @@ def object_relevance(
     the same corner. No forward pass: the policy learns to find what the detector is
     asked to find.
 
-    ``context`` (``train.teacher_context``): a ring of that many pixels around the
+    ``context`` (``train.teacher.context``): a ring of that many pixels around the
     masks (or boxes) counts too, half as much as an object at its edge and falling
     linearly with the distance (Chebyshev, as the oracle's ``--oracle-context`` grows
     masks), so that past the items' own cells the budget goes to their surroundings,
@@ -138,27 +138,29 @@ def detection_training_step(
     """Loss of one detection batch (call ``backward`` on it) and its statistics.
 
     The detection losses (torchvision's five, summed: ``task_loss``), plus for a learned
-    policy past warm-up the budget penalty and, on every ``cfg.teacher_every``-th step,
-    the relevance teacher: ``cfg.teacher`` ``gradient``, the detection loss's gradient
+    policy past warm-up the budget penalty and, on every ``cfg.teacher.every``-th step,
+    the relevance teacher: ``cfg.teacher.kind`` ``gradient``, the detection loss's gradient
     (:func:`detection_relevance`, a full-resolution pass), or ``objects``, the
     annotations (:func:`object_relevance`, no pass); a detector has no class token to
-    attend from. Self-distillation (``cfg.distill_weight``) is on the features here: the
+    attend from. Self-distillation (``cfg.distill.weight``) is on the features here: the
     split path's fine map (what the pyramid and the heads read) learns the same
     backbone's full-resolution fine map (:func:`~.losses.feature_distillation_loss`, a
     gradient-free full-resolution pass of the backbone alone), so that the heads, trained
     on full-resolution features, see features like them on the mixed token grid;
-    ``cfg.distill_temperature`` has no part in it.
+    ``cfg.distill.temperature`` has no part in it.
 
     Raises ``ConfigError`` (key ``model.num_classes``) for a label the detector cannot
     predict, ``ValueError`` for a teacher a detector has not, ``FloatingPointError`` for
     a non-finite loss (a divergence, as in :func:`~splitvit.train.steps.training_step`).
     """
-    if cfg.teacher not in ("gradient", "objects"):
-        raise ValueError(f"train.teacher: a detector's teachers are gradient and objects, got {cfg.teacher!r}")
+    if cfg.teacher.kind not in ("gradient", "objects"):
+        raise ValueError(
+            f"train.teacher.kind: a detector's teachers are gradient and objects, got {cfg.teacher.kind!r}"
+        )
     check_detection_labels(targets, detector.num_classes)
     backbone = detector.backbone
     learned = backbone.policy.learned
-    warmup = learned and epoch < cfg.warmup_epochs
+    warmup = learned and epoch < cfg.policy.warmup_epochs
     stats: dict[str, float] = {}
     target_ratio = batch_target_ratio(cfg, learned and not warmup, generator, stats)
     if warmup:  # the classifier's curriculum
@@ -169,23 +171,23 @@ def detection_training_step(
     loss = main
     stats["task_loss"] = float(main.detach())
     stats.update({name: float(value.detach()) for name, value in out.losses.items()})
-    if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
+    if learned and not warmup and cfg.teacher.weight > 0 and step % cfg.teacher.every == 0:
         geometry = backbone.geometry_for(tuple(images.shape[-2:]))
         relevance = _teacher_relevance(detector, images, targets, geometry, cfg, generator)
         taught = teacher_loss_at_ratio(
-            out.split.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets, cfg.teacher_scope
+            out.split.split_probs, relevance, target_ratio, geometry, cfg.teacher.targets, cfg.teacher.scope
         )
-        loss = loss + cfg.teacher_weight * taught
+        loss = loss + cfg.teacher.weight * taught
         stats["teacher_loss"] = float(taught.detach())
-    if cfg.distill_weight > 0 and not warmup and backbone.policy.name != "full":
+    if cfg.distill.weight > 0 and not warmup and backbone.policy.name != "full":
         with torch.no_grad():
             full_fine, _ = backbone.fine_features(images, decisions=backbone.full_decisions(images))
         distill = feature_distillation_loss(out.split.logits, full_fine)
-        loss = loss + cfg.distill_weight * distill
+        loss = loss + cfg.distill.weight * distill
         stats["distill_loss"] = float(distill.detach())
     if learned and not warmup:
-        penalty = budget_penalty(out.split.expected_tokens / out.split.full_tokens, target_ratio, cfg.penalty)
-        loss = loss + cfg.lambda_budget * penalty
+        penalty = budget_penalty(out.split.expected_tokens / out.split.full_tokens, target_ratio, cfg.budget.penalty)
+        loss = loss + cfg.budget.weight * penalty
         stats["budget_penalty"] = float(penalty.detach())
     stats["loss"] = float(loss.detach())
     stats["token_ratio"] = float(out.split.token_ratio.mean())
@@ -222,10 +224,10 @@ def _teacher_relevance(
     cfg: SplitLossConfig,
     generator: torch.Generator | None,
 ) -> list[torch.Tensor]:
-    """The relevance ``cfg.teacher`` marks: the annotations' (``objects``, no pass) or the
+    """The relevance ``cfg.teacher.kind`` marks: the annotations' (``objects``, no pass) or the
     detection loss's gradient (``gradient``, a full-resolution pass)."""
-    if cfg.teacher == "objects":
-        return object_relevance(targets, geometry, generator, cfg.teacher_context)
+    if cfg.teacher.kind == "objects":
+        return object_relevance(targets, geometry, generator, cfg.teacher.context)
     return detection_relevance(detector, images, targets)
 
 

@@ -7,6 +7,7 @@ operating points and speed timing, and a sweep's stage two and baselines
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -14,9 +15,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..jsontypes import JsonObject
 from ..model import SplitViT, validate_thresholds
 from ..model.detection import SplitDetector, split_backbone
 from .checkpoints import load_payload, model_from_payload
+from .points import EvaluatedPoint
 from .steps import calibrate_thresholds, evaluate
 
 log = logging.getLogger(__name__)
@@ -119,7 +122,7 @@ class CheckpointEvaluator:
         *,
         oracle: bool = False,
         oracle_context: int = 0,
-    ) -> dict[str, Any]:
+    ) -> EvaluatedPoint:
         """Quality (accuracy, mIoU or box AP), tokens per image, token ratio and images/s
         at ``thresholds`` (validated before any data are read); on data with object
         masks also ``fine_on_object`` and ``object_coverage``; a detector's mask AP and
@@ -140,7 +143,7 @@ class CheckpointEvaluator:
             result = self._evaluate_classifier(model, thresholds)
         used = thresholds if thresholds is not None else split_backbone(model).thresholds.tolist()
         result["thresholds"] = None if oracle else [float(t) for t in used]
-        return result
+        return EvaluatedPoint.from_dict({"target_ratio": None, **result})
 
     def _evaluate_classifier(self, model: SplitViT, thresholds: list[float] | None) -> dict[str, Any]:
         with self.autocast():
@@ -222,7 +225,7 @@ def evaluate_checkpoint(
     device: str = "cpu",
     oracle: bool = False,
     oracle_context: int = 0,
-) -> dict[str, Any]:
+) -> JsonObject:
     """One evaluation of a checkpoint (``splitvit eval``): :meth:`CheckpointEvaluator.evaluate`
     plus the checkpoint, its epoch, the policy (``oracle`` for the annotations' splits)
     and the split. The arguments are :class:`CheckpointEvaluator`'s; ``thresholds`` are
@@ -231,9 +234,9 @@ def evaluate_checkpoint(
     evaluator = CheckpointEvaluator(
         checkpoint, split=split, samples=samples, batch_size=batch_size, policy=policy, device=device, cache=False
     )
-    result = evaluator.evaluate(thresholds, oracle=oracle, oracle_context=oracle_context)
+    point = evaluator.evaluate(thresholds, oracle=oracle, oracle_context=oracle_context)
     return {
-        **result,
+        **{k: v for k, v in point.to_dict().items() if k != "target_ratio"},
         "checkpoint": str(checkpoint),
         "epoch": evaluator.payload.get("epoch"),
         "policy": "oracle" if oracle else evaluator.backbone.policy.name,
@@ -251,7 +254,7 @@ def evaluate_points(
     calibration_samples: int,
     seed: int,
     device: str = "cpu",
-) -> list[dict[str, Any]]:
+) -> list[EvaluatedPoint]:
     """Quality, tokens per image and images/s of ``checkpoint`` on ``split``: one point
     for ``full``/``coarse``, else one per token ratio, its thresholds calibrated on the
     first ``calibration_samples`` validation images (never on the evaluated ones, unless
@@ -259,30 +262,30 @@ def evaluate_points(
     A study's method runs and a sweep's fine-tuned baselines are evaluated with it."""
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
     if not ratios:
-        return [{"target_ratio": None, **evaluator.evaluate(None)}]
+        return [evaluator.evaluate(None)]
     return calibrated_points(evaluator, ratios, calibration_samples, seed=seed, label=policy)
 
 
 def calibrated_points(
     evaluator: CheckpointEvaluator, ratios: list[float], calibration_samples: int, *, seed: int = 0, label: str = ""
-) -> list[dict[str, Any]]:
+) -> list[EvaluatedPoint]:
     """One point per token ratio: ``evaluator``'s model with its thresholds calibrated to
     the ratio on the first ``calibration_samples`` validation images, evaluated on its
     split; each point keeps the ratio it was calibrated to (``target_ratio``). How a
     study's methods, a sweep's baselines and stage two's calibrated points are made."""
     calibration = evaluator.first_images(calibration_samples, split="val")
-    points = []
+    points: list[EvaluatedPoint] = []
     for ratio in ratios:
         # the random policy draws fresh scores on every call: seeded, so a rerun repeats it
         torch.manual_seed(seed * 1009 + round(ratio * 1000))
         thresholds = evaluator.calibrate(calibration, ratio)
-        points.append({"target_ratio": float(ratio), **evaluator.evaluate(thresholds)})
+        points.append(dataclasses.replace(evaluator.evaluate(thresholds), target_ratio=float(ratio)))
         log.info(
             "%s @ %.2f: thresholds %s -> quality %.4f at %.1f tokens/image",
             label or "calibrated point",
             ratio,
             [round(t, 3) for t in thresholds],
-            points[-1]["quality"],
-            points[-1]["tokens_per_image"],
+            points[-1].quality,
+            points[-1].tokens_per_image,
         )
     return points

@@ -128,24 +128,24 @@ def _validate_model(m: ModelConfig) -> None:
             "model.timm_kwargs.patch_size",
             f"a detector needs a finest patch that is a power of two >= 4, got {patch}",
         )
-    depth = len(getattr(vit, "blocks", []))
-    if m.policy_width is None:
+    depth, p = len(getattr(vit, "blocks", [])), m.policy
+    if p.width is None:
         require(
-            0 <= m.policy_depth <= depth,
-            "model.policy_depth",
-            f"must be in [0, {depth}] (the ViT's depth), got {m.policy_depth}",
+            0 <= p.depth <= depth,
+            "model.policy.depth",
+            f"must be in [0, {depth}] (the ViT's depth), got {p.depth}",
         )
     else:
-        require(m.policy_depth >= 0, "model.policy_depth", f"must be >= 0, got {m.policy_depth}")
-        heads = max(1, m.policy_width // 64)
+        require(p.depth >= 0, "model.policy.depth", f"must be >= 0, got {p.depth}")
+        heads = max(1, p.width // 64)
         require(
-            m.policy_width >= 1 and m.policy_width % heads == 0,
-            "model.policy_width",
-            f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {m.policy_width}",
+            p.width >= 1 and p.width % heads == 0,
+            "model.policy.width",
+            f"must be a positive multiple of its {heads} attention head(s) (width // 64), got {p.width}",
         )
     require(
-        not m.policy_level_context or m.levels >= 3,
-        "model.policy_level_context",
+        not p.level_context or m.levels >= 3,
+        "model.policy.level_context",
         f"needs model.levels >= 3 (with {m.levels} levels only the coarsest is scored)",
     )
     try:
@@ -203,14 +203,7 @@ def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT 
         timm_kwargs=dict(model.timm_kwargs),
         normalize=model.normalize,
         thresholds=AUTO_THRESHOLD_START if model.thresholds == AUTO_THRESHOLDS else model.thresholds,
-        policy_depth=model.policy_depth,
-        policy_width=model.policy_width,
-        budget_conditioned=model.budget_conditioned,
         fine_aggregation=model.fine_aggregation,
-        policy_level_context=model.policy_level_context,
-        policy_feature_grad=model.policy_feature_grad,
-        policy_fine_evidence=model.policy_fine_evidence,
-        policy_evidence_pooling=model.policy_evidence_pooling,
         task=model.task,
         length_buckets=model.length_buckets,
     )

@@ -63,9 +63,6 @@ def fit_local(
     amp: bool = False,
     warmup_steps: int | None = None,
     num_workers: int = 0,
-    policy_lr_scale: float = 1.0,
-    lead_epochs: int = 0,
-    policy_epochs: int = 0,
     epoch_hook: Callable[[int, nn.Module], None] | None = None,
 ) -> list[dict[str, float]]:
     """Train ``model`` (a SplitViT or a :class:`~splitvit.model.detection.SplitDetector`)
@@ -73,39 +70,22 @@ def fit_local(
     learning rate after the epoch (``lr``; ``lr_policy`` for the policy's own group).
 
     The epochs are the Ray loop's phases, routed by the same :class:`~.phases.SplitStep`
-    on the same schedule (:func:`~.phases.phase_schedule`): ``lead_epochs`` of the policy
-    alone (``train.policy_lead_epochs``), the ``epochs`` of the fine-tune, then
-    ``policy_epochs`` of the policy alone (``train.policy_epochs``).
+    on the same schedule (:func:`~.phases.phase_schedule`), as ``cfg.policy`` (``train.policy``)
+    sets them: its ``lead_epochs`` of the policy alone, the ``epochs`` of the fine-tune,
+    then its ``epochs`` of the policy alone; SplitViT's own modules learn at ``lr`` times its
+    ``lr_scale`` (:func:`param_groups`).
     ``on_epoch(epoch, stats)``: called after each epoch; the caller then reports
     the epoch (without one, this function logs it). ``epoch_hook(epoch, model)``: called
     before each epoch (as the Ray loop's ``epoch_hook``). ``amp``: bf16 autocast on CUDA
     (as the Ray loop with ``train.amp``).
     ``warmup_steps``: the fine-tune's linear learning-rate warm-up (default: an epoch, at
     most a tenth of the fine-tune). ``num_workers``: data-loading processes.
-    ``policy_lr_scale``: see :func:`param_groups`.
     """
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    # parquet shards shuffle by row group (each group read once per epoch, not once per
-    # item); other datasets read any item cheaply and keep the plain shuffle
-    sampler = (
-        RowGroupSampler(dataset, 1, 0, seed=seed, drop_last=True, batch_size=batch_size, loader_workers=num_workers)
-        if isinstance(dataset, ParquetShards)
-        else None
-    )
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=sampler is None,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(seed),
-        # detection targets are one dict per image: the batch keeps them a list
-        collate_fn=detection_collate if isinstance(model, SplitDetector) else None,
-    )
+    # the policy's own phases and learning rate: the loss config's, as the Ray loop reads them
+    lead_epochs, policy_epochs, policy_lr_scale = cfg.policy.lead_epochs, cfg.policy.epochs, cfg.policy.lr_scale
+    loader, sampler = _train_loader(model, dataset, batch_size, seed, num_workers, device)
     optimizer = torch.optim.AdamW(param_groups(model, lr, policy_lr_scale), lr=lr, weight_decay=weight_decay)
     warmup = min(len(loader), epochs * len(loader) // 10) if warmup_steps is None else warmup_steps
     scheduler = phase_schedule(
@@ -153,6 +133,33 @@ def fit_local(
         else:
             log.info("epoch %d: %s", epoch, stats)
     return history
+
+
+def _train_loader(
+    model: nn.Module, dataset: Dataset, batch_size: int, seed: int, num_workers: int, device: torch.device
+) -> tuple[DataLoader, RowGroupSampler | None]:
+    """:func:`fit_local`'s shuffled training batches, and the sampler to set each epoch on
+    (parquet shards shuffle by row group, each group read once per epoch, not once per
+    item; other datasets read any item cheaply and keep the plain shuffle: ``None``)."""
+    sampler = (
+        RowGroupSampler(dataset, 1, 0, seed=seed, drop_last=True, batch_size=batch_size, loader_workers=num_workers)
+        if isinstance(dataset, ParquetShards)
+        else None
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+        # detection targets are one dict per image: the batch keeps them a list
+        collate_fn=detection_collate if isinstance(model, SplitDetector) else None,
+    )
+    return loader, sampler
 
 
 def validate(

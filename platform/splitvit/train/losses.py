@@ -86,9 +86,9 @@ def relevance_targets(
     relevance: list[torch.Tensor], fraction: float, kind: str = "per_level", scope: str = "image"
 ) -> list[torch.Tensor]:
     """The teacher's split targets at a split ``fraction``, one tensor per level, shaped
-    like ``relevance``; ``scope`` is ``train.teacher_scope`` (``image``: the fraction of
+    like ``relevance``; ``scope`` is ``train.teacher.scope`` (``image``: the fraction of
     each image's nodes; ``batch``: of the batch's, its images ranked together) and
-    ``kind`` is ``train.teacher_targets``:
+    ``kind`` is ``train.teacher.targets``:
 
     * ``per_level``: 1.0 at the ``fraction`` of each level's nodes with the most
       relevance, each level ranked on its own. Every level's scores learn a ranking, but
@@ -104,9 +104,9 @@ def relevance_targets(
       mean of both losses: nested's budget and tree, per-level's ranking of every level.
     """
     if kind not in TEACHER_TARGETS:
-        raise ValueError(f"teacher_targets must be one of {TEACHER_TARGETS}, got {kind!r}")
+        raise ValueError(f"teacher.targets must be one of {TEACHER_TARGETS}, got {kind!r}")
     if scope not in TEACHER_SCOPES:
-        raise ValueError(f"teacher_scope must be one of {TEACHER_SCOPES}, got {scope!r}")
+        raise ValueError(f"teacher.scope must be one of {TEACHER_SCOPES}, got {scope!r}")
     if kind == "per_level":
         return _per_level_marks(relevance, fraction, scope)
     flats = [rel.flatten(1) for rel in relevance]

@@ -1,9 +1,9 @@
 """The checks of a config that need no torch, run by the command line before torch, Ray
 and MLflow load (a mistake is one line in a second):
 
-* :func:`check_names`: the names (dataset, policy, task, input normalisation, evidence
-  pooling, the workers' allocator) against what the data, the model and the allocator
-  table define, the task against the dataset's targets, and the model's shape
+* :func:`check_names`: the names (dataset, the workers' allocator) against what the
+  data and the allocator table define (the model's names are their config fields'
+  types, checked as the config loads), the task against the dataset's targets, and the model's shape
   (:func:`check_model_shape`: one threshold per non-finest level, an image side the
   coarsest patch divides).
   :func:`~splitvit.train.experiment.validate_experiment` runs them with the rest;
@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from ..config import ConfigError, ExperimentConfig, ModelConfig, redact_uri, require
 from ..data.coco_format import check_coco_file
 from ..data.names import ANY_TASK_DATASETS, DATASET_NAMES, DETECTION_DATASETS
-from ..model.names import DETECTION_TASK, EVIDENCE_POOLINGS, INPUT_NORMALIZATIONS, MODEL_TASKS, POLICY_NAMES
+from ..model.names import DETECTION_TASK
 from .allocator import ALLOCATORS
 
 
@@ -35,23 +35,8 @@ def check_names(config: ExperimentConfig) -> None:
     require(
         d.name in DATASET_NAMES, "data.name", f"unknown dataset {d.name!r}; expected one of {', '.join(DATASET_NAMES)}"
     )
-    require(
-        m.policy in POLICY_NAMES,
-        "model.policy",
-        f"unknown policy {m.policy!r}; expected one of {', '.join(POLICY_NAMES)}",
-    )
-    require(m.task in MODEL_TASKS, "model.task", f"must be one of {', '.join(MODEL_TASKS)}, got {m.task!r}")
+    # the policy, task, normalisation and pooling names are their fields' types (config.coerce checks them)
     check_task_data(d.name, m.task)
-    require(
-        m.normalize in INPUT_NORMALIZATIONS,
-        "model.normalize",
-        f"must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {m.normalize!r}",
-    )
-    require(
-        m.policy_evidence_pooling in EVIDENCE_POOLINGS,
-        "model.policy_evidence_pooling",
-        f"must be one of {', '.join(EVIDENCE_POOLINGS)}, got {m.policy_evidence_pooling!r}",
-    )
     check_model_shape(m)
     require(
         config.scaling.allocator in ALLOCATORS,

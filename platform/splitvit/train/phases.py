@@ -82,15 +82,15 @@ def lr_schedule(
     optimizer: torch.optim.Optimizer, train: TrainConfig, steps_per_epoch: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """``train``'s :func:`phase_schedule`: the fine-tune's ``train.epochs`` with
-    :func:`warmup_steps`, the policy's own ``train.policy_lead_epochs`` before them and
-    ``train.policy_epochs`` after them."""
+    :func:`warmup_steps`, the policy's own ``train.policy.lead_epochs`` before them and
+    ``train.policy.epochs`` after them."""
     return phase_schedule(
         optimizer,
         steps_per_epoch,
         epochs=train.epochs,
         warmup_steps=warmup_steps(train, steps_per_epoch),
-        lead_epochs=train.policy_lead_epochs,
-        policy_epochs=train.policy_epochs,
+        lead_epochs=train.policy.lead_epochs,
+        policy_epochs=train.policy.epochs,
     )
 
 
@@ -103,8 +103,8 @@ class SplitStep(nn.Module):
     pass happens within DDP's forward, so its reducer sees every parameter that
     receives a gradient. A :class:`SplitDetector` takes
     :func:`~.detection.detection_training_step` (targets: one dict per image). In the
-    first ``lead_epochs`` (``train.policy_lead_epochs``) and from ``policy_from_epoch`` on
-    (the ``train.policy_epochs`` after the fine-tune), the step is the policy's alone
+    first ``lead_epochs`` (``train.policy.lead_epochs``) and from ``policy_from_epoch`` on
+    (the ``train.policy.epochs`` after the fine-tune), the step is the policy's alone
     (:func:`~.steps.policy_training_step`, :func:`~.detection.detection_policy_step`);
     the fine-tune's steps count their epochs from the end of the lead.
     """
@@ -128,8 +128,8 @@ class SplitStep(nn.Module):
         return cls(
             model,
             train.loss_config(),
-            policy_from_epoch=train.policy_lead_epochs + train.epochs,
-            lead_epochs=train.policy_lead_epochs,
+            policy_from_epoch=train.policy.lead_epochs + train.epochs,
+            lead_epochs=train.policy.lead_epochs,
         )
 
     def policy_only(self, epoch: int) -> bool:

@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from ..config import AUTO_THRESHOLDS, ConfigError, ExperimentConfig, config_layers, redact_uri
 from ..data.parquet import training_sampler
 from ..errors import Interrupted, as_interrupted, error_line, is_deterministic, note_signal
+from ..jsontypes import JsonObject
 from ..model.detection import SplitDetector, split_backbone
 from ..tracking import RunTracker
 from ..tracking.runs import CHECKPOINT_TAG
@@ -139,9 +140,22 @@ class TrainResult:
     completed_epochs: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict for JSON."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """What :func:`train_loop_per_worker` returns on every rank (Ray hands rank 0's to
+    the driver): how training ended and the last epoch's figures."""
+
+    status: str  # completed, diverged (a non-finite loss...), or interrupted (stopped from outside)
+    metrics: dict[str, float]  # the last epoch's
+    start_epoch: int = 0  # the epoch this attempt started from (> 0 after a resume)
+    message: str = ""  # what went wrong, for a run that did not complete
+    model_uri: str | None = None  # the logged final model (models:/<id>), with tracking
+    error: BaseException | None = None  # the error every worker stopped on (None: none)
 
 
 # ---------------------------------------------------------------------- driver
@@ -286,16 +300,16 @@ def run_training(
     _end_run(config, tracker, outcome, checkpoint_uri)
     return TrainResult(
         name=config.storage.name,
-        status=outcome["status"],
-        metrics={k: v for k, v in outcome["metrics"].items() if isinstance(v, (int, float))},
+        status=outcome.status,
+        metrics={k: v for k, v in outcome.metrics.items() if isinstance(v, (int, float))},
         checkpoint_uri=checkpoint_uri,
         run_uri=config.storage.run_uri(),
         mlflow_run_id=tracker.run_id if tracker else None,
-        mlflow_model_uri=outcome.get("model_uri"),
+        mlflow_model_uri=outcome.model_uri,
         tracking_uri=redact_uri(config.tracking_uri()) if tracker else None,
-        start_epoch=int(outcome.get("start_epoch", 0)),
-        message=outcome.get("message", ""),
-        completed_epochs=_completed_epochs(outcome["metrics"]),
+        start_epoch=int(outcome.start_epoch),
+        message=outcome.message,
+        completed_epochs=_completed_epochs(outcome.metrics),
     )
 
 
@@ -447,26 +461,26 @@ def _fit(trainer: Any, config: ExperimentConfig, tracker: RunTracker | None) -> 
         raise TrainingError(f"training {config.storage.name} failed: {error_line(exc)}{retries}") from exc
 
 
-def _rank0_outcome(result: Any) -> dict[str, Any]:
+def _rank0_outcome(result: Any) -> WorkerOutcome:
     """What rank 0's :func:`train_loop_per_worker` returned. Rank 0 always returns its
     outcome; none means the run was stopped from outside: status ``interrupted`` and
     the last reported metrics."""
-    outcome = dict(result.return_value or {})
-    outcome.setdefault("status", "interrupted")
-    outcome["metrics"] = outcome.get("metrics") or dict(result.metrics or {})
-    return outcome
+    outcome: WorkerOutcome | None = result.return_value
+    if outcome is None:
+        return WorkerOutcome("interrupted", dict(result.metrics or {}))
+    return outcome if outcome.metrics else replace(outcome, metrics=dict(result.metrics or {}))
 
 
 def _end_run(
-    config: ExperimentConfig, tracker: RunTracker | None, outcome: dict[str, Any], checkpoint_uri: str | None
+    config: ExperimentConfig, tracker: RunTracker | None, outcome: WorkerOutcome, checkpoint_uri: str | None
 ) -> None:
     """End the MLflow run with the outcome's status, checkpoint, message and error;
     raise :class:`TrainingError` when the workers stopped on an error."""
-    status, error = outcome["status"], outcome.get("error")
+    status, error = outcome.status, outcome.error
     if tracker is not None:
         tags = {CHECKPOINT_TAG: checkpoint_uri or ""}
-        if outcome.get("message"):
-            tags["splitvit.message"] = outcome["message"][:2000]
+        if outcome.message:
+            tags["splitvit.message"] = outcome.message[:2000]
         if error is not None:
             tags["splitvit.error"] = error_line(error)[:2000]
         tracker.close(status, tags=tags)
@@ -479,7 +493,7 @@ def _end_run(
         log.error(
             "training %s stopped: %s (last good checkpoint: %s)",
             config.storage.name,
-            outcome.get("message"),
+            outcome.message,
             checkpoint_uri,
         )
 
@@ -838,13 +852,13 @@ class _EpochPass:
     stop: _Stop | None = None
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
+def train_loop_per_worker(loop_config: dict[str, Any]) -> WorkerOutcome:
     """One Ray Train worker's training loop (see the module docstring).
 
-    ``loop_config`` holds ``config`` (an :class:`ExperimentConfig`), ``tracker`` (a
-    :class:`RunTracker` or ``None``) and ``epoch_hook``. Returns, on every rank,
-    ``{"status", "metrics", "start_epoch", "message", "model_uri", "error"}``; Ray
-    hands rank 0's to the driver.
+    ``loop_config`` (Ray Train's ``train_loop_config``) holds ``config`` (an
+    :class:`ExperimentConfig`), ``tracker`` (a :class:`RunTracker` or ``None``) and
+    ``epoch_hook``. Returns its :class:`WorkerOutcome` on every rank; Ray hands rank 0's
+    to the driver.
     """
     hook: EpochHook | None = loop_config.get("epoch_hook")
     worker, saved_state = _set_up_worker(loop_config["config"], loop_config.get("tracker"))
@@ -869,14 +883,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         _log_epoch(worker, epoch, metrics)
     status, message = (stop.status, stop.message) if stop is not None else ("completed", "")
     model_uri = _end_tracking(worker, status, message, metrics, start_epoch)
-    return {
-        "status": status,
-        "metrics": metrics,
-        "start_epoch": start_epoch,
-        "message": message,
-        "model_uri": model_uri,
-        "error": stop.error if stop is not None else None,
-    }
+    return WorkerOutcome(
+        status=status,
+        metrics=metrics,
+        start_epoch=start_epoch,
+        message=message,
+        model_uri=model_uri,
+        error=stop.error if stop is not None else None,
+    )
 
 
 # ---------------------------------------------------------------------- worker: set-up and resume
@@ -913,7 +927,7 @@ def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tupl
     )
     model = _unwrap(step).model
     optimizer = torch.optim.AdamW(
-        param_groups(model, config.train.lr, config.train.policy_lr_scale),
+        param_groups(model, config.train.lr, config.train.policy.lr_scale),
         lr=config.train.lr,
         weight_decay=config.train.weight_decay,
     )
@@ -1147,7 +1161,7 @@ def _training_metrics(worker: _Worker, trained: _EpochPass) -> dict[str, float]:
     metrics["train_images_per_s"] = seen_all / slowest
     rates = worker.scheduler.get_last_lr()
     metrics["lr"] = rates[0]
-    if len(rates) > 1:  # train.policy_lr_scale: SplitViT's own modules in a group of their own
+    if len(rates) > 1:  # train.policy.lr_scale: SplitViT's own modules in a group of their own
         metrics["lr_policy"] = rates[1]
     return metrics
 
@@ -1180,7 +1194,7 @@ def _evaluate_epoch(worker: _Worker) -> dict[str, float]:
                 split_backbone(worker.model),
                 worker.data.val_shard,
                 dc.eval_batch_size or dc.batch_size,
-                worker.config.train.target_ratio,
+                worker.config.train.budget.target_ratio,
                 worker.device,
             )
     # a worker with no validation images (more workers than images) counts nothing, yet
@@ -1311,7 +1325,7 @@ def _end_tracking(
     if not worker.config.tracking.log_model:
         return None
     mc = worker.config.model
-    return tracker.log_model(worker.model, params={"levels": mc.levels, "policy": mc.policy})
+    return tracker.log_model(worker.model, params={"levels": mc.levels, "policy": mc.policy.kind})
 
 
 def _first_error(own: BaseException | None, world: int) -> BaseException:

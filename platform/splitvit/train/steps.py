@@ -7,17 +7,17 @@ Training has two phases (docs/design.md §3.2):
 
 * warm-up (``epoch < warmup_epochs``): splits are drawn at random, at a per-image
   split rate, so the backbone learns every scale; the rate's lower bound anneals
-  from 1 (full resolution: learn the task first) to ``warmup_min_split``;
+  from 1 (full resolution: learn the task first) to ``train.policy.warmup_min_split``;
 * policy: the learned policy decides (sampled hard decisions, straight-through
   gradients to its probabilities), under the budget penalty.
 
-With ``target_ratio_range``, every policy-phase batch draws its target ratio from
+With ``train.budget.ratio_range``, every policy-phase batch draws its target ratio from
 that range (budget-conditioned training); a budget-conditioned policy is told it.
 
 After warm-up the learned policy is also taught by the model's own relevance at
 full resolution, pooled per node (gradient x input saliency of the true class by
 default; see ``SplitViT.relevance``): the policy learns to rank nodes as the model
-does (``teacher_weight``). Measured on the synthetic task, gradient saliency put its
+does (``train.teacher.weight``). Measured on the synthetic task, gradient saliency put its
 top node on the object 88% of the time, last-block class attention 59%.
 """
 
@@ -55,11 +55,11 @@ def random_decisions(
 def batch_target_ratio(
     cfg: SplitLossConfig, policy_phase: bool, generator: torch.Generator | None, stats: dict[str, float]
 ) -> float:
-    """This batch's target token ratio: ``cfg.target_ratio``, or in the policy phase with
-    ``cfg.target_ratio_range`` one drawn uniformly from it (noted in ``stats``)."""
-    if not policy_phase or cfg.target_ratio_range is None:
-        return cfg.target_ratio
-    low, high = cfg.target_ratio_range
+    """This batch's target token ratio: ``cfg.budget.target_ratio``, or in the policy phase with
+    ``cfg.budget.ratio_range`` one drawn uniformly from it (noted in ``stats``)."""
+    if not policy_phase or cfg.budget.ratio_range is None:
+        return cfg.budget.target_ratio
+    low, high = cfg.budget.ratio_range
     stats["target_ratio"] = low + (high - low) * float(torch.rand((), generator=generator))
     return stats["target_ratio"]
 
@@ -69,9 +69,9 @@ def warmup_decisions(
 ) -> list[torch.Tensor]:
     """The warm-up curriculum's random splits: the first warm-up epoch is full resolution
     (the backbone learns the task), later ones draw lower split rates down to
-    ``cfg.warmup_min_split``."""
-    progress = epoch / max(cfg.warmup_epochs - 1, 1)
-    min_rate = 1.0 - (1.0 - cfg.warmup_min_split) * progress
+    ``cfg.policy.warmup_min_split``."""
+    progress = epoch / max(cfg.policy.warmup_epochs - 1, 1)
+    min_rate = 1.0 - (1.0 - cfg.policy.warmup_min_split) * progress
     return random_decisions(model, images, min_rate, generator)
 
 
@@ -117,9 +117,9 @@ def training_step(
     """Loss of one batch (call ``backward`` on it) and its scalar statistics.
 
     ``step`` (the batch's index in its epoch) picks the steps that compute the
-    relevance teacher: those with ``step % cfg.teacher_every == 0``.
+    relevance teacher: those with ``step % cfg.teacher.every == 0``.
 
-    With ``cfg.target_ratio_range``, a learned policy past warm-up trains at a target
+    With ``cfg.budget.ratio_range``, a learned policy past warm-up trains at a target
     ratio drawn uniformly from the range for this batch (from ``generator`` when
     given): the budget penalty and the teacher's targets use it, a budget-conditioned
     policy is told it, and ``stats["target_ratio"]`` reports it.
@@ -128,7 +128,7 @@ def training_step(
     """
     check_labels(target, model_classes(model))
     learned = model.policy.learned
-    warmup = learned and epoch < cfg.warmup_epochs
+    warmup = learned and epoch < cfg.policy.warmup_epochs
     stats: dict[str, float] = {}
     loss = images.new_zeros(())
     target_ratio = batch_target_ratio(cfg, learned and not warmup, generator, stats)
@@ -140,27 +140,27 @@ def training_step(
     loss = loss + main
     stats["task_loss"] = float(main.detach())
     full_logits = None  # the full-resolution pass's, where one ran
-    if learned and not warmup and cfg.teacher_weight > 0 and step % cfg.teacher_every == 0:
+    if learned and not warmup and cfg.teacher.weight > 0 and step % cfg.teacher.every == 0:
         # the teacher grades the split probabilities the forward pass just computed
         label = target if model.task == "classification" else None
-        relevance, full_logits = model.relevance_and_logits(images, cfg.teacher, target=label)
+        relevance, full_logits = model.relevance_and_logits(images, cfg.teacher.kind, target=label)
         geometry = model.geometry_for(tuple(images.shape[-2:]))
         # (decide() has checked the probabilities are finite: NaN is a divergence, not a BCE error)
         taught = teacher_loss_at_ratio(
-            out.split_probs, relevance, target_ratio, geometry, cfg.teacher_targets, cfg.teacher_scope
+            out.split_probs, relevance, target_ratio, geometry, cfg.teacher.targets, cfg.teacher.scope
         )
-        loss = loss + cfg.teacher_weight * taught
+        loss = loss + cfg.teacher.weight * taught
         stats["teacher_loss"] = float(taught.detach())
-    if cfg.distill_weight > 0 and not warmup and model.policy.name != "full":
+    if cfg.distill.weight > 0 and not warmup and model.policy.name != "full":
         if full_logits is None:
             with torch.no_grad():
                 full_logits = model(images, decisions=model.full_decisions(images)).logits
-        distill = distillation_loss(out.logits, full_logits, cfg.distill_temperature, target)
-        loss = loss + cfg.distill_weight * distill
+        distill = distillation_loss(out.logits, full_logits, cfg.distill.temperature, target)
+        loss = loss + cfg.distill.weight * distill
         stats["distill_loss"] = float(distill.detach())
     if learned and not warmup:
-        penalty = budget_penalty(out.expected_tokens / out.full_tokens, target_ratio, cfg.penalty)
-        loss = loss + cfg.lambda_budget * penalty
+        penalty = budget_penalty(out.expected_tokens / out.full_tokens, target_ratio, cfg.budget.penalty)
+        loss = loss + cfg.budget.weight * penalty
         stats["budget_penalty"] = float(penalty.detach())
     stats["loss"] = float(loss.detach())
     stats["token_ratio"] = float(out.token_ratio.mean())
@@ -176,7 +176,7 @@ def policy_training_step(
     cfg: SplitLossConfig,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one batch of the policy's own epochs (``train.policy_epochs``): the
+    """Loss of one batch of the policy's own epochs (``train.policy.epochs``): the
     relevance teacher alone, on the policy's scores (:meth:`SplitViT.split_scores`,
     which read the backbone's features detached), so that only the policy learns. No
     task loss and no budget penalty: the teacher's targets carry the budget."""
@@ -184,7 +184,7 @@ def policy_training_step(
     stats: dict[str, float] = {}
     target_ratio = batch_target_ratio(cfg, True, generator, stats)
     label = target if model.task == "classification" else None
-    relevance, _ = model.relevance_and_logits(images, cfg.teacher, target=label)
+    relevance, _ = model.relevance_and_logits(images, cfg.teacher.kind, target=label)
     return policy_teacher_loss(model, images, relevance, target_ratio, cfg, stats)
 
 
@@ -197,11 +197,11 @@ def policy_teacher_loss(
     stats: dict[str, float],
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The teacher's loss on ``model``'s split scores at ``target_ratio`` (weighted by
-    ``cfg.teacher_weight``), and ``stats`` with ``teacher_loss`` and ``loss`` added."""
+    ``cfg.teacher.weight``), and ``stats`` with ``teacher_loss`` and ``loss`` added."""
     scores = model.split_scores(images, budget=target_ratio)  # told only to a budget-conditioned policy
     geometry = model.geometry_for(tuple(images.shape[-2:]))
-    taught = teacher_loss_at_ratio(scores, relevance, target_ratio, geometry, cfg.teacher_targets, cfg.teacher_scope)
-    loss = cfg.teacher_weight * taught
+    taught = teacher_loss_at_ratio(scores, relevance, target_ratio, geometry, cfg.teacher.targets, cfg.teacher.scope)
+    loss = cfg.teacher.weight * taught
     stats["teacher_loss"] = float(taught.detach())
     stats["loss"] = float(loss.detach())
     if not torch.isfinite(loss):

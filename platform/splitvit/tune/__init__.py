@@ -7,8 +7,12 @@
 * :func:`pareto_indices`, :func:`hypervolume`, :func:`annotate` — the frontier math
   (on Optuna's own multi-objective code).
 
-The evidence study is :mod:`splitvit.study`: it uses this package's timing routine
-(:mod:`.speed`) and trial launcher (:mod:`.trial`); nothing here imports it.
+The evidence study is :mod:`splitvit.study`: the study and the sweep never import
+each other; what both use lies below them (:mod:`splitvit.bench.speed`,
+:mod:`splitvit.train.trial`, :mod:`splitvit.train.console`).
+
+:mod:`.sweep` holds :func:`run_sweep`, the driver; its docstring lists the modules that
+hold each stage.
 """
 
 from .pareto import Baseline, Point, annotate, best_point, dominates, frontier, hypervolume, pareto_indices
@@ -16,15 +20,24 @@ from .space import Parameter, SearchSpace, SearchSpaceError, load_space, space_f
 
 # The sweep driver imports Ray, torch and MLflow; the space and the frontier math do
 # not. It loads on first use, so a search space's mistakes are reported in a second.
-_SWEEP = ("FrontierRow", "SweepError", "SweepNotFound", "SweepResult", "TrialSummary")
-_SWEEP += ("frontier_from_mlflow", "frontier_rows", "run_sweep")
+# Each name, by the module of the sweep that holds it.
+_SWEEP = {
+    "FrontierRow": "artifacts",
+    "frontier_rows": "artifacts",
+    "SweepError": "state",
+    "SweepNotFound": "state",
+    "SweepResult": "state",
+    "TrialSummary": "state",
+    "frontier_from_mlflow": "read_back",
+    "run_sweep": "sweep",
+}
 
 
 def __getattr__(name: str):
     if name in _SWEEP:
-        from . import sweep
+        import importlib
 
-        return getattr(sweep, name)
+        return getattr(importlib.import_module(f".{_SWEEP[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -42,31 +42,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import DataConfig, flatten, redact_uri
+from ..config import DataConfig, redact_uri
 from ..tracking import RunTracker
 from ..tracking.runs import (
+    KIND_TAG,
+    METRIC_TAG,
+    PARENT_TAG,
     RUN_URI_TAG,
+    SPEED_DEVICE_TAG,
+    SPEED_TIMING_TAG,
     STATUS_TAG,
     UI_VIEW_QUERY,
     describe_experiment,
     missing_store,
     mlflow_client,
+    param_name,
 )
 
 if TYPE_CHECKING:
     from .pareto import Baseline, Point
     from .space import SearchSpace
+    from .trial import ThresholdPoint, TrialFinal
 
 log = logging.getLogger(__name__)
 
-KIND_TAG = "splitvit.kind"
 SWEEP_TAG = "splitvit.sweep"
 TRIAL_TAG = "splitvit.trial_id"
-METRIC_TAG = "splitvit.metric"
 REFERENCE_TAG = "splitvit.reference_point"  # JSON [quality, token_ratio]
-SPEED_DEVICE_TAG = "splitvit.speed_device"  # where the frontier was timed (e.g. "cuda:0 (NVIDIA H200)")
-SPEED_TIMING_TAG = "splitvit.speed_timing"  # how: batch, rounds, precision
-#: Metrics of a timed frontier point's run (see :mod:`splitvit.tune.speed`).
+#: Metrics of a timed frontier point's run (see :mod:`splitvit.bench.speed`).
 SPEED_METRICS = ("speedup_vs_full", "timed_images_per_s", "timed_token_ratio")
 FRONTIER_TAG = "splitvit.frontier"  # "true" on a frontier point's run, "false" on the other points
 TIE_TAG = "splitvit.frontier_tie_of"  # only on a point tied with a frontier point: that point's run id
@@ -74,7 +77,6 @@ ALIAS_TAG = "splitvit.model_alias"  # the registry alias of a frontier point's m
 #: MLflow's UI keeps a runs view (filter, order, columns) shared by link as an experiment
 #: tag ``mlflow.sharedViewState.<key>``, opened by ``?viewStateShareKey=<key>``.
 SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
-PARENT_TAG = "mlflow.parentRunId"
 SAMPLED_PREFIX = "sampled."
 SAMPLED_TAG = "splitvit.sampled"  # the searched values under their exact names (JSON)
 #: A threshold point's evaluation throughput (its evaluation loop, data loading
@@ -114,11 +116,6 @@ def _numbers(data: dict[str, Any]) -> dict[str, float]:
         for k, v in data.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _TUNE_KEYS and math.isfinite(float(v))
     }
-
-
-def param_name(key: str) -> str:
-    """A parameter name MLflow accepts: ``model.thresholds[0]`` -> ``model.thresholds.0``."""
-    return re.sub(r"\[(\d+)\]", r".\1", key)
 
 
 def _sampled_params(sampled: dict[str, Any]) -> dict[str, Any]:
@@ -481,15 +478,13 @@ class SweepRecorder:
         run_uri: str,
         sampled: dict[str, Any],
         config_params: dict[str, Any],
-        final: dict[str, Any],
+        final: TrialFinal,
         data: DataConfig | None = None,
     ) -> tuple[str, list[str]]:
         """Record a finished trial and its threshold points (each with ``data`` as its
         dataset inputs and a description of its figures); returns the run ids
         ``(trial run, [threshold point runs])``. Idempotent."""
-        from .trial import threshold_points
-
-        rows = threshold_points(final)
+        rows = final.threshold_points
         existing = self.find_run(run_uri)
         if existing is not None and existing.data.tags.get(STATUS_TAG) == "completed":
             points = self._point_runs(existing.info.run_id)
@@ -498,31 +493,34 @@ class SweepRecorder:
         tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)
         # the final figures belong to the last epoch's step: at step 0 they would sit on
         # top of epoch 0's values and draw a false spike in the metric's history
-        step = max(int(final.get("epochs", 1)) - 1, 0)
-        keys = (self.metric, "tokens_per_image", "token_ratio", "images_per_s", "train_seconds", "trial_seconds")
-        figures = {k: final[k] for k in keys if k in final}
-        self._log_metrics(tracker.run_id, {**_numbers(figures), "threshold_points": float(len(rows))}, step)
+        step = max(final.epochs - 1, 0)
+        figures = _numbers(final.figures(self.metric))
+        self._log_metrics(tracker.run_id, {**figures, "threshold_points": float(len(rows))}, step)
         tracker.log_dict(
-            {"thresholds": final.get("thresholds"), "checkpoint": final.get("checkpoint"), "threshold_points": rows},
+            {
+                "thresholds": final.thresholds,
+                "checkpoint": final.checkpoint,
+                "threshold_points": [row.to_dict(self.metric) for row in rows],
+            },
             "trial_result.json",
         )
         point_ids = []
         for i, point in enumerate(rows):
             point_ids.append(self._threshold_point(trial_id, run_uri, tracker.run_id, i, point, sampled, data))
-        name = point_run_name(trial_id, final.get("token_ratio"), final.get("thresholds"))
+        name = point_run_name(trial_id, final.token_ratio, final.thresholds)
         mlflow_client(self.tracking_uri).update_run(tracker.run_id, name=name)
         if data is not None:
             tracker.log_datasets(data)
         client = mlflow_client(self.tracking_uri)
-        if final.get("thresholds") is not None and "thresholds" not in client.get_run(tracker.run_id).data.params:
+        if final.thresholds is not None and "thresholds" not in client.get_run(tracker.run_id).data.params:
             # the thresholds it was evaluated at, under the threshold points' name: one column for the frontier
-            client.log_param(tracker.run_id, "thresholds", json.dumps(final["thresholds"]))
+            client.log_param(tracker.run_id, "thresholds", json.dumps(final.thresholds))
         tags = {
-            "splitvit.thresholds": json.dumps(final.get("thresholds")),
-            NOTE_TAG: point_note(self.metric, "trial", trial_id, final.get("thresholds") or [], len(rows)),
+            "splitvit.thresholds": json.dumps(final.thresholds),
+            NOTE_TAG: point_note(self.metric, "trial", trial_id, final.thresholds or [], len(rows)),
         }
-        if final.get("checkpoint"):
-            tags["splitvit.checkpoint"] = final["checkpoint"]
+        if final.checkpoint:
+            tags["splitvit.checkpoint"] = final.checkpoint
         tracker.close("completed", tags=tags)
         return tracker.run_id, point_ids
 
@@ -540,11 +538,11 @@ class SweepRecorder:
         run_uri: str,
         trial_run_id: str,
         index: int,
-        point: dict[str, Any],
+        point: ThresholdPoint,
         sampled: dict[str, Any],
         data: DataConfig | None = None,
     ) -> str:
-        thresholds = point.get("thresholds") or []
+        thresholds = point.thresholds or []
         params = {
             "thresholds": json.dumps(thresholds),
             "trial_id": trial_id,
@@ -555,7 +553,7 @@ class SweepRecorder:
             self.tracking_uri,
             self.experiment,
             f"{run_uri}#threshold{index:03d}",
-            point_run_name(trial_id, point.get("token_ratio"), thresholds),
+            point_run_name(trial_id, point.token_ratio, thresholds),
             params=params,
             tags={
                 PARENT_TAG: trial_run_id,
@@ -567,7 +565,7 @@ class SweepRecorder:
                 NOTE_TAG: point_note(self.metric, "threshold_point", trial_id, thresholds),
             },
         )
-        figures = _numbers(point)
+        figures = _numbers(point.to_dict(self.metric))
         if "images_per_s" in figures:  # not the side-by-side timing's timed_images_per_s: named apart
             figures[EVAL_THROUGHPUT] = figures.pop("images_per_s")
         self._log_metrics(tracker.run_id, figures, 0)
@@ -948,11 +946,6 @@ def points_from_mlflow(
         "points": points,
         "speed": speed,
     }
-
-
-def flat_params(data: dict[str, Any]) -> dict[str, Any]:
-    """A nested settings dict as MLflow params (``search.num_samples``...)."""
-    return {param_name(k): json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in flatten(data).items()}
 
 
 # ---------------------------------------------------------------------- readable records

@@ -16,7 +16,12 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..jsontypes import JsonObject
+
+if TYPE_CHECKING:
+    from ..train.points import EvaluatedPoint
 
 
 @dataclass
@@ -72,14 +77,14 @@ class Point:
             for v in (self.quality, self.tokens_per_image, self.token_ratio)
         )
 
-    def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
+    def to_dict(self, metric: str = "accuracy") -> JsonObject:
         """JSON-ready dict; the quality figure is named ``metric`` (``accuracy``/``miou``)."""
         data = asdict(self)
         data[metric] = data.pop("quality")
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], metric: str = "accuracy") -> Point:
+    def from_dict(cls, data: JsonObject, metric: str = "accuracy") -> Point:
         """The inverse of :meth:`to_dict` (keys it does not know are ignored)."""
         known = {f.name for f in fields(cls)} - {"quality"}
         return cls(quality=data[metric], **{k: v for k, v in data.items() if k in known})
@@ -127,7 +132,7 @@ class Baseline:
     object_coverage: float | None = None
     held_out: dict[str, float] | None = None
 
-    def to_dict(self, metric: str = "accuracy") -> dict[str, Any]:
+    def to_dict(self, metric: str = "accuracy") -> JsonObject:
         """JSON-ready dict (``baselines`` of ``sweep.json``, ``baselines.json``), keys in
         the evaluation's order: the quality under both ``metric`` (``accuracy``/``miou``)
         and ``quality``; the optional figures only where recorded."""
@@ -150,10 +155,29 @@ class Baseline:
         return {k: v for k, v in data.items() if v is not None or k not in _OPTIONAL_BASELINE_FIGURES}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Baseline:
-        """The inverse of :meth:`to_dict`, also what :func:`~splitvit.tune.stage_two.baselines`
-        returns plus ``trial_id`` (keys it does not know, the metric's name among them,
-        are ignored: ``quality`` holds that figure)."""
+    def of_evaluation(cls, baseline: str, label: str, point: EvaluatedPoint, trial_id: str) -> Baseline:
+        """The baseline ``baseline`` (labelled ``label``) evaluated at ``point`` on trial
+        ``trial_id``'s backbone."""
+        fine_on_object, coverage = point.metrics.get("fine_on_object"), point.metrics.get("object_coverage")
+        return cls(
+            baseline=baseline,
+            label=label,
+            quality=point.quality,
+            tokens_per_image=point.tokens_per_image,
+            token_ratio=point.token_ratio,
+            thresholds=list(point.thresholds or []),
+            trial_id=trial_id,
+            images_per_s=point.images_per_s,
+            images=point.images,
+            target_ratio=point.target_ratio,
+            fine_on_object=None if fine_on_object is None else float(fine_on_object),
+            object_coverage=None if coverage is None else float(coverage),
+        )
+
+    @classmethod
+    def from_dict(cls, data: JsonObject) -> Baseline:
+        """The inverse of :meth:`to_dict` (keys it does not know, the metric's name among
+        them, are ignored: ``quality`` holds that figure)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -279,7 +279,7 @@ def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality:
 
 def save_frontier_plot(frontier: dict[str, Any], path: str | Path) -> Path:
     """Draw a frontier read back from MLflow (the dict
-    :func:`~splitvit.tune.sweep.frontier_from_mlflow` returns) to the PNG ``path``:
+    :func:`~splitvit.tune.read_back.frontier_from_mlflow` returns) to the PNG ``path``:
     every point, the frontier, its hypervolume and the sweep's baselines when it
     carries them. Returns the path written (its folder is made)."""
     import matplotlib.pyplot as plt

@@ -22,7 +22,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, legacy_flat
+from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from .space import SearchSpace, SearchSpaceError
 
@@ -55,7 +56,7 @@ class Reference:
     gain_points: float | None = None
     trained: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """JSON-ready (``sweep.json``'s ``reference``), without the curve's other figures."""
         return {
             "checkpoint": self.checkpoint,
@@ -77,7 +78,7 @@ def reference_config(
     recorded in the sweep's MLflow store (``tracking_uri``; its own folder's otherwise)
     and experiment."""
     settings = dict(space.reference.train or {})
-    layer = {**settings, "recipe": "none", "model.policy": "full", "tracking.experiment": experiment}
+    layer = {**settings, "recipe": "none", "model.policy.kind": "full", "tracking.experiment": experiment}
     if tracking_uri is not None:
         layer["tracking.tracking_uri"] = tracking_uri
     config = space.config(layer, name="reference")
@@ -101,6 +102,7 @@ def _digest(config: ExperimentConfig) -> str:
     """12 hex digits of the settings that make the reference what it is (not where it is
     stored, nor where it is recorded)."""
     flat = {k: v for k, v in config.flat().items() if not k.startswith(("storage.", "tracking.")) and k != "name"}
+    flat = legacy_flat(flat)  # the names it had when references were first named: those found again
     text = json.dumps(flat, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

@@ -6,11 +6,11 @@ distribution with bounds, or a fixed value that passes through unchanged::
 
     base: ../jobs/configs/smoke.yaml
     parameters:
-      train.lambda_budget: {distribution: loguniform, low: 0.3, high: 3.0}
-      train.target_ratio:  {distribution: uniform, low: 0.2, high: 0.6}
+      train.budget.weight: {distribution: loguniform, low: 0.3, high: 3.0}
+      train.budget.target_ratio: {distribution: uniform, low: 0.2, high: 0.6}
       model.thresholds[0]: {distribution: uniform, low: 0.3, high: 0.7}   # one level
-      train.warmup_epochs: {distribution: int, low: 1, high: 3}
-      train.penalty:       {distribution: categorical, choices: [squared, hinge]}
+      train.policy.warmup_epochs: {distribution: int, low: 1, high: 3}
+      train.budget.penalty: {distribution: categorical, choices: [squared, hinge]}
       train.epochs: 3                                                    # fixed
     search:     {num_samples: 8, max_concurrent: 2, sampler: auto, seed: 0}
     stage_two:  {points: 4}            # threshold points per finished trial
@@ -44,6 +44,7 @@ import yaml
 from ..config import (
     RECIPE_KEY,
     SECTIONS,
+    BaseConfigError,
     ConfigError,
     ExperimentConfig,
     Layer,
@@ -51,10 +52,14 @@ from ..config import (
     companion_metrics,
     parse_override,
     quality_metric,
+    resolve_base_config,
     resolve_config,
     set_dotted,
     split_key,
+    upgrade_dotted,
+    upgrade_flat,
 )
+from ..jsontypes import JsonObject
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +263,7 @@ class ReferenceSettings:
             storage path, by the study's name; ``seed`` picks the seed's reference.
         seed: the study seed whose reference is used.
         train: settings (dotted config keys) over the base config for a reference
-            trained here, once: full resolution (``model.policy: full``), no recipe.
+            trained here, once: full resolution (``model.policy.kind: full``), no recipe.
             A later sweep whose reference settings are the same reuses it (it lives
             under ``<storage path>/references/``).
         converge_epochs, converge_points: the convergence check of a reference with a
@@ -344,7 +349,7 @@ class ParetoSettings:
 class SpeedSettings:
     """The frontier in measured speed: after the frontier is known, each of its points
     and the full-resolution model are timed side by side, interleaved, on the device
-    the sweep evaluated on (:func:`splitvit.tune.speed.time_operating_points`).
+    the sweep evaluated on (:func:`splitvit.bench.speed.time_operating_points`).
 
     Attributes:
         enabled: time the frontier at all.
@@ -470,7 +475,7 @@ class SearchSpace:
         """The base config's ``model.task``."""
         return ((self.raw_config().get("model") or {}).get("task")) or "classification"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """Plain dict (JSON-safe) of everything that defines the sweep."""
         return {
             "source": self.source,
@@ -534,11 +539,19 @@ def space_from_dict(
         )
     for item in overrides or []:
         _apply_space_override(raw, item, source)
+    # old key names read as the new ones: the parameters and the initial points that name them
+    raw["parameters"] = upgrade_dotted(raw["parameters"], f"{source} parameters")
+    points = (raw.get("search") or {}).get("initial_points") if isinstance(raw.get("search"), dict) else None
+    if isinstance(points, list):
+        raw["search"]["initial_points"] = [upgrade_flat(p) if isinstance(p, dict) else p for p in points]
     for key in raw:
         if key not in TOP_LEVEL:
             raise SearchSpaceError(source, str(key), f"unknown section{_did_you_mean(key, TOP_LEVEL)}")
 
-    base_path = _resolve_base(raw.get("base"), Path(root), source)
+    try:
+        base_path = resolve_base_config(raw.get("base"), Path(root))
+    except BaseConfigError as exc:
+        raise SearchSpaceError(source, exc.key, exc.reason) from None
     try:
         base_raw = yaml.safe_load(base_path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -618,30 +631,12 @@ def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
         key, value = parse_override(item)
         if split_key(key)[0][0] in SECTIONS or key == RECIPE_KEY:
             # a config value: fixed for this sweep, whether or not the file searches it
+            ((key, value),) = upgrade_dotted([(key, value)], "--set")
             raw["parameters"][key] = value
         else:
             set_dotted(raw, key, value)
     except ConfigError as exc:
         raise SearchSpaceError(source, exc.key, exc.reason) from None
-
-
-def _resolve_base(base: Any, root: Path, source: str) -> Path:
-    if not base or not isinstance(base, str):
-        raise SearchSpaceError(
-            source, "base", "name the experiment config the space applies to, e.g. base: ../jobs/configs/smoke.yaml"
-        )
-    candidate = Path(base).expanduser()
-    if not candidate.is_absolute():
-        # relative to the space file; a path relative to the working directory also works
-        for option in (root / candidate, candidate):
-            if option.is_file():
-                return option.resolve()
-        raise SearchSpaceError(
-            source, "base", f"experiment config {base} not found (relative to {root} or the working directory)"
-        )
-    if not candidate.is_file():
-        raise SearchSpaceError(source, "base", f"experiment config {base} not found")
-    return candidate
 
 
 def _check_key_syntax(name: str, source: str, section: str = "parameters") -> None:
@@ -815,8 +810,18 @@ def _pareto(raw: Any, source: str) -> ParetoSettings:
 
 
 def _validate_settings(space: SearchSpace) -> None:
-    src = space.source
+    """Every section's ranges and names, each mistake a :class:`SearchSpaceError` naming its key."""
     _normalize_points(space)
+    _check_search(space)
+    _check_initial_points(space)
+    _check_stage_two(space)
+    _check_baselines(space)
+    _check_outputs(space)
+
+
+def _check_search(space: SearchSpace) -> None:
+    """The ``search`` section: the budget, the sampler, the scheduler, each trial's resources."""
+    src = space.source
     s = space.search
     if s.num_samples < 1:
         raise SearchSpaceError(src, "search.num_samples", f"must be >= 1, got {s.num_samples}")
@@ -854,6 +859,12 @@ def _validate_settings(space: SearchSpace) -> None:
             "ask for some resource, e.g. {CPU: 0.5}: the trial's driver function only waits "
             "for its training workers, so a fraction of a CPU is enough",
         )
+
+
+def _check_initial_points(space: SearchSpace) -> None:
+    """``search.initial_points``: each a value for every searched parameter, inside its range."""
+    src = space.source
+    s = space.search
     for i, point in enumerate(s.initial_points or ()):
         key = f"search.initial_points[{i}]"
         if not isinstance(point, dict):
@@ -871,6 +882,11 @@ def _validate_settings(space: SearchSpace) -> None:
                 raise SearchSpaceError(
                     src, f"{key}.{name}", f"{value!r} is outside {space.parameters[name].describe()}"
                 )
+
+
+def _check_stage_two(space: SearchSpace) -> None:
+    """The ``stage_two`` section (and the baselines' evaluation samples, checked alike)."""
+    src = space.source
     t = space.stage_two
     if t.points < 0:
         raise SearchSpaceError(src, "stage_two.points", f"must be >= 0, got {t.points}")
@@ -888,6 +904,11 @@ def _validate_settings(space: SearchSpace) -> None:
     for key, samples in (("stage_two.samples", t.samples), ("baselines.samples", space.baselines.samples)):
         if samples is not None and samples < 1:
             raise SearchSpaceError(src, key, f"must be >= 1 or null, got {samples}")
+
+
+def _check_baselines(space: SearchSpace) -> None:
+    """The ``baselines`` section."""
+    src = space.source
     b = space.baselines
     for i, value in enumerate(b.entropy_thresholds):
         if not 0.0 <= value <= 1.0:
@@ -899,6 +920,11 @@ def _validate_settings(space: SearchSpace) -> None:
     for i, value in enumerate(b.ratios):
         if not 0.0 < value <= 1.0:
             raise SearchSpaceError(src, f"baselines.ratios[{i}]", f"{value} is outside (0, 1]")
+
+
+def _check_outputs(space: SearchSpace) -> None:
+    """What the sweep writes: the ``evaluation``, ``pareto``, ``speed`` and ``mlflow`` sections."""
+    src = space.source
     e = space.evaluation
     if e.split is not None and e.split not in ("train", "val", "test"):
         raise SearchSpaceError(src, "evaluation.split", f"expected test (or val, train) or null, got {e.split!r}")
@@ -1040,7 +1066,7 @@ def _validate_reference_config(space: SearchSpace) -> None:
     if not train:
         return
     try:
-        space.config({**train, RECIPE_KEY: "none", "model.policy": "full"}, name="reference", settings_only=True)
+        space.config({**train, RECIPE_KEY: "none", "model.policy.kind": "full"}, name="reference", settings_only=True)
     except ConfigError as exc:
         owner = next((k for k in train if ".".join(split_key(str(k))[0]) == exc.key), None)
         where = f"reference.train.{owner}" if owner is not None else "reference.train"
@@ -1067,7 +1093,8 @@ def _validate_against_config(space: SearchSpace, settings_only: bool = False) ->
                 # the base config itself (or a fixed value) is wrong
                 fixed_owner = _owner(space, exc.key, list(space.fixed), exc.reason)
                 where = f"parameters.{fixed_owner}" if fixed_owner else f"base ({space.base})"
-                raise SearchSpaceError(src, where, f"{exc.key}: {exc.reason}") from None
+                detail = exc.reason if fixed_owner == exc.key else f"{exc.key}: {exc.reason}"  # the key once
+                raise SearchSpaceError(src, where, detail) from None
             if "unknown key" in exc.reason:
                 raise SearchSpaceError(
                     src, f"parameters.{owner}", exc.reason.replace("unknown key", "not a config key")

@@ -8,6 +8,7 @@ is the cheap half of a sweep.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 import torch
 
 from ..train.evaluation import CheckpointEvaluator, calibrated_points
-from .pareto import quiet_optuna
+from ..train.points import EvaluatedPoint
+from .pareto import Baseline, quiet_optuna
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ def stage_two(
     ratios: list[float] | None = None,
     calibration_samples: int = 256,
     device: str = "cpu",
-) -> list[dict[str, Any]]:
+) -> list[EvaluatedPoint]:
     """Optuna over ``checkpoint``'s per-level thresholds, evaluation only.
 
     First, one point per token ratio in ``ratios``: thresholds calibrated to it on the
@@ -44,7 +46,7 @@ def stage_two(
     checkpoint with them on ``samples`` validation images; the study maximises quality
     and minimises tokens per image. ``known`` results (thresholds, quality, tokens),
     e.g. the trial's own stage-one point, and the calibrated points seed the study.
-    Returns one result dict per evaluated point. A plain function, so a trial can run
+    Returns one point per evaluation. A plain function, so a trial can run
     it as a Ray task on the training resources.
     """
     import optuna
@@ -56,7 +58,7 @@ def stage_two(
     names = [f"t{level}" for level in range(evaluator.levels - 1)]
     dist = {n: FloatDistribution(low, high) for n in names}
     results = calibrated_points(evaluator, ratios or [], calibration_samples, seed=seed) if ratios else []
-    known = [*(known or []), *((r["thresholds"], r["quality"], r["tokens_per_image"]) for r in results)]
+    known = [*(known or []), *((r.thresholds or [], r.quality, r.tokens_per_image) for r in results)]
     with quiet_optuna():
         study = optuna.create_study(
             directions=["maximize", "minimize"], sampler=_stage_two_sampler(sampler, seed, points)
@@ -72,15 +74,15 @@ def stage_two(
             trial = study.ask(dist)
             thresholds = [float(trial.params[n]) for n in names]
             result = evaluator.evaluate(thresholds)
-            study.tell(trial, [result["quality"], result["tokens_per_image"]])
+            study.tell(trial, [result.quality, result.tokens_per_image])
             results.append(result)
             log.info(
                 "threshold point %d/%d: thresholds %s -> quality %.4f, %.1f tokens/image",
                 i + 1,
                 points,
                 [round(t, 3) for t in thresholds],
-                result["quality"],
-                result["tokens_per_image"],
+                result.quality,
+                result.tokens_per_image,
             )
     return results
 
@@ -91,10 +93,12 @@ def baselines(
     entropy_thresholds: list[float],
     random_ratios: list[float],
     samples: int | None,
+    trial_id: str,
     seed: int = 0,
     device: str = "cpu",
-) -> list[dict[str, Any]]:
-    """``checkpoint``'s backbone and validation data under other split policies.
+) -> list[Baseline]:
+    """``checkpoint``'s backbone (trial ``trial_id``'s) and validation data under other
+    split policies.
 
     * ``full``: every node splits (a plain ViT at the finest patch size);
     * ``entropy``: APT-style pixel-entropy splitting, one point per threshold;
@@ -102,18 +106,13 @@ def baselines(
       evaluation batch) so the token ratio matches each of ``random_ratios``.
     """
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device)
-    rows: list[dict[str, Any]] = []
+    rows: list[Baseline] = []
     full = evaluator.build("full")
-    rows.append({"baseline": "full", "label": "full resolution", **evaluator.evaluate(None, model=full)})
+    rows.append(Baseline.of_evaluation("full", "full resolution", evaluator.evaluate(None, model=full), trial_id))
     entropy = evaluator.build("entropy")
     for t in entropy_thresholds:
-        rows.append(
-            {
-                "baseline": "entropy",
-                "label": f"entropy t={t:g}",
-                **evaluator.evaluate([float(t)] * (evaluator.levels - 1), model=entropy),
-            }
-        )
+        point = evaluator.evaluate([float(t)] * (evaluator.levels - 1), model=entropy)
+        rows.append(Baseline.of_evaluation("entropy", f"entropy t={t:g}", point, trial_id))
     if random_ratios:
         random_model = evaluator.build("random")
         calibration = evaluator.first_images(evaluator.batch_size)
@@ -124,12 +123,10 @@ def baselines(
             torch.manual_seed(seed)
             thresholds = evaluator.calibrate(calibration, ratio, model=random_model)
             torch.manual_seed(seed + 1)
-            row = evaluator.evaluate(thresholds, model=random_model)
-            rows.append({"baseline": "random", "label": f"random @ {ratio:.2f}", "target_ratio": ratio, **row})
+            point = dataclasses.replace(evaluator.evaluate(thresholds, model=random_model), target_ratio=ratio)
+            rows.append(Baseline.of_evaluation("random", f"random @ {ratio:.2f}", point, trial_id))
     for row in rows:
-        log.info(
-            "baseline %s: quality %.4f at %.1f tokens/image", row["label"], row["quality"], row["tokens_per_image"]
-        )
+        log.info("baseline %s: quality %.4f at %.1f tokens/image", row.label, row.quality, row.tokens_per_image)
     return rows
 
 
@@ -141,14 +138,14 @@ def held_out(
     samples: int | None,
     seed: int = 0,
     device: str = "cpu",
-) -> list[dict[str, Any]]:
+) -> list[EvaluatedPoint]:
     """``checkpoint`` on the held-out ``split`` once per ``(policy, thresholds)`` in
     ``evaluations`` (policy ``None``: the checkpoint's own; thresholds ``None``: its
     own), its data loaded once. A random policy's draws are seeded, so a rerun repeats
     its figures."""
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device, split=split)
     models: dict[str | None, Any] = {}
-    rows = []
+    rows: list[EvaluatedPoint] = []
     for policy, thresholds in evaluations:
         if policy not in models:
             models[policy] = None if policy is None else evaluator.build(policy)

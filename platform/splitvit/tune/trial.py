@@ -6,7 +6,7 @@ function, its own resources ``search.trial_resources``); it launches a
 same fit as ``splitvit train``) whose workers ask for the config's ``scaling`` resources and whose
 per-epoch reports reach Tune through ``TuneReportCallback`` (so an early-stopping
 scheduler can act on them). After training, stage two runs a threshold sweep on the
-trial's checkpoint (on a GPU where training had them, see :func:`run_evaluation`),
+trial's checkpoint (on a GPU where training had them, see :func:`~splitvit.train.trial.run_evaluation`),
 and the trial reports once more: its stage-one objectives, its checkpoint and its
 threshold points.
 
@@ -26,11 +26,14 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ExperimentConfig
+from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
+from ..train.points import EvaluatedPoint
+from ..train.trial import TrialFailed, fit_trial, run_evaluation
 from .space import SearchSpace
 
 log = logging.getLogger(__name__)
@@ -46,8 +49,66 @@ class TrialDiverged(RuntimeError):
     """Training stopped on a non-finite loss, gradient or split probability: the trial has no valid point."""
 
 
-class TrialFailed(RuntimeError):
-    """Training failed (an exception on the workers, after Ray Train's retries)."""
+#: a threshold point's keys besides its quality (under the metric's name) and companions
+_POINT_KEYS = ("tokens_per_image", "token_ratio", "images_per_s", "thresholds", "target_ratio")
+
+
+@dataclass(frozen=True)
+class ThresholdPoint:
+    """One of a trial's stage-two points (or a fine-tuned baseline's at one of its
+    ratios): its checkpoint evaluated at other thresholds. In the trial's report its
+    quality is keyed by the metric's name (:meth:`to_dict`)."""
+
+    quality: float
+    tokens_per_image: float
+    token_ratio: float
+    thresholds: list[float]
+    images_per_s: float | None = None  # None: not measured (left out of the JSON)
+    companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
+    target_ratio: float | None = None  # the ratio its thresholds were calibrated to (a baseline's, stage two's ratios)
+
+    @classmethod
+    def of_evaluation(cls, point: EvaluatedPoint, companions: tuple[str, ...] = ()) -> ThresholdPoint:
+        """The point of an evaluation's figures (quality, tokens, images/s, thresholds,
+        the ``companions`` among its metrics, and its ``target_ratio``)."""
+        return cls(
+            quality=point.quality,
+            tokens_per_image=point.tokens_per_image,
+            token_ratio=point.token_ratio,
+            thresholds=[float(t) for t in point.thresholds or []],
+            images_per_s=point.images_per_s,
+            companions={c: float(point.metrics[c]) for c in companions if c in point.metrics},
+            target_ratio=point.target_ratio,
+        )
+
+    def to_dict(self, metric: str) -> JsonObject:
+        """The report's row: the quality under ``metric``, the companions, then the figures
+        (``images_per_s`` and ``target_ratio`` where known)."""
+        row: dict[str, Any] = {
+            metric: self.quality,
+            **self.companions,
+            "tokens_per_image": self.tokens_per_image,
+            "token_ratio": self.token_ratio,
+        }
+        if self.images_per_s is not None:
+            row["images_per_s"] = self.images_per_s
+        row["thresholds"] = list(self.thresholds)
+        if self.target_ratio is not None:
+            row["target_ratio"] = self.target_ratio
+        return row
+
+    @classmethod
+    def from_dict(cls, data: JsonObject, metric: str) -> ThresholdPoint:
+        """The inverse of :meth:`to_dict` (every key besides the figures is a companion)."""
+        return cls(
+            quality=data[metric],
+            tokens_per_image=data["tokens_per_image"],
+            token_ratio=data["token_ratio"],
+            thresholds=list(data["thresholds"]),
+            images_per_s=data.get("images_per_s"),
+            companions={k: v for k, v in data.items() if k != metric and k not in _POINT_KEYS},
+            target_ratio=data.get("target_ratio"),
+        )
 
 
 @dataclass
@@ -89,71 +150,14 @@ class SweepPlan:
         space = self.space
         first = space.search.initial_points[0] if space.search.initial_points else {}
         params = space.decode({k: space.parameters[k].encode(v) for k, v in first.items()})
-        params["model.policy"] = policy
+        params["model.policy.kind"] = policy
         if policy != "full":
-            params.update({"train.target_ratio": space.baselines.target_ratio, "model.thresholds": "auto"})
+            params.update({"train.budget.target_ratio": space.baselines.target_ratio, "model.thresholds": "auto"})
         return params
 
     def run_uri(self, trial_id: str) -> str:
         """The trial's Train run folder (local path or URI)."""
         return join_uri(self.train_storage, trial_id)
-
-
-def fit_trial(config: ExperimentConfig) -> dict[str, Any]:
-    """Train ``config`` with :func:`~splitvit.train.ray_trainer.run_training`, its
-    epochs reported to Tune (``TuneReportCallback``).
-
-    Returns ``{"status", "metrics", "checkpoint", "message", "history"}`` (``history``:
-    every epoch's figures, from the last checkpoint). Raises :class:`TrialFailed` when
-    Ray Train gives up.
-    """
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from ..train.checkpoints import read_history
-    from ..train.ray_trainer import TrainingError, run_training
-
-    # trials never write to MLflow (docs/design.md §3.4: only the Tune driver does), whatever the
-    # config says; Ray is up already (this runs inside Tune), so run_training joins it
-    if config.tracking.enabled:
-        config = replace(config, tracking=replace(config.tracking, enabled=False))
-    try:
-        result = run_training(config, callbacks=[TuneReportCallback()])
-    except TrainingError as exc:
-        # Ray Train's own error, as before: the sweep records this message
-        raise TrialFailed(f"training failed: {exc.__cause__ or exc}") from exc
-    return {
-        "status": result.status,
-        "metrics": result.metrics,
-        "checkpoint": result.checkpoint_uri,
-        "message": result.message,
-        "history": read_history(result.checkpoint_uri) if result.checkpoint_uri else [],
-    }
-
-
-def eval_resources(config: ExperimentConfig) -> tuple[dict[str, Any], str]:
-    """Ray task options (and the torch device) for evaluation on one training worker's
-    kind of resources: its CPUs, and one GPU where training uses GPUs."""
-    per_worker = dict(config.scaling.resources_per_worker)
-    gpus = float(per_worker.pop("GPU", 1.0 if config.scaling.use_gpu else 0.0))
-    cpus = float(per_worker.pop("CPU", 1.0))
-    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": min(gpus, 1.0)}
-    if per_worker:
-        options["resources"] = per_worker
-    return options, ("cuda" if gpus > 0 else "cpu")
-
-
-def run_evaluation(config: ExperimentConfig, fn, *args: Any, **kwargs: Any) -> Any:
-    """Run an evaluation function where the training ran: GPU training evaluates in a
-    Ray task with one GPU (outside the caller's placement group, which Tune sized for
-    the trial's driver function); CPU training evaluates in this process, which has
-    torch loaded already and saves starting a worker process per evaluation."""
-    if not config.scaling.use_gpu:
-        return fn(*args, device="cpu", **kwargs)
-    import ray
-
-    options, device = eval_resources(config)
-    task = ray.remote(fn).options(scheduling_strategy="DEFAULT", **options)
-    return ray.get(task.remote(*args, device=device, **kwargs))
 
 
 def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
@@ -182,21 +186,21 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     baseline = sampled.get(BASELINE_KEY)
     started = time.time()
     trained = fit_trial(config)
-    if trained["status"] != "completed":
-        raise TrialDiverged(f"diverged: {trained['message']} (last good checkpoint {trained['checkpoint']})")
-    metrics = trained["metrics"]
+    if trained.status != "completed":
+        raise TrialDiverged(f"diverged: {trained.message} (last good checkpoint {trained.checkpoint})")
+    metrics = trained.metrics
     quality, tokens = metrics.get(metric), metrics.get("tokens_per_image")
     if quality is None or tokens is None or not (math.isfinite(quality) and math.isfinite(tokens)):
         raise TrialDiverged(f"diverged: non-finite objectives {metric}={quality}, tokens_per_image={tokens}")
-    if trained["checkpoint"] is None:
+    if trained.checkpoint is None:
         raise TrialFailed("training reported no checkpoint")
-    thresholds = trained_thresholds(config, trained["checkpoint"])
+    thresholds = trained_thresholds(config, trained.checkpoint)
     train_seconds = time.time() - started
 
-    points: list[dict[str, Any]] = []
+    points: list[EvaluatedPoint] = []
     stage = space.stage_two
     if baseline:
-        points = _baseline_points(plan, config, str(baseline), trained["checkpoint"])
+        points = _baseline_points(plan, config, str(baseline), trained.checkpoint)
     elif stage.points > 0 or stage.ratios:
         # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
         # sampled values are not, for a seeded sampler)
@@ -206,7 +210,7 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         points = run_evaluation(
             config,
             _stage_two_task,
-            trained["checkpoint"],
+            trained.checkpoint,
             points=stage.points,
             low=stage.low,
             high=stage.high,
@@ -228,11 +232,11 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "train_loss": float(metrics.get("train_loss", float("nan"))),
         "epochs": int(metrics.get("epoch", config.train.total_epochs - 1)) + 1,
         "thresholds": thresholds,
-        "checkpoint": trained["checkpoint"],
+        "checkpoint": trained.checkpoint,
         "run_uri": run_uri,
         # JSON text, not a list of mappings: Tune's TensorBoard logger would try to
         # draw a list as a histogram
-        "threshold_points": json.dumps([_point_row(p, metric, companions) for p in points]),
+        "threshold_points": json.dumps([ThresholdPoint.of_evaluation(p, companions).to_dict(metric) for p in points]),
         "train_seconds": train_seconds,
         "trial_seconds": time.time() - started,
         BASELINE_KEY: str(baseline or ""),
@@ -242,13 +246,61 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     tune.report(final)
 
 
-def threshold_points(final: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stage-two points of a trial's final result (stored as JSON text)."""
+@dataclass(frozen=True)
+class TrialFinal:
+    """A trial's figures as the sweep's driver records them: a finished trial's final
+    report (:meth:`from_report`; there its quality is under the metric's name), or a
+    trial stopped early with what its last epoch reported."""
+
+    quality: float
+    tokens_per_image: float
+    token_ratio: float | None
+    thresholds: list[float] | None  # what it was evaluated at (None: unknown)
+    checkpoint: str | None
+    epochs: int = 1
+    images_per_s: float | None = None
+    train_seconds: float | None = None
+    trial_seconds: float | None = None
+    companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
+    threshold_points: list[ThresholdPoint] = field(default_factory=list)  # stage two's
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> TrialFinal:
+        """A trial's final report (what :func:`sweep_trial` reported to Tune) read back."""
+        return cls(
+            quality=report[metric],
+            tokens_per_image=report["tokens_per_image"],
+            token_ratio=report.get("token_ratio"),
+            thresholds=report.get("thresholds"),
+            checkpoint=report.get("checkpoint"),
+            epochs=int(report.get("epochs", 1)),
+            images_per_s=report.get("images_per_s"),
+            train_seconds=report.get("train_seconds"),
+            trial_seconds=report.get("trial_seconds"),
+            companions={c: float(report[c]) for c in companions if c in report},
+            threshold_points=threshold_points(report, metric),
+        )
+
+    def figures(self, metric: str) -> dict[str, float | None]:
+        """The figures its run records (``None``: not reported), the quality under ``metric``."""
+        return {
+            metric: self.quality,
+            "tokens_per_image": self.tokens_per_image,
+            "token_ratio": self.token_ratio,
+            "images_per_s": self.images_per_s,
+            "train_seconds": self.train_seconds,
+            "trial_seconds": self.trial_seconds,
+        }
+
+
+def threshold_points(final: dict[str, Any], metric: str) -> list[ThresholdPoint]:
+    """The stage-two points of a trial's final result (stored as JSON text), its quality ``metric``'s."""
     points = final.get("threshold_points") or []
-    return json.loads(points) if isinstance(points, str) else list(points)
+    rows = json.loads(points) if isinstance(points, str) else list(points)
+    return [ThresholdPoint.from_dict(row, metric) for row in rows]
 
 
-def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, checkpoint: str) -> list[dict[str, Any]]:
+def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, checkpoint: str) -> list[EvaluatedPoint]:
     """A fine-tuned entropy or random baseline at each of ``baselines.ratios``, its
     thresholds calibrated on validation images and evaluated there, like the searched
     points (full resolution has one point: its training's last validation)."""
@@ -257,7 +309,7 @@ def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, che
     from ..train.evaluation import evaluate_points
 
     b = plan.space.baselines
-    rows = run_evaluation(
+    return run_evaluation(
         config,
         evaluate_points,
         checkpoint,
@@ -268,26 +320,12 @@ def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, che
         calibration_samples=config.data.eval_batch_size or config.data.batch_size,
         seed=plan.space.search.seed,
     )
-    return [{**row, "thresholds": row.get("thresholds") or []} for row in rows]
 
 
-def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[dict[str, Any]]:
+def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[EvaluatedPoint]:
     from .stage_two import stage_two
 
     return stage_two(checkpoint, **kwargs)
-
-
-def _point_row(result: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {
-        metric: float(result["quality"]),
-        **{c: float(result[c]) for c in companions if c in result},
-        "tokens_per_image": float(result["tokens_per_image"]),
-        "token_ratio": float(result["token_ratio"]),
-        "images_per_s": float(result.get("images_per_s", 0.0)),
-        "thresholds": [float(t) for t in result["thresholds"]],
-        # a baseline's point: the ratio its thresholds were calibrated to
-        **({"target_ratio": float(result["target_ratio"])} if result.get("target_ratio") is not None else {}),
-    }
 
 
 def trained_thresholds(config: ExperimentConfig, checkpoint: str | None) -> list[float]:

@@ -5,6 +5,11 @@ seconds, a TensorBoard hint although this project has no TensorBoard) is off
 unless the command runs with ``-v``, and so is the output Ray forwards from a
 sweep's workers; the project's callbacks print one line per trial event instead, and
 :class:`Progress` draws a bar over the trials on a terminal.
+
+It lives in :mod:`splitvit.train`, beside :mod:`.trial` (one experiment fitted inside
+a Tune trial): the lowest layer that runs Ray Tune trials, which the sweep
+(:mod:`splitvit.tune`) and the study (:mod:`splitvit.study`) both use, and the command
+line (``-v``) sets. It imports nothing of Ray.
 """
 
 from __future__ import annotations

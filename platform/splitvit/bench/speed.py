@@ -39,21 +39,35 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from ..jsontypes import JsonObject
 
 if TYPE_CHECKING:
     import torch
 
     from ..model import SplitViT
     from ..model.detection import SplitDetector
+    from .timing import TimingSummary
 
 log = logging.getLogger(__name__)
 
 #: A timed call's name for a detector's backbone alone (``<name>:backbone``).
 BACKBONE_SUFFIX = ":backbone"
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """What :func:`time_operating_points` times: a checkpoint at its thresholds."""
+
+    checkpoint: str  # a checkpoint folder or ``model.pt``
+    thresholds: list[float] | None = None  # per level (None: the checkpoint's own)
+    policy: str | None = None  # None: the checkpoint's
+    budget: float | None = None  # the target ratio a budget-conditioned policy is told (None: the checkpoint's)
+    label: str | None = None  # None: ``point<index>``
 
 
 def without_unset_backbone(data: dict[str, Any]) -> dict[str, Any]:
@@ -86,12 +100,12 @@ class FullTiming:
     backbone_median_s: float | None = field(default=None, kw_only=True)
     backbone_images_per_s: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FullTiming:
+    def from_dict(cls, data: JsonObject) -> FullTiming:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(**read_speed_fields(cls, data))
 
@@ -124,12 +138,12 @@ class TimedPoint:
     backbone_full_images_per_s: float | None = field(default=None, kw_only=True)
     backbone_speedup_vs_full: float | None = field(default=None, kw_only=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form: one key per field, in field order (``backbone_*`` only for a detector)."""
         return without_unset_backbone(asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TimedPoint:
+    def from_dict(cls, data: JsonObject) -> TimedPoint:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         return cls(**read_speed_fields(cls, data))
 
@@ -153,7 +167,7 @@ class SpeedRecord:
     warnings: list[str]
     seconds: float  # the whole timing, loading included
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The JSON form (``frontier_speed`` of a sweep): one key per field, in field order."""
         data = asdict(self)
         data["full"] = [f.to_dict() for f in self.full]
@@ -161,7 +175,7 @@ class SpeedRecord:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SpeedRecord:
+    def from_dict(cls, data: JsonObject) -> SpeedRecord:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         values = {f.name: data[f.name] for f in fields(cls)}
         values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
@@ -220,7 +234,7 @@ class _Prepared:
 
 
 def time_operating_points(
-    points: list[dict[str, Any]],
+    points: Sequence[OperatingPoint],
     *,
     full_checkpoint: str | None = None,
     batch_size: int = 32,
@@ -232,11 +246,9 @@ def time_operating_points(
     """Time every operating point against the full-resolution model, interleaved.
 
     Args:
-        points: one dict per point: ``checkpoint`` (a checkpoint folder or ``model.pt``),
-            ``thresholds`` (per level; ``None``: the checkpoint's own), optionally
-            ``policy`` (default: the checkpoint's), ``budget`` (the target token
-            ratio a budget-conditioned policy is told, as when the thresholds were
-            calibrated; default: the checkpoint's) and ``label``.
+        points: the points to time (:class:`OperatingPoint`: a checkpoint, its
+            thresholds and, optionally, its policy, the budget a budget-conditioned
+            policy is told, as when the thresholds were calibrated, and a label).
         full_checkpoint: the full-resolution model's checkpoint (run with the ``full``
             policy) for the points of its architecture. Points of another
             architecture (or all, by default) are compared with the first of their
@@ -252,8 +264,8 @@ def time_operating_points(
     """
     import torch
 
-    from ..bench.timing import machine_info
     from ..train.checkpoints import load_payload
+    from .timing import machine_info
 
     if not points:
         raise ValueError("no operating points to time")
@@ -262,7 +274,7 @@ def time_operating_points(
     started = time.time()
     dev = torch.device(device)
     payload = functools.cache(load_payload)  # each checkpoint read once
-    arch_of = {p["checkpoint"]: _architecture(payload(p["checkpoint"])) for p in points}
+    arch_of = {p.checkpoint: _architecture(payload(p.checkpoint)) for p in points}
     references, autocast = _full_models(points, arch_of, payload, full_checkpoint, batch_size, device, split)
     models = _point_models(points, payload, dev)
     with ExitStack() as stack:
@@ -300,7 +312,7 @@ def time_operating_points(
 
 
 def _full_models(
-    points: list[dict[str, Any]],
+    points: Sequence[OperatingPoint],
     arch_of: dict[str, str],
     payload: Callable[[str], dict[str, Any]],
     full_checkpoint: str | None,
@@ -316,7 +328,7 @@ def _full_models(
     if full_checkpoint is not None:
         checkpoints[_architecture(payload(str(full_checkpoint)))] = str(full_checkpoint)
     for p in points:
-        checkpoints.setdefault(arch_of[p["checkpoint"]], p["checkpoint"])
+        checkpoints.setdefault(arch_of[p.checkpoint], p.checkpoint)
     references: dict[str, _Reference] = {}
     evaluators = []
     for i, (arch, checkpoint) in enumerate((a, c) for a, c in checkpoints.items() if a in arch_of.values()):
@@ -328,7 +340,7 @@ def _full_models(
 
 
 def _point_models(
-    points: list[dict[str, Any]], payload: Callable[[str], dict[str, Any]], dev: torch.device
+    points: Sequence[OperatingPoint], payload: Callable[[str], dict[str, Any]], dev: torch.device
 ) -> dict[tuple[str, str | None], SplitViT | SplitDetector]:
     """Every point's model (a SplitViT or a detector), one per (checkpoint, policy), in
     evaluation mode on ``dev``."""
@@ -336,10 +348,10 @@ def _point_models(
 
     models: dict[tuple[str, str | None], SplitViT | SplitDetector] = {}
     for p in points:
-        key = (p["checkpoint"], p.get("policy"))
+        key = (p.checkpoint, p.policy)
         if key not in models:
-            overrides = {"policy": p["policy"]} if p.get("policy") else {}
-            models[key] = model_from_payload(payload(p["checkpoint"]), p["checkpoint"], **overrides).to(dev).eval()
+            overrides = {"policy": p.policy} if p.policy else {}
+            models[key] = model_from_payload(payload(p.checkpoint), p.checkpoint, **overrides).to(dev).eval()
     return models
 
 
@@ -365,7 +377,7 @@ def backbone_call(model: SplitViT | SplitDetector, images: torch.Tensor, **kwarg
 
 
 def _prepare_points(
-    points: list[dict[str, Any]],
+    points: Sequence[OperatingPoint],
     models: dict[tuple[str, str | None], SplitViT | SplitDetector],
     references: dict[str, _Reference],
     arch_of: dict[str, str],
@@ -376,18 +388,18 @@ def _prepare_points(
     for i, p in enumerate(points):
         from ..model.detection import split_backbone
 
-        model = models[(p["checkpoint"], p.get("policy"))]
+        model = models[(p.checkpoint, p.policy)]
         backbone = split_backbone(model)
-        ref = references[keys[arch_of[p["checkpoint"]]]]
-        thresholds = [float(t) for t in p["thresholds"]] if p.get("thresholds") is not None else None
-        budget = float(p["budget"]) if backbone.uses_budget and p.get("budget") is not None else None
+        ref = references[keys[arch_of[p.checkpoint]]]
+        thresholds = [float(t) for t in p.thresholds] if p.thresholds is not None else None
+        budget = float(p.budget) if backbone.uses_budget and p.budget is not None else None
         out = split_output(model(ref.images, thresholds=thresholds, budget=budget))
         tokens = float(out.tokens.float().mean())
         prepared.append(
             _Prepared(
                 index=i,
-                label=p.get("label", f"point{i}"),
-                checkpoint=p["checkpoint"],
+                label=p.label if p.label is not None else f"point{i}",
+                checkpoint=p.checkpoint,
                 policy=backbone.policy.name,
                 thresholds=thresholds,
                 budget=budget,
@@ -410,11 +422,11 @@ def _time_calls(
     rounds: int,
     warmup: int,
     dev: torch.device,
-) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]], float | None]:
+) -> tuple[dict[str, list[float]], dict[str, TimingSummary], float | None]:
     """Every full-resolution model and point timed in the same interleaved rounds: the
     seconds per round and the figures (:func:`~splitvit.bench.timing.timing_summary`)
     by name (``full<i>``, ``point<i>``), and the CPUs other processes used meanwhile."""
-    from ..bench.timing import synchronizer, time_beside_others, timing_summary
+    from .timing import synchronizer, time_beside_others, timing_summary
 
     log.info(
         "speed: timing %d operating point(s) against %d full-resolution model(s) on %s, batch %d, "
@@ -447,7 +459,7 @@ def _time_calls(
 
 
 def _full_timing(
-    ref: _Reference, timing: dict[str, Any], tokens: float, backbone: dict[str, Any] | None = None
+    ref: _Reference, timing: TimingSummary, tokens: float, backbone: TimingSummary | None = None
 ) -> FullTiming:
     """A full-resolution model's figures (:func:`~splitvit.bench.timing.timing_summary`),
     and a detector's backbone's (``backbone``)."""
@@ -455,23 +467,21 @@ def _full_timing(
         key=ref.key,
         checkpoint=ref.checkpoint,
         policy="full",
-        median_s=timing["median_s"],
-        min_s=timing["min_s"],
-        images_per_s=timing["images_per_s"],
+        median_s=timing.median_s,
+        min_s=timing.min_s,
+        images_per_s=timing.images_per_s,
         tokens_per_image=tokens,
         token_ratio=1.0,
         speedup_vs_full=1.0,
         **(
-            {"backbone_median_s": backbone["median_s"], "backbone_images_per_s": backbone["images_per_s"]}
-            if backbone
-            else {}
+            {"backbone_median_s": backbone.median_s, "backbone_images_per_s": backbone.images_per_s} if backbone else {}
         ),
     )
 
 
-def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, dict[str, Any]]) -> TimedPoint:
+def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dict[str, TimingSummary]) -> TimedPoint:
     """A point's figures beside its full-resolution model's, from the same rounds."""
-    from ..bench.timing import quartiles
+    from .timing import quartiles
 
     name = f"point{point.index}"
     t, f = timings[name], timings[point.full]
@@ -480,10 +490,10 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
     if name + BACKBONE_SUFFIX in timings:  # a detector: its backbone against full resolution's
         tb, fb = timings[name + BACKBONE_SUFFIX], timings[point.full + BACKBONE_SUFFIX]
         backbone = {
-            "backbone_median_s": tb["median_s"],
-            "backbone_images_per_s": tb["images_per_s"],
-            "backbone_full_images_per_s": fb["images_per_s"],
-            "backbone_speedup_vs_full": fb["median_s"] / tb["median_s"],
+            "backbone_median_s": tb.median_s,
+            "backbone_images_per_s": tb.images_per_s,
+            "backbone_full_images_per_s": fb.images_per_s,
+            "backbone_speedup_vs_full": fb.median_s / tb.median_s,
         }
     return TimedPoint(
         index=point.index,
@@ -495,12 +505,12 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
         full=point.full,
         tokens_per_image=point.tokens_per_image,
         token_ratio=point.token_ratio,
-        median_s=t["median_s"],
-        min_s=t["min_s"],
-        images_per_s=t["images_per_s"],
-        full_images_per_s=f["images_per_s"],
-        speedup_vs_full=f["median_s"] / t["median_s"],
-        speedup_vs_full_fastest=f["min_s"] / t["min_s"],
+        median_s=t.median_s,
+        min_s=t.min_s,
+        images_per_s=t.images_per_s,
+        full_images_per_s=f.images_per_s,
+        speedup_vs_full=f.median_s / t.median_s,
+        speedup_vs_full_fastest=f.min_s / t.min_s,
         speedup_vs_full_per_round=quartiles(per_round),
         **backbone,
     )
@@ -508,7 +518,7 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
 
 def _load_warnings(others: float | None, machine: dict[str, Any]) -> list[str]:
     """What made the figures noisy: other processes busy on the CPUs meanwhile."""
-    from ..bench.timing import OTHER_LOAD_WARNING
+    from .timing import OTHER_LOAD_WARNING
 
     if others is not None and others > OTHER_LOAD_WARNING:
         return [

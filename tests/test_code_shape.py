@@ -1,0 +1,36 @@
+"""The package's shape rules (issue 60): no function runs over 100 lines, so each reads
+on one screen and says what it does by the helpers it calls."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "platform" / "splitvit"
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(root: Path, limit: int) -> list[str]:
+    """``file:line name (N lines)`` of every function or method under ``root`` longer than ``limit``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_over_100_lines():
+    assert long_functions(PACKAGE, MAX_FUNCTION_LINES) == []
+
+
+def test_the_rule_finds_a_long_function(tmp_path):
+    """The check itself: a 101-line function is reported, a 100-line one is not."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(99))
+    (package / "ok.py").write_text(f"def fits():\n{body}\n")  # 100 lines with its def
+    (package / "long.py").write_text(f"def too_long():\n{body}\n    return 0\n")  # 101
+    assert long_functions(package, MAX_FUNCTION_LINES) == ["pkg/long.py:1 too_long (101 lines)"]
