@@ -127,8 +127,11 @@ def test_a_file_of_old_keys_loads_as_its_new_form_with_one_line_naming_each(tmp_
     with caplog.at_level(logging.WARNING, logger="splitvit.config"):
         loaded = load_config(path, ["train.epochs=2", "train.lambda_budget=3.0"])
     lines = [r.getMessage() for r in caplog.records if "old setting names" in r.getMessage()]
-    assert len(lines) == 1, lines  # the file's and its --set items', one line
+    assert len(lines) == 1, lines  # the file's and its --set items', one line naming where each was
     assert all(f"{o} -> {n}" in lines[0] for o, n in LEGACY_KEYS.items())
+    assert f"in file {path}: " in lines[0] and lines[0].endswith(
+        "; in --set: train.lambda_budget -> train.budget.weight"
+    )
     new = tmp_path / "new.yaml"
     new.write_text(yaml.safe_dump({"recipe": "none", **_nested({LEGACY_KEYS[k]: v for k, v in old.items()})}))
     caplog.clear()

@@ -705,10 +705,11 @@ LEGACY_KEYS: dict[str, str] = {
 SUBSECTIONS = ("model.policy", "train.budget", "train.teacher", "train.distill", "train.policy")
 
 log = logging.getLogger(__name__)
-#: (source, renames) already warned of: a study resolves the same layers for every run
-_WARNED: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
-#: the renames :func:`legacy_warnings` gathers into one line (None: each source warns itself)
-_GATHERED: list[tuple[str, str]] | None = None
+#: the (source, renames) groups already warned of: a study resolves the same layers for every run
+_WARNED: set[tuple[tuple[str, tuple[tuple[str, str], ...]], ...]] = set()
+#: the (source, rename) pairs :func:`legacy_warnings` gathers into one line (None: each
+#: source warns itself)
+_GATHERED: list[tuple[str, tuple[str, str]]] | None = None
 
 
 def _legacy_target(key: str, value: Any) -> str | None:
@@ -727,23 +728,31 @@ def warn_legacy(source: str, renames: list[tuple[str, str]]) -> None:
     if not renames or source.startswith("recipe "):
         return
     if _GATHERED is not None:
-        _GATHERED.extend(r for r in renames if r not in _GATHERED)
+        _GATHERED.extend((source, r) for r in renames if (source, r) not in _GATHERED)
         return
-    marker = (source, tuple(renames))
+    _warn_once({source: renames})
+
+
+def _warn_once(groups: dict[str, list[tuple[str, str]]]) -> None:
+    """One line for the old keys of each source in ``groups`` (where -> renames)."""
+    marker = tuple((where, tuple(renames)) for where, renames in groups.items())
     if marker in _WARNED:
         return
     _WARNED.add(marker)
-    log.warning(
-        "%s uses old setting names (read as the new ones; rename them): %s",
-        source,
-        ", ".join(f"{old} -> {new}" for old, new in renames),
-    )
+    listed = {where: ", ".join(f"{old} -> {new}" for old, new in renames) for where, renames in groups.items()}
+    if len(listed) == 1:
+        ((where, text),) = listed.items()
+        log.warning("%s uses old setting names (read as the new ones; rename them): %s", where, text)
+    else:
+        text = "; ".join(f"in {where}: {renames}" for where, renames in listed.items())
+        log.warning("old setting names (read as the new ones; rename them) %s", text)
 
 
 @contextlib.contextmanager
 def legacy_warnings(source: str) -> Iterator[None]:
     """The old keys of everything read inside (a file and its ``--set`` items, a study's
-    sections and methods) warned of in one line naming ``source``."""
+    sections and methods) warned of in one line naming where each was: ``source`` (its
+    own sections count as it) or another layer, e.g. ``--set``."""
     global _GATHERED
     if _GATHERED is not None:  # already gathering: the outer one warns
         yield
@@ -751,10 +760,16 @@ def legacy_warnings(source: str) -> Iterator[None]:
     _GATHERED = []
     try:
         yield
-        renames = _GATHERED
+        gathered = _GATHERED
     finally:
         _GATHERED = None
-    warn_legacy(source, renames)
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for where, rename in gathered:
+        renames = groups.setdefault(source if where.startswith(source) else where, [])
+        if rename not in renames:
+            renames.append(rename)
+    if groups:
+        _warn_once(groups)
 
 
 def _both_spellings(old: str, new: str, source: str) -> ConfigError:
