@@ -275,3 +275,55 @@ def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes
     asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5]"])
     with pytest.raises(SweepError, match="stage_two"):
         check_plan(asked, str(tmp_path), None, resume=True)
+
+
+def test_reselect_frontier_chooses_the_frontier_again_on_more_validation_images(tmp_path):
+    """``scripts/reselect_frontier.py``: a sweep's points are evaluated again on the
+    validation images asked for, the frontier is chosen on those figures (a point that
+    only stored figures made look good drops out), and each frontier point gets held-out
+    figures: kept where the sweep had them, evaluated where it had none."""
+    import subprocess
+    import sys
+
+    from splitvit.train.evaluation import CheckpointEvaluator
+
+    folder = checkpoint(tmp_path / "c")
+    coarse, fine = [1.0], [0.0]  # 4 of 16 tokens; all 16
+    stored = {"test_accuracy": 0.123, "test_token_ratio": 0.25, "test_tokens_per_image": 4.0}
+    points = [  # the stored validation figures are made up: only their thresholds count
+        {
+            "trial_id": "a",
+            "kind": "trial",
+            "checkpoint": folder,
+            "thresholds": coarse,
+            "accuracy": 0.9,
+            "extras": stored,
+        },
+        {"trial_id": "a", "kind": "threshold", "checkpoint": folder, "thresholds": fine, "accuracy": 0.1, "extras": {}},
+        {"trial_id": "b", "kind": "trial", "checkpoint": folder, "thresholds": coarse, "accuracy": 0.2, "extras": {}},
+    ]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"name": "s", "metric": "accuracy", "points": points, "frontier": points[:1]}))
+    out = tmp_path / "out.json"
+    args = ["--val-samples", "16", "--test-samples", "8", "--jobs", "1", "--json", str(out)]
+    script = ROOT / "scripts" / "reselect_frontier.py"
+    subprocess.run([sys.executable, str(script), str(sweep), *args], cwd=ROOT, check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    val = CheckpointEvaluator(folder, split="val", samples=16, cache=False)
+    figures = {tuple(t): val.evaluate(t) for t in (coarse, fine)}
+    expected = [  # both coarse points tie (the same checkpoint and thresholds); fine is kept if it is more accurate
+        (p["trial_id"], p["thresholds"])
+        for p in points
+        if p["thresholds"] == coarse or figures[(0.0,)].quality > figures[(1.0,)].quality
+    ]
+    assert [(p["trial_id"], p["thresholds"]) for p in result["frontier"]] == sorted(
+        expected, key=lambda e: figures[tuple(e[1])].token_ratio
+    )
+    assert "points" not in result and result["name"] == "s (frontier on 16 validation images)"
+    for p in result["frontier"]:
+        own = figures[tuple(p["thresholds"])]
+        assert (p["accuracy"], p["token_ratio"]) == (own.quality, own.token_ratio)
+    test = CheckpointEvaluator(folder, split="test", samples=8, cache=False).evaluate(coarse)
+    by_trial = {p["trial_id"]: p for p in result["frontier"] if p["thresholds"] == coarse}
+    assert by_trial["a"]["extras"] == stored  # held-out figures the sweep had are kept
+    assert by_trial["b"]["extras"]["test_accuracy"] == test.quality  # new ones evaluated on the test split

@@ -235,18 +235,20 @@ def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_outside
 
 
 @pytest.mark.parametrize(
-    "folder, sweep",
+    "folder, sweep, comparison",
     [
-        ("cpu-2026-12-06-sweep", "sweep_classification_cpu.json"),
-        ("cpu-2026-12-06-sweep-v2", "sweep_classification_cpu_v2.json"),
+        ("cpu-2026-12-06-sweep", "sweep_classification_cpu.json", "comparison.json"),
+        ("cpu-2026-12-06-sweep-v2", "sweep_classification_cpu_v2.json", "comparison.json"),
+        # the second run's frontier chosen again on 5,000 validation images (scripts/reselect_frontier.py)
+        ("cpu-2026-12-06-sweep-v2", "frontier_val5000.json", "comparison_val5000.json"),
     ],
 )
-def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json(folder, sweep):
+def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json(folder, sweep, comparison):
     """Each classification CPU sweep's committed JSON and recipe points give its committed
     comparison: its rows, goal lines and hypervolumes (no evaluation: the recipe's
     points are read back, not computed again)."""
     folder = ROOT / "docs" / "measurements" / folder
-    committed = json.loads((folder / "comparison.json").read_text())
+    committed = json.loads((folder / comparison).read_text())
     output = run_script(
         "sweep_vs_recipe.py",
         str(folder / sweep),
