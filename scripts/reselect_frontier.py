@@ -70,12 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
+    for name in ("val_samples", "test_samples", "jobs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     from splitvit.tune.pareto import pareto_indices
 
     sweep = json.loads(args.sweep.read_text())
     metric = sweep["metric"]
-    points = [p for p in sweep["points"] if p.get("checkpoint") and p.get("thresholds")]
+    points = [p for p in sweep.get("points") or [] if p.get("checkpoint") and p.get("thresholds")]
+    if not points:
+        raise SystemExit(
+            f"{args.sweep}: no point with a checkpoint and thresholds (a sweep's JSON, as the CLI wrote it?)"
+        )
     val = _run(points, "val", args.val_samples, args.jobs)
     front = [points[i] for i in pareto_indices([(q, r) for q, r, _ in val])]
     figures = {id(p): v for p, v in zip(points, val)}

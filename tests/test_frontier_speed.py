@@ -327,3 +327,14 @@ def test_reselect_frontier_chooses_the_frontier_again_on_more_validation_images(
     by_trial = {p["trial_id"]: p for p in result["frontier"] if p["thresholds"] == coarse}
     assert by_trial["a"]["extras"] == stored  # held-out figures the sweep had are kept
     assert by_trial["b"]["extras"]["test_accuracy"] == test.quality  # new ones evaluated on the test split
+    # a file without a sweep's points: one line naming it, nothing written
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"name": "s", "metric": "accuracy", "points": []}))
+    done = subprocess.run(
+        [sys.executable, str(script), str(empty), "--json", str(tmp_path / "none.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and f"{empty}: no point with a checkpoint and thresholds" in done.stderr
+    assert not (tmp_path / "none.json").exists()
