@@ -41,25 +41,18 @@ def _evaluate(job: tuple[str, str, int, list[list[float]]]) -> list[tuple[float,
     return out
 
 
-def _by_checkpoint(points: list[dict], split: str, samples: int) -> list[tuple[str, str, int, list[list[float]]]]:
-    groups: dict[str, list[list[float]]] = {}
-    for p in points:
-        groups.setdefault(p["checkpoint"], []).append(p["thresholds"])
-    return [(checkpoint, split, samples, thresholds) for checkpoint, thresholds in groups.items()]
-
-
 def _run(points: list[dict], split: str, samples: int, jobs: int) -> list[tuple[float, float, float]]:
-    """Every point evaluated on ``split``, in ``points``' order."""
-    work = _by_checkpoint(points, split, samples)
+    """Every point evaluated on ``split``, in ``points``' order (each checkpoint loaded once)."""
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(points):
+        groups.setdefault(p["checkpoint"], []).append(i)
+    work = [(checkpoint, split, samples, [points[i]["thresholds"] for i in idx]) for checkpoint, idx in groups.items()]
+    figures: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * len(points)
     with ProcessPoolExecutor(jobs) as pool:
-        results = dict(zip((w[0] for w in work), pool.map(_evaluate, work)))
-    taken: dict[str, int] = {}
-    ordered = []
-    for p in points:
-        i = taken.get(p["checkpoint"], 0)
-        ordered.append(results[p["checkpoint"]][i])
-        taken[p["checkpoint"]] = i + 1
-    return ordered
+        for idx, results in zip(groups.values(), pool.map(_evaluate, work)):
+            for i, result in zip(idx, results):
+                figures[i] = result
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,7 +92,7 @@ from ..config import AUTO_THRESHOLDS, ExperimentConfig
 from ..jsontypes import JsonObject
 from ..model import SplitViT
 from ..model.quadtree import expected_tokens
-from ..train.experiment import build_model, experiment_from_dict
+from ..train.experiment import build_model, experiment_datasets, experiment_from_dict
 from .allocators import choose_allocators, format_allocator_lines, run_allocator_benchmark
 from .report import device_label, make_target, target_table, text_table
 from .timing import (
@@ -789,16 +789,13 @@ def _busy_since(start: tuple[float | None, float, float]) -> tuple[float | None,
 def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> PlainRun:
     """The config trained by ``fit_local``, with validation (and threshold calibration)
     and a model save after every epoch, as the Ray loop does."""
-    from ..data import build_dataset
     from ..train.local import fit_local, validate
 
     mc, dc, tc = config.model, config.data, config.train
     start, wall = _busy(), time.perf_counter()
     torch.manual_seed(dc.seed * 1000)  # the Ray worker's seed for rank 0
     model = build_model(mc).to(device)
-    sizing = dict(image_size=mc.image_size, interpolation=model.data_config["interpolation"])
-    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
+    train_set, val_set = experiment_datasets(config, model.data_config["interpolation"])
     val_loader = DataLoader(val_set, batch_size=dc.eval_batch_size or dc.batch_size, shuffle=False)
     per_batch = (len(train_set) // dc.batch_size) * dc.batch_size
     extras: list[dict[str, float]] = []

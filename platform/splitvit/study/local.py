@@ -160,12 +160,11 @@ def _datasets(config: ExperimentConfig, interpolation: str, detector: bool) -> t
     validation loader (a detector's batches collated as lists)."""
     from torch.utils.data import DataLoader
 
-    from ..data import build_dataset, detection_collate
+    from ..data import detection_collate
+    from ..train.experiment import experiment_datasets
 
-    mc, dc = config.model, config.data
-    sizing = dict(image_size=mc.image_size, interpolation=interpolation)
-    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
+    dc = config.data
+    train_set, val_set = experiment_datasets(config, interpolation)
     val_loader = DataLoader(
         val_set,
         batch_size=dc.eval_batch_size or dc.batch_size,

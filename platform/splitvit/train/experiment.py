@@ -185,6 +185,18 @@ def detector_options(model: ModelConfig) -> dict[str, Any]:
     return options
 
 
+def experiment_datasets(config: ExperimentConfig, interpolation: str) -> tuple[Any, Any]:
+    """The experiment's training and validation sets (``data.val_split``) at the model's
+    input size, resized with its ``interpolation``: what the Ray loop, the local trainer
+    and ``bench train`` all train and validate on."""
+    from ..data import build_dataset
+
+    mc, dc = config.model, config.data
+    sizing = dict(image_size=mc.image_size, interpolation=interpolation)
+    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
+    return train_set, build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
+
+
 def build_model(model: ModelConfig, pretrained: bool | None = None) -> SplitViT | SplitDetector:
     """Build the model the ``model`` section describes: a :class:`~splitvit.model.SplitViT`,
     or for ``task: detection`` a :class:`~splitvit.model.SplitDetector` on one

@@ -1017,12 +1017,11 @@ def _worker_data(
     shard, resized with the model's ``interpolation``."""
     import ray.train.torch
 
-    from ..data import build_dataset, detection_collate
+    from ..data import detection_collate
+    from .experiment import experiment_datasets
 
-    mc, dc = config.model, config.data
-    sizing = dict(image_size=mc.image_size, interpolation=interpolation)
-    train_set = build_dataset(dc.name, "train", seed=dc.seed, **sizing, **dc.options)
-    val_set = build_dataset(dc.name, dc.val_split, seed=dc.seed, **sizing, **dc.options)
+    dc = config.data
+    train_set, val_set = experiment_datasets(config, interpolation)
     # our own DistributedSampler (for parquet shards one by row group, each group read once
     # per epoch): its seed is the config's; prepare_data_loader keeps it
     sampler = training_sampler(
@@ -1035,7 +1034,7 @@ def _worker_data(
         loader_workers=dc.num_workers,
     )
     # detection targets are one dict per image: the batch keeps them a list
-    collate = detection_collate if mc.task == "detection" else None
+    collate = detection_collate if config.model.task == "detection" else None
     loader = DataLoader(
         train_set,
         batch_size=dc.batch_size,

@@ -158,21 +158,7 @@ class Baseline:
     def of_evaluation(cls, baseline: str, label: str, point: EvaluatedPoint, trial_id: str) -> Baseline:
         """The baseline ``baseline`` (labelled ``label``) evaluated at ``point`` on trial
         ``trial_id``'s backbone."""
-        fine_on_object, coverage = point.metrics.get("fine_on_object"), point.metrics.get("object_coverage")
-        return cls(
-            baseline=baseline,
-            label=label,
-            quality=point.quality,
-            tokens_per_image=point.tokens_per_image,
-            token_ratio=point.token_ratio,
-            thresholds=list(point.thresholds or []),
-            trial_id=trial_id,
-            images_per_s=point.images_per_s,
-            images=point.images,
-            target_ratio=point.target_ratio,
-            fine_on_object=None if fine_on_object is None else float(fine_on_object),
-            object_coverage=None if coverage is None else float(coverage),
-        )
+        return cls.from_dict({**point.to_dict(), "baseline": baseline, "label": label, "trial_id": trial_id})
 
     @classmethod
     def from_dict(cls, data: JsonObject) -> Baseline:
