@@ -728,7 +728,7 @@ def warn_legacy(source: str, renames: list[tuple[str, str]]) -> None:
     if not renames or source.startswith("recipe "):
         return
     if _GATHERED is not None:
-        _GATHERED.extend((source, r) for r in renames if (source, r) not in _GATHERED)
+        _GATHERED.extend((source, r) for r in renames)  # legacy_warnings drops repeats
         return
     _warn_once({source: renames})
 
