@@ -260,6 +260,37 @@ def test_stage_two_calibrates_every_checkpoint_to_the_ratios_asked_for(tmp_path)
     assert stage_two(folder, points=0, low=0.0, high=1.0, sampler="qmc", seed=0, samples=16) == []
 
 
+def test_stage_two_measures_the_trials_own_thresholds_first_on_its_images(tmp_path):
+    """``own``: the trial's thresholds evaluated on stage two's images lead the points
+    (before the calibrated ones), with the figures an evaluation on those images gives;
+    asked for alone, they are the one point."""
+    from splitvit.train.evaluation import CheckpointEvaluator
+    from splitvit.tune.stage_two import stage_two
+
+    folder = checkpoint(tmp_path / "c")
+    rows = stage_two(
+        folder,
+        points=1,
+        low=0.0,
+        high=1.0,
+        sampler="qmc",
+        seed=0,
+        samples=12,
+        own=[0.4],
+        ratios=[0.5],
+        calibration_samples=12,
+    )
+    assert [r.target_ratio for r in rows] == [None, 0.5, None] and rows[0].thresholds == [0.4]
+    expected = CheckpointEvaluator(folder, samples=12, cache=False).evaluate([0.4])
+    assert (rows[0].quality, rows[0].tokens_per_image, rows[0].images) == (
+        pytest.approx(expected.quality),
+        pytest.approx(expected.tokens_per_image),
+        12,
+    )
+    alone = stage_two(folder, points=0, low=0.0, high=1.0, sampler="qmc", seed=0, samples=12, own=[0.4])
+    assert len(alone) == 1 and alone[0].tokens_per_image == pytest.approx(expected.tokens_per_image)
+
+
 def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes(tmp_path):
     from splitvit.tune.location import PLAN_FILE, check_plan
     from splitvit.tune.state import SweepError

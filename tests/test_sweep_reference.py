@@ -51,6 +51,7 @@ BASE = {
 # a learning rate this small leaves every fine-tuned weight within 1e-4 of where it
 # started: the trials' weights show which model they started from
 FINE_TUNE_LR = 1.0e-7
+STAGE_TWO_SAMPLES = 48
 
 
 def write_space(folder: Path, mlflow_uri: str) -> Path:
@@ -74,7 +75,8 @@ def write_space(folder: Path, mlflow_uri: str) -> Path:
             "seed": 0,
             "trial_resources": {"CPU": 0.25},
         },
-        "stage_two": {"points": 2, "sampler": "random", "ratios": [0.5]},
+        # fewer images than the data's 64 validation canvases: a trial's own point is measured again on them
+        "stage_two": {"points": 2, "sampler": "random", "ratios": [0.5], "samples": STAGE_TWO_SAMPLES},
         "baselines": {"ratios": [0.5]},
         "evaluation": {"split": "test", "samples": 32},
         "speed": {"enabled": False},
@@ -215,6 +217,28 @@ def test_the_frontier_and_baselines_are_evaluated_on_the_test_split(sweep):
     # baseline trials are never frontier points (Optuna never heard of them either)
     baseline_ids = {t["trial_id"] for t in data["trials"] if t["baseline"]}
     assert not baseline_ids & {p["trial_id"] for p in data["points"]}
+
+
+def test_a_trials_own_point_is_measured_on_stage_two_images(sweep):
+    """With ``stage_two.samples`` (48) below the data's validation count (64), each
+    searched trial's own point carries its checkpoint's figures on stage two's 48
+    images, like its stage-two points, not its training's last validation on 64: the
+    frontier is chosen among figures of one image count."""
+    from splitvit.train.evaluation import CheckpointEvaluator
+
+    own = [p for p in sweep["json"]["points"] if p["kind"] == "trial"]
+    assert len(own) == 3
+    moved = 0
+    for point in own:
+        stage_two = CheckpointEvaluator(point["checkpoint"], samples=STAGE_TWO_SAMPLES, cache=False)
+        figure = stage_two.evaluate(point["thresholds"])
+        assert point["accuracy"] == pytest.approx(figure.quality)
+        assert point["tokens_per_image"] == pytest.approx(figure.tokens_per_image)
+        training = CheckpointEvaluator(point["checkpoint"], samples=64, cache=False).evaluate(point["thresholds"])
+        moved += (training.quality, training.tokens_per_image) != pytest.approx(
+            (figure.quality, figure.tokens_per_image)
+        )
+    assert moved  # the 64-image figures differ: the check above can tell the two apart
 
 
 def test_the_parent_run_links_its_reference_and_a_later_sweep_reuses_it(sweep):

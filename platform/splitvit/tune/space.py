@@ -234,7 +234,9 @@ class StageTwoSettings:
         points: Optuna trials over the per-level thresholds per finished trial (0: off).
         low, high: bounds of every level's threshold.
         sampler: ``tpe``, ``nsga2``, ``random`` or ``qmc`` (even coverage for few points).
-        samples: evaluation images (default: the experiment's validation split).
+        samples: evaluation images (default: the experiment's validation split). When
+            set, each trial's own point is measured again on them too, so the frontier
+            is chosen among figures of one image count.
         ratios: token ratios each finished trial is also evaluated at, its thresholds
             calibrated to each on validation images (as the baselines and a study's
             methods are): every trial then has a point at each ratio a user asks about,

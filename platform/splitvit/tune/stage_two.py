@@ -32,6 +32,7 @@ def stage_two(
     seed: int,
     samples: int | None,
     known: list[tuple[list[float], float, float]] | None = None,
+    own: list[float] | None = None,
     ratios: list[float] | None = None,
     calibration_samples: int = 256,
     device: str = "cpu",
@@ -46,18 +47,22 @@ def stage_two(
     checkpoint with them on ``samples`` validation images; the study maximises quality
     and minimises tokens per image. ``known`` results (thresholds, quality, tokens),
     e.g. the trial's own stage-one point, and the calibrated points seed the study.
-    Returns one point per evaluation. A plain function, so a trial can run
-    it as a Ray task on the training resources.
+    ``own`` thresholds (the trial's own) are evaluated first on the same images, so that
+    its point and stage two's are measured alike; their point leads the returned list
+    and seeds the study. Returns one point per evaluation. A plain function, so a trial
+    can run it as a Ray task on the training resources.
     """
     import optuna
     from optuna.distributions import FloatDistribution
 
-    if points <= 0 and not ratios:
+    if points <= 0 and not ratios and own is None:
         return []
     evaluator = CheckpointEvaluator(checkpoint, samples=samples, device=device)
     names = [f"t{level}" for level in range(evaluator.levels - 1)]
     dist = {n: FloatDistribution(low, high) for n in names}
-    results = calibrated_points(evaluator, ratios or [], calibration_samples, seed=seed) if ratios else []
+    results = [evaluator.evaluate(own)] if own is not None else []
+    if ratios:
+        results += calibrated_points(evaluator, ratios, calibration_samples, seed=seed)
     known = [*(known or []), *((r.thresholds or [], r.quality, r.tokens_per_image) for r in results)]
     with quiet_optuna():
         study = optuna.create_study(
