@@ -118,6 +118,19 @@ def test_frontier_from_mlflow_reads_the_latest_sweep_unless_asked_for_all(tmp_pa
 
     one = frontier_from_mlflow("sweeps", uri, first)
     assert one["sweeps"] == [first] and [p["accuracy"] for p in one["points"]] == [0.9]
+    assert latest["speed"] == [] and latest["reference_point"] == {"quality": 0.0, "token_ratio": 1.0}
+
+    # a sweep that timed its frontier says where and how, its figures after the names
+    from mlflow import MlflowClient
+
+    from splitvit.tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
+
+    MlflowClient(uri).set_tag(second, SPEED_DEVICE_TAG, "cpu")
+    MlflowClient(uri).set_tag(second, SPEED_TIMING_TAG, "batch 32")
+    MlflowClient(uri).log_metric(second, "speedup_max", 2.5)
+    timed = frontier_from_mlflow("sweeps", uri, all_sweeps=True)["speed"]
+    assert timed == [{"sweep": second, "device": "cpu", "timing": "batch 32", "speedup_max": 2.5}]
+    assert list(timed[0]) == ["sweep", "device", "timing", "speedup_max"]
 
 
 def test_frontier_from_mlflow_names_a_missing_store_and_creates_none(tmp_path):

@@ -327,7 +327,6 @@ class SweepRecorder:
         parent_run_id: the sweep's run.
         sweep_dir: the sweep folder (the parent's run key).
         metric: ``accuracy`` or ``miou``.
-        configs: trial id -> flattened trial config (params of its run).
     """
 
     tracking_uri: str
@@ -336,7 +335,6 @@ class SweepRecorder:
     parent_run_id: str
     sweep_dir: str
     metric: str
-    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ parent
     @classmethod
@@ -853,17 +851,56 @@ def _cell(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- reading back
+@dataclass(frozen=True)
+class RecordedTiming:
+    """How a sweep timed its frontier, as its parent run records it: the device (tag
+    ``splitvit.speed_device``), the timing settings and its speed metrics (those it has
+    of ``speed_full_images_per_s``, ``speedup_max``, ``speedup_best_point``,
+    ``speedup_within_1pt_of_full``)."""
+
+    sweep: str  # the parent run id
+    device: str
+    timing: str
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, str | float]:
+        """Its JSON entry (``speed`` of ``splitvit pareto --json``): the figures after the names."""
+        return {"sweep": self.sweep, "device": self.device, "timing": self.timing, **self.figures}
+
+
+@dataclass(frozen=True)
+class RecordedSweeps:
+    """The finished points of one sweep of an experiment, or of several, read from MLflow
+    (:func:`points_from_mlflow`).
+
+    Attributes:
+        experiment_id: the experiment's id.
+        sweeps: the sweeps' parent run ids, sorted.
+        sweep_names: parent run id -> the sweep's run name.
+        metric: the quality of the latest sweep read (``accuracy``, ``miou``...).
+        reference: the latest sweep's hypervolume reference point ``(quality, token_ratio)``.
+        points: every trial's and threshold point's run that completed.
+        speed: how each sweep that timed its frontier timed it (none for the others).
+    """
+
+    experiment_id: str
+    sweeps: list[str]
+    sweep_names: dict[str, str]
+    metric: str
+    reference: tuple[float, float]
+    points: list[Point]
+    speed: list[RecordedTiming]
+
+
 def points_from_mlflow(
     tracking_uri: str, experiment: str, sweep_run_id: str | None = None, *, all_sweeps: bool = False
-) -> dict[str, Any]:
+) -> RecordedSweeps:
     """The finished points of one sweep of an experiment, or of all of them, from MLflow.
 
     Which sweep: ``sweep_run_id`` when given, else every sweep with ``all_sweeps``,
     else the latest started (its reference point and metric apply to the merge too).
-
-    Returns ``{"experiment_id", "sweeps": [parent run ids], "sweep_names": {id: name},
-    "metric", "reference", "points": [Point, ...], "speed"}``. Raises ``ValueError``
-    when the store, the experiment or the sweep is not there (nothing is created).
+    Raises ``ValueError`` when the store, the experiment or the sweep is not there
+    (nothing is created).
     """
     from ..config import redact_uri
     from .pareto import Point
@@ -893,7 +930,7 @@ def points_from_mlflow(
     metric = parents[0].data.tags.get(METRIC_TAG, "accuracy")
     # a tag, not the pareto.* params: stores written before the redaction spared token
     # counts hold pareto.token_ratio as "***" (taken for a secret)
-    reference = tuple(json.loads(parents[0].data.tags.get(REFERENCE_TAG) or "[0.0, 1.0]"))
+    quality, ratio = json.loads(parents[0].data.tags.get(REFERENCE_TAG) or "[0.0, 1.0]")
     sweep_ids = {p.info.run_id for p in parents}
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{STATUS_TAG}` = 'completed'", max_results=50_000)
     points = []
@@ -924,28 +961,28 @@ def points_from_mlflow(
         )
     # where and how each sweep timed its frontier (absent: a sweep that did not)
     speed = [
-        {
-            "sweep": p.info.run_id,
-            "device": p.data.tags[SPEED_DEVICE_TAG],
-            "timing": p.data.tags.get(SPEED_TIMING_TAG, ""),
-            **{
+        RecordedTiming(
+            sweep=p.info.run_id,
+            device=p.data.tags[SPEED_DEVICE_TAG],
+            timing=p.data.tags.get(SPEED_TIMING_TAG, ""),
+            figures={
                 k: p.data.metrics[k]
                 for k in ("speed_full_images_per_s", "speedup_max", "speedup_best_point", "speedup_within_1pt_of_full")
                 if k in p.data.metrics
             },
-        }
+        )
         for p in parents
         if SPEED_DEVICE_TAG in p.data.tags
     ]
-    return {
-        "experiment_id": experiment_id,
-        "sweeps": sorted(sweep_ids),
-        "sweep_names": {p.info.run_id: p.info.run_name for p in parents},
-        "metric": metric,
-        "reference": reference,
-        "points": points,
-        "speed": speed,
-    }
+    return RecordedSweeps(
+        experiment_id=experiment_id,
+        sweeps=sorted(sweep_ids),
+        sweep_names={p.info.run_id: p.info.run_name for p in parents},
+        metric=metric,
+        reference=(quality, ratio),
+        points=points,
+        speed=speed,
+    )
 
 
 # ---------------------------------------------------------------------- readable records
