@@ -986,7 +986,7 @@ def points_from_mlflow(
 
 
 # ---------------------------------------------------------------------- readable records
-def sweep_params(space: SearchSpace) -> dict[str, Any]:
+def sweep_params(space: SearchSpace) -> dict[str, str | int]:
     """The parent run's params: what a reader compares sweeps by, at a glance. The whole
     space, defaults and overrides included, is the ``search_space.yaml`` artifact."""
     return {
@@ -1066,7 +1066,7 @@ def _md(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def _md_table(rows: list[dict[str, Any]]) -> list[str]:
+def _md_table(rows: list[dict[str, str | float]]) -> list[str]:
     from .pareto import round_figures
 
     if not rows:
@@ -1180,7 +1180,7 @@ def sweep_note(
     return "\n".join(lines) + "\n"
 
 
-def _matched_baselines(baselines: list[Baseline], front: list[Point], metric: str) -> list[dict[str, Any]]:
+def _matched_baselines(baselines: list[Baseline], front: list[Point], metric: str) -> list[dict[str, str | float]]:
     """Each baseline beside the best frontier quality at no more tokens per image (the
     SPLIT point one would pick at that budget); ``-`` where the frontier has none."""
     rows = []

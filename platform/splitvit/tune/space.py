@@ -37,7 +37,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -60,6 +60,9 @@ from ..config import (
     upgrade_flat,
 )
 from ..jsontypes import JsonObject
+
+if TYPE_CHECKING:
+    from optuna.distributions import BaseDistribution
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +134,7 @@ class Parameter:
             not isinstance(c, (type(None), bool, int, float, str)) for c in self.choices
         )
 
-    def optuna_distribution(self):
+    def optuna_distribution(self) -> BaseDistribution:
         """This parameter as an ``optuna.distributions`` object."""
         from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -456,7 +459,7 @@ class SearchSpace:
         """Optuna's (or Tune's) sampled values -> config values, by parameter name."""
         return {k: self.parameters[k].decode(v) if k in self.parameters else v for k, v in sampled.items()}
 
-    def optuna_space(self) -> dict[str, Any]:
+    def optuna_space(self) -> dict[str, BaseDistribution]:
         """The searched parameters as Optuna distributions (for ``OptunaSearch``)."""
         return {name: p.optuna_distribution() for name, p in self.parameters.items()}
 
