@@ -61,7 +61,7 @@ from ..tracking.runs import (
 
 if TYPE_CHECKING:
     from .pareto import Baseline, Point
-    from .space import SearchSpace
+    from .space import ConfigValue, SearchSpace
     from .trial import ThresholdPoint, TrialFinal
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _numbers(data: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _sampled_params(sampled: dict[str, Any]) -> dict[str, Any]:
+def _sampled_params(sampled: dict[str, ConfigValue]) -> dict[str, ConfigValue]:
     return {f"{SAMPLED_PREFIX}{param_name(k)}": v for k, v in sampled.items()}
 
 
@@ -375,7 +375,7 @@ class SweepRecorder:
 
     # ------------------------------------------------------------------ trials
     def _trial_tracker(
-        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any]
+        self, trial_id: str, run_uri: str, sampled: dict[str, ConfigValue], config_params: dict[str, ConfigValue]
     ) -> RunTracker:
         params = {**config_params, **_sampled_params(sampled)}
         tracker, _ = RunTracker.open(
@@ -399,8 +399,8 @@ class SweepRecorder:
         self,
         trial_id: str,
         run_uri: str,
-        sampled: dict[str, Any],
-        config_params: dict[str, Any],
+        sampled: dict[str, ConfigValue],
+        config_params: dict[str, ConfigValue],
         live: set[str] | None = None,
         data: DataConfig | None = None,
     ) -> str:
@@ -442,7 +442,7 @@ class SweepRecorder:
             and r.data.tags.get(STATUS_TAG) not in ("completed", "failed", "diverged")
         ]
 
-    def _orphan(self, sampled: dict[str, Any], live: set[str]) -> Any | None:
+    def _orphan(self, sampled: dict[str, ConfigValue], live: set[str]) -> Any | None:
         key = json.dumps(sampled, sort_keys=True)
         return next((r for r in self._orphans(live) if r.data.tags.get(SAMPLED_TAG) == key), None)
 
@@ -474,8 +474,8 @@ class SweepRecorder:
         self,
         trial_id: str,
         run_uri: str,
-        sampled: dict[str, Any],
-        config_params: dict[str, Any],
+        sampled: dict[str, ConfigValue],
+        config_params: dict[str, ConfigValue],
         final: TrialFinal,
         data: DataConfig | None = None,
     ) -> tuple[str, list[str]]:
@@ -537,7 +537,7 @@ class SweepRecorder:
         trial_run_id: str,
         index: int,
         point: ThresholdPoint,
-        sampled: dict[str, Any],
+        sampled: dict[str, ConfigValue],
         data: DataConfig | None = None,
     ) -> str:
         thresholds = point.thresholds or []
@@ -573,7 +573,12 @@ class SweepRecorder:
         return tracker.run_id
 
     def trial_failed(
-        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any], message: str
+        self,
+        trial_id: str,
+        run_uri: str,
+        sampled: dict[str, ConfigValue],
+        config_params: dict[str, ConfigValue],
+        message: str,
     ) -> str:
         """Record a failed trial (``diverged`` for a non-finite loss, else ``failed``)."""
         tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)

@@ -11,11 +11,11 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..storage import is_s3
 from .pareto import Baseline, Point
-from .space import SearchSpace
+from .space import ConfigValue, SearchSpace
 from .state import Sweep, TrialSummary
 from .trial import (
     BASELINE_KEY,
@@ -27,10 +27,13 @@ from .trial import (
     trained_thresholds,
 )
 
+if TYPE_CHECKING:
+    from ..config import DataConfig
+
 log = logging.getLogger(__name__)
 
 
-def trial_data(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> Any:
+def trial_data(plan: SweepPlan, sampled: dict[str, ConfigValue], trial_id: str) -> DataConfig | None:
     """The trial's data config (its runs' MLflow dataset inputs); ``None`` when its
     config does not build (the trial fails the same way and says why)."""
     try:
@@ -39,7 +42,7 @@ def trial_data(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> Any:
         return None
 
 
-def trial_config_params(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> dict[str, Any]:
+def trial_config_params(plan: SweepPlan, sampled: dict[str, ConfigValue], trial_id: str) -> dict[str, ConfigValue]:
     """A trial run's params: its experiment config, flattened. Without
     ``tracking.enabled``: the trial's own Train run logs nothing (``False`` in its
     config), its MLflow run is the sweep driver's record of it, which a ``False``
@@ -137,7 +140,7 @@ def record_trials(
 
 
 def _baseline_trial_rows(
-    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, Any]
+    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, ConfigValue]
 ) -> list[Baseline]:
     """A fine-tuned baseline's MLflow run (tagged ``splitvit.baseline``) and its figures:
     full resolution's last validation, or entropy's and random's at each ratio."""
@@ -178,7 +181,7 @@ def _baseline_trial_rows(
 
 
 def _completed_trial_points(
-    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, Any]
+    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, ConfigValue]
 ) -> list[Point]:
     """A finished trial's point and its stage-two threshold points, each with its MLflow run."""
     run_id, point_ids = sweep.recorder.trial_completed(
@@ -230,12 +233,14 @@ def _completed_trial_points(
     return points
 
 
-def _companions(sweep: Sweep, figures: dict[str, Any]) -> dict[str, float]:
+def _companions(sweep: Sweep, figures: dict[str, float]) -> dict[str, float]:
     """The companion qualities (a detector's ``mask_ap``) among a point's ``figures``."""
     return {c: float(figures[c]) for c in sweep.space.companion_metrics if c in figures}
 
 
-def _stopped_trial_point(sweep: Sweep, trial: TrialSummary, last: TrialFinal, config_params: dict[str, Any]) -> Point:
+def _stopped_trial_point(
+    sweep: Sweep, trial: TrialSummary, last: TrialFinal, config_params: dict[str, ConfigValue]
+) -> Point:
     """An early-stopped trial's point: its ``last`` reported epoch, with the thresholds of
     its checkpoint (no stage two), recorded as a completed run."""
     plan = sweep.plan
@@ -264,7 +269,7 @@ def _stopped_trial_point(sweep: Sweep, trial: TrialSummary, last: TrialFinal, co
     )
 
 
-def _record_failed_trial(sweep: Sweep, trial: TrialSummary, config_params: dict[str, Any]) -> None:
+def _record_failed_trial(sweep: Sweep, trial: TrialSummary, config_params: dict[str, ConfigValue]) -> None:
     """A failed, diverged or unfinished trial's run, marked so (a run already marked
     failed or diverged is kept as it is)."""
     run_uri = sweep.plan.run_uri(trial.trial_id)

@@ -22,6 +22,7 @@ from ..jsontypes import JsonObject
 
 if TYPE_CHECKING:
     from ..train.points import EvaluatedPoint
+    from .space import ConfigValue
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Point:
     kind: str = "trial"
     trial_id: str = ""
     thresholds: list[float] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, ConfigValue] = field(default_factory=dict)
     checkpoint: str | None = None
     run_id: str | None = None
     on_frontier: bool = False
