@@ -118,6 +118,19 @@ def test_frontier_from_mlflow_reads_the_latest_sweep_unless_asked_for_all(tmp_pa
 
     one = frontier_from_mlflow("sweeps", uri, first)
     assert one["sweeps"] == [first] and [p["accuracy"] for p in one["points"]] == [0.9]
+    assert latest["speed"] == [] and latest["reference_point"] == {"quality": 0.0, "token_ratio": 1.0}
+
+    # a sweep that timed its frontier says where and how, its figures after the names
+    from mlflow import MlflowClient
+
+    from splitvit.tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
+
+    MlflowClient(uri).set_tag(second, SPEED_DEVICE_TAG, "cpu")
+    MlflowClient(uri).set_tag(second, SPEED_TIMING_TAG, "batch 32")
+    MlflowClient(uri).log_metric(second, "speedup_max", 2.5)
+    timed = frontier_from_mlflow("sweeps", uri, all_sweeps=True)["speed"]
+    assert timed == [{"sweep": second, "device": "cpu", "timing": "batch 32", "speedup_max": 2.5}]
+    assert list(timed[0]) == ["sweep", "device", "timing", "speedup_max"]
 
 
 def test_frontier_from_mlflow_names_a_missing_store_and_creates_none(tmp_path):
@@ -543,14 +556,13 @@ def test_nice_ticks_are_round_and_inside_the_range():
 
 
 def test_a_trials_final_report_becomes_its_points_and_a_baselines_its_rows():
-    """``record_trials`` without Ray or MLflow: a finished trial's report (as Tune hands
-    it back, its stage-two points as JSON text) gives its point and its threshold points;
+    """``collect`` and ``record_trials`` without Ray or MLflow: a finished trial's report (as
+    Tune hands it back, its stage-two points as JSON text) gives its point and its threshold points;
     a fine-tuned baseline's gives its rows, full resolution's its last validation."""
     import json
     from types import SimpleNamespace
 
-    from splitvit.tune.outcomes import record_trials
-    from splitvit.tune.state import TrialSummary
+    from splitvit.tune.outcomes import collect, record_trials
     from splitvit.tune.trial import ThresholdPoint, TrialFinal
 
     recorded: list[TrialFinal] = []
@@ -567,7 +579,9 @@ def test_a_trials_final_report_becomes_its_points_and_a_baselines_its_rows():
         raise ValueError("no config in this test")
 
     plan = SimpleNamespace(trial_config=no_config, run_uri=lambda trial_id: f"/runs/{trial_id}")
-    space = SimpleNamespace(companion_metrics=("mask_ap",))
+    space = SimpleNamespace(
+        companion_metrics=("mask_ap",), quality_metric="box_ap", parameters={"model.thresholds[0]": None}, decode=dict
+    )
     sweep = SimpleNamespace(metric="box_ap", space=space, plan=plan, recorder=Recorder())
     stage_two = [ThresholdPoint(0.3, 8.0, 0.5, [0.6], 40.0, {"mask_ap": 0.25}, target_ratio=0.5)]
     report = {
@@ -584,12 +598,22 @@ def test_a_trials_final_report_becomes_its_points_and_a_baselines_its_rows():
         "training_iteration": 3,  # Tune's own keys come along
     }
     entropy = {**report, "threshold_points": json.dumps([{**stage_two[0].to_dict("box_ap"), "target_ratio": 0.4}])}
-    trials = [
-        TrialSummary("a", "completed", {"model.thresholds[0]": 0.5}, checkpoint="/ckpt/a"),
-        TrialSummary("e", "completed", {}, checkpoint="/ckpt/e", baseline="entropy"),
-        TrialSummary("f", "completed", {}, checkpoint="/ckpt/f", baseline="full"),
+
+    def result(trial_id, report, config):
+        return SimpleNamespace(path=f"/sweep/{trial_id}", metrics=report, config=config, error=None)
+
+    grid = [
+        result("a", report, {"model.thresholds[0]": 0.5}),
+        result("e", entropy, {"baseline": "entropy"}),
+        result("f", report, {"baseline": "full"}),
     ]
-    points, baselines = record_trials(sweep, trials, {"a": report, "e": entropy, "f": report})
+    trials, finals = collect(grid, space, "/sweep")
+    assert [(t.trial_id, t.status, t.params, t.baseline) for t in trials] == [
+        ("a", "completed", {"model.thresholds[0]": 0.5}, ""),
+        ("e", "completed", {}, "entropy"),
+        ("f", "completed", {}, "full"),
+    ]
+    points, baselines = record_trials(sweep, trials, finals)
 
     trial, threshold = points
     assert (trial.kind, trial.quality, trial.tokens_per_image, trial.thresholds) == ("trial", 0.4, 12.0, [0.5])

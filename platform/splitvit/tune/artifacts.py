@@ -19,7 +19,7 @@ from ..jsontypes import JsonObject
 from ..tracking.runs import SPEED_DEVICE_TAG, SPEED_TIMING_TAG
 from .mlflow_records import CHART_ARTIFACT, PLOT_ARTIFACT, SweepRecorder
 from .pareto import Point, frontier, round_figures
-from .space import SearchSpace
+from .space import ConfigValue, SearchSpace
 from .state import RegisteredModels, Sweep, SweepResult
 
 if TYPE_CHECKING:
@@ -325,7 +325,7 @@ class FrontierRow:
     hv_contribution: float
     run_id: str | None
     model_uri: str | None
-    params: dict[str, Any]
+    params: dict[str, ConfigValue]
     timed: bool = False
     speedup_vs_full: float | None = None
     timed_images_per_s: float | None = None

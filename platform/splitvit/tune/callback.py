@@ -19,6 +19,7 @@ from ..config import config_layers
 from ..train.console import Progress
 from .mlflow_records import SweepRecorder
 from .outcomes import trial_config_params, trial_data
+from .space import ConfigValue
 from .state import planned_trials
 from .trial import FINAL_KEY, SweepPlan, TrialFinal, threshold_points
 
@@ -35,11 +36,11 @@ class SweepCallback(tune.Callback):
     def __init__(self, recorder: SweepRecorder, plan: SweepPlan) -> None:
         self.recorder = recorder
         self.plan = plan
-        self._params: dict[str, dict[str, Any]] = {}
+        self._params: dict[str, dict[str, ConfigValue]] = {}
         # a bar over the trials on a terminal; the lines below are the record elsewhere
         self.progress = Progress("trials", planned_trials(plan.space))
 
-    def _config_params(self, trial) -> dict[str, Any]:
+    def _config_params(self, trial) -> dict[str, ConfigValue]:
         if trial.trial_id not in self._params:
             self._params[trial.trial_id] = trial_config_params(self.plan, trial.config, trial.trial_id)
         return self._params[trial.trial_id]
@@ -67,7 +68,7 @@ class SweepCallback(tune.Callback):
         if run_id:
             self._safe(f"trial {trial.trial_id}'s config layers", self._log_layers, run_id, sampled, trial)
 
-    def _log_layers(self, run_id: str, sampled: dict[str, Any], trial) -> None:
+    def _log_layers(self, run_id: str, sampled: dict[str, ConfigValue], trial) -> None:
         """The trial's config with each key's layer (recipe, base file, the space's
         fixed values, sampled): ``config_layers.json``, as a training run has it."""
         from ..tracking import RunTracker
@@ -171,5 +172,5 @@ def _trial_error(trial) -> str:
         return "trial failed"
 
 
-def _short(params: dict[str, Any]) -> str:
+def _short(params: dict[str, ConfigValue]) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

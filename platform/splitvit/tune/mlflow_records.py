@@ -61,7 +61,7 @@ from ..tracking.runs import (
 
 if TYPE_CHECKING:
     from .pareto import Baseline, Point
-    from .space import SearchSpace
+    from .space import ConfigValue, SearchSpace
     from .trial import ThresholdPoint, TrialFinal
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _numbers(data: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _sampled_params(sampled: dict[str, Any]) -> dict[str, Any]:
+def _sampled_params(sampled: dict[str, ConfigValue]) -> dict[str, ConfigValue]:
     return {f"{SAMPLED_PREFIX}{param_name(k)}": v for k, v in sampled.items()}
 
 
@@ -327,7 +327,6 @@ class SweepRecorder:
         parent_run_id: the sweep's run.
         sweep_dir: the sweep folder (the parent's run key).
         metric: ``accuracy`` or ``miou``.
-        configs: trial id -> flattened trial config (params of its run).
     """
 
     tracking_uri: str
@@ -336,7 +335,6 @@ class SweepRecorder:
     parent_run_id: str
     sweep_dir: str
     metric: str
-    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ parent
     @classmethod
@@ -377,7 +375,7 @@ class SweepRecorder:
 
     # ------------------------------------------------------------------ trials
     def _trial_tracker(
-        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any]
+        self, trial_id: str, run_uri: str, sampled: dict[str, ConfigValue], config_params: dict[str, ConfigValue]
     ) -> RunTracker:
         params = {**config_params, **_sampled_params(sampled)}
         tracker, _ = RunTracker.open(
@@ -401,8 +399,8 @@ class SweepRecorder:
         self,
         trial_id: str,
         run_uri: str,
-        sampled: dict[str, Any],
-        config_params: dict[str, Any],
+        sampled: dict[str, ConfigValue],
+        config_params: dict[str, ConfigValue],
         live: set[str] | None = None,
         data: DataConfig | None = None,
     ) -> str:
@@ -444,7 +442,7 @@ class SweepRecorder:
             and r.data.tags.get(STATUS_TAG) not in ("completed", "failed", "diverged")
         ]
 
-    def _orphan(self, sampled: dict[str, Any], live: set[str]) -> Any | None:
+    def _orphan(self, sampled: dict[str, ConfigValue], live: set[str]) -> Any | None:
         key = json.dumps(sampled, sort_keys=True)
         return next((r for r in self._orphans(live) if r.data.tags.get(SAMPLED_TAG) == key), None)
 
@@ -476,8 +474,8 @@ class SweepRecorder:
         self,
         trial_id: str,
         run_uri: str,
-        sampled: dict[str, Any],
-        config_params: dict[str, Any],
+        sampled: dict[str, ConfigValue],
+        config_params: dict[str, ConfigValue],
         final: TrialFinal,
         data: DataConfig | None = None,
     ) -> tuple[str, list[str]]:
@@ -539,7 +537,7 @@ class SweepRecorder:
         trial_run_id: str,
         index: int,
         point: ThresholdPoint,
-        sampled: dict[str, Any],
+        sampled: dict[str, ConfigValue],
         data: DataConfig | None = None,
     ) -> str:
         thresholds = point.thresholds or []
@@ -575,7 +573,12 @@ class SweepRecorder:
         return tracker.run_id
 
     def trial_failed(
-        self, trial_id: str, run_uri: str, sampled: dict[str, Any], config_params: dict[str, Any], message: str
+        self,
+        trial_id: str,
+        run_uri: str,
+        sampled: dict[str, ConfigValue],
+        config_params: dict[str, ConfigValue],
+        message: str,
     ) -> str:
         """Record a failed trial (``diverged`` for a non-finite loss, else ``failed``)."""
         tracker = self._trial_tracker(trial_id, run_uri, sampled, config_params)
@@ -853,17 +856,56 @@ def _cell(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- reading back
+@dataclass(frozen=True)
+class RecordedTiming:
+    """How a sweep timed its frontier, as its parent run records it: the device (tag
+    ``splitvit.speed_device``), the timing settings and its speed metrics (those it has
+    of ``speed_full_images_per_s``, ``speedup_max``, ``speedup_best_point``,
+    ``speedup_within_1pt_of_full``)."""
+
+    sweep: str  # the parent run id
+    device: str
+    timing: str
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, str | float]:
+        """Its JSON entry (``speed`` of ``splitvit pareto --json``): the figures after the names."""
+        return {"sweep": self.sweep, "device": self.device, "timing": self.timing, **self.figures}
+
+
+@dataclass(frozen=True)
+class RecordedSweeps:
+    """The finished points of one sweep of an experiment, or of several, read from MLflow
+    (:func:`points_from_mlflow`).
+
+    Attributes:
+        experiment_id: the experiment's id.
+        sweeps: the sweeps' parent run ids, sorted.
+        sweep_names: parent run id -> the sweep's run name.
+        metric: the quality of the latest sweep read (``accuracy``, ``miou``...).
+        reference: the latest sweep's hypervolume reference point ``(quality, token_ratio)``.
+        points: every trial's and threshold point's run that completed.
+        speed: how each sweep that timed its frontier timed it (none for the others).
+    """
+
+    experiment_id: str
+    sweeps: list[str]
+    sweep_names: dict[str, str]
+    metric: str
+    reference: tuple[float, float]
+    points: list[Point]
+    speed: list[RecordedTiming]
+
+
 def points_from_mlflow(
     tracking_uri: str, experiment: str, sweep_run_id: str | None = None, *, all_sweeps: bool = False
-) -> dict[str, Any]:
+) -> RecordedSweeps:
     """The finished points of one sweep of an experiment, or of all of them, from MLflow.
 
     Which sweep: ``sweep_run_id`` when given, else every sweep with ``all_sweeps``,
     else the latest started (its reference point and metric apply to the merge too).
-
-    Returns ``{"experiment_id", "sweeps": [parent run ids], "sweep_names": {id: name},
-    "metric", "reference", "points": [Point, ...], "speed"}``. Raises ``ValueError``
-    when the store, the experiment or the sweep is not there (nothing is created).
+    Raises ``ValueError`` when the store, the experiment or the sweep is not there
+    (nothing is created).
     """
     from ..config import redact_uri
     from .pareto import Point
@@ -893,7 +935,7 @@ def points_from_mlflow(
     metric = parents[0].data.tags.get(METRIC_TAG, "accuracy")
     # a tag, not the pareto.* params: stores written before the redaction spared token
     # counts hold pareto.token_ratio as "***" (taken for a secret)
-    reference = tuple(json.loads(parents[0].data.tags.get(REFERENCE_TAG) or "[0.0, 1.0]"))
+    quality, ratio = json.loads(parents[0].data.tags.get(REFERENCE_TAG) or "[0.0, 1.0]")
     sweep_ids = {p.info.run_id for p in parents}
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{STATUS_TAG}` = 'completed'", max_results=50_000)
     points = []
@@ -924,32 +966,32 @@ def points_from_mlflow(
         )
     # where and how each sweep timed its frontier (absent: a sweep that did not)
     speed = [
-        {
-            "sweep": p.info.run_id,
-            "device": p.data.tags[SPEED_DEVICE_TAG],
-            "timing": p.data.tags.get(SPEED_TIMING_TAG, ""),
-            **{
+        RecordedTiming(
+            sweep=p.info.run_id,
+            device=p.data.tags[SPEED_DEVICE_TAG],
+            timing=p.data.tags.get(SPEED_TIMING_TAG, ""),
+            figures={
                 k: p.data.metrics[k]
                 for k in ("speed_full_images_per_s", "speedup_max", "speedup_best_point", "speedup_within_1pt_of_full")
                 if k in p.data.metrics
             },
-        }
+        )
         for p in parents
         if SPEED_DEVICE_TAG in p.data.tags
     ]
-    return {
-        "experiment_id": experiment_id,
-        "sweeps": sorted(sweep_ids),
-        "sweep_names": {p.info.run_id: p.info.run_name for p in parents},
-        "metric": metric,
-        "reference": reference,
-        "points": points,
-        "speed": speed,
-    }
+    return RecordedSweeps(
+        experiment_id=experiment_id,
+        sweeps=sorted(sweep_ids),
+        sweep_names={p.info.run_id: p.info.run_name for p in parents},
+        metric=metric,
+        reference=(quality, ratio),
+        points=points,
+        speed=speed,
+    )
 
 
 # ---------------------------------------------------------------------- readable records
-def sweep_params(space: SearchSpace) -> dict[str, Any]:
+def sweep_params(space: SearchSpace) -> dict[str, str | int]:
     """The parent run's params: what a reader compares sweeps by, at a glance. The whole
     space, defaults and overrides included, is the ``search_space.yaml`` artifact."""
     return {
@@ -1029,7 +1071,7 @@ def _md(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def _md_table(rows: list[dict[str, Any]]) -> list[str]:
+def _md_table(rows: list[dict[str, str | float]]) -> list[str]:
     from .pareto import round_figures
 
     if not rows:
@@ -1143,7 +1185,7 @@ def sweep_note(
     return "\n".join(lines) + "\n"
 
 
-def _matched_baselines(baselines: list[Baseline], front: list[Point], metric: str) -> list[dict[str, Any]]:
+def _matched_baselines(baselines: list[Baseline], front: list[Point], metric: str) -> list[dict[str, str | float]]:
     """Each baseline beside the best frontier quality at no more tokens per image (the
     SPLIT point one would pick at that budget); ``-`` where the frontier has none."""
     rows = []

@@ -11,11 +11,11 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..storage import is_s3
 from .pareto import Baseline, Point
-from .space import SearchSpace
+from .space import ConfigValue, SearchSpace
 from .state import Sweep, TrialSummary
 from .trial import (
     BASELINE_KEY,
@@ -27,10 +27,13 @@ from .trial import (
     trained_thresholds,
 )
 
+if TYPE_CHECKING:
+    from ..config import DataConfig
+
 log = logging.getLogger(__name__)
 
 
-def trial_data(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> Any:
+def trial_data(plan: SweepPlan, sampled: dict[str, ConfigValue], trial_id: str) -> DataConfig | None:
     """The trial's data config (its runs' MLflow dataset inputs); ``None`` when its
     config does not build (the trial fails the same way and says why)."""
     try:
@@ -39,7 +42,7 @@ def trial_data(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> Any:
         return None
 
 
-def trial_config_params(plan: SweepPlan, sampled: dict[str, Any], trial_id: str) -> dict[str, Any]:
+def trial_config_params(plan: SweepPlan, sampled: dict[str, ConfigValue], trial_id: str) -> dict[str, ConfigValue]:
     """A trial run's params: its experiment config, flattened. Without
     ``tracking.enabled``: the trial's own Train run logs nothing (``False`` in its
     config), its MLflow run is the sweep driver's record of it, which a ``False``
@@ -53,10 +56,13 @@ def trial_config_params(plan: SweepPlan, sampled: dict[str, Any], trial_id: str)
     return params
 
 
-def collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary], dict[str, dict[str, Any]]]:
-    """Trial outcomes from Tune's ResultGrid; ``raw`` maps trial id -> last result."""
+def collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary], dict[str, TrialFinal]]:
+    """Trial outcomes from Tune's ResultGrid, and the figures of each completed or
+    stopped trial by trial id: a completed one's final report, a stopped one's last
+    epoch (its thresholds still unknown: :func:`record_trials` reads them from its
+    checkpoint)."""
     metric = space.quality_metric
-    trials, raw = [], {}
+    trials, finals = [], {}
     for i in range(len(grid)):
         result = grid[i]
         trial_id = Path(str(result.path)).name
@@ -72,14 +78,22 @@ def collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary
             trials.append(
                 TrialSummary(trial_id, "completed", params, checkpoint=metrics.get("checkpoint"), baseline=baseline)
             )
+            finals[trial_id] = TrialFinal.from_report(metrics, metric, space.companion_metrics)
         elif metric in metrics and metrics.get("checkpoint_path"):
-            trials.append(
-                TrialSummary(trial_id, "stopped", params, checkpoint=_full_uri(metrics["checkpoint_path"], sweep_dir))
+            checkpoint = _full_uri(metrics["checkpoint_path"], sweep_dir)
+            trials.append(TrialSummary(trial_id, "stopped", params, checkpoint=checkpoint))
+            # its last reported epoch; its thresholds are its checkpoint's (read when it is recorded)
+            finals[trial_id] = TrialFinal(
+                quality=metrics[metric],
+                tokens_per_image=metrics["tokens_per_image"],
+                token_ratio=metrics.get("token_ratio"),
+                thresholds=None,
+                checkpoint=checkpoint,
+                epochs=int(metrics.get("epoch", 0)) + 1,
             )
         else:
             trials.append(TrialSummary(trial_id, "unfinished", params, baseline=baseline))
-        raw[trial_id] = metrics
-    return sorted(trials, key=lambda t: t.trial_id), raw
+    return sorted(trials, key=lambda t: t.trial_id), finals
 
 
 def _sampled_config(result) -> dict[str, Any]:
@@ -101,31 +115,32 @@ def _full_uri(path: str, sweep_dir: str) -> str:
 
 
 def record_trials(
-    sweep: Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, Any]]
+    sweep: Sweep, trials: list[TrialSummary], finals: dict[str, TrialFinal]
 ) -> tuple[list[Point], list[Baseline]]:
     """Make each trial's MLflow run whole (completed with its stage-two points, stopped
     early, or failed) and set its ``run_id``; returns the points of the completed and
-    stopped trials, and the fine-tuned baselines' figures."""
+    stopped trials, and the fine-tuned baselines' figures. ``finals``: the completed and
+    stopped trials' figures (:func:`collect`)."""
     points: list[Point] = []
     baselines: list[Baseline] = []
     for trial in trials:
         sampled = {BASELINE_KEY: trial.baseline} if trial.baseline else trial.params
         config_params = trial_config_params(sweep.plan, sampled, trial.trial_id)
         if trial.status == "completed":
-            final = TrialFinal.from_report(raw[trial.trial_id], sweep.metric, sweep.space.companion_metrics)
+            final = finals[trial.trial_id]
             if trial.baseline:
                 baselines += _baseline_trial_rows(sweep, trial, final, config_params)
             else:
                 points += _completed_trial_points(sweep, trial, final, config_params)
         elif trial.status == "stopped":
-            points.append(_stopped_trial_point(sweep, trial, raw[trial.trial_id], config_params))
+            points.append(_stopped_trial_point(sweep, trial, finals[trial.trial_id], config_params))
         else:
             _record_failed_trial(sweep, trial, config_params)
     return points, baselines
 
 
 def _baseline_trial_rows(
-    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, Any]
+    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, ConfigValue]
 ) -> list[Baseline]:
     """A fine-tuned baseline's MLflow run (tagged ``splitvit.baseline``) and its figures:
     full resolution's last validation, or entropy's and random's at each ratio."""
@@ -166,7 +181,7 @@ def _baseline_trial_rows(
 
 
 def _completed_trial_points(
-    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, Any]
+    sweep: Sweep, trial: TrialSummary, final: TrialFinal, config_params: dict[str, ConfigValue]
 ) -> list[Point]:
     """A finished trial's point and its stage-two threshold points, each with its MLflow run."""
     run_id, point_ids = sweep.recorder.trial_completed(
@@ -218,26 +233,19 @@ def _completed_trial_points(
     return points
 
 
-def _companions(sweep: Sweep, figures: dict[str, Any]) -> dict[str, float]:
+def _companions(sweep: Sweep, figures: dict[str, float]) -> dict[str, float]:
     """The companion qualities (a detector's ``mask_ap``) among a point's ``figures``."""
     return {c: float(figures[c]) for c in sweep.space.companion_metrics if c in figures}
 
 
 def _stopped_trial_point(
-    sweep: Sweep, trial: TrialSummary, last: dict[str, Any], config_params: dict[str, Any]
+    sweep: Sweep, trial: TrialSummary, last: TrialFinal, config_params: dict[str, ConfigValue]
 ) -> Point:
-    """An early-stopped trial's point: its last reported epoch, with the thresholds of
+    """An early-stopped trial's point: its ``last`` reported epoch, with the thresholds of
     its checkpoint (no stage two), recorded as a completed run."""
-    metric, plan = sweep.metric, sweep.plan
+    plan = sweep.plan
     thresholds = trained_thresholds(plan.trial_config(trial.params, trial.trial_id), trial.checkpoint)
-    final = TrialFinal(
-        quality=last[metric],
-        tokens_per_image=last["tokens_per_image"],
-        token_ratio=last.get("token_ratio"),
-        thresholds=thresholds,
-        checkpoint=trial.checkpoint,
-        epochs=int(last.get("epoch", 0)) + 1,
-    )
+    final = replace(last, thresholds=thresholds)
     run_id, _ = sweep.recorder.trial_completed(
         trial.trial_id,
         plan.run_uri(trial.trial_id),
@@ -248,9 +256,9 @@ def _stopped_trial_point(
     )
     trial.run_id = run_id
     return Point(
-        last[metric],
-        last["tokens_per_image"],
-        last.get("token_ratio", float("nan")),
+        final.quality,
+        final.tokens_per_image,
+        float("nan") if final.token_ratio is None else final.token_ratio,
         "trial",
         trial.trial_id,
         thresholds,
@@ -261,7 +269,7 @@ def _stopped_trial_point(
     )
 
 
-def _record_failed_trial(sweep: Sweep, trial: TrialSummary, config_params: dict[str, Any]) -> None:
+def _record_failed_trial(sweep: Sweep, trial: TrialSummary, config_params: dict[str, ConfigValue]) -> None:
     """A failed, diverged or unfinished trial's run, marked so (a run already marked
     failed or diverged is kept as it is)."""
     run_uri = sweep.plan.run_uri(trial.trial_id)

@@ -16,12 +16,13 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ..jsontypes import JsonObject
 
 if TYPE_CHECKING:
     from ..train.points import EvaluatedPoint
+    from .space import ConfigValue
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Point:
     kind: str = "trial"
     trial_id: str = ""
     thresholds: list[float] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, ConfigValue] = field(default_factory=dict)
     checkpoint: str | None = None
     run_id: str | None = None
     on_frontier: bool = False
@@ -279,16 +280,19 @@ def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] >= b[0] and a[1] <= b[1] and (a[0] > b[0] or a[1] < b[1])
 
 
+#: A table cell's type: rounding keeps a float a float, and leaves every other cell as it is.
+Cell = TypeVar("Cell")
+
 #: Columns whose figures are counts of tokens or images: shown with one decimal.
 ONE_DECIMAL = frozenset({"tokens_per_image", "tokens/image", "images_per_s", "timed_images_per_s"})
 
 
-def round_figures(row: dict[str, Any]) -> dict[str, Any]:
+def round_figures(row: dict[str, Cell]) -> dict[str, Cell]:
     """A table row for people: token counts and throughputs to one decimal, every
     other float (quality, ratios, hypervolume shares, speed-ups, searched values) to
     four significant digits; everything else as it is. For display only: the JSON
     keeps full precision, so nothing computed downstream starts from rounded values."""
-    out: dict[str, Any] = {}
+    out: dict[str, Cell] = {}
     for key, value in row.items():
         if isinstance(value, float) and math.isfinite(value):
             value = round(value, 1) if key in ONE_DECIMAL else float(f"{value:.4g}")

@@ -134,7 +134,13 @@ def pareto_figure(
 def _scatter(ax, key: str, xs: list[float], ys: list[float], *, zorder: int, label: str | None = None) -> None:
     """One group of marks in its :data:`MARKERS` style (drawn whole at an axis' edge)."""
     marker, colour, size, text = MARKERS[key]
-    style: dict[str, Any] = {"marker": marker, "s": size, "zorder": zorder, "clip_on": False, "label": label or text}
+    style: dict[str, str | float | bool] = {
+        "marker": marker,
+        "s": size,
+        "zorder": zorder,
+        "clip_on": False,
+        "label": label or text,
+    }
     if key == "best":
         style.update(facecolors="none", edgecolors="#e6a700", linewidths=2.2)
     elif key == "frontier":

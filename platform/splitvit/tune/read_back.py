@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig, redact_uri
-from .pareto import Baseline, Point, annotate, frontier
+from .pareto import Baseline, annotate, frontier
 from .state import SweepError, SweepNotFound
 
 log = logging.getLogger(__name__)
@@ -54,23 +54,22 @@ def frontier_from_mlflow(
         raise SweepNotFound(str(exc)) from None
     except (MlflowException, OSError) as exc:  # a server that does not answer (requests' errors are OSErrors)
         raise SweepError(f"could not read MLflow store {redact_uri(uri)}: {type(exc).__name__}: {exc}") from None
-    points: list[Point] = data["points"]
-    hv = annotate(points, data["reference"])
-    metric = data["metric"]
-    baselines = _read_baselines(uri, data["sweeps"][0]) if len(data["sweeps"]) == 1 else []
+    hv = annotate(data.points, data.reference)
+    metric = data.metric
+    baselines = _read_baselines(uri, data.sweeps[0]) if len(data.sweeps) == 1 else []
     return {
         "experiment": experiment,
-        "experiment_id": data["experiment_id"],
+        "experiment_id": data.experiment_id,
         "tracking_uri": redact_uri(uri),
-        "sweeps": data["sweeps"],
-        "sweep_names": data["sweep_names"],
+        "sweeps": data.sweeps,
+        "sweep_names": data.sweep_names,
         "metric": metric,
         "hypervolume": hv,
-        "reference_point": {"quality": data["reference"][0], "token_ratio": data["reference"][1]},
-        "points": [p.to_dict(metric) for p in points],
-        "frontier": [p.to_dict(metric) for p in frontier(points)],
+        "reference_point": {"quality": data.reference[0], "token_ratio": data.reference[1]},
+        "points": [p.to_dict(metric) for p in data.points],
+        "frontier": [p.to_dict(metric) for p in frontier(data.points)],
         "baselines": [b.to_dict(metric) for b in baselines],
-        "speed": data["speed"],
+        "speed": [s.to_dict() for s in data.speed],
     }
 
 

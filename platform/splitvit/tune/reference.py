@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..config import ExperimentConfig, legacy_flat
 from ..jsontypes import JsonObject
@@ -51,7 +50,7 @@ class Reference:
     checkpoint: str
     source: str
     run_id: str | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, float]] = field(default_factory=list)  # per epoch: figure -> value
     converged: bool | None = None
     gain_points: float | None = None
     trained: bool = False
@@ -128,7 +127,8 @@ def locate_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: s
     if not exists(stored):
         return None
     record = json.loads(read_bytes(stored))
-    return _judged(space, record["checkpoint"], f"trained earlier ({config.storage.run_uri()})", record)
+    source = f"trained earlier ({config.storage.run_uri()})"
+    return _judged(space, record["checkpoint"], source, record.get("history"), record.get("run_id"))
 
 
 def train_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: str) -> Reference:
@@ -151,7 +151,8 @@ def train_reference(space: SearchSpace, base: ExperimentConfig, tracking_uri: st
         "config": config.flat(redact=True),
     }
     write_bytes(join_uri(config.storage.run_uri(), REFERENCE_FILE), json.dumps(record, default=str).encode())
-    reference = _judged(space, result.checkpoint_uri, f"trained here ({config.storage.run_uri()})", record)
+    source = f"trained here ({config.storage.run_uri()})"
+    reference = _judged(space, result.checkpoint_uri, source, record["history"], result.mlflow_run_id)
     return Reference(**{**reference.__dict__, "trained": True})
 
 
@@ -201,7 +202,7 @@ def _from_study(space: SearchSpace, root: str, study: str, seed: int, tracking_u
     # the MLflow run that records the reference: its own, where the study recorded one,
     # else the study's parent run (which holds every seed's reference curve)
     run_id = record.get("run_id") or _run_at(tracking_uri, run_uri) or _run_at(tracking_uri, join_uri(root, study))
-    return _judged(space, record["checkpoint"], f"study {study}, seed {seed}", {**record, "run_id": run_id})
+    return _judged(space, record["checkpoint"], f"study {study}, seed {seed}", record.get("history"), run_id)
 
 
 def _run_at(tracking_uri: str, run_uri: str) -> str | None:
@@ -223,17 +224,18 @@ def _run_at(tracking_uri: str, run_uri: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def _judged(space: SearchSpace, checkpoint: str, source: str, record: dict[str, Any]) -> Reference:
-    """A reference with its curve and the convergence check's verdict."""
-    history = list(record.get("history") or [])
+def _judged(
+    space: SearchSpace, checkpoint: str, source: str, history: list[dict[str, float]] | None, run_id: str | None
+) -> Reference:
+    """A reference with its curve (``history``: per-epoch figures, where recorded), its
+    MLflow run and the convergence check's verdict."""
+    history = list(history or [])
     metric = space.quality_metric
     k = space.reference.converge_epochs
     curve = [float(h[metric]) for h in history if metric in h]
     gain = (curve[-1] - curve[-1 - k]) * POINTS if len(curve) > k else None
     converged = None if gain is None else gain < space.reference.converge_points
-    return Reference(
-        checkpoint, source, run_id=record.get("run_id"), history=history, converged=converged, gain_points=gain
-    )
+    return Reference(checkpoint, source, run_id=run_id, history=history, converged=converged, gain_points=gain)
 
 
 def convergence_verdict(space: SearchSpace, reference: Reference) -> str:

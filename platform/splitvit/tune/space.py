@@ -37,7 +37,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -61,7 +61,18 @@ from ..config import (
 )
 from ..jsontypes import JsonObject
 
+if TYPE_CHECKING:
+    from optuna.distributions import BaseDistribution
+
 log = logging.getLogger(__name__)
+
+#: One config value as a point of the space sets it (a searched parameter's sampled value,
+#: a fixed value, an entry of a flat or nested config): what YAML holds, a number, text,
+#: a flag or null, or a list, tuple or mapping of those. A point is a
+#: ``dict[str, ConfigValue]`` keyed by dotted config key (a parameter's name).
+ConfigValue = (
+    bool | int | float | str | None | list["ConfigValue"] | tuple["ConfigValue", ...] | dict[str, "ConfigValue"]
+)
 
 DISTRIBUTIONS = ("uniform", "loguniform", "int", "categorical")
 SAMPLERS = ("auto", "gp", "tpe", "nsga2", "random")
@@ -131,7 +142,7 @@ class Parameter:
             not isinstance(c, (type(None), bool, int, float, str)) for c in self.choices
         )
 
-    def optuna_distribution(self):
+    def optuna_distribution(self) -> BaseDistribution:
         """This parameter as an ``optuna.distributions`` object."""
         from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -222,6 +233,8 @@ class SearchSettings:
     seed: int = 0
     scheduler: str | None = None
     trial_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    # Any, not ConfigValue: build_dataclass reads these hints as the schema, and a point's
+    # values are checked against the config itself (_check_initial_points), not here
     initial_points: tuple[dict[str, Any], ...] | None = None
     state_period_s: float = 1.0
 
@@ -278,6 +291,8 @@ class ReferenceSettings:
     checkpoint: str | None = None
     study: str | None = None
     seed: int = 0
+    # Any, not ConfigValue: build_dataclass reads these hints as the schema; the settings
+    # are checked against the config itself (_validate_reference_config)
     train: dict[str, Any] | None = None
     converge_epochs: int = 3
     converge_points: float = 0.3
@@ -391,9 +406,9 @@ class SearchSpace:
 
     source: str
     base: str
-    base_raw: dict[str, Any]
+    base_raw: dict[str, ConfigValue]
     parameters: dict[str, Parameter]
-    fixed: dict[str, Any]
+    fixed: dict[str, ConfigValue]
     reference: ReferenceSettings = field(default_factory=ReferenceSettings)
     search: SearchSettings = field(default_factory=SearchSettings)
     stage_two: StageTwoSettings = field(default_factory=StageTwoSettings)
@@ -405,7 +420,7 @@ class SearchSpace:
     description: str = ""
 
     # ------------------------------------------------------------------ configs
-    def raw_config(self, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    def raw_config(self, params: dict[str, ConfigValue] | None = None) -> dict[str, ConfigValue]:
         """The base config's raw dict with the fixed values and ``params`` applied."""
         raw = copy.deepcopy(self.base_raw)
         for key, value in {**self.fixed, **(params or {})}.items():
@@ -414,7 +429,7 @@ class SearchSpace:
 
     def config(
         self,
-        params: dict[str, Any] | None = None,
+        params: dict[str, ConfigValue] | None = None,
         overrides: list[str] | None = None,
         name: str = "sweep",
         *,
@@ -441,7 +456,7 @@ class SearchSpace:
 
         return experiment_from_layers(layers, default_name=name)
 
-    def layers(self, params: dict[str, Any] | None = None, overrides: list[str] | None = None) -> list[Layer]:
+    def layers(self, params: dict[str, ConfigValue] | None = None, overrides: list[str] | None = None) -> list[Layer]:
         """A point's config layers, lowest first: the base file, the space's fixed
         values, the sampled ``params``, ``--set`` overrides (the recipe goes under them:
         :func:`~splitvit.config.resolve_config`)."""
@@ -454,11 +469,11 @@ class SearchSpace:
             stack.append(Layer("--set", [parse_override(item) for item in overrides]))
         return stack
 
-    def decode(self, sampled: dict[str, Any]) -> dict[str, Any]:
+    def decode(self, sampled: dict[str, ConfigValue]) -> dict[str, ConfigValue]:
         """Optuna's (or Tune's) sampled values -> config values, by parameter name."""
         return {k: self.parameters[k].decode(v) if k in self.parameters else v for k, v in sampled.items()}
 
-    def optuna_space(self) -> dict[str, Any]:
+    def optuna_space(self) -> dict[str, BaseDistribution]:
         """The searched parameters as Optuna distributions (for ``OptunaSearch``)."""
         return {name: p.optuna_distribution() for name, p in self.parameters.items()}
 
@@ -562,7 +577,7 @@ def space_from_dict(
         raise SearchSpaceError(source, "base", f"{base_path} is not an experiment config (a mapping of sections)")
 
     parameters: dict[str, Parameter] = {}
-    fixed: dict[str, Any] = {}
+    fixed: dict[str, ConfigValue] = {}
     for name, spec in raw["parameters"].items():
         name = str(name)
         _check_key_syntax(name, source)
@@ -1009,14 +1024,14 @@ def _config_value(data: Any, name: str) -> Any:
     return data  # one number for every level (or ``auto``, which no range holds)
 
 
-def config_point(space: SearchSpace) -> tuple[dict[str, Any], dict[str, Any]]:
+def config_point(space: SearchSpace) -> tuple[dict[str, ConfigValue], dict[str, ConfigValue]]:
     """The base config's own point: ``(inside, outside)``, its values of the searched
     parameters (after the recipe, the base file and the space's fixed values), split
     into those each parameter's range holds and the rest (``auto`` thresholds, a value
     out of bounds or off the step), which the sampler picks instead."""
     data = json.loads(json.dumps(space.config(settings_only=True).to_dict(redact=False), default=str))
-    inside: dict[str, Any] = {}
-    outside: dict[str, Any] = {}
+    inside: dict[str, ConfigValue] = {}
+    outside: dict[str, ConfigValue] = {}
     for name, param in space.parameters.items():
         value = _config_value(data, name)
         if param.distribution in ("uniform", "loguniform") and isinstance(value, int) and not isinstance(value, bool):
@@ -1025,7 +1040,7 @@ def config_point(space: SearchSpace) -> tuple[dict[str, Any], dict[str, Any]]:
     return inside, outside
 
 
-def first_points(space: SearchSpace) -> list[dict[str, Any]]:
+def first_points(space: SearchSpace) -> list[dict[str, ConfigValue]]:
     """The points the sweep evaluates first (config values, by parameter name): the
     space's ``initial_points``, or, where it sets none, the config's own point
     (:func:`config_point`; its keys outside their range are logged and left to the
@@ -1086,7 +1101,7 @@ def _validate_against_config(space: SearchSpace, settings_only: bool = False) ->
     """
     src = space.source
 
-    def check(params: dict[str, Any], suspects: list[str], what: str, only: bool) -> None:
+    def check(params: dict[str, ConfigValue], suspects: list[str], what: str, only: bool) -> None:
         try:
             space.config(params, settings_only=only)
         except ConfigError as exc:

@@ -15,7 +15,7 @@ from ..tracking.runs import ui_url
 from .mlflow_records import RegisteredFrontier, SweepRecorder
 from .pareto import Baseline, Point, frontier
 from .reference import Reference
-from .space import BASELINE_POLICIES, SearchSpace
+from .space import BASELINE_POLICIES, ConfigValue, SearchSpace
 from .trial import SweepPlan
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class TrialSummary:
 
     trial_id: str
     status: str
-    params: dict[str, Any]
+    params: dict[str, ConfigValue]
     error: str = ""
     run_id: str | None = None
     checkpoint: str | None = None
@@ -87,7 +87,7 @@ class SweepResult:
     reference: Reference | None = None
     held_out_split: str | None = None
     # what the closing and the artifacts add (None: not made, left out of the JSON)
-    base_config: dict[str, Any] | None = None  # the flat config every point's params apply to
+    base_config: dict[str, ConfigValue] | None = None  # the flat config every point's params apply to
     registered_models: RegisteredModels | None = None
     chart: str | None = None  # the interactive chart's file
     frontier_speed: FrontierSpeed | None = None

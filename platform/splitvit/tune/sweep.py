@@ -91,7 +91,7 @@ from .reference import Reference, check_reference, convergence_line, locate_refe
 from .search import build_searcher
 from .space import SearchSpace, load_space
 from .state import Sweep, SweepError, SweepResult, SweepSetup, TrialSummary, fine_tuned_baselines, planned_trials
-from .trial import SweepPlan, sweep_trial
+from .trial import SweepPlan, TrialFinal, sweep_trial
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,14 @@ def run_sweep(
         tuner = _tuner(sweep, trainable, resume=resume)
         with _experiment_state_period(sweep.space.search.state_period_s), ray_console():
             grid = tuner.fit()
-    trials, raw = collect(grid, sweep.space, setup.sweep_dir)
+    trials, finals = collect(grid, sweep.space, setup.sweep_dir)
     unfinished = [t for t in trials if t.status == "unfinished"]
     planned = planned_trials(sweep.space)
     if unfinished or len(trials) < planned:
         sweep.recorder.close("interrupted")
         raise stopped_early(sweep.name, len(trials), len(unfinished), planned)
     with sweep.recorder.parent.closed_on_error():
-        return _finish(sweep, trials, raw)
+        return _finish(sweep, trials, finals)
 
 
 def reference_tags(reference: Reference | None, space: SearchSpace) -> dict[str, str]:
@@ -310,10 +310,10 @@ def stopped_early(name: str, started: int, unfinished: int, planned: int) -> Exc
     return SweepError(f"{what}; continue it with --resume --name {name}")
 
 
-def _finish(sweep: Sweep, trials: list[TrialSummary], raw: dict[str, dict[str, Any]]) -> SweepResult:
+def _finish(sweep: Sweep, trials: list[TrialSummary], finals: dict[str, TrialFinal]) -> SweepResult:
     """Stage-two points, frontier, hypervolume, baselines, plot and MLflow records."""
     space, recorder = sweep.space, sweep.recorder
-    points, tuned_baselines = record_trials(sweep, trials, raw)
+    points, tuned_baselines = record_trials(sweep, trials, finals)
     superseded = recorder.close_orphans({t.trial_id for t in trials})
     if superseded:
         log.info("closed %d run(s) of trials lost with a stopped driver: %s", len(superseded), ", ".join(superseded))
