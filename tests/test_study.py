@@ -1135,7 +1135,7 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
     tune_logger.addHandler(records)
     try:
         with pytest.raises(Interrupted, match="1 of 1 methods runs unfinished; the finished ones are kept") as info:
-            _tune_grid(trainable, [{"seed": 0}], spec, str(tmp_path / "tune"), "methods-now")
+            _tune_grid(trainable, [RunRequest(0)], spec, str(tmp_path / "tune"), "methods-now")
     finally:
         tune_logger.removeHandler(records)
     assert info.value.exit_code == 130
@@ -1144,25 +1144,29 @@ def test_a_grid_stopped_by_ctrl_c_raises_interrupted_naming_what_is_kept(ray_ses
 
 
 def test_a_grid_returns_each_runs_result_in_order_and_a_failed_run_as_its_causes_line(ray_session, tmp_path):
-    """``_tune_grid`` hands each run's result back in the order of the runs it was given,
+    """``_tune_grid`` hands each run's outcome back in the order of the runs it was given,
     and a run that raised as the message of its cause, not Ray's wrapped traceback."""
     from ray import tune
 
     from splitvit.study.ray_executor import RUN_KEY, _tune_grid
+    from splitvit.study.runs import RunFailure
     from splitvit.train.trial import TrialFailed
 
     spec = load_study(write_study(tmp_path))
+
+    def made(seed, method):
+        return MethodRun(seed, method, method, "ckpt", {}, [], 1.0, 1.0, f"runs/{method}-s{seed}")
 
     def trainable(config):
         run = config[RUN_KEY]
         if run["method"] == "boom":
             raise TrialFailed("boom-s0 diverged: non-finite loss nan at epoch 0")
-        tune.report({"done": 1, "result": json.dumps({"method": run["method"], "seed": run["seed"]})})
+        tune.report({"done": 1, "result": json.dumps(made(run["seed"], run["method"]).to_dict())})
 
-    runs = [{"seed": 1, "method": "split"}, {"seed": 0, "method": "boom"}, {"seed": 0, "method": "full"}]
+    runs = [RunRequest(1, "split"), RunRequest(0, "boom"), RunRequest(0, "full")]
     results = _tune_grid(trainable, runs, spec, str(tmp_path / "tune"), "methods-now")
-    assert results[0] == {"method": "split", "seed": 1} and results[2] == {"method": "full", "seed": 0}
-    assert results[1] == {"config": runs[1], "error": "boom-s0 diverged: non-finite loss nan at epoch 0"}
+    assert results[0] == made(1, "split") and results[2] == made(0, "full")
+    assert results[1] == RunFailure(runs[1], "boom-s0 diverged: non-finite loss nan at epoch 0")
 
 
 def test_committed_study_json_reads_back_to_the_same_json():

@@ -70,7 +70,7 @@ def fit_config_local(
     folder = Path(config.storage.resolved_path()) / config.storage.name
     checkpoint, history_file = folder / MODEL_FILE, folder / HISTORY_FILE
     if checkpoint.is_file() and history_file.is_file():
-        return _finished_run(checkpoint, json.loads(history_file.read_text()))
+        return _finished_run(checkpoint, history_file)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(dc.seed * 1000)  # as rank 0 of the Ray loop
     model = build_model(mc)
@@ -139,12 +139,14 @@ def fit_config_local(
     )
     record = {"history": history, "train_seconds": time.time() - started, "steps": tc.total_epochs * steps_per_epoch}
     history_file.write_text(json.dumps(record, default=float))  # last: its presence says training finished
-    return _finished_run(checkpoint, record)
+    return _finished_run(checkpoint, history_file)
 
 
-def _finished_run(checkpoint: Path, record: dict[str, Any]) -> TrainedRun:
+def _finished_run(checkpoint: Path, history_file: Path) -> TrainedRun:
     """A finished run as :func:`fit_config_local` returns it, from its checkpoint and its
-    history file's ``record`` (``history``, ``train_seconds``, ``steps``)."""
+    history file (``history``, ``train_seconds``, ``steps``): read back as a later
+    invocation reads it, so a reused run is the same record."""
+    record = json.loads(history_file.read_text())
     return TrainedRun(
         "completed",
         record["history"][-1],
@@ -322,7 +324,7 @@ class LocalStudyResult:
 
     result: StudyResult
     executor: str  # how the runs ran, in words
-    machine: dict[str, Any]  # python, torch, cpus, device (and device_name on CUDA)
+    machine: dict[str, str | int | None]  # python, torch, cpus, device (and device_name on CUDA)
     render_seconds: float | None  # rendering the canvas cache
     backbone_seconds: float | None  # the backbones' stage
     backbone_epochs: int | None
@@ -378,7 +380,7 @@ def run_study_local(
         )
     finally:
         executor.close()
-    machine = {
+    machine: dict[str, str | int | None] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
@@ -411,9 +413,10 @@ def run_study_local(
 
 def plan_epochs(
     smoke: dict[str, Any], spec: StudySpec, budget_s: float, workers: int, fixed_s: float = 60.0
-) -> dict[str, Any]:
+) -> dict[str, int]:
     """Epochs for ``spec`` that fit ``budget_s`` on the machine ``smoke`` (a smaller
-    :func:`run_study_local` result's JSON, same workers) ran on: training time from each run's
+    :func:`run_study_local` result's JSON file, as read, same workers) ran on: ``backbone_epochs``,
+    ``method_epochs``, ``estimated_s`` and ``train_images``. Training time from each run's
     measured images/s, evaluation scaled by the evaluated images, the method runs spread
     over ``workers``; ``fixed_s`` covers rendering, start-up and the speed comparison.
 

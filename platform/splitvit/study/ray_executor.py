@@ -16,7 +16,17 @@ from ..errors import error_line
 from ..storage import join_uri
 from ..train.console import Progress, ray_console, tune_verbosity
 from .execute import StudyResult, execute_study, study_name
-from .runs import RayTrainer, RunOutcome, RunRequest, RunTrainer, outcome_from_dict, study_run
+from .runs import (
+    BackboneRun,
+    MethodRun,
+    RayTrainer,
+    RunFailure,
+    RunOutcome,
+    RunRequest,
+    RunTrainer,
+    outcome_from_dict,
+    study_run,
+)
 from .spec import StudyError, StudySpec, load_study
 
 log = logging.getLogger(__name__)
@@ -43,23 +53,21 @@ def method_trial(config: dict[str, Any], spec: StudySpec, storage: str, backbone
     tune.report({"done": 1, "result": json.dumps(result.to_dict(), default=float)})
 
 
-def _run_label(run: dict[str, Any]) -> str:
+def _run_label(run: RunRequest) -> str:
     """A run by its parameters: ``method=split seed=1``."""
-    return " ".join(f"{k}={v}" for k, v in sorted(run.items()))
+    return " ".join(f"{k}={v}" for k, v in sorted(run.to_dict().items()))
 
 
-def _run_outcome(result: dict[str, Any], metric: str) -> str:
+def _run_outcome(run: RunOutcome, metric: str) -> str:
     """A finished run's objectives in a few words: quality and tokens per point."""
-    points = result.get("points")
-    if points:
-        nan = float("nan")
+    if isinstance(run, MethodRun) and run.points:
         return "; ".join(
-            f"{p.get('target_ratio') if p.get('target_ratio') is not None else 'full'}: "
-            f"{metric} {float(p.get('quality', nan)):.4f} at {float(p.get('tokens_per_image', nan)):.1f} tokens/image"
-            for p in points
+            f"{p.target_ratio if p.target_ratio is not None else 'full'}: "
+            f"{metric} {p.quality:.4f} at {p.tokens_per_image:.1f} tokens/image"
+            for p in run.points
         )
-    metrics = result.get("metrics") or {}
-    return f"{metric} {float(metrics.get(metric, float('nan'))):.4f}" if metric in metrics else "trained"
+    metrics = run.metrics if isinstance(run, BackboneRun) else {}
+    return f"{metric} {metrics[metric]:.4f}" if metric in metrics else "trained"
 
 
 def _grid_callback(total: int, stage: str, metric: str) -> Any:
@@ -73,21 +81,21 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
             self.ended = 0
 
         def on_trial_start(self, iteration, trials, trial, **info):
-            self.progress.log(log, logging.INFO, "%s run %s started", stage, _run_label(trial.config[RUN_KEY]))
+            self.progress.log(log, logging.INFO, "%s run %s started", stage, _trial_label(trial))
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             self.ended += 1
             raw = (trial.last_result or {}).get("result")
             try:
-                outcome = _run_outcome(json.loads(raw), metric) if raw else "no result"
-            except (TypeError, ValueError):
+                outcome = _run_outcome(outcome_from_dict(json.loads(raw)), metric) if raw else "no result"
+            except (TypeError, ValueError, KeyError):  # not a run's JSON
                 outcome = "no result"
             self.progress.log(
                 log,
                 logging.INFO,
                 "%s run %s finished (%d/%d): %s",
                 stage,
-                _run_label(trial.config[RUN_KEY]),
+                _trial_label(trial),
                 self.ended,
                 total,
                 outcome,
@@ -101,7 +109,7 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
                 logging.WARNING,
                 "%s run %s failed (%d/%d)",
                 stage,
-                _run_label(trial.config[RUN_KEY]),
+                _trial_label(trial),
                 self.ended,
                 total,
             )
@@ -110,10 +118,15 @@ def _grid_callback(total: int, stage: str, metric: str) -> Any:
     return GridProgress()
 
 
-def _tune_grid(trainable, runs: list[dict[str, Any]], spec: StudySpec, storage: str, name: str) -> list[dict[str, Any]]:
-    """Run one Tune grid, a trial for each of ``runs`` (in its config under ``"run"``);
-    returns each trial's stored result in order (``{"config", "error"}`` for a failed one),
-    as the trials reported it (JSON)."""
+def _trial_label(trial: Any) -> str:
+    """A Tune trial's run by its parameters (:func:`_run_label`)."""
+    return _run_label(RunRequest.from_dict(trial.config[RUN_KEY]))
+
+
+def _tune_grid(trainable, runs: list[RunRequest], spec: StudySpec, storage: str, name: str) -> list[RunOutcome]:
+    """Run one Tune grid, a trial for each of ``runs`` (its parameters in the trial's
+    config under ``"run"``); returns each run's outcome in order, read from the JSON its
+    trial reported (a :class:`RunFailure` with its cause's line for a failed one)."""
     from ray import tune
 
     trainable = tune.with_resources(trainable, dict(spec.trial_resources))
@@ -121,7 +134,7 @@ def _tune_grid(trainable, runs: list[dict[str, Any]], spec: StudySpec, storage: 
     stage = name.split("-")[0]  # "backbones" or "methods"
     tuner = tune.Tuner(
         trainable,
-        param_space={RUN_KEY: tune.grid_search(runs)},
+        param_space={RUN_KEY: tune.grid_search([r.to_dict() for r in runs])},
         tune_config=tune.TuneConfig(max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
         run_config=tune.RunConfig(
             name=name,
@@ -145,17 +158,17 @@ def _tune_grid(trainable, runs: list[dict[str, Any]], spec: StudySpec, storage: 
             f"{len(unfinished)} of {total} {stage} runs unfinished; the finished ones are kept "
             "and the same study command continues the study",
         )
-    by_run = {}  # Tune's result order is its own: each result back to its run
+    by_run: dict[str, RunOutcome] = {}  # Tune's result order is its own: each result back to its run
     for result in fitted:
-        run = result.config[RUN_KEY]
+        run = RunRequest.from_dict(result.config[RUN_KEY])
         if result.error is not None:
             # the cause's message, not Ray's wrapped traceback (that one with -v)
             message = error_line(result.error)
-            log.error("trial %s failed: %s", run, message)
-            log.debug("trial %s: %s", run, result.error)
-            by_run[_run_label(run)] = {"config": run, "error": message}
+            log.error("trial %s failed: %s", run.to_dict(), message)
+            log.debug("trial %s: %s", run.to_dict(), result.error)
+            by_run[_run_label(run)] = RunFailure(run, message)
         else:
-            by_run[_run_label(run)] = json.loads(result.metrics["result"])
+            by_run[_run_label(run)] = outcome_from_dict(json.loads(result.metrics["result"]))
     return [by_run[_run_label(run)] for run in runs]
 
 
@@ -194,8 +207,7 @@ class TuneExecutor:
             trainable = tune.with_parameters(backbone_trial, spec=spec, storage=storage)
         else:
             trainable = tune.with_parameters(method_trial, spec=spec, storage=storage, backbones=backbones)
-        reported = _tune_grid(trainable, [r.to_dict() for r in runs], spec, self.study_dir, f"{stage}-{self.stamp}")
-        return [outcome_from_dict(result) for result in reported]
+        return _tune_grid(trainable, runs, spec, self.study_dir, f"{stage}-{self.stamp}")
 
 
 def check_study(

@@ -64,6 +64,37 @@ class RunRequest:
 
 
 @dataclass(frozen=True)
+class StudyEvaluation:
+    """The evaluation settings a study's method points are made with (its file's
+    ``evaluation``), as a method run stores them beside its points: a run made with
+    others is evaluated again."""
+
+    split: str
+    samples: int | None
+    ratios: tuple[float, ...]
+    calibration_samples: int
+
+    @classmethod
+    def of(cls, spec: StudySpec) -> StudyEvaluation:
+        """The settings ``spec`` evaluates every method's points with."""
+        return cls(spec.split, spec.samples, tuple(spec.ratios), spec.calibration_samples)
+
+    def to_dict(self) -> JsonObject:
+        """``{"split", "samples", "ratios", "calibration_samples"}``, as a run's JSON holds them."""
+        return {
+            "split": self.split,
+            "samples": self.samples,
+            "ratios": list(self.ratios),
+            "calibration_samples": self.calibration_samples,
+        }
+
+    @classmethod
+    def from_dict(cls, data: JsonObject) -> StudyEvaluation:
+        """The inverse of :meth:`to_dict`."""
+        return cls(data["split"], data["samples"], tuple(data["ratios"]), data["calibration_samples"])
+
+
+@dataclass(frozen=True)
 class BackboneRun:
     """A seed's finished backbone (the reference its methods fine-tune from), as stored
     in its run folder (:data:`STUDY_RESULT_FILE`) and returned by :func:`study_run`.
@@ -106,7 +137,7 @@ class MethodRun:
     eval_seconds: float
     run_uri: str
     config: dict[str, Any] | None = None  # the flat config it trained (None: left out, as in a study's JSON)
-    evaluation: dict[str, Any] | None = None  # the settings its points were made with (None: not kept then)
+    evaluation: StudyEvaluation | None = None  # the settings its points were made with (None: not kept then)
     history: list[dict[str, float]] | None = None  # every epoch's figures
     steps: int | None = None  # its optimiser steps (the local trainer's)
     reused: bool | None = None  # finished by an earlier invocation (None: as stored)
@@ -121,6 +152,8 @@ class MethodRun:
         """The inverse of :meth:`to_dict` (a missing required key raises ``KeyError``)."""
         values = _record_fields(cls, data)
         values["points"] = [EvaluatedPoint.from_dict(p) for p in values["points"]]
+        if values.get("evaluation") is not None:
+            values["evaluation"] = StudyEvaluation.from_dict(values["evaluation"])
         return cls(**values)
 
 
@@ -154,12 +187,19 @@ def outcome_from_dict(data: JsonObject) -> RunOutcome:
 
 def _record_dict(record: BackboneRun | MethodRun) -> JsonObject:
     """A run record's fields, those set (not ``None``), in field order, copied (a
-    method run's points as their JSON)."""
+    method run's points and evaluation settings as their JSON)."""
     return {
-        f.name: [p.to_dict() for p in value] if f.name == "points" else copy.deepcopy(value)
+        f.name: _field_json(f.name, value)
         for f in fields(record)
         if (value := getattr(record, f.name)) is not None or f.default is MISSING
     }
+
+
+def _field_json(name: str, value: Any) -> Any:
+    """One field of a run record as its JSON."""
+    if name == "points":
+        return [p.to_dict() for p in value]
+    return value.to_dict() if isinstance(value, StudyEvaluation) else copy.deepcopy(value)
 
 
 def _record_fields(cls: type, data: JsonObject) -> dict[str, Any]:
@@ -181,16 +221,6 @@ def stored_run(run_uri: str) -> StudyRun | None:
     """The run at ``run_uri`` as it stored its result, or ``None`` when it has none."""
     stored = stored_result(run_uri)
     return None if stored is None else run_from_dict(stored)
-
-
-def _evaluation(spec: StudySpec) -> dict[str, Any]:
-    """The evaluation settings a method's stored points were made with."""
-    return {
-        "split": spec.split,
-        "samples": spec.samples,
-        "ratios": spec.ratios,
-        "calibration_samples": spec.calibration_samples,
-    }
 
 
 def stale_runs(spec: StudySpec, storage: str, methods: Sequence[str | None] | None = None) -> list[str]:
@@ -305,7 +335,7 @@ def study_run(
             stored,
             points=_evaluate_run(spec, config, trainer, stored.checkpoint, method, seed),
             eval_seconds=time.time() - started,
-            evaluation=_evaluation(spec),
+            evaluation=StudyEvaluation.of(spec),
         )
         _store(run_uri, stored)
         log.info("%s: evaluated again at the study's evaluation settings (its training is reused)", name)
@@ -344,7 +374,7 @@ def study_run(
             eval_seconds=time.time() - started - train_seconds,
             run_uri=run_uri,
             config=config.flat(),
-            evaluation=_evaluation(spec),
+            evaluation=StudyEvaluation.of(spec),
             history=trained.history,
             steps=trained.steps,
         )
@@ -374,7 +404,7 @@ def _reusable(spec: StudySpec, method: str | None, stored: StudyRun | None) -> b
 def _same_evaluation(spec: StudySpec, stored: StudyRun) -> bool:
     """Whether a finished method run's points were made with ``spec``'s evaluation settings."""
     evaluation = stored.evaluation if isinstance(stored, MethodRun) else None
-    return json.loads(json.dumps(_evaluation(spec))) == (_evaluation(spec) if evaluation is None else evaluation)
+    return evaluation is None or evaluation == StudyEvaluation.of(spec)
 
 
 def _evaluate_run(

@@ -244,11 +244,11 @@ _SPEED = {
 }
 
 
-def _speed_section(raw: dict[str, Any], source: str) -> dict[str, Any]:
+def _speed_section(raw: dict[str, Any], source: str) -> dict[str, int | bool | None]:
     """The ``speed`` section, checked: ``enabled`` (time anything at all), ``batch_size``,
     ``rounds``, ``warmup`` and ``max_points`` (``null``: every operating point)."""
     section = _section(raw, "speed", source)
-    out = {}
+    out: dict[str, int | bool | None] = {}
     for key in section:
         if key not in _SPEED:
             raise study_file_error(source, f"speed.{key}", f"unknown setting; known: {', '.join(_SPEED)}")

@@ -90,17 +90,17 @@ def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = Non
         generator.set_state(state["generator"])
 
 
-def write_metrics(folder: Path, metrics: dict[str, Any]) -> None:
-    """``metrics.json`` in ``folder``."""
+def write_metrics(folder: Path, metrics: dict[str, float]) -> None:
+    """``metrics.json`` in ``folder``: an epoch's figures."""
     (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True, default=float) + "\n")
 
 
-def write_history(folder: Path, history: list[dict[str, Any]]) -> None:
+def write_history(folder: Path, history: list[dict[str, float]]) -> None:
     """``history.json`` in ``folder``: every epoch's figures so far."""
     (folder / HISTORY_FILE).write_text(json.dumps({"history": history}, default=float) + "\n")
 
 
-def read_history(checkpoint_uri: str) -> list[dict[str, Any]]:
+def read_history(checkpoint_uri: str) -> list[dict[str, float]]:
     """The per-epoch figures in checkpoint folder ``checkpoint_uri`` (local or
     ``s3://``); ``[]`` for a checkpoint written before they were kept."""
     from ..storage import exists, join_uri, read_bytes

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NotRequired, Required, TypedDict
 
 import numpy as np
 import torch
@@ -31,6 +31,41 @@ SUMMARY_KEYS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 IOU_TYPES = ("bbox", "segm")
 
 
+# pycocotools' own formats: typed dicts, since they go to pycocotools (and across workers) as they are
+class CocoRecord(TypedDict):
+    """One detection in COCO's result format (``loadRes``)."""
+
+    image_id: int
+    category_id: int
+    bbox: list[float]  # x, y, width, height in the image file's pixels
+    score: float
+    segmentation: NotRequired[dict[str, list[int] | str]]  # the mask's run-length encoding: size, counts
+
+
+class CocoFigures(TypedDict):
+    """One IoU type's figures: ``COCOeval``'s summary (0-1; -1 where there is nothing to
+    score) and AP per category name."""
+
+    AP: float
+    AP50: float
+    AP75: float
+    APs: float
+    APm: float
+    APl: float
+    per_class: dict[str, float]
+
+
+class CocoResult(TypedDict, total=False):
+    """What :func:`coco_evaluate` returns: the size ranges used (pixels of area; large has
+    no upper bound), the images and detections evaluated, and each IoU type's figures."""
+
+    area_ranges: Required[dict[str, list[float | None]]]
+    images: Required[int]
+    detections: Required[int]
+    bbox: CocoFigures
+    segm: CocoFigures
+
+
 def area_ranges_for(image_side: int) -> dict[str, tuple[float, float]]:
     """COCO's small and medium ranges scaled from a 640-px image to ``image_side`` pixels
     (area scales with the side squared); large is everything above medium."""
@@ -42,7 +77,7 @@ def area_ranges_for(image_side: int) -> dict[str, tuple[float, float]]:
 
 def detection_records(
     image_ids: Sequence[int], outputs: Sequence[Mapping[str, torch.Tensor]], label_to_category: Sequence[int]
-) -> list[dict[str, Any]]:
+) -> list[CocoRecord]:
     """COCO result records (``loadRes`` format) from a detector's per-image outputs.
 
     Args:
@@ -57,7 +92,7 @@ def detection_records(
 
     if len(image_ids) != len(outputs):
         raise ValueError(f"{len(image_ids)} image ids for {len(outputs)} outputs")
-    records = []
+    records: list[CocoRecord] = []
     for image_id, out in zip(image_ids, outputs):
         boxes = out["boxes"].detach().float().cpu()
         labels = out["labels"].detach().cpu().tolist()
@@ -73,7 +108,7 @@ def detection_records(
             if not 0 < label < len(label_to_category):
                 raise ValueError(f"detection label {label} outside 1..{len(label_to_category) - 1}")
             x0, y0, x1, y1 = boxes[i].tolist()
-            record = {
+            record: CocoRecord = {
                 "image_id": int(image_id),
                 "category_id": int(label_to_category[label]),
                 "bbox": [x0, y0, x1 - x0, y1 - y0],
@@ -103,12 +138,12 @@ def load_ground_truth(annotation_file: str | dict[str, Any]) -> Any:
 
 def coco_evaluate(
     ground_truth: Any,
-    records: Iterable[Mapping[str, Any]],
+    records: Iterable[CocoRecord],
     *,
     image_ids: Sequence[int] | None = None,
     area_ranges: Mapping[str, tuple[float, float]] | None = None,
     iou_types: Sequence[str] = IOU_TYPES,
-) -> dict[str, Any]:
+) -> CocoResult:
     """Box and mask AP of ``records`` against ``ground_truth`` (a ``COCO`` index).
 
     Returns ``{iou_type: {"AP", "AP50", "AP75", "APs", "APm", "APl", "per_class":
@@ -124,10 +159,10 @@ def coco_evaluate(
     ranges = dict(area_ranges or COCO_AREA_RANGES)
     if set(ranges) != {"small", "medium"} or not ranges["small"][1] <= ranges["medium"][0] + 1e-9:
         raise ValueError(f"area_ranges must give small below medium, got {ranges}")
-    records = sorted((dict(r) for r in records), key=lambda r: (r["image_id"], -r["score"], r["category_id"]))
+    records = sorted((CocoRecord(**r) for r in records), key=lambda r: (r["image_id"], -r["score"], r["category_id"]))
     ids = sorted(int(i) for i in (image_ids if image_ids is not None else ground_truth.getImgIds()))
     names = {c["id"]: c["name"] for c in ground_truth.loadCats(ground_truth.getCatIds())}
-    result: dict[str, Any] = {
+    result: CocoResult = {
         "area_ranges": {
             "small": [ranges["small"][0], ranges["small"][1]],
             "medium": [ranges["medium"][0], ranges["medium"][1]],
@@ -143,7 +178,7 @@ def coco_evaluate(
     return result
 
 
-def _evaluate_one(gt, records, image_ids, ranges, iou_type, names) -> dict[str, Any]:
+def _evaluate_one(gt, records, image_ids, ranges, iou_type, names) -> CocoFigures:
     """One ``COCOeval`` run: the summary figures and AP per category."""
     from pycocotools.cocoeval import COCOeval
 
@@ -162,7 +197,6 @@ def _evaluate_one(gt, records, image_ids, ranges, iou_type, names) -> dict[str, 
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    figures = {key: float(value) for key, value in zip(SUMMARY_KEYS, evaluator.stats[:6])}
     # precision: [iou thresholds, recall points, categories, area ranges, max dets]; area "all", 100 dets
     precision = evaluator.eval["precision"][:, :, :, 0, -1]
     per_class = {}
@@ -170,11 +204,11 @@ def _evaluate_one(gt, records, image_ids, ranges, iou_type, names) -> dict[str, 
         values = precision[:, :, k]
         values = values[values > -1]
         per_class[names[category]] = float(values.mean()) if values.size else -1.0
-    figures["per_class"] = per_class
-    return figures
+    summary = {key: float(value) for key, value in zip(SUMMARY_KEYS, evaluator.stats[:6])}
+    return CocoFigures(**summary, per_class=per_class)
 
 
-def _empty_result(gt, image_ids, ranges, names) -> dict[str, Any]:
+def _empty_result(gt, image_ids, ranges, names) -> CocoFigures:
     """The figures of no detections at all: 0 where the ground truth has objects to find
     (crowds aside), -1 where it has none, as COCOeval reports."""
     anns = [a for a in gt.loadAnns(gt.getAnnIds(imgIds=list(image_ids))) if not a.get("iscrowd", 0)]
@@ -183,14 +217,13 @@ def _empty_result(gt, image_ids, ranges, names) -> dict[str, Any]:
     def some(low: float, high: float) -> float:
         return 0.0 if any(low <= area < high for area in areas) else -1.0
 
-    figures = {
-        "AP": some(0, 1e10),
-        "AP50": some(0, 1e10),
-        "AP75": some(0, 1e10),
-        "APs": some(*ranges["small"]),
-        "APm": some(*ranges["medium"]),
-        "APl": some(ranges["medium"][1], 1e10),
-    }
     present = {a["category_id"] for a in anns}
-    figures["per_class"] = {names[c]: (0.0 if c in present else -1.0) for c in sorted(names)}
-    return figures
+    return CocoFigures(
+        AP=some(0, 1e10),
+        AP50=some(0, 1e10),
+        AP75=some(0, 1e10),
+        APs=some(*ranges["small"]),
+        APm=some(*ranges["medium"]),
+        APl=some(ranges["medium"][1], 1e10),
+        per_class={names[c]: (0.0 if c in present else -1.0) for c in sorted(names)},
+    )

@@ -84,12 +84,15 @@ def held_out_batches(recipe: Recipe, batch_size: int = 128) -> list:
     return list(DataLoader(data, batch_size=batch_size))
 
 
-def compare_at_budget(model: SplitViT, batches: list, target_ratio: float) -> dict[str, dict[str, Any]]:
+def compare_at_budget(
+    model: SplitViT, batches: list, target_ratio: float
+) -> dict[str, dict[str, float | list[float] | None]]:
     """Evaluate the model's backbone under every policy; thresholded policies are
-    calibrated (on the first batch) to ``target_ratio`` of full-resolution tokens."""
+    calibrated (on the first batch) to ``target_ratio`` of full-resolution tokens.
+    Returns each policy's figures and its ``thresholds`` (``None``: not thresholded)."""
     calibration = batches[0][0]
     learned = model.policy
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, float | list[float] | None]] = {}
     try:
         for name in ("learned", "entropy", "random", "coarse", "full"):
             if name == "learned":
@@ -102,8 +105,7 @@ def compare_at_budget(model: SplitViT, batches: list, target_ratio: float) -> di
                     model.policy.seed = 0
             thresholds = calibrate_thresholds(model, calibration, target_ratio) if model.policy.thresholded else None
             metrics = evaluate(model, batches, thresholds=thresholds, object_masks=True)
-            metrics["thresholds"] = thresholds
-            results[name] = metrics
+            results[name] = {**metrics, "thresholds": thresholds}
     finally:
         model.set_policy(learned)
     return results

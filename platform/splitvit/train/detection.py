@@ -25,7 +25,7 @@ import torch
 from ..config import ConfigError, SplitLossConfig
 from ..model.detection import SplitDetector
 from ..model.quadtree import QuadtreeGeometry, nodes_mass
-from .coco_eval import COCO_REFERENCE_SIDE, area_ranges_for, coco_evaluate, detection_records
+from .coco_eval import COCO_REFERENCE_SIDE, CocoRecord, area_ranges_for, coco_evaluate, detection_records
 from .losses import budget_penalty, feature_distillation_loss, teacher_loss_at_ratio
 from .steps import batch_target_ratio, object_counts, object_figures, policy_teacher_loss, warmup_decisions
 
@@ -242,7 +242,7 @@ class DetectionTotals:
     full_tokens: int = 0
     elapsed: float = 0.0
     image_ids: list[int] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[CocoRecord] = field(default_factory=list)
     # the backbone's finest cells: chosen, chosen on an object (an instance mask), on an object
     fine_total: float = 0.0
     fine_on_object: float = 0.0

@@ -142,10 +142,11 @@ class CheckpointEvaluator:
         else:
             result = self._evaluate_classifier(model, thresholds)
         used = thresholds if thresholds is not None else split_backbone(model).thresholds.tolist()
-        result["thresholds"] = None if oracle else [float(t) for t in used]
-        return EvaluatedPoint.from_dict({"target_ratio": None, **result})
+        return EvaluatedPoint.from_dict(
+            {"target_ratio": None, **result, "thresholds": None if oracle else [float(t) for t in used]}
+        )
 
-    def _evaluate_classifier(self, model: SplitViT, thresholds: list[float] | None) -> dict[str, Any]:
+    def _evaluate_classifier(self, model: SplitViT, thresholds: list[float] | None) -> dict[str, float]:
         with self.autocast():
             result = evaluate(
                 model, self.batches(), thresholds=thresholds, num_classes=self.num_classes, object_masks=True

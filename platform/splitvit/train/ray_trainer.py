@@ -138,7 +138,7 @@ class TrainResult:
     start_epoch: int = 0
     message: str = ""
     completed_epochs: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, float] = field(default_factory=dict)  # further figures (none today; kept in the JSON)
 
     def to_dict(self) -> JsonObject:
         """Plain dict for JSON."""
@@ -263,7 +263,7 @@ def run_training(
     epoch_hook: EpochHook | None = None,
     ray_address: str | None = None,
     callbacks: Sequence[Any] | None = None,
-    on_epoch: Callable[[int, dict[str, Any]], None] | None = None,
+    on_epoch: Callable[[int, dict[str, float]], None] | None = None,
 ) -> TrainResult:
     """Train ``config`` (build it with :func:`splitvit.train.experiment.load_experiment`;
     it is validated again here, before Ray starts).
@@ -377,7 +377,7 @@ def _torch_trainer(
     return trainer
 
 
-def worker_runtime_env(config: ExperimentConfig) -> dict[str, Any] | None:
+def worker_runtime_env(config: ExperimentConfig) -> dict[str, dict[str, str]] | None:
     """The training workers' own Ray runtime environment: ``scaling.allocator``'s
     environment variables (:func:`~splitvit.train.allocator.worker_env_vars`), None
     with the default allocator, so that the workers start as they always did. Ray
@@ -393,7 +393,7 @@ class EpochWatcher:
     ``s3://``), in epoch order; checkpoints already there when it starts (a resumed
     run's) are not reported again. ``stop`` reports the last ones and ends it."""
 
-    def __init__(self, run_uri: str, on_epoch: Callable[[int, dict[str, Any]], None], interval: float = 1.0):
+    def __init__(self, run_uri: str, on_epoch: Callable[[int, dict[str, float]], None], interval: float = 1.0):
         self.run_uri, self.on_epoch, self.interval = run_uri, on_epoch, interval
         self._seen = set(self._epochs())
         self._stopped = threading.Event()
@@ -498,7 +498,7 @@ def _end_run(
         )
 
 
-def _completed_epochs(metrics: dict[str, Any]) -> int:
+def _completed_epochs(metrics: dict[str, float]) -> int:
     """Epochs finished, earlier attempts included: the last reported epoch + 1 (0 with none)."""
     return int(metrics["epoch"]) + 1 if isinstance(metrics.get("epoch"), (int, float)) else 0
 

@@ -65,13 +65,13 @@ def fit_trial(config: ExperimentConfig) -> TrainedRun:
     )
 
 
-def eval_resources(config: ExperimentConfig) -> tuple[dict[str, Any], str]:
+def eval_resources(config: ExperimentConfig) -> tuple[dict[str, float | dict[str, float]], str]:
     """Ray task options (and the torch device) for evaluation on one training worker's
     kind of resources: its CPUs, and one GPU where training uses GPUs."""
     per_worker = dict(config.scaling.resources_per_worker)
     gpus = float(per_worker.pop("GPU", 1.0 if config.scaling.use_gpu else 0.0))
     cpus = float(per_worker.pop("CPU", 1.0))
-    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": min(gpus, 1.0)}
+    options: dict[str, float | dict[str, float]] = {"num_cpus": cpus, "num_gpus": min(gpus, 1.0)}
     if per_worker:
         options["resources"] = per_worker
     return options, ("cuda" if gpus > 0 else "cpu")
