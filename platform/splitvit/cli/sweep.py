@@ -115,8 +115,35 @@ def print_summary(result: SweepResult, data: dict[str, Any]) -> None:
     print(f"\nPareto frontier ({metric} vs tokens per image on validation{held_out}; searched parameters as columns):")
     if data["frontier"]:
         frontier_table(data["frontier"], metric)
+        noise = selection_noise(result)
+        if noise:
+            print(noise)
     else:
         print("  (empty: no trial completed)")
+
+
+def selection_noise(result: SweepResult) -> str | None:
+    """For an accuracy frontier measured on a known number of validation images, one
+    line: the standard error of its figures, and how many neighbouring frontier points
+    differ by less (their order is noise, and more images would sharpen the choice)."""
+    from ..tune.pareto import standard_error, within_noise
+
+    front = result.frontier()
+    if result.metric != "accuracy" or not result.validation_images or len(front) < 2:
+        return None
+    images = result.validation_images
+    mean = sum(p.quality for p in front) / len(front)
+    close = within_noise(front, images)
+    verdict = (
+        f"{len(close)} of {len(front) - 1} neighbouring frontier points differ by less: which of each such "
+        "pair is better is noise (stage_two.samples: more validation images)"
+        if close
+        else "every pair of neighbouring frontier points differs by more"
+    )
+    return (
+        f"chosen on {images} validation images: an accuracy near {mean:.2f} is measured to within about "
+        f"{100 * standard_error(mean, images):.1f} points (one standard error); {verdict}"
+    )
 
 
 def print_baselines(result: SweepResult) -> None:

@@ -11,9 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from ..config import ExperimentConfig
 from .mlflow_records import PLOT_ARTIFACT, sweep_note
 from .pareto import Baseline, Point
 from .reference import convergence_verdict
+from .space import SearchSpace
 from .state import Sweep, SweepResult, TrialSummary
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,20 @@ def sweep_result(
         status="completed" if points else "failed",
         reference=sweep.setup.reference,
         held_out_split=sweep.space.evaluation.split,
+        validation_images=validation_images(setup.space, setup.base),
         # a point's whole configuration is this plus its searched ``params``
         base_config=setup.base.flat(redact=True),
     )
+
+
+def validation_images(space: SearchSpace, base: ExperimentConfig) -> int | None:
+    """The validation images every point of the sweep was measured on: stage two's
+    (a trial's own point is measured again there), else the data's own count where the
+    config names one (``data.options.val_samples``); ``None`` where neither says."""
+    if space.stage_two.samples is not None:
+        return space.stage_two.samples
+    count = base.data.options.get("val_samples")
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def close_sweep_run(

@@ -275,6 +275,24 @@ def best_point(points: list[Point]) -> Point | None:
     return max(front, key=lambda p: (round(p.hv_contribution, 12), p.quality, -p.tokens_per_image))
 
 
+def standard_error(accuracy: float, images: int) -> float:
+    """The standard error of an accuracy measured on ``images`` images (a binomial
+    proportion's): how far a figure on these images may sit from the model's own."""
+    return math.sqrt(max(accuracy * (1.0 - accuracy), 0.0) / images)
+
+
+def within_noise(front: list[Point], images: int) -> list[tuple[Point, Point]]:
+    """Neighbouring points of an accuracy frontier (by tokens per image) whose
+    accuracies differ by less than one standard error on ``images`` images: which of
+    the two is better, and so where the frontier steps, these images cannot tell."""
+    ordered = sorted(front, key=_frontier_order)
+    return [
+        (a, b)
+        for a, b in zip(ordered, ordered[1:])
+        if abs(b.quality - a.quality) < standard_error((a.quality + b.quality) / 2, images)
+    ]
+
+
 def dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """``a`` dominates ``b`` in (quality up, tokens down): no worse in both, better in one."""
     return a[0] >= b[0] and a[1] <= b[1] and (a[0] > b[0] or a[1] < b[1])

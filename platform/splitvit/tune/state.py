@@ -86,6 +86,7 @@ class SweepResult:
     status: str = "completed"
     reference: Reference | None = None
     held_out_split: str | None = None
+    validation_images: int | None = None  # what every point was measured on (None: not known)
     # what the closing and the artifacts add (None: not made, left out of the JSON)
     base_config: dict[str, ConfigValue] | None = None  # the flat config every point's params apply to
     registered_models: RegisteredModels | None = None
@@ -159,6 +160,7 @@ class SweepResult:
     def _added(self) -> dict[str, Any]:
         """The JSON of what the closing and the artifacts added, those made, in the order they are made."""
         added = {
+            "validation_images": self.validation_images,
             "base_config": self.base_config,
             "registered_models": None if self.registered_models is None else self.registered_models.to_dict(),
             "chart": self.chart,
