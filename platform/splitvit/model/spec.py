@@ -85,16 +85,6 @@ class ModelSpec:
             raise TypeError(f"a SplitViT spec has no {', '.join(map(repr, unknown))}")
         return cls(**{**spec, "policy": policy_settings(spec["policy"])})
 
-    def with_overrides(self, overrides: dict[str, Any]) -> ModelSpec:
-        """This spec with ``overrides`` (spec fields by name) over it. A policy's name
-        changes the kind alone (the saved settings stay); settings replace the saved ones."""
-        if "policy" in overrides:
-            given = overrides["policy"]
-            saved = dataclasses.asdict(self.policy)
-            policy = policy_settings({**saved, "kind": given} if isinstance(given, str) else given)
-            overrides = {**overrides, "policy": dataclasses.replace(policy)}
-        return dataclasses.replace(self, **overrides)
-
 
 def policy_settings(policy: PolicyConfig | dict[str, Any] | str) -> PolicyConfig:
     """The policy's settings from a :class:`~splitvit.config.PolicyConfig`, a mapping of
@@ -138,6 +128,13 @@ def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 def checkpoint_spec(payload: dict[str, Any], overrides: dict[str, Any]) -> ModelSpec:
     """The spec a :meth:`~splitvit.model.splitvit.SplitViT.save` payload (or a detector's)
-    rebuilds its SplitViT from: the saved spec with ``overrides`` over it
-    (:meth:`ModelSpec.with_overrides`)."""
-    return ModelSpec.from_dict(payload["spec"]).with_overrides(overrides)
+    rebuilds its SplitViT from: the saved spec with ``overrides`` (spec fields by name)
+    over it. A policy's name changes the kind alone (the saved settings stay); settings
+    replace the saved ones."""
+    spec = ModelSpec.from_dict(payload["spec"])
+    if "policy" in overrides:
+        given = overrides["policy"]
+        saved = dataclasses.asdict(spec.policy)
+        policy = policy_settings({**saved, "kind": given} if isinstance(given, str) else given)
+        overrides = {**overrides, "policy": dataclasses.replace(policy)}  # a copy: the caller's may change
+    return dataclasses.replace(spec, **overrides)

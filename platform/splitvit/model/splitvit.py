@@ -507,7 +507,7 @@ class SplitViT(nn.Module):
         if name != "learned":
             return build_policy(name, embed_dim=self.embed_dim, levels=self.levels)
         settings = self.policy_config
-        options: dict[str, Any] = {"budget_conditioned": True} if settings.budget_conditioned else {}
+        options: dict[str, bool | int | str] = {"budget_conditioned": True} if settings.budget_conditioned else {}
         if settings.level_context:
             options["level_context"] = True
         if settings.feature_grad:
@@ -1324,7 +1324,7 @@ def channel_stats(config: dict[str, Any], channels: int) -> tuple[list[float], l
     return mean, std
 
 
-def fill_legacy_normalisation(state_dict: dict[str, Any], prefix: str = "") -> None:
+def fill_legacy_normalisation(state_dict: dict[str, torch.Tensor], prefix: str = "") -> None:
     """Give a state dict written before SplitViT normalised its inputs (a backbone, no
     ``input_mean`` / ``input_std``) the buffers it was trained with: its weights saw
     raw ``[0, 1]`` images, so it loads as un-normalised, mean 0 and std 1 (the
@@ -1339,13 +1339,13 @@ def fill_legacy_normalisation(state_dict: dict[str, Any], prefix: str = "") -> N
             state_dict[prefix + name] = torch.full(shape, fill, dtype=torch.float32)
 
 
-def _fill_legacy_normalisation(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _fill_legacy_normalisation(state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook: :func:`fill_legacy_normalisation` on every load
     (``from_checkpoint``, a resumed run, ``init_from``)."""
     fill_legacy_normalisation(state_dict, prefix)
 
 
-def _keep_budget_if_missing(module: SplitViT, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _keep_budget_if_missing(module: SplitViT, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook: a state dict written before the ``budget`` buffer
     existed (or a partial one) keeps the model's current budget, so it still loads strictly."""
     state_dict.setdefault(prefix + "budget", module.budget.detach().clone())
