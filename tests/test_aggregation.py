@@ -100,7 +100,7 @@ def test_aggregation_survives_save_and_load(tmp_path):
     randomise(model.fine_aggregation)
     model.save(tmp_path / "m.pt")
     loaded = SplitViT.load(tmp_path / "m.pt").eval()
-    assert loaded.fine_aggregation is not None and loaded.spec["fine_aggregation"] is True
+    assert loaded.fine_aggregation is not None and loaded.spec.fine_aggregation is True
     images = torch.rand(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(model(images).logits, loaded(images).logits)

@@ -130,7 +130,7 @@ def test_build_model_passes_budget_conditioned():
     config = ModelConfig(policy=PolicyConfig(depth=1), image_size=32, levels=3, num_classes=5, timm_kwargs=TINY_TIMM)
     assert not build_model(config).uses_budget
     model = build_model(replace(config, policy=replace(config.policy, budget_conditioned=True)))
-    assert model.uses_budget and model.spec["policy"]["budget_conditioned"] is True
+    assert model.uses_budget and model.spec.policy.budget_conditioned is True
 
 
 # ------------------------------------------------------------------ training

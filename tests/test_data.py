@@ -370,6 +370,9 @@ def test_parquet_round_trip_local(fmnist_root, tmp_path):
     assert manifest["columns"] == ["image", "label", "index", "object_mask"] and manifest["num_classes"] == 10
     ds = build_dataset("parquet", "val", image_size=64, uri=str(tmp_path / "shards"))
     assert isinstance(ds, ParquetShards) and len(ds) == 20 and ds.num_classes == 10
+    # the manifest reads back as what was written: its shard files, task, split and canvas
+    assert list(ds.manifest.shards) == result.shards and result.as_dict()["shards"] == manifest["shards"]
+    assert (ds.manifest.task, ds.manifest.split, ds.manifest.image_size) == ("classification", "val", (64, 64))
     for i in (0, 7, 8, 19):
         assert same_items(ds[i], src[i], atol=ROUND)
     # it pickles (spawned workers, Ray) without its open files, and reads the same rows after

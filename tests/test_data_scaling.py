@@ -110,7 +110,7 @@ def test_loader_workers_read_each_row_group_once(shards):
     sampler = training_sampler(ds, seed=2, batch_size=5, loader_workers=2)
     loader = DataLoader(ds, batch_size=5, sampler=sampler, num_workers=2, drop_last=True)
     assert sum(len(b[0]) for b in loader) == 150
-    dataset_bytes = sum(s["bytes"] for s in ds.manifest["shards"])
+    dataset_bytes = sum(s.bytes for s in ds.manifest.shards)
     assert counter.bytes_read / dataset_bytes <= AMPLIFICATION_TARGET
     # one read per row group, plus the group at the boundary of the two workers' runs
     assert counter.reads <= ds.num_row_groups + 1

@@ -233,7 +233,7 @@ def test_an_old_checkpoint_spec_with_flat_policy_keys_loads(tmp_path):
     import torch
 
     from splitvit.model import SplitViT
-    from splitvit.model.splitvit import checkpoint_spec, upgrade_spec
+    from splitvit.model.spec import checkpoint_spec, upgrade_spec
 
     from .helpers import tiny_model
 
@@ -261,7 +261,7 @@ def test_an_old_checkpoint_spec_with_flat_policy_keys_loads(tmp_path):
         torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True)
     )
     # another policy by name keeps the saved settings but the kind, and leaves the policy's weights out
-    assert checkpoint_spec(payload, {"policy": "entropy"})["policy"] == {**settings, "kind": "entropy"}
+    assert checkpoint_spec(payload, {"policy": "entropy"}).policy == PolicyConfig(**{**settings, "kind": "entropy"})
     entropy = SplitViT.load(path, policy="entropy")
     assert entropy.policy.name == "entropy" and entropy.policy_config.depth == settings["depth"]
 

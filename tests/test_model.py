@@ -174,7 +174,7 @@ def test_packed_path_attends_reported_tokens_without_padding(policy, buckets, mo
     attended = [length - prefix for n, length in kernels[0] for _ in range(n)]
     assert attended == sorted(out.tokens.tolist(), reverse=True)  # longest first, each its own keys
     assert calls == [int(out.tokens.sum()) + 6 * prefix] * len(model.vit.blocks)  # packed rows, no padding
-    assert out.padded_tokens == int(out.tokens.sum()) == out.extras["attention_slots"]
+    assert out.padded_tokens == int(out.tokens.sum()) == out.attention_slots
 
 
 def test_packed_path_in_training_pads_attention_only(monkeypatch):
@@ -201,7 +201,7 @@ def test_packed_path_in_training_pads_attention_only(monkeypatch):
     assert len(calls) == len(model.vit.blocks)  # one kernel per block, built once per forward
     assert calls[-1].tolist() == out.tokens.tolist()
     assert out.padded_tokens == int(out.tokens.sum())  # no padding outside attention
-    assert out.extras["attention_slots"] >= int(out.tokens.sum())
+    assert out.attention_slots >= int(out.tokens.sum())
 
 
 # 4. gradients reach the policy --------------------------------------------------------------------
@@ -442,6 +442,45 @@ def test_save_and_load_round_trip(tmp_path):
     assert entropy.policy.name == "entropy"
 
 
+def test_a_checkpoint_spec_keeps_its_keys_and_reads_back_to_itself(tmp_path):
+    """The spec a checkpoint holds is the mapping it always was (``splitvit train``'s
+    keys, in its order); read back, it is the model's :class:`ModelSpec` again."""
+    from splitvit.model.spec import ModelSpec
+
+    model = SplitViT.from_timm(
+        "vit_tiny_patch16_224",
+        levels=3,
+        policy="learned",
+        image_size=32,
+        num_classes=5,
+        timm_kwargs=dict(patch_size=4, embed_dim=32, depth=2, num_heads=2),
+        thresholds=[0.3, 0.7],
+        fine_aggregation=False,
+        task="classification",
+        length_buckets=1,
+        data_config=None,  # not a plain value: not kept
+    )
+    model.save(tmp_path / "m.pt")
+    saved = torch.load(tmp_path / "m.pt", weights_only=False)["spec"]
+    assert list(saved) == [
+        "name",
+        "levels",
+        "policy",
+        "image_size",
+        "num_classes",
+        "timm_kwargs",
+        "normalize",
+        "thresholds",
+        "fine_aggregation",
+        "task",
+        "length_buckets",
+    ]
+    assert saved["policy"]["kind"] == "learned" and saved["thresholds"] == [0.3, 0.7]
+    assert ModelSpec.from_dict(saved) == model.spec and model.spec.to_dict() == saved
+    with pytest.raises(TypeError, match="no 'colour'"):
+        ModelSpec.from_dict({**saved, "colour": "red"})
+
+
 TINY_TIMM = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
 
 
@@ -593,7 +632,7 @@ def test_packed_attention_path_equals_padded(monkeypatch):
     assert calls, "the packed path must have run"
     lengths = [b - a for a, b in zip(calls[0][:-1], calls[0][1:])]
     assert lengths == (expected.tokens + 1).tolist()  # + the class token
-    assert "attention_slots" in cpu.extras and "attention_slots" not in got.extras
+    assert cpu.attention_slots is not None and got.attention_slots is None
     assert (cpu.logits - expected.logits).abs().max() <= 1e-4
     assert (got.logits - expected.logits).abs().max() <= 1e-4
 
@@ -639,7 +678,7 @@ def test_packed_equals_padded_in_eval(task, pool_kwargs, buckets):
         b = padded.eval()(images, thresholds=[0.3, 0.3])
     assert len(set(a.tokens.tolist())) > 1
     assert torch.equal(a.tokens, b.tokens)
-    assert "attention_slots" in a.extras and "attention_slots" not in b.extras  # each took its own path
+    assert a.attention_slots is not None and b.attention_slots is None  # each took its own path
     assert (a.logits - b.logits).abs().max().item() <= 1e-4
 
 
@@ -693,7 +732,7 @@ def test_packed_path_in_chunks_equals_padded(train, monkeypatch):
         and len(packed.sorted_chunks(sorted((a.tokens + 1).tolist(), reverse=True))) > 2
     )
     assert torch.equal(a.tokens, b.tokens)
-    assert a.padded_tokens == int(a.tokens.sum()) and a.extras["attention_slots"] >= a.padded_tokens
+    assert a.padded_tokens == int(a.tokens.sum()) and a.attention_slots >= a.padded_tokens
     assert (a.logits - b.logits).abs().max().item() <= 1e-4
     assert set(ga) == set(gb)
     for name in ga:
@@ -717,10 +756,10 @@ def test_packed_model_returns_attention_through_the_padded_path():
         plain = packed_model.eval()(images, thresholds=[0.3, 0.3])
         with_attention = packed_model(images, thresholds=[0.3, 0.3], return_attention=True)
         reference = padded.eval()(images, thresholds=[0.3, 0.3], return_attention=True)
-    assert "attention_slots" in plain.extras and "attention_slots" not in with_attention.extras
+    assert plain.attention_slots is not None and with_attention.attention_slots is None
     assert (plain.logits - with_attention.logits).abs().max().item() <= 1e-4
-    assert torch.equal(with_attention.extras["fine_attention"], reference.extras["fine_attention"])
-    mass = with_attention.extras["fine_attention"].sum(dim=(1, 2))  # the class token's own share is not on a cell
+    assert torch.equal(with_attention.fine_attention, reference.fine_attention)
+    mass = with_attention.fine_attention.sum(dim=(1, 2))  # the class token's own share is not on a cell
     assert ((mass > 0) & (mass <= 1 + 1e-5)).all()
 
 
@@ -728,8 +767,8 @@ def test_attention_dropout_in_training_takes_the_padded_path():
     packed_model, _ = _pair("entropy", vit_kwargs=dict(attn_drop_rate=0.1))
     images = _mixed_images()
     with torch.no_grad():
-        assert "attention_slots" in packed_model.eval()(images, thresholds=[0.3, 0.3]).extras
-        assert "attention_slots" not in packed_model.train()(images, thresholds=[0.3, 0.3]).extras
+        assert packed_model.eval()(images, thresholds=[0.3, 0.3]).attention_slots is not None
+        assert packed_model.train()(images, thresholds=[0.3, 0.3]).attention_slots is None
 
 
 def test_attention_option_is_validated():

@@ -94,7 +94,7 @@ def test_level_context_survives_a_checkpoint(tmp_path):
     model = tiny_model(level_context=True)
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.policy.level_context and loaded.spec["policy"]["level_context"] is True
+    assert loaded.policy.level_context and loaded.spec.policy.level_context is True
     images = torch.rand(2, 3, 32, 32)
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
     # other policies ignore it: the control fine-tuned from the same spec builds as ever
@@ -161,7 +161,7 @@ def test_policy_feature_grad_is_a_model_setting_that_survives_a_checkpoint(tmp_p
     model = tiny_model(feature_grad=True)
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.spec["policy"]["feature_grad"] is True and loaded.policy.detach_features is False
+    assert loaded.spec.policy.feature_grad is True and loaded.policy.detach_features is False
     with pytest.raises(ConfigError) as err:
         load_experiment(SMOKE, ["model.policy.feature_grad=maybe"])
     assert err.value.key == "model.policy.feature_grad"
@@ -224,7 +224,7 @@ def test_fine_evidence_learns_and_survives_a_checkpoint(tmp_path):
         model.policy.evidence[-1].weight.normal_()  # as if trained: the evidence now counts
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.spec["policy"]["fine_evidence"] is True and loaded.policy.fine_evidence
+    assert loaded.spec.policy.fine_evidence is True and loaded.policy.fine_evidence
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))
     assert load_experiment(SMOKE, ["model.policy.fine_evidence=true"]).model.policy.fine_evidence is True
 
@@ -271,5 +271,5 @@ def test_evidence_pooling_is_checked_and_survives_a_checkpoint(tmp_path):
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     model.save(tmp_path / "model.pt")
     loaded = SplitViT.load(tmp_path / "model.pt")
-    assert loaded.spec["policy"]["evidence_pooling"] == "soft" and loaded.policy.evidence_pooling == "soft"
+    assert loaded.spec.policy.evidence_pooling == "soft" and loaded.policy.evidence_pooling == "soft"
     assert all(torch.equal(a, b) for a, b in zip(scores(model, images), scores(loaded, images)))

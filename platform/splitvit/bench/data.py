@@ -432,7 +432,7 @@ def _epoch(
 
 def _dataset_bytes(dataset: ParquetShards) -> int:
     """The shard files' total size (the manifest's, which ``write_shards`` took from the files)."""
-    return int(sum(s["bytes"] for s in (dataset.manifest or {}).get("shards", [])))
+    return sum(s.bytes for s in dataset.manifest.shards) if dataset.manifest else 0
 
 
 def format_data_report(result: DataBenchResult) -> str:

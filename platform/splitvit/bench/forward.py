@@ -414,7 +414,7 @@ def _token_stats(out, full_tokens: int) -> dict[str, Any]:
     attention kernel pads)."""
     tokens = out.tokens.float()
     real = float(tokens.sum())
-    attention_slots = int(out.extras.get("attention_slots", out.padded_tokens))
+    attention_slots = int(out.padded_tokens if out.attention_slots is None else out.attention_slots)
     return {
         "mean": float(tokens.mean()),
         "min": int(out.tokens.min()),

@@ -228,7 +228,7 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
     return {
         "benchmark": "parts",
         "source": source,
-        "model": split.spec or {},
+        "model": split.spec.to_dict() if split.spec else {},
         "settings": {
             "batch_sizes": list(settings.batch_sizes),
             "ratios": list(settings.ratios),

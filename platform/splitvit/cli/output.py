@@ -35,8 +35,8 @@ class Report:
     ``main`` creates it (``args.report``) and writes it as the envelope at the end."""
 
     command: str
-    payload: dict[str, Any] = field(default_factory=dict)
-    mlflow: dict[str, Any] = field(default_factory=dict)
+    payload: dict[str, Any] = field(default_factory=dict)  # the envelope's JSON, as the command built it
+    mlflow: dict[str, str] = field(default_factory=dict)  # tracking_uri, experiment_id, run_id: those given
     error: str | None = None
 
 

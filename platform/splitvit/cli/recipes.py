@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .options import common_options
 from .output import emit, print_table, yaml_text
+
+if TYPE_CHECKING:
+    from ..recipes import EvidencePoint, Recipe
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(recipe: Any) -> dict[str, Any]:
+def _row(recipe: Recipe) -> dict[str, str]:
     """One line of the listing: the recipe and its figures at 70% and 50% of the tokens."""
     row = {"recipe": recipe.name, "task": recipe.task, "default": "yes" if recipe.current else ""}
     evidence = recipe.evidence
@@ -65,14 +68,14 @@ def _row(recipe: Any) -> dict[str, Any]:
     return row
 
 
-def _speed(point: Any) -> str:
+def _speed(point: EvidencePoint | None) -> str:
     if point is None or point.speed is None:
         return "-"
     backbone = f", {point.backbone_speed:.2f}x" if point.backbone_speed is not None else ""
     return f"{point.speed:.2f}x{backbone}"
 
 
-def _show(recipe: Any) -> None:
+def _show(recipe: Recipe) -> None:
     """One recipe: what it is, its settings (as a config's keys), and its evidence."""
     print(f"{recipe.name} ({recipe.task}, version {recipe.version}{', the default' if recipe.current else ''})")
     print(f"  {recipe.summary}")
@@ -97,7 +100,7 @@ def _show(recipe: Any) -> None:
         )
 
 
-def _record(recipe: Any) -> dict[str, Any]:
+def _record(recipe: Recipe) -> dict[str, Any]:
     """A recipe as the JSON envelope carries it."""
     evidence = asdict(recipe.evidence) if recipe.evidence else None
     return {

@@ -510,8 +510,8 @@ def dataset_labels(dataset) -> tuple[int | None, str]:
         shift = 1 if getattr(dataset, "classes", (None,))[0] == "background" else 0
         return int(np.max(renderer.labels)) + 1 + shift, "its item labels"
     manifest = getattr(dataset, "manifest", None)
-    if manifest and manifest.get("num_classes"):
-        return int(manifest["num_classes"]), "its manifest"
+    if manifest and manifest.num_classes:
+        return int(manifest.num_classes), "its manifest"
     files = getattr(dataset, "files", None)
     if files and getattr(dataset, "columns", None) and "label" in dataset.columns:
         import pyarrow.parquet as pq
@@ -609,7 +609,7 @@ def _check_shard_task(uri: str, split: str, task: str, key: str) -> None:
     from ..data.shards import MANIFEST
 
     folder, manifest = resolve_shard_dir(uri, split)
-    held = (manifest or {}).get("task")
+    held = manifest.task if manifest else None
     if task == DETECTION_TASK and held != "detection":
         what = f"{held} shards (no object boxes)" if held else f"shards without a {MANIFEST} (so no detection shards)"
         raise PreflightError(

@@ -149,7 +149,7 @@ class JobResult:
 
 
 # ---------------------------------------------------------------------- arguments
-def split_submit_options(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+def split_submit_options(tokens: list[str]) -> tuple[dict[str, str | bool | list[str]], list[str]]:
     """Separate ``splitvit submit`` options that follow the job's arguments.
 
     ``["cfg.yaml", "train.epochs=1", "--address", "http://h:8265", "--json", "x"]`` ->
@@ -157,7 +157,7 @@ def split_submit_options(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     Only the names in :data:`SUBMIT_OPTIONS` are taken (``--json`` stays with the
     job: before the entry it is submit's own); ``--`` ends the search.
     """
-    options: dict[str, Any] = {}
+    options: dict[str, str | bool | list[str]] = {}  # a flag's True, an option's value, a repeated one's values
     rest: list[str] = []
     i = 0
     while i < len(tokens):

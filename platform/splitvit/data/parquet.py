@@ -47,12 +47,12 @@ from .common import (
     mask_to_tensor,
     pil_resample,
 )
-from .shards import MANIFEST
+from .shards import MANIFEST, ShardManifest
 
 log = logging.getLogger(__name__)
 
 
-def resolve_shard_dir(uri: str, split: str | None) -> tuple[str, dict[str, Any] | None]:
+def resolve_shard_dir(uri: str, split: str | None) -> tuple[str, ShardManifest | None]:
     """The folder holding ``split``'s shards and its manifest (None when it has none).
 
     ``uri/split`` is used when it exists; otherwise ``uri`` itself, provided its
@@ -65,13 +65,12 @@ def resolve_shard_dir(uri: str, split: str | None) -> tuple[str, dict[str, Any] 
         manifest = None
         if exists(join_uri(folder, MANIFEST)):
             try:
-                manifest = json.loads(read_bytes(join_uri(folder, MANIFEST)))
+                manifest = ShardManifest.from_dict(json.loads(read_bytes(join_uri(folder, MANIFEST))))
             except ValueError as exc:
                 raise ValueError(f"{join_uri(folder, MANIFEST)}: not valid JSON: {exc}") from None
-        if folder == uri and split and manifest and manifest.get("split") not in (None, split):
+        if folder == uri and split and manifest and manifest.split not in (None, split):
             raise ValueError(
-                f"{uri} holds the {manifest['split']!r} split, not {split!r} "
-                f"(and {join_uri(uri, split)} does not exist)"
+                f"{uri} holds the {manifest.split!r} split, not {split!r} (and {join_uri(uri, split)} does not exist)"
             )
         return folder, manifest
     raise FileNotFoundError(
@@ -149,18 +148,18 @@ class ParquetShards(SkippingDataset):
         self.folder, self.manifest = resolve_shard_dir(self.uri, split)
         self.image_size = image_size
         self.cache_row_groups = cache_row_groups
-        if self.manifest and self.manifest.get("shards"):
+        if self.manifest and self.manifest.shards:
             # The manifest is written last: trusting its list ignores stray or half-written files.
-            files = [join_uri(self.folder, s["file"]) for s in self.manifest["shards"]]
+            files = [join_uri(self.folder, s.file) for s in self.manifest.shards]
         else:
             files = list_files(self.folder, ".parquet", recursive=False)
         if not files:
             raise FileNotFoundError(f"parquet shards: no .parquet files in {self.folder}")
-        m = self.manifest or {}
-        self.num_classes = m.get("num_classes")
-        self.classes = m.get("classes")
-        self.categories: tuple[str, ...] | None = tuple(m["categories"]) if "categories" in m else None
-        self.category_ids: tuple[int, ...] | None = tuple(m["category_ids"]) if "category_ids" in m else None
+        m = self.manifest or ShardManifest()
+        self.num_classes = m.num_classes
+        self.classes = m.classes
+        self.categories: tuple[str, ...] | None = m.categories
+        self.category_ids: tuple[int, ...] | None = m.category_ids
         self.files: list[str] = []
         # footers kept for every process: reopening a file then reads no footer again
         self._metadata: list[pq.FileMetaData] = []
@@ -203,13 +202,13 @@ class ParquetShards(SkippingDataset):
     def _check_detection(self, image_size: int | None) -> None:
         """Detection shards need their manifest (categories, canvas, ground truth) and are
         read at the canvas they hold: boxes, masks and letterbox scales are that canvas's."""
-        m = self.manifest or {}
-        if not m.get("categories") or not m.get("ground_truth"):
+        m = self.manifest or ShardManifest()
+        if not m.categories or not m.ground_truth or m.image_size is None:
             raise ValueError(
                 f"{self.folder}: detection shards without their {MANIFEST} categories and ground truth; "
                 "write them with `splitvit data prepare`"
             )
-        height, width = m["image_size"]
+        height, width = m.image_size
         if image_size is not None and (height, width) != (image_size, image_size):
             raise ValueError(
                 f"{self.folder}: detection shards of {width}x{height} canvases read at {image_size} px; their boxes "
@@ -222,7 +221,7 @@ class ParquetShards(SkippingDataset):
         annotations for a COCO file: in its pixels, as COCO's evaluation compares them)."""
         if self.task != "detection":
             raise ValueError(f"{self.folder}: {self.task} shards have no COCO ground truth (not detection shards)")
-        return json.loads(read_bytes(join_uri(self.folder, self.manifest["ground_truth"])))
+        return json.loads(read_bytes(join_uri(self.folder, self.manifest.ground_truth)))
 
     @staticmethod
     def _read_metadata(fs, uri_: str):

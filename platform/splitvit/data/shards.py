@@ -57,6 +57,66 @@ DETECTION_COLUMNS = ("boxes", "labels", "masks", "iscrowd", "area", "image_id", 
 DETECTION_REQUIRED = DETECTION_COLUMNS[:6]
 
 
+@dataclass(frozen=True)
+class ShardFile:
+    """One shard file of a set: its name in the set's folder, its rows and size."""
+
+    file: str
+    rows: int
+    bytes: int
+
+    def to_dict(self) -> dict[str, str | int]:
+        """The manifest's entry (``shards``' items)."""
+        return {"file": self.file, "rows": self.rows, "bytes": self.bytes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardFile:
+        """A manifest's entry (:meth:`to_dict`)."""
+        return cls(file=str(data["file"]), rows=int(data.get("rows", 0)), bytes=int(data.get("bytes", 0)))
+
+
+@dataclass(frozen=True)
+class ShardManifest:
+    """A shard set's ``_manifest.json`` as its readers use it (:func:`~.parquet.resolve_shard_dir`
+    reads it); :func:`write_shards` writes the file, with the schema, counts and metadata besides.
+
+    Attributes:
+        task: ``classification``, ``segmentation`` or ``detection`` (``None``: not said).
+        image_size: the stored images' ``(height, width)`` (``None``: not said).
+        num_classes, classes: the dataset's, when it has them.
+        shards: the set's files, in order (the manifest is written last: it lists complete files only).
+        split: the split the set holds, when its metadata says.
+        categories, category_ids: detection only: category names and COCO ids in label order.
+        ground_truth: detection only: the COCO ground truth file's name in the folder.
+    """
+
+    task: str | None = None
+    image_size: tuple[int, int] | None = None
+    num_classes: int | None = None
+    classes: list[str] | None = None
+    shards: tuple[ShardFile, ...] = ()
+    split: str | None = None
+    categories: tuple[str, ...] | None = None
+    category_ids: tuple[int, ...] | None = None
+    ground_truth: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardManifest:
+        """The manifest from its JSON (keys it lacks stay ``None``; others are left out)."""
+        size = data.get("image_size")
+        return cls(
+            task=data.get("task"),
+            image_size=(int(size[0]), int(size[1])) if size else None,
+            num_classes=data.get("num_classes"),
+            classes=data.get("classes"),
+            shards=tuple(ShardFile.from_dict(s) for s in data.get("shards") or ()),
+            split=data.get("split"),
+            categories=tuple(data["categories"]) if "categories" in data else None,
+            category_ids=tuple(data["category_ids"]) if "category_ids" in data else None,
+            ground_truth=data.get("ground_truth"),
+        )
+
+
 @dataclass
 class ShardWriteResult:
     """What ``write_shards`` wrote."""
@@ -64,17 +124,18 @@ class ShardWriteResult:
     uri: str
     manifest: str
     rows: int
-    shards: list[dict[str, Any]]
+    shards: list[ShardFile]
     bytes: int
     skipped: int
     skipped_files: list[str]
     task: str
     columns: list[str]
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # the metadata given: any JSON-able facts
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The result as ``splitvit data prepare --json`` reports it."""
+        return {**self.__dict__, "shards": [s.to_dict() for s in self.shards]}
 
 
 def encode_png(array: np.ndarray) -> bytes:
@@ -110,7 +171,7 @@ def _numpy(value: Any) -> np.ndarray:
     return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
-def detection_row(i: int, target: dict[str, Any], size: tuple[int, int]) -> dict[str, Any]:
+def detection_row(i: int, target: dict[str, torch.Tensor], size: tuple[int, int]) -> dict[str, Any]:
     """Item ``i``'s detection target as the values of :data:`DETECTION_COLUMNS`; its image
     is ``size`` (height, width). Instance masks must be 0/1 and the image's size."""
     unknown = sorted(set(target) - set(DETECTION_COLUMNS))
@@ -169,7 +230,7 @@ class _GroundTruth:
         for ann in source["annotations"]:
             self.source_annotations.setdefault(ann["image_id"], []).append(ann)
 
-    def add(self, image: Any, target: dict[str, Any]) -> None:
+    def add(self, image: Any, target: dict[str, torch.Tensor]) -> None:
         """Add an item's image and annotations."""
         if self.source_images is None:
             entry, found = coco_entries(image, target, self.category_ids, len(self.annotations) + 1)
@@ -276,7 +337,7 @@ def write_shards(
     skipped_files = _write_items(writer, dataset, total, strict=strict, num_workers=num_workers, progress=progress)
     if writer.rows == 0:
         raise ValueError(f"no readable items to write to {out_uri} ({len(skipped_files)} corrupt files skipped)")
-    written = [s["file"] for s in writer.shards]
+    written = [s.file for s in writer.shards]
     if writer.ground_truth is not None:
         document = json.dumps(writer.ground_truth.document(), separators=(",", ":"))
         write_bytes(join_uri(out_uri, GROUND_TRUTH), document.encode())
@@ -288,7 +349,7 @@ def write_shards(
         manifest=manifest_uri,
         rows=writer.rows,
         shards=writer.shards,
-        bytes=sum(s["bytes"] for s in writer.shards),
+        bytes=sum(s.bytes for s in writer.shards),
         skipped=len(skipped_files),
         skipped_files=skipped_files,
         task=writer.task or "",
@@ -350,7 +411,7 @@ class _ShardWriter:
         self.task: str | None = None
         self.image_size: tuple[int, int] | None = None
         self.ground_truth: _GroundTruth | None = None  # detection: the COCO document of the images written
-        self.shards: list[dict[str, Any]] = []
+        self.shards: list[ShardFile] = []
         self.rows = 0
 
     def add(self, i: int, item: tuple) -> None:
@@ -421,7 +482,7 @@ class _ShardWriter:
             size = self.fs.get_file_info(path).size
         except OSError as exc:
             raise StorageError(f"{join_uri(self.out_uri, name)}: writing the shard failed: {exc}") from exc
-        self.shards.append({"file": name, "rows": table.num_rows, "bytes": int(size or 0)})
+        self.shards.append(ShardFile(name, table.num_rows, int(size or 0)))
         log.info("wrote %s (%d rows)", join_uri(self.out_uri, name), table.num_rows)
         self.columns = {k: [] for k in self.columns}
 
@@ -491,7 +552,7 @@ def _write_manifest(
             "original_size": "list<int64> the file's height, width (null: not letterboxed)",
             "index": "int64 index in the source dataset",
         },
-        "shards": writer.shards,
+        "shards": [s.to_dict() for s in writer.shards],
         "skipped": len(skipped_files),
         "skipped_files": skipped_files,
         **(metadata or {}),

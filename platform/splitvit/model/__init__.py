@@ -13,6 +13,7 @@ _WHERE = {
     "EntropyPolicy": "policies",
     "GeometryError": "quadtree",
     "LearnedPolicy": "policies",
+    "ModelSpec": "spec",
     "PolicyContext": "policies",
     "QuadtreeGeometry": "quadtree",
     "RandomPolicy": "policies",

@@ -17,6 +17,7 @@ every image its full canvas, and the detections come back in its pixels.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from .roi_align import MultiScaleRoIAlign
-from .splitvit import SplitOutput, SplitViT, checkpoint_spec, load_checkpoint_state
+from .spec import checkpoint_spec
+from .splitvit import SplitOutput, SplitViT, load_checkpoint_state
 
 #: ViTDet's pyramid: the fine map upsampled 4x and 2x, as it is, and pooled 2x.
 PYRAMID_SCALES = (4.0, 2.0, 1.0, 0.5)
@@ -348,7 +350,7 @@ class SplitDetector(nn.Module):
             raise ValueError("only a detector on a SplitViT built from a timm model name can be saved with its spec")
         payload = {
             "kind": "detector",
-            "spec": self.backbone.spec,
+            "spec": self.backbone.spec.to_dict(),
             "detector": dict(self.options),
             "state_dict": self.state_dict(),
             "data_config": self.backbone.data_config,
@@ -362,14 +364,13 @@ class SplitDetector(nn.Module):
         :meth:`SplitViT.from_checkpoint` does)."""
         if payload.get("kind") != "detector":
             raise ValueError("not a detector checkpoint (a SplitViT's? load it with SplitViT.load)")
-        spec = checkpoint_spec(payload, overrides)
-        spec.pop("num_classes", None)  # the backbone has no head; the detector's classes are its own
+        # the backbone has no head: the detector's classes are its own
+        spec = dataclasses.replace(checkpoint_spec(payload, overrides), num_classes=None)
         options = dict(payload["detector"])
         num_classes, channels = options.pop("num_classes"), options.pop("pyramid_channels")
-        model = cls.from_timm(
-            spec.pop("name"), num_classes=num_classes, pyramid_channels=channels, detector_options=options, **spec
-        )
-        load_checkpoint_state(model, payload, overrides, prefix="backbone.")
+        backbone = SplitViT.from_spec(spec, payload.get("data_config"))
+        model = cls(backbone, num_classes, pyramid_channels=channels, **options)
+        load_checkpoint_state(model, payload, spec, prefix="backbone.")
         return model
 
     @classmethod

@@ -50,7 +50,7 @@ from timm.data import resolve_model_data_config
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
-from ..config import LEGACY_KEYS, ConfigError, PolicyConfig, build_dataclass
+from ..config import PolicyConfig
 from .aggregation import FineAggregation
 from .heads import DenseHead, masked_pool
 from .names import INPUT_NORMALIZATIONS, POLICY_NAMES, TASKS
@@ -78,6 +78,7 @@ from .quadtree import (
     top_down_decisions,
     upsample_to_children,
 )
+from .spec import PLAIN_TYPES, SPEC_OPTIONS, ModelSpec, checkpoint_spec, policy_settings
 from .stages import StageClock
 
 ATTENTION_MODES = ("packed", "padded")
@@ -110,9 +111,10 @@ class SplitOutput:
         padded_tokens: image-token slots the encoder's blocks processed, padding
             included (prefix tokens excluded). The packed path's norms, linear
             layers and MLP process no padding, so there it equals ``tokens.sum()``.
-        extras: optional outputs: ``fine_attention`` (``return_attention=True``);
-            ``attention_slots`` when the packed path padded its attention (the CPU
-            kernel): the image-token slots its attention processed, padding included.
+        fine_attention: ``return_attention=True`` only: the last block's attention from
+            the prefix (or mean) query onto each finest cell, ``(B, H_f, W_f)``.
+        attention_slots: when the packed path padded its attention (the CPU kernel):
+            the image-token slots its attention processed, padding included; else ``None``.
     """
 
     logits: torch.Tensor
@@ -121,7 +123,8 @@ class SplitOutput:
     split_probs: list[torch.Tensor] | None
     full_tokens: int
     padded_tokens: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    fine_attention: torch.Tensor | None = None
+    attention_slots: int | None = None
     _expected_tokens: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -246,7 +249,7 @@ class SplitViT(nn.Module):
         length_buckets: int = 1,
         attention: str = "packed",
         token_buckets: int = 0,
-        spec: dict[str, Any] | None = None,
+        spec: ModelSpec | None = None,
         data_config: dict[str, Any] | None = None,
         fine_aggregation: bool = False,
     ) -> None:
@@ -375,16 +378,16 @@ class SplitViT(nn.Module):
                 # timm's own loader (load_checkpoint): the whole state dict, head included
                 create["checkpoint_path"] = str(path)
             vit = timm.create_model(model_or_name, pretrained=pretrained, **create)
-            spec = {
-                "name": model_or_name,
-                "levels": levels,
-                "policy": dataclasses.asdict(policy_settings(policy)),
-                "image_size": image_size,
-                "num_classes": num_classes,
-                "timm_kwargs": dict(timm_kwargs or {}),
-                "normalize": normalize,
-                **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, list, tuple, type(None)))},
-            }
+            spec = ModelSpec(
+                name=model_or_name,
+                levels=levels,
+                policy=dataclasses.replace(policy_settings(policy)),  # a copy: the caller's settings may change
+                image_size=image_size,
+                num_classes=num_classes,
+                timm_kwargs=dict(timm_kwargs or {}),
+                normalize=normalize,
+                **{k: v for k, v in kwargs.items() if k in SPEC_OPTIONS and isinstance(v, PLAIN_TYPES)},
+            )
         else:
             vit = model_or_name
             if (
@@ -404,15 +407,32 @@ class SplitViT(nn.Module):
         the data config its inputs are prepared with (``data_config``)."""
         if self.spec is None:
             raise ValueError("only a SplitViT built from a timm model name can be saved with its spec")
-        payload = {"spec": self.spec, "state_dict": self.state_dict(), "data_config": self.data_config}
+        payload = {"spec": self.spec.to_dict(), "state_dict": self.state_dict(), "data_config": self.data_config}
         torch.save({**payload, **(extra or {})}, path)
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, data_config: dict[str, Any] | None = None) -> SplitViT:
+        """Build the model ``spec`` describes (no pretrained weights: a checkpoint brings its
+        own), with a saved ``data_config`` rather than the one timm resolves today (a trained
+        model keeps its own; mean and std also come back with the state dict's buffers)."""
+        return cls.from_timm(
+            spec.name,
+            levels=spec.levels,
+            policy=spec.policy,
+            image_size=spec.image_size,
+            num_classes=spec.num_classes,
+            timm_kwargs=spec.timm_kwargs,
+            normalize=spec.normalize,
+            data_config=data_config,
+            **spec.options(),
+        )
 
     @classmethod
     def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> SplitViT:
         """Rebuild from a payload written by :meth:`save` (``overrides`` change the spec, e.g. the policy)."""
         spec = checkpoint_spec(payload, overrides)
-        model = cls.from_timm(spec.pop("name"), **spec)
-        load_checkpoint_state(model, payload, overrides)
+        model = cls.from_spec(spec, payload.get("data_config"))
+        load_checkpoint_state(model, payload, spec)
         return model
 
     @classmethod
@@ -487,7 +507,7 @@ class SplitViT(nn.Module):
         if name != "learned":
             return build_policy(name, embed_dim=self.embed_dim, levels=self.levels)
         settings = self.policy_config
-        options: dict[str, Any] = {"budget_conditioned": True} if settings.budget_conditioned else {}
+        options: dict[str, bool | int | str] = {"budget_conditioned": True} if settings.budget_conditioned else {}
         if settings.level_context:
             options["level_context"] = True
         if settings.feature_grad:
@@ -735,7 +755,7 @@ class SplitViT(nn.Module):
             decisions: explicit hierarchical split decisions (e.g. random warm-up
                 splits); bypasses the policy.
             return_attention: also return the last block's attention from the prefix
-                (or mean) query onto each finest cell, in ``extras["fine_attention"]``.
+                (or mean) query onto each finest cell, in ``fine_attention``.
             embeddings: precomputed level embeddings (saliency needs a handle on them).
             budget: the target token ratio a budget-conditioned policy is told for
                 this call: a number in ``(0, 1]``, or a scalar or ``(B,)`` tensor;
@@ -826,13 +846,10 @@ class SplitViT(nn.Module):
             split_probs=encoded.probs,
             full_tokens=geometry.full_tokens,
             padded_tokens=encoded.padded,
+            attention_slots=encoded.attention_slots,
         )
-        if encoded.attention_slots is not None:
-            out.extras["attention_slots"] = encoded.attention_slots
         if return_attention:
-            out.extras["fine_attention"] = self._attention_to_fine(
-                encoded.attention, encoded.layout, encoded.leaves, geometry
-            )
+            out.fine_attention = self._attention_to_fine(encoded.attention, encoded.layout, encoded.leaves, geometry)
         return out
 
     def _gather_leaves(self, embeds, leaves, per_level, gates, geometry, return_attention: bool = False):
@@ -1184,7 +1201,7 @@ class SplitViT(nn.Module):
         if method == "attention":
             with torch.no_grad():
                 out = self.forward(images, decisions=full, return_attention=True)
-            fine, logits = out.extras["fine_attention"], out.logits
+            fine, logits = out.fine_attention, out.logits
         elif method == "gradient":
             embeds = _LevelEmbeddings(self, images, geometry)
             with torch.enable_grad():
@@ -1237,73 +1254,13 @@ class _LevelEmbeddings:
         return model.embed_level(self.images, self.geometry, level, self._pos, patches)
 
 
-def policy_settings(policy: PolicyConfig | dict[str, Any] | str) -> PolicyConfig:
-    """The policy's settings from a :class:`~splitvit.config.PolicyConfig`, a mapping of
-    its fields (a spec's), or a policy's name (the rest at their defaults); ``ValueError``
-    for an unknown name, field or value."""
-    if isinstance(policy, PolicyConfig):
-        return policy
-    if isinstance(policy, str):
-        policy = {"kind": policy}
-    if not isinstance(policy, dict):
-        raise TypeError(f"policy must be a PolicyConfig, a mapping or a name, got {type(policy).__name__}")
-    try:
-        return build_dataclass(PolicyConfig, policy, "policy.")
-    except ConfigError as exc:
-        raise ValueError(str(exc).removeprefix("config error: ")) from None
-
-
-#: a spec's keys before the policy's settings were one mapping (:data:`splitvit.config.LEGACY_KEYS`'
-#: ``model.policy_*`` and ``model.budget_conditioned``, without ``model.``)
-_LEGACY_SPEC_KEYS = {
-    old.removeprefix("model."): new.removeprefix("model.policy.")
-    for old, new in LEGACY_KEYS.items()
-    if old.startswith("model.") and new.startswith("model.policy.") and old != "model.policy"
-}
-
-
-def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """A saved spec with its policy's settings as one mapping (``policy: {kind, depth,
-    ...}``): an old checkpoint's spec had a name (``policy: learned``) and flat keys
-    (``policy_depth: 1``, ``budget_conditioned: true``...), mapped here by the config's
-    legacy table. A copy; a current spec comes back as it is."""
-    spec = dict(spec)
-    policy = spec.get("policy", "learned")
-    settings = dict(policy) if isinstance(policy, dict) else {"kind": policy}
-    for old, new in _LEGACY_SPEC_KEYS.items():
-        if old in spec:
-            settings[new] = spec.pop(old)
-    spec["policy"] = settings
-    return spec
-
-
-def checkpoint_spec(payload: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """The spec a :meth:`SplitViT.save` payload (or a detector's) rebuilds its SplitViT
-    from: the saved spec, ``overrides`` over it, and the saved data config, not the one
-    timm resolves today (a trained model keeps its own; mean and std also come back
-    with the state dict's buffers)."""
-    spec = upgrade_spec(payload["spec"])
-    if "policy" in overrides:  # a name changes the kind alone; settings replace the saved ones
-        given = overrides["policy"]
-        saved = spec.get("policy", {})
-        policy = {**saved, "kind": given} if isinstance(given, str) else dataclasses.asdict(policy_settings(given))
-        overrides = {**overrides, "policy": policy}
-    spec = {**spec, **overrides}
-    if payload.get("data_config") is not None:
-        spec.setdefault("data_config", payload["data_config"])
-    return spec
-
-
-def load_checkpoint_state(
-    model: nn.Module, payload: dict[str, Any], overrides: dict[str, Any], prefix: str = ""
-) -> None:
-    """Load a payload's weights into the model rebuilt from it. Under another policy
-    than the saved one (``overrides["policy"]``) the policy's parameters (under
-    ``prefix + "policy."``) are left out: that policy has other (or no) parameters;
-    the backbone's are kept."""
+def load_checkpoint_state(model: nn.Module, payload: dict[str, Any], spec: ModelSpec, prefix: str = "") -> None:
+    """Load a payload's weights into the model rebuilt from it by ``spec`` (its
+    :func:`checkpoint_spec`). Under another policy than the saved one the policy's
+    parameters (under ``prefix + "policy."``) are left out: that policy has other (or no)
+    parameters; the backbone's are kept."""
     state = payload["state_dict"]
-    saved = policy_settings(upgrade_spec(payload["spec"]).get("policy", "learned")).kind
-    if policy_settings(overrides.get("policy", saved)).kind != saved:
+    if spec.policy.kind != ModelSpec.from_dict(payload["spec"]).policy.kind:
         state = {k: v for k, v in state.items() if not k.startswith(prefix + "policy.")}
         model.load_state_dict(state, strict=False)
     else:
@@ -1367,7 +1324,7 @@ def channel_stats(config: dict[str, Any], channels: int) -> tuple[list[float], l
     return mean, std
 
 
-def fill_legacy_normalisation(state_dict: dict[str, Any], prefix: str = "") -> None:
+def fill_legacy_normalisation(state_dict: dict[str, torch.Tensor], prefix: str = "") -> None:
     """Give a state dict written before SplitViT normalised its inputs (a backbone, no
     ``input_mean`` / ``input_std``) the buffers it was trained with: its weights saw
     raw ``[0, 1]`` images, so it loads as un-normalised, mean 0 and std 1 (the
@@ -1382,13 +1339,13 @@ def fill_legacy_normalisation(state_dict: dict[str, Any], prefix: str = "") -> N
             state_dict[prefix + name] = torch.full(shape, fill, dtype=torch.float32)
 
 
-def _fill_legacy_normalisation(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _fill_legacy_normalisation(state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook: :func:`fill_legacy_normalisation` on every load
     (``from_checkpoint``, a resumed run, ``init_from``)."""
     fill_legacy_normalisation(state_dict, prefix)
 
 
-def _keep_budget_if_missing(module: SplitViT, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _keep_budget_if_missing(module: SplitViT, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook: a state dict written before the ``budget`` buffer
     existed (or a partial one) keeps the model's current budget, so it still loads strictly."""
     state_dict.setdefault(prefix + "budget", module.budget.detach().clone())
