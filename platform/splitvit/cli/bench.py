@@ -486,5 +486,5 @@ def run_data(args: argparse.Namespace) -> int:
     )
     result = run_data_benchmark(settings)
     print(format_data_report(result))
-    emit(args, result.as_dict())
+    emit(args, result.to_dict())
     return 0
