@@ -87,9 +87,9 @@ def test_a_library_not_installed_is_one_error_naming_it_and_where_it_was_looked_
     with pytest.raises(AllocatorError, match="'jemalloc' is not installed"):
         choose_allocators(("glibc-keep", "jemalloc"), (str(empty),))
     chosen = choose_allocators(("all",), (str(empty),))
-    assert list(chosen["env"]) == ["glibc", "glibc-keep"]  # the default always, first
-    assert [line.split("'")[1] for line in chosen["skipped"]] == ["jemalloc", "tcmalloc"]
-    assert list(choose_allocators(("glibc-keep",))["env"]) == ["glibc", "glibc-keep"]
+    assert list(chosen.env) == ["glibc", "glibc-keep"]  # the default always, first
+    assert [line.split("'")[1] for line in chosen.skipped] == ["jemalloc", "tcmalloc"]
+    assert list(choose_allocators(("glibc-keep",)).env) == ["glibc", "glibc-keep"]
 
 
 def test_a_missing_library_stops_the_benchmark_before_anything_runs(tmp_path, monkeypatch):
@@ -148,7 +148,8 @@ def test_a_real_tiny_run_under_two_allocators(tmp_path, monkeypatch):
     """Four children (glibc and glibc-keep, the control and SPLIT), each reporting back
     the allocator variables it saw: an inherited one must not leak into them."""
     monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # this process's own: stripped from every child
-    result = run_allocator_benchmark(_tiny_config(), allocators=("glibc-keep",), rounds=1, threads=1, skip_epochs=1)
+    part = run_allocator_benchmark(_tiny_config(), allocators=("glibc-keep",), rounds=1, threads=1, skip_epochs=1)
+    result = part.to_dict()  # the JSON bench train writes under "allocators"
     runs = result["runs"]
     assert [(r["allocator"], r["model"]) for r in runs] == [
         ("glibc", "full"),
@@ -176,7 +177,7 @@ def test_a_real_tiny_run_under_two_allocators(tmp_path, monkeypatch):
     assert [t["key"] for t in result["targets"]] == ["allocator-glibc-keep-full", "allocator-glibc-keep-split"]
     assert result["warnings"] == [] and result["skipped"] == []
     json.dumps(result)  # the --json envelope takes it
-    report = "\n".join(format_allocator_lines(result))
+    report = "\n".join(format_allocator_lines(part))
     assert "glibc-keep  split" in report and "peak RSS MiB" in report
 
 

@@ -13,6 +13,7 @@ from splitvit.bench.forward import (
     CPU_SPEEDUP_TARGETS,
     OUTSIDE_BLOCKS_TARGET,
     OVERHEAD_TARGET,
+    ForwardReport,
     ForwardSettings,
     benchmark_images,
     benchmark_vit,
@@ -33,7 +34,7 @@ RATIOS = (0.5, 0.7)
 
 
 @pytest.fixture(scope="module")
-def result() -> dict:
+def report() -> ForwardReport:
     torch.manual_seed(0)
     return run_forward_benchmark(
         ForwardSettings(
@@ -51,6 +52,12 @@ def result() -> dict:
             memory=("profiler",),
         )
     )
+
+
+@pytest.fixture(scope="module")
+def result(report) -> dict:
+    """The report's JSON, as ``--json`` writes it."""
+    return report.to_dict()
 
 
 def test_structure_and_json(result):
@@ -152,7 +159,7 @@ def test_learned_variants_differ_only_in_the_policys_blocks():
     assert benchmark_vit("vit_base_patch16_224", timm_kwargs=dict(depth=1))[1] == 2  # 224 px: 32-px coarse patches
 
 
-def test_targets_report_what_was_measured(result):
+def test_targets_report_what_was_measured(result, report):
     targets = result["targets"]
     keys = [t["key"] for t in targets]
     assert keys.count("a") == 1 and keys.count("b") == len(CPU_SPEEDUP_TARGETS) and keys.count("c") == len(RATIOS)
@@ -172,8 +179,8 @@ def test_targets_report_what_was_measured(result):
     overhead = next(t for t in targets if t["key"] == "a")
     per_round = [f / t - 1 for f, t in zip(samples["split_full"], samples["timm"])]
     assert overhead["per_round"]["values"] == pytest.approx(per_round)
-    report = format_report(result)
-    assert report.count("PASS") + report.count("MISS") == len(targets)
+    text = format_report(report)
+    assert text.count("PASS") + text.count("MISS") == len(targets)
     for label in (
         "timm ViT (full res)",
         "SplitViT full",
@@ -190,7 +197,7 @@ def test_targets_report_what_was_measured(result):
         "profiler",
         "1.85x",
     ):
-        assert label in report, label
+        assert label in text, label
 
 
 def test_profiler_memory(result):
@@ -204,8 +211,8 @@ def test_profiler_memory(result):
 def test_rss_memory_probe_in_fresh_subprocess():
     vit, _ = benchmark_vit("vit_tiny_patch16_224", image_size=32, patch_size=8, timm_kwargs=TINY, num_classes=10)
     out = measure_memory({"timm": (vit, "timm")}, benchmark_images(2, 32), methods=("rss",))
-    m = out["models"]["timm"]
-    assert "rss" in out["methods"]
+    m = out.models["timm"]
+    assert "rss" in out.methods
     assert m["rss_before"] > 0 and m["rss_peak"] >= m["rss_before"]
     assert m["rss_growth"] == m["rss_peak"] - m["rss_before"]
 
@@ -246,7 +253,7 @@ def test_fixed_shape_and_compiled_benchmark_runs_every_side_compiled(monkeypatch
         return original(fn, backend="eager", dynamic=options.get("dynamic"))
 
     monkeypatch.setattr(torch, "compile", eager_compile)
-    result = run_forward_benchmark(
+    report = run_forward_benchmark(
         ForwardSettings(
             "vit_tiny_patch16_224",
             image_size=64,
@@ -267,10 +274,10 @@ def test_fixed_shape_and_compiled_benchmark_runs_every_side_compiled(monkeypatch
     assert "VisionTransformer" in names and "_encode_sequence" in names
     assert names.count("_before") == names.count("_after") == TINY["depth"]  # every block of the packed encoder
     assert all(dynamic is False for _, dynamic in compiled)  # static shapes: one graph per token bucket
-    assert result["config"]["token_buckets"] == 2 and result["config"]["compile"] is True
-    (point,) = result["points"]
-    assert abs(point["token_ratio"] - 0.5) < 0.1 and point["speedup_vs_timm"] > 0
-    assert "packed sizes in 2 fixed buckets" in format_report(result)
+    assert report.config.token_buckets == 2 and report.config.compile is True
+    (point,) = report.points
+    assert abs(point.token_ratio - 0.5) < 0.1 and point.speedup_vs_timm > 0
+    assert "packed sizes in 2 fixed buckets" in format_report(report)
 
 
 def _tiny_forward_argv(out, option: str) -> list[str]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from splitvit.bench.parts import (
     ARITHMETIC_STAGES,
+    PartsReport,
     PartsSettings,
     across_runs,
     ceiling_speedup,
@@ -251,12 +252,12 @@ def test_a_split_models_figures_are_per_run_then_their_median():
         {"blocks": 4.0, "level_context": 0.4, "packing": 1.0},  # 4.4: ceiling 2.5
     ]
     figures = split_figures_across_runs(full, model, stages)
-    assert figures["runs"]["speedup_vs_full"] == pytest.approx([2.0, 1.5, 2.5])
-    assert figures["runs"]["ceiling_speedup"] == pytest.approx([4.0, 2.0, 2.5])
-    assert figures["runs"]["share_of_ceiling"] == pytest.approx([0.5, 0.75, 1.0])
-    assert figures["speedup_vs_full"] == pytest.approx(2.0) and figures["speedup_range"] == pytest.approx([1.5, 2.5])
-    assert figures["ceiling_speedup"] == pytest.approx(2.5) and figures["ceiling_range"] == pytest.approx([2.0, 4.0])
-    assert figures["share_of_ceiling"] == pytest.approx(0.75) and figures["share_range"] == pytest.approx([0.5, 1.0])
+    assert figures.runs["speedup_vs_full"] == pytest.approx([2.0, 1.5, 2.5])
+    assert figures.runs["ceiling_speedup"] == pytest.approx([4.0, 2.0, 2.5])
+    assert figures.runs["share_of_ceiling"] == pytest.approx([0.5, 0.75, 1.0])
+    assert figures.speedup_vs_full == pytest.approx(2.0) and figures.speedup_range == pytest.approx([1.5, 2.5])
+    assert figures.ceiling_speedup == pytest.approx(2.5) and figures.ceiling_range == pytest.approx([2.0, 4.0])
+    assert figures.share_of_ceiling == pytest.approx(0.75) and figures.share_range == pytest.approx([0.5, 1.0])
     with pytest.raises(ValueError, match="one figure per run"):
         split_figures_across_runs(full, model[:2], stages)
 
@@ -272,7 +273,8 @@ def test_bench_parts_reports_the_ceiling_and_the_spread_of_its_runs():
     its share of it and the runs' spread, in the JSON and in the printout; full
     resolution has neither."""
     settings = PartsSettings(batch_sizes=(2,), ratios=(0.5,), repeats=1, warmup=0, runs=2, threads=1)
-    result = run_parts_benchmark(tiny_model(**RECIPE), settings, "tiny")
+    report = run_parts_benchmark(tiny_model(**RECIPE), settings, "tiny")
+    result = report.to_dict()  # the JSON --json writes
     assert result["settings"]["runs"] == 2
     models = result["batches"][0]["models"]
     full, split = models["full"], models["split@0.50"]
@@ -288,7 +290,7 @@ def test_bench_parts_reports_the_ceiling_and_the_spread_of_its_runs():
     low, high = split["share_range"]
     assert low == min(runs["share_of_ceiling"]) and high == max(runs["share_of_ceiling"]) and low > 0
     assert split["speedup_range"] == [min(runs["speedup_vs_full"]), max(runs["speedup_vs_full"])]
-    printed = format_parts_report(result)
+    printed = format_parts_report(report)
     ceiling_row = next(line for line in printed.splitlines() if line.startswith("ceiling vs full"))
     assert ceiling_row.split()[3:] == ["-", f"{split['ceiling_speedup']:.2f}x"]
     share_row = next(line for line in printed.splitlines() if line.startswith("share of ceiling"))
@@ -304,11 +306,26 @@ def test_a_result_written_before_runs_and_the_ceiling_prints_as_it_did():
     """A committed measurement (one run, no ceiling) formats to the text committed beside
     it, with no ceiling rows."""
     folder = Path(__file__).resolve().parents[1] / "docs/measurements/cpu-2026-12-05-seg-speed"
-    result = json.loads((folder / "parts_study_fashion.json").read_text())
-    assert "runs" not in result["settings"]
+    result = PartsReport.from_dict(json.loads((folder / "parts_study_fashion.json").read_text()))
+    assert result.settings.runs is None
     printed = format_parts_report(result)
     assert printed == (folder / "parts_study_fashion.txt").read_text().rstrip("\n")
     assert "ceiling" not in printed and "medians of 20 interleaved rounds" in printed
+
+
+def test_committed_parts_results_read_back_to_the_same_json():
+    """Every committed ``bench parts`` result, of every version (before ``runs``, before
+    the precision settings), reads back and writes out the same (the envelope aside)."""
+    envelope = {"command", "error", "mlflow", "status", "wall_time_s"}
+    paths = [
+        path
+        for path in sorted((Path(__file__).resolve().parents[1] / "docs/measurements").rglob("*.json"))
+        if '"benchmark": "parts"' in path.read_text()
+    ]
+    assert len(paths) >= 20
+    for path in paths:
+        data = {k: v for k, v in json.loads(path.read_text()).items() if k not in envelope}
+        assert PartsReport.from_dict(data).to_dict() == data, path
 
 
 def test_identity_normalisation_is_skipped_and_noticed_when_the_buffers_change():

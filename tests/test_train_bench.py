@@ -4,6 +4,8 @@ session's shared Ray)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 
@@ -13,7 +15,6 @@ from splitvit.bench.training import (
     RAY_OVERHEAD_TARGET,
     STEP_NAMES,
     benchmark_config,
-    format_train_report,
     run_train_benchmark,
 )
 from splitvit.cli import main
@@ -55,10 +56,18 @@ TINY_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def cli_result(tmp_path_factory, ray_session):
+def cli_run(tmp_path_factory, ray_session):
+    """The JSON ``splitvit bench train --json`` wrote, and the report it printed."""
     out = tmp_path_factory.mktemp("bench-train") / "train.json"
-    assert main(["bench", "train", *TINY_ARGS, "--json", str(out)]) == 0
-    return json.loads(out.read_text())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["bench", "train", *TINY_ARGS, "--json", str(out)]) == 0
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cli_result(cli_run):
+    return cli_run[0]
 
 
 def test_json_structure_and_finite(cli_result):
@@ -111,8 +120,8 @@ def test_ray_overhead_figures(cli_result):
     assert cli_result["targets"] == [target]
 
 
-def test_report_labels(cli_result):
-    report = format_train_report(cli_result)
+def test_report_labels(cli_run):
+    cli_result, report = cli_run
     for label in (
         "A. training-step throughput",
         "SPLIT learned",
@@ -166,6 +175,7 @@ def test_part_bs_records_write_its_json_and_ray_counts_its_start_up_end_to_end()
         OverheadPair,
         PlainRun,
         RayRun,
+        WorkerThreads,
         _overhead_figures,
         _steady,
         _whole_epochs,
@@ -175,7 +185,10 @@ def test_part_bs_records_write_its_json_and_ray_counts_its_start_up_end_to_end()
         return [EpochFigures(e, 100, 2.0, 50.0, 3.0, save_s, 0.5, 0.4) for e in range(2)]
 
     plain = PlainRun(epochs(0.1), 8.0, 1, None, 1.0)
-    ray = RayRun(epochs(None), 9.0, 1.0, 10.0, True, {"forced": False}, 1.5, 0.2)
+    worker = WorkerThreads(
+        pid=1, omp_num_threads="1", torch_threads_found=1, torch_threads=1, interop_threads=1, forced=False
+    )
+    ray = RayRun(epochs(None), 9.0, 1.0, 10.0, True, worker, 1.5, 0.2)
     _whole_epochs([{"epoch": e, "wall": 4.0 * e, "cpu": 3.0 * e} for e in range(3)], plain.epochs)
     _whole_epochs([{"epoch": e, "wall": 5.0 * e, "cpu": 2.0 * e} for e in range(2)], ray.epochs)
     plain.steady, ray.steady = _steady(plain.epochs, 1), _steady(ray.epochs, 1)
@@ -191,4 +204,5 @@ def test_part_bs_records_write_its_json_and_ray_counts_its_start_up_end_to_end()
     assert figures["ratio_whole_epoch"] == pytest.approx(4.0 / 5.0)
     assert figures["ratio_whole_epoch_cpu_time"] == pytest.approx(3.0 / 2.0)
     assert figures["ratio_end_to_end"] == pytest.approx(8.0 / 10.0) and figures["ratio_steady"] == 1.0
+    assert data["ray"]["worker_threads"]["omp_num_threads"] == "1"
     assert json.loads(json.dumps(data)) == data

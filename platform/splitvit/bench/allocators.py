@@ -36,10 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from ..config import ExperimentConfig, upgrade_sections
+from ..jsontypes import JsonObject
 from ..train.allocator import (
     ALLOCATORS,
     DEFAULT_ALLOCATOR,
@@ -50,8 +52,8 @@ from ..train.allocator import (
     resolve_allocator_env,
     strip_allocator_env,
 )
-from .report import make_target, target_table, text_table
-from .timing import quartiles
+from .records import PolicyAim
+from .report import RoundRatios, Target, make_target, target_table, text_table
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,20 @@ ALLOCATOR_GAIN_TARGET = 1.03
 
 
 # ---------------------------------------------------------------------- choosing
-def choose_allocators(names: tuple[str, ...], search_dirs: tuple[str, ...] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ChosenAllocators:
+    """The allocators to run (:func:`choose_allocators`), the default first."""
+
+    env: dict[str, dict[str, str]]  # per allocator, the environment that selects it here
+    skipped: list[str]  # a line per allocator of ``all`` not installed
+
+
+def choose_allocators(names: tuple[str, ...], search_dirs: tuple[str, ...] | None = None) -> ChosenAllocators:
     """The allocators to run, the default first, each with the environment that selects
     it here; ``all`` is every known one, those not installed skipped with a line each.
     An allocator named explicitly that is not installed is an
     :class:`~splitvit.train.allocator.AllocatorError` (its library, the directories
-    searched), raised before anything runs. Returns ``{"env": {name: env}, "skipped":
-    [lines]}``."""
+    searched), raised before anything runs."""
     everything = "all" in names
     wanted = list(ALLOCATORS) if everything else [DEFAULT_ALLOCATOR, *names]
     for name in wanted:
@@ -82,7 +91,7 @@ def choose_allocators(names: tuple[str, ...], search_dirs: tuple[str, ...] | Non
             if not everything or name in names:
                 raise
             skipped.append(f"skipped: {exc}")
-    return {"env": envs, "skipped": skipped}
+    return ChosenAllocators(env=envs, skipped=skipped)
 
 
 def model_configs(config: ExperimentConfig) -> dict[str, dict[str, Any]]:
@@ -179,13 +188,14 @@ def train_in_this_process(spec: dict[str, Any]) -> dict[str, Any]:
         "allocator_env": allocator_env_seen(),
         "preloaded_library": loaded_library(allocator),
         "torch_threads": torch.get_num_threads(),
-        "policy_aim": aim,
+        "policy_aim": None if aim is None else asdict(aim),
     }
 
 
-def _run_child(spec: dict[str, Any], env: dict[str, str], folder: Path, label: str) -> dict[str, Any]:
+def _run_child(spec: JsonObject, env: dict[str, str], folder: Path, label: str) -> tuple[JsonObject, float]:
     """One child process under ``env`` (the allocator's variables on this process's
-    environment without its own), running :func:`train_in_this_process` on ``spec``."""
+    environment without its own), running :func:`train_in_this_process` on ``spec``:
+    what it wrote, and its wall seconds."""
     spec_path, out_path = folder / f"{label}-spec.json", folder / f"{label}-out.json"
     spec_path.write_text(json.dumps(spec))
     package_root = str(Path(__file__).resolve().parents[2])  # the folder holding splitvit/
@@ -202,62 +212,158 @@ def _run_child(spec: dict[str, Any], env: dict[str, str], folder: Path, label: s
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"bench train allocators: the {label} run failed (exit {done.returncode}):\n{tail}")
-    result = json.loads(out_path.read_text())
-    result["wall_s"] = time.perf_counter() - start
-    return result
+    return json.loads(out_path.read_text()), time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------- figures
-def _steady(run: dict[str, Any], skip: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AllocatorSteady:
+    """A run's steady epochs (:func:`_steady`)."""
+
+    images_per_s: float  # training images over the training loop's seconds
+    token_fraction: float
+    minor_faults_per_image: float
+    system_cpu_share: float | None  # the kernel's share of the CPU time (None: no CPU time)
+
+
+@dataclass(frozen=True)
+class AllocatorRun:
+    """One child's run: what it wrote (:func:`train_in_this_process`), its wall seconds,
+    which round, allocator and model it was, and its steady figures."""
+
+    pid: int
+    epochs: list[dict[str, float]]  # per epoch: images, seconds, token ratio, faults, CPU seconds
+    max_rss_mib: float
+    max_rss_before_training_mib: float | None  # the peak before the first epoch (None: no epoch marked)
+    allocator_env: dict[str, str]  # the allocator variables the child saw
+    preloaded_library: str | None
+    torch_threads: int
+    policy_aim: PolicyAim | None  # the split model's (None: full resolution)
+    wall_s: float
+    round: int
+    allocator: str
+    model: str
+    env: dict[str, str]  # what the child was given
+    steady: AllocatorSteady
+
+    @classmethod
+    def of_child(cls, written: JsonObject, **given: Any) -> AllocatorRun:
+        """The run from the child's JSON and what the parent knows of it (``given``)."""
+        aim = written["policy_aim"]
+        child = {f.name: written[f.name] for f in fields(cls) if f.name in written}
+        return cls(**{**child, "policy_aim": None if aim is None else PolicyAim.from_dict(aim)}, **given)
+
+
+@dataclass(frozen=True)
+class AllocatorSummary:
+    """One allocator and model over the rounds, and its ratios to the default's (:func:`_summary`)."""
+
+    images_per_s: float  # steady, the median over rounds
+    images_per_s_min: float
+    images_per_s_max: float
+    images_per_s_rounds: list[float]
+    ratio_to_default: float
+    ratio_per_round: RoundRatios  # paired by round with the default's run
+    max_rss_mib: float
+    max_rss_mib_max: float
+    rss_ratio_to_default: float
+    rss_growth_in_training_mib: float
+    minor_faults_per_image: float
+    system_cpu_share: float | None
+    token_fraction: float
+
+
+@dataclass(frozen=True)
+class AllocatorChoice:
+    """An allocator as part C ran it: what it is, and the environment that selected it."""
+
+    description: str
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """Part C's ``config``: the experiment and how every child was run."""
+
+    experiment: JsonObject  # the SPLIT config, redacted: :meth:`ExperimentConfig.to_dict`
+    threads: int
+    device: str
+    rounds: int
+    skip_epochs: int
+    allocators: dict[str, AllocatorChoice]  # the default first
+    inherited_allocator_env: dict[str, str]  # this process's allocator variables (kept from the children)
+
+
+@dataclass(frozen=True)
+class AllocatorReport:
+    """Part C's result (:func:`run_allocator_benchmark`): every run, per allocator and
+    model its summary, the targets and the runs that did not run as labelled."""
+
+    config: AllocatorConfig
+    skipped: list[str]
+    load_average_start: list[float]
+    load_average_end: list[float]
+    runs: list[AllocatorRun]
+    figures: dict[str, dict[str, AllocatorSummary]]  # per allocator, per model
+    targets: list[Target]
+    warnings: list[str]
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON (``allocators``)."""
+        data = asdict(self)
+        data["targets"] = [t.to_dict() for t in self.targets]
+        return data
+
+
+def _steady(epochs: list[dict[str, float]], skip: int) -> AllocatorSteady:
     """A run's steady epochs (after ``skip``): images/s over the training loop's
     seconds, token fraction, minor faults per image and the kernel's share of CPU time."""
-    kept = [e for e in run["epochs"] if e["epoch"] >= skip]
+    kept = [e for e in epochs if e["epoch"] >= skip]
     images, seconds = sum(e["images"] for e in kept), sum(e["train_s"] for e in kept)
     cpu = sum(e["user_s"] + e["system_s"] for e in kept)
-    return {
-        "images_per_s": images / seconds,
-        "token_fraction": statistics.fmean(e["token_ratio"] for e in kept),
-        "minor_faults_per_image": sum(e["minor_faults"] for e in kept) / images,
-        "system_cpu_share": sum(e["system_s"] for e in kept) / cpu if cpu > 0 else None,
-    }
+    return AllocatorSteady(
+        images_per_s=images / seconds,
+        token_fraction=statistics.fmean(e["token_ratio"] for e in kept),
+        minor_faults_per_image=sum(e["minor_faults"] for e in kept) / images,
+        system_cpu_share=sum(e["system_s"] for e in kept) / cpu if cpu > 0 else None,
+    )
 
 
-def _summary(rounds: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(rounds: list[AllocatorRun], baseline: list[AllocatorRun]) -> AllocatorSummary:
     """One allocator and model over the rounds, and its ratios to the default's runs
     of the same rounds (paired by round)."""
-    speeds = [r["steady"]["images_per_s"] for r in rounds]
-    base = [r["steady"]["images_per_s"] for r in baseline]
-    rss = [r["max_rss_mib"] for r in rounds]
-    grown = [r["max_rss_mib"] - r["max_rss_before_training_mib"] for r in rounds]
+    speeds = [r.steady.images_per_s for r in rounds]
+    base = [r.steady.images_per_s for r in baseline]
+    rss = [r.max_rss_mib for r in rounds]
+    grown = [r.max_rss_mib - r.max_rss_before_training_mib for r in rounds]
     paired = [s / b for s, b in zip(speeds, base)]
-    faults = [r["steady"]["minor_faults_per_image"] for r in rounds]
-    shares = [r["steady"]["system_cpu_share"] for r in rounds if r["steady"]["system_cpu_share"] is not None]
-    return {
-        "images_per_s": statistics.median(speeds),
-        "images_per_s_min": min(speeds),
-        "images_per_s_max": max(speeds),
-        "images_per_s_rounds": speeds,
-        "ratio_to_default": statistics.median(speeds) / statistics.median(base),
-        "ratio_per_round": {**quartiles(paired), "values": paired},
-        "max_rss_mib": statistics.median(rss),
-        "max_rss_mib_max": max(rss),
-        "rss_ratio_to_default": statistics.median(rss) / statistics.median(r["max_rss_mib"] for r in baseline),
-        "rss_growth_in_training_mib": statistics.median(grown),
-        "minor_faults_per_image": statistics.median(faults),
-        "system_cpu_share": statistics.median(shares) if shares else None,
-        "token_fraction": statistics.fmean(r["steady"]["token_fraction"] for r in rounds),
-    }
+    shares = [r.steady.system_cpu_share for r in rounds if r.steady.system_cpu_share is not None]
+    return AllocatorSummary(
+        images_per_s=statistics.median(speeds),
+        images_per_s_min=min(speeds),
+        images_per_s_max=max(speeds),
+        images_per_s_rounds=speeds,
+        ratio_to_default=statistics.median(speeds) / statistics.median(base),
+        ratio_per_round=RoundRatios.of(paired),
+        max_rss_mib=statistics.median(rss),
+        max_rss_mib_max=max(rss),
+        rss_ratio_to_default=statistics.median(rss) / statistics.median(r.max_rss_mib for r in baseline),
+        rss_growth_in_training_mib=statistics.median(grown),
+        minor_faults_per_image=statistics.median(r.steady.minor_faults_per_image for r in rounds),
+        system_cpu_share=statistics.median(shares) if shares else None,
+        token_fraction=statistics.fmean(r.steady.token_fraction for r in rounds),
+    )
 
 
-def _checks(runs: list[dict[str, Any]]) -> list[str]:
+def _checks(runs: list[AllocatorRun]) -> list[str]:
     """Runs whose child did not run under the allocator it was given."""
     warnings = []
     for run in runs:
-        preloads = get_allocator(run["allocator"]).preloads
-        if run["allocator_env"] != run["env"] or (preloads and run["preloaded_library"] is None):
+        preloads = get_allocator(run.allocator).preloads
+        if run.allocator_env != run.env or (preloads and run.preloaded_library is None):
             warnings.append(
-                f"allocators: round {run['round'] + 1}, {run['allocator']} {run['model']}: the child saw "
-                f"{run['allocator_env']} and preloaded {run['preloaded_library']}"
+                f"allocators: round {run.round + 1}, {run.allocator} {run.model}: the child saw "
+                f"{run.allocator_env} and preloaded {run.preloaded_library}"
             )
     return warnings
 
@@ -272,7 +378,7 @@ def run_allocator_benchmark(
     skip_epochs: int = 1,
     device: str = "cpu",
     search_dirs: tuple[str, ...] | None = None,
-) -> dict[str, Any]:
+) -> AllocatorReport:
     """The plain training loop of the control and the SPLIT config under each
     allocator, side by side (see the module doc).
 
@@ -295,98 +401,98 @@ def run_allocator_benchmark(
         raise ValueError(f"skip_epochs must be in [0, train.epochs) = [0, {config.train.epochs}), got {skip_epochs}")
     threads = int(threads or torch.get_num_threads())
     chosen = choose_allocators(allocators, search_dirs)  # every library found before anything runs
-    for line in chosen["skipped"]:  # said now, before the runs; the report lists them again
+    for line in chosen.skipped:  # said now, before the runs; the report lists them again
         log.warning("bench train allocators: %s", line)
     configs = model_configs(config)
-    order = [(a, m) for a in chosen["env"] for m in ALLOCATOR_MODELS]
+    order = [(a, m) for a in chosen.env for m in ALLOCATOR_MODELS]
     load_start = list(os.getloadavg())
-    runs: list[dict[str, Any]] = []
+    runs: list[AllocatorRun] = []
     with tempfile.TemporaryDirectory(prefix="splitvit-bench-alloc-") as tmp:
         for r in range(rounds):
             for allocator, model in order if r % 2 == 0 else order[::-1]:
                 log.info("bench train: allocators round %d/%d, %s %s", r + 1, rounds, allocator, model)
-                env = chosen["env"][allocator]
+                env = chosen.env[allocator]
                 spec = {"config": configs[model], "threads": threads, "allocator": allocator, "device": device}
-                run = _run_child(spec, env, Path(tmp), f"r{r}-{allocator}-{model}")
-                run.update(round=r, allocator=allocator, model=model, env=env)
-                run["steady"] = _steady(run, skip_epochs)
-                runs.append(run)
+                written, wall_s = _run_child(spec, env, Path(tmp), f"r{r}-{allocator}-{model}")
+                steady = _steady(written["epochs"], skip_epochs)
+                given = dict(wall_s=wall_s, round=r, allocator=allocator, model=model, env=env, steady=steady)
+                runs.append(AllocatorRun.of_child(written, **given))
     figures = {
         a: {
             m: _summary(
-                [x for x in runs if x["allocator"] == a and x["model"] == m],
-                [x for x in runs if x["allocator"] == DEFAULT_ALLOCATOR and x["model"] == m],
+                [x for x in runs if x.allocator == a and x.model == m],
+                [x for x in runs if x.allocator == DEFAULT_ALLOCATOR and x.model == m],
             )
             for m in ALLOCATOR_MODELS
         }
-        for a in chosen["env"]
+        for a in chosen.env
     }
     targets = [
         make_target(
             f"allocator-{a}-{m}",
             f"{a} vs {DEFAULT_ALLOCATOR}: steady training images/s, {m}",
-            figures[a][m]["ratio_to_default"],
+            figures[a][m].ratio_to_default,
             ">=",
             ALLOCATOR_GAIN_TARGET,
             "times",
-            note=f"peak RSS {figures[a][m]['rss_ratio_to_default']:.2f}x, {rounds} round(s)",
-            rounds=figures[a][m]["ratio_per_round"]["values"],
+            note=f"peak RSS {figures[a][m].rss_ratio_to_default:.2f}x, {rounds} round(s)",
+            rounds=figures[a][m].ratio_per_round.values,
         )
-        for a in chosen["env"]
+        for a in chosen.env
         if a != DEFAULT_ALLOCATOR
         for m in ALLOCATOR_MODELS
     ]
-    return {
-        "config": {
-            "experiment": config.to_dict(redact=True),
-            "threads": threads,
-            "device": device,
-            "rounds": rounds,
-            "skip_epochs": skip_epochs,
-            "allocators": {a: {"description": ALLOCATORS[a].description, "env": e} for a, e in chosen["env"].items()},
-            "inherited_allocator_env": allocator_env_seen(),
-        },
-        "skipped": chosen["skipped"],
-        "load_average_start": load_start,
-        "load_average_end": list(os.getloadavg()),
-        "runs": runs,
-        "figures": figures,
-        "targets": targets,
-        "warnings": _checks(runs),
-    }
+    return AllocatorReport(
+        config=AllocatorConfig(
+            experiment=config.to_dict(redact=True),
+            threads=threads,
+            device=device,
+            rounds=rounds,
+            skip_epochs=skip_epochs,
+            allocators={a: AllocatorChoice(ALLOCATORS[a].description, e) for a, e in chosen.env.items()},
+            inherited_allocator_env=allocator_env_seen(),
+        ),
+        skipped=chosen.skipped,
+        load_average_start=load_start,
+        load_average_end=list(os.getloadavg()),
+        runs=runs,
+        figures=figures,
+        targets=targets,
+        warnings=_checks(runs),
+    )
 
 
-def format_allocator_lines(result: dict[str, Any]) -> list[str]:
+def format_allocator_lines(result: AllocatorReport) -> list[str]:
     """The allocators part of ``bench train``'s report: one row per allocator and model."""
-    cfg = result["config"]
-    train = upgrade_sections(cfg["experiment"], warn=False)["train"]  # a JSON written before the keys were grouped too
+    cfg = result.config
+    train = upgrade_sections(cfg.experiment, warn=False)["train"]  # a JSON written before the keys were grouped too
     epochs = train["epochs"]
     lines = [
         "",
         f"C. allocators: the plain loop (fit_local) trained from scratch in a child process per run, "
-        f"{cfg['threads']} torch threads, {epochs} epochs (steady: epochs >= {cfg['skip_epochs']}), "
-        f"{cfg['rounds']} round(s) alternating the order; split: a learned policy aimed at "
+        f"{cfg.threads} torch threads, {epochs} epochs (steady: epochs >= {cfg.skip_epochs}), "
+        f"{cfg.rounds} round(s) alternating the order; split: a learned policy aimed at "
         f"{train['budget']['target_ratio']:.0%} of the tokens, other images and decisions every step",
     ]
-    lines += [f"  {name}: {a['description']} {a['env'] or ''}".rstrip() for name, a in cfg["allocators"].items()]
-    lines += [f"  {line}" for line in result["skipped"]]
+    lines += [f"  {name}: {a.description} {a.env or ''}".rstrip() for name, a in cfg.allocators.items()]
+    lines += [f"  {line}" for line in result.skipped]
     rows = []
-    for allocator, models in result["figures"].items():
+    for allocator, models in result.figures.items():
         for model, f in models.items():
             rows.append(
                 [
                     allocator,
                     model,
-                    f"{f['images_per_s']:.1f}",
-                    f"{f['images_per_s_min']:.1f}-{f['images_per_s_max']:.1f}",
-                    f"{f['ratio_to_default']:.3f}x",
-                    f"{f['ratio_per_round']['q1']:.3f}x .. {f['ratio_per_round']['q3']:.3f}x",
-                    f"{f['max_rss_mib']:.0f}",
-                    f"{f['rss_ratio_to_default']:.2f}x",
-                    f"{f['rss_growth_in_training_mib']:.0f}",
-                    f"{f['minor_faults_per_image']:.1f}",
-                    f"{f['system_cpu_share']:.1%}" if f["system_cpu_share"] is not None else "?",
-                    f"{f['token_fraction']:.2f}",
+                    f"{f.images_per_s:.1f}",
+                    f"{f.images_per_s_min:.1f}-{f.images_per_s_max:.1f}",
+                    f"{f.ratio_to_default:.3f}x",
+                    f"{f.ratio_per_round.q1:.3f}x .. {f.ratio_per_round.q3:.3f}x",
+                    f"{f.max_rss_mib:.0f}",
+                    f"{f.rss_ratio_to_default:.2f}x",
+                    f"{f.rss_growth_in_training_mib:.0f}",
+                    f"{f.minor_faults_per_image:.1f}",
+                    f"{f.system_cpu_share:.1%}" if f.system_cpu_share is not None else "?",
+                    f"{f.token_fraction:.2f}",
                 ]
             )
     header = [
@@ -404,8 +510,8 @@ def format_allocator_lines(result: dict[str, Any]) -> list[str]:
         "tokens",
     ]
     lines += ["  " + line for line in text_table(header, rows)]
-    if result["targets"]:
-        lines += ["  " + line for line in target_table(result["targets"])]
+    if result.targets:
+        lines += ["  " + line for line in target_table(result.targets)]
     return lines
 
 

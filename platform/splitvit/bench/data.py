@@ -28,7 +28,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 
 from ..data import ImageFolderDataset, ParquetShards, SyntheticObjects, write_shards
 from ..data.parquet import training_sampler
+from ..jsontypes import JsonObject
 from ..storage import filesystem_for, is_s3, join_uri, upload_dir
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ class PathFigures:
 class DataBenchResult:
     """The run: the data set's shape and each path's figures."""
 
-    settings: dict[str, Any]
+    settings: DataBenchSettings
     rows: int
     shards: int
     row_groups: int
@@ -238,7 +239,8 @@ class DataBenchResult:
         amp = self.path("s3 parquet").amplification
         return amp is not None and amp <= AMPLIFICATION_TARGET
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
+        """The JSON ``--json`` writes: the fields (the settings as given), the target and the verdict."""
         out = asdict(self)
         out.update(target=AMPLIFICATION_TARGET, passed=self.passed)
         return out
@@ -331,7 +333,7 @@ def _run(settings: DataBenchSettings, work: Path, s3_base: str, endpoint: str) -
     )
     upload_dir(local_shards, s3_base)
     result = DataBenchResult(
-        settings=asdict(settings),
+        settings=replace(settings),  # a copy: the run's settings as they were
         rows=written.rows,
         shards=len(written.shards),
         row_groups=0,
@@ -439,9 +441,9 @@ def format_data_report(result: DataBenchResult) -> str:
     """The report: the data set, a table of paths, the ratio lines and the target."""
     mb = result.dataset_bytes / 1e6
     lines = [
-        f"data benchmark: {result.rows} images {result.settings['image_size']}px, {result.shards} shards, "
-        f"{result.row_groups} row groups of {result.settings['row_group_size']}, {mb:.2f} MB; "
-        f"batch {result.settings['batch_size']}, {result.settings['num_workers']} loader workers; "
+        f"data benchmark: {result.rows} images {result.settings.image_size}px, {result.shards} shards, "
+        f"{result.row_groups} row groups of {result.settings.row_group_size}, {mb:.2f} MB; "
+        f"batch {result.settings.batch_size}, {result.settings.num_workers} loader workers; "
         f"S3 at {result.s3_endpoint}",
         f"{'path':<34}{'bytes read':>14}{'read/data':>11}{'reads':>8}{'images/s':>11}",
     ]

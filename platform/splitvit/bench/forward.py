@@ -62,7 +62,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import timm
@@ -72,11 +72,13 @@ from timm.models.vision_transformer import VisionTransformer
 
 from ..config import PolicyConfig
 from ..data.synthetic import SyntheticObjects
+from ..jsontypes import JsonObject
 from ..model import SplitViT
 from ..model.quadtree import QuadtreeGeometry
 from ..train.steps import calibrate_thresholds
-from .memory import measure_memory
-from .report import device_label, make_target, target_table, text_table
+from .memory import MemoryFigures, measure_memory
+from .records import MachineInfo
+from .report import Target, device_label, make_target, target_table, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
     TimingSummary,
@@ -407,7 +409,125 @@ def point_key(policy: str, ratio: float) -> str:
     return f"{policy}@{ratio:.2f}"
 
 
-def _token_stats(out, full_tokens: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TokenStats:
+    """Token counts and padding of one forward pass (:func:`_token_stats`)."""
+
+    mean: float  # image tokens per image
+    min: int
+    max: int
+    fraction: float  # mean / N_full
+    padded_slots: int  # image-token slots the blocks' norms, linear layers and MLP processed
+    real_tokens: int
+    padding_waste: float  # padded slots over real tokens, minus 1
+    attention_slots: int  # those attention processed (only the CPU attention kernel pads the packed path)
+    attention_padding_waste: float
+
+
+@dataclass(frozen=True)
+class CalibratedPoint:
+    """An operating point before timing: a policy calibrated to a target token ratio on
+    the benchmark images, and the tokens it keeps there (:func:`_operating_points`)."""
+
+    key: str  # :func:`point_key`
+    policy: str
+    target_ratio: float
+    thresholds: list[float]
+    token_ratio: float
+    tokens: TokenStats
+    padded_tokens: dict[str, TokenStats]  # per padded variant ("b4"), its tokens and padding
+
+
+@dataclass(frozen=True)
+class ForwardPoint(CalibratedPoint):
+    """An operating point as timed (:func:`_summarise_point`): its speed-ups, the ideal,
+    and where its time goes."""
+
+    images_per_s: float
+    speedup_vs_timm: float  # medians
+    ideal_speedup: float  # t_seq(N_full) / t_seq(n), same run
+    sequence_tokens: int  # n: the mean token count, rounded
+    speedup_fastest: float  # from the fastest rounds
+    speedup_cpu_time: float  # from the median process CPU seconds
+    breakdown_s: dict[str, float]  # the forward pass and its parts (:data:`BREAKDOWN_DEFINITION`)
+    outside_blocks_share: float
+    padded_speedup_vs_timm: dict[str, float]  # per padded variant ("b4")
+    efficiency: float  # speedup_vs_timm / ideal_speedup
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """The result's ``config``: the settings and the workload's shape (:func:`_config_record`)."""
+
+    model_name: str
+    timm_kwargs: JsonObject  # timm.create_model's own keyword arguments, as given
+    embed_dim: int
+    depth: int
+    num_heads: int | None
+    num_prefix_tokens: int
+    num_classes: int
+    batch_size: int
+    image_size: int
+    patch_size: int
+    levels: int
+    coarse_patch_size: int
+    full_tokens: int
+    min_tokens: int
+    ratios: list[float]
+    policies: list[str]
+    policy_width: int | None
+    policy_depth: int
+    fine_aggregation: bool
+    level_context: bool
+    buckets: list[int]
+    token_buckets: int
+    compile: bool
+    repeats: int
+    warmup: int
+    autocast_bf16: bool
+    images: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class ForwardReport:
+    """What :func:`run_forward_benchmark` measured (``splitvit bench forward``' JSON)."""
+
+    config: ForwardConfig
+    machine: MachineInfo
+    load_average_start: list[float]
+    others_cores: float | None  # CPUs other processes used while timing (None: unknown)
+    timings: dict[str, TimingSummary]  # per timed callable
+    points: list[ForwardPoint]
+    overhead: dict[str, float]  # SplitViT(full) over timm, minus 1: medians, fastest rounds
+    warnings: list[str]
+    memory: MemoryFigures | None  # None: no memory method asked for
+    checks: dict[str, float]
+    targets: list[Target]
+
+    def to_dict(self) -> JsonObject:
+        """The JSON ``--json`` writes: the machine with the load and other processes'
+        CPUs, memory ``{}`` where none was measured, and the definitions."""
+        return {
+            "config": asdict(self.config),
+            "machine": {
+                **self.machine.to_dict(),
+                "load_average_start": self.load_average_start,
+                "other_processes_cpus_during_timing": self.others_cores,
+            },
+            "timings": {name: t.to_dict() for name, t in self.timings.items()},
+            "points": [asdict(p) for p in self.points],
+            "overhead": self.overhead,
+            "warnings": self.warnings,
+            "memory": {} if self.memory is None else self.memory.to_dict(),
+            "checks": self.checks,
+            "targets": [t.to_dict() for t in self.targets],
+            "ideal_definition": IDEAL_DEFINITION,
+            "breakdown_definition": BREAKDOWN_DEFINITION,
+        }
+
+
+def _token_stats(out, full_tokens: int) -> TokenStats:
     """Token counts and padding of one forward pass. ``padded_slots``: image-token
     slots the blocks' norms, linear layers and MLP processed; ``attention_slots``:
     those attention processed (they differ on the packed path, where only the CPU
@@ -415,25 +535,27 @@ def _token_stats(out, full_tokens: int) -> dict[str, Any]:
     tokens = out.tokens.float()
     real = float(tokens.sum())
     attention_slots = int(out.padded_tokens if out.attention_slots is None else out.attention_slots)
-    return {
-        "mean": float(tokens.mean()),
-        "min": int(out.tokens.min()),
-        "max": int(out.tokens.max()),
-        "fraction": float(tokens.mean()) / full_tokens,
-        "padded_slots": int(out.padded_tokens),
-        "real_tokens": int(real),
-        "padding_waste": (int(out.padded_tokens) - real) / real,
-        "attention_slots": attention_slots,
-        "attention_padding_waste": (attention_slots - real) / real,
-    }
+    return TokenStats(
+        mean=float(tokens.mean()),
+        min=int(out.tokens.min()),
+        max=int(out.tokens.max()),
+        fraction=float(tokens.mean()) / full_tokens,
+        padded_slots=int(out.padded_tokens),
+        real_tokens=int(real),
+        padding_waste=(int(out.padded_tokens) - real) / real,
+        attention_slots=attention_slots,
+        attention_padding_waste=(attention_slots - real) / real,
+    )
 
 
-def _operating_points(work: _Workload, s: ForwardSettings) -> tuple[dict[str, dict], dict[str, tuple], float]:
+def _operating_points(
+    work: _Workload, s: ForwardSettings
+) -> tuple[dict[str, CalibratedPoint], dict[str, tuple], float]:
     """Step 2: calibrate every policy to every ratio on the benchmark images; token
     figures per point, the encoder's inputs at each point, and the full policy's logit
     difference to timm."""
     models, images, full_tokens = work.models, work.images, work.geometry.full_tokens
-    points: dict[str, dict[str, Any]] = {}
+    points: dict[str, CalibratedPoint] = {}
     inputs: dict[str, tuple] = {}
     for policy in s.policies:
         model = models[policy]
@@ -444,17 +566,17 @@ def _operating_points(work: _Workload, s: ForwardSettings) -> tuple[dict[str, di
             padded = {
                 b: _token_stats(models[f"{policy}_padded_b{b}"](images, thresholds=tau), full_tokens) for b in s.buckets
             }
-            points[key] = {
-                "key": key,
-                "policy": policy,
-                "target_ratio": ratio,
-                "thresholds": tau,
-                "token_ratio": stats["fraction"],
-                "tokens": stats,
-                "padded_tokens": {f"b{b}": t for b, t in padded.items()},
-            }
+            points[key] = CalibratedPoint(
+                key=key,
+                policy=policy,
+                target_ratio=ratio,
+                thresholds=tau,
+                token_ratio=stats.fraction,
+                tokens=stats,
+                padded_tokens={f"b{b}": t for b, t in padded.items()},
+            )
             inputs[key] = model.encoder_inputs(images, thresholds=tau)
-            log.info("bench: %s thresholds %s, %.1f tokens per image", key, tau, stats["mean"])
+            log.info("bench: %s thresholds %s, %.1f tokens per image", key, tau, stats.mean)
     diff = float((work.vit(work.timm_images).float() - models["split_full"](images).logits.float()).abs().max())
     return points, inputs, diff
 
@@ -475,7 +597,9 @@ class _Timed:
         return self.timings["split_full"].median_s / self.timings["timm"].median_s - 1.0
 
 
-def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings) -> dict[str, Callable[[], Any]]:
+def _timed_callables(
+    work: _Workload, points: dict[str, CalibratedPoint], encoder_inputs, s: ForwardSettings
+) -> dict[str, Callable[[], Any]]:
     """Everything timed in one interleaved run: timm, SplitViT(full), per point the
     forward pass and the encoder alone, per policy its scores alone, and the timm
     encoder on fixed-length sequences of every point's mean length (the ideal)."""
@@ -483,7 +607,7 @@ def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings
     num_prefix, dim, batch = vit.num_prefix_tokens, vit.embed_dim, images.shape[0]
     gen = torch.Generator().manual_seed(s.seed + 1)
     lengths = sorted(
-        {work.geometry.full_tokens, *(max(1, round(p["tokens"]["mean"])) for p in points.values())}, reverse=True
+        {work.geometry.full_tokens, *(max(1, round(p.tokens.mean)) for p in points.values())}, reverse=True
     )
     sequences = {n: torch.randn(batch, num_prefix + n, dim, generator=gen).to(images.device) for n in lengths}
     timm_vit, encode = work.runners["timm"], work.runners["sequence"]
@@ -494,21 +618,23 @@ def _timed_callables(work: _Workload, points, encoder_inputs, s: ForwardSettings
     # the factories bind each loop variable now, not at call time
     for n, seq in sequences.items():
         fns[f"seq/{n}"] = (lambda q: lambda: encode(vit, q))(seq)
-    for policy in dict.fromkeys(p["policy"] for p in points.values()):
+    for policy in dict.fromkeys(p.policy for p in points.values()):
         fns[f"policy/{policy}"] = (lambda m: lambda: m.split_scores(images))(models[policy])
     for key, point in points.items():
-        model, tau = models[point["policy"]], point["thresholds"]
+        model, tau = models[point.policy], point.thresholds
         fns[key] = (lambda m, t: lambda: m(images, thresholds=t))(model, tau)
         fns[f"{key}/encoder"] = (lambda m, args: lambda: m.encode(*args))(model, encoder_inputs[key])
         for b in s.buckets:
-            padded = models[f"{point['policy']}_padded_b{b}"]
+            padded = models[f"{point.policy}_padded_b{b}"]
             fns[f"{key}/padded_b{b}"] = (lambda m, t: lambda: m(images, thresholds=t))(padded, tau)
     return fns
 
 
-def _time_points(work: _Workload, points, encoder_inputs, s: ForwardSettings) -> _Timed:
-    """Step 3: time every callable interleaved and add each point's speed-ups, ideal
-    and time breakdown to it (in place)."""
+def _time_points(
+    work: _Workload, points: dict[str, CalibratedPoint], encoder_inputs, s: ForwardSettings
+) -> tuple[_Timed, list[ForwardPoint]]:
+    """Step 3: time every callable interleaved; every point with its speed-ups, ideal
+    and time breakdown."""
     fns = _timed_callables(work, points, encoder_inputs, s)
     log.info("bench: timing %d callables, %d warm-up + %d rounds", len(fns), s.warmup, s.repeats)
     with torch.inference_mode(), s.autocast():
@@ -516,21 +642,24 @@ def _time_points(work: _Workload, points, encoder_inputs, s: ForwardSettings) ->
             fns, repeats=s.repeats, warmup=s.warmup, sync=synchronizer(work.device)
         )
     timings = {name: timing_summary(t, cpu_samples[name], s.batch_size) for name, t in samples.items()}
-    for point in points.values():
-        _summarise_point(point, timings, s.buckets)
-    return _Timed(samples=samples, timings=timings, others_cores=others_cores)
+    timed = [_summarise_point(point, timings, s.buckets) for point in points.values()]
+    return _Timed(samples=samples, timings=timings, others_cores=others_cores), timed
 
 
-def _summarise_point(point: dict[str, Any], timings: dict[str, TimingSummary], buckets: tuple[int, ...]) -> None:
-    """Speed-ups, the ideal, and where the time goes, from the medians (in place)."""
-    key, full_tokens = point["key"], round(point["tokens"]["mean"] / point["tokens"]["fraction"])
+def _summarise_point(
+    point: CalibratedPoint, timings: dict[str, TimingSummary], buckets: tuple[int, ...]
+) -> ForwardPoint:
+    """The point with its speed-ups, the ideal, and where the time goes, from the medians."""
+    key, full_tokens = point.key, round(point.tokens.mean / point.tokens.fraction)
     med = {name: t.median_s for name, t in timings.items()}
-    n = max(1, round(point["tokens"]["mean"]))
-    total, policy, encoder, blocks = med[key], med[f"policy/{point['policy']}"], med[f"{key}/encoder"], med[f"seq/{n}"]
-    point.update(
+    n = max(1, round(point.tokens.mean))
+    total, policy, encoder, blocks = med[key], med[f"policy/{point.policy}"], med[f"{key}/encoder"], med[f"seq/{n}"]
+    speedup, ideal = med["timm"] / total, med[f"seq/{full_tokens}"] / blocks
+    return ForwardPoint(
+        **{f.name: getattr(point, f.name) for f in fields(CalibratedPoint)},
         images_per_s=timings[key].images_per_s,
-        speedup_vs_timm=med["timm"] / total,
-        ideal_speedup=med[f"seq/{full_tokens}"] / blocks,
+        speedup_vs_timm=speedup,
+        ideal_speedup=ideal,
         sequence_tokens=n,
         speedup_fastest=timings["timm"].min_s / timings[key].min_s,
         speedup_cpu_time=timings["timm"].cpu_median_s / timings[key].cpu_median_s,
@@ -543,26 +672,26 @@ def _summarise_point(point: dict[str, Any], timings: dict[str, TimingSummary], b
         },
         outside_blocks_share=(total - encoder) / total,
         padded_speedup_vs_timm={f"b{b}": med["timm"] / med[f"{key}/padded_b{b}"] for b in buckets},
+        efficiency=speedup / ideal,
     )
-    point["efficiency"] = point["speedup_vs_timm"] / point["ideal_speedup"]
 
 
 # ---------------------------------------------------------------------- memory
-def _point_memory(work: _Workload, points, s: ForwardSettings) -> dict[str, Any]:
+def _point_memory(work: _Workload, points: dict[str, CalibratedPoint], s: ForwardSettings) -> MemoryFigures | None:
     """Step 4: peak forward memory of timm, SplitViT(full) and each policy at the
-    first ratio; ``{}`` when no memory method is asked for."""
+    first ratio; None when no memory method is asked for."""
     methods = s.memory_methods()
     if not methods:
-        return {}
+        return None
     probes: dict[str, tuple[nn.Module, str]] = {
         "timm": (work.vit, "timm"),
         "split_full": (work.models["split_full"], "split"),
     }
     for point in points.values():
-        if point["target_ratio"] == s.ratios[0]:
-            model = work.models[point["policy"]]
-            model.set_thresholds(point["thresholds"])  # the probe runs the model with its own thresholds
-            probes[point["key"]] = (model, "split")
+        if point.target_ratio == s.ratios[0]:
+            model = work.models[point.policy]
+            model.set_thresholds(point.thresholds)  # the probe runs the model with its own thresholds
+            probes[point.key] = (model, "split")
     log.info("bench: measuring memory of %d models by %s", len(probes), ", ".join(methods))
     # every probe, timm's included, gets the [0, 1] images: peak memory depends on the
     # shapes alone, not on whether the values were normalised
@@ -577,7 +706,7 @@ def _speed_targets(device: torch.device) -> dict[float, float]:
     return GPU_SPEEDUP_TARGETS if device.type == "cuda" else CPU_SPEEDUP_TARGETS
 
 
-def _forward_targets(points, timed: _Timed, speed_bounds: dict[float, float]) -> list[dict[str, Any]]:
+def _forward_targets(points: list[ForwardPoint], timed: _Timed, speed_bounds: dict[float, float]) -> list[Target]:
     """Step 5: the targets, judged on medians, for the learned policy (the product):
     speed-up at the ratios that have a bound on this device, and its time outside the
     blocks."""
@@ -597,21 +726,21 @@ def _forward_targets(points, timed: _Timed, speed_bounds: dict[float, float]) ->
             rounds=per_round("split_full", "timm", -1.0),
         )
     ]
-    for point in points.values():
-        if point["policy"] != "learned":
+    for point in points:
+        if point.policy != "learned":
             continue
-        key, ratio, share = point["key"], point["target_ratio"], f"{point['token_ratio']:.0%}"
+        key, ratio, share = point.key, point.target_ratio, f"{point.token_ratio:.0%}"
         bound = next((b for r, b in speed_bounds.items() if math.isclose(r, ratio)), None)
         if bound is not None:
             targets.append(
                 make_target(
                     "b",
                     f"learned@{share} tokens: img/s vs timm ViT",
-                    point["speedup_vs_timm"],
+                    point.speedup_vs_timm,
                     ">=",
                     bound,
                     "times",
-                    note=f"ideal {point['ideal_speedup']:.2f}x",
+                    note=f"ideal {point.ideal_speedup:.2f}x",
                     rounds=per_round("timm", key),
                 )
             )
@@ -619,7 +748,7 @@ def _forward_targets(points, timed: _Timed, speed_bounds: dict[float, float]) ->
             make_target(
                 "c",
                 f"learned@{share} tokens: time outside the ViT blocks",
-                point["outside_blocks_share"],
+                point.outside_blocks_share,
                 "<=",
                 OUTSIDE_BLOCKS_TARGET,
                 "percent",
@@ -641,42 +770,42 @@ def _load_warnings(others_cores: float | None) -> list[str]:
 
 
 # ---------------------------------------------------------------------- result
-def _config_record(s: ForwardSettings, work: _Workload) -> dict[str, Any]:
+def _config_record(s: ForwardSettings, work: _Workload) -> ForwardConfig:
     """Step 6: the result's ``config``: the settings and the workload's shape."""
     vit, geometry = work.vit, work.geometry
-    return {
-        "model_name": s.model_name,
-        "timm_kwargs": dict(s.timm_kwargs or {}),
-        "embed_dim": int(vit.embed_dim),
-        "depth": len(vit.blocks),
-        "num_heads": int(vit.blocks[0].attn.num_heads) if hasattr(vit.blocks[0].attn, "num_heads") else None,
-        "num_prefix_tokens": int(vit.num_prefix_tokens),
-        "num_classes": int(vit.num_classes),
-        "batch_size": s.batch_size,
-        "image_size": geometry.image_size[0],
-        "patch_size": geometry.patch_size,
-        "levels": work.levels,
-        "coarse_patch_size": geometry.coarse_patch_size,
-        "full_tokens": geometry.full_tokens,
-        "min_tokens": geometry.min_tokens,
-        "ratios": list(s.ratios),
-        "policies": list(s.policies),
-        "policy_width": s.policy_width,
-        "policy_depth": s.policy_depth,
-        "fine_aggregation": s.fine_aggregation,
-        "level_context": s.level_context,
-        "buckets": list(s.buckets),
-        "token_buckets": s.token_buckets,
-        "compile": s.compile,
-        "repeats": s.repeats,
-        "warmup": s.warmup,
-        "autocast_bf16": s.autocast_bf16,
-        "images": f"SyntheticObjects(seed={s.seed})",
-        "seed": s.seed,
-    }
+    return ForwardConfig(
+        model_name=s.model_name,
+        timm_kwargs=dict(s.timm_kwargs or {}),
+        embed_dim=int(vit.embed_dim),
+        depth=len(vit.blocks),
+        num_heads=int(vit.blocks[0].attn.num_heads) if hasattr(vit.blocks[0].attn, "num_heads") else None,
+        num_prefix_tokens=int(vit.num_prefix_tokens),
+        num_classes=int(vit.num_classes),
+        batch_size=s.batch_size,
+        image_size=geometry.image_size[0],
+        patch_size=geometry.patch_size,
+        levels=work.levels,
+        coarse_patch_size=geometry.coarse_patch_size,
+        full_tokens=geometry.full_tokens,
+        min_tokens=geometry.min_tokens,
+        ratios=list(s.ratios),
+        policies=list(s.policies),
+        policy_width=s.policy_width,
+        policy_depth=s.policy_depth,
+        fine_aggregation=s.fine_aggregation,
+        level_context=s.level_context,
+        buckets=list(s.buckets),
+        token_buckets=s.token_buckets,
+        compile=s.compile,
+        repeats=s.repeats,
+        warmup=s.warmup,
+        autocast_bf16=s.autocast_bf16,
+        images=f"SyntheticObjects(seed={s.seed})",
+        seed=s.seed,
+    )
 
 
-def run_forward_benchmark(settings: ForwardSettings | None = None) -> dict[str, Any]:
+def run_forward_benchmark(settings: ForwardSettings | None = None) -> ForwardReport:
     """Measure SplitViT against the plain timm ViT, side by side in one run.
 
     Args:
@@ -684,11 +813,11 @@ def run_forward_benchmark(settings: ForwardSettings | None = None) -> dict[str, 
             :class:`ForwardSettings`' defaults: ViT-B/16 at 224 px, batch 8).
 
     Returns:
-        A JSON-serialisable dict: ``config``, ``machine``, ``timings`` (per timed
-        callable), ``points`` (one entry per policy and ratio, with ``token_ratio``,
-        ``speedup_vs_timm``, ``ideal_speedup`` and the time breakdown),
-        ``overhead``, ``memory``, ``checks``, ``targets`` (value, bound, ``passed`` as
-        measured) and ``warnings``.
+        The :class:`ForwardReport`: ``config``, ``machine``, ``timings`` (per timed
+        callable), ``points`` (one per policy and ratio, with ``token_ratio``,
+        ``speedup_vs_timm``, ``ideal_speedup`` and the time breakdown), ``overhead``,
+        ``memory``, ``checks``, ``targets`` (value, bound, ``passed`` as measured) and
+        ``warnings``; its :meth:`~ForwardReport.to_dict` is the JSON.
 
     Raises:
         ValueError: for a CUDA device where CUDA is not available, or a workload
@@ -699,30 +828,26 @@ def run_forward_benchmark(settings: ForwardSettings | None = None) -> dict[str, 
     load_start = list(os.getloadavg())
     work = _build_workload(s, dev)
     with torch.inference_mode(), s.autocast():
-        points, encoder_inputs, full_diff = _operating_points(work, s)
-    timed = _time_points(work, points, encoder_inputs, s)
-    memory = _point_memory(work, points, s)
+        calibrated, encoder_inputs, full_diff = _operating_points(work, s)
+    timed, points = _time_points(work, calibrated, encoder_inputs, s)
+    memory = _point_memory(work, calibrated, s)
     timings = timed.timings
-    return {
-        "config": _config_record(s, work),
-        "machine": {
-            **machine_info(dev),
-            "load_average_start": load_start,
-            "other_processes_cpus_during_timing": timed.others_cores,
-        },
-        "timings": {name: t.to_dict() for name, t in timings.items()},
-        "points": list(points.values()),
-        "overhead": {
+    return ForwardReport(
+        config=_config_record(s, work),
+        machine=machine_info(dev),
+        load_average_start=load_start,
+        others_cores=timed.others_cores,
+        timings=timings,
+        points=points,
+        overhead={
             "split_full_vs_timm": timed.overhead,
             "fastest": timings["split_full"].min_s / timings["timm"].min_s - 1.0,
         },
-        "warnings": _load_warnings(timed.others_cores),
-        "memory": memory,
-        "checks": {"split_full_vs_timm_max_abs_logit_diff": full_diff},
-        "targets": _forward_targets(points, timed, _speed_targets(dev)),
-        "ideal_definition": IDEAL_DEFINITION,
-        "breakdown_definition": BREAKDOWN_DEFINITION,
-    }
+        warnings=_load_warnings(timed.others_cores),
+        memory=memory,
+        checks={"split_full_vs_timm_max_abs_logit_diff": full_diff},
+        targets=_forward_targets(points, timed, _speed_targets(dev)),
+    )
 
 
 # ---------------------------------------------------------------------- report
@@ -740,67 +865,67 @@ def _timing_label(name: str) -> str:
     return f"SplitViT {key}" + (f" {part.replace('_b', ' buckets=')}" if part else "")
 
 
-def _report_header(cfg: dict[str, Any], mach: dict[str, Any]) -> list[str]:
+def _report_header(result: ForwardReport) -> list[str]:
     """Where and what was measured: machine, load, model, operating-point method."""
-    others = mach.get("other_processes_cpus_during_timing")
+    cfg, mach, others = result.config, result.machine, result.others_cores
     return [
-        f"SPLIT forward benchmark: {device_label(mach)}, {mach['torch_threads']} torch threads, "
-        f"torch {mach['torch_version']}, "
-        f"timm {mach['timm_version']}, {'bf16 autocast' if cfg['autocast_bf16'] else 'fp32'}; other processes used "
+        f"SPLIT forward benchmark: {device_label(mach)}, {mach.torch_threads} torch threads, "
+        f"torch {mach.torch_version}, "
+        f"timm {mach.timm_version}, {'bf16 autocast' if cfg.autocast_bf16 else 'fp32'}; other processes used "
         + (f"{others:.2f}" if others is not None else "?")
-        + f" CPUs while timing (1-min load average {mach['load_average_start'][0]:.2f} at start, "
-        f"{mach['load_average_end'][0]:.2f} at end)",
-        f"model {cfg['model_name']} (dim {cfg['embed_dim']}, depth {cfg['depth']}, heads {cfg['num_heads']}), "
-        f"{cfg['image_size']} px, fine patch {cfg['patch_size']} px, L={cfg['levels']} levels (coarse patch "
-        f"{cfg['coarse_patch_size']} px), N_full={cfg['full_tokens']}, N_min={cfg['min_tokens']}, "
-        f"batch {cfg['batch_size']}",
-        f"learned policy: own blocks of width {cfg['policy_width']}, depth {cfg['policy_depth']}; learned_shared: "
-        f"the ViT's first {cfg['policy_depth']} blocks; median of {cfg['repeats']} interleaved rounds after "
-        f"{cfg['warmup']} warm-up; inference_mode; thresholds calibrated on the batch"
-        + (f"; packed sizes in {cfg['token_buckets']} fixed buckets" if cfg.get("token_buckets") else "")
-        + ("; split policies with fine-patch aggregation" if cfg.get("fine_aggregation") else "")
-        + ("; learned policies score every finer level in context" if cfg.get("level_context") else "")
-        + ("; torch.compile (timm, ideal encoder, packed encoders; SplitViT full eager)" if cfg.get("compile") else ""),
+        + f" CPUs while timing (1-min load average {result.load_average_start[0]:.2f} at start, "
+        f"{mach.load_average_end[0]:.2f} at end)",
+        f"model {cfg.model_name} (dim {cfg.embed_dim}, depth {cfg.depth}, heads {cfg.num_heads}), "
+        f"{cfg.image_size} px, fine patch {cfg.patch_size} px, L={cfg.levels} levels (coarse patch "
+        f"{cfg.coarse_patch_size} px), N_full={cfg.full_tokens}, N_min={cfg.min_tokens}, "
+        f"batch {cfg.batch_size}",
+        f"learned policy: own blocks of width {cfg.policy_width}, depth {cfg.policy_depth}; learned_shared: "
+        f"the ViT's first {cfg.policy_depth} blocks; median of {cfg.repeats} interleaved rounds after "
+        f"{cfg.warmup} warm-up; inference_mode; thresholds calibrated on the batch"
+        + (f"; packed sizes in {cfg.token_buckets} fixed buckets" if cfg.token_buckets else "")
+        + ("; split policies with fine-patch aggregation" if cfg.fine_aggregation else "")
+        + ("; learned policies score every finer level in context" if cfg.level_context else "")
+        + ("; torch.compile (timm, ideal encoder, packed encoders; SplitViT full eager)" if cfg.compile else ""),
         "",
     ]
 
 
-def _timings_lines(timings: dict[str, dict[str, Any]]) -> list[str]:
+def _timings_lines(timings: dict[str, TimingSummary]) -> list[str]:
     """One row per timed callable: median, range, images/s, ratio to timm."""
-    base = timings["timm"]["median_s"]
+    base = timings["timm"].median_s
     rows = [
         [
             _timing_label(name),
-            f"{t['median_s'] * 1e3:.1f}",
-            f"{t['min_s'] * 1e3:.1f}-{t['max_s'] * 1e3:.1f}",
-            f"{t['images_per_s']:.1f}",
-            f"{base / t['median_s']:.2f}x",
+            f"{t.median_s * 1e3:.1f}",
+            f"{t.min_s * 1e3:.1f}-{t.max_s * 1e3:.1f}",
+            f"{t.images_per_s:.1f}",
+            f"{base / t.median_s:.2f}x",
         ]
         for name, t in timings.items()
     ]
     return text_table(["timed", "ms/batch", "min-max ms", "img/s", "vs timm"], rows)
 
 
-def _points_lines(result: dict[str, Any]) -> list[str]:
+def _points_lines(result: ForwardReport) -> list[str]:
     """One row per operating point (tokens, speed-ups, ideal, breakdown), the
     definitions, and the full policy's logit check."""
     rows = []
     parts = ("policy", "embedding_gather_head", "attention_packing", "blocks_fixed_length")
-    for p in result["points"]:
-        b, tokens = p["breakdown_s"], p["tokens"]
+    for p in result.points:
+        b, tokens = p.breakdown_s, p.tokens
         rows.append(
             [
-                p["policy"],
-                f"{p['target_ratio']:.2f}",
-                f"{tokens['mean']:.1f} ({tokens['min']}-{tokens['max']})",
-                f"{p['token_ratio']:.3f}",
-                f"{p['images_per_s']:.1f}",
-                f"{p['speedup_vs_timm']:.2f}x",
-                f"{p['ideal_speedup']:.2f}x",
-                f"{p['efficiency']:.0%}",
-                f"{p['outside_blocks_share']:.1%}",
+                p.policy,
+                f"{p.target_ratio:.2f}",
+                f"{tokens.mean:.1f} ({tokens.min}-{tokens.max})",
+                f"{p.token_ratio:.3f}",
+                f"{p.images_per_s:.1f}",
+                f"{p.speedup_vs_timm:.2f}x",
+                f"{p.ideal_speedup:.2f}x",
+                f"{p.efficiency:.0%}",
+                f"{p.outside_blocks_share:.1%}",
                 " / ".join(f"{b[k] * 1e3:.1f}" for k in parts),
-                ", ".join(f"{k} {v:.2f}x" for k, v in p["padded_speedup_vs_timm"].items()),
+                ", ".join(f"{k} {v:.2f}x" for k, v in p.padded_speedup_vs_timm.items()),
             ]
         )
     lines = text_table(
@@ -819,40 +944,40 @@ def _points_lines(result: dict[str, Any]) -> list[str]:
         ],
         rows,
     )
-    diff = result["checks"]["split_full_vs_timm_max_abs_logit_diff"]
+    diff = result.checks["split_full_vs_timm_max_abs_logit_diff"]
     return lines + [
-        f"ideal = {result['ideal_definition']}",
-        f"time breakdown: {result['breakdown_definition']}",
+        f"ideal = {IDEAL_DEFINITION}",
+        f"time breakdown: {BREAKDOWN_DEFINITION}",
         f"check: SplitViT(full) vs timm max |logit diff| = {diff:.3g}",
     ]
 
 
-def _targets_lines(result: dict[str, Any]) -> list[str]:
+def _targets_lines(result: ForwardReport) -> list[str]:
     """The targets marked PASS or MISS, the checks beside the medians, and warnings."""
-    points = result["points"]
-    lines = target_table(result["targets"])
+    points = result.points
+    lines = target_table(result.targets)
     lines.append(
         "checks on the medians: speed-up vs timm from each model's fastest round: "
-        + ", ".join(f"{p['key']} {p['speedup_fastest']:.2f}x" for p in points)
+        + ", ".join(f"{p.key} {p.speedup_fastest:.2f}x" for p in points)
         + "; from median process CPU time: "
-        + ", ".join(f"{p['key']} {p['speedup_cpu_time']:.2f}x" for p in points)
+        + ", ".join(f"{p.key} {p.speedup_cpu_time:.2f}x" for p in points)
     )
-    return lines + [f"WARNING: {warning}" for warning in result.get("warnings", [])]
+    return lines + [f"WARNING: {warning}" for warning in result.warnings]
 
 
-def _memory_lines(mem: dict[str, Any], ratio: float) -> list[str]:
+def _memory_lines(mem: MemoryFigures | None, ratio: float) -> list[str]:
     """Part d: peak memory per model and method, as MiB and ratio to timm; none
     without memory figures."""
-    if not mem.get("models"):
+    if mem is None or not mem.models:
         return []
     columns = [
         (key, label)
         for key, label in (("rss_growth", "rss"), ("profiler_peak", "profiler"), ("cuda_growth", "cuda"))
-        if label in mem["methods"]
+        if label in mem.methods
     ]
-    base = mem["models"].get("timm", {})
+    base = mem.models.get("timm", {})
     rows = []
-    for name, m in mem["models"].items():
+    for name, m in mem.models.items():
         row = [_timing_label(name)]
         for key, _ in columns:
             share = f" ({m[key] / base[key]:.2f}x)" if base.get(key) else ""
@@ -860,16 +985,15 @@ def _memory_lines(mem: dict[str, Any], ratio: float) -> list[str]:
         rows.append(row)
     lines = ["", f"d. peak memory of one batch forward pass (MiB; ratio to the timm ViT), at {ratio:.0%} tokens:"]
     lines += text_table(["model"] + [label for _, label in columns], rows)
-    return lines + [f"  {method}: {text}" for method, text in mem["methods"].items()]
+    return lines + [f"  {method}: {text}" for method, text in mem.methods.items()]
 
 
-def format_report(result: dict[str, Any]) -> str:
+def format_report(result: ForwardReport) -> str:
     """A readable report of :func:`run_forward_benchmark`'s result, targets marked
     PASS or MISS as measured."""
-    cfg = result["config"]
-    lines = _report_header(cfg, result["machine"])
-    lines += _timings_lines(result["timings"]) + [""]
+    lines = _report_header(result)
+    lines += _timings_lines(result.timings) + [""]
     lines += _points_lines(result) + [""]
     lines += _targets_lines(result)
-    lines += _memory_lines(result.get("memory") or {}, cfg["ratios"][0])
+    lines += _memory_lines(result.memory, result.config.ratios[0])
     return "\n".join(lines)

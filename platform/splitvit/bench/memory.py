@@ -29,11 +29,14 @@ import subprocess
 import sys
 import tempfile
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from ..jsontypes import JsonObject
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +202,19 @@ MEMORY_METHODS = {
 }
 
 
+@dataclass(frozen=True)
+class MemoryFigures:
+    """Peak forward memory (:func:`measure_memory`): how each method measured, and per
+    model its figures in bytes (``rss_growth``, ``profiler_peak``, ``cuda_growth``, ...)."""
+
+    methods: dict[str, str] = field(default_factory=dict)  # per method, how it measures, in words
+    models: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON: ``methods`` and ``models``."""
+        return {"methods": self.methods, "models": self.models}
+
+
 def measure_memory(
     probes: Probes,
     images: torch.Tensor,
@@ -206,27 +222,27 @@ def measure_memory(
     methods: tuple[str, ...],
     bf16: bool = False,
     parallel: int = 1,
-) -> dict[str, Any]:
+) -> MemoryFigures:
     """Peak forward memory of each model by each of ``methods`` (``rss``, ``profiler``
-    on CPU; ``cuda`` on a GPU). Returns ``{"methods": {...}, "models": {name: {method: bytes}}}``."""
-    out: dict[str, Any] = {"methods": {}, "models": {name: {} for name in probes}}
+    on CPU; ``cuda`` on a GPU): per method how it measures, per model its bytes."""
+    out = MemoryFigures(models={name: {} for name in probes})
     for method in methods:
         if method == "rss":
             res = _cpu_memory(probes, images.cpu(), bf16, parallel)
             fallback = any("ru_maxrss" in r["method"] for r in res.values())
-            out["methods"]["rss"] = MEMORY_METHODS["rss_fallback" if fallback else "rss"]
+            out.methods["rss"] = MEMORY_METHODS["rss_fallback" if fallback else "rss"]
             for name, r in res.items():
-                out["models"][name].update(rss_growth=r["growth"], rss_before=r["rss_before"], rss_peak=r["peak_rss"])
+                out.models[name].update(rss_growth=r["growth"], rss_before=r["rss_before"], rss_peak=r["peak_rss"])
         elif method == "profiler":
             res = _profiler_memory(probes, images, bf16)
-            out["methods"]["profiler"] = MEMORY_METHODS["profiler"]
+            out.methods["profiler"] = MEMORY_METHODS["profiler"]
             for name, r in res.items():
-                out["models"][name].update(profiler_peak=r["growth"])
+                out.models[name].update(profiler_peak=r["growth"])
         elif method == "cuda":
             res = _cuda_memory(probes, images, bf16, images.device)
-            out["methods"]["cuda"] = MEMORY_METHODS["cuda"]
+            out.methods["cuda"] = MEMORY_METHODS["cuda"]
             for name, r in res.items():
-                out["models"][name].update(
+                out.models[name].update(
                     cuda_growth=r["growth"], cuda_peak=r["peak_allocated"], cuda_before=r["allocated_before"]
                 )
         else:

@@ -39,15 +39,17 @@ import logging
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
+from ..jsontypes import JsonObject
 from ..model import SplitViT
 from ..model.stages import STAGES, StageClock
 from ..train.steps import calibrate_thresholds
 from .forward import benchmark_images
+from .records import MachineInfo, without_unset
 from .report import device_label, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
@@ -129,6 +131,153 @@ class PartsSettings:
         return torch.autocast(device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
 
 
+#: a model's figures that only some files hold: per-run figures (``runs``) and a split
+#: model's ceiling came later, and full resolution has no ceiling
+_UNSET_FIGURES = ("runs", "speedup_range", "ceiling_speedup", "ceiling_range", "share_of_ceiling", "share_range")
+
+
+@dataclass(frozen=True)
+class CeilingFigures:
+    """A split model's speed-up, arithmetic ceiling and share of it over the runs
+    (:func:`split_figures_across_runs`): each the median of the per-run figures, with
+    the runs' ``[min, max]``."""
+
+    speedup_vs_full: float
+    speedup_range: list[float]
+    ceiling_speedup: float
+    ceiling_range: list[float]
+    share_of_ceiling: float
+    share_range: list[float]
+    runs: dict[str, list[float]]  # per run: speedup_vs_full, ceiling_speedup, share_of_ceiling
+
+
+@dataclass(frozen=True)
+class PartsModelFigures:
+    """One model at one batch size: its speed, tokens and per-stage medians; a split
+    model's also its runs' speed-ups, ceilings and shares (:class:`CeilingFigures`)."""
+
+    token_ratio: float
+    median_s: float  # over all the runs' timed rounds together
+    images_per_s: float
+    speedup_vs_full: float  # 1.0 for full resolution; a split model's: the runs' median
+    stages_s: dict[str, float]  # per stage, its median seconds
+    # each run's median_s, and a split model's per-run figures (None: a file from before runs)
+    runs: dict[str, list[float]] | None = None
+    speedup_range: list[float] | None = None  # the runs' [min, max] (None: full resolution, older files)
+    ceiling_speedup: float | None = None
+    ceiling_range: list[float] | None = None
+    share_of_ceiling: float | None = None
+    share_range: list[float] | None = None
+
+    def with_ceiling(self, figures: CeilingFigures) -> PartsModelFigures:
+        """These figures with a split model's speed-up, ceiling and share over the runs."""
+        runs = {**(self.runs or {}), **figures.runs}
+        return replace(self, **{**asdict(figures), "runs": runs})
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON: the fields in order, those not measured left out."""
+        return without_unset(asdict(self), _UNSET_FIGURES)
+
+    @classmethod
+    def from_dict(cls, data: JsonObject) -> PartsModelFigures:
+        """The inverse of :meth:`to_dict`, for files of every version."""
+        return cls(**{f.name: data[f.name] if f.name not in _UNSET_FIGURES else data.get(f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class PartsBatch:
+    """One batch size: every model's figures (full resolution first) and the most CPUs
+    other processes used on average in any one run (None: unknown)."""
+
+    batch_size: int
+    models: dict[str, PartsModelFigures]
+    others_cores: float | None
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON (an entry of ``batches``)."""
+        models = {name: m.to_dict() for name, m in self.models.items()}
+        return {"batch_size": self.batch_size, "models": models, "others_cores": self.others_cores}
+
+    @classmethod
+    def from_dict(cls, data: JsonObject) -> PartsBatch:
+        """The inverse of :meth:`to_dict`."""
+        models = {name: PartsModelFigures.from_dict(m) for name, m in data["models"].items()}
+        return cls(batch_size=data["batch_size"], models=models, others_cores=data["others_cores"])
+
+
+#: settings only some files hold: ``runs``, the precision and compilation came later
+_UNSET_SETTINGS = ("runs", "bf16", "compile", "token_buckets")
+
+
+@dataclass(frozen=True)
+class PartsSettingsRecord:
+    """How :func:`run_parts_benchmark` timed (its result's ``settings``). A file written
+    before ``runs``, ``bf16``, ``compile`` and ``token_buckets`` existed lacks them: None
+    here, read as one run, fp32, eager."""
+
+    batch_sizes: list[int]
+    ratios: list[float]
+    repeats: int
+    warmup: int
+    runs: int | None = field(default=None, kw_only=True)
+    calibration_images: int
+    bf16: bool | None = field(default=None, kw_only=True)
+    compile: bool | None = field(default=None, kw_only=True)
+    token_buckets: int | None = field(default=None, kw_only=True)
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON: the fields in order, those an older file lacks left out."""
+        return without_unset(asdict(self), _UNSET_SETTINGS)
+
+    @classmethod
+    def from_dict(cls, data: JsonObject) -> PartsSettingsRecord:
+        """The inverse of :meth:`to_dict`, for files of every version."""
+        return cls(**{f.name: data[f.name] if f.name not in _UNSET_SETTINGS else data.get(f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class PartsReport:
+    """What :func:`run_parts_benchmark` measured: the model, the machine, the calibrated
+    thresholds and every batch size's figures (``splitvit bench parts``' JSON)."""
+
+    source: str  # what the model is (a study's method, a config, a checkpoint)
+    model: JsonObject  # the model's spec, as its checkpoint holds it
+    settings: PartsSettingsRecord
+    machine: MachineInfo
+    thresholds: dict[str, list[float]]  # per split model, its calibrated thresholds
+    stages: list[str]  # the stages, in the order the report lists them
+    batches: list[PartsBatch]
+    warnings: list[str]
+
+    def to_dict(self) -> JsonObject:
+        """The JSON ``--json`` writes (``benchmark: parts`` first)."""
+        return {
+            "benchmark": "parts",
+            "source": self.source,
+            "model": self.model,
+            "settings": self.settings.to_dict(),
+            "machine": self.machine.to_dict(),
+            "thresholds": self.thresholds,
+            "stages": self.stages,
+            "batches": [b.to_dict() for b in self.batches],
+            "warnings": self.warnings,
+        }
+
+    @classmethod
+    def from_dict(cls, data: JsonObject) -> PartsReport:
+        """The inverse of :meth:`to_dict` (the envelope's keys ignored), for files of every version."""
+        return cls(
+            source=data["source"],
+            model=data["model"],
+            settings=PartsSettingsRecord.from_dict(data["settings"]),
+            machine=MachineInfo.from_dict(data["machine"]),
+            thresholds=data["thresholds"],
+            stages=data["stages"],
+            batches=[PartsBatch.from_dict(b) for b in data["batches"]],
+            warnings=data["warnings"],
+        )
+
+
 def point_name(ratio: float) -> str:
     """The key of the model at one token ratio: ``split@0.50``."""
     return f"split@{ratio:.2f}"
@@ -152,7 +301,7 @@ def ceiling_speedup(full_s: float, stages_s: Mapping[str, float]) -> float:
 
 def split_figures_across_runs(
     full_s: Sequence[float], model_s: Sequence[float], stages_s: Sequence[Mapping[str, float]]
-) -> dict[str, Any]:
+) -> CeilingFigures:
     """A split model's speed-up, arithmetic ceiling and share of it, from its runs.
 
     Args:
@@ -173,12 +322,16 @@ def split_figures_across_runs(
         "ceiling_speedup": [ceiling_speedup(f, stages) for f, stages in zip(full_s, stages_s)],
     }
     runs["share_of_ceiling"] = [m / c for m, c in zip(runs["speedup_vs_full"], runs["ceiling_speedup"])]
-    figures: dict[str, Any] = {}
-    for key, prefix in (("speedup_vs_full", "speedup"), ("ceiling_speedup", "ceiling"), ("share_of_ceiling", "share")):
-        summary = across_runs(runs[key])
-        figures[key] = summary["median"]
-        figures[f"{prefix}_range"] = [summary["min"], summary["max"]]
-    return {**figures, "runs": runs}
+    speedup, ceiling, share = (across_runs(runs[k]) for k in ("speedup_vs_full", "ceiling_speedup", "share_of_ceiling"))
+    return CeilingFigures(
+        speedup_vs_full=speedup["median"],
+        speedup_range=[speedup["min"], speedup["max"]],
+        ceiling_speedup=ceiling["median"],
+        ceiling_range=[ceiling["min"], ceiling["max"]],
+        share_of_ceiling=share["median"],
+        share_range=[share["min"], share["max"]],
+        runs=runs,
+    )
 
 
 def across_runs(values: Sequence[float]) -> dict[str, float]:
@@ -188,7 +341,7 @@ def across_runs(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -> dict[str, Any]:
+def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -> PartsReport:
     """Time ``model`` at every ratio and batch size beside its full-resolution self.
 
     Args:
@@ -197,10 +350,9 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
         source: what the model is (a study's method, a config, a checkpoint), for the report.
 
     Returns:
-        A JSON-ready result: the model, the machine, the calibrated thresholds, and per
-        batch size every model's images/s, speed-up, token ratio and per-stage medians;
-        for every split model also its arithmetic ceiling and share of it (see
-        :func:`_time_batch` for the keys).
+        The model, the machine, the calibrated thresholds, and per batch size every
+        model's images/s, speed-up, token ratio and per-stage medians; for every split
+        model also its arithmetic ceiling and share of it (see :func:`_time_batch`).
     """
     dev = checked_device(settings.device)
     previous_threads = torch.get_num_threads()
@@ -221,31 +373,30 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
             points[point_name(ratio)] = point
         if settings.compile:
             _compile(full, points, settings, dev)
-        batches = [_time_batch(full, points, _rotation(images, b), settings, dev) for b in settings.batch_sizes]
+        timed = [_time_batch(full, points, _rotation(images, b), settings, dev) for b in settings.batch_sizes]
         machine = machine_info(dev)  # before the threads are restored: it records them
     finally:
         torch.set_num_threads(previous_threads)
-    return {
-        "benchmark": "parts",
-        "source": source,
-        "model": split.spec.to_dict() if split.spec else {},
-        "settings": {
-            "batch_sizes": list(settings.batch_sizes),
-            "ratios": list(settings.ratios),
-            "repeats": settings.repeats,
-            "warmup": settings.warmup,
-            "runs": settings.runs,
-            "calibration_images": CALIBRATION_IMAGES,
-            "bf16": settings.bf16,
-            "compile": settings.compile,
-            "token_buckets": settings.token_buckets,
-        },
-        "machine": machine,
-        "thresholds": {name: [float(t) for t in m.thresholds] for name, m in points.items()},
-        "stages": list(STAGES),
-        "batches": batches,
-        "warnings": [w for b in batches for w in b.pop("warnings")],
-    }
+    return PartsReport(
+        source=source,
+        model=split.spec.to_dict() if split.spec else {},
+        settings=PartsSettingsRecord(
+            batch_sizes=list(settings.batch_sizes),
+            ratios=list(settings.ratios),
+            repeats=settings.repeats,
+            warmup=settings.warmup,
+            runs=settings.runs,
+            calibration_images=CALIBRATION_IMAGES,
+            bf16=settings.bf16,
+            compile=settings.compile,
+            token_buckets=settings.token_buckets,
+        ),
+        machine=machine,
+        thresholds={name: [float(t) for t in m.thresholds] for name, m in points.items()},
+        stages=list(STAGES),
+        batches=[batch for batch, _ in timed],
+        warnings=[w for _, warnings in timed for w in warnings],
+    )
 
 
 def _compile(full: SplitViT, points: dict[str, SplitViT], settings: PartsSettings, dev: torch.device) -> None:
@@ -276,8 +427,9 @@ def _rotation(images: torch.Tensor, batch: int) -> list[torch.Tensor]:
 
 def _time_batch(
     full: SplitViT, points: dict[str, SplitViT], batches: list[torch.Tensor], settings: PartsSettings, dev: torch.device
-) -> dict[str, Any]:
-    """One batch size: every model plain and clocked, interleaved, in ``settings.runs`` runs.
+) -> tuple[PartsBatch, list[str]]:
+    """One batch size: every model plain and clocked, interleaved, in ``settings.runs`` runs,
+    and a warning when other processes competed for the cores.
 
     Every model's ``median_s``, ``images_per_s`` and ``stages_s`` are medians over all the
     runs' timed rounds together (one pool of samples); ``runs.median_s`` holds each run's
@@ -297,7 +449,8 @@ def _time_batch(
     samples: dict[str, list[float]] = {name: [] for name in models}
     cpu: dict[str, list[float]] = {name: [] for name in models}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in models}
-    per_run: list[dict[str, dict[str, Any]]] = []  # per run, per model: its median and stage medians
+    per_run_s: list[dict[str, float]] = []  # per run, per model: its median seconds
+    per_run_stages: list[dict[str, dict[str, float]]] = []  # per run, per model: its stage medians
     others_runs: list[float] = []
     with torch.inference_mode(), settings.autocast(dev):
         tokens = {name: statistics.fmean(float(m(b).token_ratio.mean()) for b in batches) for name, m in models.items()}
@@ -309,39 +462,37 @@ def _time_batch(
             )
             if others is not None:
                 others_runs.append(others)
-            figures_of_run = {}
+            per_run_s.append({})
+            per_run_stages.append({})
             for name in models:
                 timed = stage_samples[name][-settings.repeats :]  # the timed rounds, not the warm-up
                 samples[name] += run_samples[name]
                 cpu[name] += run_cpu[name]
                 rounds[name] += timed
-                figures_of_run[name] = {"median_s": statistics.median(run_samples[name]), "stages_s": _medians(timed)}
-            per_run.append(figures_of_run)
-    figures = {}
+                per_run_s[-1][name] = statistics.median(run_samples[name])
+                per_run_stages[-1][name] = _medians(timed)
+    figures: dict[str, PartsModelFigures] = {}
     for name in models:
         summary = timing_summary(samples[name], cpu[name], batch)
-        figures[name] = {
-            "token_ratio": tokens[name],
-            "median_s": summary.median_s,
-            "images_per_s": summary.images_per_s,
-            "speedup_vs_full": 1.0,  # full resolution's; a split model's is its runs' median, below
-            "stages_s": _medians(rounds[name]),
-            "runs": {"median_s": [run[name]["median_s"] for run in per_run]},
-        }
-    for name in points:
-        split = split_figures_across_runs(
-            figures["full"]["runs"]["median_s"],
-            figures[name]["runs"]["median_s"],
-            [run[name]["stages_s"] for run in per_run],
+        figures[name] = PartsModelFigures(
+            token_ratio=tokens[name],
+            median_s=summary.median_s,
+            images_per_s=summary.images_per_s,
+            speedup_vs_full=1.0,  # full resolution's; a split model's is its runs' median, below
+            stages_s=_medians(rounds[name]),
+            runs={"median_s": [run[name] for run in per_run_s]},
         )
-        figures[name]["runs"].update(split.pop("runs"))
-        figures[name].update(split)
+    full_runs_s = [run["full"] for run in per_run_s]
+    for name in points:
+        model_runs_s = [run[name] for run in per_run_s]
+        ceiling = split_figures_across_runs(full_runs_s, model_runs_s, [run[name] for run in per_run_stages])
+        figures[name] = figures[name].with_ceiling(ceiling)
     others = max(others_runs) if others_runs else None
     warnings = []
     if others is not None and others > OTHER_LOAD_WARNING:
         warnings.append(f"batch {batch}: other processes used {others:.2f} CPUs while timing; figures are noisy")
     log.info("bench parts: batch %d timed", batch)
-    return {"batch_size": batch, "models": figures, "others_cores": others, "warnings": warnings}
+    return PartsBatch(batch_size=batch, models=figures, others_cores=others), warnings
 
 
 def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -374,39 +525,38 @@ def _clocked(
     return call
 
 
-def format_parts_report(result: dict[str, Any]) -> str:
+def format_parts_report(result: PartsReport) -> str:
     """The result as text: per batch size, every model's speed, its arithmetic ceiling and
     share of it, and its stages in ms. Files written before ``runs`` (one run, no ceiling)
     print as they did then."""
-    settings = result["settings"]
-    runs = settings.get("runs")
-    rounds = f"{settings['repeats']} interleaved rounds"
-    timed = f"speed-ups: median (min-max) of {runs} runs of {rounds} each" if runs else f"medians of {rounds}"
+    settings, machine = result.settings, result.machine
+    rounds = f"{settings.repeats} interleaved rounds"
+    timed = (
+        f"speed-ups: median (min-max) of {settings.runs} runs of {rounds} each"
+        if settings.runs
+        else f"medians of {rounds}"
+    )
     lines = [
-        f"splitvit bench parts: {result['source']}",
-        f"{device_label(result['machine'])}, {result['machine']['torch_threads']} torch threads, "
-        f"{_precision(settings)}; {timed}; thresholds calibrated on {settings['calibration_images']} images",
+        f"splitvit bench parts: {result.source}",
+        f"{device_label(machine)}, {machine.torch_threads} torch threads, "
+        f"{_precision(settings)}; {timed}; thresholds calibrated on {settings.calibration_images} images",
     ]
-    for entry in result["batches"]:
-        models = entry["models"]
-        names = list(models)
+    for entry in result.batches:
+        models = list(entry.models.values())
         rows = [
-            ["tokens / full", *(f"{models[n]['token_ratio']:.2f}" for n in names)],
-            ["forward ms", *(f"{models[n]['median_s'] * 1e3:.2f}" for n in names)],
-            ["images/s", *(f"{models[n]['images_per_s']:.0f}" for n in names)],
-            [
-                "speed-up vs full",
-                *(_times(models[n]["speedup_vs_full"], models[n].get("speedup_range")) for n in names),
-            ],
+            ["tokens / full", *(f"{m.token_ratio:.2f}" for m in models)],
+            ["forward ms", *(f"{m.median_s * 1e3:.2f}" for m in models)],
+            ["images/s", *(f"{m.images_per_s:.0f}" for m in models)],
+            ["speed-up vs full", *(_times(m.speedup_vs_full, m.speedup_range) for m in models)],
         ]
-        if any("ceiling_speedup" in models[n] for n in names):
-            rows.append(["ceiling vs full", *(_ceiling(models[n]) for n in names)])
-            rows.append(["share of ceiling", *(_share(models[n]) for n in names)])
-        for stage in result["stages"]:
-            if any(stage in models[n]["stages_s"] for n in names):
-                rows.append([f"  {stage} ms", *(_ms(models[n]["stages_s"].get(stage)) for n in names)])
-        lines += ["", f"batch {entry['batch_size']}", *text_table(["", *names], rows)]
-    lines += [f"warning: {w}" for w in result["warnings"]]
+        if any(m.ceiling_speedup is not None for m in models):
+            rows.append(["ceiling vs full", *(_ceiling(m) for m in models)])
+            rows.append(["share of ceiling", *(_share(m) for m in models)])
+        for stage in result.stages:
+            if any(stage in m.stages_s for m in models):
+                rows.append([f"  {stage} ms", *(_ms(m.stages_s.get(stage)) for m in models)])
+        lines += ["", f"batch {entry.batch_size}", *text_table(["", *entry.models], rows)]
+    lines += [f"warning: {w}" for w in result.warnings]
     return "\n".join(lines)
 
 
@@ -415,25 +565,25 @@ def _times(value: float, spread: list[float] | None) -> str:
     return f"{value:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
 
-def _ceiling(figures: dict[str, Any]) -> str:
-    return f"{figures['ceiling_speedup']:.2f}x" if "ceiling_speedup" in figures else "-"
+def _ceiling(figures: PartsModelFigures) -> str:
+    return f"{figures.ceiling_speedup:.2f}x" if figures.ceiling_speedup is not None else "-"
 
 
-def _share(figures: dict[str, Any]) -> str:
+def _share(figures: PartsModelFigures) -> str:
     """``67% (63-70%)``: the median share of the ceiling and the runs' spread."""
-    if "share_of_ceiling" not in figures:
+    if figures.share_of_ceiling is None or figures.share_range is None:
         return "-"
-    low, high = figures["share_range"]
-    return f"{figures['share_of_ceiling']:.0%} ({low * 100:.0f}-{high:.0%})"
+    low, high = figures.share_range
+    return f"{figures.share_of_ceiling:.0%} ({low * 100:.0f}-{high:.0%})"
 
 
-def _precision(settings: dict[str, Any]) -> str:
+def _precision(settings: PartsSettingsRecord) -> str:
     """``bf16 autocast, torch.compile (4 token buckets)``, ``fp32, eager`` and the like
     (files written before these settings existed read as fp32, eager)."""
-    text = "bf16 autocast" if settings.get("bf16") else "fp32"
-    if not settings.get("compile"):
+    text = "bf16 autocast" if settings.bf16 else "fp32"
+    if not settings.compile:
         return text + ", eager"
-    buckets = settings.get("token_buckets")
+    buckets = settings.token_buckets
     return text + ", torch.compile" + (f" ({buckets} token buckets)" if buckets else " (exact token counts)")
 
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
     from ..model import SplitViT
     from ..model.detection import SplitDetector
+    from .records import MachineInfo
     from .timing import TimingSummary
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,9 @@ class SpeedRecord:
     models and every point, in the order given."""
 
     device: str  # with the GPU's name on CUDA
-    machine: dict[str, Any]  # :func:`~splitvit.bench.timing.machine_info`
+    # :func:`~splitvit.bench.timing.machine_info` as its JSON: the study's and the sweep's
+    # records that extend this one read it back as they stored it
+    machine: dict[str, Any]
     batch_size: int
     rounds: int
     warmup: int
@@ -288,8 +291,8 @@ def time_operating_points(
     machine = machine_info(dev)
     n = min(int(ref.images.shape[0]) for ref in references.values())
     record = SpeedRecord(
-        device=str(dev) + (f" ({machine['device_name']})" if "device_name" in machine else ""),
-        machine=machine,
+        device=str(dev) + (f" ({machine.device_name})" if machine.device_name is not None else ""),
+        machine=machine.to_dict(),
         batch_size=n,
         rounds=rounds,
         warmup=warmup,
@@ -486,7 +489,7 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
     name = f"point{point.index}"
     t, f = timings[name], timings[point.full]
     per_round = [a / b for a, b in zip(samples[point.full], samples[name])]
-    backbone: dict[str, Any] = {}
+    backbone: dict[str, float] = {}
     if name + BACKBONE_SUFFIX in timings:  # a detector: its backbone against full resolution's
         tb, fb = timings[name + BACKBONE_SUFFIX], timings[point.full + BACKBONE_SUFFIX]
         backbone = {
@@ -516,13 +519,13 @@ def _timed_point(point: _Prepared, samples: dict[str, list[float]], timings: dic
     )
 
 
-def _load_warnings(others: float | None, machine: dict[str, Any]) -> list[str]:
+def _load_warnings(others: float | None, machine: MachineInfo) -> list[str]:
     """What made the figures noisy: other processes busy on the CPUs meanwhile."""
     from .timing import OTHER_LOAD_WARNING
 
     if others is not None and others > OTHER_LOAD_WARNING:
         return [
-            f"other processes used {others:.2f} of the {machine['cpu_count']} CPUs on average while the "
+            f"other processes used {others:.2f} of the {machine.cpu_count} CPUs on average while the "
             "models were timed: the wall-clock figures are noisy"
         ]
     return []

@@ -29,6 +29,7 @@ import timm
 import torch
 
 from ..jsontypes import JsonObject
+from .records import MachineInfo
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def checked_device(device: str) -> torch.device:
     return dev
 
 
-def compile_options(device: torch.device) -> dict[str, Any]:
+def compile_options(device: torch.device) -> dict[str, str]:
     """``torch.compile`` options of a benchmark's compiled side: CUDA graphs on a GPU
     (``mode="reduce-overhead"``), where launches would cost more than the kernels."""
     return {"mode": "reduce-overhead"} if device.type == "cuda" else {}
@@ -183,19 +184,17 @@ def _cpu_model() -> str:
     return ""
 
 
-def machine_info(device: torch.device) -> dict[str, Any]:
+def machine_info(device: torch.device) -> MachineInfo:
     """What a benchmark ran on: CPUs, threads, versions, load, and the GPU's name."""
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "timm_version": timm.__version__,
-        "python": _stdlib_platform.python_version(),
-        "platform": _stdlib_platform.platform(),
-        "processor": _cpu_model() or _stdlib_platform.processor() or _stdlib_platform.machine(),
-        "device": str(device),
-        "load_average_end": list(os.getloadavg()),
-    }
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-    return info
+    return MachineInfo(
+        cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        timm_version=timm.__version__,
+        python=_stdlib_platform.python_version(),
+        platform=_stdlib_platform.platform(),
+        processor=_cpu_model() or _stdlib_platform.processor() or _stdlib_platform.machine(),
+        device=str(device),
+        load_average_end=list(os.getloadavg()),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    )

@@ -93,14 +93,14 @@ from ..jsontypes import JsonObject
 from ..model import SplitViT
 from ..model.quadtree import expected_tokens
 from ..train.experiment import build_model, experiment_datasets, experiment_from_dict
-from .allocators import choose_allocators, format_allocator_lines, run_allocator_benchmark
-from .report import device_label, make_target, target_table, text_table
+from .allocators import AllocatorReport, choose_allocators, format_allocator_lines, run_allocator_benchmark
+from .records import MachineInfo, PolicyAim, without_unset
+from .report import RoundRatios, Target, device_label, make_target, target_table, text_table
 from .timing import (
     OTHER_LOAD_WARNING,
     checked_device,
     cpu_busy_seconds,
     machine_info,
-    quartiles,
     synchronizer,
     time_beside_others,
     timing_summary,
@@ -195,7 +195,7 @@ def aim_learned_policy(
     images: torch.Tensor,
     target_ratio: float,
     iterations: int = 30,
-) -> dict[str, Any]:
+) -> PolicyAim:
     """Shift the learned policy's output biases by one offset so that its expected
     token count on ``images`` is ``target_ratio`` of ``N_full`` (bisection: a larger
     offset raises every split probability). Returns the offset and the reached ratio;
@@ -215,7 +215,7 @@ def aim_learned_policy(
         log.warning(
             "bench train: the learned policy has no per-level linear output; its operating point is left as it is"
         )
-        return {"offset": None, "expected_ratio": ratio()}
+        return PolicyAim(offset=None, expected_ratio=ratio())
     base = [linear.bias.detach().clone() for linear in lasts]
 
     def set_offset(offset: float) -> float:
@@ -231,7 +231,7 @@ def aim_learned_policy(
         else:
             hi = mid
     offset = min((lo, hi), key=lambda o: abs(set_offset(o) - target_ratio))
-    return {"offset": offset, "expected_ratio": set_offset(offset)}
+    return PolicyAim(offset=offset, expected_ratio=set_offset(offset))
 
 
 def _optimizer_step(
@@ -276,7 +276,7 @@ class _StepWorkload:
     target: torch.Tensor
     full_tokens: int
     loss_cfg: SplitLossConfig
-    aim: dict[str, Any]
+    aim: PolicyAim
 
 
 def _step_names(include: tuple[str, ...], teacher_every: int) -> list[str]:
@@ -424,15 +424,12 @@ class StepTiming:
     ratio_to_full: float  # medians
     ratio_to_full_fastest: float  # fastest rounds
     ratio_to_full_cpu_time: float | None  # median CPU seconds (None: none measured)
-    per_round: dict[str, Any]  # the per-round ratio's quartiles and ``values``
+    per_round: RoundRatios  # the per-round ratio to full
     share_of_split_learned: float | None = None  # the teacher alone: its share of the learned step
 
     def to_dict(self) -> JsonObject:
         """Its part of the JSON (``steps``): ``share_of_split_learned`` only for the teacher."""
-        data = dataclasses.asdict(self)
-        if data["share_of_split_learned"] is None:
-            del data["share_of_split_learned"]
-        return data
+        return without_unset(dataclasses.asdict(self), ("share_of_split_learned",))
 
 
 def _step_figures(
@@ -455,14 +452,14 @@ def _step_figures(
         fraction = statistics.fmean(r["token_ratio"] for r in timed) if timed else 1.0
         rounds_ratio = [f / x for f, x in zip(samples["full"], samples[name])]
         steps[name] = StepTiming(
-            **t.to_dict(),
+            **dataclasses.asdict(t),
             token_fraction=fraction,
             tokens_per_image=fraction * full_tokens,
             ideal_ratio=1.0 / fraction,
             ratio_to_full=ref.median_s / t.median_s,
             ratio_to_full_fastest=ref.min_s / t.min_s,
             ratio_to_full_cpu_time=ref.cpu_median_s / t.cpu_median_s if t.cpu_median_s > 0 else None,
-            per_round={**quartiles(rounds_ratio), "values": rounds_ratio},
+            per_round=RoundRatios.of(rounds_ratio),
         )
     if "teacher" in steps and "split_learned" in steps:
         teacher = steps["teacher"]
@@ -477,23 +474,57 @@ def _step_figures(
     return steps
 
 
-def _step_config(work: _StepWorkload, *, rounds: int, warmup: int, autocast_bf16: bool) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Part A's ``config``: how the steps were timed, and what each SPLIT step does."""
+
+    batch_size: int
+    rounds: int
+    warmup: int
+    autocast_bf16: bool
+    learning_rate: float
+    warmup_step: str  # in words
+    policy_step: str  # in words
+    policy_aim: PolicyAim
+    images: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """Part A's result (:func:`run_step_benchmark`): how and under what load the steps
+    were timed, and every step's figures."""
+
+    config: StepConfig
+    load_average_start: list[float]
+    load_average_end: list[float]
+    other_processes_cpus_during_timing: float | None  # None: unknown
+    steps: dict[str, StepTiming]
+    warnings: list[str]
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON (``steps``)."""
+        data = dataclasses.asdict(self)
+        data["steps"] = {name: timing.to_dict() for name, timing in self.steps.items()}
+        return data
+
+
+def _step_config(work: _StepWorkload, *, rounds: int, warmup: int, autocast_bf16: bool) -> StepConfig:
     """Part A's ``config``: how the steps were timed, and what each SPLIT step does."""
     loss_cfg = work.loss_cfg
-    return {
-        "batch_size": work.images.shape[0],
-        "rounds": rounds,
-        "warmup": warmup,
-        "autocast_bf16": autocast_bf16,
-        "learning_rate": 0.0,
-        "warmup_step": f"epoch {_WARM_EPOCH} of {loss_cfg.policy.warmup_epochs} warm-up epochs: split rates in "
+    return StepConfig(
+        batch_size=work.images.shape[0],
+        rounds=rounds,
+        warmup=warmup,
+        autocast_bf16=autocast_bf16,
+        learning_rate=0.0,
+        warmup_step=f"epoch {_WARM_EPOCH} of {loss_cfg.policy.warmup_epochs} warm-up epochs: split rates in "
         f"[{loss_cfg.policy.warmup_min_split}, 1]",
-        "policy_step": f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.budget.weight}, "
+        policy_step=f"epoch {_POLICY_EPOCH}: sampled decisions, budget penalty (lambda {loss_cfg.budget.weight}, "
         f"target {loss_cfg.budget.target_ratio}, {loss_cfg.budget.penalty}), teacher {loss_cfg.teacher.kind} "
         f"(weight {loss_cfg.teacher.weight}, every {loss_cfg.teacher.every} step(s))",
-        "policy_aim": work.aim,
-        "images": "the training set's first batch",
-    }
+        policy_aim=work.aim,
+        images="the training set's first batch",
+    )
 
 
 def run_step_benchmark(
@@ -504,7 +535,7 @@ def run_step_benchmark(
     device: str = "cpu",
     autocast_bf16: bool = False,
     include: tuple[str, ...] = STEP_NAMES,
-) -> dict[str, Any]:
+) -> StepReport:
     """Part A (see the module doc): images/s of full-resolution and SPLIT training
     steps on the same model and batch, interleaved.
 
@@ -537,17 +568,29 @@ def run_step_benchmark(
             f"part A: other processes used {others:.2f} of the {os.cpu_count()} CPUs on average while the "
             f"steps were timed: wall-clock ratios are noisy; see the fastest-round and CPU-time ratios"
         )
-    return {
-        "config": _step_config(work, rounds=rounds, warmup=warmup, autocast_bf16=autocast_bf16),
-        "load_average_start": load_start,
-        "load_average_end": list(os.getloadavg()),
-        "other_processes_cpus_during_timing": others,
-        "steps": {name: timing.to_dict() for name, timing in steps.items()},
-        "warnings": warnings,
-    }
+    return StepReport(
+        config=_step_config(work, rounds=rounds, warmup=warmup, autocast_bf16=autocast_bf16),
+        load_average_start=load_start,
+        load_average_end=list(os.getloadavg()),
+        other_processes_cpus_during_timing=others,
+        steps=steps,
+        warnings=warnings,
+    )
 
 
 # ---------------------------------------------------------------------- part B
+@dataclasses.dataclass(frozen=True)
+class WorkerThreads:
+    """The Ray worker's thread settings at its first epoch, as :class:`WorkerProbe` found them."""
+
+    pid: int
+    omp_num_threads: str | None  # its OMP_NUM_THREADS (None: unset)
+    torch_threads_found: int
+    torch_threads: int  # after the probe set them (``forced``) where they differed
+    interop_threads: int
+    forced: bool
+
+
 class WorkerProbe:
     """Epoch hook for the Ray run, on rank 0: at the first epoch it records the
     worker's thread settings (``OMP_NUM_THREADS``, torch's intra-op and inter-op
@@ -558,28 +601,29 @@ class WorkerProbe:
 
     def __init__(self, uri: str, threads: int) -> None:
         self.uri, self.threads = uri, threads
-        self.info: dict[str, Any] | None = None
+        self.found: WorkerThreads | None = None
+        self.epoch_starts: list[dict[str, float]] = []
 
     def __call__(self, epoch: int, rank: int, model: nn.Module) -> None:
         if rank != 0:
             return
         from ..storage.uri import write_bytes
 
-        if self.info is None:
+        if self.found is None:
             found = torch.get_num_threads()
             if found != self.threads:
                 torch.set_num_threads(self.threads)
-            self.info = {
-                "pid": os.getpid(),
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                "torch_threads_found": found,
-                "torch_threads": torch.get_num_threads(),
-                "interop_threads": torch.get_num_interop_threads(),
-                "forced": found != self.threads,
-                "epoch_starts": [],
-            }
-        self.info["epoch_starts"].append({"epoch": epoch, "wall": time.perf_counter(), "cpu": time.process_time()})
-        write_bytes(self.uri, json.dumps(self.info).encode())
+            self.found = WorkerThreads(
+                pid=os.getpid(),
+                omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                torch_threads_found=found,
+                torch_threads=torch.get_num_threads(),
+                interop_threads=torch.get_num_interop_threads(),
+                forced=found != self.threads,
+            )
+        self.epoch_starts.append({"epoch": epoch, "wall": time.perf_counter(), "cpu": time.process_time()})
+        info = {**dataclasses.asdict(self.found), "epoch_starts": self.epoch_starts}
+        write_bytes(self.uri, json.dumps(info).encode())
 
 
 @dataclasses.dataclass
@@ -647,7 +691,7 @@ class RayRun:
     ray_start_s: float  # Ray's start-up, when started here (else 0)
     end_to_end_s: float
     started_ray: bool
-    worker_threads: dict[str, Any] | None  # what the worker's probe wrote (None: unreadable)
+    worker_threads: WorkerThreads | None  # what the worker's probe wrote (None: unreadable)
     machine_busy_cpus: float | None
     this_process_cpus: float
     steady: SteadyFigures | None = None  # set by the pair (:func:`_steady`)
@@ -657,13 +701,10 @@ class RayRun:
         return _run_dict(self)
 
 
-def _run_dict(run: PlainRun | RayRun) -> dict[str, Any]:
+def _run_dict(run: PlainRun | RayRun) -> JsonObject:
     """A run's JSON: its fields in order, the epochs each as :meth:`EpochFigures.to_dict`."""
-    data = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
+    data = dataclasses.asdict(run)
     data["epochs"] = [e.to_dict() for e in run.epochs]
-    data["steady"] = None if run.steady is None else dataclasses.asdict(run.steady)
-    if isinstance(run, RayRun) and run.worker_threads is not None:
-        data["worker_threads"] = dict(run.worker_threads)
     return data
 
 
@@ -715,6 +756,50 @@ class OverheadFigures:
     def to_dict(self) -> JsonObject:
         """Its keys of part B's JSON."""
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RayOverheadConfig:
+    """Part B's ``config``: the experiment as run and how the pairs were run."""
+
+    experiment: JsonObject  # the first round's config, redacted: :meth:`ExperimentConfig.to_dict`
+    threads: int
+    device: str
+    rounds: int
+    skip_epochs: int
+    tracking: bool
+    ray_already_running: bool
+    ray_train_health_check_interval_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RayOverheadReport:
+    """Part B's result (:func:`run_ray_overhead_benchmark`): every plain/Ray pair, both
+    kinds' totals, the target and what each figure includes."""
+
+    config: RayOverheadConfig
+    worker_threads: WorkerThreads | None  # the first Ray run's that could be read
+    load_average_start: list[float]
+    load_average_end: list[float]
+    runs: list[OverheadPair]
+    figures: OverheadFigures  # written at the top level of part B's JSON
+    target: Target
+    included: dict[str, str]  # per figure, what it includes, in words
+    warnings: list[str]
+
+    def to_dict(self) -> JsonObject:
+        """Its part of the JSON (``ray_overhead``)."""
+        return {
+            "config": dataclasses.asdict(self.config),
+            "worker_threads": None if self.worker_threads is None else dataclasses.asdict(self.worker_threads),
+            "load_average_start": self.load_average_start,
+            "load_average_end": self.load_average_end,
+            "runs": [p.to_dict() for p in self.runs],
+            **self.figures.to_dict(),
+            "target": self.target.to_dict(),
+            "included": self.included,
+            "warnings": self.warnings,
+        }
 
 
 def _whole_epochs(marks: list[dict[str, float]], epochs: list[EpochFigures]) -> None:
@@ -907,11 +992,12 @@ def _run_ray(config: ExperimentConfig, threads: int, ray_address: str | None) ->
             )
         )
     try:
-        worker = json.loads(read_bytes(probe_uri))
+        probed = json.loads(read_bytes(probe_uri))
     except OSError:
         worker = None
     else:
-        _whole_epochs(worker.pop("epoch_starts"), epochs)
+        _whole_epochs(probed.pop("epoch_starts"), epochs)
+        worker = WorkerThreads(**probed)
     return RayRun(epochs, wall, ray_start, ray_start + wall, started_here, worker, *busy)
 
 
@@ -964,7 +1050,7 @@ def _overhead_runs(
     tracking: bool,
     storage: str | None,
     ray_address: str | None,
-) -> tuple[list[OverheadPair], dict[str, Any]]:
+) -> tuple[list[OverheadPair], JsonObject]:
     """Every plain/Ray pair, in a temporary folder (the plain runs' models, and Ray's
     storage and MLflow store unless given); the pairs and the first run's config."""
     dev = torch.device(device)
@@ -1051,15 +1137,15 @@ def _overhead_figures(runs: list[OverheadPair], skip_epochs: int) -> OverheadFig
     )
 
 
-def _overhead_warnings(worker: dict[str, Any] | None, threads: int, ray_before: bool) -> list[str]:
+def _overhead_warnings(worker: WorkerThreads | None, threads: int, ray_before: bool) -> list[str]:
     """What made part B's comparison less than like for like."""
     warnings = []
     if worker is None:
         warnings.append("part B: the Ray worker's thread settings could not be read back")
-    elif worker.get("forced"):
+    elif worker.forced:
         warnings.append(
-            f"part B: the Ray worker started with {worker['torch_threads_found']} torch threads "
-            f"(OMP_NUM_THREADS={worker['omp_num_threads']}); set to {threads} by the benchmark"
+            f"part B: the Ray worker started with {worker.torch_threads_found} torch threads "
+            f"(OMP_NUM_THREADS={worker.omp_num_threads}); set to {threads} by the benchmark"
         )
     if ray_before:
         warnings.append(
@@ -1100,7 +1186,7 @@ def run_ray_overhead_benchmark(
     tracking: bool = False,
     storage: str | None = None,
     ray_address: str | None = None,
-) -> dict[str, Any]:
+) -> RayOverheadReport:
     """Part B (see the module doc): the same short training through ``fit_local`` and
     through Ray Train with one worker, the same thread count in both.
 
@@ -1150,29 +1236,79 @@ def run_ray_overhead_benchmark(
         note=f"epochs {skip_epochs}..{config.train.epochs - 1}, {rounds} round(s)",
         rounds=[p.ratio for p in runs],
     )
-    return {
-        "config": {
-            "experiment": experiment,
-            "threads": threads,
-            "device": str(dev),
-            "rounds": rounds,
-            "skip_epochs": skip_epochs,
-            "tracking": tracking,
-            "ray_already_running": ray_before,
-            "ray_train_health_check_interval_s": float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0)),
-        },
-        "worker_threads": worker,
-        "load_average_start": load_start,
-        "load_average_end": list(os.getloadavg()),
-        "runs": [p.to_dict() for p in runs],
-        **figures.to_dict(),
-        "target": target,
-        "included": _overhead_included(skip_epochs, tracking),
-        "warnings": _overhead_warnings(worker, threads, ray_before),
-    }
+    return RayOverheadReport(
+        config=RayOverheadConfig(
+            experiment=experiment,
+            threads=threads,
+            device=str(dev),
+            rounds=rounds,
+            skip_epochs=skip_epochs,
+            tracking=tracking,
+            ray_already_running=ray_before,
+            ray_train_health_check_interval_s=float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0)),
+        ),
+        worker_threads=worker,
+        load_average_start=load_start,
+        load_average_end=list(os.getloadavg()),
+        runs=runs,
+        figures=figures,
+        target=target,
+        included=_overhead_included(skip_epochs, tracking),
+        warnings=_overhead_warnings(worker, threads, ray_before),
+    )
 
 
 # ---------------------------------------------------------------------- both
+@dataclasses.dataclass(frozen=True)
+class TrainModelInfo:
+    """The workload's shape (:func:`_vit_info`): the config's ViT, its quadtree and data."""
+
+    name: str
+    timm_kwargs: JsonObject  # timm.create_model's own keyword arguments, as configured
+    embed_dim: int
+    depth: int
+    num_heads: int | None
+    image_size: int
+    patch_size: int
+    levels: int
+    coarse_patch_size: int
+    full_tokens: int
+    min_tokens: int
+    policy_depth: int
+    num_classes: int
+    batch_size: int
+    data: str  # the data set and its options, in words
+    target_ratio: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainReport:
+    """What :func:`run_train_benchmark` measured (``splitvit bench train``' JSON): the parts
+    asked for (None: not run), the machine, their targets and warnings."""
+
+    model: TrainModelInfo
+    load_average_start: list[float]
+    steps: StepReport | None  # part A
+    ray_overhead: RayOverheadReport | None  # part B
+    allocators: AllocatorReport | None  # part C
+    machine: MachineInfo
+    targets: list[Target]
+    warnings: list[str]
+
+    def to_dict(self) -> JsonObject:
+        """The JSON ``--json`` writes: ``benchmark: train`` first, only the parts that ran."""
+        parts = {"steps": self.steps, "ray_overhead": self.ray_overhead, "allocators": self.allocators}
+        return {
+            "benchmark": "train",
+            "model": dataclasses.asdict(self.model),
+            "load_average_start": self.load_average_start,
+            **{key: part.to_dict() for key, part in parts.items() if part is not None},
+            "machine": self.machine.to_dict(),
+            "targets": [t.to_dict() for t in self.targets],
+            "warnings": self.warnings,
+        }
+
+
 def run_train_benchmark(
     config: ExperimentConfig | None = None,
     *,
@@ -1189,14 +1325,14 @@ def run_train_benchmark(
     autocast_bf16: bool = False,
     allocators: tuple[str, ...] = ("all",),
     allocator_rounds: int = 3,
-) -> dict[str, Any]:
+) -> TrainReport:
     """The parts on one config (default :func:`benchmark_config`); ``parts`` picks
     ``steps`` (A), ``ray`` (B) and ``allocators`` (C,
     :func:`~splitvit.bench.allocators.run_allocator_benchmark`: ``allocators`` in
     ``allocator_rounds`` rounds); ``threads`` (default: this process's torch threads)
-    holds for all; ``autocast_bf16`` applies to part A's steps. A JSON-serialisable
-    dict: ``model``, ``machine``, ``steps`` (part A), ``ray_overhead`` (part B),
-    ``allocators`` (part C), ``targets``, ``warnings``."""
+    holds for all; ``autocast_bf16`` applies to part A's steps. The :class:`TrainReport`:
+    ``model``, ``machine``, ``steps`` (part A), ``ray_overhead`` (part B), ``allocators``
+    (part C), ``targets``, ``warnings``."""
     config = config or benchmark_config()
     unknown = set(parts) - set(TRAIN_PARTS)
     if unknown or not parts:
@@ -1204,11 +1340,8 @@ def run_train_benchmark(
     if "allocators" in parts:  # every allocator's library found before anything is timed
         choose_allocators(allocators)
     dev = torch.device(device)
-    result: dict[str, Any] = {
-        "benchmark": "train",
-        "model": _vit_info(config),
-        "load_average_start": list(os.getloadavg()),
-    }
+    model, load_start = _vit_info(config), list(os.getloadavg())
+    steps = ray_overhead = allocator_figures = None
     own_threads = torch.get_num_threads()
     threads = int(threads or own_threads)
     if threads < 1:
@@ -1216,11 +1349,9 @@ def run_train_benchmark(
     torch.set_num_threads(threads)  # part A too: both parts run at the same thread count
     try:
         if "steps" in parts:
-            result["steps"] = run_step_benchmark(
-                config, rounds=rounds, warmup=warmup, device=device, autocast_bf16=autocast_bf16
-            )
+            steps = run_step_benchmark(config, rounds=rounds, warmup=warmup, device=device, autocast_bf16=autocast_bf16)
         if "ray" in parts:
-            result["ray_overhead"] = run_ray_overhead_benchmark(
+            ray_overhead = run_ray_overhead_benchmark(
                 config,
                 threads=threads,
                 device=device,
@@ -1231,7 +1362,7 @@ def run_train_benchmark(
                 ray_address=ray_address,
             )
         if "allocators" in parts:
-            result["allocators"] = run_allocator_benchmark(
+            allocator_figures = run_allocator_benchmark(
                 config,
                 allocators=allocators,
                 rounds=allocator_rounds,
@@ -1239,41 +1370,47 @@ def run_train_benchmark(
                 skip_epochs=skip_epochs,
                 device=device,
             )
-        result["machine"] = machine_info(dev)
+        machine = machine_info(dev)
     finally:
         torch.set_num_threads(own_threads)
-    result["targets"] = [result["ray_overhead"]["target"]] if "ray_overhead" in result else []
-    result["targets"] += result.get("allocators", {}).get("targets", [])
-    result["warnings"] = [
-        w for key in ("steps", "ray_overhead", "allocators") for w in result.get(key, {}).get("warnings", [])
-    ]
-    return result
+    targets = [ray_overhead.target] if ray_overhead is not None else []
+    targets += allocator_figures.targets if allocator_figures is not None else []
+    return TrainReport(
+        model=model,
+        load_average_start=load_start,
+        steps=steps,
+        ray_overhead=ray_overhead,
+        allocators=allocator_figures,
+        machine=machine,
+        targets=targets,
+        warnings=[w for part in (steps, ray_overhead, allocator_figures) if part is not None for w in part.warnings],
+    )
 
 
-def _vit_info(config: ExperimentConfig) -> dict[str, Any]:
+def _vit_info(config: ExperimentConfig) -> TrainModelInfo:
     """The workload's shape, from the config's ViT built on the meta device."""
     mc, dc = config.model, config.data
     with torch.device("meta"):
         model = build_model(dataclasses.replace(mc, checkpoint_path=None), pretrained=False)
     vit = model.vit
-    return {
-        "name": mc.name,
-        "timm_kwargs": dict(mc.timm_kwargs),
-        "embed_dim": int(vit.embed_dim),
-        "depth": len(vit.blocks),
-        "num_heads": int(getattr(vit.blocks[0].attn, "num_heads", 0)) or None,
-        "image_size": mc.image_size,
-        "patch_size": model.patch_size,
-        "levels": mc.levels,
-        "coarse_patch_size": model.geometry.coarse_patch_size,
-        "full_tokens": model.geometry.full_tokens,
-        "min_tokens": model.geometry.min_tokens,
-        "policy_depth": mc.policy.depth,
-        "num_classes": mc.num_classes,
-        "batch_size": dc.batch_size,
-        "data": f"{dc.name} {dc.options}",
-        "target_ratio": config.train.budget.target_ratio,
-    }
+    return TrainModelInfo(
+        name=mc.name,
+        timm_kwargs=dict(mc.timm_kwargs),
+        embed_dim=int(vit.embed_dim),
+        depth=len(vit.blocks),
+        num_heads=int(getattr(vit.blocks[0].attn, "num_heads", 0)) or None,
+        image_size=mc.image_size,
+        patch_size=model.patch_size,
+        levels=mc.levels,
+        coarse_patch_size=model.geometry.coarse_patch_size,
+        full_tokens=model.geometry.full_tokens,
+        min_tokens=model.geometry.min_tokens,
+        policy_depth=mc.policy.depth,
+        num_classes=mc.num_classes,
+        batch_size=dc.batch_size,
+        data=f"{dc.name} {dc.options}",
+        target_ratio=config.train.budget.target_ratio,
+    )
 
 
 # ---------------------------------------------------------------------- report
@@ -1291,48 +1428,48 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
 
 
-def _train_header(result: dict[str, Any]) -> list[str]:
+def _train_header(result: TrainReport) -> list[str]:
     """Where it ran and the workload."""
-    mach, m = result["machine"], result["model"]
+    mach, m = result.machine, result.model
     return [
-        f"SPLIT training benchmark: {device_label(mach)}, torch {mach['torch_version']}, "
-        f"timm {mach['timm_version']}; 1-min load average {result['load_average_start'][0]:.2f} at start, "
-        f"{mach['load_average_end'][0]:.2f} at end",
-        f"model {m['name']} (dim {m['embed_dim']}, depth {m['depth']}, heads {m['num_heads']}), {m['image_size']} px, "
-        f"p={m['patch_size']}, L={m['levels']} (P={m['coarse_patch_size']}), N_full={m['full_tokens']}, "
-        f"N_min={m['min_tokens']}, policy depth {m['policy_depth']}, batch {m['batch_size']}, data {m['data']}",
+        f"SPLIT training benchmark: {device_label(mach)}, torch {mach.torch_version}, "
+        f"timm {mach.timm_version}; 1-min load average {result.load_average_start[0]:.2f} at start, "
+        f"{mach.load_average_end[0]:.2f} at end",
+        f"model {m.name} (dim {m.embed_dim}, depth {m.depth}, heads {m.num_heads}), {m.image_size} px, "
+        f"p={m.patch_size}, L={m.levels} (P={m.coarse_patch_size}), N_full={m.full_tokens}, "
+        f"N_min={m.min_tokens}, policy depth {m.policy_depth}, batch {m.batch_size}, data {m.data}",
     ]
 
 
-def _steps_lines(result: dict[str, Any]) -> list[str]:
+def _steps_lines(a: StepReport, machine: MachineInfo, target_ratio: float) -> list[str]:
     """Part A: how the steps were timed, one row per step, and the checks beside the medians."""
-    a, mach = result["steps"], result["machine"]
-    cfg, others = a["config"], a["other_processes_cpus_during_timing"]
+    cfg, others = a.config, a.other_processes_cpus_during_timing
     lines = [
         "",
         f"A. training-step throughput: one optimisation step (training_step, backward, clip, AdamW at lr 0), "
-        f"median of {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up, {mach['torch_threads']} "
+        f"median of {cfg.rounds} interleaved rounds after {cfg.warmup} warm-up, {machine.torch_threads} "
         f"torch threads; other processes used " + (f"{others:.2f}" if others is not None else "?") + " CPUs",
-        f"  warm-up step: {cfg['warmup_step']}",
-        f"  learned step: {cfg['policy_step']}; policy aimed at "
-        f"{result['model']['target_ratio']:.0%} expected tokens (reached {cfg['policy_aim']['expected_ratio']:.3f})",
+        f"  warm-up step: {cfg.warmup_step}",
+        f"  learned step: {cfg.policy_step}; policy aimed at "
+        f"{target_ratio:.0%} expected tokens (reached {cfg.policy_aim.expected_ratio:.3f})",
     ]
     rows = []
-    for name, t in a["steps"].items():
-        frac = t.get("token_fraction")
+    for name, t in a.steps.items():
+        frac = t.token_fraction
+        share = t.share_of_split_learned
         rows.append(
             [
                 _STEP_LABELS.get(name, name),
-                f"{t['tokens_per_image']:.1f}" if frac is not None else "",
+                f"{t.tokens_per_image:.1f}" if frac is not None else "",
                 f"{frac:.3f}" if frac is not None else "",
-                _ms(t["median_s"]),
-                f"{_ms(t['min_s'])}-{_ms(t['max_s'])}",
-                f"{t['images_per_s']:.1f}",
-                f"{t['ratio_to_full']:.2f}x",
-                f"{t['per_round']['q1']:.2f}x .. {t['per_round']['q3']:.2f}x",
-                f"{t['ideal_ratio']:.2f}x"
+                _ms(t.median_s),
+                f"{_ms(t.min_s)}-{_ms(t.max_s)}",
+                f"{t.images_per_s:.1f}",
+                f"{t.ratio_to_full:.2f}x",
+                f"{t.per_round.q1:.2f}x .. {t.per_round.q3:.2f}x",
+                f"{t.ideal_ratio:.2f}x"
                 if frac is not None
-                else (f"{t['share_of_split_learned']:.0%} of learned step" if "share_of_split_learned" in t else ""),
+                else (f"{share:.0%} of learned step" if share is not None else ""),
             ]
         )
     lines += [
@@ -1352,47 +1489,45 @@ def _steps_lines(result: dict[str, Any]) -> list[str]:
             rows,
         )
     ]
-    others_steps = [(n, t) for n, t in a["steps"].items() if n != "full"]
+    others_steps = [(n, t) for n, t in a.steps.items() if n != "full"]
     lines.append(
         "  checks, ratio to full from each step's fastest round: "
-        + ", ".join(f"{n} {t['ratio_to_full_fastest']:.2f}x" for n, t in others_steps)
+        + ", ".join(f"{n} {t.ratio_to_full_fastest:.2f}x" for n, t in others_steps)
         + "; from median process CPU time: "
         + ", ".join(
-            f"{n} {t['ratio_to_full_cpu_time']:.2f}x"
-            for n, t in others_steps
-            if t["ratio_to_full_cpu_time"] is not None
+            f"{n} {t.ratio_to_full_cpu_time:.2f}x" for n, t in others_steps if t.ratio_to_full_cpu_time is not None
         )
     )
     return lines
 
 
-def _ray_runs_lines(b: dict[str, Any]) -> list[str]:
+def _ray_runs_lines(b: RayOverheadReport) -> list[str]:
     """Part B: what was compared, and one row per run."""
-    cfg, worker = b["config"], b["worker_threads"] or {}
+    cfg, worker = b.config, b.worker_threads
     lines = [
         "",
         f"B. Ray Train overhead: the same config trained by fit_local (plain loop, this process) and by "
-        f"run_training (TorchTrainer, 1 worker); {cfg['threads']} CPU threads in both (worker: OMP_NUM_THREADS="
-        f"{worker.get('omp_num_threads')}, torch {worker.get('torch_threads')}"
-        + (" after being set" if worker.get("forced") else "")
-        + f"), {cfg['rounds']} round(s), "
-        f"{cfg['experiment']['train']['epochs']} epochs of {b['runs'][0]['plain']['epochs'][0]['images']} images",
+        f"run_training (TorchTrainer, 1 worker); {cfg.threads} CPU threads in both (worker: OMP_NUM_THREADS="
+        f"{worker.omp_num_threads if worker else None}, torch {worker.torch_threads if worker else None}"
+        + (" after being set" if worker and worker.forced else "")
+        + f"), {cfg.rounds} round(s), "
+        f"{cfg.experiment['train']['epochs']} epochs of {b.runs[0].plain.epochs[0].images} images",
     ]
     rows = []
-    for i, pair in enumerate(b["runs"]):
-        for kind in pair["order"]:
-            run = pair[kind]
-            steady_epochs = [e["epoch_s"] for e in run["epochs"] if e["epoch"] >= cfg["skip_epochs"]]
+    for i, pair in enumerate(b.runs):
+        for kind in pair.order:
+            run = pair.run(kind)
+            steady_epochs = [e.epoch_s for e in run.epochs if e.epoch >= cfg.skip_epochs]
+            ray_start = run.ray_start_s if isinstance(run, RayRun) else 0.0
             rows.append(
                 [
                     f"{i + 1}",
                     kind,
-                    " | ".join(f"{e['images_per_s']:.1f}" for e in run["epochs"]),
-                    f"{run['steady']['images_per_s']:.1f}",
+                    " | ".join(f"{e.images_per_s:.1f}" for e in run.epochs),
+                    f"{run.steady.images_per_s:.1f}" if run.steady is not None else "?",
                     f"{statistics.fmean(steady_epochs):.1f}",
-                    f"{run['wall_s']:.1f}"
-                    + (f" + {run['ray_start_s']:.1f} Ray start" if run.get("ray_start_s") else ""),
-                    f"{run['machine_busy_cpus']:.2f}" if run.get("machine_busy_cpus") is not None else "?",
+                    f"{run.wall_s:.1f}" + (f" + {ray_start:.1f} Ray start" if ray_start else ""),
+                    f"{run.machine_busy_cpus:.2f}" if run.machine_busy_cpus is not None else "?",
                 ]
             )
     return lines + [
@@ -1402,7 +1537,7 @@ def _ray_runs_lines(b: dict[str, Any]) -> list[str]:
                 "round",
                 "run",
                 "train img/s per epoch",
-                f"steady img/s (epochs >= {cfg['skip_epochs']})",
+                f"steady img/s (epochs >= {cfg.skip_epochs})",
                 "epoch incl. val s",
                 "wall s",
                 "machine busy CPUs",
@@ -1412,41 +1547,42 @@ def _ray_runs_lines(b: dict[str, Any]) -> list[str]:
     ]
 
 
-def _ray_summary_lines(b: dict[str, Any]) -> list[str]:
+def _ray_summary_lines(b: RayOverheadReport) -> list[str]:
     """Part B: the target, and Ray's speed per epoch with validation, per whole epoch
     and end to end."""
-    plain, ray_ = b["plain"], b["ray"]
-    lines = ["  " + line for line in target_table([b["target"]])]
+    f = b.figures
+    plain, ray_ = f.plain, f.ray
+    lines = ["  " + line for line in target_table([b.target])]
     lines.append(
         f"  per steady epoch incl. threshold calibration and validation: plain "
-        f"{plain['steady_epoch_incl_validation_s']:.2f} s, Ray {ray_['steady_epoch_incl_validation_s']:.2f} s "
-        f"(Ray/plain speed {b['ratio_epoch_incl_validation']:.2f}x)"
+        f"{plain.steady_epoch_incl_validation_s:.2f} s, Ray {ray_.steady_epoch_incl_validation_s:.2f} s "
+        f"(Ray/plain speed {f.ratio_epoch_incl_validation:.2f}x)"
     )
-    if b.get("ratio_whole_epoch") is not None:
-        cpu = b["ratio_whole_epoch_cpu_time"]
+    if f.ratio_whole_epoch is not None:
+        cpu = f.ratio_whole_epoch_cpu_time
         lines.append(
-            f"  whole epoch (start to next start, incl. checkpoint and report), {plain['whole_epochs']} epoch(s): "
-            f"plain {plain['whole_epoch_s']:.2f} s / {plain['whole_epoch_cpu_s']:.2f} CPU-s, "
-            f"Ray {ray_['whole_epoch_s']:.2f} s / {ray_['whole_epoch_cpu_s']:.2f} CPU-s of the worker process; "
-            f"Ray/plain speed {b['ratio_whole_epoch']:.2f}x wall, "
+            f"  whole epoch (start to next start, incl. checkpoint and report), {plain.whole_epochs} epoch(s): "
+            f"plain {plain.whole_epoch_s:.2f} s / {plain.whole_epoch_cpu_s:.2f} CPU-s, "
+            f"Ray {ray_.whole_epoch_s:.2f} s / {ray_.whole_epoch_cpu_s:.2f} CPU-s of the worker process; "
+            f"Ray/plain speed {f.ratio_whole_epoch:.2f}x wall, "
             + (f"{cpu:.2f}x CPU time" if cpu is not None else "? CPU time")
         )
     lines.append(
-        f"  END TO END (incl. Ray start-up): plain {plain['end_to_end_s']:.1f} s "
-        f"({plain['end_to_end_images_per_s']:.1f} img/s), Ray {ray_['end_to_end_s']:.1f} s "
-        f"({ray_['end_to_end_images_per_s']:.1f} img/s); Ray/plain speed {b['ratio_end_to_end']:.2f}x"
+        f"  END TO END (incl. Ray start-up): plain {plain.end_to_end_s:.1f} s "
+        f"({plain.end_to_end_images_per_s:.1f} img/s), Ray {ray_.end_to_end_s:.1f} s "
+        f"({ray_.end_to_end_images_per_s:.1f} img/s); Ray/plain speed {f.ratio_end_to_end:.2f}x"
     )
-    return lines + [f"  {key}: {text}" for key, text in b["included"].items()]
+    return lines + [f"  {key}: {text}" for key, text in b.included.items()]
 
 
-def format_train_report(result: dict[str, Any]) -> str:
+def format_train_report(result: TrainReport) -> str:
     """A readable report of :func:`run_train_benchmark`'s result."""
     lines = _train_header(result)
-    if "steps" in result:
-        lines += _steps_lines(result)
-    if "ray_overhead" in result:
-        lines += _ray_runs_lines(result["ray_overhead"]) + _ray_summary_lines(result["ray_overhead"])
-    if "allocators" in result:
-        lines += format_allocator_lines(result["allocators"])
-    lines += [f"WARNING: {warning}" for warning in result.get("warnings", [])]
+    if result.steps is not None:
+        lines += _steps_lines(result.steps, result.machine, result.model.target_ratio)
+    if result.ray_overhead is not None:
+        lines += _ray_runs_lines(result.ray_overhead) + _ray_summary_lines(result.ray_overhead)
+    if result.allocators is not None:
+        lines += format_allocator_lines(result.allocators)
+    lines += [f"WARNING: {warning}" for warning in result.warnings]
     return "\n".join(lines)

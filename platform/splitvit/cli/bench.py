@@ -197,7 +197,7 @@ def run_forward(args: argparse.Namespace) -> int:
     )
     result = run_forward_benchmark(settings)
     print(format_report(result))
-    emit(args, result)
+    emit(args, result.to_dict())
     return 0
 
 
@@ -272,7 +272,7 @@ def run_parts(args: argparse.Namespace) -> int:
     model, source = _parts_model(args)
     result = run_parts_benchmark(model, settings, source)
     print(format_parts_report(result))
-    emit(args, result)
+    emit(args, result.to_dict())
     return 0
 
 
@@ -425,7 +425,7 @@ def run_train(args: argparse.Namespace) -> int:
         allocator_rounds=args.allocator_rounds,
     )
     print(format_train_report(result))
-    emit(args, result)
+    emit(args, result.to_dict())
     return 0
 
 
@@ -486,5 +486,5 @@ def run_data(args: argparse.Namespace) -> int:
     )
     result = run_data_benchmark(settings)
     print(format_data_report(result))
-    emit(args, result.as_dict())
+    emit(args, result.to_dict())
     return 0
