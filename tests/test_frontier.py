@@ -586,7 +586,7 @@ def test_a_trials_final_report_becomes_its_points_and_a_baselines_its_rows():
         companion_metrics=("mask_ap",), quality_metric="box_ap", parameters={"model.thresholds[0]": None}, decode=dict
     )
     sweep = SimpleNamespace(metric="box_ap", space=space, plan=plan, recorder=Recorder())
-    stage_two = [ThresholdPoint(0.3, 8.0, 0.5, [0.6], 40.0, {"mask_ap": 0.25}, target_ratio=0.5)]
+    stage_two = [ThresholdPoint(0.3, 8.0, 0.5, [0.6], 40.0, {"mask_ap": 0.25}, target_ratio=0.5, images=500)]
     report = {
         "box_ap": 0.4,
         "mask_ap": 0.35,
@@ -595,6 +595,7 @@ def test_a_trials_final_report_becomes_its_points_and_a_baselines_its_rows():
         "images_per_s": 30.0,
         "epochs": 2,
         "thresholds": [0.5],
+        "images": 500,
         "checkpoint": "/ckpt/a",
         "threshold_points": json.dumps([p.to_dict("box_ap") for p in stage_two]),
         "splitvit_final": True,
@@ -620,14 +621,14 @@ def test_a_trials_final_report_becomes_its_points_and_a_baselines_its_rows():
 
     trial, threshold = points
     assert (trial.kind, trial.quality, trial.tokens_per_image, trial.thresholds) == ("trial", 0.4, 12.0, [0.5])
-    assert trial.extras == {"images_per_s": 30.0, "mask_ap": 0.35} and trial.run_id == "run-a"
+    assert trial.extras == {"images_per_s": 30.0, "mask_ap": 0.35, "images": 500.0} and trial.run_id == "run-a"
     assert (threshold.kind, threshold.quality, threshold.checkpoint, threshold.run_id) == (
         "threshold",
         0.3,
         "/ckpt/a",
         "point-a-0",
     )
-    assert threshold.extras == {"images_per_s": 40.0, "mask_ap": 0.25, "target_ratio": 0.5}
+    assert threshold.extras == {"images_per_s": 40.0, "mask_ap": 0.25, "target_ratio": 0.5, "images": 500.0}
     assert recorded[0].threshold_points == stage_two and recorded[0].epochs == 2
     # a baseline's ratio points are the parent's baselines, not point runs
     assert [len(r.threshold_points) for r in recorded[1:]] == [0, 0]
@@ -689,15 +690,17 @@ def test_the_sweep_says_which_frontier_steps_its_validation_images_cannot_tell_a
 
 
 def test_a_sweep_knows_the_validation_images_its_points_were_measured_on():
-    """Stage two's count where set (a trial's own point is measured there too), else the
-    data's ``val_samples`` where the config names it, else unknown."""
+    """The count the trials reported with their points; unknown where a point did not say
+    (an older sweep) or where points were measured on different counts."""
     from splitvit.tune.closing import validation_images
-    from splitvit.tune.space import load_space
+    from splitvit.tune.pareto import Point
 
-    space = load_space(ROOT / "search_spaces" / "classification_cpu.yaml")
-    assert validation_images(space, space.config()) == 5000
-    space = load_space(ROOT / "search_spaces" / "classification_cpu.yaml", ["stage_two.samples=null"])
-    assert validation_images(space, space.config()) == 1000
-    unnamed = ["stage_two.samples=null", "data.options={clutter_fraction: 0.4, val_size: 5000}"]
-    space = load_space(ROOT / "search_spaces" / "classification_cpu.yaml", unnamed)
-    assert validation_images(space, space.config()) is None
+    def point(images: float | None, quality: float = 0.7) -> Point:
+        return Point(quality, 10.0, 0.5, extras={} if images is None else {"images": images})
+
+    assert validation_images([point(5000.0), point(5000.0, 0.71)]) == 5000
+    assert validation_images([point(5000.0), point(1000.0)]) is None
+    assert validation_images([point(5000.0), point(None)]) is None
+    # a diverged point (no finite objectives) does not count
+    assert validation_images([point(1000.0), point(64.0, float("nan"))]) == 1000
+    assert validation_images([]) is None

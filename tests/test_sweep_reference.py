@@ -239,6 +239,9 @@ def test_a_trials_own_point_is_measured_on_stage_two_images(sweep):
             (figure.quality, figure.tokens_per_image)
         )
     assert moved  # the 64-image figures differ: the check above can tell the two apart
+    # each point says what it was measured on, and the sweep's count is read from them
+    assert {p["extras"]["images"] for p in sweep["json"]["points"]} == {STAGE_TWO_SAMPLES}
+    assert sweep["json"]["validation_images"] == STAGE_TWO_SAMPLES
 
 
 def test_the_parent_run_links_its_reference_and_a_later_sweep_reuses_it(sweep):

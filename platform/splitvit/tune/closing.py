@@ -11,11 +11,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ..config import ExperimentConfig
 from .mlflow_records import PLOT_ARTIFACT, sweep_note
 from .pareto import Baseline, Point
 from .reference import convergence_verdict
-from .space import SearchSpace
 from .state import Sweep, SweepResult, TrialSummary
 
 log = logging.getLogger(__name__)
@@ -47,20 +45,22 @@ def sweep_result(
         status="completed" if points else "failed",
         reference=sweep.setup.reference,
         held_out_split=sweep.space.evaluation.split,
-        validation_images=validation_images(setup.space, setup.base),
+        validation_images=validation_images(points),
         # a point's whole configuration is this plus its searched ``params``
         base_config=setup.base.flat(redact=True),
     )
 
 
-def validation_images(space: SearchSpace, base: ExperimentConfig) -> int | None:
-    """The validation images every point of the sweep was measured on: stage two's
-    (a trial's own point is measured again there), else the data's own count where the
-    config names one (``data.options.val_samples``); ``None`` where neither says."""
-    if space.stage_two.samples is not None:
-        return space.stage_two.samples
-    count = base.data.options.get("val_samples")
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+def validation_images(points: list[Point]) -> int | None:
+    """The validation images every point of the sweep was measured on, as the trials
+    reported it; ``None`` where a point did not say (older sweeps) or where points were
+    measured on different counts (their noise differs: no one standard error)."""
+    counts = {p.extras.get("images") for p in points if p.finite}
+    if len(counts) != 1 or None in counts:
+        if len(counts) > 1:
+            log.warning("the sweep's points were measured on different validation image counts: %s", sorted(map(str, counts)))
+        return None
+    return int(next(iter(counts)))
 
 
 def close_sweep_run(

@@ -90,6 +90,7 @@ def collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary
                 thresholds=None,
                 checkpoint=checkpoint,
                 epochs=int(metrics.get("epoch", 0)) + 1,
+                images=None if metrics.get("val_images") is None else int(metrics["val_images"]),
             )
         else:
             trials.append(TrialSummary(trial_id, "unfinished", params, baseline=baseline))
@@ -207,6 +208,7 @@ def _completed_trial_points(
             extras={
                 "images_per_s": 0.0 if final.images_per_s is None else final.images_per_s,
                 **_companions(sweep, final.companions),
+                **_images(final.images),
             },
         )
     ]
@@ -227,6 +229,7 @@ def _completed_trial_points(
                     **_companions(sweep, row.companions),
                     # a point calibrated to a ratio (stage_two.ratios) says which
                     **({"target_ratio": row.target_ratio} if row.target_ratio is not None else {}),
+                    **_images(row.images),
                 },
             )
         )
@@ -236,6 +239,11 @@ def _completed_trial_points(
 def _companions(sweep: Sweep, figures: dict[str, float]) -> dict[str, float]:
     """The companion qualities (a detector's ``mask_ap``) among a point's ``figures``."""
     return {c: float(figures[c]) for c in sweep.space.companion_metrics if c in figures}
+
+
+def _images(count: int | None) -> dict[str, float]:
+    """``images``, the validation images a point was measured on, where recorded."""
+    return {} if count is None else {"images": float(count)}
 
 
 def _stopped_trial_point(
@@ -265,7 +273,7 @@ def _stopped_trial_point(
         trial.params,
         trial.checkpoint,
         run_id,
-        extras={"stopped_early": 1.0},
+        extras={"stopped_early": 1.0, **_images(final.images)},
     )
 
 

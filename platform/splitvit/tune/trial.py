@@ -50,7 +50,7 @@ class TrialDiverged(RuntimeError):
 
 
 #: a threshold point's keys besides its quality (under the metric's name) and companions
-_POINT_KEYS = ("tokens_per_image", "token_ratio", "images_per_s", "thresholds", "target_ratio")
+_POINT_KEYS = ("tokens_per_image", "token_ratio", "images_per_s", "images", "thresholds", "target_ratio")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class ThresholdPoint:
     images_per_s: float | None = None  # None: not measured (left out of the JSON)
     companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
     target_ratio: float | None = None  # the ratio its thresholds were calibrated to (a baseline's, stage two's ratios)
+    images: int | None = None  # the validation images it was measured on (None: not recorded, older sweeps)
 
     @classmethod
     def of_evaluation(cls, point: EvaluatedPoint, companions: tuple[str, ...] = ()) -> ThresholdPoint:
@@ -79,11 +80,12 @@ class ThresholdPoint:
             images_per_s=point.images_per_s,
             companions={c: float(point.metrics[c]) for c in companions if c in point.metrics},
             target_ratio=point.target_ratio,
+            images=point.images,
         )
 
     def to_dict(self, metric: str) -> JsonObject:
         """The report's row: the quality under ``metric``, the companions, then the figures
-        (``images_per_s`` and ``target_ratio`` where known)."""
+        (``images_per_s``, ``target_ratio`` and ``images`` where known)."""
         row: dict[str, Any] = {
             metric: self.quality,
             **self.companions,
@@ -95,6 +97,8 @@ class ThresholdPoint:
         row["thresholds"] = list(self.thresholds)
         if self.target_ratio is not None:
             row["target_ratio"] = self.target_ratio
+        if self.images is not None:
+            row["images"] = self.images
         return row
 
     @classmethod
@@ -108,6 +112,7 @@ class ThresholdPoint:
             images_per_s=data.get("images_per_s"),
             companions={k: v for k, v in data.items() if k != metric and k not in _POINT_KEYS},
             target_ratio=data.get("target_ratio"),
+            images=data.get("images"),
         )
 
 
@@ -198,13 +203,14 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     train_seconds = time.time() - started
 
     points: list[EvaluatedPoint] = []
+    images = metrics.get("val_images")  # what its last validation measured
     stage = space.stage_two
     if baseline:
         points = _baseline_points(plan, config, str(baseline), trained.checkpoint)
     elif stage.points > 0 or stage.ratios or stage.samples is not None:
         own, points = _stage_two_points(plan, sampled, config, trained.checkpoint, thresholds, quality, tokens)
         if own is not None:  # the trial's point on stage two's images: one validation base for the frontier
-            quality, tokens = own.quality, own.tokens_per_image
+            quality, tokens, images = own.quality, own.tokens_per_image, own.images
             metrics = {**metrics, **own.metrics, "tokens_per_image": tokens, "token_ratio": own.token_ratio}
 
     companions = space.companion_metrics
@@ -217,6 +223,8 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
         "train_loss": float(metrics.get("train_loss", float("nan"))),
         "epochs": int(metrics.get("epoch", config.train.total_epochs - 1)) + 1,
         "thresholds": thresholds,
+        # the validation images its figures were measured on (the frontier's noise)
+        **({"images": int(images)} if images is not None else {}),
         "checkpoint": trained.checkpoint,
         "run_uri": run_uri,
         # JSON text, not a list of mappings: Tune's TensorBoard logger would try to
@@ -248,6 +256,7 @@ class TrialFinal:
     trial_seconds: float | None = None
     companions: dict[str, float] = field(default_factory=dict)  # e.g. a detector's mask_ap
     threshold_points: list[ThresholdPoint] = field(default_factory=list)  # stage two's
+    images: int | None = None  # the validation images its figures were measured on (None: not reported)
 
     @classmethod
     def from_report(cls, report: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> TrialFinal:
@@ -264,6 +273,7 @@ class TrialFinal:
             trial_seconds=report.get("trial_seconds"),
             companions={c: float(report[c]) for c in companions if c in report},
             threshold_points=threshold_points(report, metric),
+            images=None if report.get("images") is None else int(report["images"]),
         )
 
     def figures(self, metric: str) -> dict[str, float | None]:
