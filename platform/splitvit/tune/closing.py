@@ -58,7 +58,8 @@ def validation_images(points: list[Point]) -> int | None:
     counts = {p.extras.get("images") for p in points if p.finite}
     if len(counts) != 1 or None in counts:
         if len(counts) > 1:
-            log.warning("the sweep's points were measured on different validation image counts: %s", sorted(map(str, counts)))
+            found = sorted(map(str, counts))
+            log.warning("the sweep's points were measured on different validation image counts: %s", found)
         return None
     return int(next(iter(counts)))
 
