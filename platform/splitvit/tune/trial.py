@@ -34,7 +34,7 @@ from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from ..train.points import EvaluatedPoint
 from ..train.trial import TrialFailed, fit_trial, run_evaluation
-from .space import SearchSpace
+from .space import ConfigValue, SearchSpace
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class SweepPlan:
             params["model.init_from"] = self.reference
         return self.space.config(params, name=trial_id)
 
-    def baseline_params(self, policy: str) -> dict[str, Any]:
+    def baseline_params(self, policy: str) -> dict[str, ConfigValue]:
         """A fine-tuned baseline's settings: the config's own point (the first initial
         point, else the base config's values) with ``policy``; entropy and random
         splitting fine-tune at ``baselines.target_ratio`` (thresholds calibrated to it)."""
