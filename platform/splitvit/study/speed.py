@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..bench.records import MachineInfo
-from ..bench.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
+from ..bench.speed import FullTiming, MachineInfo, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
 from ..jsontypes import JsonObject
 from .goals import StudyRow, matched_point
 from .runs import MethodRun
