@@ -94,18 +94,17 @@ def choose_allocators(names: tuple[str, ...], search_dirs: tuple[str, ...] | Non
     return ChosenAllocators(env=envs, skipped=skipped)
 
 
-def model_configs(config: ExperimentConfig) -> dict[str, dict[str, Any]]:
-    """Each model's experiment as a plain dict (what a child gets): ``full`` is
-    ``config`` at full resolution, ``split`` the config itself (a learned policy)."""
+def model_configs(config: ExperimentConfig) -> dict[str, ExperimentConfig]:
+    """Each model's experiment (a child gets it as a plain dict): ``full`` is ``config``
+    at full resolution, validated here, not in a child; ``split`` the config itself (a
+    learned policy)."""
     from ..train.experiment import experiment_from_dict
 
     if not config.model.policy.kind == "learned":
         raise ValueError(f"the allocators' SPLIT run needs model.policy.kind learned, got {config.model.policy.kind!r}")
-    split = config.to_dict(redact=False)
-    full = json.loads(json.dumps(split))
+    full = config.to_dict(redact=False)
     full["model"]["policy"]["kind"] = "full"
-    experiment_from_dict(full)  # validated here, not in a child
-    return {"full": full, "split": split}
+    return {"full": experiment_from_dict(full), "split": config}
 
 
 # ---------------------------------------------------------------------- one child
@@ -425,7 +424,12 @@ def run_allocator_benchmark(
             for allocator, model in order if r % 2 == 0 else order[::-1]:
                 log.info("bench train: allocators round %d/%d, %s %s", r + 1, rounds, allocator, model)
                 env = chosen.env[allocator]
-                spec = {"config": configs[model], "threads": threads, "allocator": allocator, "device": device}
+                spec = {
+                    "config": configs[model].to_dict(redact=False),
+                    "threads": threads,
+                    "allocator": allocator,
+                    "device": device,
+                }
                 written, wall_s = _run_child(spec, env, Path(tmp), f"r{r}-{allocator}-{model}")
                 steady = _steady(written["epochs"], skip_epochs)
                 given = dict(wall_s=wall_s, round=r, allocator=allocator, model=model, env=env, steady=steady)
