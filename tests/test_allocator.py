@@ -150,6 +150,7 @@ def test_a_real_tiny_run_under_two_allocators(tmp_path, monkeypatch):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # this process's own: stripped from every child
     part = run_allocator_benchmark(_tiny_config(), allocators=("glibc-keep",), rounds=1, threads=1, skip_epochs=1)
     result = part.to_dict()  # the JSON bench train writes under "allocators"
+    assert result["config"]["experiment"] == _tiny_config().to_dict(redact=True)  # the config as its JSON
     runs = result["runs"]
     assert [(r["allocator"], r["model"]) for r in runs] == [
         ("glibc", "full"),

@@ -689,6 +689,21 @@ def test_the_sweep_says_which_frontier_steps_its_validation_images_cannot_tell_a
     assert selection_noise(_result(points(), images=None)) is None
 
 
+def test_the_sweep_summary_tables_the_frontier_as_its_json_lists_it(capsys):
+    """``splitvit sweep``'s summary: the counts and one table row per frontier point, as
+    the sweep's JSON lists the frontier."""
+    from splitvit.cli.output import frontier_table
+    from splitvit.cli.sweep import print_summary
+    from splitvit.tune.pareto import Point
+
+    result = _result([Point(0.7, 10.0, 0.25, trial_id="a"), Point(0.6, 20.0, 0.5, trial_id="b")])
+    print_summary(result)
+    out = capsys.readouterr().out
+    assert "2 points, 1 on the Pareto frontier" in out
+    frontier_table(result.to_dict()["frontier"], "accuracy")
+    assert out.endswith(capsys.readouterr().out) and "a " in out.splitlines()[-1]
+
+
 def test_a_sweep_knows_the_validation_images_its_points_were_measured_on():
     """The count the trials reported with their points; unknown where a point did not say
     (an older sweep) or where points were measured on different counts."""

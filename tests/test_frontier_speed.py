@@ -76,7 +76,7 @@ def test_points_are_timed_against_full_resolution_in_one_interleaved_run(tmp_pat
     ]
     result = time_operating_points(points, full_checkpoint=small, batch_size=8, rounds=3, warmup=1)
     assert result.device == "cpu" and result.batch_size == 8 and result.rounds == 3 and result.warmup == 1
-    assert result.precision == "float32" and result.machine["torch_threads"] >= 1
+    assert result.precision == "float32" and result.machine.torch_threads >= 1
     # one full-resolution model per architecture: the given checkpoint first
     full = {f.key: f for f in result.full}
     assert [f.checkpoint for f in result.full] == [small, wide]

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..config import ExperimentConfig, upgrade_sections
+from ..config import ExperimentConfig
 from ..jsontypes import JsonObject
 from ..train.allocator import (
     ALLOCATORS,
@@ -94,18 +94,17 @@ def choose_allocators(names: tuple[str, ...], search_dirs: tuple[str, ...] | Non
     return ChosenAllocators(env=envs, skipped=skipped)
 
 
-def model_configs(config: ExperimentConfig) -> dict[str, dict[str, Any]]:
-    """Each model's experiment as a plain dict (what a child gets): ``full`` is
-    ``config`` at full resolution, ``split`` the config itself (a learned policy)."""
+def model_configs(config: ExperimentConfig) -> dict[str, ExperimentConfig]:
+    """Each model's experiment (a child gets it as a plain dict): ``full`` is ``config``
+    at full resolution, validated here, not in a child; ``split`` the config itself (a
+    learned policy)."""
     from ..train.experiment import experiment_from_dict
 
     if not config.model.policy.kind == "learned":
         raise ValueError(f"the allocators' SPLIT run needs model.policy.kind learned, got {config.model.policy.kind!r}")
-    split = config.to_dict(redact=False)
-    full = json.loads(json.dumps(split))
+    full = config.to_dict(redact=False)
     full["model"]["policy"]["kind"] = "full"
-    experiment_from_dict(full)  # validated here, not in a child
-    return {"full": full, "split": split}
+    return {"full": experiment_from_dict(full), "split": config}
 
 
 # ---------------------------------------------------------------------- one child
@@ -285,13 +284,25 @@ class AllocatorChoice:
 class AllocatorConfig:
     """Part C's ``config``: the experiment and how every child was run."""
 
-    experiment: JsonObject  # the SPLIT config, redacted: :meth:`ExperimentConfig.to_dict`
+    experiment: ExperimentConfig  # the SPLIT config (its JSON redacted: :meth:`to_dict`)
     threads: int
     device: str
     rounds: int
     skip_epochs: int
     allocators: dict[str, AllocatorChoice]  # the default first
     inherited_allocator_env: dict[str, str]  # this process's allocator variables (kept from the children)
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON: the fields in order, the experiment as :meth:`ExperimentConfig.to_dict` redacts it."""
+        return {
+            "experiment": self.experiment.to_dict(redact=True),
+            "threads": self.threads,
+            "device": self.device,
+            "rounds": self.rounds,
+            "skip_epochs": self.skip_epochs,
+            "allocators": {name: asdict(choice) for name, choice in self.allocators.items()},
+            "inherited_allocator_env": dict(self.inherited_allocator_env),
+        }
 
 
 @dataclass(frozen=True)
@@ -311,6 +322,7 @@ class AllocatorReport:
     def to_dict(self) -> JsonObject:
         """Its part of the JSON (``allocators``)."""
         data = asdict(self)
+        data["config"] = self.config.to_dict()
         data["targets"] = [t.to_dict() for t in self.targets]
         return data
 
@@ -412,7 +424,12 @@ def run_allocator_benchmark(
             for allocator, model in order if r % 2 == 0 else order[::-1]:
                 log.info("bench train: allocators round %d/%d, %s %s", r + 1, rounds, allocator, model)
                 env = chosen.env[allocator]
-                spec = {"config": configs[model], "threads": threads, "allocator": allocator, "device": device}
+                spec = {
+                    "config": configs[model].to_dict(redact=False),
+                    "threads": threads,
+                    "allocator": allocator,
+                    "device": device,
+                }
                 written, wall_s = _run_child(spec, env, Path(tmp), f"r{r}-{allocator}-{model}")
                 steady = _steady(written["epochs"], skip_epochs)
                 given = dict(wall_s=wall_s, round=r, allocator=allocator, model=model, env=env, steady=steady)
@@ -444,7 +461,7 @@ def run_allocator_benchmark(
     ]
     return AllocatorReport(
         config=AllocatorConfig(
-            experiment=config.to_dict(redact=True),
+            experiment=config,
             threads=threads,
             device=device,
             rounds=rounds,
@@ -465,14 +482,13 @@ def run_allocator_benchmark(
 def format_allocator_lines(result: AllocatorReport) -> list[str]:
     """The allocators part of ``bench train``'s report: one row per allocator and model."""
     cfg = result.config
-    train = upgrade_sections(cfg.experiment, warn=False)["train"]  # a JSON written before the keys were grouped too
-    epochs = train["epochs"]
+    epochs = cfg.experiment.train.epochs
     lines = [
         "",
         f"C. allocators: the plain loop (fit_local) trained from scratch in a child process per run, "
         f"{cfg.threads} torch threads, {epochs} epochs (steady: epochs >= {cfg.skip_epochs}), "
         f"{cfg.rounds} round(s) alternating the order; split: a learned policy aimed at "
-        f"{train['budget']['target_ratio']:.0%} of the tokens, other images and decisions every step",
+        f"{cfg.experiment.train.budget.target_ratio:.0%} of the tokens, other images and decisions every step",
     ]
     lines += [f"  {name}: {a.description} {a.env or ''}".rstrip() for name, a in cfg.allocators.items()]
     lines += [f"  {line}" for line in result.skipped]

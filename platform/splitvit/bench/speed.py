@@ -45,13 +45,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from ..jsontypes import JsonObject
+from .records import MachineInfo
 
 if TYPE_CHECKING:
     import torch
 
     from ..model import SplitViT
     from ..model.detection import SplitDetector
-    from .records import MachineInfo
     from .timing import TimingSummary
 
 log = logging.getLogger(__name__)
@@ -155,9 +155,7 @@ class SpeedRecord:
     models and every point, in the order given."""
 
     device: str  # with the GPU's name on CUDA
-    # :func:`~splitvit.bench.timing.machine_info` as its JSON: the study's and the sweep's
-    # records that extend this one read it back as they stored it
-    machine: dict[str, Any]
+    machine: MachineInfo  # :func:`~splitvit.bench.timing.machine_info`
     batch_size: int
     rounds: int
     warmup: int
@@ -173,6 +171,7 @@ class SpeedRecord:
     def to_dict(self) -> JsonObject:
         """The JSON form (``frontier_speed`` of a sweep): one key per field, in field order."""
         data = asdict(self)
+        data["machine"] = self.machine.to_dict()
         data["full"] = [f.to_dict() for f in self.full]
         data["points"] = [p.to_dict() for p in self.points]
         return data
@@ -181,6 +180,7 @@ class SpeedRecord:
     def from_dict(cls, data: JsonObject) -> SpeedRecord:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         values = {f.name: data[f.name] for f in fields(cls)}
+        values["machine"] = MachineInfo.from_dict(data["machine"])
         values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
         values["points"] = [TimedPoint.from_dict(p) for p in data["points"]]
         return cls(**values)
@@ -292,7 +292,7 @@ def time_operating_points(
     n = min(int(ref.images.shape[0]) for ref in references.values())
     record = SpeedRecord(
         device=str(dev) + (f" ({machine.device_name})" if machine.device_name is not None else ""),
-        machine=machine.to_dict(),
+        machine=machine,
         batch_size=n,
         rounds=rounds,
         warmup=warmup,

@@ -762,7 +762,7 @@ class OverheadFigures:
 class RayOverheadConfig:
     """Part B's ``config``: the experiment as run and how the pairs were run."""
 
-    experiment: JsonObject  # the first round's config, redacted: :meth:`ExperimentConfig.to_dict`
+    experiment: ExperimentConfig  # the first round's config (its JSON redacted: :meth:`to_dict`)
     threads: int
     device: str
     rounds: int
@@ -770,6 +770,11 @@ class RayOverheadConfig:
     tracking: bool
     ray_already_running: bool
     ray_train_health_check_interval_s: float
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON: the fields in order, the experiment as :meth:`ExperimentConfig.to_dict` redacts it."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**data, "experiment": self.experiment.to_dict(redact=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -790,7 +795,7 @@ class RayOverheadReport:
     def to_dict(self) -> JsonObject:
         """Its part of the JSON (``ray_overhead``)."""
         return {
-            "config": dataclasses.asdict(self.config),
+            "config": self.config.to_dict(),
             "worker_threads": None if self.worker_threads is None else dataclasses.asdict(self.worker_threads),
             "load_average_start": self.load_average_start,
             "load_average_end": self.load_average_end,
@@ -1050,7 +1055,7 @@ def _overhead_runs(
     tracking: bool,
     storage: str | None,
     ray_address: str | None,
-) -> tuple[list[OverheadPair], JsonObject]:
+) -> tuple[list[OverheadPair], ExperimentConfig]:
     """Every plain/Ray pair, in a temporary folder (the plain runs' models, and Ray's
     storage and MLflow store unless given); the pairs and the first run's config."""
     dev = torch.device(device)
@@ -1084,7 +1089,7 @@ def _overhead_runs(
             )
             for r, cfg in enumerate(configs)
         ]
-    return runs, configs[0].to_dict(redact=True)
+    return runs, configs[0]
 
 
 def _overhead_total(runs: list[OverheadPair], kind: str, skip_epochs: int) -> OverheadTotal:
@@ -1511,7 +1516,7 @@ def _ray_runs_lines(b: RayOverheadReport) -> list[str]:
         f"{worker.omp_num_threads if worker else None}, torch {worker.torch_threads if worker else None}"
         + (" after being set" if worker and worker.forced else "")
         + f"), {cfg.rounds} round(s), "
-        f"{cfg.experiment['train']['epochs']} epochs of {b.runs[0].plain.epochs[0].images} images",
+        f"{cfg.experiment.train.epochs} epochs of {b.runs[0].plain.epochs[0].images} images",
     ]
     rows = []
     for i, pair in enumerate(b.runs):

@@ -82,7 +82,7 @@ def mlflow_url(tracking_uri: str | None, experiment_id: str | None, run_id: str 
     return ui_url(redact_uri(tracking_uri), experiment_id, run_id)
 
 
-def _mlflow_block(ids: dict[str, Any]) -> dict[str, Any]:
+def _mlflow_block(ids: dict[str, str | None]) -> dict[str, str | None]:
     """The envelope's ``mlflow``: every key of :data:`MLFLOW_KEYS`, the URI redacted."""
     from ..config import redact_uri
 

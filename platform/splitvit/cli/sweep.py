@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .options import (
     TRACKING_HELP,
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             # above the summary, which is the last thing the command prints
             ray.shutdown()
     data = result.to_dict()
-    print_summary(result, data)
+    print_summary(result)
     print_baselines(result)
     print_locations(result)
     data["sweep_status"] = data.pop("status")  # "status" is the envelope's: ok, failed, interrupted
@@ -93,9 +93,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_summary(result: SweepResult, data: dict[str, Any]) -> None:
+def print_summary(result: SweepResult) -> None:
     """The sweep's counts, hypervolume, reference and its frontier table."""
     metric = result.metric
+    front = result.frontier()
     counts: dict[str, int] = {}
     for trial in result.trials:
         counts[trial.status] = counts.get(trial.status, 0) + 1
@@ -103,7 +104,7 @@ def print_summary(result: SweepResult, data: dict[str, Any]) -> None:
     print(
         f"sweep {result.name}: {len(result.trials)} trials "
         f"({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
-        f"{len(result.points)} points, {len(data['frontier'])} on the Pareto frontier"
+        f"{len(result.points)} points, {len(front)} on the Pareto frontier"
     )
     print(
         f"hypervolume {result.hypervolume:.4f} (reference point: {metric} {result.reference_point['quality']:g}, "
@@ -113,8 +114,8 @@ def print_summary(result: SweepResult, data: dict[str, Any]) -> None:
         print(f"every trial fine-tuned from the reference: {result.reference.source} ({result.reference.checkpoint})")
     held_out = f"; test columns: the {result.held_out_split} split" if result.held_out_split else ""
     print(f"\nPareto frontier ({metric} vs tokens per image on validation{held_out}; searched parameters as columns):")
-    if data["frontier"]:
-        frontier_table(data["frontier"], metric)
+    if front:
+        frontier_table([p.to_dict(metric) for p in front], metric)  # as the JSON lists it
         noise = selection_noise(result)
         if noise:
             print(noise)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from .options import TRACKING_HELP, add_set_option, check_address, check_run_settings, common_options, overrides
 from .output import emit, fail, print_table
@@ -84,7 +83,7 @@ TOKEN_FIGURES = ("tokens_per_image", "token_ratio", "images_per_s")
 EPOCH_FIGURES = ("train_loss", *QUALITY_FIGURES, *TOKEN_FIGURES)
 
 
-def print_epoch(epoch: int, metrics: dict[str, Any]) -> None:
+def print_epoch(epoch: int, metrics: dict[str, float]) -> None:
     """One line per committed epoch: ``epoch 2: train_loss 0.913, accuracy 0.662, ...``."""
     shown = [f"{k} {metrics[k]:.4g}" for k in EPOCH_FIGURES if isinstance(metrics.get(k), (int, float))]
     skipped = int(metrics.get("train_skipped_items") or 0) + int(metrics.get("val_skipped_items") or 0)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..bench.speed import FullTiming, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
+from ..bench.speed import FullTiming, MachineInfo, SpeedRecord, TimedPoint, read_speed_fields, without_unset_backbone
 from ..jsontypes import JsonObject
 from .goals import StudyRow, matched_point
 from .runs import MethodRun
@@ -122,6 +122,7 @@ class PointSpeed(SpeedRecord):
     def from_dict(cls, data: JsonObject) -> PointSpeed:
         """The inverse of :meth:`to_dict` (a missing key raises ``KeyError``)."""
         values = {f.name: data[f.name] for f in fields(SpeedRecord)}
+        values["machine"] = MachineInfo.from_dict(data["machine"])
         values["full"] = [FullTiming.from_dict(f) for f in data["full"]]
         values["points"] = [StudyTimedPoint.from_dict(p) for p in data["points"]]
         return cls(**values, full_method=data["full"][0]["method"], seed=data["seed"])

@@ -34,7 +34,7 @@ from ..jsontypes import JsonObject
 from ..storage import exists, join_uri, read_bytes, write_bytes
 from ..train.points import EvaluatedPoint
 from ..train.trial import TrialFailed, fit_trial, run_evaluation
-from .space import SearchSpace
+from .space import ConfigValue, SearchSpace
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class SweepPlan:
             params["model.init_from"] = self.reference
         return self.space.config(params, name=trial_id)
 
-    def baseline_params(self, policy: str) -> dict[str, Any]:
+    def baseline_params(self, policy: str) -> dict[str, ConfigValue]:
         """A fine-tuned baseline's settings: the config's own point (the first initial
         point, else the base config's values) with ``policy``; entropy and random
         splitting fine-tune at ``baselines.target_ratio`` (thresholds calibrated to it)."""
@@ -208,7 +208,12 @@ def sweep_trial(sampled: dict[str, Any], plan: SweepPlan) -> None:
     if baseline:
         points = _baseline_points(plan, config, str(baseline), trained.checkpoint)
     elif stage.points > 0 or stage.ratios or stage.samples is not None:
-        own, points = _stage_two_points(plan, sampled, config, trained.checkpoint, thresholds, quality, tokens)
+        # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
+        # sampled values are not, for a seeded sampler)
+        seed = space.search.seed * 100_003 + (
+            zlib.crc32(json.dumps(sampled, sort_keys=True, default=str).encode()) & 0xFFFF
+        )
+        own, points = _stage_two_points(plan, seed, config, trained.checkpoint, thresholds, quality, tokens)
         if own is not None:  # the trial's point on stage two's images: one validation base for the frontier
             quality, tokens, images = own.quality, own.tokens_per_image, own.images
             metrics = {**metrics, **own.metrics, "tokens_per_image": tokens, "token_ratio": own.token_ratio}
@@ -297,26 +302,22 @@ def threshold_points(final: dict[str, Any], metric: str) -> list[ThresholdPoint]
 
 def _stage_two_points(
     plan: SweepPlan,
-    sampled: dict[str, Any],
+    seed: int,
     config: ExperimentConfig,
     checkpoint: str,
     thresholds: list[float],
     quality: float,
     tokens: float,
 ) -> tuple[EvaluatedPoint | None, list[EvaluatedPoint]]:
-    """Stage two on a finished trial's checkpoint: its own point measured again on stage
-    two's images (``None`` where ``stage_two.samples`` is unset: its training's last
-    validation is on the same images then), and stage two's points.
+    """Stage two on a finished trial's checkpoint, its sampler seeded with ``seed``: its
+    own point measured again on stage two's images (``None`` where ``stage_two.samples``
+    is unset: its training's last validation is on the same images then), and stage two's
+    points.
 
     With ``stage_two.samples`` set, the points are evaluated on that many validation
     images, where the trial's last validation used the data's own count; choosing the
     frontier among figures of two image counts would favour the noisier ones."""
     stage = plan.space.stage_two
-    # a seed per trial that a rerun of the sweep repeats (trial ids are random; the
-    # sampled values are not, for a seeded sampler)
-    seed = plan.space.search.seed * 100_003 + (
-        zlib.crc32(json.dumps(sampled, sort_keys=True, default=str).encode()) & 0xFFFF
-    )
     rescore = stage.samples is not None
     points = run_evaluation(
         config,
