@@ -14,7 +14,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from splitvit.bench.speed import FullTiming
+from splitvit.bench.speed import FullTiming, MachineInfo
 from splitvit.cli import main as cli
 from splitvit.config import ConfigError
 from splitvit.model import SplitViT
@@ -555,7 +555,7 @@ def test_the_matched_point_quotes_the_points_timing_and_is_timed_alone_only_wher
     )
     record = PointSpeed(
         device="cpu",
-        machine={},
+        machine=MachineInfo(None, 1, "2", "1", "3.11", "linux", "cpu", "cpu", [0.0, 0.0, 0.0]),
         batch_size=8,
         rounds=2,
         warmup=1,
