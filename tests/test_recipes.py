@@ -64,7 +64,7 @@ def test_every_recipe_carries_the_figures_of_its_committed_study_json():
         assert stated == measured, name
         # the study file's headline is this recipe, under the method name the JSON ran
         spec = load_study(ROOT / recipe.evidence.study, settings_only=True)
-        assert spec.methods[recipe.evidence.method]["recipe"] == name
+        assert spec.methods[recipe.evidence.method].recipe == name
         assert evidence.main([name, "--check"]) == 0
 
 
@@ -204,7 +204,7 @@ def test_each_study_headline_resolves_to_the_settings_its_committed_json_ran_wit
     expected = HEADLINES[study]
     spec = load_study(ROOT / study, settings_only=True)
     method = expected["method"]
-    assert spec.methods[method]["recipe"] == load_recipe(spec.task).name  # the headline is a recipe
+    assert spec.methods[method].recipe == load_recipe(spec.task).name  # the headline is a recipe
     # a setting the code gained after the study ran counts as its default there (the
     # study runs' own staleness rule): it must still be at that default now
     defaults = _flat(ExperimentConfig())

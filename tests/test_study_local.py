@@ -13,7 +13,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from splitvit.study.local import load_local_study, run_study_local
+from splitvit.study.local import LocalStudyResult, load_local_study, run_study_local
 from splitvit.study.runs import STUDY_RESULT_FILE
 from tests.test_study import RESULT_KEYS, ROOT, RUN_KEYS, TIMED_ROW_KEYS, untimed, write_study
 
@@ -95,6 +95,9 @@ def test_local_study_runs_the_study_path_end_to_end(local_study):
         assert stored["config"]["model.init_from"] == backbone["checkpoint"]
         assert stored["config"]["data.seed"] == 0 and stored["config"]["train.policy.warmup_epochs"] == 0
     assert (out / "study.png").is_file()
+    # its JSON reads back (as --plan reads a smaller run's) to the same JSON
+    written = json.loads(json.dumps(data, default=float))
+    assert json.loads(json.dumps(LocalStudyResult.from_dict(written).to_dict(), default=float)) == written
 
 
 def test_second_invocation_through_the_command_line_reuses_every_finished_run(

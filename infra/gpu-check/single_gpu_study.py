@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan and args.budget_s is None:
         parser.error("--plan needs --budget-s (the seconds the study may take)")
     from splitvit.config import ConfigError
-    from splitvit.study.local import load_local_study, plan_epochs, run_study_local
+    from splitvit.study.local import LocalStudyResult, load_local_study, plan_epochs, run_study_local
     from splitvit.study.spec import StudyError
 
     started = time.time()
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # bad input stops here
         if args.plan:
             try:
-                plan = plan_epochs(json.loads(Path(args.plan).read_text()), spec, args.budget_s, args.workers)
+                smoke = LocalStudyResult.from_dict(json.loads(Path(args.plan).read_text()))
+                plan = plan_epochs(smoke, spec, args.budget_s, args.workers)
             except ValueError as exc:  # not one epoch fits the budget
                 raise StudyError(str(exc)) from None
             print(json.dumps(plan))

@@ -72,7 +72,7 @@ class StudyRow:
             timed = {"timed_images_per_s": self.timed_images_per_s, "speedup_vs_full": self.speedup_vs_full}
         if self.backbone_speedup_vs_full is not None:
             timed["backbone_speedup_vs_full"] = self.backbone_speedup_vs_full
-        companions: dict[str, Any] = {}
+        companions: dict[str, float | dict[str, float]] = {}
         for metric, values in self.companions.items():
             companions[metric] = self.companion(metric)
             companions[f"{metric}_std"] = statistics.stdev(values.values()) if len(values) > 1 else 0.0

@@ -345,6 +345,21 @@ class LocalStudyResult:
             "backbones": [backbone.to_dict() for backbone in self.backbones],
         }
 
+    @classmethod
+    def from_dict(cls, data: JsonObject) -> LocalStudyResult:
+        """The inverse of :meth:`to_dict`, e.g. a smaller run's JSON read back for
+        :func:`plan_epochs` (a missing key raises ``KeyError``)."""
+        return cls(
+            result=StudyResult.from_dict(data),
+            executor=data["executor"],
+            machine=dict(data["machine"]),
+            render_seconds=data["render_seconds"],
+            backbone_seconds=data["backbone_seconds"],
+            backbone_epochs=data["backbone_epochs"],
+            method_epochs=data["method_epochs"],
+            backbones=[BackboneRun.from_dict(backbone) for backbone in data["backbones"]],
+        )
+
 
 def run_study_local(
     spec: StudySpec,
@@ -412,10 +427,10 @@ def run_study_local(
 
 
 def plan_epochs(
-    smoke: dict[str, Any], spec: StudySpec, budget_s: float, workers: int, fixed_s: float = 60.0
+    smoke: LocalStudyResult, spec: StudySpec, budget_s: float, workers: int, fixed_s: float = 60.0
 ) -> dict[str, int]:
     """Epochs for ``spec`` that fit ``budget_s`` on the machine ``smoke`` (a smaller
-    :func:`run_study_local` result's JSON file, as read, same workers) ran on: ``backbone_epochs``,
+    :func:`run_study_local` result, e.g. its JSON file read back, same workers) ran on: ``backbone_epochs``,
     ``method_epochs``, ``estimated_s`` and ``train_images``. Training time from each run's
     measured images/s, evaluation scaled by the evaluated images, the method runs spread
     over ``workers``; ``fixed_s`` covers rendering, start-up and the speed comparison.
@@ -424,16 +439,13 @@ def plan_epochs(
     """
     train_images = len(_dataset(spec, "train"))
     test_images = len(_dataset(spec, spec.split, spec.samples))
-    smoke_test = smoke["runs"][0]["points"][0]["images"]
-    backbone_ips = min(statistics.fmean(h["train_images_per_s"] for h in b["history"]) for b in smoke["backbones"])
+    runs, smoke_seeds = smoke.result.runs, len(smoke.result.seeds)
+    smoke_test = runs[0].points[0].images
+    backbone_ips = min(_train_images_per_s(b.history) for b in smoke.backbones)
     method_s_per_epoch = (
-        sum(train_images / statistics.fmean(h["train_images_per_s"] for h in r["history"]) for r in smoke["runs"])
-        * len(spec.seeds)
-        / len(smoke["seeds"])
+        sum(train_images / _train_images_per_s(r.history) for r in runs) * len(spec.seeds) / smoke_seeds
     )
-    eval_s = (
-        sum(r["eval_seconds"] for r in smoke["runs"]) * test_images / smoke_test * len(spec.seeds) / len(smoke["seeds"])
-    )
+    eval_s = sum(r.eval_seconds for r in runs) * test_images / smoke_test * len(spec.seeds) / smoke_seeds
     best = None
     for method_epochs in range(1, 101):
         backbone_s = 2 * method_epochs * train_images / backbone_ips
@@ -449,6 +461,13 @@ def plan_epochs(
     if best is None:
         raise ValueError(f"not even one method epoch fits {budget_s} s")
     return best
+
+
+def _train_images_per_s(history: list[dict[str, float]] | None) -> float:
+    """A run's training images/s, the mean over its epochs (``KeyError``: a run that kept no curve)."""
+    if not history:
+        raise KeyError("history")
+    return statistics.fmean(h["train_images_per_s"] for h in history)
 
 
 def _dataset(spec: StudySpec, split: str, samples: int | None = None):

@@ -51,7 +51,7 @@ def open_study_run(
                 "seeds": spec.seeds,
                 "ratios": spec.ratios,
                 "scale": spec.scale or "cpu",
-                "methods": spec.methods,
+                "methods": {name: entry.settings for name, entry in spec.methods.items()},
                 "backbone": spec.backbone,
                 "method": spec.method,
                 **({"references": references_dir} if references_dir is not None else {}),

@@ -93,6 +93,32 @@ class Goals:
     max_minutes: float | None = None  # the whole study, timed when one invocation trained every run
 
 
+@dataclass(frozen=True)
+class MethodEntry:
+    """A method or lever of the study file, checked (:func:`_entry`): its layer of its
+    runs' config, and the policy it trains (what the study ranks and times it by)."""
+
+    #: as checked: dotted config keys, among them ``model.policy.kind`` and maybe
+    #: ``recipe``, and ``without`` (the recipe's keys it leaves at the library's defaults)
+    settings: dict[str, Any]
+
+    @property
+    def policy(self) -> str:
+        """Its ``model.policy.kind`` (``learned`` where it names a recipe)."""
+        return str(self.settings["model.policy.kind"])
+
+    @property
+    def recipe(self) -> str | None:
+        """The recipe it names (None: none named)."""
+        return self.settings.get(RECIPE_KEY)
+
+    def layer(self, name: str) -> Layer:
+        """Its layer of a run's config (``method <name>``): its keys, its ``without``
+        the recipe's keys the layer drops."""
+        keys = {k: v for k, v in self.settings.items() if k != WITHOUT}
+        return Layer(f"method {name}", keys, without=tuple(self.settings.get(WITHOUT, ())))
+
+
 @dataclass
 class StudySpec:
     """A validated study (see the module docstring)."""
@@ -105,7 +131,7 @@ class StudySpec:
     config: dict[str, Any]
     backbone: dict[str, Any]
     method: dict[str, Any]
-    methods: dict[str, dict[str, Any]]
+    methods: dict[str, MethodEntry]
     ratios: list[float]
     split: str = "test"
     samples: int | None = None
@@ -164,11 +190,9 @@ class StudySpec:
             stack += [Layer("study (the backbone's default)", {"model.policy.kind": "learned"})]
             stack += [Layer("study config", self.config), Layer("study backbone", self.backbone)]
         else:
-            entry = dict(self.methods[method])
-            without = tuple(entry.pop(WITHOUT, ()))
             # methods start from a trained backbone: no warm-up unless the study asks for one
             stack += [Layer("study config", self.config), Layer("study (methods start trained)", _NO_WARMUP)]
-            stack += [Layer("study method", self.method), Layer(f"method {method}", entry, without=without)]
+            stack += [Layer("study method", self.method), self.methods[method].layer(method)]
         fixed = {**self.fixed, "data.seed": seed, "tracking.enabled": False, "storage.name": name}
         if storage is not None:
             fixed["storage.path"] = storage
@@ -199,7 +223,8 @@ class StudySpec:
         return companion_metrics(self.task)
 
     def policy(self, method: str) -> str:
-        return str(self.methods[method]["model.policy.kind"])
+        """``method``'s policy (:attr:`MethodEntry.policy`)."""
+        return self.methods[method].policy
 
 
 def _shown(path: Path) -> str:
@@ -440,7 +465,7 @@ def _seeds(raw: dict[str, Any], source: str) -> list[int]:
     return list(seeds)
 
 
-def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
+def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[str, MethodEntry]:
     """The methods to run: the headline (``methods``), or those of ``methods`` and
     ``levers`` that ``names`` (``--methods``) picks, in the file's order; each needs a
     policy, and among them a ``full`` and a ``learned`` one."""
@@ -466,16 +491,16 @@ def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[
         )
     # the headline by default; --methods picks from both sections, in the file's order
     selected = {k: v for k, v in all_methods.items() if (k in headline if names is None else k in names)}
-    policies = [m["model.policy.kind"] for m in selected.values()]
+    policies = [m.policy for m in selected.values()]
     for needed in ("full", "learned"):
         if needed not in policies:
             raise study_file_error(
                 source, "methods", f"needs a method with model.policy.kind: {needed} (the study compares against it)"
             )
-    return {k: dict(v) for k, v in selected.items()}
+    return selected
 
 
-def _entry(name: str, settings: Any, section: str, source: str) -> dict[str, Any]:
+def _entry(name: str, settings: Any, section: str, source: str) -> MethodEntry:
     """A method entry, checked: config keys, among them ``model.policy.kind`` (an entry that
     names a recipe is the learned policy's) and ``recipe``, and ``without``: keys of the
     recipe this method leaves at the library's defaults (checked against the recipe
@@ -497,7 +522,7 @@ def _entry(name: str, settings: Any, section: str, source: str) -> dict[str, Any
     without = entry.get(WITHOUT, [])
     if not isinstance(without, list) or not all(isinstance(k, str) for k in without):
         raise study_file_error(source, f"{where}.{WITHOUT}", f"expected a list of the recipe's keys, got {without!r}")
-    return entry
+    return MethodEntry(entry)
 
 
 def _ratios(evaluation: dict[str, Any], source: str) -> list[float]:
