@@ -81,6 +81,7 @@ from .checkpoints import (
     write_metrics,
 )
 from .detection import (
+    DetectionFigures,
     DetectionTotals,
     detection_area_ranges,
     detection_ground_truth,
@@ -1238,7 +1239,7 @@ def _combine_detection(
     area_ranges: dict[str, tuple[float, float]] | None,
     rank: int,
     world: int,
-) -> dict[str, Any]:
+) -> DetectionFigures:
     """Every worker's detections gathered and evaluated once by rank 0 (COCO's
     evaluation of the whole set: what one process evaluating every shard gives), the
     figures sent back to every rank. ``ground_truth`` is read on rank 0 only."""
@@ -1247,14 +1248,14 @@ def _combine_detection(
     if distributed:
         shards = [None] * world
         dist.all_gather_object(shards, shard)
-    figures: list[dict[str, Any] | None] = [None]
+    figures: list[DetectionFigures | None] = [None]
     if rank == 0:
         whole = DetectionTotals.merge(s for s in shards if s is not None)
         figures = [whole.figures(ground_truth, area_ranges=area_ranges)]
         figures[0]["val_images"] = float(whole.images)
     if distributed:
         dist.broadcast_object_list(figures, src=0)
-    return dict(figures[0] or {})
+    return DetectionFigures(**(figures[0] or {}))
 
 
 # ---------------------------------------------------------------------- worker: checkpoint, report, MLflow
