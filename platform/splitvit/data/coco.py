@@ -19,14 +19,22 @@ import os
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from pycocotools import mask as mask_utils
 
 from ..storage import is_s3, join_uri, list_files, read_bytes
-from .coco_format import REQUIRED_KEYS, coco_entries_of, coco_error, parse_coco_document
+from .coco_format import (
+    REQUIRED_KEYS,
+    CocoAnnotation,
+    CocoDocument,
+    CocoImage,
+    coco_entries_of,
+    coco_error,
+    parse_coco_document,
+)
 from .coco_format import CocoFormatError as CocoFormatError  # raised here; imported from here too
 from .common import CorruptDataError, SkippingDataset, decode_image, image_to_tensor, pil_resample
 
@@ -46,9 +54,9 @@ class CocoIndex:
     """
 
     annotation_file: str
-    dataset: dict[str, Any]
-    images: dict[int, dict[str, Any]]  # image id -> its entry in "images"
-    annotations: dict[int, list[dict[str, Any]]] = field(repr=False)  # image id -> its annotations, in file order
+    dataset: CocoDocument
+    images: dict[int, CocoImage]  # image id -> its entry in "images"
+    annotations: dict[int, list[CocoAnnotation]] = field(repr=False)  # image id -> its annotations, in file order
     category_ids: tuple[int, ...] = ()  # COCO category ids in label order (label k = category_ids[k - 1])
     categories: tuple[str, ...] = ()  # category names in label order
 
@@ -144,16 +152,16 @@ def load_coco_index(annotation_file: str | os.PathLike, image_root: str | os.Pat
         names[cat["id"]] = str(cat["name"])
     category_ids = tuple(sorted(names))
 
-    images: dict[int, dict[str, Any]] = {}
+    images: dict[int, CocoImage] = {}
     for i, img in enumerate(image_list):
         _require(img, ("id", "file_name", "width", "height"), f"images[{i}]", source)
         if img["id"] in images:
             raise _fail(source, f"image id {img['id']} appears twice in images")
         if not all(isinstance(img[k], int) and img[k] > 0 for k in ("width", "height")):
             raise _fail(source, f"image id {img['id']}: width and height must be positive integers")
-        images[img["id"]] = img
+        images[img["id"]] = cast(CocoImage, img)  # its keys checked just above
 
-    annotations: dict[int, list[dict[str, Any]]] = {image_id: [] for image_id in images}
+    annotations: dict[int, list[CocoAnnotation]] = {image_id: [] for image_id in images}
     seen: set[Any] = set()
     for a, ann in enumerate(ann_list):
         _require(ann, ("id",), f"annotations[{a}]", source)
@@ -170,7 +178,7 @@ def load_coco_index(annotation_file: str | os.PathLike, image_root: str | os.Pat
             raise _fail(source, f"{where} names category id {ann['category_id']}, which is not in categories")
         _check_bbox(ann["bbox"], image["height"], image["width"], where, source)
         _check_segmentation(ann["segmentation"], image["height"], image["width"], where, source)
-        annotations[ann["image_id"]].append(ann)
+        annotations[ann["image_id"]].append(cast(CocoAnnotation, ann))  # its keys checked above
 
     if image_root is not None:
         present = _files_under(str(image_root))
@@ -185,7 +193,7 @@ def load_coco_index(annotation_file: str | os.PathLike, image_root: str | os.Pat
     log.info("COCO %s: %d images, %d annotations, %d categories", source, len(images), len(ann_list), len(category_ids))
     return CocoIndex(
         annotation_file=source,
-        dataset=data,
+        dataset=cast(CocoDocument, data),  # every entry checked above
         images=images,
         annotations=annotations,
         category_ids=category_ids,
@@ -230,7 +238,7 @@ def coco_entries(
     category_ids: Sequence[int],
     first_annotation_id: int,
     file_name: str | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[CocoImage, list[CocoAnnotation]]:
     """One item (in :class:`CocoDetection`'s format) as COCO instances entries: its image
     (``file_name`` default ``<image_id>.png``, the image's own width and height) and its
     annotations (bbox x, y, w, h from the boxes; area = mask pixels; segmentation =
@@ -238,13 +246,13 @@ def coco_entries(
     ``first_annotation_id`` (COCOeval reads id 0 as "unmatched": start at 1)."""
     image_id = int(target["image_id"])
     height, width = image.shape[-2:]
-    entry = {
+    entry: CocoImage = {
         "id": image_id,
         "file_name": file_name or f"{image_id:06d}.png",
         "width": int(width),
         "height": int(height),
     }
-    annotations = []
+    annotations: list[CocoAnnotation] = []
     for box, label, mask, crowd in zip(
         target["boxes"].tolist(), target["labels"].tolist(), target["masks"].numpy(), target["iscrowd"].tolist()
     ):
@@ -336,7 +344,7 @@ class CocoDetection(SkippingDataset):
         self.image_ids = sorted(self.index.images)
         self._label_of = self.index.label_of
 
-    def ground_truth_document(self) -> dict[str, Any]:
+    def ground_truth_document(self) -> CocoDocument:
         """The annotation file's document: COCO's ground truth of this set, in the file's pixels."""
         return self.index.dataset
 

@@ -12,13 +12,60 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 #: Top-level keys every COCO instances file has.
 REQUIRED_KEYS = ("images", "annotations", "categories")
 #: Larger local files are left to ``load_coco_index`` alone: parsing them twice would
 #: cost more than the torch import the early check saves (COCO's train file: 450 MB).
 EARLY_CHECK_MAX_BYTES = 64 * 2**20
+
+
+# A COCO instances file's entries: typed dicts, since they stay the file's own objects (pycocotools
+# reads them, shards copy them out as they are); a file's further keys (``license``...) ride along.
+class CocoRle(TypedDict):
+    """A mask as run-length encoding: ``size`` [height, width]; ``counts`` a list
+    (uncompressed) or a string (compressed)."""
+
+    size: list[int]
+    counts: list[int] | str
+
+
+class CocoImage(TypedDict):
+    """An entry of ``images``: the keys every image has (checked by ``load_coco_index``)."""
+
+    id: int
+    file_name: str
+    width: int
+    height: int
+
+
+class CocoAnnotation(TypedDict):
+    """An entry of ``annotations``: bbox x, y, width, height in its image's pixels;
+    segmentation polygons ``[x1, y1, x2, y2, ...]`` or an RLE."""
+
+    id: int
+    image_id: int
+    category_id: int
+    bbox: list[float]
+    segmentation: list[list[float]] | CocoRle
+    area: NotRequired[float]
+    iscrowd: NotRequired[int]
+
+
+class CocoCategory(TypedDict):
+    """An entry of ``categories``."""
+
+    id: int
+    name: str
+
+
+class CocoDocument(TypedDict):
+    """A COCO instances document (a file's further top-level keys, ``info``, ``licenses``, ride along)."""
+
+    images: list[CocoImage]
+    annotations: list[CocoAnnotation]
+    categories: list[CocoCategory]
 
 
 class CocoFormatError(ValueError):

@@ -22,7 +22,7 @@ import io
 import json
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from ..storage import join_uri, write_bytes
 from .cluttered import Canvas, item_intensity, paint_clutter, paint_item, place_tile, tile_with_margin
 from .coco import coco_entries, empty_target
+from .coco_format import CocoAnnotation, CocoCategory, CocoDocument, CocoImage
 from .fashion_mnist import CLASSES
 
 
@@ -221,7 +222,7 @@ class CocoFiles(NamedTuple):
     image_root: str
 
 
-def coco_document(dataset: Dataset, on_image: Callable[[int, torch.Tensor], str] | None = None) -> dict[str, Any]:
+def coco_document(dataset: Dataset, on_image: Callable[[int, torch.Tensor], str] | None = None) -> CocoDocument:
     """The COCO instances document of every item of ``dataset`` (in
     :class:`~.coco.CocoDetection`'s format, with ``categories`` and ``category_ids``
     attributes): images, annotations (:func:`~.coco.coco_entries`: bbox x, y, w, h;
@@ -229,15 +230,17 @@ def coco_document(dataset: Dataset, on_image: Callable[[int, torch.Tensor], str]
     COCO's evaluation compares detections with; ``on_image(image_id, image)`` is called
     with every item's image and returns its ``file_name`` (default ``<image_id>.png``,
     nothing written)."""
-    images: list[dict[str, Any]] = []
-    annotations: list[dict[str, Any]] = []
+    images: list[CocoImage] = []
+    annotations: list[CocoAnnotation] = []
     for i in range(len(dataset)):
         image, target = dataset[i]
         name = on_image(int(target["image_id"]), image) if on_image is not None else None
         entry, found = coco_entries(image, target, dataset.category_ids, len(annotations) + 1, name)
         images.append(entry)
         annotations += found
-    categories = [{"id": cid, "name": name} for cid, name in zip(dataset.category_ids, dataset.categories, strict=True)]
+    categories: list[CocoCategory] = [
+        {"id": cid, "name": name} for cid, name in zip(dataset.category_ids, dataset.categories, strict=True)
+    ]
     return {"images": images, "annotations": annotations, "categories": categories}
 
 

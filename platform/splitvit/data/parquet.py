@@ -37,6 +37,7 @@ from pycocotools import mask as mask_utils
 from torch.utils.data import Dataset, DistributedSampler
 
 from ..storage import exists, filesystem_for, join_uri, list_files, read_bytes
+from .coco_format import CocoDocument
 from .common import (
     CorruptDataError,
     SkippingDataset,
@@ -216,7 +217,7 @@ class ParquetShards(SkippingDataset):
                 f"model.image_size={height}"
             )
 
-    def ground_truth_document(self) -> dict[str, Any]:
+    def ground_truth_document(self) -> CocoDocument:
         """COCO's ground truth of the images these detection shards hold (their source's own
         annotations for a COCO file: in its pixels, as COCO's evaluation compares them)."""
         if self.task != "detection":

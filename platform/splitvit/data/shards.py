@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..storage import StorageError, delete_file, exists, filesystem_for, join_uri, list_files, makedirs, write_bytes
 from .coco import coco_entries
+from .coco_format import CocoAnnotation, CocoCategory, CocoDocument, CocoImage
 from .common import CorruptDataError
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,21 @@ def _numpy(value: Any) -> np.ndarray:
     return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
-def detection_row(i: int, target: dict[str, torch.Tensor], size: tuple[int, int]) -> dict[str, Any]:
+class DetectionRow(TypedDict):
+    """A detection item's values of :data:`DETECTION_COLUMNS`, in that order (``scale``,
+    ``original_size``: ``None`` unless letterboxed)."""
+
+    boxes: list[list[float]]
+    labels: list[int]
+    masks: list[str]
+    iscrowd: list[int]
+    area: list[float]
+    image_id: int
+    scale: float | None
+    original_size: list[int] | None
+
+
+def detection_row(i: int, target: dict[str, torch.Tensor], size: tuple[int, int]) -> DetectionRow:
     """Item ``i``'s detection target as the values of :data:`DETECTION_COLUMNS`; its image
     is ``size`` (height, width). Instance masks must be 0/1 and the image's size."""
     unknown = sorted(set(target) - set(DETECTION_COLUMNS))
@@ -212,22 +227,19 @@ class _GroundTruth:
 
     def __init__(self, dataset: Dataset) -> None:
         own = getattr(dataset, "ground_truth_document", None)
-        source = own() if own is not None else None
+        self.source: CocoDocument | None = own() if own is not None else None
         self.category_ids = tuple(dataset.category_ids)
-        self.images: list[dict[str, Any]] = []
-        self.annotations: list[dict[str, Any]] = []
-        if source is None:
-            self.rest: dict[str, Any] = {
-                "categories": [
-                    {"id": cid, "name": name} for cid, name in zip(self.category_ids, dataset.categories, strict=True)
-                ]
-            }
-            self.source_images: dict[int, dict[str, Any]] | None = None
+        self.images: list[CocoImage] = []
+        self.annotations: list[CocoAnnotation] = []
+        self.categories: list[CocoCategory] = [
+            {"id": cid, "name": name} for cid, name in zip(self.category_ids, dataset.categories, strict=True)
+        ]
+        self.source_images: dict[int, CocoImage] | None = None
+        self.source_annotations: dict[int, list[CocoAnnotation]] = {}
+        if self.source is None:
             return
-        self.rest = {k: v for k, v in source.items() if k not in ("images", "annotations")}
-        self.source_images = {image["id"]: image for image in source["images"]}
-        self.source_annotations: dict[int, list[dict[str, Any]]] = {}
-        for ann in source["annotations"]:
+        self.source_images = {image["id"]: image for image in self.source["images"]}
+        for ann in self.source["annotations"]:
             self.source_annotations.setdefault(ann["image_id"], []).append(ann)
 
     def add(self, image: Any, target: dict[str, torch.Tensor]) -> None:
@@ -240,9 +252,13 @@ class _GroundTruth:
         self.images.append(entry)
         self.annotations += found
 
-    def document(self) -> dict[str, Any]:
-        """The COCO instances document of the images added."""
-        return {"images": self.images, "annotations": self.annotations, **self.rest}
+    def document(self) -> CocoDocument:
+        """The COCO instances document of the images added: the source's other top-level
+        keys (categories, info, licenses...) as they are, else the dataset's categories."""
+        if self.source is None:
+            return {"images": self.images, "annotations": self.annotations, "categories": self.categories}
+        rest = {k: v for k, v in self.source.items() if k not in ("images", "annotations")}
+        return {"images": self.images, "annotations": self.annotations, **rest}
 
 
 class _Checked(Dataset):

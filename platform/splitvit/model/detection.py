@@ -37,7 +37,7 @@ from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from .roi_align import MultiScaleRoIAlign
-from .spec import checkpoint_spec
+from .spec import CheckpointPayload, TrainingFacts, checkpoint_spec
 from .splitvit import SplitOutput, SplitViT, load_checkpoint_state
 
 #: ViTDet's pyramid: the fine map upsampled 4x and 2x, as it is, and pooled 2x.
@@ -343,12 +343,12 @@ class SplitDetector(nn.Module):
             found["masks"] = paste_masks_in_image(found["masks"], found["boxes"], size)
         return {}, detections
 
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    def save(self, path: str | Path, extra: TrainingFacts | None = None) -> None:
         """Save weights with what rebuilds the detector (:meth:`load`): the backbone's
         spec and data config, and the detector's own arguments."""
         if self.backbone.spec is None:
             raise ValueError("only a detector on a SplitViT built from a timm model name can be saved with its spec")
-        payload = {
+        payload: CheckpointPayload = {
             "kind": "detector",
             "spec": self.backbone.spec.to_dict(),
             "detector": dict(self.options),
@@ -358,7 +358,7 @@ class SplitDetector(nn.Module):
         torch.save({**payload, **(extra or {})}, path)
 
     @classmethod
-    def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> SplitDetector:
+    def from_checkpoint(cls, payload: CheckpointPayload, **overrides: Any) -> SplitDetector:
         """Rebuild from a payload :meth:`save` wrote (``overrides`` change the backbone's
         spec, e.g. its ``policy``; the saved thresholds and weights load over it, as
         :meth:`SplitViT.from_checkpoint` does)."""

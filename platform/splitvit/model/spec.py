@@ -1,4 +1,5 @@
-"""What a checkpoint records to rebuild its SplitViT: :class:`ModelSpec`.
+"""What a checkpoint records to rebuild its SplitViT: :class:`ModelSpec`, in the
+payload :class:`CheckpointPayload` describes.
 
 :meth:`~splitvit.model.splitvit.SplitViT.save` writes it as a mapping (``payload["spec"]``,
 :meth:`ModelSpec.to_dict`); loading reads it back with :meth:`ModelSpec.from_dict`, which
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 from ..config import LEGACY_KEYS, ConfigError, PolicyConfig, build_dataclass
+
+if TYPE_CHECKING:
+    import torch
 
 #: The :class:`~splitvit.model.splitvit.SplitViT` options a spec keeps when they were given,
 #: in the order it writes them (``splitvit train``'s order: its checkpoints' keys stay as they were).
@@ -20,6 +24,41 @@ SPEC_OPTIONS = ("thresholds", "fine_aggregation", "task", "length_buckets", "att
 PLAIN_TYPES = (int, float, str, list, tuple, type(None))
 #: A kept option's value.
 OptionValue = float | int | bool | str | list[float] | tuple[float, ...]
+
+
+class DataConfig(TypedDict, total=False):
+    """timm's data config of a model (``timm.data.resolve_model_data_config``): its
+    ``input_size`` (channels, height, width), the normalisation ``mean`` and ``std`` per
+    channel, the resize ``interpolation`` and the evaluation crop (``crop_pct``, ``crop_mode``)."""
+
+    input_size: tuple[int, int, int]
+    interpolation: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    crop_pct: float
+    crop_mode: str
+
+
+class TrainingFacts(TypedDict, total=False):
+    """What a training run adds to a saved model (``save``'s ``extra``): the epoch, its
+    figures and the (redacted) experiment config."""
+
+    epoch: int
+    metrics: dict[str, float]
+    config: dict[str, Any]  # ExperimentConfig.to_dict: the config file's own shape
+
+
+class CheckpointPayload(TrainingFacts, total=False):
+    """What :meth:`~splitvit.model.splitvit.SplitViT.save` (or a detector's ``save``)
+    hands ``torch.save``: the ``spec`` and ``state_dict`` every checkpoint has, the
+    ``data_config`` (older checkpoints lack it); a detector's also ``kind``
+    (``"detector"``) and its constructor's arguments (``detector``)."""
+
+    spec: Required[dict[str, Any]]  # ModelSpec.to_dict, as written (old checkpoints: older keys)
+    state_dict: Required[dict[str, torch.Tensor]]
+    data_config: DataConfig
+    kind: str
+    detector: dict[str, Any]  # SplitDetector's keyword arguments
 
 
 @dataclass(frozen=True)
@@ -126,7 +165,7 @@ def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def checkpoint_spec(payload: dict[str, Any], overrides: dict[str, Any]) -> ModelSpec:
+def checkpoint_spec(payload: CheckpointPayload, overrides: dict[str, Any]) -> ModelSpec:
     """The spec a :meth:`~splitvit.model.splitvit.SplitViT.save` payload (or a detector's)
     rebuilds its SplitViT from: the saved spec with ``overrides`` (spec fields by name)
     over it. A policy's name changes the kind alone (the saved settings stay); settings

@@ -78,7 +78,16 @@ from .quadtree import (
     top_down_decisions,
     upsample_to_children,
 )
-from .spec import PLAIN_TYPES, SPEC_OPTIONS, ModelSpec, checkpoint_spec, policy_settings
+from .spec import (
+    PLAIN_TYPES,
+    SPEC_OPTIONS,
+    CheckpointPayload,
+    DataConfig,
+    ModelSpec,
+    TrainingFacts,
+    checkpoint_spec,
+    policy_settings,
+)
 from .stages import StageClock
 
 ATTENTION_MODES = ("packed", "padded")
@@ -250,7 +259,7 @@ class SplitViT(nn.Module):
         attention: str = "packed",
         token_buckets: int = 0,
         spec: ModelSpec | None = None,
-        data_config: dict[str, Any] | None = None,
+        data_config: DataConfig | None = None,
         fine_aggregation: bool = False,
     ) -> None:
         super().__init__()
@@ -299,13 +308,13 @@ class SplitViT(nn.Module):
         self.clock: StageClock | None = None
         self.spec = spec
         self.register_buffer("thresholds", validate_thresholds(thresholds, levels), persistent=True)
-        config = dict(data_config) if data_config is not None else dict(resolve_model_data_config(vit))
+        config = DataConfig(**(data_config if data_config is not None else resolve_model_data_config(vit)))
         mean, std = channel_stats(config, vit.patch_embed.proj.in_channels)
         # buffers, not settings: they travel with the weights (state dict, init_from), which
         # were trained on inputs normalised by exactly these values
         self.register_buffer("input_mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("input_std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
-        self._data_config = {k: v for k, v in config.items() if k not in ("mean", "std")}
+        self._data_config: DataConfig = {k: v for k, v in config.items() if k not in ("mean", "std")}
         # timm reports its pretrained config's size (224) whatever img_size built the ViT
         self._data_config["input_size"] = (len(mean), *self.geometry.image_size)
         self._note_normalisation()  # see _normalisation_is_identity
@@ -402,16 +411,20 @@ class SplitViT(nn.Module):
             vit, levels=levels, policy=policy, image_size=image_size, num_classes=num_classes, spec=spec, **kwargs
         )
 
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    def save(self, path: str | Path, extra: TrainingFacts | None = None) -> None:
         """Save weights with the spec that rebuilds the model (see :meth:`load`) and
         the data config its inputs are prepared with (``data_config``)."""
         if self.spec is None:
             raise ValueError("only a SplitViT built from a timm model name can be saved with its spec")
-        payload = {"spec": self.spec.to_dict(), "state_dict": self.state_dict(), "data_config": self.data_config}
+        payload: CheckpointPayload = {
+            "spec": self.spec.to_dict(),
+            "state_dict": self.state_dict(),
+            "data_config": self.data_config,
+        }
         torch.save({**payload, **(extra or {})}, path)
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, data_config: dict[str, Any] | None = None) -> SplitViT:
+    def from_spec(cls, spec: ModelSpec, data_config: DataConfig | None = None) -> SplitViT:
         """Build the model ``spec`` describes (no pretrained weights: a checkpoint brings its
         own), with a saved ``data_config`` rather than the one timm resolves today (a trained
         model keeps its own; mean and std also come back with the state dict's buffers)."""
@@ -428,7 +441,7 @@ class SplitViT(nn.Module):
         )
 
     @classmethod
-    def from_checkpoint(cls, payload: dict[str, Any], **overrides: Any) -> SplitViT:
+    def from_checkpoint(cls, payload: CheckpointPayload, **overrides: Any) -> SplitViT:
         """Rebuild from a payload written by :meth:`save` (``overrides`` change the spec, e.g. the policy)."""
         spec = checkpoint_spec(payload, overrides)
         model = cls.from_spec(spec, payload.get("data_config"))
@@ -442,7 +455,7 @@ class SplitViT(nn.Module):
 
     # ------------------------------------------------------------------ settings
     @property
-    def data_config(self) -> dict[str, Any]:
+    def data_config(self) -> DataConfig:
         """timm's data config of this model: ``mean`` and ``std`` (the normalisation
         :meth:`forward` applies, from the buffers), ``interpolation``, ``crop_pct``,
         ``crop_mode`` as timm resolved them, and this model's ``input_size``."""
@@ -1254,7 +1267,7 @@ class _LevelEmbeddings:
         return model.embed_level(self.images, self.geometry, level, self._pos, patches)
 
 
-def load_checkpoint_state(model: nn.Module, payload: dict[str, Any], spec: ModelSpec, prefix: str = "") -> None:
+def load_checkpoint_state(model: nn.Module, payload: CheckpointPayload, spec: ModelSpec, prefix: str = "") -> None:
     """Load a payload's weights into the model rebuilt from it by ``spec`` (its
     :func:`checkpoint_spec`). Under another policy than the saved one the policy's
     parameters (under ``prefix + "policy."``) are left out: that policy has other (or no)
@@ -1292,7 +1305,7 @@ def _is_patchify_conv(proj: nn.Module, patch: int) -> bool:
     )
 
 
-def input_data_config(vit: VisionTransformer, normalize: str, *, timm_weights: bool) -> dict[str, Any]:
+def input_data_config(vit: VisionTransformer, normalize: str, *, timm_weights: bool) -> DataConfig:
     """timm's data config of ``vit``, with the mean and std ``normalize`` asks for.
 
     ``timm``: timm's own (what its pretrained weights saw); ``none``: mean 0 and std 1,
@@ -1304,14 +1317,14 @@ def input_data_config(vit: VisionTransformer, normalize: str, *, timm_weights: b
     """
     if normalize not in INPUT_NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {', '.join(INPUT_NORMALIZATIONS)}, got {normalize!r}")
-    config = dict(resolve_model_data_config(vit))
+    config = DataConfig(**resolve_model_data_config(vit))
     if normalize == "none" or (normalize == "auto" and not timm_weights):
         channels = len(config["mean"])
         config["mean"], config["std"] = (0.0,) * channels, (1.0,) * channels
     return config
 
 
-def channel_stats(config: dict[str, Any], channels: int) -> tuple[list[float], list[float]]:
+def channel_stats(config: DataConfig, channels: int) -> tuple[list[float], list[float]]:
     """The data config's mean and std as ``channels`` values each: timm resolves three
     (RGB) even for a one-channel ViT; then each is averaged to one grey value."""
     mean, std = [float(v) for v in config["mean"]], [float(v) for v in config["std"]]

@@ -2,14 +2,15 @@
 
 A checkpoint folder (one per epoch, ``checkpoint_epoch0003``) holds:
 
-* ``model.pt`` — :meth:`SplitViT.save`'s payload (``spec`` + ``state_dict``, whose
-  ``input_mean`` / ``input_std`` buffers normalise the inputs, + ``data_config``: timm's
-  mean, std, interpolation and crop settings) plus
+* ``model.pt`` — :meth:`SplitViT.save`'s payload (:class:`~splitvit.model.spec.CheckpointPayload`:
+  ``spec`` + ``state_dict``, whose ``input_mean`` / ``input_std`` buffers normalise the
+  inputs, + ``data_config``: timm's mean, std, interpolation and crop settings) plus
   ``epoch``, ``metrics`` and the (redacted) experiment ``config``; so
   ``SplitViT.load(".../model.pt")`` rebuilds the model;
-* ``train_state.pt`` — optimizer, LR scheduler, epoch, global step, metrics;
-* ``rng_rank<r>.pt`` — each worker's RNG states (torch, CUDA, numpy, Python and the
-  warm-up split generator), so a resumed run draws what the uninterrupted one would;
+* ``train_state.pt`` — :class:`TrainState`: optimizer, LR scheduler, epoch, global step, metrics;
+* ``rng_rank<r>.pt`` — :class:`RngState`: each worker's RNG states (torch, CUDA, numpy,
+  Python and the warm-up split generator), so a resumed run draws what the
+  uninterrupted one would;
 * ``metrics.json`` — the epoch's figures, for people;
 * ``history.json`` — ``{"history": [...]}``, every epoch's figures so far, earlier
   attempts' included (a resumed run carries them on): the run's curves, e.g. whether
@@ -26,12 +27,15 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import numpy as np
 import torch
 
 from ..errors import DeterministicError
+
+if TYPE_CHECKING:
+    from ..model.spec import CheckpointPayload
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
@@ -55,6 +59,31 @@ class CheckpointError(DeterministicError, ValueError):
         return (type(self), (self.source, self.reason), dict(self.__dict__))
 
 
+class RngState(TypedDict, total=False):
+    """A worker's random states (``rng_rank<r>.pt``): torch's, numpy's and Python's, CUDA's
+    where it has GPUs, and the warm-up split ``generator``'s where it was given one."""
+
+    torch: Required[torch.Tensor]
+    numpy: Required[tuple[str, np.ndarray, int, int, float]]  # np.random.get_state()
+    python: Required[tuple[int, tuple[int, ...], float | None]]  # random.getstate()
+    cuda: list[torch.Tensor]
+    generator: torch.Tensor
+
+
+class TrainState(TypedDict, total=False):
+    """What ``train_state.pt`` holds: the epoch done, the optimizer's and LR scheduler's
+    own state dicts, that epoch's figures and every epoch's so far (older checkpoints
+    lack ``history``), the workers and the steps taken."""
+
+    epoch: Required[int]
+    optimizer: Required[dict[str, Any]]  # torch's Optimizer.state_dict(), as torch reads it back
+    scheduler: Required[dict[str, Any]]  # torch's LRScheduler.state_dict()
+    metrics: dict[str, float]
+    history: list[dict[str, float]]
+    world_size: int
+    global_step: int
+
+
 def rng_file(rank: int) -> str:
     """Name of worker ``rank``'s RNG-state file."""
     return f"rng_rank{rank}.pt"
@@ -65,9 +94,9 @@ def checkpoint_dir_name(epoch: int) -> str:
     return f"checkpoint_epoch{epoch:04d}"
 
 
-def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
+def rng_state(generator: torch.Generator | None = None) -> RngState:
     """This process's RNG states (and ``generator``'s)."""
-    state: dict[str, Any] = {
+    state: RngState = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
         "python": random.getstate(),
@@ -79,7 +108,7 @@ def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = None) -> None:
+def set_rng_state(state: RngState, generator: torch.Generator | None = None) -> None:
     """Restore what :func:`rng_state` saved."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
@@ -156,7 +185,7 @@ def fetch_checkpoint(uri: str | Path, dest: str | Path | None = None) -> Path:
     return local
 
 
-def load_payload(uri: str | Path) -> dict[str, Any]:
+def load_payload(uri: str | Path) -> CheckpointPayload:
     """The ``model.pt`` payload of checkpoint ``uri`` (see :func:`fetch_checkpoint`).
 
     Raises:
@@ -172,7 +201,7 @@ def load_payload(uri: str | Path) -> dict[str, Any]:
             shutil.rmtree(local.parent, ignore_errors=True)
 
 
-def read_payload(path: str | Path, source: str | None = None) -> dict[str, Any]:
+def read_payload(path: str | Path, source: str | None = None) -> CheckpointPayload:
     """Read a local ``model.pt`` and check it is a SplitViT checkpoint (``source``: the
     name errors give, default ``path``); see :func:`load_payload`."""
     source = source or str(path)
@@ -206,7 +235,9 @@ def torch_load(path: str | Path, source: str | None = None) -> Any:
         ) from exc
 
 
-def read_training_checkpoint(folder: Path, rank: int, source: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
+def read_training_checkpoint(
+    folder: Path, rank: int, source: str
+) -> tuple[CheckpointPayload, TrainState, RngState | None]:
     """What a resumed worker needs from the local checkpoint ``folder`` (``source``: its
     URI, for errors): the model payload, the training state and rank ``rank``'s RNG
     state (``None`` when the checkpoint has none for it, e.g. more workers now).
@@ -299,7 +330,7 @@ def check_payload(payload: Any, source: str) -> None:
         raise CheckpointError(source, "its 'spec' names no timm model ('spec.name'): not written by SplitViT.save")
 
 
-def model_from_payload(payload: dict[str, Any], source: str, **overrides: Any):
+def model_from_payload(payload: CheckpointPayload, source: str, **overrides: Any):
     """:meth:`SplitViT.from_checkpoint` (:meth:`SplitDetector.from_checkpoint` for a
     detector's), with a CheckpointError naming ``source`` when the weights do not fit
     the model the spec builds."""

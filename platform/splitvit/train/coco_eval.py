@@ -17,10 +17,13 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NotRequired, Required, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, Required, TypedDict
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ..data.coco_format import CocoDocument
 
 #: COCO's object-size ranges, in pixels of area (``COCOeval.Params``).
 COCO_AREA_RANGES: dict[str, tuple[float, float]] = {"small": (0.0, 32.0**2), "medium": (32.0**2, 96.0**2)}
@@ -122,9 +125,9 @@ def detection_records(
     return records
 
 
-def load_ground_truth(annotation_file: str | dict[str, Any]) -> Any:
-    """pycocotools' ``COCO`` index of a COCO-format file (a path) or an already-read dict,
-    without its console lines."""
+def load_ground_truth(annotation_file: str | CocoDocument) -> Any:
+    """pycocotools' ``COCO`` index of a COCO-format file (a path) or an already-read
+    document, without its console lines."""
     from pycocotools.coco import COCO
 
     with contextlib.redirect_stdout(io.StringIO()):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import torch
 
@@ -231,6 +231,37 @@ def _teacher_relevance(
     return detection_relevance(detector, images, targets)
 
 
+class DetectionFigures(TypedDict, total=False):
+    """:meth:`DetectionTotals.figures`: COCO's box and mask AP (0-1; -1 where there is
+    nothing to score), tokens per image, token ratio and images/s, the object figures
+    where the targets had instance masks, each class's box and mask AP by class name, and
+    the object-size ranges used. Callers add their own counts: ``val_images`` (training's
+    validation), ``images`` and ``quality`` (a checkpoint's evaluation)."""
+
+    box_ap: Required[float]
+    box_ap50: Required[float]
+    box_ap75: Required[float]
+    box_aps: Required[float]
+    box_apm: Required[float]
+    box_apl: Required[float]
+    mask_ap: Required[float]
+    mask_ap50: Required[float]
+    mask_ap75: Required[float]
+    mask_aps: Required[float]
+    mask_apm: Required[float]
+    mask_apl: Required[float]
+    tokens_per_image: Required[float]
+    token_ratio: Required[float]
+    images_per_s: Required[float]
+    fine_on_object: float
+    object_coverage: float
+    per_class: Required[dict[str, dict[str, float]]]  # class name -> box_ap, mask_ap
+    area_ranges: Required[dict[str, list[float | None]]]  # pixels of area; large has no upper bound
+    val_images: float
+    images: int
+    quality: float
+
+
 @dataclass
 class DetectionTotals:
     """What a detection evaluation keeps, before any figure: sums over images and the
@@ -268,14 +299,14 @@ class DetectionTotals:
 
     def figures(
         self, ground_truth: Any, *, area_ranges: dict[str, tuple[float, float]] | None = None
-    ) -> dict[str, Any]:
+    ) -> DetectionFigures:
         """Box and mask AP (COCO's, 0-1: ``box_ap``, ``box_ap50``, ``box_ap75``,
         ``box_aps``/``m``/``l``, the same ``mask_*``), tokens per image, token ratio and
         images/s, ``fine_on_object`` and ``object_coverage`` where the targets had
         instance masks; ``per_class`` holds each class's box and mask AP and
         ``area_ranges`` the size ranges used."""
         coco = coco_evaluate(ground_truth, self.records, image_ids=self.image_ids, area_ranges=area_ranges)
-        result: dict[str, Any] = {}
+        result = DetectionFigures()
         for prefix, iou_type in (("box", "bbox"), ("mask", "segm")):
             for key, value in coco[iou_type].items():
                 if key != "per_class":

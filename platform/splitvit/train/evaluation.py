@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -21,6 +21,9 @@ from ..model.detection import SplitDetector, split_backbone
 from .checkpoints import load_payload, model_from_payload
 from .points import EvaluatedPoint
 from .steps import calibrate_thresholds, evaluate
+
+if TYPE_CHECKING:
+    from .detection import DetectionFigures
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +159,7 @@ class CheckpointEvaluator:
 
     def _evaluate_detector(
         self, model: SplitDetector, thresholds: list[float] | None, oracle: bool = False, oracle_context: int = 0
-    ) -> dict[str, Any]:
+    ) -> DetectionFigures:
         from .detection import detection_area_ranges, detection_ground_truth, evaluate_detection_totals
 
         with self.autocast():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -29,7 +29,14 @@ from .steps import SplitLossConfig, calibrate_thresholds, evaluate
 log = logging.getLogger(__name__)
 
 
-def param_groups(model: nn.Module, lr: float, policy_lr_scale: float = 1.0) -> list[dict[str, Any]]:
+class ParamGroup(TypedDict):
+    """One of torch's optimizer parameter groups: its parameters and learning rate."""
+
+    params: list[nn.Parameter]
+    lr: float
+
+
+def param_groups(model: nn.Module, lr: float, policy_lr_scale: float = 1.0) -> list[ParamGroup]:
     """The optimizer's parameter groups: SplitViT's own modules (the policy, fine
     aggregation and level embeddings of ``model``'s SplitViT) at ``lr * policy_lr_scale``,
     the rest at ``lr``; one group at a scale of 1, so that an optimizer's saved state

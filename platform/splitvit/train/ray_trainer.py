@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,7 @@ from .checkpoints import (
     MODEL_FILE,
     STATE_FILE,
     CheckpointError,
+    TrainState,
     checkpoint_dir_name,
     checkpoint_problem,
     earlier_checkpoints,
@@ -80,6 +81,7 @@ from .checkpoints import (
     write_metrics,
 )
 from .detection import (
+    DetectionFigures,
     DetectionTotals,
     detection_area_ranges,
     detection_ground_truth,
@@ -803,6 +805,14 @@ class _WorkerData:
         return len(self.loader)
 
 
+class ClassAP(TypedDict):
+    """A detection evaluation's table for MLflow (``per_class_ap/epoch_NNNN.json``): box
+    and mask AP per class name, and the object-size ranges (pixels of area) used."""
+
+    per_class: dict[str, dict[str, float]] | None
+    area_ranges: dict[str, list[float | None]] | None
+
+
 @dataclass
 class _Worker:
     """What one worker trains with; set up by :func:`_set_up_worker` and handed to each
@@ -821,7 +831,7 @@ class _Worker:
     data: _WorkerData
     history: list[dict[str, float]] = field(default_factory=list)  # every epoch's figures, resumed ones too
     ground_truth: Any = None  # detection: the validation set's COCO ground truth (rank 0, built once)
-    per_class: dict[str, Any] | None = None  # detection: the last evaluation's AP per class (rank 0)
+    per_class: ClassAP | None = None  # detection: the last evaluation's AP per class (rank 0)
 
     def autocast(self) -> torch.autocast:
         """bf16 autocast on CUDA with ``train.amp``; a no-op otherwise."""
@@ -894,7 +904,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> WorkerOutcome:
 
 
 # ---------------------------------------------------------------------- worker: set-up and resume
-def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tuple[_Worker, dict[str, Any] | None]:
+def _set_up_worker(config: ExperimentConfig, tracker: RunTracker | None) -> tuple[_Worker, TrainState | None]:
     """Seed this worker, build its model (from the checkpoint a restart resumes from,
     else from ``model.init_from``), wrap it for DDP, and make its optimizer, data and
     learning-rate schedule. Returns the worker and the checkpoint's training state
@@ -967,7 +977,7 @@ def _check_allocator(name: str, rank: int) -> None:
 
 def _load_checkpoint(
     model: nn.Module, rank: int, generator: torch.Generator, storage_path: str, tracker: RunTracker | None = None
-) -> dict[str, Any] | None:
+) -> TrainState | None:
     """Load the weights of the checkpoint Ray Train resumes from into ``model`` and this
     rank's random state into ``generator``; return the checkpoint's training state
     (optimizer, schedule, epoch, metrics), or ``None`` when there is no checkpoint.
@@ -1063,7 +1073,7 @@ def _worker_data(
     )
 
 
-def _resume(worker: _Worker, state: dict[str, Any] | None) -> tuple[int, dict[str, float]]:
+def _resume(worker: _Worker, state: TrainState | None) -> tuple[int, dict[str, float]]:
     """Restore the optimizer and schedule from a checkpoint's training state; returns
     the epoch to start from and the last epoch's metrics (``0, {}`` on a fresh start)."""
     if state is None:
@@ -1219,7 +1229,7 @@ def _evaluate_detection(worker: _Worker, batches: Any) -> dict[str, float]:
         shard, worker.ground_truth, detection_area_ranges(worker.config.model.image_size), worker.rank, worker.world
     )
     if worker.rank == 0:
-        worker.per_class = {"per_class": figures.get("per_class"), "area_ranges": figures.get("area_ranges")}
+        worker.per_class = ClassAP(per_class=figures.get("per_class"), area_ranges=figures.get("area_ranges"))
     return {k: float(v) for k, v in figures.items() if isinstance(v, (int, float))}
 
 
@@ -1229,7 +1239,7 @@ def _combine_detection(
     area_ranges: dict[str, tuple[float, float]] | None,
     rank: int,
     world: int,
-) -> dict[str, Any]:
+) -> DetectionFigures:
     """Every worker's detections gathered and evaluated once by rank 0 (COCO's
     evaluation of the whole set: what one process evaluating every shard gives), the
     figures sent back to every rank. ``ground_truth`` is read on rank 0 only."""
@@ -1238,14 +1248,14 @@ def _combine_detection(
     if distributed:
         shards = [None] * world
         dist.all_gather_object(shards, shard)
-    figures: list[dict[str, Any] | None] = [None]
+    figures: list[DetectionFigures | None] = [None]
     if rank == 0:
         whole = DetectionTotals.merge(s for s in shards if s is not None)
         figures = [whole.figures(ground_truth, area_ranges=area_ranges)]
         figures[0]["val_images"] = float(whole.images)
     if distributed:
         dist.broadcast_object_list(figures, src=0)
-    return dict(figures[0] or {})
+    return DetectionFigures(**(figures[0] or {}))
 
 
 # ---------------------------------------------------------------------- worker: checkpoint, report, MLflow
@@ -1263,18 +1273,16 @@ def _checkpoint_and_report(worker: _Worker, epoch: int, metrics: dict[str, float
                 folder / MODEL_FILE,
                 extra={"epoch": epoch, "metrics": metrics, "config": worker.config.to_dict(redact=True)},
             )
-            torch.save(
-                {
-                    "epoch": epoch,
-                    "optimizer": worker.optimizer.state_dict(),
-                    "scheduler": worker.scheduler.state_dict(),
-                    "metrics": metrics,
-                    "history": worker.history,
-                    "world_size": worker.world,
-                    "global_step": (epoch + 1) * worker.data.steps_per_epoch,
-                },
-                folder / STATE_FILE,
-            )
+            state: TrainState = {
+                "epoch": epoch,
+                "optimizer": worker.optimizer.state_dict(),
+                "scheduler": worker.scheduler.state_dict(),
+                "metrics": metrics,
+                "history": worker.history,
+                "world_size": worker.world,
+                "global_step": (epoch + 1) * worker.data.steps_per_epoch,
+            }
+            torch.save(state, folder / STATE_FILE)
             write_metrics(folder, metrics)
             write_history(folder, worker.history)
         ray.train.report(
