@@ -72,6 +72,8 @@ tables: setup
 		--recipe-points docs/measurements/cpu-2026-12-06-sweep-v2/recipe_points.json
 	$(BIN)/python scripts/sweep_vs_recipe.py docs/measurements/cpu-2026-12-06-sweep-v2/frontier_val5000.json \
 		--recipe-points docs/measurements/cpu-2026-12-06-sweep-v2/recipe_points.json
+	$(BIN)/python scripts/sweep_vs_recipe.py docs/measurements/cpu-2026-12-06-sweep-v3/sweep_classification_cpu_v3.json \
+		--recipe-points docs/measurements/cpu-2026-12-06-sweep-v3/recipe_points.json
 
 # The local stack (infra/local): a Ray head with its dashboard/job server on
 # 127.0.0.1:8265 and an MLflow server on 127.0.0.1:5000. STACK_ARGS passes options.

@@ -241,6 +241,8 @@ def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_outside
         ("cpu-2026-12-06-sweep-v2", "sweep_classification_cpu_v2.json", "comparison.json"),
         # the second run's frontier chosen again on 5,000 validation images (scripts/reselect_frontier.py)
         ("cpu-2026-12-06-sweep-v2", "frontier_val5000.json", "comparison_val5000.json"),
+        # the third: every point measured on 5,000 validation images by the sweep itself
+        ("cpu-2026-12-06-sweep-v3", "sweep_classification_cpu_v3.json", "comparison.json"),
     ],
 )
 def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json(folder, sweep, comparison):
