@@ -298,6 +298,9 @@ def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes
     with pytest.raises(SearchSpaceError) as err:
         load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5,0]"])
     assert err.value.key == "stage_two.ratios[1]"
+    with pytest.raises(SearchSpaceError) as err:
+        load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.calibration_samples=0"])
+    assert err.value.key == "stage_two.calibration_samples"
     space = load_space(ROOT / "search_spaces" / "smoke.yaml")
     saved = json.loads(json.dumps({k: v for k, v in space.to_dict().items() if k != "source"}, default=str))
     del saved["stage_two"]["ratios"]  # as a sweep started before the key existed stored it
@@ -306,6 +309,30 @@ def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes
     asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.ratios=[0.5]"])
     with pytest.raises(SweepError, match="stage_two"):
         check_plan(asked, str(tmp_path), None, resume=True)
+    # a plan saved before stage_two.calibration_samples resumes where the space leaves it unset
+    del saved["stage_two"]["calibration_samples"]
+    saved["stage_two"]["ratios"] = []
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"space": saved, "overrides": [], "source": space.source}))
+    assert check_plan(space, str(tmp_path), None, resume=True) is space
+    asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.calibration_samples=512"])
+    with pytest.raises(SweepError, match="stage_two"):
+        check_plan(asked, str(tmp_path), None, resume=True)
+
+
+def test_stage_two_calibrates_on_the_spaces_count_else_the_datas_evaluation_batch():
+    """``stage_two.calibration_samples`` where set (the classification CPU space: 512, as the
+    study calibrates its curves), else the data's evaluation batch, else its batch."""
+    from splitvit.tune.trial import calibration_samples
+
+    space = load_space(ROOT / "search_spaces" / "classification_cpu.yaml")
+    assert calibration_samples(space, space.config()) == 512
+    unset = load_space(ROOT / "search_spaces" / "classification_cpu.yaml", ["stage_two.calibration_samples=null"])
+    assert calibration_samples(unset, unset.config()) == 256  # its data.eval_batch_size
+    no_eval_batch = load_space(
+        ROOT / "search_spaces" / "classification_cpu.yaml",
+        ["stage_two.calibration_samples=null", "data.eval_batch_size=null"],
+    )
+    assert calibration_samples(no_eval_batch, no_eval_batch.config()) == 32  # its data.batch_size
 
 
 def test_reselect_frontier_chooses_the_frontier_again_on_more_validation_images(tmp_path):

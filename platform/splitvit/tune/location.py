@@ -103,6 +103,9 @@ def check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None, 
         normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
     if "ratios" not in stored.get("stage_two", {}) and not normal["stage_two"].get("ratios"):
         normal["stage_two"].pop("ratios", None)  # started before calibrated points: none asked for
+    unset = normal["stage_two"].get("calibration_samples") is None
+    if "calibration_samples" not in stored.get("stage_two", {}) and unset:
+        normal["stage_two"].pop("calibration_samples", None)  # started before the key: the data's batch, as now
     stored = _upgrade_plan(stored)  # a plan saved before the keys were grouped: the new names
     if "base_config" in saved:
         # the base config by what it says, not by where the checkout lies: a sweep resumes

@@ -254,6 +254,9 @@ class StageTwoSettings:
             calibrated to each on validation images (as the baselines and a study's
             methods are): every trial then has a point at each ratio a user asks about,
             which a few quasi-random thresholds need not give.
+        calibration_samples: the first validation images those thresholds (and the
+            fine-tuned baselines') are calibrated on (default: the data's evaluation
+            batch). A study calibrates on 512: set the same to compare with its curves.
     """
 
     points: int = 4
@@ -262,6 +265,7 @@ class StageTwoSettings:
     sampler: str = "tpe"
     samples: int | None = None
     ratios: tuple[float, ...] = ()
+    calibration_samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -918,7 +922,11 @@ def _check_stage_two(space: SearchSpace) -> None:
         raise SearchSpaceError(
             src, "stage_two.sampler", f"unknown sampler {t.sampler!r}; expected one of {', '.join(STAGE_TWO_SAMPLERS)}"
         )
-    for key, samples in (("stage_two.samples", t.samples), ("baselines.samples", space.baselines.samples)):
+    for key, samples in (
+        ("stage_two.samples", t.samples),
+        ("stage_two.calibration_samples", t.calibration_samples),
+        ("baselines.samples", space.baselines.samples),
+    ):
         if samples is not None and samples < 1:
             raise SearchSpaceError(src, key, f"must be >= 1 or null, got {samples}")
 

@@ -332,7 +332,7 @@ def _stage_two_points(
         known=[] if rescore else [(thresholds, float(quality), float(tokens))],
         own=thresholds if rescore else None,
         ratios=list(stage.ratios),
-        calibration_samples=config.data.eval_batch_size or config.data.batch_size,
+        calibration_samples=calibration_samples(plan.space, config),
     )
     return (points[0], points[1:]) if rescore else (None, points)
 
@@ -354,9 +354,15 @@ def _baseline_points(plan: SweepPlan, config: ExperimentConfig, policy: str, che
         ratios=list(b.ratios),
         split="val",
         samples=b.samples,
-        calibration_samples=config.data.eval_batch_size or config.data.batch_size,
+        calibration_samples=calibration_samples(plan.space, config),
         seed=plan.space.search.seed,
     )
+
+
+def calibration_samples(space: SearchSpace, config: ExperimentConfig) -> int:
+    """The validation images stage two's and the baselines' thresholds are calibrated on:
+    ``stage_two.calibration_samples``, else the data's evaluation batch."""
+    return space.stage_two.calibration_samples or config.data.eval_batch_size or config.data.batch_size
 
 
 def _stage_two_task(checkpoint: str, **kwargs: Any) -> list[EvaluatedPoint]:
