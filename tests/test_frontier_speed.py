@@ -396,3 +396,38 @@ def test_reselect_frontier_chooses_the_frontier_again_on_more_validation_images(
     )
     assert done.returncode == 1 and f"{empty}: no point with a checkpoint and thresholds" in done.stderr
     assert not (tmp_path / "none.json").exists()
+
+
+def test_paired_difference_compares_two_points_image_by_image(tmp_path):
+    """``scripts/paired_difference.py``: each point's accuracy and token ratio are its
+    evaluation's; the difference is theirs, with the paired standard error of the
+    per-image difference; a point against itself differs by nothing; a point without
+    thresholds is one line naming it."""
+    import math
+    import subprocess
+    import sys
+
+    from splitvit.train.evaluation import CheckpointEvaluator
+
+    folder = checkpoint(tmp_path / "c")
+    script = ROOT / "scripts" / "paired_difference.py"
+    out = tmp_path / "paired.json"
+    coarse, fine = f"{folder}:1.0", f"{folder}:0.0"
+    args = ["--split", "val", "--samples", "16", "--json", str(out)]
+    subprocess.run([sys.executable, str(script), coarse, fine, *args], cwd=ROOT, check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    val = CheckpointEvaluator(folder, split="val", samples=16, cache=False)
+    a, b = val.evaluate([1.0]), val.evaluate([0.0])
+    assert result["images"] == 16
+    assert (result["accuracy_a"], result["accuracy_b"]) == (pytest.approx(a.quality), pytest.approx(b.quality))
+    assert (result["token_ratio_a"], result["token_ratio_b"]) == (pytest.approx(0.25), pytest.approx(1.0))
+    assert result["difference_points"] == pytest.approx((a.quality - b.quality) * 100)
+    # per image the difference is -1, 0 or 1: its variance follows from the disagreements
+    d, mean = result["discordant"], (a.quality - b.quality)
+    variance = (d - mean**2) * 16 / 15
+    assert result["standard_error_points"] == pytest.approx(math.sqrt(max(variance, 0.0) / 16) * 100)
+    subprocess.run([sys.executable, str(script), coarse, coarse, *args], cwd=ROOT, check=True, capture_output=True)
+    same = json.loads(out.read_text())
+    assert (same["difference_points"], same["standard_error_points"], same["discordant"]) == (0.0, 0.0, 0.0)
+    bad = subprocess.run([sys.executable, str(script), str(folder), fine], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "is not CHECKPOINT:T1,T2" in bad.stderr
