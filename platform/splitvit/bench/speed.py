@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
     from ..model import SplitViT
     from ..model.detection import SplitDetector
+    from ..model.spec import CheckpointPayload
     from .timing import TimingSummary
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ def spread(items: list[Any], count: int | None) -> list[Any]:
     return [items[i] for i in picked]
 
 
-def _architecture(payload: dict[str, Any]) -> str:
+def _architecture(payload: CheckpointPayload) -> str:
     """What decides a forward pass's cost apart from the policy and thresholds."""
     spec = payload.get("spec") or {}
     kept = {k: v for k, v in spec.items() if not k.startswith("policy") and k != "thresholds"}
@@ -317,7 +318,7 @@ def time_operating_points(
 def _full_models(
     points: Sequence[OperatingPoint],
     arch_of: dict[str, str],
-    payload: Callable[[str], dict[str, Any]],
+    payload: Callable[[str], CheckpointPayload],
     full_checkpoint: str | None,
     batch_size: int,
     device: str,
@@ -343,7 +344,7 @@ def _full_models(
 
 
 def _point_models(
-    points: Sequence[OperatingPoint], payload: Callable[[str], dict[str, Any]], dev: torch.device
+    points: Sequence[OperatingPoint], payload: Callable[[str], CheckpointPayload], dev: torch.device
 ) -> dict[tuple[str, str | None], SplitViT | SplitDetector]:
     """Every point's model (a SplitViT or a detector), one per (checkpoint, policy), in
     evaluation mode on ``dev``."""

@@ -23,6 +23,7 @@ from .space import ConfigValue, SearchSpace
 from .state import RegisteredModels, Sweep, SweepResult
 
 if TYPE_CHECKING:
+    from ..model.spec import CheckpointPayload
     from .frontier_eval import FrontierSpeed
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def _log_models(space: SearchSpace, recorder: SweepRecorder, front: list[Point],
     # contribution would otherwise pick by list order)
     chosen = sorted(front, key=lambda p: (p is not best, -p.hv_contribution))
     chosen = chosen if limit is None else chosen[:limit]
-    payloads: dict[str, dict[str, Any]] = {}
+    payloads: dict[str, CheckpointPayload] = {}
     for i, point in enumerate(chosen):
         if not point.checkpoint or not point.run_id:
             continue
