@@ -6,6 +6,7 @@ must bring the same one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from typing import Any
 
 from ..config import ExperimentConfig, upgrade_flat, upgrade_sections
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
-from .space import SearchSpace, load_space
+from .space import SearchSpace, StageTwoSettings, load_space
 from .state import SweepError
 
 log = logging.getLogger(__name__)
@@ -101,11 +102,12 @@ def check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None, 
     normal = json.loads(json.dumps(current, sort_keys=True, default=str))
     if "speed" not in stored:
         normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
-    if "ratios" not in stored.get("stage_two", {}) and not normal["stage_two"].get("ratios"):
-        normal["stage_two"].pop("ratios", None)  # started before calibrated points: none asked for
-    unset = normal["stage_two"].get("calibration_samples") is None
-    if "calibration_samples" not in stored.get("stage_two", {}) and unset:
-        normal["stage_two"].pop("calibration_samples", None)  # started before the key: the data's batch, as now
+    # a stage-two key added after the sweep started (ratios, calibration_samples) left at its
+    # default means what the sweep did without it
+    defaults = json.loads(json.dumps(dataclasses.asdict(StageTwoSettings()), default=str))
+    for key, default in defaults.items():
+        if key not in stored.get("stage_two", {}) and normal["stage_two"].get(key) == default:
+            normal["stage_two"].pop(key, None)
     stored = _upgrade_plan(stored)  # a plan saved before the keys were grouped: the new names
     if "base_config" in saved:
         # the base config by what it says, not by where the checkout lies: a sweep resumes
