@@ -407,6 +407,8 @@ def test_paired_difference_compares_two_points_image_by_image(tmp_path):
     import subprocess
     import sys
 
+    import torch
+
     from splitvit.train.evaluation import CheckpointEvaluator
 
     folder = checkpoint(tmp_path / "c")
@@ -431,3 +433,20 @@ def test_paired_difference_compares_two_points_image_by_image(tmp_path):
     assert (same["difference_points"], same["standard_error_points"], same["discordant"]) == (0.0, 0.0, 0.0)
     bad = subprocess.run([sys.executable, str(script), str(folder), fine], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "is not CHECKPOINT:T1,T2" in bad.stderr
+    # a segmentation model has no accuracy to pair: refused in one line, before any image is read
+    dense = SplitViT.from_timm(
+        MODEL["name"],
+        policy=PolicyConfig(depth=1),
+        levels=2,
+        image_size=16,
+        num_classes=4,
+        task="dense",
+        timm_kwargs=MODEL["timm_kwargs"],
+    )
+    (tmp_path / "dense").mkdir()
+    payload = torch.load(Path(folder) / "model.pt", map_location="cpu", weights_only=False)
+    dense.save(tmp_path / "dense" / "model.pt", extra={"config": payload["config"]})
+    refused = subprocess.run(
+        [sys.executable, str(script), f"{tmp_path / 'dense'}:0.5", fine], cwd=ROOT, capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "is a dense model; accuracy needs a classifier" in refused.stderr
