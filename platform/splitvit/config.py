@@ -823,7 +823,7 @@ def legacy_flat(flat: dict[str, Any]) -> dict[str, Any]:
     return {old_names.get(key, key): value for key, value in flat.items()}
 
 
-def upgrade_sections(raw: dict[str, Any], source: str = "config", *, warn: bool = True) -> dict[str, Any]:
+def upgrade_sections(raw: JsonObject, source: str = "config", *, warn: bool = True) -> JsonObject:
     """A config file's sections (``{model: {policy: learned, policy_depth: 3}}``) with
     every old key moved to its new section (``{model: {policy: {kind: learned, depth:
     3}}}``); a copy. Logs one deprecation line naming them, and raises
@@ -888,7 +888,7 @@ class Layer:
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "without", tuple(upgrade_keys(self.without)))
 
-    def apply(self, raw: dict[str, Any]) -> None:
+    def apply(self, raw: JsonObject) -> None:
         """Set this layer's values in ``raw`` (a config being assembled): a file's
         sections (and the sections inside them, :data:`SUBSECTIONS`) merged key by key."""
         if self.nested:
@@ -936,7 +936,7 @@ def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> 
     Raises :class:`ConfigError` naming the first bad key, ``recipe`` for an unknown
     recipe or one of another task.
     """
-    raw: dict[str, Any] = {}
+    raw: JsonObject = {}
     for layer in layers:
         layer.apply(raw)
     requested = raw.pop(RECIPE_KEY, None)
@@ -1010,7 +1010,7 @@ def _prefixes(key: str) -> set[str]:
     return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
-def config_layers(config: ExperimentConfig) -> dict[str, Any]:
+def config_layers(config: ExperimentConfig) -> JsonObject:
     """The config with each key's layer, as ``splitvit config`` shows it and MLflow's
     training, trial and study runs keep it (``config_layers.json``): the recipe, then
     ``key -> {value, layer}``."""
@@ -1099,12 +1099,12 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def apply_override(raw: dict[str, Any], item: str) -> None:
+def apply_override(raw: JsonObject, item: str) -> None:
     """Apply one ``dotted.key=value`` (:func:`parse_override`) to a raw config dict."""
     set_dotted(raw, *parse_override(item))
 
 
-def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(raw: JsonObject, key: str, value: Any) -> None:
     """Set a dotted, optionally indexed key (``train.lr``, ``model.thresholds[0]``) in a
     raw dict to a copy of ``value``, creating the sections on its way.
 
@@ -1137,7 +1137,7 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[last] = current
 
 
-def _parent_section(raw: dict[str, Any], parts: list[str], key: str) -> dict[str, Any]:
+def _parent_section(raw: JsonObject, parts: list[str], key: str) -> JsonObject:
     """The section of ``raw`` that holds the dotted key ``parts`` (all but the last
     part), created where missing; ``ConfigError`` where a part is a value."""
     node = raw
@@ -1480,7 +1480,7 @@ def resolve_base_config(base: Any, root: Path) -> Path:
 
 
 # ---------------------------------------------------------------------- flattening
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(data: JsonObject, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
     out: dict[str, Any] = {}
     for key, value in data.items():

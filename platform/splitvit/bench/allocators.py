@@ -119,7 +119,7 @@ def _rusage() -> dict[str, float]:
     }
 
 
-def train_in_this_process(spec: dict[str, Any]) -> dict[str, Any]:
+def train_in_this_process(spec: JsonObject) -> JsonObject:
     """A child's work: train ``spec``'s model (``spec["config"]``, a plain experiment
     dict) with ``fit_local`` at ``spec["threads"]`` torch threads; per epoch its images/s,
     token fraction, minor page faults and user/system CPU seconds; the peak RSS, and the

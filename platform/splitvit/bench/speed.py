@@ -72,13 +72,13 @@ class OperatingPoint:
     label: str | None = None  # None: ``point<index>``
 
 
-def without_unset_backbone(data: dict[str, Any]) -> dict[str, Any]:
+def without_unset_backbone(data: JsonObject) -> JsonObject:
     """``data`` without the ``backbone_*`` fields that are ``None`` (a classifier's:
     its JSON stays as it was before detectors were timed)."""
     return {k: v for k, v in data.items() if not (k.startswith("backbone_") and v is None)}
 
 
-def read_speed_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+def read_speed_fields(cls: type, data: JsonObject) -> JsonObject:
     """``cls``'s fields from ``data``: a missing key raises ``KeyError``, but for the
     ``backbone_*`` fields (a detector's alone), which default to ``None``."""
     return {f.name: data.get(f.name) if f.name.startswith("backbone_") else data[f.name] for f in fields(cls) if f.init}

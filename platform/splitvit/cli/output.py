@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..jsontypes import JsonObject
+
 #: the envelope's MLflow block; every key is there, None where the command has no such thing
 MLFLOW_KEYS = ("tracking_uri", "experiment_id", "run_id", "url")
 
 
-def write_json(path: str | None, payload: dict[str, Any]) -> None:
+def write_json(path: str | None, payload: JsonObject) -> None:
     """Write ``payload`` to ``path`` (no-op when ``path`` is None); commands hand their
     figures to :func:`emit` instead, which puts them in the envelope."""
     if path:
@@ -35,14 +37,14 @@ class Report:
     ``main`` creates it (``args.report``) and writes it as the envelope at the end."""
 
     command: str
-    payload: dict[str, Any] = field(default_factory=dict)  # the envelope's JSON, as the command built it
+    payload: JsonObject = field(default_factory=dict)  # the envelope's JSON, as the command built it
     mlflow: dict[str, str] = field(default_factory=dict)  # tracking_uri, experiment_id, run_id: those given
     error: str | None = None
 
 
 def emit(
     args: argparse.Namespace,
-    payload: dict[str, Any],
+    payload: JsonObject,
     *,
     tracking_uri: str | None = None,
     experiment_id: str | None = None,
@@ -103,7 +105,7 @@ def _mlflow_block(ids: dict[str, str | None]) -> dict[str, str | None]:
     return block
 
 
-def envelope(report: Report, code: int, wall_time_s: float) -> dict[str, Any]:
+def envelope(report: Report, code: int, wall_time_s: float) -> JsonObject:
     """The JSON every ``--json`` writes: ``command``, ``status`` (:func:`outcome`),
     ``error`` (None, or the one line printed after ``error:``), ``mlflow`` (the keys
     of :data:`MLFLOW_KEYS`, plus a command's own, e.g. the sweep's ``ui``),
@@ -159,7 +161,7 @@ def _fmt(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def frontier_table(points: list[dict[str, Any]], metric: str) -> None:
+def frontier_table(points: list[JsonObject], metric: str) -> None:
     """Frontier points as a table; a point with exact ties (same tokens, same quality,
     other thresholds) says how many, in ``ties`` (the JSON names them)."""
     params = list(dict.fromkeys(k for p in points for k in (p.get("params") or {})))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..jsontypes import JsonObject
 from .options import common_options
 from .output import emit, print_table, yaml_text
 
@@ -100,7 +101,7 @@ def _show(recipe: Recipe) -> None:
         )
 
 
-def _record(recipe: Recipe) -> dict[str, Any]:
+def _record(recipe: Recipe) -> JsonObject:
     """A recipe as the JSON envelope carries it."""
     evidence = asdict(recipe.evidence) if recipe.evidence else None
     return {

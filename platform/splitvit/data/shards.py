@@ -40,6 +40,7 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader, Dataset
 
+from ..jsontypes import JsonObject
 from ..storage import StorageError, delete_file, exists, filesystem_for, join_uri, list_files, makedirs, write_bytes
 from .coco import coco_entries
 from .coco_format import CocoAnnotation, CocoCategory, CocoDocument, CocoImage
@@ -71,7 +72,7 @@ class ShardFile:
         return {"file": self.file, "rows": self.rows, "bytes": self.bytes}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardFile:
+    def from_dict(cls, data: JsonObject) -> ShardFile:
         """A manifest's entry (:meth:`to_dict`)."""
         return cls(file=str(data["file"]), rows=int(data.get("rows", 0)), bytes=int(data.get("bytes", 0)))
 
@@ -102,7 +103,7 @@ class ShardManifest:
     ground_truth: str | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardManifest:
+    def from_dict(cls, data: JsonObject) -> ShardManifest:
         """The manifest from its JSON (keys it lacks stay ``None``; others are left out)."""
         size = data.get("image_size")
         return cls(
@@ -132,9 +133,9 @@ class ShardWriteResult:
     task: str
     columns: list[str]
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)  # the metadata given: any JSON-able facts
+    extra: JsonObject = field(default_factory=dict)  # the metadata given: any JSON-able facts
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         """The result as ``splitvit data prepare --json`` reports it."""
         return {**self.__dict__, "shards": [s.to_dict() for s in self.shards]}
 
@@ -318,7 +319,7 @@ def write_shards(
     limit: int | None = None,
     strict: bool = False,
     overwrite: bool = False,
-    metadata: dict[str, Any] | None = None,
+    metadata: JsonObject | None = None,
     num_workers: int = 0,
     progress: bool = False,
 ) -> ShardWriteResult:
@@ -541,7 +542,7 @@ def _remove_replaced(stale: list[str], written: list[str]) -> None:
 
 
 def _write_manifest(
-    writer: _ShardWriter, dataset: Dataset, skipped_files: list[str], metadata: dict[str, Any] | None
+    writer: _ShardWriter, dataset: Dataset, skipped_files: list[str], metadata: JsonObject | None
 ) -> str:
     """Write ``_manifest.json`` (written last: its presence means the set is complete); returns its URI."""
     columns = writer.columns

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 from ..config import LEGACY_KEYS, ConfigError, PolicyConfig, build_dataclass
+from ..jsontypes import JsonObject
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,7 @@ class TrainingFacts(TypedDict, total=False):
 
     epoch: int
     metrics: dict[str, float]
-    config: dict[str, Any]  # ExperimentConfig.to_dict: the config file's own shape
+    config: JsonObject  # ExperimentConfig.to_dict: the config file's own shape
 
 
 class CheckpointPayload(TrainingFacts, total=False):
@@ -54,7 +55,7 @@ class CheckpointPayload(TrainingFacts, total=False):
     ``data_config`` (older checkpoints lack it); a detector's also ``kind``
     (``"detector"``) and its constructor's arguments (``detector``)."""
 
-    spec: Required[dict[str, Any]]  # ModelSpec.to_dict, as written (old checkpoints: older keys)
+    spec: Required[JsonObject]  # ModelSpec.to_dict, as written (old checkpoints: older keys)
     state_dict: Required[dict[str, torch.Tensor]]
     data_config: DataConfig
     kind: str
@@ -99,7 +100,7 @@ class ModelSpec:
         given = {name: getattr(self, name) for name in SPEC_OPTIONS}
         return {name: value for name, value in given.items() if value is not None}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The mapping a checkpoint holds (``payload["spec"]``): the keys and their order as ever."""
         return {
             "name": self.name,
@@ -113,7 +114,7 @@ class ModelSpec:
         }
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelSpec:
+    def from_dict(cls, raw: JsonObject) -> ModelSpec:
         """A checkpoint's spec (an old one's flat policy keys too, :func:`upgrade_spec`).
         ``TypeError`` for a key no SplitViT takes (or a missing ``name`` or ``levels``),
         ``ValueError`` for a bad policy setting."""
@@ -125,7 +126,7 @@ class ModelSpec:
         return cls(**{**spec, "policy": policy_settings(spec["policy"])})
 
 
-def policy_settings(policy: PolicyConfig | dict[str, Any] | str) -> PolicyConfig:
+def policy_settings(policy: PolicyConfig | JsonObject | str) -> PolicyConfig:
     """The policy's settings from a :class:`~splitvit.config.PolicyConfig`, a mapping of
     its fields (a spec's), or a policy's name (the rest at their defaults); ``ValueError``
     for an unknown name, field or value."""
@@ -150,7 +151,7 @@ _LEGACY_SPEC_KEYS = {
 }
 
 
-def upgrade_spec(spec: dict[str, Any]) -> dict[str, Any]:
+def upgrade_spec(spec: JsonObject) -> JsonObject:
     """A saved spec with its policy's settings as one mapping (``policy: {kind, depth,
     ...}``): an old checkpoint's spec had a name (``policy: learned``) and flat keys
     (``policy_depth: 1``, ``budget_conditioned: true``...), mapped here by the config's

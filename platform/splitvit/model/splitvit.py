@@ -51,6 +51,7 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
 from ..config import PolicyConfig
+from ..jsontypes import JsonObject
 from .aggregation import FineAggregation
 from .heads import DenseHead, masked_pool
 from .names import INPUT_NORMALIZATIONS, POLICY_NAMES, TASKS
@@ -250,7 +251,7 @@ class SplitViT(nn.Module):
         vit: VisionTransformer,
         *,
         levels: int,
-        policy: PolicyConfig | dict[str, Any] | str = "learned",
+        policy: PolicyConfig | JsonObject | str = "learned",
         image_size: int | tuple[int, int] | None = None,
         thresholds: float | list[float] = 0.5,
         task: str = "classification",
@@ -340,7 +341,7 @@ class SplitViT(nn.Module):
         model_or_name: VisionTransformer | str,
         *,
         levels: int,
-        policy: PolicyConfig | dict[str, Any] | str = "learned",
+        policy: PolicyConfig | JsonObject | str = "learned",
         pretrained: bool = False,
         checkpoint_path: str | Path | None = None,
         image_size: int | None = None,

@@ -357,7 +357,7 @@ class GoalVerdicts:
 
     def to_dict(self) -> JsonObject:
         """As in the study's JSON: only the goals measured."""
-        data: dict[str, Any] = {}
+        data: JsonObject = {}
         if self.full_quality is not None:
             data[f"full_{self.metric}"] = self.full_quality
         if self.match is not None:

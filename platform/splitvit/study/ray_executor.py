@@ -14,11 +14,9 @@ from typing import Any
 
 from ..errors import error_line
 from ..storage import join_uri
-from ..train.console import Progress, ray_console, tune_verbosity
+from ..train.console import ray_console, tune_verbosity
 from .execute import StudyResult, execute_study, study_name
 from .runs import (
-    BackboneRun,
-    MethodRun,
     RayTrainer,
     RunFailure,
     RunOutcome,
@@ -53,81 +51,13 @@ def method_trial(config: dict[str, Any], spec: StudySpec, storage: str, backbone
     tune.report({"done": 1, "result": json.dumps(result.to_dict(), default=float)})
 
 
-def _run_label(run: RunRequest) -> str:
-    """A run by its parameters: ``method=split seed=1``."""
-    return " ".join(f"{k}={v}" for k, v in sorted(run.to_dict().items()))
-
-
-def _run_outcome(run: RunOutcome, metric: str) -> str:
-    """A finished run's objectives in a few words: quality and tokens per point."""
-    if isinstance(run, MethodRun) and run.points:
-        return "; ".join(
-            f"{p.target_ratio if p.target_ratio is not None else 'full'}: "
-            f"{metric} {p.quality:.4f} at {p.tokens_per_image:.1f} tokens/image"
-            for p in run.points
-        )
-    metrics = run.metrics if isinstance(run, BackboneRun) else {}
-    return f"{metric} {metrics[metric]:.4f}" if metric in metrics else "trained"
-
-
-def _grid_callback(total: int, stage: str, metric: str) -> Any:
-    """The study's console for one Tune grid: a line when a run starts and when it
-    ends (with its objectives), and a bar over the runs on a terminal."""
-    from ray import tune
-
-    class GridProgress(tune.Callback):
-        def __init__(self) -> None:
-            self.progress = Progress(f"{stage} runs", total)
-            self.ended = 0
-
-        def on_trial_start(self, iteration, trials, trial, **info):
-            self.progress.log(log, logging.INFO, "%s run %s started", stage, _trial_label(trial))
-
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            self.ended += 1
-            raw = (trial.last_result or {}).get("result")
-            try:
-                outcome = _run_outcome(outcome_from_dict(json.loads(raw)), metric) if raw else "no result"
-            except (TypeError, ValueError, KeyError):  # not a run's JSON
-                outcome = "no result"
-            self.progress.log(
-                log,
-                logging.INFO,
-                "%s run %s finished (%d/%d): %s",
-                stage,
-                _trial_label(trial),
-                self.ended,
-                total,
-                outcome,
-            )
-            self.progress.update(self.ended)
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            self.ended += 1
-            self.progress.log(
-                log,
-                logging.WARNING,
-                "%s run %s failed (%d/%d)",
-                stage,
-                _trial_label(trial),
-                self.ended,
-                total,
-            )
-            self.progress.update(self.ended)
-
-    return GridProgress()
-
-
-def _trial_label(trial: Any) -> str:
-    """A Tune trial's run by its parameters (:func:`_run_label`)."""
-    return _run_label(RunRequest.from_dict(trial.config[RUN_KEY]))
-
-
 def _tune_grid(trainable, runs: list[RunRequest], spec: StudySpec, storage: str, name: str) -> list[RunOutcome]:
     """Run one Tune grid, a trial for each of ``runs`` (its parameters in the trial's
     config under ``"run"``); returns each run's outcome in order, read from the JSON its
     trial reported (a :class:`RunFailure` with its cause's line for a failed one)."""
     from ray import tune
+
+    from .callback import GridProgress
 
     trainable = tune.with_resources(trainable, dict(spec.trial_resources))
     total = len(runs)
@@ -140,7 +70,7 @@ def _tune_grid(trainable, runs: list[RunRequest], spec: StudySpec, storage: str,
             name=name,
             storage_path=storage,
             failure_config=tune.FailureConfig(max_failures=0),
-            callbacks=[_grid_callback(total, stage, spec.metric)],
+            callbacks=[GridProgress(total, stage, spec.metric, RUN_KEY)],
             # Ray's per-trial boxes and status tables off (the callback prints a line per
             # run instead); back with -v
             verbose=tune_verbosity(),
@@ -166,10 +96,10 @@ def _tune_grid(trainable, runs: list[RunRequest], spec: StudySpec, storage: str,
             message = error_line(result.error)
             log.error("trial %s failed: %s", run.to_dict(), message)
             log.debug("trial %s: %s", run.to_dict(), result.error)
-            by_run[_run_label(run)] = RunFailure(run, message)
+            by_run[run.label] = RunFailure(run, message)
         else:
-            by_run[_run_label(run)] = outcome_from_dict(json.loads(result.metrics["result"]))
-    return [by_run[_run_label(run)] for run in runs]
+            by_run[run.label] = outcome_from_dict(json.loads(result.metrics["result"]))
+    return [by_run[run.label] for run in runs]
 
 
 @dataclass

@@ -53,6 +53,11 @@ class RunRequest:
         """Its folder's name (:func:`run_name`)."""
         return run_name(self.seed, self.method)
 
+    @property
+    def label(self) -> str:
+        """The run by its parameters, for the console: ``method=split seed=1``."""
+        return " ".join(f"{k}={v}" for k, v in sorted(self.to_dict().items()))
+
     def to_dict(self) -> JsonObject:
         """``{"seed": ...}``, with ``"method"`` for a method run (a Tune trial's parameters)."""
         return {"seed": self.seed} if self.method is None else {"seed": self.seed, "method": self.method}

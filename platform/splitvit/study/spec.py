@@ -48,6 +48,7 @@ from ..config import (
     upgrade_dotted,
     upgrade_keys,
 )
+from ..jsontypes import JsonObject
 from ..model.names import POLICY_NAMES
 
 #: a method entry's list of its recipe's keys to leave at the library's defaults
@@ -100,7 +101,7 @@ class MethodEntry:
 
     #: as checked: dotted config keys, among them ``model.policy.kind`` and maybe
     #: ``recipe``, and ``without`` (the recipe's keys it leaves at the library's defaults)
-    settings: dict[str, Any]
+    settings: JsonObject
 
     @property
     def policy(self) -> str:
@@ -125,12 +126,12 @@ class StudySpec:
 
     source: str
     base: Path
-    base_raw: dict[str, Any]  # the base experiment config as read (read once)
+    base_raw: JsonObject  # the base experiment config as read (read once)
     description: str
     seeds: list[int]
-    config: dict[str, Any]
-    backbone: dict[str, Any]
-    method: dict[str, Any]
+    config: JsonObject
+    backbone: JsonObject
+    method: JsonObject
     methods: dict[str, MethodEntry]
     ratios: list[float]
     split: str = "test"
@@ -146,8 +147,8 @@ class StudySpec:
     speed_max_points: int | None = 24  # operating points timed side by side (spread over each method's ratios)
     experiment: str = "study"
     scale: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)  # command-line settings: win over every section
-    fixed: dict[str, Any] = field(default_factory=dict)  # set by the study itself (the canvas cache)
+    overrides: JsonObject = field(default_factory=dict)  # command-line settings: win over every section
+    fixed: JsonObject = field(default_factory=dict)  # set by the study itself (the canvas cache)
 
     def run_config(
         self,
@@ -235,7 +236,7 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _merge(raw: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def _merge(raw: JsonObject, extra: JsonObject) -> JsonObject:
     """``extra`` (a ``scales`` entry) over ``raw``: a section's keys are replaced one by
     one (the sections are flat: dotted config keys, evaluation settings...)."""
     out = copy.deepcopy(raw)
@@ -247,7 +248,7 @@ def _merge(raw: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _section(raw: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+def _section(raw: JsonObject, key: str, source: str) -> JsonObject:
     value = raw.get(key) or {}
     if not isinstance(value, dict):
         raise study_file_error(source, key, f"must be a mapping, got {type(value).__name__}")
@@ -269,7 +270,7 @@ _SPEED = {
 }
 
 
-def _speed_section(raw: dict[str, Any], source: str) -> dict[str, int | bool | None]:
+def _speed_section(raw: JsonObject, source: str) -> dict[str, int | bool | None]:
     """The ``speed`` section, checked: ``enabled`` (time anything at all), ``batch_size``,
     ``rounds``, ``warmup`` and ``max_points`` (``null``: every operating point)."""
     section = _section(raw, "speed", source)
@@ -295,7 +296,7 @@ def _speed_section(raw: dict[str, Any], source: str) -> dict[str, int | bool | N
     return out
 
 
-def _goals(raw: dict[str, Any], source: str) -> Goals:
+def _goals(raw: JsonObject, source: str) -> Goals:
     """The ``goals`` section, checked: ratios in ``(0, 1]``, points and epochs in range;
     an unknown key or a bad value is one error naming ``goals.<key>``."""
     section = _section(raw, "goals", source)
@@ -418,7 +419,7 @@ def _load_study(
     return spec
 
 
-def _read_file(path: Path, scale: str | None) -> dict[str, Any]:
+def _read_file(path: Path, scale: str | None) -> JsonObject:
     """The study file as a mapping of known keys, its ``scales.<scale>`` merged over it."""
     source = str(path)
     if not path.is_file():
@@ -439,7 +440,7 @@ def _read_file(path: Path, scale: str | None) -> dict[str, Any]:
     return raw
 
 
-def _levers_file(path: Path, source: str) -> dict[str, Any]:
+def _levers_file(path: Path, source: str) -> JsonObject:
     """``levers: FILE``: the levers kept in a file of their own beside the study (an
     ablation that outgrew it), a mapping of entries as ``levers:`` holds."""
     if not path.is_file():
@@ -453,7 +454,7 @@ def _levers_file(path: Path, source: str) -> dict[str, Any]:
     return levers
 
 
-def _seeds(raw: dict[str, Any], source: str) -> list[int]:
+def _seeds(raw: JsonObject, source: str) -> list[int]:
     """The ``seeds``: distinct non-negative integers (default ``[0]``)."""
     seeds = raw.get("seeds") or [0]
     if (
@@ -465,7 +466,7 @@ def _seeds(raw: dict[str, Any], source: str) -> list[int]:
     return list(seeds)
 
 
-def _methods(raw: dict[str, Any], source: str, names: list[str] | None) -> dict[str, MethodEntry]:
+def _methods(raw: JsonObject, source: str, names: list[str] | None) -> dict[str, MethodEntry]:
     """The methods to run: the headline (``methods``), or those of ``methods`` and
     ``levers`` that ``names`` (``--methods``) picks, in the file's order; each needs a
     policy, and among them a ``full`` and a ``learned`` one."""
@@ -525,7 +526,7 @@ def _entry(name: str, settings: Any, section: str, source: str) -> MethodEntry:
     return MethodEntry(entry)
 
 
-def _ratios(evaluation: dict[str, Any], source: str) -> list[float]:
+def _ratios(evaluation: JsonObject, source: str) -> list[float]:
     """The evaluation's token ratios, ascending: each in ``(0, 1]``."""
     ratios = evaluation.get("ratios") or [0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6]
     if not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
@@ -533,9 +534,9 @@ def _ratios(evaluation: dict[str, Any], source: str) -> list[float]:
     return sorted(float(r) for r in ratios)
 
 
-def _settings(overrides: list[str] | None) -> dict[str, Any]:
+def _settings(overrides: list[str] | None) -> JsonObject:
     """Command-line ``key=value`` settings, each value read as YAML."""
-    settings: dict[str, Any] = {}
+    settings: JsonObject = {}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import REDACTED, DataConfig, flatten, is_secret_key, redact_secrets, redact_uri, upgrade_flat
+from ..jsontypes import JsonObject
 from .provenance import provenance_tags
 
 log = logging.getLogger(__name__)
@@ -350,7 +351,7 @@ class RunTracker:
         """Log a PIL image as a PNG artifact (e.g. ``split_maps/epoch_0003.png``)."""
         mlflow_client(self.tracking_uri).log_image(self.run_id, image, artifact_file=artifact_file)
 
-    def log_dict(self, data: dict[str, Any], artifact_file: str) -> None:
+    def log_dict(self, data: JsonObject, artifact_file: str) -> None:
         """Log a JSON artifact."""
         mlflow_client(self.tracking_uri).log_dict(self.run_id, data, artifact_file)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -234,14 +235,10 @@ def local_ray_start() -> Iterator[None]:
     saved = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER, services.ConsolePopen
     base = saved[2]
 
-    class OwnSession(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.setdefault("start_new_session", True)
-            super().__init__(*args, **kwargs)
-
     os.environ[LOOPBACK_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
-    services.ConsolePopen = OwnSession
+    # Ray starts its processes by calling ConsolePopen; a caller's own start_new_session wins
+    services.ConsolePopen = functools.partial(base, start_new_session=True)
     try:
         yield
     finally:

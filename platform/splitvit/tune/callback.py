@@ -16,6 +16,7 @@ from typing import Any
 from ray import tune
 
 from ..config import config_layers
+from ..jsontypes import JsonObject
 from ..train.console import Progress
 from .mlflow_records import SweepRecorder
 from .outcomes import trial_config_params, trial_data
@@ -127,7 +128,7 @@ class SweepCallback(tune.Callback):
         self.progress.update(done)
         self._safe(f"trial {trial.trial_id}", self._record_completed, trial, final)
 
-    def _record_completed(self, trial, report: dict[str, Any]) -> None:
+    def _record_completed(self, trial, report: JsonObject) -> None:
         """The finished trial's run, from its final report."""
         space = self.plan.space
         self.recorder.trial_completed(

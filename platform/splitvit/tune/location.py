@@ -12,9 +12,9 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from ..config import ExperimentConfig, upgrade_flat, upgrade_sections
+from ..jsontypes import JsonObject
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
 from .space import SearchSpace, StageTwoSettings, load_space
 from .state import SweepError
@@ -57,7 +57,7 @@ def sweep_location(space: SearchSpace, base: ExperimentConfig, name: str | None,
     return name, sweep_dir
 
 
-def _upgrade_plan(stored: dict[str, Any]) -> dict[str, Any]:
+def _upgrade_plan(stored: JsonObject) -> JsonObject:
     """A saved plan's space with its settings' old key names (:data:`~splitvit.config.LEGACY_KEYS`)
     under the new ones: its parameters, fixed values and initial points."""
     stored = dict(stored)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import DataConfig, redact_uri
+from ..jsontypes import JsonObject
 from ..tracking import RunTracker
 from ..tracking.runs import (
     KIND_TAG,
@@ -256,7 +257,7 @@ def frontier_filter(sweep_run_id: str | None = None) -> str:
     return where + (f" and tags.`{SWEEP_TAG}` = '{sweep_run_id}'" if sweep_run_id else "")
 
 
-def frontier_view(metric: str, sweep_run_id: str) -> dict[str, Any]:
+def frontier_view(metric: str, sweep_run_id: str) -> JsonObject:
     """A runs view of a sweep's frontier as MLflow's UI saves a shared view (the state
     behind its *Share* button, kept in the experiment tag ``mlflow.sharedViewState.<key>``):
     the frontier filter, ordered by ``metric`` (a search not ordered by start time lists
@@ -461,7 +462,7 @@ class SweepRecorder:
             closed.append(run.info.run_id)
         return closed
 
-    def trial_epoch(self, trial_id: str, run_uri: str, result: dict[str, Any]) -> None:
+    def trial_epoch(self, trial_id: str, run_uri: str, result: JsonObject) -> None:
         """Log one reported epoch on the trial's run (each epoch once)."""
         run = self.find_run(run_uri)
         if run is None or "epoch" not in result:
@@ -1022,7 +1023,7 @@ def _short_path(path: str) -> str:
     return f"{p.parent.name}/{p.name}" if p.parent.name else p.name
 
 
-def search_space_document(space: SearchSpace) -> dict[str, Any]:
+def search_space_document(space: SearchSpace) -> JsonObject:
     """The space as its YAML file writes it, with every default and ``--set`` override
     filled in: :func:`~splitvit.tune.space.space_from_dict` loads it back to the same
     space (``base`` is the resolved path of the base config)."""

@@ -11,8 +11,9 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..jsontypes import JsonObject
 from ..storage import is_s3
 from .pareto import Baseline, Point
 from .space import ConfigValue, SearchSpace
@@ -97,7 +98,7 @@ def collect(grid, space: SearchSpace, sweep_dir: str) -> tuple[list[TrialSummary
     return sorted(trials, key=lambda t: t.trial_id), finals
 
 
-def _sampled_config(result) -> dict[str, Any]:
+def _sampled_config(result) -> JsonObject:
     """A trial's sampled values: Tune's Result has them only with a reported result,
     so a trial that failed before reporting is read from its ``params.json``."""
     if result.config:

@@ -543,7 +543,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, *, settings
 
 
 def space_from_dict(
-    raw: dict[str, Any],
+    raw: JsonObject,
     *,
     source: str = "<dict>",
     root: str | Path = ".",
@@ -646,7 +646,7 @@ def _did_you_mean(key: Any, known: tuple[str, ...] | list[str]) -> str:
     return f"; did you mean {close[0]}?" if close else f"; expected one of {', '.join(known)}"
 
 
-def _apply_space_override(raw: dict[str, Any], item: str, source: str) -> None:
+def _apply_space_override(raw: JsonObject, item: str, source: str) -> None:
     """One ``--set key=value``: a config key fixes that value, any other key sets the space's own settings."""
     try:
         key, value = parse_override(item)
@@ -701,7 +701,7 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _parameter(name: str, spec: dict[str, Any], source: str) -> Parameter:
+def _parameter(name: str, spec: JsonObject, source: str) -> Parameter:
     key = f"parameters.{name}"
     dist = spec.get("distribution")
     if dist not in DISTRIBUTIONS:
@@ -765,7 +765,7 @@ def _settings(cls: type, raw: Any, section: str, source: str) -> Any:
         raise SearchSpaceError(source, exc.key, exc.reason) from None
 
 
-def _reference_dict(reference: ReferenceSettings) -> dict[str, Any] | None:
+def _reference_dict(reference: ReferenceSettings) -> JsonObject | None:
     """The ``reference:`` section as a file writes it (what :func:`_reference` reads back):
     ``None`` without a reference; the seed only beside a study."""
     if not reference.enabled:

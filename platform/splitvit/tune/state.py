@@ -7,7 +7,7 @@ baselines).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..config import ExperimentConfig, redact_uri
 from ..jsontypes import JsonObject
@@ -157,7 +157,7 @@ class SweepResult:
             **self._added(),
         }
 
-    def _added(self) -> dict[str, Any]:
+    def _added(self) -> JsonObject:
         """The JSON of what the closing and the artifacts added, those made, in the order they are made."""
         added = {
             "validation_images": self.validation_images,

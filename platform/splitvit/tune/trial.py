@@ -86,7 +86,7 @@ class ThresholdPoint:
     def to_dict(self, metric: str) -> JsonObject:
         """The report's row: the quality under ``metric``, the companions, then the figures
         (``images_per_s``, ``target_ratio`` and ``images`` where known)."""
-        row: dict[str, Any] = {
+        row: JsonObject = {
             metric: self.quality,
             **self.companions,
             "tokens_per_image": self.tokens_per_image,
@@ -264,7 +264,7 @@ class TrialFinal:
     images: int | None = None  # the validation images its figures were measured on (None: not reported)
 
     @classmethod
-    def from_report(cls, report: dict[str, Any], metric: str, companions: tuple[str, ...] = ()) -> TrialFinal:
+    def from_report(cls, report: JsonObject, metric: str, companions: tuple[str, ...] = ()) -> TrialFinal:
         """A trial's final report (what :func:`sweep_trial` reported to Tune) read back."""
         return cls(
             quality=report[metric],
@@ -293,7 +293,7 @@ class TrialFinal:
         }
 
 
-def threshold_points(final: dict[str, Any], metric: str) -> list[ThresholdPoint]:
+def threshold_points(final: JsonObject, metric: str) -> list[ThresholdPoint]:
     """The stage-two points of a trial's final result (stored as JSON text), its quality ``metric``'s."""
     points = final.get("threshold_points") or []
     rows = json.loads(points) if isinstance(points, str) else list(points)
