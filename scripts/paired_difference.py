@@ -37,17 +37,23 @@ def parse_point(text: str) -> tuple[str, list[float]]:
     return checkpoint, thresholds
 
 
-def correct_per_image(checkpoint: str, thresholds: list[float], split: str, samples: int | None):
-    """Per image, 1 where the checkpoint's class at ``thresholds`` is right, else 0 (an
-    int8 tensor), and the mean token ratio."""
-    import torch
-
+def classifier(checkpoint: str, split: str, samples: int | None):
+    """The checkpoint's evaluator on ``split`` (model and data loaded, nothing
+    evaluated); refuses a model that is not a classifier."""
     from splitvit.train.evaluation import CheckpointEvaluator
 
     evaluator = CheckpointEvaluator(checkpoint, split=split, samples=samples, cache=False)
     task = getattr(evaluator.model, "task", "detection")
     if task != "classification":
         raise SystemExit(f"paired_difference: {checkpoint} is a {task} model; accuracy needs a classifier")
+    return evaluator
+
+
+def correct_per_image(evaluator, thresholds: list[float]):
+    """Per image, 1 where the evaluator's class at ``thresholds`` is right, else 0 (an
+    int8 tensor), and the mean token ratio."""
+    import torch
+
     correct, tokens, full = [], 0.0, 0
     with torch.no_grad():
         for images, labels, *_ in evaluator.batches():
@@ -84,11 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     (ckpt_a, taus_a), (ckpt_b, taus_b) = parse_point(args.a), parse_point(args.b)
-    a, ratio_a = correct_per_image(ckpt_a, taus_a, args.split, args.samples)
-    b, ratio_b = correct_per_image(ckpt_b, taus_b, args.split, args.samples)
-    if a.numel() != b.numel():
-        sizes = f"{a.numel()} vs {b.numel()}"
+    # both models and splits first: the images must be the same ones before any is evaluated
+    evaluator_a = classifier(ckpt_a, args.split, args.samples)
+    evaluator_b = evaluator_a if ckpt_b == ckpt_a else classifier(ckpt_b, args.split, args.samples)
+    if len(evaluator_a.dataset) != len(evaluator_b.dataset):
+        sizes = f"{len(evaluator_a.dataset)} vs {len(evaluator_b.dataset)} images"
         raise SystemExit(f"paired_difference: the two checkpoints' {args.split} splits differ ({sizes})")
+    a, ratio_a = correct_per_image(evaluator_a, taus_a)
+    b, ratio_b = correct_per_image(evaluator_b, taus_b)
     result = {"split": args.split, "token_ratio_a": ratio_a, "token_ratio_b": ratio_b, **paired(a, b)}
     print(f"{result['images']} {args.split} images")
     print(f"A {args.a}: accuracy {result['accuracy_a']:.4f} at {ratio_a:.2%} of the tokens")

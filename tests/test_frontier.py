@@ -107,20 +107,21 @@ def test_frontier_from_mlflow_reads_the_latest_sweep_unless_asked_for_all(tmp_pa
     time.sleep(0.01)  # start times are in milliseconds: the second sweep is the later one
     second = _recorded_sweep(uri, tmp_path, "second", [(0.7, 4.0), (0.6, 6.0)])
 
-    latest = frontier_from_mlflow("sweeps", uri)
+    latest = frontier_from_mlflow("sweeps", uri).to_dict()  # `splitvit pareto --json`
     assert latest["sweeps"] == [second]
     assert latest["sweep_names"] == {second: "second"}
     assert sorted(p["accuracy"] for p in latest["points"]) == [0.6, 0.7]
     assert [p["accuracy"] for p in latest["frontier"]] == [0.7]
 
-    merged = frontier_from_mlflow("sweeps", uri, all_sweeps=True)
+    merged = frontier_from_mlflow("sweeps", uri, all_sweeps=True).to_dict()
     assert sorted(merged["sweeps"]) == sorted([first, second])
     assert sorted(p["accuracy"] for p in merged["points"]) == [0.6, 0.7, 0.9]
     assert [p["accuracy"] for p in merged["frontier"]] == [0.7, 0.9]
     assert merged["hypervolume"] > latest["hypervolume"]
 
     one = frontier_from_mlflow("sweeps", uri, first)
-    assert one["sweeps"] == [first] and [p["accuracy"] for p in one["points"]] == [0.9]
+    assert one.sweeps == [first] and [p.quality for p in one.points] == [0.9]
+    assert [p.quality for p in one.frontier] == [0.9] and one.baselines == []
     assert latest["speed"] == [] and latest["reference_point"] == {"quality": 0.0, "token_ratio": 1.0}
 
     # a sweep that timed its frontier says where and how, its figures after the names
@@ -131,7 +132,7 @@ def test_frontier_from_mlflow_reads_the_latest_sweep_unless_asked_for_all(tmp_pa
     MlflowClient(uri).set_tag(second, SPEED_DEVICE_TAG, "cpu")
     MlflowClient(uri).set_tag(second, SPEED_TIMING_TAG, "batch 32")
     MlflowClient(uri).log_metric(second, "speedup_max", 2.5)
-    timed = frontier_from_mlflow("sweeps", uri, all_sweeps=True)["speed"]
+    timed = frontier_from_mlflow("sweeps", uri, all_sweeps=True).to_dict()["speed"]
     assert timed == [{"sweep": second, "device": "cpu", "timing": "batch 32", "speedup_max": 2.5}]
     assert list(timed[0]) == ["sweep", "device", "timing", "speedup_max"]
 
@@ -165,6 +166,7 @@ def test_the_frontier_plot_keeps_its_legend_off_the_data(tmp_path):
 
     from splitvit.tune.pareto import Baseline, Point, annotate
     from splitvit.tune.plot import pareto_figure, save_frontier_plot
+    from splitvit.tune.read_back import FrontierReadBack
 
     points = [Point(q, t, t / 16, "trial", f"t{i}") for i, (q, t) in enumerate([(0.5, 2.0), (0.8, 8.0), (0.9, 15.0)])]
     baselines = [
@@ -182,16 +184,20 @@ def test_the_frontier_plot_keeps_its_legend_off_the_data(tmp_path):
     finally:
         plt.close(fig)
 
-    data = {
-        "experiment": "sweeps",
-        "sweeps": ["abc"],
-        "sweep_names": {"abc": "first"},
-        "metric": "accuracy",
-        "hypervolume": hv,
-        "points": [p.to_dict("accuracy") for p in points],
-        "baselines": [b.to_dict("accuracy") for b in baselines],
-    }
-    out = save_frontier_plot(data, tmp_path / "plots" / "frontier.png")
+    read = FrontierReadBack(
+        experiment="sweeps",
+        experiment_id="1",
+        tracking_uri="sqlite:///mlflow.db",
+        sweeps=["abc"],
+        sweep_names={"abc": "first"},
+        metric="accuracy",
+        hypervolume=hv,
+        reference_point=(0.0, 1.0),
+        points=points,
+        baselines=baselines,
+        speed=[],
+    )
+    out = save_frontier_plot(read, tmp_path / "plots" / "frontier.png")
     assert out == tmp_path / "plots" / "frontier.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

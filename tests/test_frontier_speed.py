@@ -402,7 +402,8 @@ def test_paired_difference_compares_two_points_image_by_image(tmp_path):
     """``scripts/paired_difference.py``: each point's accuracy and token ratio are its
     evaluation's; the difference is theirs, with the paired standard error of the
     per-image difference; a point against itself differs by nothing; a point without
-    thresholds is one line naming it."""
+    thresholds, a model that is not a classifier and two splits of different images are
+    each one line naming the problem."""
     import math
     import subprocess
     import sys
@@ -450,3 +451,14 @@ def test_paired_difference_compares_two_points_image_by_image(tmp_path):
         [sys.executable, str(script), f"{tmp_path / 'dense'}:0.5", fine], cwd=ROOT, capture_output=True, text=True
     )
     assert refused.returncode != 0 and "is a dense model; accuracy needs a classifier" in refused.stderr
+    # two checkpoints whose splits hold different images cannot be paired: refused in one line
+    (tmp_path / "fewer").mkdir()
+    payload["config"]["data"]["options"]["val_samples"] = 12
+    torch.save(payload, tmp_path / "fewer" / "model.pt")
+    differ = subprocess.run(
+        [sys.executable, str(script), f"{tmp_path / 'fewer'}:0.5", fine, "--split", "val"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert differ.returncode != 0 and "the two checkpoints' val splits differ (12 vs 16 images)" in differ.stderr

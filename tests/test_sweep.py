@@ -422,8 +422,10 @@ def test_sweep_records_trials_points_and_frontier_in_mlflow(sweep, tmp_path):
     from splitvit.tune.plot import save_frontier_plot
 
     read = frontier_from_mlflow("sweep-e2e", sweep["uri"])
-    assert read["sweeps"] == [parent.info.run_id] and read["sweep_names"] == {parent.info.run_id: "e2e"}
-    assert sorted(b["baseline"] for b in read["baselines"]) == ["entropy", "full", "random"]
+    assert read.sweeps == [parent.info.run_id] and read.sweep_names == {parent.info.run_id: "e2e"}
+    assert sorted(b.baseline for b in read.baselines) == ["entropy", "full", "random"]
+    # the record is what `splitvit pareto --json` wrote
+    assert {p.run_id for p in read.frontier} == frontier_ids and read.hypervolume == pytest.approx(hv)
     drawn = save_frontier_plot(read, tmp_path / "read" / "frontier.png")
     assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from .options import checked_tracking_uri, common_options
 from .output import emit, frontier_table
@@ -36,21 +35,21 @@ def run(args: argparse.Namespace) -> int:
     checked_tracking_uri(args)  # a server that does not answer: one line in seconds, not minutes of retries
     from ..tune import frontier_from_mlflow
 
-    data = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep, all_sweeps=args.all_sweeps)
-    metric = data["metric"]
+    read = frontier_from_mlflow(args.experiment, args.tracking_uri, args.sweep, all_sweeps=args.all_sweeps)
+    data = read.to_dict()
     print(
-        f"experiment {data['experiment']!r} (id {data['experiment_id']}, {data['tracking_uri']}): "
-        f"{len(data['sweeps'])} sweep(s), {len(data['points'])} points, {len(data['frontier'])} on the frontier, "
-        f"hypervolume {data['hypervolume']:.4f}"
+        f"experiment {read.experiment!r} (id {read.experiment_id}, {read.tracking_uri}): "
+        f"{len(read.sweeps)} sweep(s), {len(read.points)} points, {len(data['frontier'])} on the frontier, "
+        f"hypervolume {read.hypervolume:.4f}"
     )
     if data["frontier"]:
-        frontier_table(data["frontier"], metric)
-        for speed in data.get("speed") or []:
+        frontier_table(data["frontier"], read.metric)
+        for speed in read.speed:
             print(
-                f"speed-up: measured against the full-resolution model in the same run, on {speed['device']} "
-                f"({speed['timing']}; sweep run {speed['sweep']})"
+                f"speed-up: measured against the full-resolution model in the same run, on {speed.device} "
+                f"({speed.timing}; sweep run {speed.sweep})"
             )
-        if not any((p.get("extras") or {}).get("speedup_vs_full") is not None for p in data["frontier"]):
+        if not any(p.extras.get("speedup_vs_full") is not None for p in read.frontier):
             print(
                 "speed-up: not recorded: the sweep(s) did not time their frontier (sweeps before frontier timing, "
                 "or speed.enabled: false)"
@@ -58,22 +57,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from ..tune.plot import save_frontier_plot
 
-        data["plot"] = str(save_frontier_plot(data, args.plot))
+        data["plot"] = str(save_frontier_plot(read, args.plot))
         print(f"plot: {data['plot']}")
-    sweeps = data.get("sweeps") or []
     emit(
         args,
         data,
-        tracking_uri=data.get("tracking_uri"),
-        experiment_id=data.get("experiment_id"),
+        tracking_uri=read.tracking_uri,
+        experiment_id=read.experiment_id,
         # one sweep read: its parent run; several merged: no single run
-        run_id=_sweep_run_id(sweeps[0]) if len(sweeps) == 1 else None,
+        run_id=read.sweeps[0] if len(read.sweeps) == 1 else None,
     )
     return 0
-
-
-def _sweep_run_id(sweep: Any) -> str | None:
-    """A sweep entry of :func:`frontier_from_mlflow`: its parent run id (an id, or a dict holding one)."""
-    if isinstance(sweep, dict):
-        return sweep.get("run_id") or sweep.get("parent_run_id")
-    return sweep if isinstance(sweep, str) else None

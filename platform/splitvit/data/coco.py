@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from pycocotools import mask as mask_utils
 
+from ..jsontypes import JsonObject
 from ..storage import is_s3, join_uri, list_files, read_bytes
 from .coco_format import (
     REQUIRED_KEYS,
@@ -70,7 +71,7 @@ _fail = coco_error
 _entries = coco_entries_of
 
 
-def _require(entry: dict[str, Any], keys: tuple[str, ...], where: str, source: str) -> None:
+def _require(entry: JsonObject, keys: tuple[str, ...], where: str, source: str) -> None:
     missing = [k for k in keys if k not in entry]
     if missing:
         raise _fail(source, f"{where} lacks {', '.join(repr(k) for k in missing)}")

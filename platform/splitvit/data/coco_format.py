@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NotRequired, TypedDict
+from typing import NotRequired, TypedDict
+
+from ..jsontypes import JsonObject
 
 #: Top-level keys every COCO instances file has.
 REQUIRED_KEYS = ("images", "annotations", "categories")
@@ -77,7 +79,7 @@ def coco_error(source: str, what: str) -> CocoFormatError:
     return CocoFormatError(f"{source}: {what}")
 
 
-def coco_entries_of(data: dict[str, Any], key: str, source: str) -> list[dict[str, Any]]:
+def coco_entries_of(data: JsonObject, key: str, source: str) -> list[JsonObject]:
     """``data[key]``, which must be a list of objects."""
     if key not in data:
         raise coco_error(
@@ -89,7 +91,7 @@ def coco_entries_of(data: dict[str, Any], key: str, source: str) -> list[dict[st
     return value
 
 
-def parse_coco_document(raw: bytes | str, source: str) -> dict[str, Any]:
+def parse_coco_document(raw: bytes | str, source: str) -> JsonObject:
     """The parsed file: raises :class:`CocoFormatError` naming ``source`` unless it is
     JSON whose top level is an object holding the three lists of objects."""
     try:

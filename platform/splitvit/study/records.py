@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..bench.speed import FullTiming
 from ..config import config_layers
+from ..jsontypes import JsonObject
 from .goals import GoalVerdicts, ReferenceConvergence
 from .report import study_figure, study_speed_figure
 from .runs import MethodRun
@@ -210,7 +211,7 @@ def _record_run_points(client: MlflowClient, run_id: str, run: MethodRun, metric
     client.log_batch(run_id, metrics=batch)
 
 
-def _table_rows(result: StudyResult, timed: Timed) -> list[dict[str, Any]]:
+def _table_rows(result: StudyResult, timed: Timed) -> list[JsonObject]:
     """The parent's table: the study's rows without the per-seed figures and, where the
     points were timed (on one seed: the columns say which), their speed-ups."""
     flat_rows = [{k: v for k, v in r.to_dict().items() if not k.startswith("per_seed")} for r in result.rows]
@@ -305,6 +306,6 @@ def _record_artifacts(client: MlflowClient, run_id: str, result: StudyResult, ti
             client.log_artifact(run_id, str(Path(folder) / "study_speed.png"))
 
 
-def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+def _columns(rows: list[JsonObject]) -> dict[str, list[Any]]:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     return {k: [r.get(k) for r in rows] for k in keys}

@@ -12,13 +12,13 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from ..config import BudgetConfig, PolicyConfig, PolicyTrainingConfig, TeacherConfig
 from ..data.synthetic import SyntheticObjects
+from ..jsontypes import JsonObject
 from ..model import SplitViT
 from .local import fit_local
 from .steps import SplitLossConfig, calibrate_thresholds, evaluate
@@ -117,7 +117,7 @@ def run_demo(
     samples: int | None = None,
     target_ratio: float = 0.3,
     recipe: Recipe | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Train SPLIT and a full-resolution ViT, compare them; returns the figures."""
     recipe = recipe or Recipe()
     recipe = replace(

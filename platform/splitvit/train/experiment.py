@@ -39,6 +39,7 @@ from ..config import (
     resolve_config,
     validate,
 )
+from ..jsontypes import JsonObject
 from ..model import QuadtreeGeometry, SplitDetector, SplitViT, validate_thresholds
 from ..model.names import DETECTION_TASK
 from .names import check_names
@@ -57,7 +58,7 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
 
 
 def experiment_from_dict(
-    raw: dict[str, Any] | None, overrides: list[str] | None = None, *, default_name: str = "experiment"
+    raw: JsonObject | None, overrides: list[str] | None = None, *, default_name: str = "experiment"
 ) -> ExperimentConfig:
     """A fully validated config from a plain dict plus ``key=value`` overrides
     (:meth:`~splitvit.config.ExperimentConfig.from_dict`, then :func:`validate_experiment`).

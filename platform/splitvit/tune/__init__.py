@@ -3,7 +3,8 @@
 * :func:`load_space` — read and validate a YAML search space (``search_spaces/``).
 * :func:`run_sweep` — the sweep: Ray Tune + Optuna over SPLIT training, threshold
   sweeps on every checkpoint, baselines, the frontier and its hypervolume in MLflow.
-* :func:`frontier_from_mlflow` — an experiment's frontier, read back from MLflow.
+* :func:`frontier_from_mlflow` — an experiment's frontier, read back from MLflow
+  (a :class:`FrontierReadBack`).
 * :func:`pareto_indices`, :func:`hypervolume`, :func:`annotate` — the frontier math
   (on Optuna's own multi-objective code).
 
@@ -22,6 +23,7 @@ from .space import Parameter, SearchSpace, SearchSpaceError, load_space, space_f
 # not. It loads on first use, so a search space's mistakes are reported in a second.
 # Each name, by the module of the sweep that holds it.
 _SWEEP = {
+    "FrontierReadBack": "read_back",
     "FrontierRow": "artifacts",
     "frontier_rows": "artifacts",
     "SweepError": "state",
@@ -43,6 +45,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Baseline",
+    "FrontierReadBack",
     "FrontierRow",
     "Parameter",
     "Point",

@@ -387,7 +387,7 @@ def frontier_rows(points: list[Point]) -> list[FrontierRow]:
     ]
 
 
-def _csv(rows: list[dict[str, Any]]) -> str:
+def _csv(rows: list[JsonObject]) -> str:
     columns = list(dict.fromkeys(k for row in rows for k in row))
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=columns)

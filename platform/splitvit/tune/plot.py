@@ -18,9 +18,12 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .pareto import Baseline, Point, best_point, frontier
+
+if TYPE_CHECKING:
+    from .read_back import FrontierReadBack
 
 #: What each mark is, in both figures: key -> (matplotlib marker, colour, size in
 #: points², legend text). The HTML draws the same shapes in the same colours.
@@ -283,27 +286,23 @@ def speed_figure(points: list[Point], *, metric: str = "accuracy", full_quality:
     return fig
 
 
-def save_frontier_plot(frontier: dict[str, Any], path: str | Path) -> Path:
-    """Draw a frontier read back from MLflow (the dict
-    :func:`~splitvit.tune.read_back.frontier_from_mlflow` returns) to the PNG ``path``:
-    every point, the frontier, its hypervolume and the sweep's baselines when it
-    carries them. Returns the path written (its folder is made)."""
+def save_frontier_plot(read: FrontierReadBack, path: str | Path) -> Path:
+    """Draw a frontier read back from MLflow
+    (:func:`~splitvit.tune.read_back.frontier_from_mlflow`) to the PNG ``path``: every
+    point, the frontier, its hypervolume and the sweep's baselines when it carries
+    them. Returns the path written (its folder is made)."""
     import matplotlib.pyplot as plt
 
-    metric = frontier["metric"]
-    points = [Point.from_dict(p, metric) for p in frontier["points"]]
-    baselines = [Baseline.from_dict(b) for b in frontier.get("baselines") or []]
-    full = next((b.tokens_per_image for b in baselines if b.baseline == "full"), None)
-    sweeps = frontier.get("sweeps") or []
-    names = frontier.get("sweep_names") or {}
-    which = (names.get(sweeps[0]) or sweeps[0]) if len(sweeps) == 1 else f"{len(sweeps)} sweeps"
+    full = next((b.tokens_per_image for b in read.baselines if b.baseline == "full"), None)
+    sweeps = read.sweeps
+    which = (read.sweep_names.get(sweeps[0]) or sweeps[0]) if len(sweeps) == 1 else f"{len(sweeps)} sweeps"
     fig = pareto_figure(
-        points,
-        baselines,
-        metric=metric,
-        hypervolume=frontier.get("hypervolume"),
-        title=f"{frontier.get('experiment', '')} ({which}): {metric} vs tokens per image",
-        full_tokens=full or _full_tokens(points),
+        read.points,
+        read.baselines,
+        metric=read.metric,
+        hypervolume=read.hypervolume,
+        title=f"{read.experiment} ({which}): {read.metric} vs tokens per image",
+        full_tokens=full or _full_tokens(read.points),
     )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,19 +7,77 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..config import ExperimentConfig, redact_uri
-from .pareto import Baseline, annotate, frontier
+from ..jsontypes import JsonObject
+from .pareto import Baseline, Point, annotate, frontier
 from .state import SweepError, SweepNotFound
+
+if TYPE_CHECKING:
+    from .mlflow_records import RecordedTiming
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class FrontierReadBack:
+    """An experiment's frontier as :func:`frontier_from_mlflow` reads it back: every
+    completed point (each marked on or off the frontier), the hypervolume they span, the
+    baselines of the one sweep read, and how each sweep timed its frontier.
+    :meth:`to_dict` is ``splitvit pareto --json``.
+
+    Attributes:
+        experiment: the MLflow experiment's name; ``experiment_id`` its id.
+        tracking_uri: the store, its password redacted.
+        sweeps: the sweeps read, by parent run id (sorted); ``sweep_names`` their run names.
+        metric: the quality metric (the latest sweep's).
+        reference_point: the hypervolume's reference ``(quality, token_ratio)``.
+        baselines: the sweep's ``baselines.json`` when one sweep is read, else none
+            (baselines of different backbones do not share axes).
+    """
+
+    experiment: str
+    experiment_id: str
+    tracking_uri: str
+    sweeps: list[str]
+    sweep_names: dict[str, str]
+    metric: str
+    hypervolume: float
+    reference_point: tuple[float, float]
+    points: list[Point]
+    baselines: list[Baseline]
+    speed: list[RecordedTiming]
+
+    @property
+    def frontier(self) -> list[Point]:
+        """The points no other point dominates, by token ratio."""
+        return frontier(self.points)
+
+    def to_dict(self) -> JsonObject:
+        """The JSON ``splitvit pareto --json`` writes (points as dicts; a timed point's
+        ``extras`` hold ``speedup_vs_full``)."""
+        return {
+            "experiment": self.experiment,
+            "experiment_id": self.experiment_id,
+            "tracking_uri": self.tracking_uri,
+            "sweeps": self.sweeps,
+            "sweep_names": self.sweep_names,
+            "metric": self.metric,
+            "hypervolume": self.hypervolume,
+            "reference_point": {"quality": self.reference_point[0], "token_ratio": self.reference_point[1]},
+            "points": [p.to_dict(self.metric) for p in self.points],
+            "frontier": [p.to_dict(self.metric) for p in self.frontier],
+            "baselines": [b.to_dict(self.metric) for b in self.baselines],
+            "speed": [s.to_dict() for s in self.speed],
+        }
+
+
 def frontier_from_mlflow(
     experiment: str, tracking_uri: str | None = None, sweep_run_id: str | None = None, *, all_sweeps: bool = False
-) -> dict[str, Any]:
+) -> FrontierReadBack:
     """The frontier of an MLflow experiment's latest sweep (or of one sweep, or of all
     of them), recomputed from the recorded trial and threshold-point runs (failed runs
     excluded).
@@ -32,12 +90,8 @@ def frontier_from_mlflow(
         all_sweeps: merge every sweep of the experiment (the latest one's reference
             point and metric apply); default: the latest started sweep only.
 
-    Returns ``{"experiment", "experiment_id", "tracking_uri", "sweeps", "sweep_names",
-    "metric", "hypervolume", "reference_point", "points", "frontier", "baselines",
-    "speed"}`` (points as dicts; a timed point's ``extras`` hold ``speedup_vs_full``;
-    ``baselines`` are the sweep's ``baselines.json`` when one sweep is read, else
-    empty: baselines of different backbones do not share axes; ``speed`` lists, per
-    sweep that timed its frontier, the device and timing settings).
+    Returns the points, the frontier's hypervolume, the baselines of the one sweep read
+    and each sweep's timing settings (:class:`FrontierReadBack`).
 
     Raises:
         SweepError: the store is missing (a local store is never created), or the
@@ -54,23 +108,20 @@ def frontier_from_mlflow(
         raise SweepNotFound(str(exc)) from None
     except (MlflowException, OSError) as exc:  # a server that does not answer (requests' errors are OSErrors)
         raise SweepError(f"could not read MLflow store {redact_uri(uri)}: {type(exc).__name__}: {exc}") from None
-    hv = annotate(data.points, data.reference)
-    metric = data.metric
-    baselines = _read_baselines(uri, data.sweeps[0]) if len(data.sweeps) == 1 else []
-    return {
-        "experiment": experiment,
-        "experiment_id": data.experiment_id,
-        "tracking_uri": redact_uri(uri),
-        "sweeps": data.sweeps,
-        "sweep_names": data.sweep_names,
-        "metric": metric,
-        "hypervolume": hv,
-        "reference_point": {"quality": data.reference[0], "token_ratio": data.reference[1]},
-        "points": [p.to_dict(metric) for p in data.points],
-        "frontier": [p.to_dict(metric) for p in frontier(data.points)],
-        "baselines": [b.to_dict(metric) for b in baselines],
-        "speed": [s.to_dict() for s in data.speed],
-    }
+    hypervolume = annotate(data.points, data.reference)
+    return FrontierReadBack(
+        experiment=experiment,
+        experiment_id=data.experiment_id,
+        tracking_uri=redact_uri(uri),
+        sweeps=data.sweeps,
+        sweep_names=data.sweep_names,
+        metric=data.metric,
+        hypervolume=hypervolume,
+        reference_point=data.reference,
+        points=data.points,
+        baselines=_read_baselines(uri, data.sweeps[0]) if len(data.sweeps) == 1 else [],
+        speed=data.speed,
+    )
 
 
 def _read_baselines(tracking_uri: str, sweep_run_id: str) -> list[Baseline]:
