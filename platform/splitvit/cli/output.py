@@ -140,7 +140,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+def print_table(rows: list[JsonObject], columns: list[str]) -> None:
     """``rows`` as left-aligned columns under a header line; floats to 4 significant digits."""
     widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))

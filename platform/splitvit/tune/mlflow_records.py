@@ -111,7 +111,7 @@ _TUNE_KEYS = {
 }
 
 
-def _numbers(data: dict[str, Any]) -> dict[str, float]:
+def _numbers(data: JsonObject) -> dict[str, float]:
     return {
         k: float(v)
         for k, v in data.items()
@@ -808,7 +808,7 @@ class SweepRecorder:
         """Sweep-level figures on the parent (hypervolume, frontier size...)."""
         self._log_metrics(self.parent_run_id, _numbers(values), 0)
 
-    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+    def log_table(self, rows: list[JsonObject], artifact_file: str) -> None:
         """``mlflow.log_table`` on the parent, once (MLflow appends to an existing table,
         which a resumed sweep must not do)."""
         if not rows or self.has_artifact(artifact_file):
