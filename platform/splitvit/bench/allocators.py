@@ -3,7 +3,7 @@
 An allocator is chosen when a process starts (:mod:`splitvit.train.allocator`), so
 each run is a child process of its own, started with that allocator's environment
 (the allocator variables this process has are removed from it first). Each child
-trains one model from scratch with :func:`~splitvit.train.local.fit_local`, the plain
+trains one model from scratch with :func:`~splitvit.train.local.fit_config`, the plain
 loop, on the benchmark's config:
 
 * ``full``: the full-resolution control (the config with ``model.policy.kind: full``);
@@ -121,7 +121,7 @@ def _rusage() -> dict[str, float]:
 
 def train_in_this_process(spec: JsonObject) -> JsonObject:
     """A child's work: train ``spec``'s model (``spec["config"]``, a plain experiment
-    dict) with ``fit_local`` at ``spec["threads"]`` torch threads; per epoch its images/s,
+    dict) with ``fit_config`` at ``spec["threads"]`` torch threads; per epoch its images/s,
     token fraction, minor page faults and user/system CPU seconds; the peak RSS, and the
     allocator this process runs under (its variables, the preloaded library mapped)."""
     import torch
@@ -129,7 +129,7 @@ def train_in_this_process(spec: JsonObject) -> JsonObject:
 
     from ..data import build_dataset
     from ..train.experiment import build_model, experiment_from_dict
-    from ..train.local import fit_local
+    from ..train.local import fit_config
     from .training import aim_learned_policy
 
     torch.set_num_threads(int(spec["threads"]))
@@ -151,16 +151,10 @@ def train_in_this_process(spec: JsonObject) -> JsonObject:
         images = next(iter(DataLoader(data, batch_size=dc.batch_size, shuffle=False)))[0].to(device)
         aim = aim_learned_policy(model, images, tc.budget.target_ratio)
     marks: list[dict[str, float]] = []
-    history = fit_local(
+    history = fit_config(
         model,
         data,
-        tc.loss_config(),
-        epochs=tc.epochs,
-        batch_size=dc.batch_size,
-        lr=tc.lr,
-        weight_decay=tc.weight_decay,
-        grad_clip=tc.grad_clip if tc.grad_clip > 0 else float("inf"),
-        seed=dc.seed,
+        config,
         epoch_hook=lambda epoch, m: marks.append(_rusage()),
         on_epoch=lambda epoch, stats: marks.append(_rusage()),
     )

@@ -879,7 +879,7 @@ def _busy_since(start: tuple[float | None, float, float]) -> tuple[float | None,
 def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> PlainRun:
     """The config trained by ``fit_local``, with validation (and threshold calibration)
     and a model save after every epoch, as the Ray loop does."""
-    from ..train.local import fit_local, validate
+    from ..train.local import fit_config, validate
 
     mc, dc, tc = config.model, config.data, config.train
     start, wall = _busy(), time.perf_counter()
@@ -912,18 +912,7 @@ def _run_plain(config: ExperimentConfig, device: torch.device, folder: Path) -> 
             {k: round(v, 4) for k, v in {**stats, **figures}.items() if isinstance(v, float)},
         )
 
-    history = fit_local(
-        model,
-        train_set,
-        tc.loss_config(),
-        epochs=tc.epochs,
-        batch_size=dc.batch_size,
-        lr=tc.lr,
-        weight_decay=tc.weight_decay,
-        grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,
-        seed=dc.seed,
-        on_epoch=after_epoch,
-    )
+    history = fit_config(model, train_set, config, on_epoch=after_epoch)
     wall = time.perf_counter() - wall
     epochs = []
     for stats, extra in zip(history, extras):

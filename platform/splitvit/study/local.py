@@ -63,8 +63,7 @@ def fit_config_local(
     from ..train.checkpoints import HISTORY_FILE, MODEL_FILE, init_weights
     from ..train.detection import detection_ground_truth
     from ..train.experiment import build_model
-    from ..train.local import fit_local, validate
-    from ..train.phases import warmup_steps
+    from ..train.local import fit_config, validate
 
     mc, dc, tc = config.model, config.data, config.train
     folder = Path(config.storage.resolved_path()) / config.storage.name
@@ -79,9 +78,7 @@ def fit_config_local(
     model.to(device)
     detector = isinstance(model, SplitDetector)
     train_set, val_set, val_loader = _datasets(config, split_backbone(model).data_config["interpolation"], detector)
-    steps_per_epoch = len(train_set) // dc.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(f"data: {len(train_set)} training images give no batch of {dc.batch_size}")
+    steps_per_epoch = len(train_set) // dc.batch_size  # fit_config refuses 0 before training
     auto = mc.thresholds == AUTO_THRESHOLDS and split_backbone(model).policy.thresholded
     ground_truth = detection_ground_truth(val_set) if detector else None  # read once, as the Ray loop's rank 0
     history: list[dict[str, float]] = []
@@ -114,22 +111,7 @@ def fit_config_local(
         )
 
     started = time.time()
-    fit_local(
-        model,
-        train_set,
-        tc.loss_config(),
-        epochs=tc.epochs,
-        batch_size=dc.batch_size,
-        lr=tc.lr,
-        weight_decay=tc.weight_decay,
-        grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,
-        seed=dc.seed,
-        on_epoch=after_epoch,
-        amp=tc.amp,
-        warmup_steps=warmup_steps(tc, steps_per_epoch),  # the Ray loop's (train.phases.lr_schedule)
-        num_workers=dc.num_workers,
-        epoch_hook=epoch_hook,
-    )
+    fit_config(model, train_set, config, on_epoch=after_epoch, epoch_hook=epoch_hook)
     loss = history[-1].get("train_loss", 0.0)
     if not math.isfinite(loss):  # fit_local does not stop on a non-finite loss: keep no checkpoint of it
         return TrainedRun("diverged", history[-1], None, f"non-finite training loss {loss} in the last epoch")

@@ -11,9 +11,10 @@ detectors alike.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
@@ -23,8 +24,11 @@ from ..data.common import detection_collate
 from ..data.parquet import ParquetShards, RowGroupSampler
 from ..model.detection import SplitDetector, split_backbone
 from .detection import detection_area_ranges, detection_ground_truth, evaluate_detection_totals
-from .phases import SplitStep, phase_schedule
+from .phases import SplitStep, phase_schedule, warmup_steps
 from .steps import SplitLossConfig, calibrate_thresholds, evaluate
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +144,45 @@ def fit_local(
         else:
             log.info("epoch %d: %s", epoch, stats)
     return history
+
+
+def fit_config(
+    model: nn.Module,
+    dataset: Dataset,
+    config: ExperimentConfig,
+    *,
+    on_epoch: Callable[[int, dict[str, float]], None] | None = None,
+    epoch_hook: Callable[[int, nn.Module], None] | None = None,
+) -> list[dict[str, float]]:
+    """:func:`fit_local` with an experiment's own training settings, read as the Ray
+    loop reads them: its loss, epochs, batch, learning rate, weight decay, clipping (0:
+    none), seed, bf16, the fine-tune's warm-up (:func:`~.phases.warmup_steps`) and the
+    loader's workers. The one way a config trains in one process (local studies, ``bench
+    train``'s plain loop and its allocator runs).
+
+    Raises:
+        ValueError: ``dataset`` holds fewer images than one batch.
+    """
+    dc, tc = config.data, config.train
+    steps_per_epoch = len(dataset) // dc.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"data: {len(dataset)} training images give no batch of {dc.batch_size}")
+    return fit_local(
+        model,
+        dataset,
+        tc.loss_config(),
+        epochs=tc.epochs,
+        batch_size=dc.batch_size,
+        lr=tc.lr,
+        weight_decay=tc.weight_decay,
+        grad_clip=tc.grad_clip if tc.grad_clip > 0 else math.inf,
+        seed=dc.seed,
+        on_epoch=on_epoch,
+        amp=tc.amp,
+        warmup_steps=warmup_steps(tc, steps_per_epoch),  # the Ray loop's (train.phases.lr_schedule)
+        num_workers=dc.num_workers,
+        epoch_hook=epoch_hook,
+    )
 
 
 def _train_loader(
