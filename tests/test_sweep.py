@@ -531,10 +531,18 @@ def test_pareto_says_when_a_sweep_recorded_no_speed_ups(tmp_path, capsys):
         )
         for key, value in (("accuracy", accuracy), ("tokens_per_image", tokens), ("token_ratio", tokens / 16)):
             client.log_metric(run.info.run_id, key, value)
+    from splitvit.tune.pareto import Baseline
+
+    full = Baseline("full", "full resolution", 0.91, 16.0, 1.0, [0.0], "t16")
+    client.log_dict(parent.info.run_id, [full.to_dict("accuracy")], "baselines.json")
     out = tmp_path / "pareto.json"
     assert run_cli(["pareto", "old-sweep", "--tracking-uri", uri, "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "speed-up: not recorded" in printed
+    # the sweep's baselines come back without MLflow's download bar in the printout
+    assert json.loads(out.read_text())["baselines"] == [full.to_dict("accuracy")]
+    assert "Downloading artifacts" not in captured.err + printed
     head = next(line for line in printed.splitlines() if line.startswith("tokens/image"))
     assert "speed-up" not in head
     data = json.loads(out.read_text())
