@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from ..jsontypes import JsonObject
+
 FOLDER = Path(__file__).resolve().parent
 INDEX_FILE = FOLDER / "index.yaml"
 #: ``recipe: none``: the library's plain defaults (ablations, the old behaviour)
@@ -88,7 +90,7 @@ class Recipe:
     task: str
     version: int
     summary: str
-    settings: dict[str, Any] = field(hash=False)
+    settings: JsonObject = field(hash=False)  # dotted keys, as the file gives them
     evidence: Evidence | None = None
 
     @property

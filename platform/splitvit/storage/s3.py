@@ -117,7 +117,7 @@ class UploadResult:
     bytes: int
     seconds: float
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, str | int | float]:
         return dict(self.__dict__)
 
 

@@ -453,7 +453,7 @@ class LeverRow:
         return cls(method=data["method"], cells=cells)
 
 
-def _known(cls: type, data: dict[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
+def _known(cls: type, data: JsonObject, skip: Sequence[str] = ()) -> dict[str, Any]:
     """``cls``'s fields (but ``skip``) read from ``data``: a missing key raises ``KeyError``."""
     return {f.name: data[f.name] for f in fields(cls) if f.name not in skip}
 

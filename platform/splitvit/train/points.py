@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 from ..jsontypes import JsonObject
 
@@ -30,7 +29,7 @@ class EvaluatedPoint:
     images_per_s: float
     images: int
     thresholds: list[float] | None  # the per-level thresholds evaluated (None: the annotations' splits)
-    metrics: dict[str, Any]  # the task's own figures (see above)
+    metrics: JsonObject  # the task's own figures (see above), as its JSON writes them
 
     @property
     def detector(self) -> bool:

@@ -235,7 +235,7 @@ class SearchSettings:
     trial_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     # Any, not ConfigValue: build_dataclass reads these hints as the schema, and a point's
     # values are checked against the config itself (_check_initial_points), not here
-    initial_points: tuple[dict[str, Any], ...] | None = None
+    initial_points: tuple[JsonObject, ...] | None = None
     state_period_s: float = 1.0
 
 
@@ -297,7 +297,7 @@ class ReferenceSettings:
     seed: int = 0
     # Any, not ConfigValue: build_dataclass reads these hints as the schema; the settings
     # are checked against the config itself (_validate_reference_config)
-    train: dict[str, Any] | None = None
+    train: JsonObject | None = None
     converge_epochs: int = 3
     converge_points: float = 0.3
 
