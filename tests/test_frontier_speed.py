@@ -292,6 +292,9 @@ def test_stage_two_measures_the_trials_own_thresholds_first_on_its_images(tmp_pa
 
 
 def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes(tmp_path):
+    """A sweep whose stored plan lacks a key added later (stage_two.ratios,
+    calibration_samples, baselines.reuse) resumes where the space leaves it at its
+    default, and is refused where the space sets it otherwise."""
     from splitvit.tune.location import PLAN_FILE, check_plan
     from splitvit.tune.state import SweepError
 
@@ -316,6 +319,14 @@ def test_stage_two_ratios_are_validated_and_a_sweep_started_without_them_resumes
     assert check_plan(space, str(tmp_path), None, resume=True) is space
     asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["stage_two.calibration_samples=512"])
     with pytest.raises(SweepError, match="stage_two"):
+        check_plan(asked, str(tmp_path), None, resume=True)
+    # and one saved before baselines.reuse: the same rule, section by section
+    saved["stage_two"]["calibration_samples"] = None
+    del saved["baselines"]["reuse"]
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"space": saved, "overrides": [], "source": space.source}))
+    assert check_plan(space, str(tmp_path), None, resume=True) is space
+    asked = load_space(ROOT / "search_spaces" / "smoke.yaml", ["baselines.reuse=false"])
+    with pytest.raises(SweepError, match="baselines"):
         check_plan(asked, str(tmp_path), None, resume=True)
 
 

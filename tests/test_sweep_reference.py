@@ -288,3 +288,42 @@ def test_the_best_registered_model_evaluates_on_the_test_split_to_the_recorded_f
     assert figures["split"] == "test"
     assert figures["accuracy"] == pytest.approx(best["extras"]["test_accuracy"])
     assert figures["token_ratio"] == pytest.approx(best["extras"]["test_token_ratio"])
+
+
+def test_a_later_sweep_reuses_the_fine_tuned_baselines(sweep):
+    """The finished sweep kept its baselines under the storage path; a later sweep over
+    the same space (one searched trial) trains none: it takes the first sweep's, with
+    their figures, records them as baseline runs saying where they came from, and
+    evaluates them on the test split. (Last in the file: it adds runs to the experiment.)"""
+    folder, first, client = sweep["folder"], sweep["json"], sweep["client"]
+    kept = sorted(p.name.split("-")[0] for p in (folder / "runs" / "baselines").glob("*.json"))
+    assert kept == ["entropy", "full", "random"]
+
+    out = folder / "again.json"
+    args = ["sweep", str(sweep["space"]), "--name", "again", "--set", "search.num_samples=1", "--json", str(out)]
+    assert run_cli(args) == 0
+    again = json.loads(out.read_text())
+    baselines = {t["baseline"]: t for t in again["trials"] if t["baseline"]}
+    first_ids = {t["baseline"]: t["trial_id"] for t in first["trials"] if t["baseline"]}
+    assert {p: t["trial_id"] for p, t in baselines.items()} == first_ids
+    assert all(t["reused_from"] == f"sweep ref, trial {t['trial_id']}" for t in baselines.values())
+    # Tune ran the searched trial alone
+    searched = [t["trial_id"] for t in again["trials"] if not t["baseline"]]
+    assert len(searched) == 1
+    assert sorted(p.name for p in (folder / "runs" / "again" / "train").iterdir() if p.is_dir()) == searched
+
+    def figures(data: dict) -> list[tuple]:
+        return sorted((b["baseline"], b["label"], b["accuracy"], b["tokens_per_image"]) for b in data["baselines"])
+
+    assert figures(again) == figures(first)
+    assert all("test_accuracy" in b for b in again["baselines"])
+    parent = again["mlflow"]["parent_run_id"]
+    runs = client.search_runs(
+        [client.get_run(parent).info.experiment_id], f"tags.`splitvit.sweep` = '{parent}'", max_results=100
+    )
+    tagged = {
+        r.data.tags["splitvit.baseline"]: r.data.tags.get("splitvit.reused_from")
+        for r in runs
+        if r.data.tags.get("splitvit.baseline")
+    }
+    assert tagged == {p: f"sweep ref, trial {i}" for p, i in first_ids.items()}

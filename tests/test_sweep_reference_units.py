@@ -635,3 +635,102 @@ def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, cap
     assert good.extras["test_accuracy"] == 0.7 and "test_accuracy" not in bad.extras
     assert logged == [("r1", {"test_accuracy": 0.7, "test_tokens_per_image": 10.0, "test_token_ratio": 0.5})]
     assert "could not evaluate no-test-split on the test split" in caplog.text
+
+
+# ---------------------------------------------------------------------- baselines kept for later sweeps
+def _plan(folder: Path, checkpoint: str, name: str, root: Path | None = None, **sections) -> SweepPlan:
+    """A sweep over ``folder``'s base config named ``name``, its trials under ``root``."""
+    space = make_space(
+        folder, reference={"checkpoint": "/unused"}, search={"initial_points": [FIRST_POINT]}, **sections
+    )
+    train = (root or folder) / name / "train"
+    return SweepPlan(space=space, train_storage=str(train), name=name, reference=checkpoint)
+
+
+def _finished_baseline(plan: SweepPlan, policy: str, trial_id: str) -> dict:
+    """A baseline trial's final report where the trial writes it, its checkpoint beside it."""
+    run = Path(plan.run_uri(trial_id))
+    (run / "checkpoint_epoch0000").mkdir(parents=True)
+    (run / "checkpoint_epoch0000" / "model.pt").write_bytes(b"weights")
+    point = {"accuracy": 0.61, "tokens_per_image": 20.0, "token_ratio": 0.5, "thresholds": [0.4], "target_ratio": 0.5}
+    report = {
+        "accuracy": 0.7,
+        "tokens_per_image": 40.0 if policy == "full" else 21.0,
+        "token_ratio": 1.0 if policy == "full" else 0.52,
+        "thresholds": [0.5],
+        "checkpoint": str(run / "checkpoint_epoch0000"),
+        "run_uri": str(run),
+        "epochs": 1,
+        "images": 32,
+        "threshold_points": json.dumps([] if policy == "full" else [point]),
+        BASELINE_KEY: policy,
+    }
+    (run / "sweep_trial.json").write_text(json.dumps(report))
+    return report
+
+
+def test_the_baseline_digest_follows_what_decides_its_figures(tmp_path, folder, checkpoint):
+    """Same reference, training and evaluation: the same digest, whatever the sweep is
+    called or searches; another reference, baseline target, stage-two image count or
+    seed: another digest. ``baselines.reuse`` itself is not part of it."""
+    from splitvit.tune.baseline_store import baseline_digest
+
+    digest = baseline_digest(_plan(folder, checkpoint, "a"), "entropy")
+    assert baseline_digest(_plan(folder, checkpoint, "b"), "entropy") == digest
+    assert baseline_digest(_plan(folder, checkpoint, "b", baselines={"reuse": False}), "entropy") == digest
+    longer = _plan(folder, checkpoint, "a")
+    search = dataclasses.replace(longer.space.search, num_samples=99, seed=7)
+    longer = dataclasses.replace(longer, space=dataclasses.replace(longer.space, search=search))
+    assert baseline_digest(longer, "entropy") == digest  # how long and how the search runs: not the baseline's
+    assert baseline_digest(_plan(folder, checkpoint, "a"), "random") != digest
+    another = str(save_model(tmp_path / "another" / "checkpoint_000001", make_space(folder).config().model))
+    assert baseline_digest(_plan(folder, another, "a"), "entropy") != digest
+    assert baseline_digest(_plan(folder, checkpoint, "a", baselines={"target_ratio": 0.3}), "entropy") != digest
+    assert baseline_digest(_plan(folder, checkpoint, "a", stage_two={"samples": 16}), "entropy") != digest
+    seeded = _plan(folder, checkpoint, "a")
+    seeded = dataclasses.replace(seeded, space=dataclasses.replace(seeded.space, fixed={"data.seed": 3}))
+    assert baseline_digest(seeded, "entropy") != digest
+
+
+def test_a_later_sweep_reuses_the_baselines_a_finished_one_kept(tmp_path, folder, checkpoint):
+    """``store_baselines`` keeps each trained baseline's final report; a later sweep with
+    the same digests finds them (with their figures and checkpoints), its own sweep's
+    never, one whose checkpoint is gone never, and none with ``reuse: false``. What a
+    sweep reuses is decided at its start and read back on resume."""
+    from splitvit.tune.baseline_store import REUSED_FILE, reusable_baselines, settle_reused, store_baselines
+
+    storage = str(tmp_path / "runs")
+    first = _plan(folder, checkpoint, "first", tmp_path)
+    reports = {p: _finished_baseline(first, p, f"t-{p}") for p in ("full", "entropy", "random")}
+    written = store_baselines(first, storage, {p: f"t-{p}" for p in reports})
+    assert len(written) == 3 and all(Path(w).parent == tmp_path / "runs" / "baselines" for w in written)
+    assert store_baselines(first, storage, {"full": "t-full"}) == []  # a kept one is never replaced
+
+    later = _plan(folder, checkpoint, "later", tmp_path)
+    found = reusable_baselines(later, storage)
+    assert sorted(found) == ["entropy", "full", "random"]
+    entropy = found["entropy"]
+    assert (entropy.sweep, entropy.trial_id, entropy.checkpoint) == (
+        "first",
+        "t-entropy",
+        reports["entropy"]["checkpoint"],
+    )
+    final = entropy.final("accuracy")
+    assert (final.quality, final.tokens_per_image, final.token_ratio) == (0.7, 21.0, 0.52)
+    assert [p.quality for p in final.threshold_points] == [0.61] and final.images == 32
+    assert reusable_baselines(first, storage) == {}  # a sweep never reuses its own
+    assert reusable_baselines(_plan(folder, checkpoint, "later", tmp_path, baselines={"reuse": False}), storage) == {}
+    another = str(save_model(tmp_path / "another" / "checkpoint_000001", make_space(folder).config().model))
+    assert reusable_baselines(_plan(folder, another, "later", tmp_path), storage) == {}
+
+    (Path(reports["random"]["checkpoint"]) / "model.pt").unlink()
+    Path(reports["random"]["checkpoint"]).rmdir()
+    assert sorted(reusable_baselines(later, storage)) == ["entropy", "full"]  # its checkpoint is gone
+
+    sweep_dir = tmp_path / "runs" / "later"
+    sweep_dir.mkdir(parents=True)
+    settled = settle_reused(later, storage, str(sweep_dir), resume=False)
+    assert sorted(settled) == ["entropy", "full"] and (sweep_dir / REUSED_FILE).exists()
+    store_baselines(_plan(folder, checkpoint, "other", tmp_path), storage, {})  # nothing new: the decision stands
+    again = settle_reused(later, storage, str(sweep_dir), resume=True)
+    assert {p: s.to_dict() for p, s in again.items()} == {p: s.to_dict() for p, s in settled.items()}

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..config import ExperimentConfig, upgrade_flat, upgrade_sections
 from ..jsontypes import JsonObject
 from ..storage import exists, is_s3, join_uri, read_bytes, write_bytes
-from .space import SearchSpace, StageTwoSettings, load_space
+from .space import BaselineSettings, SearchSpace, StageTwoSettings, load_space
 from .state import SweepError
 
 log = logging.getLogger(__name__)
@@ -102,12 +102,13 @@ def check_plan(space: SearchSpace, sweep_dir: str, overrides: list[str] | None, 
     normal = json.loads(json.dumps(current, sort_keys=True, default=str))
     if "speed" not in stored:
         normal.pop("speed", None)  # a sweep started before frontier timing: timed with the defaults
-    # a stage-two key added after the sweep started (ratios, calibration_samples) left at its
-    # default means what the sweep did without it
-    defaults = json.loads(json.dumps(dataclasses.asdict(StageTwoSettings()), default=str))
-    for key, default in defaults.items():
-        if key not in stored.get("stage_two", {}) and normal["stage_two"].get(key) == default:
-            normal["stage_two"].pop(key, None)
+    # a stage-two or baselines key added after the sweep started (stage_two.ratios,
+    # calibration_samples, baselines.reuse) left at its default means what the sweep did without it
+    for section, settings in (("stage_two", StageTwoSettings()), ("baselines", BaselineSettings())):
+        defaults = json.loads(json.dumps(dataclasses.asdict(settings), default=str))
+        for key, default in defaults.items():
+            if key not in stored.get(section, {}) and normal[section].get(key) == default:
+                normal[section].pop(key, None)
     stored = _upgrade_plan(stored)  # a plan saved before the keys were grouped: the new names
     if "base_config" in saved:
         # the base config by what it says, not by where the checkout lies: a sweep resumes

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REUSED_TAG = "splitvit.reused_from"  # a baseline taken from an earlier sweep: that sweep and trial
+
 
 def trial_data(plan: SweepPlan, sampled: dict[str, ConfigValue], trial_id: str) -> DataConfig | None:
     """The trial's data config (its runs' MLflow dataset inputs); ``None`` when its
@@ -156,7 +158,10 @@ def _baseline_trial_rows(
         trial_data(sweep.plan, {BASELINE_KEY: trial.baseline}, trial.trial_id),
     )
     trial.run_id = run_id
-    sweep.recorder.tag_run(run_id, {"splitvit.baseline": trial.baseline})
+    tags = {"splitvit.baseline": trial.baseline}
+    if trial.reused_from:
+        tags[REUSED_TAG] = trial.reused_from
+    sweep.recorder.tag_run(run_id, tags)
     if trial.baseline == "full":
         rows = [ThresholdPoint(final.quality, final.tokens_per_image, final.token_ratio, final.thresholds)]
         labels = ["full resolution (fine-tuned)"]

@@ -327,6 +327,9 @@ class BaselineSettings:
         random_budgets: without a reference: random splitting at the token ratios of this
             many frontier points.
         samples: evaluation images (default: the experiment's validation split).
+        reuse: with a reference: take a baseline an earlier sweep fine-tuned and
+            evaluated the same way instead of training it again (:mod:`.baseline_store`);
+            false trains every baseline anew.
     """
 
     enabled: bool = True
@@ -335,6 +338,7 @@ class BaselineSettings:
     entropy_thresholds: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     random_budgets: int = 3
     samples: int | None = None
+    reuse: bool = True
 
 
 @dataclass(frozen=True)

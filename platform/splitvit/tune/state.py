@@ -6,7 +6,7 @@ baselines).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import ExperimentConfig, redact_uri
@@ -19,6 +19,7 @@ from .space import BASELINE_POLICIES, ConfigValue, SearchSpace
 from .trial import SweepPlan
 
 if TYPE_CHECKING:
+    from .baseline_store import StoredBaseline
     from .frontier_eval import FrontierSpeed
 
 
@@ -36,6 +37,8 @@ class TrialSummary:
         checkpoint: its last checkpoint.
         baseline: a fine-tuned baseline's policy (``full``, ``entropy``, ``random``);
             empty for a searched trial.
+        reused_from: a baseline taken from an earlier sweep: that sweep and trial, in words
+            (its MLflow run in this sweep is a new one, keyed as this sweep's trials are).
     """
 
     trial_id: str
@@ -45,6 +48,7 @@ class TrialSummary:
     run_id: str | None = None
     checkpoint: str | None = None
     baseline: str = ""
+    reused_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,7 @@ class Sweep:
         started: ``time.time()`` when :func:`~splitvit.tune.sweep.run_sweep` began (for ``wall_time_s``).
         resumed: continued with ``resume``, or its MLflow parent run was re-opened.
         registered: the frontier's models in the Model Registry, once registered.
+        reused: the fine-tuned baselines taken from earlier sweeps, by policy.
     """
 
     setup: SweepSetup
@@ -225,6 +230,7 @@ class Sweep:
     started: float
     resumed: bool
     registered: RegisteredFrontier | None = None
+    reused: dict[str, StoredBaseline] = field(default_factory=dict)  # baselines from earlier sweeps, by policy
 
     @property
     def space(self) -> SearchSpace:
@@ -250,5 +256,11 @@ def fine_tuned_baselines(space: SearchSpace) -> list[str]:
 
 
 def planned_trials(space: SearchSpace) -> int:
-    """The Tune trials a sweep runs: the searched ones and the fine-tuned baselines."""
+    """The trials a sweep has: the searched ones and the fine-tuned baselines (those
+    reused from an earlier sweep included)."""
     return space.search.num_samples + len(fine_tuned_baselines(space))
+
+
+def tune_trials(plan: SweepPlan) -> int:
+    """The trials Tune runs: the planned ones but the baselines reused from an earlier sweep."""
+    return planned_trials(plan.space) - len(plan.reused_baselines)

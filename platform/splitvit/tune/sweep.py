@@ -70,6 +70,7 @@ the frontier.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -81,6 +82,7 @@ from ..config import config_layers, redact_uri
 from ..storage import join_uri
 from ..train.console import ray_console, ray_output_shown, tune_verbosity
 from .artifacts import log_sweep_artifacts
+from .baseline_store import settle_reused, store_baselines
 from .closing import close_sweep_run, sweep_result
 from .frontier_eval import evaluate_held_out, run_baselines, time_frontier
 from .location import build_tracking, check_plan, sweep_location, warn_if_temporary
@@ -90,7 +92,16 @@ from .pareto import Baseline, annotate, best_point, frontier
 from .reference import Reference, check_reference, convergence_line, locate_reference, train_reference
 from .search import build_searcher
 from .space import SearchSpace, load_space
-from .state import Sweep, SweepError, SweepResult, SweepSetup, TrialSummary, fine_tuned_baselines, planned_trials
+from .state import (
+    Sweep,
+    SweepError,
+    SweepResult,
+    SweepSetup,
+    TrialSummary,
+    fine_tuned_baselines,
+    planned_trials,
+    tune_trials,
+)
 from .trial import SweepPlan, TrialFinal, sweep_trial
 
 log = logging.getLogger(__name__)
@@ -127,7 +138,7 @@ def run_sweep(
         tuner = _tuner(sweep, trainable, resume=resume)
         with _experiment_state_period(sweep.space.search.state_period_s), ray_console():
             grid = tuner.fit()
-    trials, finals = collect(grid, sweep.space, setup.sweep_dir)
+    trials, finals = with_reused_baselines(sweep, *collect(grid, sweep.space, setup.sweep_dir))
     unfinished = [t for t in trials if t.status == "unfinished"]
     planned = planned_trials(sweep.space)
     if unfinished or len(trials) < planned:
@@ -203,6 +214,12 @@ def _start_sweep(setup: SweepSetup, *, ray_address: str | None, started: float, 
         name=setup.name,
         reference=setup.reference.checkpoint if setup.reference is not None else None,
     )
+    reused = settle_reused(plan, setup.storage, setup.sweep_dir, resume=resume) if fine_tuned_baselines(space) else {}
+    plan = dataclasses.replace(plan, reused_baselines=tuple(sorted(reused)))
+    for policy, stored in sorted(reused.items()):
+        log.info(
+            "baseline %s: reused from sweep %s (trial %s), not trained again", policy, stored.sweep, stored.trial_id
+        )
     reference = (space.pareto.quality, space.pareto.token_ratio)
     recorder, reopened = SweepRecorder.open(
         setup.tracking_uri,
@@ -234,7 +251,13 @@ def _start_sweep(setup: SweepSetup, *, ray_address: str | None, started: float, 
         redact_uri(setup.tracking_uri),
     )
     return Sweep(
-        setup=setup, plan=plan, recorder=recorder, reference=reference, started=started, resumed=resume or reopened
+        setup=setup,
+        plan=plan,
+        recorder=recorder,
+        reference=reference,
+        started=started,
+        resumed=resume or reopened,
+        reused=reused,
     )
 
 
@@ -264,7 +287,7 @@ def _tuner(sweep: Sweep, trainable: Any, *, resume: bool) -> Any:
         return tune.Tuner.restore(
             setup.sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
         )
-    baselines = fine_tuned_baselines(space)
+    baselines = [b for b in fine_tuned_baselines(space) if b not in sweep.plan.reused_baselines]
     search = build_searcher(space)
     if baselines:
         from .baseline_search import BaselinesFirst  # imports Ray
@@ -274,7 +297,7 @@ def _tuner(sweep: Sweep, trainable: Any, *, resume: bool) -> Any:
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=search,
-            num_samples=planned_trials(space),
+            num_samples=tune_trials(sweep.plan),
             max_concurrent_trials=space.search.max_concurrent,
             trial_dirname_creator=trial_dirname,
             # a trial's driver function only waits on its TorchTrainer: keep its
@@ -314,6 +337,7 @@ def _finish(sweep: Sweep, trials: list[TrialSummary], finals: dict[str, TrialFin
     """Stage-two points, frontier, hypervolume, baselines, plot and MLflow records."""
     space, recorder = sweep.space, sweep.recorder
     points, tuned_baselines = record_trials(sweep, trials, finals)
+    _keep_baselines(sweep, trials)
     superseded = recorder.close_orphans({t.trial_id for t in trials})
     if superseded:
         log.info("closed %d run(s) of trials lost with a stopped driver: %s", len(superseded), ", ".join(superseded))
@@ -341,6 +365,40 @@ def _finish(sweep: Sweep, trials: list[TrialSummary], finals: dict[str, TrialFin
     speed_metrics = log_sweep_artifacts(sweep, result, front=front, best=best, speed=speed, local_dir=local_dir)
     close_sweep_run(sweep, result, front=front, best=best, speed_metrics=speed_metrics, local_dir=local_dir)
     return result
+
+
+def with_reused_baselines(
+    sweep: Sweep, trials: list[TrialSummary], finals: dict[str, TrialFinal]
+) -> tuple[list[TrialSummary], dict[str, TrialFinal]]:
+    """The trials Tune ran and the baselines reused from earlier sweeps, as completed
+    trials of their own (their first sweep's trial ids, run folders and figures)."""
+    trials, finals = list(trials), dict(finals)
+    for policy, stored in sorted(sweep.reused.items()):
+        trials.append(
+            TrialSummary(
+                stored.trial_id,
+                "completed",
+                {},
+                checkpoint=stored.checkpoint,
+                baseline=policy,
+                reused_from=f"sweep {stored.sweep}, trial {stored.trial_id}",
+            )
+        )
+        finals[stored.trial_id] = stored.final(sweep.metric, sweep.space.companion_metrics)
+    return sorted(trials, key=lambda t: t.trial_id), finals
+
+
+def _keep_baselines(sweep: Sweep, trials: list[TrialSummary]) -> None:
+    """The baselines this sweep fine-tuned, kept for later sweeps (:mod:`.baseline_store`);
+    trouble keeping them is logged, never the sweep's end."""
+    trained = {t.baseline: t.trial_id for t in trials if t.baseline and t.status == "completed" and not t.reused_from}
+    if not trained:
+        return
+    try:
+        for uri in store_baselines(sweep.plan, sweep.setup.storage, trained):
+            log.info("kept for later sweeps: %s", uri)
+    except (OSError, ValueError) as exc:
+        log.warning("could not keep the baselines for later sweeps: %s", exc)
 
 
 @contextlib.contextmanager
