@@ -19,8 +19,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..train.console import environment
 from . import bench, config, data, demo, evaluate, pareto, recipes, stack, study, submit, sweep, train, viz
-from .output import Report, envelope, environment, write_json
+from .output import Report, envelope, write_json
 
 
 def _tracking_env(uri: str | None) -> contextlib.AbstractContextManager[None]:

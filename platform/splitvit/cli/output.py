@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..jsontypes import JsonObject
+from ..train.console import environment
 
 #: the envelope's MLflow block; every key is there, None where the command has no such thing
 MLFLOW_KEYS = ("tracking_uri", "experiment_id", "run_id", "url")
@@ -123,21 +122,6 @@ def envelope(report: Report, code: int, wall_time_s: float) -> JsonObject:
         "mlflow": {**own, **_mlflow_block({**{k: v for k, v in own.items() if k != "url"}, **report.mlflow})},
         "wall_time_s": round(wall_time_s, 3),
     }
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """Environment variables set while the block runs, restored after."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def print_table(rows: list[JsonObject], columns: list[str]) -> None:

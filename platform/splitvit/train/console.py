@@ -47,6 +47,22 @@ def tune_verbosity() -> int:
 
 
 @contextlib.contextmanager
+def environment(values: dict[str, str], *, override: bool = True) -> Iterator[None]:
+    """Environment variables set while the block runs, restored after. With
+    ``override=False`` a variable already set keeps its value (the user's choice wins)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if override or before[k] is None})
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def ray_console() -> Iterator[None]:
     """Around ``Tuner.fit``: keep Ray Tune's console quiet unless it was asked for.
 
@@ -59,19 +75,14 @@ def ray_console() -> Iterator[None]:
     if ray_output_shown():
         yield
         return
-    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     tune_logger = logging.getLogger(RAY_TUNE_LOGGER)
     hint = _NoRestoreHint()
     tune_logger.addFilter(hint)
     try:
-        yield
+        with environment({"RAY_AIR_NEW_OUTPUT": "0"}):
+            yield
     finally:
         tune_logger.removeFilter(hint)
-        if before is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = before
 
 
 class _NoRestoreHint(logging.Filter):

@@ -5,11 +5,8 @@ is read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -127,29 +124,19 @@ def frontier_from_mlflow(
     )
 
 
-@contextlib.contextmanager
-def _no_progress_bar() -> Iterator[None]:
-    """MLflow draws a progress bar for every download: three lines for one small JSON
-    in the frontier's printout. Off while inside, unless the user set it."""
-    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-    given = name in os.environ
-    os.environ.setdefault(name, "false")
-    try:
-        yield
-    finally:
-        if not given:
-            os.environ.pop(name, None)
-
-
 def _read_baselines(tracking_uri: str, sweep_run_id: str) -> list[Baseline]:
     """A sweep's ``baselines.json`` (empty when it has none: baselines off, or a sweep
     that did not finish, or when it cannot be read)."""
     import tempfile
 
     from ..tracking.runs import mlflow_client
+    from ..train.console import environment
 
+    # MLflow draws a download bar, three lines for one small JSON in the frontier's
+    # printout: off, unless the user set it
+    quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
     try:
-        with tempfile.TemporaryDirectory() as tmp, _no_progress_bar():
+        with tempfile.TemporaryDirectory() as tmp, environment(quiet, override=False):
             path = mlflow_client(tracking_uri).download_artifacts(sweep_run_id, "baselines.json", tmp)
             rows = json.loads(Path(path).read_text())
         return [Baseline.from_dict(row) for row in rows] if isinstance(rows, list) else []
