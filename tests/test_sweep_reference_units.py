@@ -695,8 +695,9 @@ def test_the_baseline_digest_follows_what_decides_its_figures(tmp_path, folder, 
 def test_a_later_sweep_reuses_the_baselines_a_finished_one_kept(tmp_path, folder, checkpoint):
     """``store_baselines`` keeps each trained baseline's final report; a later sweep with
     the same digests finds them (with their figures and checkpoints), its own sweep's
-    never, one whose checkpoint is gone never, and none with ``reuse: false``. What a
-    sweep reuses is decided at its start and read back on resume."""
+    never, one whose checkpoint is gone never (a later sweep's baseline takes its place),
+    and none with ``reuse: false``. What a sweep reuses is decided at its start and read
+    back on resume, whatever was kept since."""
     from splitvit.tune.baseline_store import REUSED_FILE, reusable_baselines, settle_reused, store_baselines
 
     storage = str(tmp_path / "runs")
@@ -731,6 +732,10 @@ def test_a_later_sweep_reuses_the_baselines_a_finished_one_kept(tmp_path, folder
     sweep_dir.mkdir(parents=True)
     settled = settle_reused(later, storage, str(sweep_dir), resume=False)
     assert sorted(settled) == ["entropy", "full"] and (sweep_dir / REUSED_FILE).exists()
-    store_baselines(_plan(folder, checkpoint, "other", tmp_path), storage, {})  # nothing new: the decision stands
+    # a later sweep trains random again and keeps it in place of the entry without a checkpoint
+    other = _plan(folder, checkpoint, "other", tmp_path)
+    _finished_baseline(other, "random", "t-random2")
+    assert len(store_baselines(other, storage, {"random": "t-random2"})) == 1
+    assert reusable_baselines(later, storage)["random"].sweep == "other"
     again = settle_reused(later, storage, str(sweep_dir), resume=True)
     assert {p: s.to_dict() for p, s in again.items()} == {p: s.to_dict() for p, s in settled.items()}

@@ -92,6 +92,21 @@ def _entry_uri(storage: str, policy: str, digest: str) -> str:
     return join_uri(storage, STORE_FOLDER, f"{policy}-{digest}.json")
 
 
+def _stored(uri: str) -> StoredBaseline | None:
+    """The entry at ``uri`` while it can be reused: readable, its checkpoint still there."""
+    if not exists(uri):
+        return None
+    try:
+        stored = StoredBaseline.from_dict(json.loads(read_bytes(uri)))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("stored baseline %s is unreadable (%s): it is trained again", uri, exc)
+        return None
+    if not exists(stored.checkpoint):
+        log.warning("stored baseline %s: its checkpoint %s is gone; it is trained again", uri, stored.checkpoint)
+        return None
+    return stored
+
+
 def reusable_baselines(plan: SweepPlan, storage: str) -> dict[str, StoredBaseline]:
     """The stored baselines this sweep can reuse, by policy: the same digest, trained by
     another sweep, their checkpoint still there. None with ``baselines.reuse: false``."""
@@ -99,20 +114,10 @@ def reusable_baselines(plan: SweepPlan, storage: str) -> dict[str, StoredBaselin
         return {}
     found: dict[str, StoredBaseline] = {}
     for policy in fine_tuned_baselines(plan.space):
-        uri = _entry_uri(storage, policy, baseline_digest(plan, policy))
-        if not exists(uri):
-            continue
-        try:
-            stored = StoredBaseline.from_dict(json.loads(read_bytes(uri)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable: trained again
-            log.warning("stored baseline %s is unreadable (%s): it is trained again", uri, exc)
-            continue
-        if stored.sweep == plan.name:
-            continue  # this sweep's own (a resumed sweep keeps what it decided at its start)
-        if not exists(stored.checkpoint):
-            log.warning("stored baseline %s: its checkpoint %s is gone; it is trained again", uri, stored.checkpoint)
-            continue
-        found[policy] = stored
+        stored = _stored(_entry_uri(storage, policy, baseline_digest(plan, policy)))
+        # never this sweep's own (a resumed sweep keeps what it decided at its start)
+        if stored is not None and stored.sweep != plan.name:
+            found[policy] = stored
     return found
 
 
@@ -131,14 +136,15 @@ def settle_reused(plan: SweepPlan, storage: str, sweep_dir: str, *, resume: bool
 
 def store_baselines(plan: SweepPlan, storage: str, trial_ids: dict[str, str]) -> list[str]:
     """Keep the baselines this sweep trained (``trial_ids``: policy -> its completed
-    trial) for later sweeps, from each trial's final report; a stored one is never
-    replaced. Returns the files written."""
+    trial) for later sweeps, from each trial's final report. A stored one that can
+    still be reused is never replaced; one whose checkpoint is gone (or that cannot be
+    read) is. Returns the files written."""
     written = []
     for policy, trial_id in sorted(trial_ids.items()):
         digest = baseline_digest(plan, policy)
         uri = _entry_uri(storage, policy, digest)
         report_uri = join_uri(plan.run_uri(trial_id), TRIAL_RESULT_FILE)
-        if exists(uri) or not exists(report_uri):
+        if _stored(uri) is not None or not exists(report_uri):
             continue
         report = json.loads(read_bytes(report_uri))
         stored = StoredBaseline(policy, digest, plan.name, trial_id, report)

@@ -21,7 +21,6 @@ from ..train.console import Progress
 from .mlflow_records import SweepRecorder
 from .outcomes import trial_config_params, trial_data
 from .space import ConfigValue
-from .state import tune_trials
 from .trial import FINAL_KEY, SweepPlan, TrialFinal, threshold_points
 
 log = logging.getLogger(__name__)
@@ -34,12 +33,13 @@ class SweepCallback(tune.Callback):
     whole again after ``Tuner.fit`` returns.
     """
 
-    def __init__(self, recorder: SweepRecorder, plan: SweepPlan) -> None:
+    def __init__(self, recorder: SweepRecorder, plan: SweepPlan, total: int) -> None:
         self.recorder = recorder
         self.plan = plan
+        self.total = total  # the trials Tune runs (baselines reused from earlier sweeps are not)
         self._params: dict[str, dict[str, ConfigValue]] = {}
         # a bar over the trials on a terminal; the lines below are the record elsewhere
-        self.progress = Progress("trials", tune_trials(plan))
+        self.progress = Progress("trials", total)
 
     def _config_params(self, trial) -> dict[str, ConfigValue]:
         if trial.trial_id not in self._params:
@@ -107,7 +107,7 @@ class SweepCallback(tune.Callback):
     def on_trial_complete(self, iteration, trials, trial, **info):
         final = trial.last_result or {}
         done = sum(t.status in ("TERMINATED", "ERROR") for t in trials) + 1
-        total = tune_trials(self.plan)
+        total = self.total
         if not final.get(FINAL_KEY):
             self.progress.log(log, logging.INFO, "trial %s stopped early (%d/%d)", trial.trial_id, done, total)
             self.progress.update(done)

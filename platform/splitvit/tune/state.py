@@ -261,6 +261,6 @@ def planned_trials(space: SearchSpace) -> int:
     return space.search.num_samples + len(fine_tuned_baselines(space))
 
 
-def tune_trials(plan: SweepPlan) -> int:
-    """The trials Tune runs: the planned ones but the baselines reused from an earlier sweep."""
-    return planned_trials(plan.space) - len(plan.reused_baselines)
+def tune_trials(sweep: Sweep) -> int:
+    """The trials Tune runs: the planned ones but the baselines reused from earlier sweeps."""
+    return planned_trials(sweep.space) - len(sweep.reused)

@@ -69,18 +69,15 @@ the frontier.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ..config import config_layers, redact_uri
 from ..storage import join_uri
-from ..train.console import ray_console, ray_output_shown, tune_verbosity
+from ..train.console import environment, ray_console, ray_output_shown, tune_verbosity
 from .artifacts import log_sweep_artifacts
 from .baseline_store import settle_reused, store_baselines
 from .closing import close_sweep_run, sweep_result
@@ -136,7 +133,12 @@ def run_sweep(
     trainable = _trainable(sweep)
     with sweep.recorder.parent.closed_on_error():
         tuner = _tuner(sweep, trainable, resume=resume)
-        with _experiment_state_period(sweep.space.search.state_period_s), ray_console():
+        # Tune saves its experiment state (what Tuner.restore reads) at most every
+        # TUNE_GLOBAL_CHECKPOINT_S seconds, by default at least 10: a driver killed within
+        # that window restarts trials that had finished. A sweep's state is small: save it
+        # often; a setting in the environment wins
+        period = {"TUNE_GLOBAL_CHECKPOINT_S": str(sweep.space.search.state_period_s)}
+        with environment(period, override=False), ray_console():
             grid = tuner.fit()
     trials, finals = with_reused_baselines(sweep, *collect(grid, sweep.space, setup.sweep_dir))
     unfinished = [t for t in trials if t.status == "unfinished"]
@@ -215,7 +217,6 @@ def _start_sweep(setup: SweepSetup, *, ray_address: str | None, started: float, 
         reference=setup.reference.checkpoint if setup.reference is not None else None,
     )
     reused = settle_reused(plan, setup.storage, setup.sweep_dir, resume=resume) if fine_tuned_baselines(space) else {}
-    plan = dataclasses.replace(plan, reused_baselines=tuple(sorted(reused)))
     for policy, stored in sorted(reused.items()):
         log.info(
             "baseline %s: reused from sweep %s (trial %s), not trained again", policy, stored.sweep, stored.trial_id
@@ -287,7 +288,7 @@ def _tuner(sweep: Sweep, trainable: Any, *, resume: bool) -> Any:
         return tune.Tuner.restore(
             setup.sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
         )
-    baselines = [b for b in fine_tuned_baselines(space) if b not in sweep.plan.reused_baselines]
+    baselines = [b for b in fine_tuned_baselines(space) if b not in sweep.reused]
     search = build_searcher(space)
     if baselines:
         from .baseline_search import BaselinesFirst  # imports Ray
@@ -297,7 +298,7 @@ def _tuner(sweep: Sweep, trainable: Any, *, resume: bool) -> Any:
         trainable,
         tune_config=tune.TuneConfig(
             search_alg=search,
-            num_samples=tune_trials(sweep.plan),
+            num_samples=tune_trials(sweep),
             max_concurrent_trials=space.search.max_concurrent,
             trial_dirname_creator=trial_dirname,
             # a trial's driver function only waits on its TorchTrainer: keep its
@@ -307,7 +308,7 @@ def _tuner(sweep: Sweep, trainable: Any, *, resume: bool) -> Any:
         run_config=tune.RunConfig(
             name=setup.name,
             storage_path=setup.storage,
-            callbacks=[SweepCallback(sweep.recorder, sweep.plan)],
+            callbacks=[SweepCallback(sweep.recorder, sweep.plan, tune_trials(sweep))],
             # a failed trial stays failed: Ray Train already retried its workers
             failure_config=tune.FailureConfig(max_failures=0),
             # Ray's per-trial boxes and status tables off (the callback prints a line per
@@ -371,7 +372,7 @@ def with_reused_baselines(
     sweep: Sweep, trials: list[TrialSummary], finals: dict[str, TrialFinal]
 ) -> tuple[list[TrialSummary], dict[str, TrialFinal]]:
     """The trials Tune ran and the baselines reused from earlier sweeps, as completed
-    trials of their own (their first sweep's trial ids, run folders and figures)."""
+    trials of their own (their first sweep's trial ids, checkpoints and figures)."""
     trials, finals = list(trials), dict(finals)
     for policy, stored in sorted(sweep.reused.items()):
         trials.append(
@@ -399,20 +400,3 @@ def _keep_baselines(sweep: Sweep, trials: list[TrialSummary]) -> None:
             log.info("kept for later sweeps: %s", uri)
     except (OSError, ValueError) as exc:
         log.warning("could not keep the baselines for later sweeps: %s", exc)
-
-
-@contextlib.contextmanager
-def _experiment_state_period(seconds: float):
-    """Tune saves its experiment state (what ``Tuner.restore`` reads) at most every
-    ``TUNE_GLOBAL_CHECKPOINT_S`` seconds — by default at least 10 — so a driver
-    killed within that window restarts trials that had already finished. A sweep's
-    state is small; save it often. An explicit setting in the environment wins."""
-    key = "TUNE_GLOBAL_CHECKPOINT_S"
-    previous = os.environ.get(key)
-    if previous is None:
-        os.environ[key] = str(seconds)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(key, None)

@@ -126,15 +126,12 @@ class SweepPlan:
         name: the sweep's name.
         reference: the checkpoint every trial fine-tunes from (``None``: trials start
             from the base config's own initialisation).
-        reused_baselines: fine-tuned baselines taken from an earlier sweep instead of
-            trained (:mod:`.baseline_store`).
     """
 
     space: SearchSpace
     train_storage: str
     name: str
     reference: str | None = None
-    reused_baselines: tuple[str, ...] = ()
 
     def trial_config(self, sampled: dict[str, Any], trial_id: str) -> ExperimentConfig:
         """The experiment config of one trial: the space's point (a baseline trial's:
