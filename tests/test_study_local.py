@@ -188,3 +188,15 @@ def test_second_invocation_through_the_command_line_reuses_every_finished_run(
     assert plan["train_images"] == TRAIN_IMAGES
     assert runner.main([str(path), "--out", str(out), "--plan", str(result), "--budget-s", "1"]) == 2
     assert "not even one method epoch fits" in capsys.readouterr().err
+
+
+def test_a_config_whose_data_holds_no_batch_is_refused_before_training():
+    """``fit_config`` (the one way a config trains in one process: local studies, ``bench
+    train``'s plain loop): fewer training images than one batch is one line naming both
+    counts, before the model is touched."""
+    from splitvit.config import ExperimentConfig
+    from splitvit.train.local import fit_config
+
+    config = ExperimentConfig.from_dict({"data": {"name": "synthetic", "batch_size": 8}})
+    with pytest.raises(ValueError, match=r"^data: 3 training images give no batch of 8$"):
+        fit_config(None, list(range(3)), config)  # type: ignore[arg-type]  # never reached
