@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT / "platform"))
 from study_tables import backbone_speedups, timed_speedups  # noqa: E402
 
 from splitvit.recipes import load_recipe  # noqa: E402
+from splitvit.study.report import fine_tune_pace  # noqa: E402
+from splitvit.study.runs import MethodRun  # noqa: E402
 
 #: the token shares a recipe's evidence is quoted at (the studies' parity goals)
 SHARES = (0.7, 0.5)
@@ -57,6 +59,18 @@ def evidence_points(data: dict[str, Any], method: str) -> list[dict[str, Any]]:
     return points
 
 
+def evidence_pace(data: dict[str, Any], method: str) -> list[float] | None:
+    """``method``'s fine-tuning pace over the control's, seed by seed (the study's pace
+    line, rounded as it prints it); None where the JSON's runs cannot give one for every
+    seed, or where a run was trained by an earlier invocation (beside other runs: its
+    pace is not a side-by-side figure)."""
+    runs = [MethodRun.from_dict(run) for run in data["runs"]]
+    paces = [p for p in fine_tune_pace(runs) if p.method == method]
+    if len(paces) != len(data["seeds"]) or any(p.reused for p in paces):
+        return None
+    return [round(p.ratio, 2) for p in paces]
+
+
 def control_quality(data: dict[str, Any]) -> float:
     """The full-resolution control's quality, mean over seeds."""
     return round(next(r for r in data["rows"] if r["method"] == "full")[data["metric"]], 4)
@@ -77,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data = json.loads((ROOT / recipe.evidence.result).read_text())
     measured = {"control": control_quality(data), "points": evidence_points(data, recipe.evidence.method)}
+    pace = evidence_pace(data, recipe.evidence.method)
+    if pace is not None:
+        measured["pace"] = pace
     if not args.check:
         print(yaml.safe_dump(measured, sort_keys=False, default_flow_style=None), end="")
         return 0
@@ -84,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "control": recipe.evidence.control,
         "points": [{k: v for k, v in vars(p).items() if v is not None} for p in recipe.evidence.points],
     }
+    if recipe.evidence.pace is not None:
+        stated["pace"] = list(recipe.evidence.pace)
     measured["points"] = [{k: v for k, v in p.items() if v is not None} for p in measured["points"]]
     if stated != measured:
         print(f"{recipe.name}: the file says {stated}, {recipe.evidence.result} says {measured}")

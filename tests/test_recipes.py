@@ -50,7 +50,7 @@ def _flat(config: ExperimentConfig) -> dict:
 # ---------------------------------------------------------------------- the files and their evidence
 def test_every_recipe_carries_the_figures_of_its_committed_study_json():
     evidence = load_script("recipe_evidence.py")
-    assert recipe_names() == ["classification-v1", "dense-v1", "detection-v1"]
+    assert recipe_names() == ["classification-v1", "dense-v1", "dense-v2", "detection-v1"]
     for name in recipe_names():
         recipe = load_recipe(name)
         data = json.loads((ROOT / recipe.evidence.result).read_text())
@@ -62,8 +62,9 @@ def test_every_recipe_carries_the_figures_of_its_committed_study_json():
             for p in evidence.evidence_points(data, recipe.evidence.method)
         ]
         assert stated == measured, name
-        # the study file's headline is this recipe, under the method name the JSON ran
-        spec = load_study(ROOT / recipe.evidence.study, settings_only=True)
+        assert list(recipe.evidence.pace) == evidence.evidence_pace(data, recipe.evidence.method), name
+        # the study file's entry (its headline or a lever) is this recipe, under the method name the JSON ran
+        spec = load_study(ROOT / recipe.evidence.study, methods=["full", recipe.evidence.method], settings_only=True)
         assert spec.methods[recipe.evidence.method].recipe == name
         assert evidence.main([name, "--check"]) == 0
 
@@ -73,7 +74,9 @@ def test_splitvit_recipes_lists_them_with_their_evidence(tmp_path, capsys):
     assert main(["recipes", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     listed = json.loads(out.read_text())["recipes"]
-    assert [r["name"] for r in listed] == recipe_names() and all(r["default"] for r in listed)
+    assert [r["name"] for r in listed] == recipe_names()
+    defaults = [r["name"] for r in listed if r["default"]]  # one per task: index.yaml's
+    assert sorted(defaults) == sorted(recipes.current_recipes().values())
     evidence = load_script("recipe_evidence.py")
     for record in listed:
         data = json.loads((ROOT / record["evidence"]["result"]).read_text())
@@ -82,6 +85,8 @@ def test_splitvit_recipes_lists_them_with_their_evidence(tmp_path, capsys):
         assert f"{at70['vs_control_points']:+.2f} ± {at70['spread_points']:.2f}" in line
         assert f"{at50['vs_control_points']:+.2f} ± {at50['spread_points']:.2f}" in line
         assert f"{at70['speed']:.2f}x" in line and record["evidence"]["commit"] in line
+        pace = evidence.evidence_pace(data, record["evidence"]["method"])
+        assert ", ".join(f"{ratio:.2f}x" for ratio in pace) in line  # the fine-tuning pace, seed by seed
 
 
 def test_recipes_show_prints_every_setting_of_a_recipe_or_a_tasks_current_one(capsys):
@@ -132,7 +137,7 @@ def test_recipe_none_gives_the_librarys_defaults_and_other_policies_take_no_reci
     full = ExperimentConfig.from_dict({**LEARNED, "recipe": "classification-v1"}, ["model.policy.kind=full"])
     assert full.recipe == "none" and not full.model.fine_aggregation  # the recipe is the learned policy's
     dense = ExperimentConfig.from_dict(LEARNED, ["model.task=dense", "model.num_classes=3"])
-    assert dense.recipe == "dense-v1"
+    assert dense.recipe == "dense-v2" and dense.train.teacher.every == 2
 
 
 def test_without_drops_a_recipe_key_and_must_name_one():
@@ -158,7 +163,7 @@ def test_a_key_the_recipe_set_that_cannot_hold_says_which_recipe_set_it():
     "setting, message",
     [
         ("recipe=classification-v7", "no version v7 of the classification recipe; there are classification-v1"),
-        ("recipe=fast", "unknown recipe 'fast'; known: classification-v1, dense-v1, detection-v1"),
+        ("recipe=fast", "unknown recipe 'fast'; known: classification-v1, dense-v1, dense-v2, detection-v1"),
         ("recipe=detection-v1", "detection-v1 is a detection recipe and this config's model.task is classification"),
         ("recipe=[1]", "expected a recipe name or none"),
     ],
@@ -172,27 +177,31 @@ def test_a_bad_recipe_is_one_line_naming_the_known_ones_exit_2(setting, message,
 
 
 def test_a_new_version_never_changes_what_an_old_one_resolves_to(tmp_path, monkeypatch):
-    before = _flat(load_config(SMOKE))  # names classification-v1
+    named = load_config(SMOKE).recipe  # the smoke file names its version
+    before = _flat(load_config(SMOKE))
     default_before = _flat(load_config(SMOKE, ["recipe=classification"]))
+    versions = [load_recipe(n).version for n in recipe_names() if n.startswith("classification-v")]
+    newest = f"classification-v{max(versions) + 1}"
     folder = tmp_path / "recipes"
     shutil.copytree(recipes.FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
-    v2 = yaml.safe_load((folder / "classification-v1.yaml").read_text())
-    v2.update(name="classification-v2", evidence=None)
-    v2["settings"] = {**v2["settings"], "train.teacher.every": 2}
-    (folder / "classification-v2.yaml").write_text(yaml.safe_dump(v2))
+    current = load_recipe("classification").name
+    made = yaml.safe_load((folder / f"{current}.yaml").read_text())
+    made.update(name=newest, evidence=None)
+    made["settings"] = {**made["settings"], "train.teacher.every": 3}
+    (folder / f"{newest}.yaml").write_text(yaml.safe_dump(made))
     index = yaml.safe_load((folder / "index.yaml").read_text())
-    index["current"]["classification"] = "classification-v2"
+    index["current"]["classification"] = newest
     (folder / "index.yaml").write_text(yaml.safe_dump(index))
     monkeypatch.setattr(recipes, "FOLDER", folder)
     monkeypatch.setattr(recipes, "INDEX_FILE", folder / "index.yaml")
     for cached in (recipes.current_recipes, recipes._load):
         cached.cache_clear()
     try:
-        assert _flat(load_config(SMOKE)) == before  # a file that names v1 keeps v1
+        assert load_config(SMOKE).recipe == named and _flat(load_config(SMOKE)) == before  # a named version stays
         newer = load_config(SMOKE, ["recipe=classification"])
-        assert newer.recipe == "classification-v2" and newer.train.teacher.every == 2
-        assert _flat(newer) == {**default_before, "train.teacher.every": 2}
-        assert ExperimentConfig.from_dict(LEARNED).recipe == "classification-v2"  # the default moved
+        assert newer.recipe == newest and newer.train.teacher.every == 3
+        assert _flat(newer) == {**default_before, "train.teacher.every": 3}
+        assert ExperimentConfig.from_dict(LEARNED).recipe == newest  # the default moved
     finally:
         for cached in (recipes.current_recipes, recipes._load):
             cached.cache_clear()
@@ -264,7 +273,7 @@ def test_every_training_run_tags_its_recipe(tmp_path):
     for path, overrides, tags in (
         (SMOKE, [], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
         (configs / "fashion_mnist.yaml", [], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
-        (configs / "fashion_mnist_seg.yaml", [], {"splitvit.recipe": "dense-v1", "splitvit.recipe_version": "1"}),
+        (configs / "fashion_mnist_seg.yaml", [], {"splitvit.recipe": "dense-v2", "splitvit.recipe_version": "2"}),
         (configs / "fashion_det.yaml", [], {"splitvit.recipe": "detection-v1", "splitvit.recipe_version": "1"}),
         (SMOKE, ["recipe=none"], {"splitvit.recipe": "none"}),
     ):

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from splitvit.cli import main
+from splitvit.recipes import load_recipe
 from splitvit.tune import SearchSpaceError, annotate, dominates, hypervolume, load_space, pareto_indices
 from splitvit.tune.pareto import Point, frontier
 
@@ -143,6 +144,7 @@ def test_shipped_spaces_load(name, metric, searched):
     # every shipped sweep fine-tunes from a reference, its baselines too, and ends on the test split
     assert space.reference.enabled and space.baselines.enabled and space.evaluation.split == "test"
     assert space.config().train.policy.warmup_epochs == 0  # trials start from a trained model
+    assert space.config().recipe == load_recipe(space.task).name  # the task's current recipe (index.yaml)
     if name == "smoke":
         # the demo: CPU-only, small, and the trial driver asks for a fraction of a CPU
         cfg = space.config()

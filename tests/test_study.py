@@ -29,7 +29,7 @@ from splitvit.study.goals import (
     reference_convergence,
     study_time,
 )
-from splitvit.study.report import lever_lines, reuse_phrase, summary_lines, training_pace_line
+from splitvit.study.report import fine_tune_pace, lever_lines, reuse_phrase, summary_lines, training_pace_line
 from splitvit.study.runs import STUDY_RESULT_FILE, BackboneRun, MethodRun, RunRequest, stale_runs, study_run
 from splitvit.study.spec import Goals, StudyError, load_study
 from splitvit.study.speed import MatchedSpeed, PointSpeed, SpeedComparison, StudyTimedPoint, matched_speed
@@ -223,19 +223,19 @@ def test_levers_run_only_when_named(tmp_path):
 def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
     """Both shipped studies run, by default, the controls and the winning recipe
     (aggregation, mixed targets, trained at 50%, each level judged in context), at 10
-    fine-tune epochs in classification and 12 in the dense study; the other SPLIT
-    variants are levers."""
+    fine-tune epochs in classification and 12 in the dense study, the dense study's
+    (dense-v2) with its teacher on every 2nd step; the other SPLIT variants are levers."""
     headlines = {
-        "study_fashion.yaml": ("split-0.5-agg-mixed-ctx", 10),
-        "study_fashion_seg.yaml": ("split-0.5-agg-mixed-ctx", 12),
+        "study_fashion.yaml": ("split-0.5-agg-mixed-ctx", 10, 1),
+        "study_fashion_seg.yaml": ("split-0.5-agg-mixed-ctx-t2", 12, 2),
     }
-    for name, (recipe_name, epochs) in headlines.items():
+    for name, (recipe_name, epochs, teacher_every) in headlines.items():
         spec = load_study(ROOT / "studies" / name)
         assert list(spec.methods) == ["full", "coarse", "entropy", "random", recipe_name]
         recipe = spec.run_config(0, recipe_name, "x")
         assert recipe.model.fine_aggregation and recipe.train.teacher.targets == "mixed"
-        assert recipe.train.budget.target_ratio == 0.5
-        assert recipe.model.policy.level_context == recipe_name.endswith("-ctx")
+        assert recipe.train.budget.target_ratio == 0.5 and recipe.model.policy.level_context
+        assert recipe.train.teacher.every == teacher_every
         assert {spec.run_config(0, m, "x").train.epochs for m in spec.methods} == {epochs}
         assert "split-0.7" in load_study(ROOT / "studies" / name, methods=["full", "split-0.7"]).methods
 
@@ -628,6 +628,8 @@ def test_the_fine_tune_pace_line_divides_each_methods_median_epoch_by_its_seeds_
     # seed 1's control was trained by an earlier invocation: its ratio is starred
     assert "split 0.88x, 1.10x*; coarse 3.45x" in line and "entropy" not in line and "earlier invocation" in line
     assert "lead 0.90x" in line  # the median of 250 and 270 over 290
+    paces = [(p.method, p.seed, round(p.ratio, 2), p.reused) for p in fine_tune_pace(runs)]
+    assert paces[:3] == [("split", 0, 0.88, False), ("split", 1, 1.1, True), ("coarse", 0, 3.45, False)]
     assert training_pace_line([r for r in runs if r.method != "full"]) is None  # no control
     assert training_pace_line(runs[:2]) is None  # nothing beside the control
     assert summary_lines(GoalVerdicts("accuracy"), None, [], None, runs)[-1] == line

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         "vs control: the recipe's quality minus the full-resolution control's, points (mean ± std over seeds, "
         "seed by seed), at <= 70% / 50% of the tokens; speed: images/s over full resolution's, side by side "
-        "(detection: whole detector, backbone)"
+        "(detection: whole detector, backbone); fine-tune pace: training images/s over the control's, seed by seed"
     )
     print("default: what a learned policy runs when its config names no recipe (recipe: none for the library's)")
     emit(args, {"recipes": [_record(recipe) for recipe in recipes]})
@@ -65,6 +65,7 @@ def _row(recipe: Recipe) -> dict[str, str]:
             f"{point.vs_control_points:+.2f} ± {point.spread_points:.2f}" if point is not None else "-"
         )
         row[f"speed @{label}"] = _speed(point)
+    row["fine-tune pace"] = _pace(evidence.pace if evidence else None)
     row["proven by"] = f"{evidence.study} ({evidence.date}, {evidence.commit})" if evidence else "-"
     return row
 
@@ -74,6 +75,10 @@ def _speed(point: EvidencePoint | None) -> str:
         return "-"
     backbone = f", {point.backbone_speed:.2f}x" if point.backbone_speed is not None else ""
     return f"{point.speed:.2f}x{backbone}"
+
+
+def _pace(pace: tuple[float, ...] | None) -> str:
+    return "-" if pace is None else ", ".join(f"{ratio:.2f}x" for ratio in pace)
 
 
 def _show(recipe: Recipe) -> None:
@@ -99,6 +104,8 @@ def _show(recipe: Recipe) -> None:
             f"{point.quality:.4f}, {point.vs_control_points:+.2f} ± {point.spread_points:.2f} points vs the control, "
             f"speed {_speed(point)}"
         )
+    if evidence.pace is not None:
+        print(f"  fine-tuning pace: {_pace(evidence.pace)} the control's images/s (seed by seed)")
 
 
 def _record(recipe: Recipe) -> JsonObject:

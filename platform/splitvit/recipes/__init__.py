@@ -64,7 +64,9 @@ class EvidencePoint:
 @dataclass(frozen=True)
 class Evidence:
     """Where a recipe was proven: the study file and method, the committed result JSON
-    (paths in this repository), when and at which commit it ran, and its figures."""
+    (paths in this repository), when and at which commit it ran, and its figures.
+    ``pace``: its fine-tuning images/s over the control's, seed by seed (the median
+    fine-tune epoch of each, trained side by side in the study; None: not recorded)."""
 
     study: str
     method: str
@@ -75,6 +77,7 @@ class Evidence:
     seeds: int
     control: float
     points: tuple[EvidencePoint, ...]
+    pace: tuple[float, ...] | None = None
 
     def at(self, share: float) -> EvidencePoint | None:
         """The figures at ``share`` of the tokens (None where the study has none)."""
@@ -172,7 +175,8 @@ def _evidence(raw: Any, path: Path) -> Evidence | None:
         return None
     try:
         points = tuple(EvidencePoint(**point) for point in raw.pop("points"))
-        return Evidence(**raw, points=points)
+        pace = raw.pop("pace", None)
+        return Evidence(**raw, points=points, pace=None if pace is None else tuple(pace))
     except (TypeError, KeyError, AttributeError) as exc:
         raise RecipeError(f"{path}: evidence: {exc}") from None
 

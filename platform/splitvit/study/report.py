@@ -1,12 +1,14 @@
 """What a person reads of a study: the lines printed under its table
 (:func:`summary_lines`, :func:`lever_lines`, :func:`point_speed_lines`,
-:func:`training_pace_line`, :func:`reuse_phrase`) and its figures (:func:`study_figure`,
+:func:`training_pace_line`, :func:`reuse_phrase`; the pace itself,
+:func:`fine_tune_pace`) and its figures (:func:`study_figure`,
 :func:`study_speed_figure`).
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 from ..bench.speed import FullTiming
 from .goals import GoalVerdicts, LeverRow, ParityVerdict, ReferenceConvergence, StudyRow, StudyTime
@@ -164,12 +166,21 @@ def fine_tune_epochs(history: list[dict[str, float]]) -> list[dict[str, float]]:
     return tasks or history
 
 
-def training_pace_line(runs: list[MethodRun]) -> str | None:
-    """Each method's fine-tuning pace against the full-resolution control's, seed by seed:
-    the median fine-tune epoch's training images/s (:func:`fine_tune_epochs`) over the
-    control's of the same seed. Runs
-    trained by an earlier invocation (``reused``) are starred: their pace was measured
-    beside other runs. ``None`` without a control or any other run with an epoch history."""
+@dataclass(frozen=True)
+class FineTunePace:
+    """One method's fine-tuning pace against the control of the same seed: the median
+    fine-tune epoch's training images/s (:func:`fine_tune_epochs`) over the control's.
+    ``reused``: one of the two was trained by an earlier invocation, beside other runs."""
+
+    method: str
+    seed: int
+    ratio: float
+    reused: bool
+
+
+def fine_tune_pace(runs: list[MethodRun]) -> list[FineTunePace]:
+    """Every non-control method's :class:`FineTunePace`, method by method in the runs'
+    order, then seed by seed; a run or a control with no epoch history is left out."""
     pace = {
         (r.method, r.seed): statistics.median(e["train_images_per_s"] for e in fine_tune_epochs(r.history))
         for r in runs
@@ -177,19 +188,28 @@ def training_pace_line(runs: list[MethodRun]) -> str | None:
     }
     reused = {(r.method, r.seed) for r in runs if r.reused}
     control = {r.seed: (r.method, r.seed) for r in runs if r.policy == "full"}
-    parts = []
-    for method in dict.fromkeys(r.method for r in runs if r.policy != "full"):
-        ratios = [
-            f"{pace[(method, seed)] / pace[control[seed]]:.2f}x"
-            + ("*" if {(method, seed), control[seed]} & reused else "")
-            for seed in sorted({r.seed for r in runs if r.method == method}, key=int)
-            if (method, seed) in pace and control.get(seed) in pace
-        ]
-        if ratios:
-            parts.append(f"{method} {', '.join(ratios)}")
-    if not parts:
+    return [
+        FineTunePace(
+            method, seed, pace[(method, seed)] / pace[control[seed]], bool({(method, seed), control[seed]} & reused)
+        )
+        for method in dict.fromkeys(r.method for r in runs if r.policy != "full")
+        for seed in sorted({r.seed for r in runs if r.method == method})
+        if (method, seed) in pace and control.get(seed) in pace
+    ]
+
+
+def training_pace_line(runs: list[MethodRun]) -> str | None:
+    """Each method's :func:`fine_tune_pace`, seed by seed, in one line. Runs trained by an
+    earlier invocation (``reused``) are starred: their pace was measured beside other
+    runs. ``None`` without a control or any other run with an epoch history."""
+    paces = fine_tune_pace(runs)
+    if not paces:
         return None
-    note = " (* a run trained by an earlier invocation, beside other runs)" if any("*" in p for p in parts) else ""
+    parts = [
+        f"{method} " + ", ".join(f"{p.ratio:.2f}x" + ("*" if p.reused else "") for p in paces if p.method == method)
+        for method in dict.fromkeys(p.method for p in paces)
+    ]
+    note = " (* a run trained by an earlier invocation, beside other runs)" if any(p.reused for p in paces) else ""
     return "fine-tune pace vs full (median epoch's training images/s, seed by seed): " + "; ".join(parts) + note
 
 
