@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -26,6 +27,22 @@ def test_help_lists_subcommands():
     ).stdout
     for command in ("demo", "viz", "bench"):
         assert command in out
+
+
+def test_environment_sets_and_unsets_for_the_block_then_restores(monkeypatch):
+    """One helper sets variables around a block (the CLI's, Ray's console switch, the
+    sweep's state period, pareto's quiet download, bench data's local S3): None unsets,
+    override=False keeps a value the user set, and every variable is put back."""
+    from splitvit.train.console import environment
+
+    monkeypatch.setenv("SV_KEPT", "user")
+    monkeypatch.setenv("SV_GONE", "user")
+    monkeypatch.delenv("SV_NEW", raising=False)
+    with environment({"SV_KEPT": "ours", "SV_GONE": None, "SV_NEW": "ours"}, override=False):
+        assert (os.environ["SV_KEPT"], os.environ["SV_GONE"], os.environ["SV_NEW"]) == ("user", "user", "ours")
+    with environment({"SV_KEPT": "ours", "SV_GONE": None, "SV_NEW": "ours"}):
+        assert os.environ["SV_KEPT"] == "ours" and "SV_GONE" not in os.environ and os.environ["SV_NEW"] == "ours"
+    assert (os.environ["SV_KEPT"], os.environ["SV_GONE"]) == ("user", "user") and "SV_NEW" not in os.environ
 
 
 def test_viz_draws_split_maps_and_writes_json(tmp_path, capsys):

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 from ..data import ImageFolderDataset, ParquetShards, SyntheticObjects, write_shards
 from ..data.parquet import training_sampler
 from ..jsontypes import JsonObject
+from ..train.console import environment
 from ..storage import filesystem_for, is_s3, join_uri, upload_dir
 
 log = logging.getLogger(__name__)
@@ -263,26 +264,18 @@ def local_s3() -> Iterator[str]:
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    env = {
+    env: dict[str, str | None] = {
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": "bench",
         "AWS_SECRET_ACCESS_KEY": "bench",
         "AWS_DEFAULT_REGION": "us-east-1",
+        # unset: variables that would send requests elsewhere or mix in other credentials
+        **dict.fromkeys(("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION")),
     }
-    # variables that would send requests elsewhere or mix in other credentials
-    unset = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION")
-    saved = {k: os.environ.get(k) for k in (*env, *unset)}
-    os.environ.update(env)
-    for k in unset:
-        os.environ.pop(k, None)
     try:
-        yield endpoint
+        with environment(env):
+            yield endpoint
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.stop()
 
 

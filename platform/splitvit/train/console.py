@@ -47,11 +47,18 @@ def tune_verbosity() -> int:
 
 
 @contextlib.contextmanager
-def environment(values: dict[str, str], *, override: bool = True) -> Iterator[None]:
-    """Environment variables set while the block runs, restored after. With
-    ``override=False`` a variable already set keeps its value (the user's choice wins)."""
+def environment(values: dict[str, str | None], *, override: bool = True) -> Iterator[None]:
+    """Environment variables set while the block runs (``None``: unset), restored
+    after. With ``override=False`` a variable already set keeps its value (the user's
+    choice wins)."""
     before = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: v for k, v in values.items() if override or before[k] is None})
+    for key, value in values.items():
+        if not override and before[key] is not None:
+            continue
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
