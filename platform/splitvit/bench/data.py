@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 from ..data import ImageFolderDataset, ParquetShards, SyntheticObjects, write_shards
 from ..data.parquet import training_sampler
 from ..jsontypes import JsonObject
-from ..train.console import environment
 from ..storage import filesystem_for, is_s3, join_uri, upload_dir
+from ..train.console import environment
 
 log = logging.getLogger(__name__)
 
