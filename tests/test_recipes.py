@@ -207,6 +207,21 @@ def test_a_new_version_never_changes_what_an_old_one_resolves_to(tmp_path, monke
             cached.cache_clear()
 
 
+def test_a_recipe_files_malformed_pace_is_one_error_naming_the_file(tmp_path, monkeypatch):
+    folder = tmp_path / "recipes"
+    shutil.copytree(recipes.FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    made = yaml.safe_load((folder / "dense-v2.yaml").read_text())
+    made["evidence"]["pace"] = 1.08  # one number, not one per seed
+    (folder / "dense-v2.yaml").write_text(yaml.safe_dump(made))
+    monkeypatch.setattr(recipes, "FOLDER", folder)
+    recipes._load.cache_clear()
+    try:
+        with pytest.raises(recipes.RecipeError, match=r"dense-v2.yaml: evidence: .*float"):
+            load_recipe("dense-v2")
+    finally:
+        recipes._load.cache_clear()
+
+
 # ---------------------------------------------------------------------- studies
 @pytest.mark.parametrize("study", STUDIES)
 def test_each_study_headline_resolves_to_the_settings_its_committed_json_ran_with(study):
