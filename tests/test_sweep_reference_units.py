@@ -2,8 +2,8 @@
 training): the ``reference:``/``evaluation:`` sections and their refusals, finding a
 reference (study, checkpoint, MLflow URI) and judging its convergence, checking that
 its weights fit the trials' model, the config a trained reference gets and its
-digest, the trials' configs, the searcher that hands out the baselines first, and
-``scripts/sweep_vs_recipe.py``'s figures."""
+digest, the trials' configs, the searcher that hands out the baselines after the
+search's trials, and ``scripts/sweep_vs_recipe.py``'s figures."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import yaml
 from ray.tune.search import Searcher
 
 from splitvit.train.experiment import build_model
-from splitvit.tune.baseline_search import BaselinesFirst
+from splitvit.tune.baseline_search import BaselinesFirst, BaselinesLast
 from splitvit.tune.reference import (
     STUDY_RESULT_FILE,
     Reference,
@@ -389,7 +389,7 @@ def test_baseline_params_are_the_first_point_with_the_policy(folder, checkpoint)
     assert plain.baseline_params("full") == {"model.policy.kind": "full"}
 
 
-# ---------------------------------------------------------------------- baselines first
+# ---------------------------------------------------------------------- baselines last
 class Recording(Searcher):
     """A searcher that hands out ``{"x": n}`` and records what it is told."""
 
@@ -420,41 +420,73 @@ class Recording(Searcher):
         return True
 
 
-def test_baselines_come_first_and_never_reach_the_search():
+def test_the_search_comes_first_and_the_baselines_never_reach_it():
     inner = Recording()
-    search = BaselinesFirst(inner, ["full", "entropy", "random"])
+    search = BaselinesLast(inner, ["full", "entropy", "random"], searched=2)
     assert (search.metric, search.mode) == ("accuracy", "max")
     assert search.set_search_properties("accuracy", "max", {"a": 1}) is True
     assert search.set_max_concurrency(2) is True
     assert inner.properties == [("accuracy", "max", {"a": 1})] and inner.concurrency == [2]
-    given = [search.suggest(f"t{i}") for i in range(5)]
-    assert given == [{BASELINE_KEY: "full"}, {BASELINE_KEY: "entropy"}, {BASELINE_KEY: "random"}, {"x": 1}, {"x": 2}]
-    assert inner.suggested == ["t3", "t4"]  # the search is asked only once the baselines are out
+    given = [search.suggest(f"t{i}") for i in range(6)]
+    assert given == [
+        {"x": 1},
+        {"x": 2},
+        {BASELINE_KEY: "full"},
+        {BASELINE_KEY: "entropy"},
+        {BASELINE_KEY: "random"},
+        Searcher.FINISHED,
+    ]
+    assert inner.suggested == ["t0", "t1"]  # the search is asked for its trials only
     for trial in ("t0", "t1", "t2", "t3", "t4"):
         search.on_trial_result(trial, {"accuracy": 0.5})
     search.on_trial_complete("t1", {"accuracy": 0.6})
     search.on_trial_complete("t3", {"accuracy": 0.7})
     search.on_trial_complete("t0", None, error=True)
-    assert inner.results == ["t3", "t4"]
-    assert inner.completed == ["t3"]
+    assert inner.results == ["t0", "t1"]
+    assert inner.completed == ["t1", "t0"]
 
 
-def test_a_restored_wrapper_hands_out_no_baseline_twice():
-    search = BaselinesFirst(Recording(), ["full", "entropy", "random"])
-    assert search.suggest("t0") == {BASELINE_KEY: "full"}
+def test_a_search_with_no_point_yet_does_not_use_up_a_trial():
+    class Waiting(Recording):
+        def suggest(self, trial_id: str) -> dict | None:
+            return None if not self.suggested and trial_id == "t0" else super().suggest(trial_id)
+
+    search = BaselinesLast(Waiting(), ["full"], searched=1)
+    assert search.suggest("t0") is None
+    assert search.suggest("t1") == {"x": 1}
+    assert search.suggest("t2") == {BASELINE_KEY: "full"}
+
+
+def test_a_restored_wrapper_hands_out_no_trial_twice():
+    search = BaselinesLast(Recording(), ["full", "entropy", "random"], searched=2)
+    given = [search.suggest(f"t{i}") for i in range(3)]
+    assert given == [{"x": 1}, {"x": 2}, {BASELINE_KEY: "full"}]
     state = json.loads(json.dumps(search.get_state()))  # what Tune saves, as data
-    assert state == {"pending": ["entropy", "random"], "baseline_trials": ["t0"]}
+    assert state == {"searched_left": 0, "pending": ["entropy", "random"], "baseline_trials": ["t2"]}
     inner = Recording()
-    restored = BaselinesFirst(inner, ["full", "entropy", "random"])
+    restored = BaselinesLast(inner, ["full", "entropy", "random"], searched=2)
     restored.set_state(state)
     given = [restored.suggest(f"r{i}") for i in range(3)]
-    assert given == [{BASELINE_KEY: "entropy"}, {BASELINE_KEY: "random"}, {"x": 1}]
+    assert given == [{BASELINE_KEY: "entropy"}, {BASELINE_KEY: "random"}, Searcher.FINISHED]
+    assert inner.suggested == []
     # the baseline handed out before the restart is still kept from the search
-    restored.on_trial_complete("t0", {"accuracy": 0.9})
+    restored.on_trial_complete("t2", {"accuracy": 0.9})
+    restored.on_trial_complete("t1", {"accuracy": 0.9})
+    assert inner.completed == ["t1"]
+    assert restored.get_state() == {"searched_left": 0, "pending": [], "baseline_trials": ["r0", "r1", "t2"]}
+
+
+def test_a_sweep_saved_with_its_baselines_first_resumes_in_that_order():
+    """A state saved before the baselines moved last (no ``searched_left``), restored
+    into the class by its old name, as Tune unpickles it."""
+    inner = Recording()
+    restored = BaselinesFirst(inner, ["full", "entropy", "random"], searched=8)
+    restored.set_state({"pending": ["random"], "baseline_trials": ["t0", "t1"]})
+    given = [restored.suggest(f"r{i}") for i in range(3)]
+    assert given == [{BASELINE_KEY: "random"}, {"x": 1}, {"x": 2}]
+    restored.on_trial_complete("t1", {"accuracy": 0.9})
     restored.on_trial_complete("r1", {"accuracy": 0.9})
-    restored.on_trial_complete("r2", {"accuracy": 0.9})
-    assert inner.completed == ["r2"]
-    assert restored.get_state() == {"pending": [], "baseline_trials": ["r0", "r1", "t0"]}
+    assert inner.completed == ["r1"]
 
 
 # ---------------------------------------------------------------------- sweep_vs_recipe.py

@@ -291,9 +291,9 @@ def _tuner(sweep: Sweep, trainable: Any, *, resume: bool) -> Any:
     baselines = [b for b in fine_tuned_baselines(space) if b not in sweep.reused]
     search = build_searcher(space)
     if baselines:
-        from .baseline_search import BaselinesFirst  # imports Ray
+        from .baseline_search import BaselinesLast  # imports Ray
 
-        search = BaselinesFirst(search, baselines)
+        search = BaselinesLast(search, baselines, searched=space.search.num_samples)
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
