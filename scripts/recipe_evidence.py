@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "platform"))
 
 from study_tables import backbone_speedups, timed_speedups  # noqa: E402
 
-from splitvit.recipes import load_recipe  # noqa: E402
+from splitvit.recipes import Recipe, load_recipe  # noqa: E402
 from splitvit.study.report import fine_tune_pace  # noqa: E402
 from splitvit.study.runs import MethodRun  # noqa: E402
 
@@ -59,16 +59,36 @@ def evidence_points(data: dict[str, Any], method: str) -> list[dict[str, Any]]:
     return points
 
 
-def evidence_pace(data: dict[str, Any], method: str) -> list[float] | None:
+def evidence_pace(data: dict[str, Any], method: str, trained_in: dict[str, Any] | None = None) -> list[float] | None:
     """``method``'s fine-tuning pace over the control's, seed by seed (the study's pace
     line, rounded as it prints it); None where the JSON's runs cannot give one for every
     seed, or where a run was trained by an earlier invocation (beside other runs: its
-    pace is not a side-by-side figure)."""
+    pace is not a side-by-side figure). ``trained_in``: that earlier invocation's JSON
+    (a recipe's ``evidence.pace_result``), where the runs were trained side by side;
+    the pace is read there, and its runs of the method and the control must be the
+    ones ``data`` reused, epoch for epoch."""
+    if trained_in is not None:
+        if _histories(trained_in, method) != _histories(data, method):
+            raise ValueError(f"the {method} and full-resolution runs of the two JSONs differ: not the same runs")
+        data = trained_in
     runs = [MethodRun.from_dict(run) for run in data["runs"]]
     paces = [p for p in fine_tune_pace(runs) if p.method == method]
     if len(paces) != len(data["seeds"]) or any(p.reused for p in paces):
         return None
     return [round(p.ratio, 2) for p in paces]
+
+
+def _histories(data: dict[str, Any], method: str) -> dict[tuple[str, int], Any]:
+    """The epoch histories of ``method``'s and the control's runs, by method and seed."""
+    return {(r["method"], r["seed"]): r["history"] for r in data["runs"] if r["method"] in (method, "full")}
+
+
+def pace_json(recipe: Recipe) -> dict[str, Any] | None:
+    """The JSON of the invocation that trained the recipe's runs side by side, where its
+    evidence names one apart from its result (``evidence.pace_result``)."""
+    if recipe.evidence is None or recipe.evidence.pace_result is None:
+        return None
+    return json.loads((ROOT / recipe.evidence.pace_result).read_text())
 
 
 def control_quality(data: dict[str, Any]) -> float:
@@ -91,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data = json.loads((ROOT / recipe.evidence.result).read_text())
     measured = {"control": control_quality(data), "points": evidence_points(data, recipe.evidence.method)}
-    pace = evidence_pace(data, recipe.evidence.method)
+    try:
+        pace = evidence_pace(data, recipe.evidence.method, pace_json(recipe))
+    except ValueError as exc:
+        print(f"{recipe.name}: {recipe.evidence.pace_result} and {recipe.evidence.result}: {exc}")
+        return 1
     if pace is not None:
         measured["pace"] = pace
     if not args.check:

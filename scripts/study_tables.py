@@ -24,10 +24,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = ROOT / "docs" / "measurements"
-DEFAULT_STUDIES = (
-    MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json",
-    MEASUREMENTS / "cpu-2026-12-05-seg-speed" / "study_fashion_seg.json",
-    MEASUREMENTS / "cpu-2026-12-05-det-ref28" / "study_fashion_det.json",
+DEFAULT_STUDIES = (  # each default recipe's evidence, then the v1 defaults' from-scratch studies
+    MEASUREMENTS / "cpu-2026-12-07-cls-v2" / "study_fashion_v2_side.json",  # classification-v2
+    MEASUREMENTS / "cpu-2026-12-05-seg-speed" / "study_fashion_seg_t2_side.json",  # dense-v2
+    MEASUREMENTS / "cpu-2026-12-05-det-ref28" / "study_fashion_det.json",  # detection-v1
+    MEASUREMENTS / "cpu-2026-12-02-scratch10" / "study_fashion_scratch10.json",  # classification-v1
+    MEASUREMENTS / "cpu-2026-12-05-seg-speed" / "study_fashion_seg.json",  # dense-v1
 )
 
 

@@ -200,7 +200,7 @@ def test_a_recipe_keeps_its_old_names_and_loads_silently(caplog):
 
     assert "train.teacher" in load_recipe("classification-v1").settings  # a versioned record: never edited
     with caplog.at_level(logging.WARNING, logger="splitvit.config"):
-        config = load_config(SMOKE)
+        config = load_config(SMOKE, ["recipe=classification-v1"])
     assert config.recipe == "classification-v1" and config.train.teacher.kind == "attention"
     assert config.layers["train.teacher.kind"] == "recipe classification-v1"
     assert not [r for r in caplog.records if "old setting names" in r.getMessage()]

@@ -4,6 +4,7 @@ show them (`splitvit recipes`, `splitvit config`); and the study files written a
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -50,7 +51,7 @@ def _flat(config: ExperimentConfig) -> dict:
 # ---------------------------------------------------------------------- the files and their evidence
 def test_every_recipe_carries_the_figures_of_its_committed_study_json():
     evidence = load_script("recipe_evidence.py")
-    assert recipe_names() == ["classification-v1", "dense-v1", "dense-v2", "detection-v1"]
+    assert recipe_names() == ["classification-v1", "classification-v2", "dense-v1", "dense-v2", "detection-v1"]
     for name in recipe_names():
         recipe = load_recipe(name)
         data = json.loads((ROOT / recipe.evidence.result).read_text())
@@ -62,11 +63,28 @@ def test_every_recipe_carries_the_figures_of_its_committed_study_json():
             for p in evidence.evidence_points(data, recipe.evidence.method)
         ]
         assert stated == measured, name
-        assert list(recipe.evidence.pace) == evidence.evidence_pace(data, recipe.evidence.method), name
+        pace = evidence.evidence_pace(data, recipe.evidence.method, evidence.pace_json(recipe))
+        assert list(recipe.evidence.pace) == pace, name
         # the study file's entry (its headline or a lever) is this recipe, under the method name the JSON ran
         spec = load_study(ROOT / recipe.evidence.study, methods=["full", recipe.evidence.method], settings_only=True)
         assert spec.methods[recipe.evidence.method].recipe == name
         assert evidence.main([name, "--check"]) == 0
+
+
+def test_a_pace_read_from_another_invocation_must_be_the_same_runs():
+    """``evidence.pace_result`` names the invocation that trained the runs ``result``
+    reused; the pace is read there only while its runs are those runs, epoch for epoch."""
+    evidence = load_script("recipe_evidence.py")
+    recipe = load_recipe("classification-v2")
+    data = json.loads((ROOT / recipe.evidence.result).read_text())
+    trained_in = evidence.pace_json(recipe)
+    assert evidence.evidence_pace(data, recipe.evidence.method) is None  # reused there: no side-by-side figure
+    assert evidence.evidence_pace(data, recipe.evidence.method, trained_in) == list(recipe.evidence.pace)
+    other = copy.deepcopy(trained_in)
+    run = next(r for r in other["runs"] if r["method"] == "full" and r["seed"] == 0)
+    run["history"][-1]["train_images_per_s"] *= 2
+    with pytest.raises(ValueError, match="not the same runs"):
+        evidence.evidence_pace(data, recipe.evidence.method, other)
 
 
 def test_splitvit_recipes_lists_them_with_their_evidence(tmp_path, capsys):
@@ -85,7 +103,8 @@ def test_splitvit_recipes_lists_them_with_their_evidence(tmp_path, capsys):
         assert f"{at70['vs_control_points']:+.2f} ± {at70['spread_points']:.2f}" in line
         assert f"{at50['vs_control_points']:+.2f} ± {at50['spread_points']:.2f}" in line
         assert f"{at70['speed']:.2f}x" in line and record["evidence"]["commit"] in line
-        pace = evidence.evidence_pace(data, record["evidence"]["method"])
+        trained_in = evidence.pace_json(load_recipe(record["name"]))
+        pace = evidence.evidence_pace(data, record["evidence"]["method"], trained_in)
         assert ", ".join(f"{ratio:.2f}x" for ratio in pace) in line  # the fine-tuning pace, seed by seed
 
 
@@ -116,12 +135,12 @@ def test_a_learned_policy_gets_its_tasks_current_recipe_under_the_files_settings
     raw = {**LEARNED, "train": {"teacher": {"targets": "nested"}}}
     config = ExperimentConfig.from_dict(raw, ["train.teacher.kind=gradient"], source="file x.yaml")
     recipe = load_recipe("classification")
-    assert config.recipe == recipe.name == "classification-v1"
+    assert config.recipe == recipe.name == "classification-v2" and config.train.teacher.every == 2
     assert config.model.fine_aggregation and config.model.policy.level_context  # the recipe's
     assert config.train.teacher.targets == "nested"  # the file's, over the recipe's mixed
     assert config.train.teacher.kind == "gradient"  # --set, over the recipe's attention
     layers = config.layers
-    assert layers["model.fine_aggregation"] == "recipe classification-v1"
+    assert layers["model.fine_aggregation"] == "recipe classification-v2"
     assert layers["train.teacher.targets"] == "file x.yaml" and layers["model.levels"] == "file x.yaml"
     assert layers["train.teacher.kind"] == "--set" and layers["train.lr"] == "default"
     # what to_dict writes reads back to the same config (a checkpoint's, a trial's)
@@ -143,10 +162,10 @@ def test_recipe_none_gives_the_librarys_defaults_and_other_policies_take_no_reci
 def test_without_drops_a_recipe_key_and_must_name_one():
     lever = Layer("method lever", {"train.budget.target_ratio": 0.7}, without=("model.policy.level_context",))
     config = resolve_config([Layer("file", LEARNED, nested=True), lever])
-    assert config.recipe == "classification-v1" and config.train.budget.target_ratio == 0.7
+    assert config.recipe == "classification-v2" and config.train.budget.target_ratio == 0.7
     assert config.model.fine_aggregation and not config.model.policy.level_context
     assert config.layers["model.policy.level_context"] == "default"
-    with pytest.raises(ConfigError, match="without.train.lr: not a setting of recipe classification-v1"):
+    with pytest.raises(ConfigError, match="without.train.lr: not a setting of recipe classification-v2"):
         resolve_config([Layer("file", LEARNED, nested=True), Layer("m", {}, without=("train.lr",))])
 
 
@@ -156,14 +175,20 @@ def test_a_key_the_recipe_set_that_cannot_hold_says_which_recipe_set_it():
 
         experiment_from_dict(LEARNED, ["model.levels=2"])
     assert err.value.key == "model.policy.level_context"
-    assert "set by recipe classification-v1" in str(err.value) and "recipe: none" in str(err.value)
+    assert "set by recipe classification-v2" in str(err.value) and "recipe: none" in str(err.value)
 
 
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ("recipe=classification-v7", "no version v7 of the classification recipe; there are classification-v1"),
-        ("recipe=fast", "unknown recipe 'fast'; known: classification-v1, dense-v1, dense-v2, detection-v1"),
+        (
+            "recipe=classification-v7",
+            "no version v7 of the classification recipe; there are classification-v1, classification-v2",
+        ),
+        (
+            "recipe=fast",
+            "unknown recipe 'fast'; known: classification-v1, classification-v2, dense-v1, dense-v2, detection-v1",
+        ),
         ("recipe=detection-v1", "detection-v1 is a detection recipe and this config's model.task is classification"),
         ("recipe=[1]", "expected a recipe name or none"),
     ],
@@ -207,16 +232,24 @@ def test_a_new_version_never_changes_what_an_old_one_resolves_to(tmp_path, monke
             cached.cache_clear()
 
 
-def test_a_recipe_files_malformed_pace_is_one_error_naming_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("malform", "message"),
+    [
+        (lambda evidence: evidence.update(pace=1.08), r"dense-v2.yaml: evidence: .*float"),  # one number, not per seed
+        (lambda evidence: evidence.pop("points"), r"dense-v2.yaml: evidence: missing 'points'$"),
+    ],
+    ids=["pace-not-a-list", "points-missing"],
+)
+def test_a_recipe_files_malformed_evidence_is_one_error_naming_the_file(tmp_path, monkeypatch, malform, message):
     folder = tmp_path / "recipes"
     shutil.copytree(recipes.FOLDER, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
     made = yaml.safe_load((folder / "dense-v2.yaml").read_text())
-    made["evidence"]["pace"] = 1.08  # one number, not one per seed
+    malform(made["evidence"])
     (folder / "dense-v2.yaml").write_text(yaml.safe_dump(made))
     monkeypatch.setattr(recipes, "FOLDER", folder)
     recipes._load.cache_clear()
     try:
-        with pytest.raises(recipes.RecipeError, match=r"dense-v2.yaml: evidence: .*float"):
+        with pytest.raises(recipes.RecipeError, match=message):
             load_recipe("dense-v2")
     finally:
         recipes._load.cache_clear()
@@ -286,8 +319,8 @@ def test_every_training_run_tags_its_recipe(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     configs = ROOT / "jobs" / "configs"
     for path, overrides, tags in (
-        (SMOKE, [], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
-        (configs / "fashion_mnist.yaml", [], {"splitvit.recipe": "classification-v1", "splitvit.recipe_version": "1"}),
+        (SMOKE, [], {"splitvit.recipe": "classification-v2", "splitvit.recipe_version": "2"}),
+        (configs / "fashion_mnist.yaml", [], {"splitvit.recipe": "classification-v2", "splitvit.recipe_version": "2"}),
         (configs / "fashion_mnist_seg.yaml", [], {"splitvit.recipe": "dense-v2", "splitvit.recipe_version": "2"}),
         (configs / "fashion_det.yaml", [], {"splitvit.recipe": "detection-v1", "splitvit.recipe_version": "1"}),
         (SMOKE, ["recipe=none"], {"splitvit.recipe": "none"}),

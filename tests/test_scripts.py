@@ -23,7 +23,11 @@ DENSE = MEASUREMENTS / "cpu-2026-12-05-seg-speed" / "study_fashion_seg.json"
 # the dense ablation's 12-epoch rows (the default before its 2026-12-05 rerun)
 DENSE_2026_12_03 = MEASUREMENTS / "cpu-2026-12-03-seg" / "study_fashion_seg_scratch12.json"
 DETECTION = MEASUREMENTS / "cpu-2026-12-05-det-ref28" / "study_fashion_det.json"
+# the v2 defaults' evidence: their studies' headline since, the teacher on every 2nd step
+CLASSIFICATION_V2 = MEASUREMENTS / "cpu-2026-12-07-cls-v2" / "study_fashion_v2_side.json"
+DENSE_V2 = MEASUREMENTS / "cpu-2026-12-05-seg-speed" / "study_fashion_seg_t2_side.json"
 RECIPE = "split-0.5-agg-mixed-ctx"
+RECIPE_V2 = "split-0.5-agg-mixed-ctx-t2"
 DETECTION_RECIPE = "split-0.7-objects-d2-lead4-policy4-batch-fgrad-fine"  # policy, fine-tune, policy
 
 
@@ -46,8 +50,9 @@ def gap_line(output: str, name: str, method: str, ratio: str) -> str:
 
 
 def test_study_tables_print_the_default_studies_figures_from_their_json():
-    output = run_script("study_tables.py")  # default: the three default studies' committed JSON
-    for path, method in ((CLASSIFICATION, RECIPE), (DENSE, RECIPE), (DETECTION, DETECTION_RECIPE)):
+    output = run_script("study_tables.py")  # default: the default recipes' studies, then the v1 ones
+    defaults = [(CLASSIFICATION_V2, RECIPE_V2), (DENSE_V2, RECIPE_V2), (DETECTION, DETECTION_RECIPE)]
+    for path, method in defaults + [(CLASSIFICATION, RECIPE), (DENSE, RECIPE)]:
         data = study(path)
         metric = data["metric"]
         rows = {(r["method"], r["target_ratio"]): r for r in data["rows"]}

@@ -223,10 +223,10 @@ def test_levers_run_only_when_named(tmp_path):
 def test_the_shipped_studies_headline_is_the_controls_and_the_winning_recipe():
     """Both shipped studies run, by default, the controls and the winning recipe
     (aggregation, mixed targets, trained at 50%, each level judged in context), at 10
-    fine-tune epochs in classification and 12 in the dense study, the dense study's
-    (dense-v2) with its teacher on every 2nd step; the other SPLIT variants are levers."""
+    fine-tune epochs in classification and 12 in the dense study, both (classification-v2,
+    dense-v2) with the teacher on every 2nd step; the other SPLIT variants are levers."""
     headlines = {
-        "study_fashion.yaml": ("split-0.5-agg-mixed-ctx", 10, 1),
+        "study_fashion.yaml": ("split-0.5-agg-mixed-ctx-t2", 10, 2),
         "study_fashion_seg.yaml": ("split-0.5-agg-mixed-ctx-t2", 12, 2),
     }
     for name, (recipe_name, epochs, teacher_every) in headlines.items():

@@ -105,7 +105,8 @@ def _show(recipe: Recipe) -> None:
             f"speed {_speed(point)}"
         )
     if evidence.pace is not None:
-        print(f"  fine-tuning pace: {_pace(evidence.pace)} the control's images/s (seed by seed)")
+        trained = f"; trained side by side in {evidence.pace_result}" if evidence.pace_result else ""
+        print(f"  fine-tuning pace: {_pace(evidence.pace)} the control's images/s (seed by seed{trained})")
 
 
 def _record(recipe: Recipe) -> JsonObject:

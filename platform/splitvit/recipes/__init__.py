@@ -66,7 +66,10 @@ class Evidence:
     """Where a recipe was proven: the study file and method, the committed result JSON
     (paths in this repository), when and at which commit it ran, and its figures.
     ``pace``: its fine-tuning images/s over the control's, seed by seed (the median
-    fine-tune epoch of each, trained side by side in the study; None: not recorded)."""
+    fine-tune epoch of each, trained side by side in the study; None: not recorded).
+    ``pace_result``: where ``result`` took the method's and the control's runs from an
+    earlier invocation of the study, that invocation's JSON, which trained them side
+    by side (the pace is read there; None: from ``result``)."""
 
     study: str
     method: str
@@ -78,6 +81,12 @@ class Evidence:
     control: float
     points: tuple[EvidencePoint, ...]
     pace: tuple[float, ...] | None = None
+    pace_result: str | None = None
+
+    @property
+    def pace_source(self) -> str:
+        """The result JSON the pace is read from."""
+        return self.pace_result or self.result
 
     def at(self, share: float) -> EvidencePoint | None:
         """The figures at ``share`` of the tokens (None where the study has none)."""
@@ -177,7 +186,9 @@ def _evidence(raw: Any, path: Path) -> Evidence | None:
         points = tuple(EvidencePoint(**point) for point in raw.pop("points"))
         pace = raw.pop("pace", None)
         return Evidence(**raw, points=points, pace=None if pace is None else tuple(pace))
-    except (TypeError, KeyError, AttributeError) as exc:
+    except KeyError as exc:  # str() of a KeyError is the bare key in quotes
+        raise RecipeError(f"{path}: evidence: missing {exc.args[0]!r}") from None
+    except (TypeError, AttributeError) as exc:
         raise RecipeError(f"{path}: evidence: {exc}") from None
 
 
