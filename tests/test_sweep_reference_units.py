@@ -18,6 +18,7 @@ import pytest
 import yaml
 from ray.tune.search import Searcher
 
+from splitvit.config import shared_canvas_cache
 from splitvit.train.experiment import build_model
 from splitvit.tune.baseline_search import BaselinesFirst, BaselinesLast
 from splitvit.tune.reference import (
@@ -30,7 +31,7 @@ from splitvit.tune.reference import (
 )
 from splitvit.tune.space import SearchSpace, SearchSpaceError, space_from_dict
 from splitvit.tune.trial import BASELINE_KEY, SweepPlan
-from tests.helpers import load_script
+from tests.helpers import load_script, write_fake_fashion_mnist
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -387,6 +388,43 @@ def test_baseline_params_are_the_first_point_with_the_policy(folder, checkpoint)
     # no initial points: the base config's own values
     plain = SweepPlan(space=make_space(folder, reference={"checkpoint": "/unused"}), train_storage="x", name="s")
     assert plain.baseline_params("full") == {"model.policy.kind": "full"}
+
+
+# ---------------------------------------------------------------------- cluttered canvases, rendered once
+def test_a_sweep_on_cluttered_canvases_reads_them_from_the_shared_cache(tmp_path):
+    """Like a study's runs, a sweep's trials and baselines read cluttered canvases
+    rendered once under the storage path (rendering one costs about a training step of
+    the studies' model), the cache a study on the same storage wrote."""
+    from splitvit.tune.sweep import _settle_sweep
+
+    root = write_fake_fashion_mnist(tmp_path / "fmnist", train=60, test=20)
+    base = copy.deepcopy(BASE)
+    base["model"].update(
+        {"image_size": 64, "num_classes": 10, "timm_kwargs": {**base["model"]["timm_kwargs"], "patch_size": 8}}
+    )
+    base["data"] = {"name": "cluttered-fashion-mnist", "options": {"root": str(root), "val_size": 10}, "batch_size": 8}
+    base["storage"] = {"path": str(tmp_path / "runs")}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    space = {"base": "base.yaml", "parameters": copy.deepcopy(PARAMETERS), "search": {"num_samples": 1}}
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    setup = _settle_sweep(tmp_path / "space.yaml", None, name="c", resume=False, ray_address=None)
+    cache = str(tmp_path / "runs" / "canvas-cache")
+    assert setup.base.data.options["cache_dir"] == cache
+    plan = SweepPlan(space=setup.space, train_storage=str(tmp_path / "runs" / "c" / "train"), name="c")
+    assert plan.trial_config({"train.budget.weight": 1.5}, "t1").data.options["cache_dir"] == cache
+    assert plan.trial_config({BASELINE_KEY: "entropy"}, "b").data.options["cache_dir"] == cache
+    assert not (tmp_path / "runs" / "canvas-cache").exists()  # rendered by the first run that reads it, not here
+
+
+def test_the_shared_canvas_cache_only_for_cluttered_canvases_on_local_storage(folder):
+    cluttered = ["data.name=cluttered-fashion-mnist", "model.image_size=64", "model.num_classes=10"]
+    config = make_space(folder).config(overrides=cluttered)
+    assert shared_canvas_cache(config) == {"data.options.cache_dir": str(folder / "runs" / "canvas-cache")}
+    own = make_space(folder).config(overrides=[*cluttered, "data.options.cache_dir=/elsewhere"])
+    assert shared_canvas_cache(own) == {}  # the config's own cache stays
+    remote = make_space(folder).config(overrides=[*cluttered, "storage.path=s3://bucket/runs"])
+    assert shared_canvas_cache(remote) == {}  # every node renders its own: nothing to share on a bucket
+    assert shared_canvas_cache(make_space(folder).config()) == {}  # synthetic images cost nothing to draw
 
 
 # ---------------------------------------------------------------------- baselines last

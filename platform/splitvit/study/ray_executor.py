@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import shared_canvas_cache
 from ..errors import error_line
 from ..storage import join_uri
 from ..train.console import ray_console, tune_verbosity
@@ -201,9 +202,7 @@ def run_study(
     root = base.storage.resolved_path()
     study_dir = join_uri(root, name)
     references_dir = None if references_from is None else join_uri(root, references_from)
-    if base.data.name.startswith("cluttered") and not base.storage.is_remote and "cache_dir" not in base.data.options:
-        # render every canvas once, for every run of the study (and of later studies)
-        spec.fixed["data.options.cache_dir"] = str(Path(root) / "canvas-cache")
+    spec.fixed.update(shared_canvas_cache(base))  # every canvas rendered once, for every run and later study
     result, _ = execute_study(
         spec,
         TuneExecutor(study_dir, ray_address),

@@ -69,13 +69,14 @@ the frontier.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from ..config import config_layers, redact_uri
+from ..config import config_layers, redact_uri, shared_canvas_cache
 from ..storage import join_uri
 from ..train.console import environment, ray_console, ray_output_shown, tune_verbosity
 from .artifacts import log_sweep_artifacts
@@ -180,6 +181,11 @@ def _settle_sweep(
     if checked is not space:  # resumed with the overrides the sweep started with
         space = checked
         base, tracking_uri, experiment = build_tracking(space)
+    # where the canvases are kept, like the storage path, is not part of the plan a resume checks
+    cache = shared_canvas_cache(base)
+    if cache:
+        space = dataclasses.replace(space, fixed={**space.fixed, **cache})
+        base = space.config()
     storage = base.storage.resolved_path()
     warn_if_temporary(storage)
     reference = locate_reference(space, base, tracking_uri)
