@@ -83,11 +83,6 @@ class Evidence:
     pace: tuple[float, ...] | None = None
     pace_result: str | None = None
 
-    @property
-    def pace_source(self) -> str:
-        """The result JSON the pace is read from."""
-        return self.pace_result or self.result
-
     def at(self, share: float) -> EvidencePoint | None:
         """The figures at ``share`` of the tokens (None where the study has none)."""
         return next((p for p in self.points if abs(p.share - share) < 1e-9), None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import ExperimentConfig
+from ..config import CANVAS_CACHE, ExperimentConfig
 from ..jsontypes import JsonObject
 from ..train.trial import TrainedRun
 from .execute import StudyResult, execute_study, study_name
@@ -295,7 +295,7 @@ def load_local_study(
         spec.samples = eval_samples
     base = spec.run_config(spec.seeds[0], None, "base")
     if base.data.name.startswith("cluttered") and "cache_dir" not in base.data.options:
-        spec.fixed["data.options.cache_dir"] = str(Path(out) / "canvas-cache")
+        spec.fixed["data.options.cache_dir"] = str(Path(out) / CANVAS_CACHE)
     return spec
 
 
