@@ -3,6 +3,7 @@ full-resolution control, all fine-tuned from the same reference.
 
     python scripts/sweep_vs_recipe.py SWEEP.json --recipe-points RECIPE.json [--json OUT.json]
     python scripts/sweep_vs_recipe.py SWEEP.json --study STUDY.json [--seed 0] [--json OUT.json]
+    python scripts/sweep_vs_recipe.py SWEEP.json --recipe-points RECIPE.json --study STUDY.json [--seed 0]
 
 The recipe and the control come from the sweep itself (``--recipe-points``): its trial
 at the first initial point (the recipe exactly as the study fine-tunes it, from the
@@ -10,7 +11,9 @@ study's reference), evaluated the way a study evaluates its methods
 (``evaluate_points``: thresholds calibrated on 512 validation canvases to each ratio,
 then the sweep's held-out split), those points kept in RECIPE.json (evaluated once,
 read back after); and its full-resolution baseline, fine-tuned like the control. Or
-from a study run from the same reference (``--study``).
+from a study run from the same reference (``--study``). Both options together take
+the recipe from the sweep and the control from the study, for a sweep run without
+its baselines (``--set baselines.enabled=false``) on that study's reference.
 
 For each token ratio 0.2, 0.3, ..., 0.8: the best held-out accuracy at or below that
 ratio among the sweep's frontier points (chosen on validation, evaluated once on the
@@ -102,11 +105,9 @@ def recipe_trial(sweep: dict[str, Any], space_file: str | None = None) -> dict[s
     raise SystemExit(f"{sweep['name']}: no trial at the first initial point {first[0]}")
 
 
-def from_sweep(sweep: dict[str, Any], recipe_points: Path, space_file: str | None = None) -> tuple[list, float, str]:
+def recipe_from_sweep(sweep: dict[str, Any], recipe_points: Path, space_file: str | None = None) -> tuple[list, str]:
     """The recipe's points (its trial evaluated as a study evaluates a method, cached in
-    ``recipe_points``), the fine-tuned full-resolution baseline's held-out quality and
-    where they came from."""
-    metric = sweep["metric"]
+    ``recipe_points``) and the trial they came from."""
     if not recipe_points.exists():
         trial = recipe_trial(sweep, space_file)
         import yaml
@@ -129,10 +130,21 @@ def from_sweep(sweep: dict[str, Any], recipe_points: Path, space_file: str | Non
         recipe_points.write_text(json.dumps({**record, "samples": samples, "points": points_json}, indent=2) + "\n")
     recorded = json.loads(recipe_points.read_text())
     recipe = [(p["token_ratio"], p["quality"]) for p in recorded["points"]]
-    full = next((b for b in sweep["baselines"] if b["baseline"] == "full"), None)
+    return recipe, f"the sweep's recipe trial {recorded['trial_id']}"
+
+
+def from_sweep(sweep: dict[str, Any], recipe_points: Path, space_file: str | None = None) -> tuple[list, float, str]:
+    """The recipe's points (:func:`recipe_from_sweep`), the sweep's fine-tuned
+    full-resolution baseline's held-out quality and where they came from."""
+    metric = sweep["metric"]
+    recipe, trial = recipe_from_sweep(sweep, recipe_points, space_file)
+    full = next((b for b in sweep.get("baselines") or [] if b["baseline"] == "full"), None)
     if full is None or f"test_{metric}" not in full:
-        raise SystemExit(f"{sweep['name']}: no fine-tuned full-resolution baseline with held-out figures")
-    return recipe, full[f"test_{metric}"], f"the sweep's recipe trial {recorded['trial_id']} and full baseline"
+        raise SystemExit(
+            f"{sweep['name']}: no fine-tuned full-resolution baseline with held-out figures "
+            "(a sweep run without baselines: give --study for the control)"
+        )
+    return recipe, full[f"test_{metric}"], f"{trial} and full baseline"
 
 
 def compare(sweep: dict[str, Any], recipe: list[tuple[float, float]], full: float, source: str) -> dict[str, Any]:
@@ -221,14 +233,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep", help="the sweep's JSON (splitvit sweep --json)")
     parser.add_argument("--recipe-points", help="the sweep's recipe trial's points (written on first use)")
     parser.add_argument("--space", help="the sweep's search space (default: the path its JSON names)")
-    parser.add_argument("--study", help="a study's JSON (splitvit study --json), fine-tuned from the same reference")
+    parser.add_argument(
+        "--study",
+        help="a study's JSON (splitvit study --json), fine-tuned from the same reference: the recipe "
+        "and the control, or with --recipe-points the control only",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the study seed whose reference the sweep used")
     parser.add_argument("--method", default="split-0.5-agg-mixed-ctx", help="the study's recipe method")
     parser.add_argument("--control", default="full", help="the study's full-resolution control")
     parser.add_argument("--json", help="write the comparison to this JSON file")
     args = parser.parse_args(argv)
     sweep = json.loads(Path(args.sweep).read_text())
-    if args.study:
+    if args.study and args.recipe_points:
+        recipe, trial = recipe_from_sweep(sweep, Path(args.recipe_points), args.space)
+        study = json.loads(Path(args.study).read_text())
+        full = study_runs(study, args.control, args.seed)["points"][0]["quality"]
+        curves = (recipe, full, f"{trial} and study {study.get('name')}'s {args.control}, seed {args.seed}")
+    elif args.study:
         curves = from_study(json.loads(Path(args.study).read_text()), args.method, args.control, args.seed)
     elif args.recipe_points:
         curves = from_sweep(sweep, Path(args.recipe_points), args.space)

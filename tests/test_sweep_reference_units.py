@@ -669,6 +669,32 @@ def test_the_recipe_and_control_from_the_sweep_itself(script, tmp_path, capsys):
         script.recipe_trial(sweep)
 
 
+def test_the_recipe_from_the_sweep_and_the_control_from_a_study(script, tmp_path, capsys):
+    """A sweep run without its baselines: the recipe is still its own trial's points,
+    the control the study's full-resolution run of the reference's seed; without
+    --study such a sweep is refused with a line that says what to give."""
+    sweep = sweep_json([(0.2, 0.62), (0.5, 0.81)])
+    sweep["baselines"] = []
+    cached = tmp_path / "recipe.json"
+    cached.write_text(json.dumps({"trial_id": "t2", "points": [{"token_ratio": 0.2, "quality": 0.6}]}))
+    study = {
+        "name": "st",
+        "runs": [
+            {"method": "full", "seed": 1, "points": [{"token_ratio": 1.0, "quality": 0.9}]},
+            {"method": "full", "seed": 0, "points": [{"token_ratio": 1.0, "quality": 0.75}]},
+        ],
+    }
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    args = [str(tmp_path / "sweep.json"), "--recipe-points", str(cached)]
+    assert script.main([*args, "--study", str(tmp_path / "study.json"), "--seed", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 0.2 | 62.00 | 60.00 | 75.00 | +2.00 |" in printed
+    assert "recipe trial t2 and study st's full, seed 0" in printed
+    with pytest.raises(SystemExit, match="give --study for the control"):
+        script.main(args)
+
+
 def test_a_held_out_split_the_data_lacks_leaves_the_sweep_whole(monkeypatch, caplog):
     """The held-out evaluation runs after every trial finished: a checkpoint it cannot
     evaluate there (a dataset without that split) is logged and skipped, the other
