@@ -74,6 +74,9 @@ tables: setup
 		--recipe-points docs/measurements/cpu-2026-12-06-sweep-v2/recipe_points.json
 	$(BIN)/python scripts/sweep_vs_recipe.py docs/measurements/cpu-2026-12-06-sweep-v3/sweep_classification_cpu_v3.json \
 		--recipe-points docs/measurements/cpu-2026-12-06-sweep-v3/recipe_points.json
+	$(BIN)/python scripts/sweep_vs_recipe.py docs/measurements/cpu-2026-12-07-sweep-v5/sweep_classification_cpu_v5.json \
+		--recipe-points docs/measurements/cpu-2026-12-07-sweep-v5/recipe_points.json \
+		--study docs/measurements/cpu-2026-12-07-cls-v2/study_fashion_v2_side.json
 
 # The local stack (infra/local): a Ray head with its dashboard/job server on
 # 127.0.0.1:8265 and an MLflow server on 127.0.0.1:5000. STACK_ARGS passes options.

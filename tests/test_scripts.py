@@ -239,28 +239,36 @@ def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_outside
     ]
 
 
+CLS_V2_STUDY = "cpu-2026-12-07-cls-v2/study_fashion_v2_side.json"
+
+
 @pytest.mark.parametrize(
-    "folder, sweep, comparison",
+    "folder, sweep, comparison, control_study",
     [
-        ("cpu-2026-12-06-sweep", "sweep_classification_cpu.json", "comparison.json"),
-        ("cpu-2026-12-06-sweep-v2", "sweep_classification_cpu_v2.json", "comparison.json"),
+        ("cpu-2026-12-06-sweep", "sweep_classification_cpu.json", "comparison.json", None),
+        ("cpu-2026-12-06-sweep-v2", "sweep_classification_cpu_v2.json", "comparison.json", None),
         # the second run's frontier chosen again on 5,000 validation images (scripts/reselect_frontier.py)
-        ("cpu-2026-12-06-sweep-v2", "frontier_val5000.json", "comparison_val5000.json"),
+        ("cpu-2026-12-06-sweep-v2", "frontier_val5000.json", "comparison_val5000.json", None),
         # the third: every point measured on 5,000 validation images by the sweep itself
-        ("cpu-2026-12-06-sweep-v3", "sweep_classification_cpu_v3.json", "comparison.json"),
+        ("cpu-2026-12-06-sweep-v3", "sweep_classification_cpu_v3.json", "comparison.json", None),
+        # the fourth, on classification-v2 without its baselines: the control from the study
+        ("cpu-2026-12-07-sweep-v5", "sweep_classification_cpu_v5.json", "comparison.json", CLS_V2_STUDY),
     ],
 )
-def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json(folder, sweep, comparison):
+def test_sweep_vs_recipe_prints_the_committed_sweeps_table_from_its_json(folder, sweep, comparison, control_study):
     """Each classification CPU sweep's committed JSON and recipe points give its committed
     comparison: its rows, goal lines and hypervolumes (no evaluation: the recipe's
     points are read back, not computed again)."""
-    folder = ROOT / "docs" / "measurements" / folder
+    measurements = ROOT / "docs" / "measurements"
+    folder = measurements / folder
     committed = json.loads((folder / comparison).read_text())
+    control = ["--study", str(measurements / control_study)] if control_study else []
     output = run_script(
         "sweep_vs_recipe.py",
         str(folder / sweep),
         "--recipe-points",
         str(folder / "recipe_points.json"),
+        *control,
     )
     for row in committed["rows"]:
         gap = (row["sweep"] - row["recipe"]) * 100
