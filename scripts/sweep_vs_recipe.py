@@ -82,12 +82,20 @@ def hypervolume(curve: list[tuple[float, float]], low: float = 0.1, high: float 
     return area
 
 
+def study_control(study: dict[str, Any], control: str, seed: int) -> float:
+    """The held-out quality of the study's full-resolution run ``control`` for ``seed``."""
+    return study_runs(study, control, seed)["points"][0]["quality"]
+
+
 def from_study(study: dict[str, Any], method: str, control: str, seed: int) -> tuple[list, float, str]:
     """The recipe's ``(token ratio, quality)`` points, the control's quality and where
     they came from, out of a study's JSON."""
     recipe = [(p["token_ratio"], p["quality"]) for p in study_runs(study, method, seed)["points"]]
-    full = study_runs(study, control, seed)["points"][0]["quality"]
-    return recipe, full, f"study {study.get('name')} ({method}, control {control}), seed {seed}"
+    return (
+        recipe,
+        study_control(study, control, seed),
+        f"study {study.get('name')} ({method}, control {control}), seed {seed}",
+    )
 
 
 def recipe_trial(sweep: dict[str, Any], space_file: str | None = None) -> dict[str, Any]:
@@ -247,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.study and args.recipe_points:
         recipe, trial = recipe_from_sweep(sweep, Path(args.recipe_points), args.space)
         study = json.loads(Path(args.study).read_text())
-        full = study_runs(study, args.control, args.seed)["points"][0]["quality"]
+        full = study_control(study, args.control, args.seed)
         curves = (recipe, full, f"{trial} and study {study.get('name')}'s {args.control}, seed {args.seed}")
     elif args.study:
         curves = from_study(json.loads(Path(args.study).read_text()), args.method, args.control, args.seed)

@@ -425,6 +425,11 @@ def test_the_shared_canvas_cache_only_for_cluttered_canvases_on_local_storage(fo
     remote = make_space(folder).config(overrides=[*cluttered, "storage.path=s3://bucket/runs"])
     assert shared_canvas_cache(remote) == {}  # every node renders its own: nothing to share on a bucket
     assert shared_canvas_cache(make_space(folder).config()) == {}  # synthetic images cost nothing to draw
+    # the local study runner names its own folder (it has no storage path): the cache goes there
+    assert shared_canvas_cache(remote, root=folder / "out") == {
+        "data.options.cache_dir": str(folder / "out" / "canvas-cache")
+    }
+    assert shared_canvas_cache(own, root=folder / "out") == {}
 
 
 # ---------------------------------------------------------------------- baselines last

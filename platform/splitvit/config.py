@@ -984,16 +984,21 @@ def resolve_config(layers: list[Layer], *, default_name: str = "experiment") -> 
 CANVAS_CACHE = "canvas-cache"  # under a study's or a sweep's storage path
 
 
-def shared_canvas_cache(config: ExperimentConfig) -> dict[str, str]:
-    """The setting that renders cluttered canvases once, into ``<storage path>/canvas-cache``,
+def shared_canvas_cache(config: ExperimentConfig, root: str | Path | None = None) -> dict[str, str]:
+    """The setting that renders cluttered canvases once, into ``<root>/canvas-cache``,
     for every run of a study or sweep that reads them (and every later one): rendering a
     canvas costs about a small ViT's training step (``data/cluttered.py``), and a cached
     canvas is the 8-bit one every study trained on. ``{"data.options.cache_dir": ...}`` for
-    cluttered data on local storage whose config names no cache of its own, else ``{}``."""
+    cluttered data whose config names no cache of its own, else ``{}``. ``root`` defaults
+    to the storage path, where that is local (a remote one gets no cache)."""
     data, storage = config.data, config.storage
-    if not data.name.startswith("cluttered") or storage.is_remote or "cache_dir" in data.options:
+    if not data.name.startswith("cluttered") or "cache_dir" in data.options:
         return {}
-    return {"data.options.cache_dir": str(Path(storage.resolved_path()) / CANVAS_CACHE)}
+    if root is None:
+        if storage.is_remote:
+            return {}
+        root = storage.resolved_path()
+    return {"data.options.cache_dir": str(Path(root) / CANVAS_CACHE)}
 
 
 def blame_recipe(exc: ConfigError, config: ExperimentConfig) -> ConfigError:

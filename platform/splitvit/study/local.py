@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import CANVAS_CACHE, ExperimentConfig
+from ..config import ExperimentConfig, shared_canvas_cache
 from ..jsontypes import JsonObject
 from ..train.trial import TrainedRun
 from .execute import StudyResult, execute_study, study_name
@@ -294,8 +294,7 @@ def load_local_study(
     if eval_samples is not None:
         spec.samples = eval_samples
     base = spec.run_config(spec.seeds[0], None, "base")
-    if base.data.name.startswith("cluttered") and "cache_dir" not in base.data.options:
-        spec.fixed["data.options.cache_dir"] = str(Path(out) / CANVAS_CACHE)
+    spec.fixed.update(shared_canvas_cache(base, root=out))  # no storage path here: the study's own folder
     return spec
 
 
