@@ -151,6 +151,34 @@ def test_bench_parts_times_a_study_methods_model_stage_by_stage(tmp_path, capsys
         assert 0 < sum(split["stages_s"].values()) < 5 * split["median_s"]
 
 
+def test_bench_parts_times_a_detectors_backbone_alone_in_the_pass_the_detector_calls(tmp_path, capsys, monkeypatch):
+    """A detection config: its SplitViT backbone is timed through ``fine_features`` (the
+    leaves on the finest grid, what the detector's pyramid reads), not ``forward``, beside
+    the full-resolution backbone; the printout and JSON say so."""
+    from splitvit.cli import main
+    from splitvit.model import SplitViT
+
+    calls = {"fine_features": 0}
+    fine_features = SplitViT.fine_features
+
+    def counted(self, *args, **kwargs):
+        calls["fine_features"] += 1
+        return fine_features(self, *args, **kwargs)
+
+    monkeypatch.setattr(SplitViT, "fine_features", counted)
+    out = tmp_path / "parts.json"
+    argv = ["bench", "parts", "--config", "jobs/configs/fashion_det.yaml", "--batch-sizes", "2", "--ratios", "0.6"]
+    argv += ["--repeats", "1", "--runs", "1", "--threads", "1", "--json", str(out)]
+    assert main(argv) == 0
+    assert "a detector: its backbone alone (fine_features)" in capsys.readouterr().out
+    # full and split@0.60, plain and clocked, warm-up and timed rounds, and the token count
+    assert calls["fine_features"] >= 8
+    data = json.loads(out.read_text())
+    assert "its backbone alone" in data["source"]
+    split = data["batches"][0]["models"]["split@0.60"]
+    assert 0.0 < split["token_ratio"] < 1.0 and split["stages_s"]["head"] > 0  # head: the fine map
+
+
 def test_bench_parts_times_a_trained_checkpoint(tmp_path, capsys):
     from splitvit.cli import main
 

@@ -255,6 +255,11 @@ def test_the_shipped_detection_study_follows_the_protocol_and_its_scales_change_
     # the classification study's recipe as it is stays a lever, run beside the same control
     lever = load_study(path, methods=["full", "split-0.5-agg-mixed-ctx"]).run_config(0, "split-0.5-agg-mixed-ctx", "x")
     assert lever.train.teacher.kind == "gradient"
+    # the recipe computing less (issue 59): its policy without level context and fine aggregation
+    lean_name = RECIPE + "-lean"
+    lean = load_study(path, methods=["full", lean_name]).run_config(0, lean_name, "x")
+    assert not (lean.model.policy.level_context or lean.model.fine_aggregation)
+    assert (lean.model.policy.fine_evidence, lean.model.policy.depth, lean.train.budget.target_ratio) == (True, 2, 0.7)
     assert (spec.goals.match_ratio, spec.goals.also_match_at, spec.goals.match_points) == (0.7, (0.5,), 1.0)
     assert spec.goals.beat_range == (0.1, 0.7) and spec.goals.max_minutes == 150 and spec.split == "test"
 

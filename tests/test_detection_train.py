@@ -500,18 +500,6 @@ def test_splitvit_train_runs_a_detector_on_two_ray_workers_and_eval_reads_its_ch
     assert len(json.loads(drawn.read_text())["detections"]) == 2  # detections drawn per image (any may be 0)
 
 
-def test_what_does_not_run_detectors_says_so_in_one_line(capsys):
-    """`bench parts` (a SplitViT's stages) refuses a detection config before any work,
-    naming the task; `splitvit study`, `sweep` (tests/test_detection_study.py) and the
-    local study loop (tests/test_study_local_detection.py) run detectors."""
-    from splitvit.cli import main
-
-    config = Path("jobs/configs/fashion_det.yaml").resolve()
-    assert main(["bench", "parts", "--config", str(config), "--batch-sizes", "1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "it times SplitViT models only" in err[0] and "detection" in err[0], err
-
-
 def test_letterboxed_coco_images_are_evaluated_in_their_own_pixels(tmp_path):
     """Images of other sizes than the canvas are letterboxed for the model; detections
     are mapped back (boxes divided by the scale, masks cut from the padding and resized)

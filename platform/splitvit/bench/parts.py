@@ -1,7 +1,10 @@
 """``splitvit bench parts``: where a SPLIT model's forward time goes, beside full resolution.
 
 The model is one a user trains: a study's method (the study file's config and the
-method's settings, random weights), an experiment config, or a trained checkpoint.
+method's settings, random weights), an experiment config, or a trained checkpoint;
+for a detector, its backbone alone, in the pass the detector calls
+(:meth:`~splitvit.model.splitvit.SplitViT.fine_features`: the leaves laid on the finest
+grid, its ``head`` stage), since its pyramid and heads do not shrink with the tokens.
 Its full-resolution counterpart is the same model with the ``full`` policy (every
 node splits: the studies' control architecture, the sweeps' baseline). At every
 batch size, in ``runs`` interleaved runs (:func:`~splitvit.bench.timing.time_beside_others`,
@@ -45,7 +48,7 @@ from typing import Any
 import torch
 
 from ..jsontypes import JsonObject
-from ..model import SplitViT
+from ..model import SplitOutput, SplitViT
 from ..model.stages import STAGES, StageClock
 from ..train.steps import calibrate_thresholds
 from .forward import benchmark_images
@@ -341,13 +344,17 @@ def across_runs(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -> PartsReport:
+def run_parts_benchmark(
+    model: SplitViT, settings: PartsSettings, source: str, *, backbone_pass: bool = False
+) -> PartsReport:
     """Time ``model`` at every ratio and batch size beside its full-resolution self.
 
     Args:
         model: the SPLIT model (its policy, settings and weights as trained or built).
         settings: batch sizes, ratios, rounds, threads, device.
         source: what the model is (a study's method, a config, a checkpoint), for the report.
+        backbone_pass: time :meth:`~splitvit.model.splitvit.SplitViT.fine_features` (a
+            detector's backbone, as the detector calls it) instead of ``forward``.
 
     Returns:
         The model, the machine, the calibrated thresholds, and per batch size every
@@ -373,7 +380,9 @@ def run_parts_benchmark(model: SplitViT, settings: PartsSettings, source: str) -
             points[point_name(ratio)] = point
         if settings.compile:
             _compile(full, points, settings, dev)
-        timed = [_time_batch(full, points, _rotation(images, b), settings, dev) for b in settings.batch_sizes]
+        timed = [
+            _time_batch(full, points, _rotation(images, b), settings, dev, backbone_pass) for b in settings.batch_sizes
+        ]
         machine = machine_info(dev)  # before the threads are restored: it records them
     finally:
         torch.set_num_threads(previous_threads)
@@ -426,7 +435,12 @@ def _rotation(images: torch.Tensor, batch: int) -> list[torch.Tensor]:
 
 
 def _time_batch(
-    full: SplitViT, points: dict[str, SplitViT], batches: list[torch.Tensor], settings: PartsSettings, dev: torch.device
+    full: SplitViT,
+    points: dict[str, SplitViT],
+    batches: list[torch.Tensor],
+    settings: PartsSettings,
+    dev: torch.device,
+    backbone_pass: bool = False,
 ) -> tuple[PartsBatch, list[str]]:
     """One batch size: every model plain and clocked, interleaved, in ``settings.runs`` runs,
     and a warning when other processes competed for the cores.
@@ -441,11 +455,12 @@ def _time_batch(
     batch = batches[0].shape[0]
     sync = synchronizer(dev)
     models = {"full": full, **points}
+    passes = {name: _timed_pass(model, backbone_pass) for name, model in models.items()}
     stage_samples: dict[str, list[dict[str, float]]] = {name: [] for name in models}
     fns: dict[str, Callable[[], Any]] = {}
     for name, model in models.items():
-        fns[name] = _rotating(model, batches)
-        fns[f"{name}/stages"] = _clocked(model, batches, sync, stage_samples[name])
+        fns[name] = _rotating(passes[name], batches)
+        fns[f"{name}/stages"] = _clocked(model, passes[name], batches, sync, stage_samples[name])
     samples: dict[str, list[float]] = {name: [] for name in models}
     cpu: dict[str, list[float]] = {name: [] for name in models}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in models}
@@ -453,7 +468,7 @@ def _time_batch(
     per_run_stages: list[dict[str, dict[str, float]]] = []  # per run, per model: its stage medians
     others_runs: list[float] = []
     with torch.inference_mode(), settings.autocast(dev):
-        tokens = {name: statistics.fmean(float(m(b).token_ratio.mean()) for b in batches) for name, m in models.items()}
+        tokens = {name: statistics.fmean(float(p(b).token_ratio.mean()) for b in batches) for name, p in passes.items()}
         for _ in range(settings.runs):
             for clocked in stage_samples.values():
                 clocked.clear()
@@ -501,23 +516,34 @@ def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {s: statistics.median(r.get(s, 0.0) for r in rounds) for s in STAGES if any(r.get(s) for r in rounds)}
 
 
-def _rotating(model: SplitViT, batches: list[torch.Tensor]) -> Callable[[], Any]:
-    """A forward pass on the next of ``batches`` at every call."""
+def _timed_pass(model: SplitViT, backbone_pass: bool) -> Callable[[torch.Tensor], SplitOutput]:
+    """The pass timed on a batch: ``forward``, or ``fine_features`` (a detector's backbone)."""
+    if backbone_pass:
+        return lambda images: model.fine_features(images)[1]
+    return model
+
+
+def _rotating(run: Callable[[torch.Tensor], Any], batches: list[torch.Tensor]) -> Callable[[], Any]:
+    """``run`` (a model's timed pass) on the next of ``batches`` at every call."""
     turn = itertools.cycle(batches)
-    return lambda: model(next(turn))
+    return lambda: run(next(turn))
 
 
 def _clocked(
-    model: SplitViT, batches: list[torch.Tensor], sync: Callable[[], None], out: list[dict[str, float]]
+    model: SplitViT,
+    run: Callable[[torch.Tensor], Any],
+    batches: list[torch.Tensor],
+    sync: Callable[[], None],
+    out: list[dict[str, float]],
 ) -> Callable[[], None]:
-    """:func:`_rotating` with a stage clock attached; each call appends its stages' seconds."""
+    """:func:`_rotating` with a stage clock attached to ``model``; each call appends its stages' seconds."""
     turn = itertools.cycle(batches)
 
     def call() -> None:
         clock = StageClock(sync)
         model.clock = clock
         try:
-            model(next(turn))
+            run(next(turn))
         finally:
             model.clock = None
         out.append(clock.seconds)

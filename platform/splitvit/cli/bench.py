@@ -208,7 +208,7 @@ def _add_parts(kinds: argparse._SubParsersAction) -> None:
         parents=[common_options(None)],
         help="where a SPLIT model's forward time goes (embeddings, aggregation, policy, level context, "
         "decisions, gather, packing, blocks, head) beside full resolution, at several batch sizes: "
-        "a study's method, an experiment config or a checkpoint",
+        "a study's method, an experiment config or a checkpoint (a detector's: its backbone alone)",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--study", help="a study file; its --method's model, with random weights")
@@ -269,16 +269,17 @@ def run_parts(args: argparse.Namespace) -> int:
         compile=args.compile,
         token_buckets=args.token_buckets,
     )
-    model, source = _parts_model(args)
-    result = run_parts_benchmark(model, settings, source)
+    model, source, backbone_pass = _parts_model(args)
+    result = run_parts_benchmark(model, settings, source, backbone_pass=backbone_pass)
     print(format_parts_report(result))
     emit(args, result.to_dict())
     return 0
 
 
 def _parts_model(args: argparse.Namespace):
-    """The model ``bench parts`` times, and a line saying what it is."""
-    from ..model import SplitViT
+    """The SplitViT ``bench parts`` times, a line saying what it is, and whether it is a
+    detector's backbone (timed alone, in the pass the detector calls)."""
+    from ..model.detection import SplitDetector
 
     if args.checkpoint:
         from ..train.checkpoints import load_payload, model_from_payload
@@ -303,9 +304,9 @@ def _parts_model(args: argparse.Namespace):
             label += " with " + " ".join(args.overrides)
         # random weights: speed does not depend on them (thresholds are calibrated to each ratio)
         model, label = build_model(config.model, pretrained=False), label + ", random weights"
-    if not isinstance(model, SplitViT):  # its stages are a SplitViT's; a detector adds a pyramid and heads
-        raise ValueError(f"bench parts: {label} is a detector (model.task=detection); it times SplitViT models only")
-    return model, label
+    if isinstance(model, SplitDetector):  # the stages are its backbone's; the pyramid and heads do not shrink
+        return model.backbone, label + "; a detector: its backbone alone (fine_features)", True
+    return model, label, False
 
 
 def _with_control(args: argparse.Namespace) -> list[str]:
