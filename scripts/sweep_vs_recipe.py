@@ -87,6 +87,17 @@ def study_control(study: dict[str, Any], control: str, seed: int) -> float:
     return study_runs(study, control, seed)["points"][0]["quality"]
 
 
+def current_recipe_method(task: str) -> str:
+    """The study method ``task``'s current recipe was proven as (its evidence's ``method``):
+    what a study run beside it calls the recipe."""
+    from splitvit.recipes import load_recipe
+
+    recipe = load_recipe(task)
+    if recipe.evidence is None:
+        raise SystemExit(f"recipe {recipe.name} names no evidence: give --method")
+    return recipe.evidence.method
+
+
 def from_study(study: dict[str, Any], method: str, control: str, seed: int) -> tuple[list, float, str]:
     """The recipe's ``(token ratio, quality)`` points, the control's quality and where
     they came from, out of a study's JSON."""
@@ -247,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         "and the control, or with --recipe-points the control only",
     )
     parser.add_argument("--seed", type=int, default=0, help="the study seed whose reference the sweep used")
-    parser.add_argument("--method", default="split-0.5-agg-mixed-ctx", help="the study's recipe method")
+    parser.add_argument(
+        "--method",
+        help="the study's recipe method (default: the method the current classification recipe's evidence names)",
+    )
     parser.add_argument("--control", default="full", help="the study's full-resolution control")
     parser.add_argument("--json", help="write the comparison to this JSON file")
     args = parser.parse_args(argv)
@@ -258,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         full = study_control(study, args.control, args.seed)
         curves = (recipe, full, f"{trial} and study {study.get('name')}'s {args.control}, seed {args.seed}")
     elif args.study:
-        curves = from_study(json.loads(Path(args.study).read_text()), args.method, args.control, args.seed)
+        method = args.method or current_recipe_method("classification")
+        curves = from_study(json.loads(Path(args.study).read_text()), method, args.control, args.seed)
     elif args.recipe_points:
         curves = from_sweep(sweep, Path(args.recipe_points), args.space)
     else:

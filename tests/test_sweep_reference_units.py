@@ -642,6 +642,21 @@ def test_main_prints_the_table_and_writes_json(script, tmp_path, capsys):
     assert written["met"] is True and written["sweep"] == "sw" and written["source"].startswith("study st (recipe")
 
 
+def test_a_studys_recipe_is_by_default_the_method_the_current_recipe_was_proven_as(script, tmp_path, capsys):
+    """``--study`` without ``--method`` compares with the current classification recipe's
+    study method (its evidence's), not a fixed name that outlives the recipe."""
+    from splitvit.recipes import load_recipe
+
+    proven = load_recipe("classification").evidence.method
+    study = json.loads(json.dumps(STUDY))
+    for run in study["runs"]:
+        run["method"] = proven if run["method"] == "recipe" else run["method"]
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep_json([(0.2, 0.62), (0.5, 0.81)])))
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    assert script.main([str(tmp_path / "sweep.json"), "--study", str(tmp_path / "study.json")]) == 0
+    assert f"({proven}, control full)" in capsys.readouterr().out
+
+
 def test_the_recipe_and_control_from_the_sweep_itself(script, tmp_path, capsys):
     """Without a study: the recipe is the sweep's trial at its first initial point (its
     points cached in a file, read back), the control its fine-tuned full baseline."""
