@@ -2,6 +2,7 @@
 
     python scripts/recipe_evidence.py RECIPE            # the evidence block, from its result JSON
     python scripts/recipe_evidence.py RECIPE --check    # exit 1 where the recipe file says otherwise
+    python scripts/recipe_evidence.py --from STUDY.json --method M   # a new recipe's block, from its study
 
 The figures a recipe file carries (``evidence.points``: quality, token share, the gap to
 the full-resolution control and its spread over seeds, the speed-up measured by the
@@ -100,11 +101,44 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
+def new_evidence(path: Path, method: str) -> dict[str, Any]:
+    """The evidence block of a recipe not written yet: what the study JSON at ``path``
+    says of ``method`` (its study file, the JSON, metric, seeds, the control, its points
+    and pace); its ``date`` and ``commit`` are the person's to fill in."""
+    data = json.loads(path.read_text())
+    if not any(r["method"] == method for r in data["levers"]):
+        methods = sorted({r["method"] for r in data["levers"]})
+        raise SystemExit(f"{path}: no method {method!r} in its lever rows; it has {methods}")
+    block: dict[str, Any] = {
+        "study": data["source"],
+        "method": method,
+        "result": str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path),
+        "metric": data["metric"],
+        "seeds": len(data["seeds"]),
+        "control": control_quality(data),
+    }
+    pace = evidence_pace(data, method)
+    if pace is not None:
+        block["pace"] = pace
+    block["points"] = [{k: v for k, v in p.items() if v is not None} for p in evidence_points(data, method)]
+    return block
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", help="a recipe name (classification-v1 ...)")
+    parser.add_argument("recipe", nargs="?", help="a recipe name (classification-v1 ...)")
     parser.add_argument("--check", action="store_true", help="exit 1 where the recipe file's figures differ")
+    parser.add_argument("--from", dest="study_json", type=Path, help="a study's JSON: a new recipe's evidence block")
+    parser.add_argument("--method", help="with --from: the study's method the new recipe is")
     args = parser.parse_args(argv)
+    if args.study_json is not None or args.method is not None:
+        if args.recipe or args.check or args.study_json is None or args.method is None:
+            parser.error("--from and --method go together, without a recipe name or --check")
+        evidence = {"evidence": new_evidence(args.study_json, args.method)}
+        print(yaml.safe_dump(evidence, sort_keys=False, default_flow_style=None), end="")
+        return 0
+    if not args.recipe:
+        parser.error("give a recipe name, or --from STUDY.json --method M")
     recipe = load_recipe(args.recipe)
     if recipe.evidence is None:
         print(f"{recipe.name} carries no evidence")

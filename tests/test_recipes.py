@@ -87,6 +87,30 @@ def test_a_pace_read_from_another_invocation_must_be_the_same_runs():
         evidence.evidence_pace(data, recipe.evidence.method, other)
 
 
+def test_a_new_recipes_evidence_block_is_written_from_its_study_json(capsys):
+    """``--from STUDY.json --method M``: the block a recipe file would carry, which for
+    every shipped recipe proven in one invocation is its file's own (date and commit aside)."""
+    evidence = load_script("recipe_evidence.py")
+    for name in recipe_names():
+        recipe = load_recipe(name)
+        if recipe.evidence.pace_result is not None:  # its pace was read from another invocation
+            continue
+        argv = ["--from", str(ROOT / recipe.evidence.result), "--method", recipe.evidence.method]
+        assert evidence.main(argv) == 0
+        block = yaml.safe_load(capsys.readouterr().out)["evidence"]
+        # the study file as the run named it (studies/ was search_spaces/ before 2026-12-05)
+        assert Path(block.pop("study")).name == Path(recipe.evidence.study).name
+        stated = {k: v for k, v in vars(recipe.evidence).items() if k not in ("study", "date", "commit", "pace_result")}
+        stated["pace"] = list(stated["pace"])
+        stated["points"] = [{k: v for k, v in vars(p).items() if v is not None} for p in stated["points"]]
+        assert block == stated, name
+    with pytest.raises(SystemExit, match="no method 'nope'"):
+        evidence.main(["--from", str(ROOT / recipe.evidence.result), "--method", "nope"])
+    with pytest.raises(SystemExit):  # the two go together
+        evidence.main(["--method", recipe.evidence.method])
+    assert "--from and --method go together" in capsys.readouterr().err
+
+
 def test_splitvit_recipes_lists_them_with_their_evidence(tmp_path, capsys):
     out = tmp_path / "recipes.json"
     assert main(["recipes", "--json", str(out)]) == 0
