@@ -23,7 +23,7 @@ from splitvit.bench.parts import (
 )
 from splitvit.model.quadtree import repeat_cells, upsample_to_children
 from splitvit.model.splitvit import _area_downsample
-from splitvit.model.stages import STAGES, StageClock
+from splitvit.model.stages import DETECTOR_STAGES, STAGES, StageClock
 
 from .helpers import tiny_model
 
@@ -151,32 +151,45 @@ def test_bench_parts_times_a_study_methods_model_stage_by_stage(tmp_path, capsys
         assert 0 < sum(split["stages_s"].values()) < 5 * split["median_s"]
 
 
-def test_bench_parts_times_a_detectors_backbone_alone_in_the_pass_the_detector_calls(tmp_path, capsys, monkeypatch):
-    """A detection config: its SplitViT backbone is timed through ``fine_features`` (the
-    leaves on the finest grid, what the detector's pyramid reads), not ``forward``, beside
-    the full-resolution backbone; the printout and JSON say so."""
+def test_bench_parts_times_a_detector_whole_and_its_backbone_alone(tmp_path, capsys, monkeypatch):
+    """A detection config: in the same rounds the whole detector (its backbone's stages,
+    then pyramid, proposals, RoI heads, pasting) and its backbone alone through
+    ``fine_features`` (what the detector calls, not ``forward``), each beside full
+    resolution's same part; the printout and JSON say which is which."""
     from splitvit.cli import main
     from splitvit.model import SplitViT
 
-    calls = {"fine_features": 0}
-    fine_features = SplitViT.fine_features
+    calls = {"fine_features": 0, "forward": 0}
+    fine_features, forward = SplitViT.fine_features, SplitViT.forward
 
-    def counted(self, *args, **kwargs):
-        calls["fine_features"] += 1
-        return fine_features(self, *args, **kwargs)
+    def counted(name, method):
+        def call(self, *args, **kwargs):
+            calls[name] += 1
+            return method(self, *args, **kwargs)
 
-    monkeypatch.setattr(SplitViT, "fine_features", counted)
+        return call
+
+    monkeypatch.setattr(SplitViT, "fine_features", counted("fine_features", fine_features))
+    monkeypatch.setattr(SplitViT, "forward", counted("forward", forward))
     out = tmp_path / "parts.json"
     argv = ["bench", "parts", "--config", "jobs/configs/fashion_det.yaml", "--batch-sizes", "2", "--ratios", "0.6"]
     argv += ["--repeats", "1", "--runs", "1", "--threads", "1", "--json", str(out)]
     assert main(argv) == 0
-    assert "a detector: its backbone alone (fine_features)" in capsys.readouterr().out
-    # full and split@0.60, plain and clocked, warm-up and timed rounds, and the token count
-    assert calls["fine_features"] >= 8
+    assert "a detector: whole, and its backbone alone (:backbone)" in capsys.readouterr().out
+    # 4 passes x (warm-up, timed) x (plain, clocked); a classifier's forward never runs
+    assert calls["fine_features"] >= 16 and calls["forward"] == 0
     data = json.loads(out.read_text())
-    assert "its backbone alone" in data["source"]
-    split = data["batches"][0]["models"]["split@0.60"]
-    assert 0.0 < split["token_ratio"] < 1.0 and split["stages_s"]["head"] > 0  # head: the fine map
+    models = data["batches"][0]["models"]
+    assert set(models) == {"full", "split@0.60", "full:backbone", "split@0.60:backbone"}
+    assert data["stages"][-4:] == ["pyramid", "proposals", "roi_heads", "paste"]
+    whole, alone = models["split@0.60"], models["split@0.60:backbone"]
+    assert 0.0 < whole["token_ratio"] == alone["token_ratio"] < 1.0
+    assert {"pyramid", "proposals", "roi_heads", "blocks"} <= set(whole["stages_s"])
+    assert "blocks" in alone["stages_s"] and not {"pyramid", "roi_heads"} & set(alone["stages_s"])
+    # each split pass is compared with full resolution's same part, run by run
+    for name, reference in (("split@0.60", "full"), ("split@0.60:backbone", "full:backbone")):
+        (full_s,), (split_s,) = models[reference]["runs"]["median_s"], models[name]["runs"]["median_s"]
+        assert models[name]["speedup_vs_full"] == pytest.approx(full_s / split_s)
 
 
 def test_bench_parts_times_a_trained_checkpoint(tmp_path, capsys):
@@ -258,7 +271,7 @@ def test_the_ceiling_counts_the_arithmetic_stages_only():
     stages |= {"head": 5.0, "policy_head": 100.0, "decision": 100.0, "gather": 100.0, "packing": 100.0}
     assert ceiling_speedup(50.0, stages) == pytest.approx(50.0 / 25.0)
     assert ceiling_speedup(8.0, {"blocks": 3.0, "head": 1.0, "decision": 7.0}) == pytest.approx(2.0)
-    assert set(ARITHMETIC_STAGES) == set(STAGES) - {"policy_head", "decision", "gather", "packing"}
+    assert set(ARITHMETIC_STAGES) == set(STAGES + DETECTOR_STAGES) - {"policy_head", "decision", "gather", "packing"}
     with pytest.raises(ValueError, match="arithmetic stages"):
         ceiling_speedup(1.0, {"decision": 1.0, "gather": 1.0})
 

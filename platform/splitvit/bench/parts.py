@@ -1,11 +1,13 @@
 """``splitvit bench parts``: where a SPLIT model's forward time goes, beside full resolution.
 
 The model is one a user trains: a study's method (the study file's config and the
-method's settings, random weights), an experiment config, or a trained checkpoint;
-for a detector, its backbone alone, in the pass the detector calls
-(:meth:`~splitvit.model.splitvit.SplitViT.fine_features`: the leaves laid on the finest
-grid, its ``head`` stage), since its pyramid and heads do not shrink with the tokens.
-Its full-resolution counterpart is the same model with the ``full`` policy (every
+method's settings, random weights), an experiment config, or a trained checkpoint.
+A detector is timed twice in the same rounds: whole (its backbone's stages, then its
+pyramid, proposals, RoI heads and mask pasting: :data:`~splitvit.model.stages.DETECTOR_STAGES`),
+and its backbone alone (``<name>:backbone``), in the pass the detector calls
+(:meth:`~splitvit.model.splitvit.SplitViT.fine_features`, whose ``head`` stage lays the
+leaves on the finest grid), each against full resolution's same part: its heads do not
+shrink with the tokens. Its full-resolution counterpart is the same model with the ``full`` policy (every
 node splits: the studies' control architecture, the sweeps' baseline). At every
 batch size, in ``runs`` interleaved runs (:func:`~splitvit.bench.timing.time_beside_others`,
 each run every model in turn, round after round):
@@ -49,11 +51,13 @@ import torch
 
 from ..jsontypes import JsonObject
 from ..model import SplitOutput, SplitViT
-from ..model.stages import STAGES, StageClock
+from ..model.detection import SplitDetector, split_backbone
+from ..model.stages import DETECTOR_STAGES, STAGES, StageClock
 from ..train.steps import calibrate_thresholds
 from .forward import benchmark_images
 from .records import MachineInfo, without_unset
 from .report import device_label, text_table
+from .speed import BACKBONE_SUFFIX
 from .timing import (
     OTHER_LOAD_WARNING,
     checked_device,
@@ -66,6 +70,9 @@ from .timing import (
 
 log = logging.getLogger(__name__)
 
+#: What ``bench parts`` times: a SplitViT, or a detector on one.
+Model = SplitViT | SplitDetector
+
 #: Images the thresholds of every ratio are calibrated on (shared by every batch size).
 CALIBRATION_IMAGES = 256
 #: Batch sizes from latency (1) to throughput (256).
@@ -75,10 +82,11 @@ DEFAULT_BATCH_SIZES = (1, 8, 64, 256)
 ROTATION_BATCHES = 16
 #: The stages the arithmetic ceiling counts: the computation the recipe cannot do
 #: without (patch embeddings, fine aggregation, the policy's blocks, level context, the
-#: ViT's blocks, the head). The policy's heads, the decisions, gather and packing only
-#: choose and arrange tokens (a few small layers, thresholds, index work): the overhead
-#: that could in principle cost nothing, and so the ceiling counts it as free.
-ARITHMETIC_STAGES = ("embedding", "aggregation", "policy_blocks", "level_context", "blocks", "head")
+#: ViT's blocks, the head; a detector's pyramid, proposals and RoI heads). The policy's
+#: heads, the decisions, gather and packing only choose and arrange tokens (a few small
+#: layers, thresholds, index work): the overhead that could in principle cost nothing,
+#: and so the ceiling counts it as free.
+ARITHMETIC_STAGES = ("embedding", "aggregation", "policy_blocks", "level_context", "blocks", "head", *DETECTOR_STAGES)
 
 
 @dataclass(frozen=True)
@@ -344,17 +352,13 @@ def across_runs(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_parts_benchmark(
-    model: SplitViT, settings: PartsSettings, source: str, *, backbone_pass: bool = False
-) -> PartsReport:
+def run_parts_benchmark(model: Model, settings: PartsSettings, source: str) -> PartsReport:
     """Time ``model`` at every ratio and batch size beside its full-resolution self.
 
     Args:
-        model: the SPLIT model (its policy, settings and weights as trained or built).
+        model: the SPLIT model or detector (its policy, settings and weights as trained or built).
         settings: batch sizes, ratios, rounds, threads, device.
         source: what the model is (a study's method, a config, a checkpoint), for the report.
-        backbone_pass: time :meth:`~splitvit.model.splitvit.SplitViT.fine_features` (a
-            detector's backbone, as the detector calls it) instead of ``forward``.
 
     Returns:
         The model, the machine, the calibrated thresholds, and per batch size every
@@ -368,27 +372,26 @@ def run_parts_benchmark(
     try:
         split = model.to(dev).eval()
         full = copy.deepcopy(split)
-        full.set_policy("full")
-        images = _images(split, max(*settings.batch_sizes, CALIBRATION_IMAGES), settings.seed, dev)
+        split_backbone(full).set_policy("full")
+        images = _images(split_backbone(split), max(*settings.batch_sizes, CALIBRATION_IMAGES), settings.seed, dev)
         # one model per ratio, its thresholds set as a calibrated model's are (not passed per call),
         # in the precision it is timed in
-        points: dict[str, SplitViT] = {}
+        points: dict[str, Model] = {}
         for ratio in settings.ratios:
             point = copy.deepcopy(split)
+            backbone = split_backbone(point)
             with settings.autocast(dev):
-                point.set_thresholds(calibrate_thresholds(point, images[:CALIBRATION_IMAGES], ratio))
+                backbone.set_thresholds(calibrate_thresholds(backbone, images[:CALIBRATION_IMAGES], ratio))
             points[point_name(ratio)] = point
         if settings.compile:
             _compile(full, points, settings, dev)
-        timed = [
-            _time_batch(full, points, _rotation(images, b), settings, dev, backbone_pass) for b in settings.batch_sizes
-        ]
+        timed = [_time_batch(full, points, _rotation(images, b), settings, dev) for b in settings.batch_sizes]
         machine = machine_info(dev)  # before the threads are restored: it records them
     finally:
         torch.set_num_threads(previous_threads)
     return PartsReport(
         source=source,
-        model=split.spec.to_dict() if split.spec else {},
+        model=spec.to_dict() if (spec := split_backbone(split).spec) else {},
         settings=PartsSettingsRecord(
             batch_sizes=list(settings.batch_sizes),
             ratios=list(settings.ratios),
@@ -401,21 +404,22 @@ def run_parts_benchmark(
             token_buckets=settings.token_buckets,
         ),
         machine=machine,
-        thresholds={name: [float(t) for t in m.thresholds] for name, m in points.items()},
-        stages=list(STAGES),
+        thresholds={name: [float(t) for t in split_backbone(m).thresholds] for name, m in points.items()},
+        stages=list(STAGES + DETECTOR_STAGES) if isinstance(split, SplitDetector) else list(STAGES),
         batches=[batch for batch, _ in timed],
         warnings=[w for _, warnings in timed for w in warnings],
     )
 
 
-def _compile(full: SplitViT, points: dict[str, SplitViT], settings: PartsSettings, dev: torch.device) -> None:
+def _compile(full: Model, points: dict[str, Model], settings: PartsSettings, dev: torch.device) -> None:
     """Every side's encoder under ``torch.compile`` alike (CUDA graphs on a GPU); the split
     models' packed sizes in ``settings.token_buckets`` fixed buckets."""
     options = compile_options(dev)
-    full.compile_encoder(**options)
+    split_backbone(full).compile_encoder(**options)
     for point in points.values():
-        point.token_buckets = settings.token_buckets
-        point.compile_encoder(**options)
+        backbone = split_backbone(point)
+        backbone.token_buckets = settings.token_buckets
+        backbone.compile_encoder(**options)
 
 
 def _images(model: SplitViT, count: int, seed: int, dev: torch.device) -> torch.Tensor:
@@ -435,12 +439,11 @@ def _rotation(images: torch.Tensor, batch: int) -> list[torch.Tensor]:
 
 
 def _time_batch(
-    full: SplitViT,
-    points: dict[str, SplitViT],
+    full: Model,
+    points: dict[str, Model],
     batches: list[torch.Tensor],
     settings: PartsSettings,
     dev: torch.device,
-    backbone_pass: bool = False,
 ) -> tuple[PartsBatch, list[str]]:
     """One batch size: every model plain and clocked, interleaved, in ``settings.runs`` runs,
     and a warning when other processes competed for the cores.
@@ -454,21 +457,23 @@ def _time_batch(
     """
     batch = batches[0].shape[0]
     sync = synchronizer(dev)
-    models = {"full": full, **points}
-    passes = {name: _timed_pass(model, backbone_pass) for name, model in models.items()}
-    stage_samples: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+    passes = _timed_passes({"full": full, **points})
+    runs = {name: run for name, (_, run) in passes.items()}
+    stage_samples: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
     fns: dict[str, Callable[[], Any]] = {}
-    for name, model in models.items():
-        fns[name] = _rotating(passes[name], batches)
-        fns[f"{name}/stages"] = _clocked(model, passes[name], batches, sync, stage_samples[name])
-    samples: dict[str, list[float]] = {name: [] for name in models}
-    cpu: dict[str, list[float]] = {name: [] for name in models}
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+    for name, (clock_holder, run) in passes.items():
+        fns[name] = _rotating(run, batches)
+        fns[f"{name}/stages"] = _clocked(clock_holder, run, batches, sync, stage_samples[name])
+    samples: dict[str, list[float]] = {name: [] for name in passes}
+    cpu: dict[str, list[float]] = {name: [] for name in passes}
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
     per_run_s: list[dict[str, float]] = []  # per run, per model: its median seconds
     per_run_stages: list[dict[str, dict[str, float]]] = []  # per run, per model: its stage medians
     others_runs: list[float] = []
     with torch.inference_mode(), settings.autocast(dev):
-        tokens = {name: statistics.fmean(float(p(b).token_ratio.mean()) for b in batches) for name, p in passes.items()}
+        tokens = {
+            name: statistics.fmean(float(run(b).token_ratio.mean()) for b in batches) for name, run in runs.items()
+        }
         for _ in range(settings.runs):
             for clocked in stage_samples.values():
                 clocked.clear()
@@ -479,7 +484,7 @@ def _time_batch(
                 others_runs.append(others)
             per_run_s.append({})
             per_run_stages.append({})
-            for name in models:
+            for name in passes:
                 timed = stage_samples[name][-settings.repeats :]  # the timed rounds, not the warm-up
                 samples[name] += run_samples[name]
                 cpu[name] += run_cpu[name]
@@ -487,7 +492,7 @@ def _time_batch(
                 per_run_s[-1][name] = statistics.median(run_samples[name])
                 per_run_stages[-1][name] = _medians(timed)
     figures: dict[str, PartsModelFigures] = {}
-    for name in models:
+    for name in passes:
         summary = timing_summary(samples[name], cpu[name], batch)
         figures[name] = PartsModelFigures(
             token_ratio=tokens[name],
@@ -497,8 +502,11 @@ def _time_batch(
             stages_s=_medians(rounds[name]),
             runs={"median_s": [run[name] for run in per_run_s]},
         )
-    full_runs_s = [run["full"] for run in per_run_s]
-    for name in points:
+    for name in passes:
+        reference = _full_of(name)
+        if name == reference:
+            continue
+        full_runs_s = [run[reference] for run in per_run_s]
         model_runs_s = [run[name] for run in per_run_s]
         ceiling = split_figures_across_runs(full_runs_s, model_runs_s, [run[name] for run in per_run_stages])
         figures[name] = figures[name].with_ceiling(ceiling)
@@ -513,14 +521,33 @@ def _time_batch(
 def _medians(rounds: list[dict[str, float]]) -> dict[str, float]:
     """Per stage, the median seconds over ``rounds`` (a round that did not run it: 0), for
     the stages some round ran."""
-    return {s: statistics.median(r.get(s, 0.0) for r in rounds) for s in STAGES if any(r.get(s) for r in rounds)}
+    return {
+        s: statistics.median(r.get(s, 0.0) for r in rounds)
+        for s in STAGES + DETECTOR_STAGES
+        if any(r.get(s) for r in rounds)
+    }
 
 
-def _timed_pass(model: SplitViT, backbone_pass: bool) -> Callable[[torch.Tensor], SplitOutput]:
-    """The pass timed on a batch: ``forward``, or ``fine_features`` (a detector's backbone)."""
-    if backbone_pass:
-        return lambda images: model.fine_features(images)[1]
-    return model
+def _timed_passes(models: dict[str, Model]) -> dict[str, tuple[SplitViT, Callable[[torch.Tensor], SplitOutput]]]:
+    """Per timed name, the SplitViT a stage clock is attached to and the pass timed on a
+    batch (returning the SplitViT's output): a SplitViT's forward; a detector whole, then
+    (``<name>:backbone``) its backbone's ``fine_features`` alone, full resolution first in
+    each group."""
+    whole: dict[str, tuple[SplitViT, Callable[[torch.Tensor], SplitOutput]]] = {}
+    alone: dict[str, tuple[SplitViT, Callable[[torch.Tensor], SplitOutput]]] = {}
+    for name, model in models.items():
+        if isinstance(model, SplitDetector):
+            whole[name] = (model.backbone, lambda images, m=model: m(images).split)
+            backbone = model.backbone
+            alone[name + BACKBONE_SUFFIX] = (backbone, lambda images, b=backbone: b.fine_features(images)[1])
+        else:
+            whole[name] = (model, model)
+    return {**whole, **alone}
+
+
+def _full_of(name: str) -> str:
+    """The full-resolution pass a timed pass is compared with: ``full``, or ``full:backbone``."""
+    return "full" + (BACKBONE_SUFFIX if name.endswith(BACKBONE_SUFFIX) else "")
 
 
 def _rotating(run: Callable[[torch.Tensor], Any], batches: list[torch.Tensor]) -> Callable[[], Any]:

@@ -208,7 +208,7 @@ def _add_parts(kinds: argparse._SubParsersAction) -> None:
         parents=[common_options(None)],
         help="where a SPLIT model's forward time goes (embeddings, aggregation, policy, level context, "
         "decisions, gather, packing, blocks, head) beside full resolution, at several batch sizes: "
-        "a study's method, an experiment config or a checkpoint (a detector's: its backbone alone)",
+        "a study's method, an experiment config or a checkpoint (a detector: whole, and its backbone alone)",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--study", help="a study file; its --method's model, with random weights")
@@ -269,16 +269,15 @@ def run_parts(args: argparse.Namespace) -> int:
         compile=args.compile,
         token_buckets=args.token_buckets,
     )
-    model, source, backbone_pass = _parts_model(args)
-    result = run_parts_benchmark(model, settings, source, backbone_pass=backbone_pass)
+    model, source = _parts_model(args)
+    result = run_parts_benchmark(model, settings, source)
     print(format_parts_report(result))
     emit(args, result.to_dict())
     return 0
 
 
 def _parts_model(args: argparse.Namespace):
-    """The SplitViT ``bench parts`` times, a line saying what it is, and whether it is a
-    detector's backbone (timed alone, in the pass the detector calls)."""
+    """The model ``bench parts`` times, and a line saying what it is."""
     from ..model.detection import SplitDetector
 
     if args.checkpoint:
@@ -304,9 +303,9 @@ def _parts_model(args: argparse.Namespace):
             label += " with " + " ".join(args.overrides)
         # random weights: speed does not depend on them (thresholds are calibrated to each ratio)
         model, label = build_model(config.model, pretrained=False), label + ", random weights"
-    if isinstance(model, SplitDetector):  # the stages are its backbone's; the pyramid and heads do not shrink
-        return model.backbone, label + "; a detector: its backbone alone (fine_features)", True
-    return model, label, False
+    if isinstance(model, SplitDetector):
+        label += "; a detector: whole, and its backbone alone (:backbone)"
+    return model, label
 
 
 def _with_control(args: argparse.Namespace) -> list[str]:

@@ -329,18 +329,23 @@ class SplitDetector(nn.Module):
         :meth:`SplitViT.fine_features`): ``(losses, [])`` in training, ``({}, detections)``
         in evaluation. The relevance teacher differentiates the losses with respect to
         the fine map itself, so this is a method of its own."""
-        features = self.pyramid(fine)
+        stage = self.backbone.stage  # marks for a clock on the backbone (splitvit bench parts)
+        with stage("pyramid"):
+            features = self.pyramid(fine)
         size = (int(images.shape[-2]), int(images.shape[-1]))
         # the batch as it is: every image its whole canvas, nothing resized
         image_list = ImageList(images, [size] * images.shape[0])
         train_targets = training_targets(targets, size) if self.training else None
-        proposals, rpn_losses = self.rpn(image_list, features, train_targets)
-        detections, roi_losses = self.roi_heads(features, proposals, image_list.image_sizes, train_targets)
+        with stage("proposals"):
+            proposals, rpn_losses = self.rpn(image_list, features, train_targets)
+        with stage("roi_heads"):
+            detections, roi_losses = self.roi_heads(features, proposals, image_list.image_sizes, train_targets)
         if self.training:
             return {**rpn_losses, **roi_losses}, []
-        for found in detections:
-            # the mask head's 28 x 28 masks pasted into their boxes at image size (no resize to undo)
-            found["masks"] = paste_masks_in_image(found["masks"], found["boxes"], size)
+        with stage("paste"):
+            for found in detections:
+                # the mask head's 28 x 28 masks pasted into their boxes at image size (no resize to undo)
+                found["masks"] = paste_masks_in_image(found["masks"], found["boxes"], size)
         return {}, detections
 
     def save(self, path: str | Path, extra: TrainingFacts | None = None) -> None:

@@ -2,7 +2,8 @@
 
 :class:`SplitViT` marks the stages of its forward pass (level embeddings, fine
 aggregation, the policy's blocks, level context, the policy's heads, decisions,
-gather, packing, blocks, head) with :meth:`StageClock.stage`. Without a clock
+gather, packing, blocks, head) with :meth:`StageClock.stage`; a detector adds its
+pyramid, proposals, RoI heads and mask pasting (:data:`DETECTOR_STAGES`). Without a clock
 attached (the default) a mark costs one attribute read; with one, every stage's
 wall time is added up, a nested stage's time counted once, in the innermost stage.
 ``splitvit bench parts`` reads it (:mod:`splitvit.bench.parts`).
@@ -25,7 +26,16 @@ STAGES = (
     "gather",  # each image's leaves into one sequence (the one host read)
     "packing",  # packed layout and attention kernel indices, pack and unpack
     "blocks",  # the ViT's blocks and final norm on the leaf sequences
-    "head",  # pooling and classifier, or the dense head
+    "head",  # pooling and classifier, or the dense head (a detector's backbone: the fine map)
+)
+
+#: The stages a :class:`~splitvit.model.detection.SplitDetector` marks after its
+#: backbone's (on the backbone's clock), in the order they run.
+DETECTOR_STAGES = (
+    "pyramid",  # the simple feature pyramid on the fine map
+    "proposals",  # the region proposal network: its head, anchors, decoding, NMS
+    "roi_heads",  # RoIAlign, the box head and predictor, post-processing, the mask head
+    "paste",  # the mask head's masks pasted into their boxes at image size
 )
 
 
