@@ -51,7 +51,14 @@ def _flat(config: ExperimentConfig) -> dict:
 # ---------------------------------------------------------------------- the files and their evidence
 def test_every_recipe_carries_the_figures_of_its_committed_study_json():
     evidence = load_script("recipe_evidence.py")
-    assert recipe_names() == ["classification-v1", "classification-v2", "dense-v1", "dense-v2", "detection-v1"]
+    assert recipe_names() == [
+        "classification-v1",
+        "classification-v2",
+        "dense-v1",
+        "dense-v2",
+        "detection-v1",
+        "detection-v2",
+    ]
     for name in recipe_names():
         recipe = load_recipe(name)
         data = json.loads((ROOT / recipe.evidence.result).read_text())
@@ -211,7 +218,8 @@ def test_a_key_the_recipe_set_that_cannot_hold_says_which_recipe_set_it():
         ),
         (
             "recipe=fast",
-            "unknown recipe 'fast'; known: classification-v1, classification-v2, dense-v1, dense-v2, detection-v1",
+            "unknown recipe 'fast'; known: classification-v1, classification-v2, dense-v1, dense-v2, detection-v1, "
+            "detection-v2",
         ),
         ("recipe=detection-v1", "detection-v1 is a detection recipe and this config's model.task is classification"),
         ("recipe=[1]", "expected a recipe name or none"),
