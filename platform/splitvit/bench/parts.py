@@ -7,10 +7,11 @@ pyramid, proposals, RoI heads and mask pasting: :data:`~splitvit.model.stages.DE
 and its backbone alone (``<name>:backbone``), in the pass the detector calls
 (:meth:`~splitvit.model.splitvit.SplitViT.fine_features`, whose ``head`` stage lays the
 leaves on the finest grid), each against full resolution's same part: its heads do not
-shrink with the tokens. Its full-resolution counterpart is the same model with the ``full`` policy (every
-node splits: the studies' control architecture, the sweeps' baseline). At every
-batch size, in ``runs`` interleaved runs (:func:`~splitvit.bench.timing.time_beside_others`,
-each run every model in turn, round after round):
+shrink with the tokens. Its full-resolution counterpart is the same model with the
+``full`` policy (every node splits: the studies' control architecture, the sweeps'
+baseline). At every batch size, in ``runs`` interleaved runs
+(:func:`~splitvit.bench.timing.time_beside_others`, each run every model in turn, round
+after round):
 
 * ``full``: the full-resolution forward pass;
 * ``split@R``: the model at token ratio ``R``, its thresholds calibrated once, on
@@ -537,8 +538,8 @@ def _timed_passes(models: dict[str, Model]) -> dict[str, tuple[SplitViT, Callabl
     alone: dict[str, tuple[SplitViT, Callable[[torch.Tensor], SplitOutput]]] = {}
     for name, model in models.items():
         if isinstance(model, SplitDetector):
-            whole[name] = (model.backbone, lambda images, m=model: m(images).split)
             backbone = model.backbone
+            whole[name] = (backbone, lambda images, m=model: m(images).split)
             alone[name + BACKBONE_SUFFIX] = (backbone, lambda images, b=backbone: b.fine_features(images)[1])
         else:
             whole[name] = (model, model)
