@@ -101,6 +101,18 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
+def measured_figures(data: dict[str, Any], method: str, trained_in: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a study's JSON says of ``method`` in a recipe file's terms: the control's
+    quality, the pace where the runs give one (:func:`evidence_pace`, ``trained_in`` as
+    there) and the points, each without the figures it lacks."""
+    figures: dict[str, Any] = {"control": control_quality(data)}
+    pace = evidence_pace(data, method, trained_in)
+    if pace is not None:
+        figures["pace"] = pace
+    figures["points"] = [{k: v for k, v in p.items() if v is not None} for p in evidence_points(data, method)]
+    return figures
+
+
 def new_evidence(path: Path, method: str) -> dict[str, Any]:
     """The evidence block of a recipe not written yet: what the study JSON at ``path``
     says of ``method`` (its study file, the JSON, metric, seeds, the control, its points
@@ -109,19 +121,15 @@ def new_evidence(path: Path, method: str) -> dict[str, Any]:
     if not any(r["method"] == method for r in data["levers"]):
         methods = sorted({r["method"] for r in data["levers"]})
         raise SystemExit(f"{path}: no method {method!r} in its lever rows; it has {methods}")
-    block: dict[str, Any] = {
+    resolved = path.resolve()
+    return {
         "study": data["source"],
         "method": method,
-        "result": str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path),
+        "result": str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path),
         "metric": data["metric"],
         "seeds": len(data["seeds"]),
-        "control": control_quality(data),
+        **measured_figures(data, method),
     }
-    pace = evidence_pace(data, method)
-    if pace is not None:
-        block["pace"] = pace
-    block["points"] = [{k: v for k, v in p.items() if v is not None} for p in evidence_points(data, method)]
-    return block
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,14 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{recipe.name} carries no evidence")
         return 1
     data = json.loads((ROOT / recipe.evidence.result).read_text())
-    measured = {"control": control_quality(data), "points": evidence_points(data, recipe.evidence.method)}
     try:
-        pace = evidence_pace(data, recipe.evidence.method, pace_json(recipe))
+        measured = measured_figures(data, recipe.evidence.method, pace_json(recipe))
     except ValueError as exc:
         print(f"{recipe.name}: {recipe.evidence.pace_result} and {recipe.evidence.result}: {exc}")
         return 1
-    if pace is not None:
-        measured["pace"] = pace
     if not args.check:
         print(yaml.safe_dump(measured, sort_keys=False, default_flow_style=None), end="")
         return 0
@@ -161,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     if recipe.evidence.pace is not None:
         stated["pace"] = list(recipe.evidence.pace)
-    measured["points"] = [{k: v for k, v in p.items() if v is not None} for p in measured["points"]]
     if stated != measured:
         print(f"{recipe.name}: the file says {stated}, {recipe.evidence.result} says {measured}")
         return 1

@@ -111,10 +111,11 @@ def test_a_new_recipes_evidence_block_is_written_from_its_study_json(capsys):
         stated["pace"] = list(stated["pace"])
         stated["points"] = [{k: v for k, v in vars(p).items() if v is not None} for p in stated["points"]]
         assert block == stated, name
+    proven = load_recipe("detection-v1").evidence
     with pytest.raises(SystemExit, match="no method 'nope'"):
-        evidence.main(["--from", str(ROOT / recipe.evidence.result), "--method", "nope"])
+        evidence.main(["--from", str(ROOT / proven.result), "--method", "nope"])
     with pytest.raises(SystemExit):  # the two go together
-        evidence.main(["--method", recipe.evidence.method])
+        evidence.main(["--method", proven.method])
     assert "--from and --method go together" in capsys.readouterr().err
 
 
