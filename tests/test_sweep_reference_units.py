@@ -657,6 +657,17 @@ def test_a_studys_recipe_is_by_default_the_method_the_current_recipe_was_proven_
     assert f"({proven}, control full)" in capsys.readouterr().out
 
 
+def test_a_current_recipe_without_evidence_asks_for_the_method(script, monkeypatch):
+    import dataclasses
+
+    from splitvit import recipes
+
+    bare = dataclasses.replace(recipes.load_recipe("classification"), evidence=None)
+    monkeypatch.setattr(recipes, "load_recipe", lambda name: bare)
+    with pytest.raises(SystemExit, match=f"recipe {bare.name} names no evidence: give --method"):
+        script.current_recipe_method("classification")
+
+
 def test_the_recipe_and_control_from_the_sweep_itself(script, tmp_path, capsys):
     """Without a study: the recipe is the sweep's trial at its first initial point (its
     points cached in a file, read back), the control its fine-tuned full baseline."""
